@@ -1,0 +1,22 @@
+"""cake_cute: fused RMSNorm training kernels (CuTe DSL) for Hopper and Blackwell, used from PyTorch."""
+
+__version__ = "0.1.0"
+
+from .autograd import CakeRMSNormFunction, cake_rmsnorm  # noqa: E402
+from .ops import (  # noqa: E402
+    cake_rmsnorm_train_backward,
+    cake_rmsnorm_train_backward_workspace,
+    cake_rmsnorm_train_backward_workspace_bytes,
+    cake_rmsnorm_train_forward,
+)
+from .support import is_cake_rmsnorm_train_supported  # noqa: E402
+
+__all__ = [
+    "CakeRMSNormFunction",
+    "cake_rmsnorm",
+    "cake_rmsnorm_train_backward",
+    "cake_rmsnorm_train_backward_workspace",
+    "cake_rmsnorm_train_backward_workspace_bytes",
+    "cake_rmsnorm_train_forward",
+    "is_cake_rmsnorm_train_supported",
+]

@@ -1,0 +1,127 @@
+"""The one place that turns (arch, dtypes, H, T) into a kernel configuration, a compile and a launch plan.
+
+Tiling depends on (arch, dtypes, H) only (``kernels.config``); T decides just the number of backward
+programs, which never changes a row's arithmetic.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+
+from .compile_cache import KernelSpec, get_kernel
+from .kernels.config import backward_tiling, forward_tiling
+from .kernels.dw_reduce import reduce_shape
+from .validation import vector_align_bytes
+
+DTYPE_NAMES = ("bf16", "fp16", "fp32")
+
+
+def _cutlass_dtype(name: str):
+    import cutlass
+
+    return {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp32": cutlass.Float32}[name]
+
+
+def partial_row_stride(hidden: int) -> int:
+    """FP32 partial rows are padded to 4 columns so every row starts 16-byte aligned."""
+    return -(-hidden // 4) * 4
+
+
+def backward_ctas_per_sm(spec_act_dtype: str, hidden: int) -> int:
+    """Resident CTAs per SM the persistent backward aims for (its registers allow at least this)."""
+    override = os.environ.get("CAKE_CUTE_BWD_CTAS_PER_SM")
+    if override:
+        return int(override)
+    tiling = backward_tiling(hidden, spec_act_dtype)
+    return max(1, 256 // tiling.threads_per_cta)
+
+
+def backward_programs(rows: int, hidden: int, act_dtype: str, sm_count: int) -> int:
+    """Programs (clusters) of the persistent backward; the partition of rows is fixed by this number."""
+    tiling = backward_tiling(hidden, act_dtype)
+    tiles = -(-rows // tiling.rows_per_cta)
+    resident = max(1, sm_count * backward_ctas_per_sm(act_dtype, hidden) // tiling.cluster_n)
+    return max(1, min(tiles, resident))
+
+
+def partial_rows(rows: int, hidden: int, act_dtype: str, sm_count: int) -> int:
+    return backward_programs(rows, hidden, act_dtype, sm_count) * backward_tiling(hidden, act_dtype).rows_per_cta
+
+
+def tiling_for(spec: KernelSpec):
+    if spec.kind == "fwd":
+        return forward_tiling(spec.hidden, spec.act_dtype)
+    if spec.kind == "bwd":
+        return backward_tiling(spec.hidden, spec.act_dtype)
+    return None
+
+
+def _fake_rows_tensor(cute, dtype, rows, hidden: int, vec: int):
+    """A (rows, H) activation with a runtime row stride that is a multiple of the vector width."""
+    return cute.runtime.make_fake_tensor(
+        dtype,
+        (rows, hidden),
+        stride=(cute.sym_int64(divisibility=vec), 1),
+        assumed_align=vec * dtype.width // 8,
+    )
+
+
+def _fake_vector(cute, dtype, length, align_elems: int):
+    return cute.runtime.make_fake_tensor(
+        dtype, (length,), stride=(1,), assumed_align=vector_align_bytes(align_elems, dtype.width // 8)
+    )
+
+
+def compile_kernel(spec: KernelSpec):
+    """Trace and compile one variant for ``spec.arch`` (works without a GPU)."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from .kernels.dw_reduce import DWReduce
+    from .kernels.rmsnorm_bwd import RMSNormBackward
+    from .kernels.rmsnorm_fwd import RMSNormForward
+
+    act = _cutlass_dtype(spec.act_dtype)
+    wdt = _cutlass_dtype(spec.w_dtype)
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    options = f"--enable-tvm-ffi --gpu-arch {spec.arch}"
+    H = spec.hidden
+    rows = cute.sym_int()
+    if spec.kind == "dw":
+        vec, _ = reduce_shape(H)
+        partials = cute.runtime.make_fake_tensor(
+            cutlass.Float32, (cute.sym_int(), H), stride=(partial_row_stride(H), 1), assumed_align=16
+        )
+        dw = _fake_vector(cute, act, H, 1)
+        return cute.compile(DWReduce(H, act), partials, dw, stream, options=options)
+
+    tiling = tiling_for(spec)
+    vec = tiling.vec
+    w = _fake_vector(cute, wdt, H, vec)
+    rstd = _fake_vector(cute, cutlass.Float32, rows, 1)
+    if spec.kind == "fwd":
+        x, y = (_fake_rows_tensor(cute, act, rows, H, vec) for _ in range(2))
+        res, h_out = (
+            (_fake_rows_tensor(cute, act, rows, H, vec) for _ in range(2)) if spec.residual else (None, None)
+        )
+        kernel = RMSNormForward(tiling, act, wdt, spec.residual, spec.weight_offset)
+        return cute.compile(kernel, x, res, w, y, h_out, rstd, cutlass.Float32(1e-6), stream, options=options)
+
+    g, h, dx = (_fake_rows_tensor(cute, act, rows, H, vec) for _ in range(3))
+    g_res = _fake_rows_tensor(cute, act, rows, H, vec) if spec.residual else None
+    partials = cute.runtime.make_fake_tensor(
+        cutlass.Float32, (cute.sym_int(), H), stride=(partial_row_stride(H), 1), assumed_align=16
+    )
+    kernel = RMSNormBackward(tiling, act, wdt, spec.residual, spec.weight_offset)
+    return cute.compile(kernel, g, h, w, rstd, g_res, dx, partials, cutlass.Int32(1), stream, options=options)
+
+
+@lru_cache(maxsize=None)
+def vector_elems(hidden: int, act_dtype: str) -> int:
+    """Elements per vector access for this H (the alignment, in elements, the kernels assume)."""
+    return forward_tiling(hidden, act_dtype).vec
+
+
+def kernel(spec: KernelSpec):
+    return get_kernel(spec)

@@ -1,0 +1,148 @@
+"""The functional API: validate, pick the compiled variant, launch. No autograd, no tiling here."""
+
+from __future__ import annotations
+
+import torch
+
+from . import dispatch, validation as v
+from .compile_cache import KernelSpec, get_kernel
+
+
+def _outputs_for(name, given, shape, dtype, device, vec):
+    """(tensor the kernel writes, caller tensor to copy into afterwards or None)."""
+    if given is None:
+        return torch.empty(shape, dtype=dtype, device=device), None
+    v.check_output(name, given, shape, dtype, device)
+    if v.is_direct_output(given, vec):
+        return given, None
+    return torch.empty(shape, dtype=dtype, device=device), given
+
+
+def _rows_view(t: torch.Tensor, hidden: int) -> torch.Tensor:
+    return t.view(-1, hidden)
+
+
+def cake_rmsnorm_train_forward(
+    x, w, eps, *, residual=None, out=None, rstd=None, residual_out=None, weight_offset: float = 0.0
+):
+    """RMSNorm forward (optionally ``h = x + residual`` first). Returns ``(y, rstd)`` or
+    ``(y, rstd, h_new)``; rstd is FP32 with one value per row."""
+    device, hidden = v.check_activation(x)
+    v.check_weight(w, x)
+    eps = v.check_eps(eps)
+    if residual is not None:
+        v.check_like("residual", residual, x)
+    arch = v.device_arch(device)
+    rows = v.rows_of(x)
+    act = v.dtype_name(x.dtype)
+    vec = dispatch.vector_elems(hidden, act)
+
+    y, y_copy = _outputs_for("out", out, x.shape, x.dtype, device, vec)
+    r, r_copy = _outputs_for("rstd", rstd, (rows,), torch.float32, device, 1)
+    if residual is not None:
+        h_new, h_copy = _outputs_for("residual_out", residual_out, x.shape, x.dtype, device, vec)
+    elif residual_out is not None:
+        raise ValueError("residual_out is only written in residual mode: pass residual= as well")
+
+    if rows > 0:
+        spec = KernelSpec("fwd", arch, act, v.dtype_name(w.dtype), hidden, residual is not None, float(weight_offset))
+        fn = get_kernel(spec)
+        x2 = v.kernel_view(x, vec)
+        res2 = v.kernel_view(residual, vec) if residual is not None else None
+        h2 = _rows_view(h_new, hidden) if residual is not None else None
+        with torch.cuda.device(device):
+            fn(x2, res2, v.aligned_vector(w, vec), _rows_view(y, hidden), h2, r, eps)
+    for src, dst in ((y, y_copy), (r, r_copy)) + (((h_new, h_copy),) if residual is not None else ()):
+        if dst is not None:
+            dst.copy_(src)
+    y_out = y if y_copy is None else y_copy
+    r_out = r if r_copy is None else r_copy
+    if residual is None:
+        return y_out, r_out
+    return y_out, r_out, (h_new if h_copy is None else h_copy)
+
+
+def cake_rmsnorm_train_backward_workspace_bytes(rows, hidden, device, *, residual=False) -> int:
+    """Bytes of the FP32 dW partial rows a backward of up to ``rows`` rows needs (any dtype)."""
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
+        raise ValueError(f"rows must be an int >= 0, got {rows!r}")
+    if isinstance(hidden, bool) or not isinstance(hidden, int) or not 1 <= hidden <= v.MAX_HIDDEN:
+        raise ValueError(f"hidden must be an int in [1, {v.MAX_HIDDEN}], got {hidden!r}")
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"device must be a CUDA device, got {device}")
+    v.device_arch(device)
+    sms = v.sm_count(device)
+    most = max(dispatch.partial_rows(max(rows, 1), hidden, act, sms) for act in dispatch.DTYPE_NAMES)
+    return most * dispatch.partial_row_stride(hidden) * 4
+
+
+def cake_rmsnorm_train_backward_workspace(rows, hidden, device, *, residual=False) -> torch.Tensor:
+    nbytes = cake_rmsnorm_train_backward_workspace_bytes(rows, hidden, device, residual=residual)
+    return torch.zeros(nbytes, dtype=torch.uint8, device=device)
+
+
+def _check_workspace(workspace, needed: int, device) -> None:
+    v.check_tensor("workspace", workspace, dtypes=(torch.uint8,), device=device)
+    if not workspace.is_contiguous() or workspace.data_ptr() % 16 != 0:
+        raise ValueError("workspace must be a contiguous uint8 tensor with a 16-byte aligned base")
+    if workspace.numel() < needed:
+        raise ValueError(f"workspace holds {workspace.numel()} bytes; this call needs at least {needed}")
+
+
+def cake_rmsnorm_train_backward(
+    g, x, w, rstd, *, deterministic=True, g_residual=None, workspace=None, dx=None, dw=None,
+    weight_offset: float = 0.0, dw_dtype: torch.dtype = torch.float32,
+):
+    """RMSNorm backward: ``(dx, dw)``. ``x`` is what the forward normalized (x, or h_new in residual
+    mode); in residual mode ``g_residual`` (dL/dh_new) is added into dx. dw is FP32 unless
+    ``dw_dtype`` says otherwise (autograd asks for w's dtype)."""
+    device, hidden = v.check_activation(x)
+    v.check_tensor("g", g, dtypes=(x.dtype,), device=device)
+    if tuple(g.shape) != tuple(x.shape):
+        raise ValueError(f"g must have shape {tuple(x.shape)} like x, got {tuple(g.shape)}")
+    v.check_weight(w, x)
+    rows = v.rows_of(x)
+    v.check_rstd(rstd, rows, device)
+    if g_residual is not None:
+        v.check_like("g_residual", g_residual, x)
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    arch = v.device_arch(device)
+    act = v.dtype_name(x.dtype)
+    vec = dispatch.vector_elems(hidden, act)
+    dx_t, dx_copy = _outputs_for("dx", dx, x.shape, x.dtype, device, vec)
+    dw_t, dw_copy = _outputs_for("dw", dw, (hidden,), dw_dtype, device, 1)
+
+    sms = v.sm_count(device)
+    programs = dispatch.backward_programs(max(rows, 1), hidden, act, sms)
+    partial_rows = dispatch.partial_rows(max(rows, 1), hidden, act, sms)
+    stride = dispatch.partial_row_stride(hidden)
+    needed = partial_rows * stride * 4
+    if workspace is None:
+        workspace = torch.empty(needed, dtype=torch.uint8, device=device)
+    else:
+        _check_workspace(workspace, needed, device)
+
+    if rows == 0:
+        dw_t.zero_()
+    else:
+        residual = g_residual is not None
+        wname = v.dtype_name(w.dtype)
+        bwd = get_kernel(KernelSpec("bwd", arch, act, wname, hidden, residual, float(weight_offset)))
+        reduce = get_kernel(KernelSpec("dw", arch, v.dtype_name(dw_dtype), "fp32", hidden))
+        partials = workspace[:needed].view(torch.float32).view(partial_rows, stride)[:, :hidden]
+        with torch.cuda.device(device):
+            bwd(
+                v.kernel_view(g, vec), v.kernel_view(x, vec), v.aligned_vector(w, vec), rstd.contiguous(),
+                v.kernel_view(g_residual, vec) if residual else None,
+                _rows_view(dx_t, hidden), partials, programs,
+            )
+            reduce(partials, dw_t)
+    if dx_copy is not None:
+        dx_copy.copy_(dx_t)
+        dx_t = dx_copy
+    if dw_copy is not None:
+        dw_copy.copy_(dw_t)
+        dw_t = dw_copy
+    return dx_t, dw_t

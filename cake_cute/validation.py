@@ -1,0 +1,146 @@
+"""The one place that validates and normalizes inputs, before anything is launched or written.
+
+Every check raises ``TypeError`` (wrong kind of object or dtype) or ``ValueError`` (wrong value, shape,
+device or alignment) naming the argument and what was expected.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import torch
+
+from .kernels.config import MAX_HIDDEN
+
+ACT_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+ARCH_BY_CAPABILITY = {(9, 0): "sm_90a", (10, 0): "sm_100a", (10, 3): "sm_103a"}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return ACT_DTYPES[dtype]
+
+
+@lru_cache(maxsize=None)
+def _device_facts(index: int) -> tuple[str | None, int, str]:
+    props = torch.cuda.get_device_properties(index)
+    arch = ARCH_BY_CAPABILITY.get((props.major, props.minor))
+    return arch, props.multi_processor_count, props.name
+
+
+def device_arch(device: torch.device) -> str:
+    """The compile target of a CUDA device, or a ValueError for an unsupported GPU."""
+    arch, _, name = _device_facts(device.index if device.index is not None else torch.cuda.current_device())
+    if arch is None:
+        raise ValueError(
+            f"device {device} ({name}) is not supported: cake_cute needs sm_90 (H100/H200) or "
+            "sm_100/sm_103 (B200/B300)"
+        )
+    return arch
+
+
+def sm_count(device: torch.device) -> int:
+    return _device_facts(device.index if device.index is not None else torch.cuda.current_device())[1]
+
+
+def check_tensor(name: str, t, *, dtypes=None, device: torch.device | None = None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtypes is not None and t.dtype not in dtypes:
+        allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name} must have dtype {allowed}; got {str(t.dtype).replace('torch.', '')}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} must be on {device} like x, got {t.device}")
+
+
+def check_activation(x) -> tuple[torch.device, int]:
+    """x: a CUDA tensor of bf16/fp16/fp32 with at least 2 dims and 1 <= H <= 262144."""
+    check_tensor("x", x, dtypes=ACT_DTYPES)
+    if x.device.type != "cuda":
+        raise ValueError(f"x must be a CUDA tensor, got device {x.device}")
+    if x.dim() < 2:
+        raise ValueError(f"x must have at least 2 dims [..., H], got shape {tuple(x.shape)}")
+    hidden = x.shape[-1]
+    if not 1 <= hidden <= MAX_HIDDEN:
+        raise ValueError(f"x's hidden size (last dim) must be in [1, {MAX_HIDDEN}], got {hidden}")
+    return x.device, hidden
+
+
+def check_weight(w, x) -> None:
+    check_tensor("w", w, dtypes=(x.dtype, torch.float32), device=x.device)
+    if w.dim() != 1 or w.shape[0] != x.shape[-1]:
+        raise ValueError(f"w must have shape ({x.shape[-1]},) to match x's last dim, got {tuple(w.shape)}")
+
+
+def check_eps(eps) -> float:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise TypeError(f"eps must be a float, got {type(eps).__name__}")
+    eps = float(eps)
+    if not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"eps must be a finite number >= 0, got {eps}")
+    return eps
+
+
+def check_like(name: str, t, x, *, shape=None) -> None:
+    """``t`` has x's dtype, device and shape (or ``shape``)."""
+    check_tensor(name, t, dtypes=(x.dtype,), device=x.device)
+    expected = tuple(x.shape) if shape is None else tuple(shape)
+    if tuple(t.shape) != expected:
+        raise ValueError(f"{name} must have shape {expected}, got {tuple(t.shape)}")
+
+
+def check_output(name: str, t, shape, dtype, device) -> None:
+    check_tensor(name, t, dtypes=(dtype,), device=device)
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+
+
+def check_rstd(rstd, rows: int, device) -> None:
+    check_tensor("rstd", rstd, dtypes=(torch.float32,), device=device)
+    if rstd.dim() != 1 or rstd.shape[0] != rows:
+        raise ValueError(f"rstd must have shape ({rows},) (one FP32 value per row), got {tuple(rstd.shape)}")
+
+
+def rows_of(x: torch.Tensor) -> int:
+    return math.prod(x.shape[:-1])
+
+
+def kernel_view(t: torch.Tensor, vec: int) -> torch.Tensor:
+    """A (rows, H) view the kernels can read in place, or a contiguous copy when the layout forbids it.
+
+    In place: last dim contiguous, leading dims collapsible to one row stride (0 for an expanded
+    tensor), base and row stride aligned to the vector width."""
+    hidden = t.shape[-1]
+    try:
+        view = t.view(-1, hidden) if t.dim() != 2 else t
+    except RuntimeError:
+        view = None
+    if view is not None and _is_kernel_layout(view, vec):
+        return view
+    return t.reshape(-1, hidden).contiguous()
+
+
+def _is_kernel_layout(view: torch.Tensor, vec: int) -> bool:
+    if view.shape[1] > 1 and view.stride(1) != 1:
+        return False
+    row_stride = view.stride(0)
+    if view.shape[0] > 1 and row_stride % vec != 0:
+        return False
+    return view.data_ptr() % (vec * view.element_size()) == 0
+
+
+def is_direct_output(t: torch.Tensor, vec: int) -> bool:
+    """A caller-owned output the kernel may write directly: contiguous and vector aligned."""
+    return t.is_contiguous() and t.data_ptr() % (vec * t.element_size()) == 0
+
+
+def vector_align_bytes(vec: int, element_size: int) -> int:
+    """The base alignment the kernels assume for a vector of ``vec`` elements (capped at 16 bytes)."""
+    return min(16, vec * element_size)
+
+
+def aligned_vector(w: torch.Tensor, vec: int) -> torch.Tensor:
+    """w as the kernels read it: contiguous with an aligned base (a copy only when it is not)."""
+    if w.is_contiguous() and w.data_ptr() % vector_align_bytes(vec, w.element_size()) == 0:
+        return w
+    return w.clone(memory_format=torch.contiguous_format)

@@ -1,0 +1,121 @@
+"""Kernel configurations: the one place that decides how a row of H elements is tiled.
+
+A configuration depends only on (architecture, dtypes, H) and never on the number of rows T, so a row's
+reduction order -- and therefore its bits -- cannot change with the batch (batch invariance). T only
+decides how many CTAs a launch uses.
+
+Tiling vocabulary used by every kernel in this package:
+
+* ``vec``: elements per vector access; 16 bytes of the activation dtype when H allows it (128-bit
+  LDG/STG), otherwise the largest power of two dividing H (narrower, still coalesced).
+* ``threads_per_row``: threads of one CTA that share a row; lane ``l`` of the row owns the vectors
+  ``l, l + threads_per_row, ...`` of the CTA's column slice, so every warp access is contiguous.
+* ``vecs_per_thread``: vectors each thread keeps in registers (the row lives on-chip, read once).
+* ``cluster_n``: CTAs of a thread-block cluster that split one row into contiguous column slices and
+  combine their partial sums through distributed shared memory (wide rows).
+* ``rows_per_cta``: rows a CTA handles at once when rows are short (threads_per_row < 128).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+MAX_HIDDEN = 262144
+SUPPORTED_ARCHS = ("sm_90a", "sm_100a", "sm_103a")
+MAX_CLUSTER = 16
+MAX_THREADS_PER_CTA = 512
+MIN_THREADS_PER_CTA = 128
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+@dataclass(frozen=True)
+class RowTiling:
+    """How one row is spread over lanes, vectors and cluster CTAs (see the module docstring)."""
+
+    hidden: int
+    vec: int
+    threads_per_row: int
+    vecs_per_thread: int
+    cluster_n: int
+    rows_per_cta: int
+    wide_mode: bool = False
+
+    @property
+    def threads_per_cta(self) -> int:
+        return self.threads_per_row * self.rows_per_cta
+
+    @property
+    def cols_per_cta(self) -> int:
+        """Columns of the tile one CTA covers (a multiple of vec, >= its share of H)."""
+        return self.vec * self.threads_per_row * self.vecs_per_thread
+
+    @property
+    def warps_per_row(self) -> int:
+        return max(1, self.threads_per_row // 32)
+
+    @property
+    def even(self) -> bool:
+        """True when the tiles cover H exactly, so no column needs a bounds check."""
+        return self.cols_per_cta * self.cluster_n == self.hidden
+
+    def describe(self) -> str:
+        return (
+            f"vec={self.vec} tpr={self.threads_per_row} vpt={self.vecs_per_thread} "
+            f"cluster={self.cluster_n} rows/cta={self.rows_per_cta}"
+            + (" wide" if self.wide_mode else "")
+        )
+
+
+def vector_width(hidden: int, act_bytes: int) -> int:
+    """Elements per vector access: 16 bytes when H is a multiple of that, else the largest fit."""
+    return math.gcd(hidden, 16 // act_bytes)
+
+
+def _pow2_ceil(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def row_tiling(hidden: int, act_bytes: int, bytes_per_thread: int, target_vecs: int) -> RowTiling:
+    """Tile a row so each thread keeps at most ``bytes_per_thread`` of it in registers.
+
+    Lanes grow first (up to 256 per row, aiming at ``target_vecs`` vectors each so loads overlap), then
+    the row is split over a cluster (up to 16 CTAs), then lanes grow again up to 512 per row (past that
+    the compiler caps registers at 32 per thread). Only rows wider than 16 * 512 * 128 bytes exceed the
+    budget.
+    """
+    if not 1 <= hidden <= MAX_HIDDEN:
+        raise ValueError(f"hidden must be in [1, {MAX_HIDDEN}], got {hidden}")
+    vec = vector_width(hidden, act_bytes)
+    vecs = -(-hidden // vec)
+    max_vpt = max(1, min(32, bytes_per_thread // (vec * act_bytes)))
+    tpr = min(_pow2_ceil(-(-vecs // target_vecs)), 256)
+    cluster = 1
+    while -(-vecs // (tpr * cluster)) > max_vpt and cluster < MAX_CLUSTER:
+        cluster *= 2
+    while -(-vecs // (tpr * cluster)) > max_vpt and tpr < MAX_THREADS_PER_CTA:
+        tpr *= 2
+    # A cluster CTA must own at least one vector per lane, or peers would cover no columns.
+    while cluster > 1 and tpr * (cluster // 2) >= vecs:
+        cluster //= 2
+    vpt = -(-vecs // (tpr * cluster))
+    rows = max(1, MIN_THREADS_PER_CTA // tpr)
+    return RowTiling(hidden, vec, tpr, vpt, cluster, rows)
+
+
+def forward_tiling(hidden: int, act_dtype: str) -> RowTiling:
+    """Forward: x (and residual) stay in registers between the sum of squares and the output; 128
+    bytes of a row per thread (eight 128-bit vectors) keeps eight loads in flight without spilling."""
+    return row_tiling(hidden, DTYPE_BYTES[act_dtype], bytes_per_thread=128, target_vecs=4)
+
+
+def backward_tiling(hidden: int, act_dtype: str) -> RowTiling:
+    """Backward: g, x, w and an FP32 dW accumulator per element stay in registers, so each thread
+    holds half the forward's share of a row. In ``wide_mode`` (512 threads per CTA, so 128 registers
+    per thread) the dW accumulator lives in shared memory and g, h are re-read after the row sum
+    instead of being held across it (an L2 hit: the rows a cluster has in flight are a few MB)."""
+    tiling = row_tiling(hidden, DTYPE_BYTES[act_dtype], bytes_per_thread=64, target_vecs=4)
+    if tiling.threads_per_cta >= MAX_THREADS_PER_CTA:
+        tiling = replace(tiling, wide_mode=True)
+    return tiling

@@ -1,0 +1,91 @@
+"""Weight gradient: the fixed-order sum of the backward's FP32 partial rows.
+
+Math: ``dw[j] = sum_p partials[p, j]`` in FP32, rounded once to the output dtype (FP32 for the
+functional API, w's dtype for autograd).
+
+Tiling: a CTA of 256 threads covers ``col_lanes * vec`` columns (vec = 4 FP32 = one 128-bit load when
+H is a multiple of 4) and splits the P partial rows over ``256 / col_lanes`` row lanes. Row lane l adds
+rows l, l + lanes, ... in order; the lanes' sums then meet in shared memory through a binary tree with a
+fixed pairing. The order of every addition depends only on (P, H), so dw is bitwise reproducible.
+``col_lanes`` shrinks for narrow rows so that even H = 1024 spreads over a few hundred CTAs.
+
+Bytes moved: reads P * H * 4, writes H * out_bytes.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+
+THREADS = 256
+
+
+def reduce_shape(hidden: int) -> tuple[int, int]:
+    """(vec, col_lanes) for a row of ``hidden`` FP32 partial sums."""
+    vec = 4 if hidden % 4 == 0 else 1
+    col_vecs = -(-hidden // vec)
+    col_lanes = 1
+    while col_lanes < 32 and col_lanes * 2 * 256 <= col_vecs:
+        col_lanes *= 2
+    return vec, col_lanes
+
+
+class DWReduce:
+    def __init__(self, hidden: int, out_dtype):
+        self.hidden = hidden
+        self.out_dtype = out_dtype
+        self.vec, self.col_lanes = reduce_shape(hidden)
+        self.row_lanes = THREADS // self.col_lanes
+
+    @cute.jit
+    def __call__(self, mPartial: cute.Tensor, mDW: cute.Tensor, stream):
+        cols_per_cta = self.col_lanes * self.vec
+        self.kernel(mPartial, mDW).launch(
+            grid=[cute.ceil_div(self.hidden, cols_per_cta), 1, 1],
+            block=[THREADS, 1, 1],
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(self, mPartial: cute.Tensor, mDW: cute.Tensor):
+        vec, col_lanes, row_lanes = self.vec, self.col_lanes, self.row_lanes
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        num_partials = mPartial.shape[0]
+        col_lane = tidx % col_lanes
+        row_lane = tidx // col_lanes
+        col0 = (bidx * col_lanes + col_lane) * vec
+
+        smem = cutlass.utils.SmemAllocator()
+        sums = smem.allocate_tensor(
+            Float32, cute.make_ordered_layout((row_lanes, col_lanes * vec), order=(1, 0)), byte_alignment=16
+        )
+        acc = cute.make_rmem_tensor(cute.make_layout(vec), Float32)
+        acc.fill(0.0)
+        loaded = cute.make_rmem_tensor(cute.make_layout(vec), Float32)
+        # The partial rows are padded to a multiple of 4 columns, so a whole vector is always readable.
+        if col0 < self.hidden:
+            for p in cutlass.range(row_lane, num_partials, row_lanes, unroll=4):
+                src = cute.make_tensor(
+                    cute.make_ptr(Float32, (mPartial.iterator + cute.crd2idx((p, col0), mPartial.layout)).toint(),
+                                  cute.AddressSpace.gmem, assumed_align=vec * 4),
+                    cute.make_layout(vec),
+                )
+                cute.autovec_copy(src, loaded)
+                acc.store(acc.load() + loaded.load())
+        for v in cutlass.range_constexpr(vec):
+            sums[row_lane, col_lane * vec + v] = acc[v]
+        cute.arch.barrier()
+        for level in cutlass.range_constexpr(row_lanes.bit_length() - 1):
+            stride = row_lanes >> (level + 1)
+            if row_lane < stride:
+                for v in cutlass.range_constexpr(vec):
+                    sums[row_lane, col_lane * vec + v] = (
+                        sums[row_lane, col_lane * vec + v] + sums[row_lane + stride, col_lane * vec + v]
+                    )
+            cute.arch.barrier()
+        if row_lane == 0:
+            for v in cutlass.range_constexpr(vec):
+                if col0 + v < self.hidden:
+                    mDW[col0 + v] = sums[0, col_lane * vec + v].to(self.out_dtype)

@@ -1,0 +1,144 @@
+"""RMSNorm forward, optionally fused with the residual add, in one pass over HBM.
+
+Math, per row t of H elements (FP32 arithmetic, one rounding per output):
+
+    h    = round(x + residual)                 (residual mode; h_new = h is written out)
+    rstd = 1 / sqrt(sum_j h_j^2 / H + eps)     (written as FP32 [T])
+    y    = round(h * rstd * (w + weight_offset))
+
+Tiling (``config.forward_tiling``): a CTA holds ``rows_per_cta`` rows; ``threads_per_row`` lanes share a
+row, each keeping ``vecs_per_thread`` vectors of ``vec`` elements (16 bytes, i.e. 128-bit LDG/STG, when
+H allows) in registers between the sum of squares and the output, up to 128 bytes of row per thread.
+Rows too wide for that are split over a cluster of ``cluster_n`` CTAs (up to 16) that add their partial
+sums of squares through distributed shared memory. The grid is (ceil(T / rows_per_cta), cluster_n).
+
+Bytes moved: reads x (+ residual) once and w once per CTA (an L2 hit after the first), writes y
+(+ h_new) once and 4 bytes of rstd per row: T*H*(2 or 4)*act_bytes + 4*T from HBM.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+
+from .common import (
+    allocate_reduction_buffers,
+    broadcast_rows,
+    column_predicate,
+    copy_atom,
+    leave_cluster,
+    row_sum,
+    row_tiled_copy,
+    tile_shape,
+)
+
+
+class RMSNormForward:
+    """One compiled forward per (arch, dtypes, H, residual, weight_offset); T is a runtime value."""
+
+    def __init__(self, tiling, act_dtype, w_dtype, residual: bool, weight_offset: float):
+        self.tiling = tiling
+        self.act_dtype = act_dtype
+        self.w_dtype = w_dtype
+        self.residual = residual
+        self.weight_offset = weight_offset
+
+    @cute.jit
+    def __call__(
+        self,
+        mX: cute.Tensor,
+        mRes: cute.Tensor,
+        mW: cute.Tensor,
+        mY: cute.Tensor,
+        mHOut: cute.Tensor,
+        mRstd: cute.Tensor,
+        eps: Float32,
+        stream,
+    ):
+        t = self.tiling
+        rows = mX.shape[0]
+        self.kernel(mX, mRes, mW, mY, mHOut, mRstd, eps).launch(
+            grid=[cute.ceil_div(rows, t.rows_per_cta), t.cluster_n, 1],
+            block=[t.threads_per_cta, 1, 1],
+            cluster=[1, t.cluster_n, 1] if const_expr(t.cluster_n > 1) else None,
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        mX: cute.Tensor,
+        mRes: cute.Tensor,
+        mW: cute.Tensor,
+        mY: cute.Tensor,
+        mHOut: cute.Tensor,
+        mRstd: cute.Tensor,
+        eps: Float32,
+    ):
+        t = self.tiling
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, rank, _ = cute.arch.block_idx()
+        if const_expr(t.cluster_n == 1):
+            rank = 0
+        rows = mX.shape[0]
+
+        smem = cutlass.utils.SmemAllocator()
+        warp_sums, cta_sums = allocate_reduction_buffers(smem, t)
+
+        tiler = tile_shape(t)
+        coords = cute.local_tile(cute.make_identity_tensor(mX.shape), tiler, (bidx, rank))
+        thr = row_tiled_copy(self.act_dtype, t).get_slice(tidx)
+        tXc = thr.partition_S(coords)
+        row = tXc[0][0]
+        row_in_cta = tidx // t.threads_per_row
+        lane_in_row = tidx % t.threads_per_row
+        pred = None
+        if const_expr(not t.even):
+            pred = column_predicate(tXc, t.hidden)
+
+        tXgX, tXgY = [thr.partition_S(cute.local_tile(m, tiler, (bidx, rank))) for m in (mX, mY)]
+        if const_expr(self.residual):
+            tXgR, tXgH = [thr.partition_S(cute.local_tile(m, tiler, (bidx, rank))) for m in (mRes, mHOut)]
+        tXgW = thr.partition_S(cute.local_tile(broadcast_rows(mW, t.rows_per_cta), tiler, (0, rank)))
+        tXrX = cute.make_rmem_tensor_like(tXgX)
+        tXrW = cute.make_rmem_tensor_like(tXgW)
+        tXrX.fill(0)
+        tXrW.fill(0)
+        # Bound outside the dynamic branches: a None captured into a branch would become an IR value.
+        copy_act = partial(cute.copy, copy_atom(self.act_dtype, t.vec), pred=pred)
+        if row < rows:
+            copy_act(tXgX, tXrX)
+        if const_expr(self.residual):
+            tXrR = cute.make_rmem_tensor_like(tXgR)
+            tXrR.fill(0)
+            if row < rows:
+                copy_act(tXgR, tXrR)
+        cute.copy(copy_atom(self.w_dtype, t.vec), tXgW, tXrW, pred=pred)
+
+        h = tXrX.load().to(Float32)
+        if const_expr(self.residual):
+            # h is rounded to the activation dtype: the rounded h is both h_new and what is normalized.
+            tXrX.store((h + tXrR.load().to(Float32)).to(self.act_dtype))
+            h = tXrX.load().to(Float32)
+            if row < rows:
+                copy_act(tXrX, tXgH)
+
+        sum_sq = row_sum(
+            (h * h).reduce(cute.ReductionOp.ADD, Float32(0.0), 0),
+            warp_sums, cta_sums, row_in_cta, lane_in_row, Int32(0), t.threads_per_row, t.cluster_n,
+        )
+        rstd = cute.math.rsqrt(sum_sq / t.hidden + eps)
+        if row < rows and lane_in_row == 0 and rank == 0:
+            mRstd[row] = rstd
+
+        w = tXrW.load().to(Float32)
+        if const_expr(self.weight_offset != 0.0):
+            w = w + Float32(self.weight_offset)
+        tXrY = cute.make_rmem_tensor_like(tXgY)
+        tXrY.store((h * rstd * w).to(self.act_dtype))
+        if row < rows:
+            copy_act(tXrY, tXgY)
+        leave_cluster(t.cluster_n)
