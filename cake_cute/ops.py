@@ -8,11 +8,15 @@ from . import dispatch, validation as v
 from .compile_cache import KernelSpec, get_kernel
 
 
-def _outputs_for(name, given, shape, dtype, device, vec):
-    """(tensor the kernel writes, caller tensor to copy into afterwards or None)."""
+def _check_output(name, given, shape, dtype, device):
+    if given is not None:
+        v.check_output(name, given, shape, dtype, device)
+
+
+def _outputs_for(given, shape, dtype, device, vec):
+    """(tensor the kernel writes, caller tensor to copy into afterwards or None); ``given`` is checked."""
     if given is None:
         return torch.empty(shape, dtype=dtype, device=device), None
-    v.check_output(name, given, shape, dtype, device)
     if v.is_direct_output(given, vec):
         return given, None
     return torch.empty(shape, dtype=dtype, device=device), given
@@ -32,17 +36,20 @@ def cake_rmsnorm_train_forward(
     eps = v.check_eps(eps)
     if residual is not None:
         v.check_like("residual", residual, x)
-    arch = v.device_arch(device)
+    elif residual_out is not None:
+        raise ValueError("residual_out is only written in residual mode: pass residual= as well")
     rows = v.rows_of(x)
+    _check_output("out", out, x.shape, x.dtype, device)
+    _check_output("rstd", rstd, (rows,), torch.float32, device)
+    _check_output("residual_out", residual_out, x.shape, x.dtype, device)
+    arch = v.device_arch(device)
     act = v.dtype_name(x.dtype)
     vec = dispatch.vector_elems(hidden, act)
 
-    y, y_copy = _outputs_for("out", out, x.shape, x.dtype, device, vec)
-    r, r_copy = _outputs_for("rstd", rstd, (rows,), torch.float32, device, 1)
+    y, y_copy = _outputs_for(out, x.shape, x.dtype, device, vec)
+    r, r_copy = _outputs_for(rstd, (rows,), torch.float32, device, 1)
     if residual is not None:
-        h_new, h_copy = _outputs_for("residual_out", residual_out, x.shape, x.dtype, device, vec)
-    elif residual_out is not None:
-        raise ValueError("residual_out is only written in residual mode: pass residual= as well")
+        h_new, h_copy = _outputs_for(residual_out, x.shape, x.dtype, device, vec)
 
     if rows > 0:
         spec = KernelSpec("fwd", arch, act, v.dtype_name(w.dtype), hidden, residual is not None, float(weight_offset))
@@ -82,12 +89,10 @@ def cake_rmsnorm_train_backward_workspace(rows, hidden, device, *, residual=Fals
     return torch.zeros(nbytes, dtype=torch.uint8, device=device)
 
 
-def _check_workspace(workspace, needed: int, device) -> None:
+def _check_workspace_tensor(workspace, device) -> None:
     v.check_tensor("workspace", workspace, dtypes=(torch.uint8,), device=device)
     if not workspace.is_contiguous() or workspace.data_ptr() % 16 != 0:
         raise ValueError("workspace must be a contiguous uint8 tensor with a 16-byte aligned base")
-    if workspace.numel() < needed:
-        raise ValueError(f"workspace holds {workspace.numel()} bytes; this call needs at least {needed}")
 
 
 def cake_rmsnorm_train_backward(
@@ -108,11 +113,13 @@ def cake_rmsnorm_train_backward(
         v.check_like("g_residual", g_residual, x)
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    _check_output("dx", dx, x.shape, x.dtype, device)
+    _check_output("dw", dw, (hidden,), dw_dtype, device)
+    if workspace is not None:
+        _check_workspace_tensor(workspace, device)
     arch = v.device_arch(device)
     act = v.dtype_name(x.dtype)
     vec = dispatch.vector_elems(hidden, act)
-    dx_t, dx_copy = _outputs_for("dx", dx, x.shape, x.dtype, device, vec)
-    dw_t, dw_copy = _outputs_for("dw", dw, (hidden,), dw_dtype, device, 1)
 
     sms = v.sm_count(device)
     programs = dispatch.backward_programs(max(rows, 1), hidden, act, sms)
@@ -121,8 +128,10 @@ def cake_rmsnorm_train_backward(
     needed = partial_rows * stride * 4
     if workspace is None:
         workspace = torch.empty(needed, dtype=torch.uint8, device=device)
-    else:
-        _check_workspace(workspace, needed, device)
+    elif workspace.numel() < needed:
+        raise ValueError(f"workspace holds {workspace.numel()} bytes; this call needs at least {needed}")
+    dx_t, dx_copy = _outputs_for(dx, x.shape, x.dtype, device, vec)
+    dw_t, dw_copy = _outputs_for(dw, (hidden,), dw_dtype, device, 1)
 
     if rows == 0:
         dw_t.zero_()

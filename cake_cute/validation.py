@@ -29,7 +29,9 @@ def _device_facts(index: int) -> tuple[str | None, int, str]:
 
 
 def device_arch(device: torch.device) -> str:
-    """The compile target of a CUDA device, or a ValueError for an unsupported GPU."""
+    """The compile target of a CUDA device, or a ValueError for a CPU tensor or an unsupported GPU."""
+    if device.type != "cuda":
+        raise ValueError(f"x must be a CUDA tensor, got device {device}")
     arch, _, name = _device_facts(device.index if device.index is not None else torch.cuda.current_device())
     if arch is None:
         raise ValueError(
@@ -54,10 +56,11 @@ def check_tensor(name: str, t, *, dtypes=None, device: torch.device | None = Non
 
 
 def check_activation(x) -> tuple[torch.device, int]:
-    """x: a CUDA tensor of bf16/fp16/fp32 with at least 2 dims and 1 <= H <= 262144."""
+    """x: a tensor of bf16/fp16/fp32 with at least 2 dims and 1 <= H <= 262144.
+
+    The device is checked last (``check_cuda``), after every argument's dtype and shape, so the
+    whole table of argument errors can be exercised on a machine without a GPU."""
     check_tensor("x", x, dtypes=ACT_DTYPES)
-    if x.device.type != "cuda":
-        raise ValueError(f"x must be a CUDA tensor, got device {x.device}")
     if x.dim() < 2:
         raise ValueError(f"x must have at least 2 dims [..., H], got shape {tuple(x.shape)}")
     hidden = x.shape[-1]
