@@ -6,12 +6,12 @@ programs, which never changes a row's arithmetic.
 
 from __future__ import annotations
 
-import os
 from functools import lru_cache
 
 from .compile_cache import KernelSpec, get_kernel
-from .kernels.config import backward_tiling, forward_tiling
+from .kernels.config import backward_ctas_per_sm, backward_tiling, forward_tiling
 from .kernels.dw_reduce import reduce_shape
+from .occupancy import resident_clusters
 from .validation import vector_align_bytes
 
 DTYPE_NAMES = ("bf16", "fp16", "fp32")
@@ -28,25 +28,25 @@ def partial_row_stride(hidden: int) -> int:
     return -(-hidden // 4) * 4
 
 
-def backward_ctas_per_sm(spec_act_dtype: str, hidden: int) -> int:
-    """Resident CTAs per SM the persistent backward aims for (its registers allow at least this)."""
-    override = os.environ.get("CAKE_CUTE_BWD_CTAS_PER_SM")
-    if override:
-        return int(override)
-    tiling = backward_tiling(hidden, spec_act_dtype)
-    return max(1, 256 // tiling.threads_per_cta)
-
-
-def backward_programs(rows: int, hidden: int, act_dtype: str, sm_count: int) -> int:
-    """Programs (clusters) of the persistent backward; the partition of rows is fixed by this number."""
+def backward_programs(rows: int, hidden: int, act_dtype: str, residual: bool, device) -> int:
+    """Programs (clusters) of the persistent backward: as many as are resident at once, never more
+    than there are row tiles. The partition of rows -- and so dw's bits -- is fixed by this number,
+    which depends on T and the GPU model only."""
     tiling = backward_tiling(hidden, act_dtype)
     tiles = -(-rows // tiling.rows_per_cta)
-    resident = max(1, sm_count * backward_ctas_per_sm(act_dtype, hidden) // tiling.cluster_n)
-    return max(1, min(tiles, resident))
+    if tiles <= 1:
+        return 1
+    resident = resident_clusters(
+        device.index, device.capability, tiling.threads_per_cta, tiling.cluster_n,
+        backward_ctas_per_sm(tiling, act_dtype, residual), device.sm_count,
+    )
+    return min(tiles, resident)
 
 
-def partial_rows(rows: int, hidden: int, act_dtype: str, sm_count: int) -> int:
-    return backward_programs(rows, hidden, act_dtype, sm_count) * backward_tiling(hidden, act_dtype).rows_per_cta
+def partial_rows(rows: int, hidden: int, act_dtype: str, residual: bool, device) -> int:
+    """FP32 partial rows of dW the backward writes (one per row group of each program)."""
+    programs = backward_programs(rows, hidden, act_dtype, residual, device)
+    return programs * backward_tiling(hidden, act_dtype).rows_per_cta
 
 
 def tiling_for(spec: KernelSpec):

@@ -79,8 +79,8 @@ def cake_rmsnorm_train_backward_workspace_bytes(rows, hidden, device, *, residua
     if device.type != "cuda":
         raise ValueError(f"device must be a CUDA device, got {device}")
     v.device_arch(device)
-    sms = v.sm_count(device)
-    most = max(dispatch.partial_rows(max(rows, 1), hidden, act, sms) for act in dispatch.DTYPE_NAMES)
+    facts = v.device_facts(device)
+    most = max(dispatch.partial_rows(max(rows, 1), hidden, act, residual, facts) for act in dispatch.DTYPE_NAMES)
     return most * dispatch.partial_row_stride(hidden) * 4
 
 
@@ -121,9 +121,10 @@ def cake_rmsnorm_train_backward(
     act = v.dtype_name(x.dtype)
     vec = dispatch.vector_elems(hidden, act)
 
-    sms = v.sm_count(device)
-    programs = dispatch.backward_programs(max(rows, 1), hidden, act, sms)
-    partial_rows = dispatch.partial_rows(max(rows, 1), hidden, act, sms)
+    facts = v.device_facts(device)
+    residual = g_residual is not None
+    programs = dispatch.backward_programs(max(rows, 1), hidden, act, residual, facts)
+    partial_rows = programs * dispatch.backward_tiling(hidden, act).rows_per_cta
     stride = dispatch.partial_row_stride(hidden)
     needed = partial_rows * stride * 4
     if workspace is None:
@@ -136,7 +137,6 @@ def cake_rmsnorm_train_backward(
     if rows == 0:
         dw_t.zero_()
     else:
-        residual = g_residual is not None
         wname = v.dtype_name(w.dtype)
         bwd = get_kernel(KernelSpec("bwd", arch, act, wname, hidden, residual, float(weight_offset)))
         reduce = get_kernel(KernelSpec("dw", arch, v.dtype_name(dw_dtype), "fp32", hidden))

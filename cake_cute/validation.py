@@ -7,6 +7,7 @@ device or alignment) naming the argument and what was expected.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
@@ -21,28 +22,38 @@ def dtype_name(dtype: torch.dtype) -> str:
     return ACT_DTYPES[dtype]
 
 
+@dataclass(frozen=True)
+class DeviceFacts:
+    index: int
+    name: str
+    capability: tuple[int, int]
+    arch: str | None
+    sm_count: int
+
+
 @lru_cache(maxsize=None)
-def _device_facts(index: int) -> tuple[str | None, int, str]:
+def _device_facts(index: int) -> DeviceFacts:
     props = torch.cuda.get_device_properties(index)
-    arch = ARCH_BY_CAPABILITY.get((props.major, props.minor))
-    return arch, props.multi_processor_count, props.name
+    capability = (props.major, props.minor)
+    return DeviceFacts(index, props.name, capability, ARCH_BY_CAPABILITY.get(capability), props.multi_processor_count)
+
+
+def device_facts(device: torch.device) -> DeviceFacts:
+    return _device_facts(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def device_arch(device: torch.device) -> str:
     """The compile target of a CUDA device, or a ValueError for a CPU tensor or an unsupported GPU."""
     if device.type != "cuda":
         raise ValueError(f"x must be a CUDA tensor, got device {device}")
-    arch, _, name = _device_facts(device.index if device.index is not None else torch.cuda.current_device())
+    facts = device_facts(device)
+    arch, name = facts.arch, facts.name
     if arch is None:
         raise ValueError(
             f"device {device} ({name}) is not supported: cake_cute needs sm_90 (H100/H200) or "
             "sm_100/sm_103 (B200/B300)"
         )
     return arch
-
-
-def sm_count(device: torch.device) -> int:
-    return _device_facts(device.index if device.index is not None else torch.cuda.current_device())[1]
 
 
 def check_tensor(name: str, t, *, dtypes=None, device: torch.device | None = None) -> None:

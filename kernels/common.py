@@ -8,11 +8,12 @@ total, which is what makes the kernels deterministic and batch invariant:
 2. a butterfly (xor) shuffle over the row's lanes of a warp -- commutative pairings, so all lanes agree;
 3. lane 0 of each warp stores its warp's sum in shared memory; after a CTA barrier every thread adds the
    row's warp sums in warp order;
-4. with a cluster, thread 0 of each row publishes the CTA's sum, a cluster barrier (release/acquire)
-   follows, and every thread adds the peers' sums in CTA-rank order through DSMEM loads.
+4. with a cluster, thread 0 of each row pushes the CTA's sum into cell [rank] of every peer's shared
+   memory with ``st.async``, crediting the peer's transaction mbarrier; each CTA waits on its own
+   mbarrier and adds the cells in rank order. No cluster-wide barrier per row, and none at exit: a CTA
+   has received every push meant for it before it can leave.
 
-Reduction buffers are double-buffered (``slot``), so a persistent loop needs one barrier per row: a
-slot is written again only after the next barrier, which every reader of it has passed.
+Reduction buffers are double-buffered (``slot``), so a persistent loop needs one CTA barrier per row.
 """
 
 from __future__ import annotations
@@ -32,6 +33,21 @@ def copy_atom(dtype, vec: int):
     """A universal (LDG/STG) copy atom moving ``vec`` elements, at most 128 bits per instruction."""
     bits = min(COPY_BITS, vec * dtype.width)
     return cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=bits)
+
+
+def staging_atom(dtype, vec: int):
+    """Global -> shared copies: cp.async (the load holds no registers while in flight, so a CTA can
+    have its whole tile in flight) for 4-, 8- and 16-byte vectors; narrower ones load and store."""
+    bits = min(COPY_BITS, vec * dtype.width)
+    if bits >= 32:
+        return cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), dtype, num_bits_per_copy=bits)
+    return copy_atom(dtype, vec)
+
+
+def allocate_tile(smem, dtype, tiling, stages: int = 1):
+    """A (rows_per_cta, cols_per_cta, stages) shared-memory tile, row-major within a stage."""
+    shape = (tiling.rows_per_cta, tiling.cols_per_cta, stages)
+    return smem.allocate_tensor(dtype, cute.make_ordered_layout(shape, order=(1, 0, 2)), byte_alignment=16)
 
 
 def row_tiled_copy(dtype, tiling):
@@ -70,31 +86,52 @@ def column_predicate(coords: cute.Tensor, hidden: Int32) -> cute.Tensor:
 
 
 @dsl_user_op
-def load_from_peer(smem_ptr: cute.Pointer, rank, *, loc=None, ip=None) -> Float32:
-    """Read an FP32 word at ``smem_ptr``'s offset in the shared memory of cluster CTA ``rank``."""
-    remote = cute.arch.map_dsmem_ptr(smem_ptr, rank, loc=loc, ip=ip)
-    address = Int32(remote.toint(loc=loc, ip=ip))
-    return cute.arch.inline_ptx(
-        "ld.shared::cluster.f32 {$w0}, [{$r0}];",
-        write_only_types=[Float32],
-        read_only_args=[address],
+def push_to_peer(val: Float32, smem_ptr: cute.Pointer, mbar_ptr: cute.Pointer, rank, *, loc=None, ip=None):
+    """Store ``val`` at ``smem_ptr``'s offset in cluster CTA ``rank`` and credit its 4 bytes to that
+    CTA's mbarrier at ``mbar_ptr``'s offset (st.async: no round trip, no cluster-wide barrier)."""
+    remote_val = cute.arch.map_dsmem_ptr(smem_ptr, rank, loc=loc, ip=ip)
+    remote_bar = cute.arch.map_dsmem_ptr(mbar_ptr, rank, loc=loc, ip=ip)
+    cute.arch.inline_ptx(
+        "st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [{$r0}], {$r1}, [{$r2}];",
+        read_only_args=[
+            Int32(remote_val.toint(loc=loc, ip=ip)),
+            Float32(val),
+            Int32(remote_bar.toint(loc=loc, ip=ip)),
+        ],
         loc=loc,
         ip=ip,
     )
 
 
 def allocate_reduction_buffers(smem, tiling):
-    """Per-slot warp sums and (for clusters) per-slot CTA sums read by the peers."""
+    """Per-slot warp sums; for clusters, per-slot (row, rank) CTA sums pushed by every peer and one
+    transaction mbarrier per slot (allocated, unused, without a cluster: a dynamic loop cannot carry
+    a None)."""
     warp_sums = smem.allocate_tensor(
         Float32,
         cute.make_layout((REDUCTION_SLOTS, tiling.rows_per_cta, tiling.warps_per_row)),
         byte_alignment=16,
     )
-    # Allocated even without a cluster: a None cannot be carried through a dynamic loop.
     cta_sums = smem.allocate_tensor(
-        Float32, cute.make_layout((REDUCTION_SLOTS, tiling.rows_per_cta)), byte_alignment=16
+        Float32,
+        cute.make_layout((REDUCTION_SLOTS, tiling.rows_per_cta, tiling.cluster_n)),
+        byte_alignment=16,
     )
-    return warp_sums, cta_sums
+    mbars = smem.allocate_array(cutlass.Int64, num_elems=REDUCTION_SLOTS)
+    return warp_sums, cta_sums, mbars
+
+
+@cute.jit
+def init_cluster_reduction(mbars: cute.Pointer, cluster_n: cutlass.Constexpr[int]):
+    """Initialise the slots' mbarriers and make sure every peer's are initialised before anyone pushes
+    (one cluster barrier per kernel, at the start)."""
+    if const_expr(cluster_n > 1):
+        if cute.arch.thread_idx()[0] == 0:
+            for slot in cutlass.range_constexpr(REDUCTION_SLOTS):
+                cute.arch.mbarrier_init(mbars + slot, 1)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.cluster_arrive_relaxed()
+        cute.arch.cluster_wait()
 
 
 @cute.jit
@@ -102,13 +139,19 @@ def row_sum(
     val: Float32,
     warp_sums: cute.Tensor,
     cta_sums: cute.Tensor,
+    mbars: cute.Pointer,
     row_in_cta: Int32,
     lane_in_row: Int32,
     slot: Int32,
+    phase: Int32,
     threads_per_row: cutlass.Constexpr[int],
     cluster_n: cutlass.Constexpr[int],
 ) -> Float32:
-    """The sum of ``val`` over a row's lanes (and cluster CTAs), bitwise equal in every thread."""
+    """The sum of ``val`` over a row's lanes (and cluster CTAs), bitwise equal in every thread.
+
+    ``slot`` alternates between consecutive calls; ``phase`` is the parity of the slot's use count.
+    A slot's cells are pushed again only after every CTA has read them: a peer's next push to a slot
+    needs this CTA's push of the following row, which comes after this CTA's read."""
     warps_per_row = max(1, threads_per_row // cute.arch.WARP_SIZE)
     val = cute.arch.warp_reduction(
         val, operator.add, threads_in_group=min(threads_per_row, cute.arch.WARP_SIZE)
@@ -121,20 +164,19 @@ def row_sum(
         for w in cutlass.range_constexpr(1, warps_per_row):
             val = val + warp_sums[slot, row_in_cta, w]
     if const_expr(cluster_n > 1):
+        rank = cute.arch.block_idx_in_cluster()
+        mbar = mbars + slot
+        if cute.arch.thread_idx()[0] == 0:
+            rows_per_cta = cute.size(cta_sums, mode=[1])
+            cute.arch.mbarrier_arrive_and_expect_tx(mbar, rows_per_cta * cluster_n * 4)
         if lane_in_row == 0:
-            cta_sums[slot, row_in_cta] = val
-        cute.arch.cluster_arrive()
-        cute.arch.cluster_wait()
-        local = cta_sums.iterator + cute.crd2idx((slot, row_in_cta), cta_sums.layout)
-        val = load_from_peer(local, 0)
-        for rank in cutlass.range_constexpr(1, cluster_n):
-            val = val + load_from_peer(local, rank)
+            cell = cta_sums.iterator + cute.crd2idx((slot, row_in_cta, rank), cta_sums.layout)
+            for peer in cutlass.range_constexpr(cluster_n):
+                push_to_peer(val, cell, mbar, peer)
+        cute.arch.mbarrier_wait(mbar, phase)
+        val = cta_sums[slot, row_in_cta, 0]
+        for peer in cutlass.range_constexpr(1, cluster_n):
+            val = val + cta_sums[slot, row_in_cta, peer]
     return val
 
 
-@cute.jit
-def leave_cluster(cluster_n: cutlass.Constexpr[int]):
-    """A CTA may exit only after its cluster peers have read its shared memory."""
-    if const_expr(cluster_n > 1):
-        cute.arch.cluster_arrive()
-        cute.arch.cluster_wait()

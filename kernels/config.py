@@ -27,6 +27,13 @@ MAX_CLUSTER = 16
 MAX_THREADS_PER_CTA = 512
 MIN_THREADS_PER_CTA = 128
 
+REGISTERS_PER_SM = 65536
+MAX_REGISTERS_PER_THREAD = 128
+SMEM_PER_SM = 228 * 1024
+SMEM_RESERVED_PER_CTA = 1024
+MAX_CTAS_PER_SM = 32
+MAX_THREADS_PER_SM = 2048
+
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
@@ -50,6 +57,11 @@ class RowTiling:
     def cols_per_cta(self) -> int:
         """Columns of the tile one CTA covers (a multiple of vec, >= its share of H)."""
         return self.vec * self.threads_per_row * self.vecs_per_thread
+
+    @property
+    def min_ctas_per_sm(self) -> int:
+        """Resident CTAs a kernel asks the compiler to allow, capping registers at 128 per thread."""
+        return max(1, REGISTERS_PER_SM // (MAX_REGISTERS_PER_THREAD * self.threads_per_cta))
 
     @property
     def warps_per_row(self) -> int:
@@ -119,3 +131,22 @@ def backward_tiling(hidden: int, act_dtype: str) -> RowTiling:
     if tiling.threads_per_cta >= MAX_THREADS_PER_CTA:
         tiling = replace(tiling, wide_mode=True)
     return tiling
+
+
+def backward_smem_bytes(tiling: RowTiling, act_dtype: str, residual: bool) -> int:
+    """Shared memory of one backward CTA (``rmsnorm_bwd``): reduction slots, the w tile (FP32 at most),
+    one stage of g_residual, and either two stages of g and h or, in wide mode, the FP32 dW tile."""
+    tile = tiling.rows_per_cta * tiling.cols_per_cta
+    reduction = 4 * 2 * tiling.rows_per_cta * (tiling.warps_per_row + 1) + 64
+    act_bytes = DTYPE_BYTES[act_dtype]
+    staging = (1 if residual else 0) * tile * act_bytes
+    staging += 4 * tile if tiling.wide_mode else 2 * 2 * tile * act_bytes
+    return reduction + 4 * tile + staging + 256
+
+
+def backward_ctas_per_sm(tiling: RowTiling, act_dtype: str, residual: bool) -> int:
+    """CTAs of the backward resident on one SM: registers (capped at 128 per thread), shared memory
+    and thread slots all bound it. The persistent grid launches exactly this many per SM."""
+    by_smem = SMEM_PER_SM // (backward_smem_bytes(tiling, act_dtype, residual) + SMEM_RESERVED_PER_CTA)
+    by_threads = MAX_THREADS_PER_SM // tiling.threads_per_cta
+    return max(1, min(tiling.min_ctas_per_sm, by_smem, by_threads, MAX_CTAS_PER_SM))

@@ -33,14 +33,23 @@ from cutlass import Float32, Int32, const_expr
 
 from .common import (
     allocate_reduction_buffers,
+    allocate_tile,
     broadcast_rows,
     column_predicate,
     copy_atom,
-    leave_cluster,
+    init_cluster_reduction,
     row_sum,
     row_tiled_copy,
+    staging_atom,
     tile_shape,
 )
+
+
+@cute.jit
+def stage_tile(stage, thr, tiler, rank, tile, slot, mG, mH, sG, sH):
+    """Issue the cp.async copies of row tile ``tile`` of g and h into stage ``slot``."""
+    for m, sT in ((mG, sG), (mH, sH)):
+        stage(thr.partition_S(cute.local_tile(m, tiler, (tile, rank))), thr.partition_D(sT[None, None, slot]))
 
 
 class RMSNormBackward:
@@ -72,8 +81,20 @@ class RMSNormBackward:
             grid=[num_programs, t.cluster_n, 1],
             block=[t.threads_per_cta, 1, 1],
             cluster=[1, t.cluster_n, 1] if const_expr(t.cluster_n > 1) else None,
+            # Cap registers at 128 per thread (65536 per SM): g, h and w are re-read from shared
+            # memory, so this costs no spills and doubles the resident CTAs of the widest tiles.
+            min_blocks_per_mp=t.min_ctas_per_sm,
+            # Given explicitly so that compiling needs no GPU to query the carveout.
+            preferred_smem_carveout=100,
             stream=stream,
         )
+
+    @cute.jit
+    def weight(self, tXsW: cute.Tensor):
+        w = tXsW.load().to(Float32)
+        if const_expr(self.weight_offset != 0.0):
+            w = w + Float32(self.weight_offset)
+        return w
 
     @cute.kernel
     def kernel(
@@ -96,7 +117,7 @@ class RMSNormBackward:
         num_tiles = cute.ceil_div(rows, t.rows_per_cta)
 
         smem = cutlass.utils.SmemAllocator()
-        warp_sums, cta_sums = allocate_reduction_buffers(smem, t)
+        warp_sums, cta_sums, mbars = allocate_reduction_buffers(smem, t)
 
         tiler = tile_shape(t)
         thr = row_tiled_copy(self.act_dtype, t).get_slice(tidx)
@@ -109,26 +130,21 @@ class RMSNormBackward:
             pred = column_predicate(tXc0, t.hidden)
         copy_act = partial(cute.copy, copy_atom(self.act_dtype, t.vec), pred=pred)
 
-        # w once per CTA, widened to FP32 with the offset folded in. In wide_mode both w and the dW
-        # accumulator live in this thread's own cells of shared memory (no barrier needed: no other
-        # thread touches them), which keeps 128 registers per thread enough for 512-thread CTAs.
+        # w once per CTA into this thread's own cells of shared memory (no barrier needed: no other
+        # thread touches them), widened to FP32 at each use; keeping it out of registers is what lets
+        # 128 registers per thread suffice. In wide mode the FP32 dW accumulator lives there too.
+        cta_tile = cute.make_ordered_layout(tiler, order=(1, 0))
         tXgW = thr.partition_S(cute.local_tile(broadcast_rows(mW, t.rows_per_cta), tiler, (0, rank)))
-        tXrWin = cute.make_rmem_tensor_like(tXgW)
-        tXrWin.fill(0)
-        cute.copy(copy_atom(self.w_dtype, t.vec), tXgW, tXrWin, pred=pred)
-        tXrW = cute.make_rmem_tensor_like(tXc0, Float32)
-        w = tXrWin.load().to(Float32)
-        if const_expr(self.weight_offset != 0.0):
-            w = w + Float32(self.weight_offset)
-        tXrW.store(w)
+        tXsW = thr.partition_D(smem.allocate_tensor(self.w_dtype, cta_tile, byte_alignment=16))
+        tXrW = cute.make_rmem_tensor_like(tXgW)
+        tXrW.fill(0)
+        cute.copy(copy_atom(self.w_dtype, t.vec), tXgW, tXrW, pred=pred)
+        cute.autovec_copy(tXrW, tXsW)
         tXrDW = cute.make_rmem_tensor_like(tXc0, Float32)
         tXrDW.fill(0.0)
-        tXW, tXDW = tXrW, tXrDW
+        tXDW = tXrDW
         if const_expr(t.wide_mode):
-            cta_tile = cute.make_ordered_layout(tiler, order=(1, 0))
-            tXW = thr.partition_S(smem.allocate_tensor(Float32, cta_tile, byte_alignment=16))
             tXDW = thr.partition_S(smem.allocate_tensor(Float32, cta_tile, byte_alignment=16))
-            cute.autovec_copy(tXrW, tXW)
             cute.autovec_copy(tXrDW, tXDW)
 
         tXrG = cute.make_rmem_tensor_like(tXc0, self.act_dtype)
@@ -136,55 +152,93 @@ class RMSNormBackward:
         tXrDX = cute.make_rmem_tensor_like(tXc0, self.act_dtype)
         tXrGR = cute.make_rmem_tensor_like(tXc0, self.act_dtype)
 
-        slot = Int32(0)
+        # Staged mode: g, h (and g_residual) of the next row tile stream into the other half of a
+        # double-buffered shared-memory tile with cp.async while this one is reduced, so a CTA always
+        # has a tile of loads in flight. Each thread reads back only the cells it staged itself.
+        staged = not t.wide_mode
+        stages = 2
+        stage = partial(cute.copy, staging_atom(self.act_dtype, t.vec), pred=pred)
+        # g_residual is needed only after the row sum: one stage, issued at the top of its iteration.
+        sGR = allocate_tile(smem, self.act_dtype, t) if const_expr(self.residual) else None
+        if const_expr(staged):
+            sG = allocate_tile(smem, self.act_dtype, t, stages)
+            sH = allocate_tile(smem, self.act_dtype, t, stages)
+            first_row = bidx * t.rows_per_cta + row_in_cta
+            if first_row < rows:
+                stage_tile(stage, thr, tiler, rank, bidx, 0, mG, mH, sG, sH)
+            cute.arch.cp_async_commit_group()
+
+        init_cluster_reduction(mbars, t.cluster_n)
+        step = Int32(0)
         for tile in cutlass.range(bidx, num_tiles, num_programs, unroll=1):
             row = tile * t.rows_per_cta + row_in_cta
+            # Reduction and staging buffers alternate per row; an mbarrier's phase per two rows.
+            slot = step & 1
+            phase = (step >> 1) & 1
             tXgG, tXgH, tXgDX = [
                 thr.partition_S(cute.local_tile(m, tiler, (tile, rank))) for m in (mG, mH, mDX)
             ]
-            # Rows past T contribute zeros, never stale registers.
+            if const_expr(self.residual):
+                tXgGR = thr.partition_S(cute.local_tile(mGRes, tiler, (tile, rank)))
+            if const_expr(self.residual):
+                tXsGR = thr.partition_D(sGR[None, None, 0])
+                if row < rows:
+                    stage(tXgGR, tXsGR)
+            cute.arch.cp_async_commit_group()
+            if const_expr(staged):
+                next_tile = tile + num_programs
+                if next_tile * t.rows_per_cta + row_in_cta < rows:
+                    stage_tile(stage, thr, tiler, rank, next_tile, slot ^ 1, mG, mH, sG, sH)
+                cute.arch.cp_async_commit_group()
+                # Pending, oldest first: this tile's g and h, its g_residual, the next tile's g and h.
+                cute.arch.cp_async_wait_group(2)
+                tXsG, tXsH = [thr.partition_D(sT[None, None, slot]) for sT in (sG, sH)]
+            # Rows past T contribute zeros, never stale values.
             tXrG.fill(0)
             tXrH.fill(0)
             rstd = Float32(0.0)
             if row < rows:
-                copy_act(tXgG, tXrG)
-                copy_act(tXgH, tXrH)
                 rstd = mRstd[row]
-            if const_expr(self.residual):
-                tXgGR = thr.partition_S(cute.local_tile(mGRes, tiler, (tile, rank)))
-            if const_expr(self.residual and not t.wide_mode):
-                # Issued with g and h so its latency overlaps the row sum.
-                if row < rows:
-                    copy_act(tXgGR, tXrGR)
-            # Everything before the row sum is folded into the dot product and the dW accumulator,
-            # and a, xhat are recomputed from the packed inputs afterwards: only the packed g, h, w and
-            # the accumulator stay live across the barrier, which keeps wide rows out of local memory.
+                if const_expr(staged):
+                    copy_act(tXsG, tXrG)
+                    copy_act(tXsH, tXrH)
+                else:
+                    copy_act(tXgG, tXrG)
+                    copy_act(tXgH, tXrH)
+            # Everything before the row sum is folded into the dot product and the dW accumulator;
+            # a and xhat are recomputed from g and h afterwards (re-read from shared memory, or in
+            # wide mode from global memory), so nothing of the row is held across the barrier.
             g = tXrG.load().to(Float32)
             xhat = tXrH.load().to(Float32) * rstd
             tXDW.store(tXDW.load() + g * xhat)
             dot = row_sum(
-                (g * tXW.load() * xhat).reduce(cute.ReductionOp.ADD, Float32(0.0), 0),
-                warp_sums, cta_sums, row_in_cta, lane_in_row, slot, t.threads_per_row, t.cluster_n,
+                (g * self.weight(tXsW) * xhat).reduce(cute.ReductionOp.ADD, Float32(0.0), 0),
+                warp_sums, cta_sums, mbars, row_in_cta, lane_in_row, slot, phase, t.threads_per_row, t.cluster_n,
             )
             c = dot / t.hidden
-            if const_expr(t.wide_mode):
-                if row < rows:
+            tXrGR.fill(0)
+            if const_expr(self.residual):
+                cute.arch.cp_async_wait_group(1 if const_expr(staged) else 0)
+            if row < rows:
+                if const_expr(staged):
+                    copy_act(tXsG, tXrG)
+                    copy_act(tXsH, tXrH)
+                else:
                     copy_act(tXgG, tXrG)
                     copy_act(tXgH, tXrH)
-                    if const_expr(self.residual):
-                        copy_act(tXgGR, tXrGR)
+                if const_expr(self.residual):
+                    copy_act(tXsGR, tXrGR)
             xhat = tXrH.load().to(Float32) * rstd
-            dx = (tXrG.load().to(Float32) * tXW.load() - xhat * c) * rstd
+            dx = (tXrG.load().to(Float32) * self.weight(tXsW) - xhat * c) * rstd
             if const_expr(self.residual):
                 dx = dx + tXrGR.load().to(Float32)
             tXrDX.store(dx.to(self.act_dtype))
             if row < rows:
                 copy_act(tXrDX, tXgDX)
-            slot = slot ^ 1
+            step = step + 1
 
         # Row group r of program b owns partial row b * rows_per_cta + r.
         tXgP = thr.partition_S(cute.local_tile(mPartial, tiler, (bidx, rank)))
         if const_expr(t.wide_mode):
             cute.autovec_copy(tXDW, tXrDW)
         cute.copy(copy_atom(Float32, t.vec), tXrDW, tXgP, pred=pred)
-        leave_cluster(t.cluster_n)

@@ -7,10 +7,12 @@ Math, per row t of H elements (FP32 arithmetic, one rounding per output):
     y    = round(h * rstd * (w + weight_offset))
 
 Tiling (``config.forward_tiling``): a CTA holds ``rows_per_cta`` rows; ``threads_per_row`` lanes share a
-row, each keeping ``vecs_per_thread`` vectors of ``vec`` elements (16 bytes, i.e. 128-bit LDG/STG, when
-H allows) in registers between the sum of squares and the output, up to 128 bytes of row per thread.
-Rows too wide for that are split over a cluster of ``cluster_n`` CTAs (up to 16) that add their partial
-sums of squares through distributed shared memory. The grid is (ceil(T / rows_per_cta), cluster_n).
+row, each owning ``vecs_per_thread`` vectors of ``vec`` elements (16 bytes, i.e. 128-bit accesses, when
+H allows), up to 128 bytes of row per thread. x (and residual) are staged in shared memory with cp.async,
+so the whole tile is in flight at once without holding registers; each thread reads back only the cells
+it staged itself, so no barrier is needed between the copy and its use. Rows too wide for one CTA are
+split over a cluster of ``cluster_n`` CTAs (up to 16) that add their partial sums of squares through
+distributed shared memory. The grid is (ceil(T / rows_per_cta), cluster_n).
 
 Bytes moved: reads x (+ residual) once and w once per CTA (an L2 hit after the first), writes y
 (+ h_new) once and 4 bytes of rstd per row: T*H*(2 or 4)*act_bytes + 4*T from HBM.
@@ -26,12 +28,14 @@ from cutlass import Float32, Int32, const_expr
 
 from .common import (
     allocate_reduction_buffers,
+    allocate_tile,
     broadcast_rows,
     column_predicate,
     copy_atom,
-    leave_cluster,
+    init_cluster_reduction,
     row_sum,
     row_tiled_copy,
+    staging_atom,
     tile_shape,
 )
 
@@ -86,7 +90,8 @@ class RMSNormForward:
         rows = mX.shape[0]
 
         smem = cutlass.utils.SmemAllocator()
-        warp_sums, cta_sums = allocate_reduction_buffers(smem, t)
+        warp_sums, cta_sums, mbars = allocate_reduction_buffers(smem, t)
+        sX = allocate_tile(smem, self.act_dtype, t)[None, None, 0]
 
         tiler = tile_shape(t)
         coords = cute.local_tile(cute.make_identity_tensor(mX.shape), tiler, (bidx, rank))
@@ -98,47 +103,60 @@ class RMSNormForward:
         pred = None
         if const_expr(not t.even):
             pred = column_predicate(tXc, t.hidden)
-
-        tXgX, tXgY = [thr.partition_S(cute.local_tile(m, tiler, (bidx, rank))) for m in (mX, mY)]
-        if const_expr(self.residual):
-            tXgR, tXgH = [thr.partition_S(cute.local_tile(m, tiler, (bidx, rank))) for m in (mRes, mHOut)]
-        tXgW = thr.partition_S(cute.local_tile(broadcast_rows(mW, t.rows_per_cta), tiler, (0, rank)))
-        tXrX = cute.make_rmem_tensor_like(tXgX)
-        tXrW = cute.make_rmem_tensor_like(tXgW)
-        tXrX.fill(0)
-        tXrW.fill(0)
         # Bound outside the dynamic branches: a None captured into a branch would become an IR value.
         copy_act = partial(cute.copy, copy_atom(self.act_dtype, t.vec), pred=pred)
+        stage = partial(cute.copy, staging_atom(self.act_dtype, t.vec), pred=pred)
+
+        tXgX, tXgY = [thr.partition_S(cute.local_tile(m, tiler, (bidx, rank))) for m in (mX, mY)]
+        tXsX = thr.partition_D(sX)
+        if const_expr(self.residual):
+            sR = allocate_tile(smem, self.act_dtype, t)[None, None, 0]
+            tXsR = thr.partition_D(sR)
+            tXgR, tXgH = [thr.partition_S(cute.local_tile(m, tiler, (bidx, rank))) for m in (mRes, mHOut)]
         if row < rows:
-            copy_act(tXgX, tXrX)
+            stage(tXgX, tXsX)
+            if const_expr(self.residual):
+                stage(tXgR, tXsR)
+        cute.arch.cp_async_commit_group()
+        init_cluster_reduction(mbars, t.cluster_n)
+
+        # w's load overlaps the staging copies.
+        tXgW = thr.partition_S(cute.local_tile(broadcast_rows(mW, t.rows_per_cta), tiler, (0, rank)))
+        tXrW = cute.make_rmem_tensor_like(tXgW)
+        tXrW.fill(0)
+        cute.copy(copy_atom(self.w_dtype, t.vec), tXgW, tXrW, pred=pred)
+
+        cute.arch.cp_async_wait_group(0)
+        # Columns past H stay zero in registers (they were never staged).
+        tXrX = cute.make_rmem_tensor_like(tXgX)
+        tXrX.fill(0)
+        copy_act(tXsX, tXrX)
         if const_expr(self.residual):
             tXrR = cute.make_rmem_tensor_like(tXgR)
             tXrR.fill(0)
-            if row < rows:
-                copy_act(tXgR, tXrR)
-        cute.copy(copy_atom(self.w_dtype, t.vec), tXgW, tXrW, pred=pred)
-
-        h = tXrX.load().to(Float32)
-        if const_expr(self.residual):
+            copy_act(tXsR, tXrR)
             # h is rounded to the activation dtype: the rounded h is both h_new and what is normalized.
-            tXrX.store((h + tXrR.load().to(Float32)).to(self.act_dtype))
-            h = tXrX.load().to(Float32)
+            tXrX.store((tXrX.load().to(Float32) + tXrR.load().to(Float32)).to(self.act_dtype))
+            copy_act(tXrX, tXsX)
             if row < rows:
                 copy_act(tXrX, tXgH)
+        h = tXrX.load().to(Float32)
 
         sum_sq = row_sum(
             (h * h).reduce(cute.ReductionOp.ADD, Float32(0.0), 0),
-            warp_sums, cta_sums, row_in_cta, lane_in_row, Int32(0), t.threads_per_row, t.cluster_n,
+            warp_sums, cta_sums, mbars, row_in_cta, lane_in_row, Int32(0), Int32(0), t.threads_per_row, t.cluster_n,
         )
         rstd = cute.math.rsqrt(sum_sq / t.hidden + eps)
         if row < rows and lane_in_row == 0 and rank == 0:
             mRstd[row] = rstd
 
+        # Re-read h from shared memory rather than holding it in registers across the reduction.
+        tXrX.fill(0)
+        copy_act(tXsX, tXrX)
         w = tXrW.load().to(Float32)
         if const_expr(self.weight_offset != 0.0):
             w = w + Float32(self.weight_offset)
         tXrY = cute.make_rmem_tensor_like(tXgY)
-        tXrY.store((h * rstd * w).to(self.act_dtype))
+        tXrY.store((tXrX.load().to(Float32) * rstd * w).to(self.act_dtype))
         if row < rows:
             copy_act(tXrY, tXgY)
-        leave_cluster(t.cluster_n)

@@ -1,0 +1,78 @@
+"""How many CTAs (or clusters) of a launch shape are resident at once on a device.
+
+The persistent backward launches exactly the resident number of programs: one more cluster than fits
+would run as a second wave and double the time. Clusters must fit inside one GPC, so the count is not
+simply SMs * CTAs-per-SM / cluster size; the driver's occupancy calculator knows the GPC layout.
+It is asked about a trivial kernel whose dynamic shared memory is sized so that exactly
+``ctas_per_sm`` CTAs fit on an SM (the backward's own limit from registers, shared memory and
+threads), with the real block and cluster shape.
+"""
+
+from __future__ import annotations
+
+import warnings
+from functools import lru_cache
+
+from .kernels.config import SMEM_PER_SM, SMEM_RESERVED_PER_CTA
+
+_PTX_VERSION = {9: "7.8", 10: "8.8"}
+
+
+def _check(result):
+    err = result[0]
+    if int(err) != 0:
+        raise RuntimeError(f"CUDA driver call failed: {err}")
+    return result[1] if len(result) == 2 else result[1:]
+
+
+@lru_cache(maxsize=None)
+def _probe_kernel(device_index: int, major: int, minor: int):
+    """An empty kernel loaded into the device's primary context (current when this is called)."""
+    from cuda.bindings import driver
+
+    ptx = (
+        f".version {_PTX_VERSION[major]}\n.target sm_{major}{minor}\n.address_size 64\n"
+        ".visible .entry cake_cute_occupancy_probe() { ret; }\n"
+    )
+    module = _check(driver.cuModuleLoadData(ptx.encode() + b"\0"))
+    return _check(driver.cuModuleGetFunction(module, b"cake_cute_occupancy_probe"))
+
+
+@lru_cache(maxsize=None)
+def resident_clusters(device_index: int, capability: tuple[int, int], threads: int, cluster_n: int,
+                      ctas_per_sm: int, sm_count: int) -> int:
+    """Clusters of ``cluster_n`` CTAs of ``threads`` threads, ``ctas_per_sm`` per SM, resident at once."""
+    estimate = max(1, sm_count * ctas_per_sm // cluster_n)
+    try:
+        from cuda.bindings import driver
+
+        # The device's primary context is the one torch uses; make it current for these queries.
+        _check(driver.cuInit(0))
+        dev = _check(driver.cuDeviceGet(device_index))
+        context = _check(driver.cuDevicePrimaryCtxRetain(dev))
+        _check(driver.cuCtxPushCurrent(context))
+        try:
+            func = _probe_kernel(device_index, *capability)
+            smem = SMEM_PER_SM // ctas_per_sm - SMEM_RESERVED_PER_CTA
+            attr = driver.CUfunction_attribute
+            _check(driver.cuFuncSetAttribute(func, attr.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem))
+            if cluster_n == 1:
+                per_sm = _check(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(func, threads, smem))
+                return max(1, min(estimate, per_sm * sm_count))
+            _check(driver.cuFuncSetAttribute(func, attr.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1))
+            config = driver.CUlaunchConfig()
+            config.gridDimX, config.gridDimY, config.gridDimZ = cluster_n, 1, 1
+            config.blockDimX, config.blockDimY, config.blockDimZ = threads, 1, 1
+            config.sharedMemBytes = smem
+            cluster = driver.CUlaunchAttribute()
+            cluster.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+            cluster.value.clusterDim.x, cluster.value.clusterDim.y, cluster.value.clusterDim.z = cluster_n, 1, 1
+            config.attrs = [cluster]
+            config.numAttrs = 1
+            return max(1, min(estimate, _check(driver.cuOccupancyMaxActiveClusters(func, config))))
+        finally:
+            _check(driver.cuCtxPopCurrent())
+            _check(driver.cuDevicePrimaryCtxRelease(dev))
+    except Exception as err:  # the arithmetic bound; it can over-count how clusters pack into GPCs
+        warnings.warn(f"cake_cute: occupancy query failed ({err}); assuming {estimate} resident programs")
+        return estimate
