@@ -59,9 +59,15 @@ class RowTiling:
         return self.vec * self.threads_per_row * self.vecs_per_thread
 
     @property
+    def register_budget(self) -> int:
+        """Registers per thread a kernel may use: 128, or 80 when each thread owns at most two vectors
+        and needs no column predicates (so 50% more CTAs fit on an SM to hide the per-row latency)."""
+        return 80 if self.vecs_per_thread <= 2 and self.even else MAX_REGISTERS_PER_THREAD
+
+    @property
     def min_ctas_per_sm(self) -> int:
-        """Resident CTAs a kernel asks the compiler to allow, capping registers at 128 per thread."""
-        return max(1, REGISTERS_PER_SM // (MAX_REGISTERS_PER_THREAD * self.threads_per_cta))
+        """Resident CTAs a kernel asks the compiler to allow, which caps its registers per thread."""
+        return max(1, REGISTERS_PER_SM // (self.register_budget * self.threads_per_cta))
 
     @property
     def warps_per_row(self) -> int:
@@ -127,7 +133,7 @@ def backward_tiling(hidden: int, act_dtype: str) -> RowTiling:
     holds half the forward's share of a row. In ``wide_mode`` (512 threads per CTA, so 128 registers
     per thread) the dW accumulator lives in shared memory and g, h are re-read after the row sum
     instead of being held across it (an L2 hit: the rows a cluster has in flight are a few MB)."""
-    tiling = row_tiling(hidden, DTYPE_BYTES[act_dtype], bytes_per_thread=64, target_vecs=4)
+    tiling = row_tiling(hidden, DTYPE_BYTES[act_dtype], bytes_per_thread=64, target_vecs=2)
     if tiling.threads_per_cta >= MAX_THREADS_PER_CTA:
         tiling = replace(tiling, wide_mode=True)
     return tiling

@@ -169,6 +169,10 @@ class RMSNormBackward:
             cute.arch.cp_async_commit_group()
 
         init_cluster_reduction(mbars, t.cluster_n)
+        # rstd is loaded one tile ahead too, so its latency never sits on a row's critical path.
+        rstd_next = Float32(0.0)
+        if bidx * t.rows_per_cta + row_in_cta < rows:
+            rstd_next = mRstd[bidx * t.rows_per_cta + row_in_cta]
         step = Int32(0)
         for tile in cutlass.range(bidx, num_tiles, num_programs, unroll=1):
             row = tile * t.rows_per_cta + row_in_cta
@@ -185,10 +189,14 @@ class RMSNormBackward:
                 if row < rows:
                     stage(tXgGR, tXsGR)
             cute.arch.cp_async_commit_group()
+            rstd = rstd_next
+            next_row = (tile + num_programs) * t.rows_per_cta + row_in_cta
+            rstd_next = Float32(0.0)
+            if next_row < rows:
+                rstd_next = mRstd[next_row]
             if const_expr(staged):
-                next_tile = tile + num_programs
-                if next_tile * t.rows_per_cta + row_in_cta < rows:
-                    stage_tile(stage, thr, tiler, rank, next_tile, slot ^ 1, mG, mH, sG, sH)
+                if next_row < rows:
+                    stage_tile(stage, thr, tiler, rank, tile + num_programs, slot ^ 1, mG, mH, sG, sH)
                 cute.arch.cp_async_commit_group()
                 # Pending, oldest first: this tile's g and h, its g_residual, the next tile's g and h.
                 cute.arch.cp_async_wait_group(2)
@@ -196,9 +204,7 @@ class RMSNormBackward:
             # Rows past T contribute zeros, never stale values.
             tXrG.fill(0)
             tXrH.fill(0)
-            rstd = Float32(0.0)
             if row < rows:
-                rstd = mRstd[row]
                 if const_expr(staged):
                     copy_act(tXsG, tXrG)
                     copy_act(tXsH, tXrH)
