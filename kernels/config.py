@@ -60,9 +60,11 @@ class RowTiling:
 
     @property
     def register_budget(self) -> int:
-        """Registers per thread a kernel may use: 128, or 80 when each thread owns at most two vectors
-        and needs no column predicates (so 50% more CTAs fit on an SM to hide the per-row latency)."""
-        return 80 if self.vecs_per_thread <= 2 and self.even else MAX_REGISTERS_PER_THREAD
+        """Registers per thread a kernel may use: 128, or 80 when each thread owns at most two vectors,
+        needs no column predicates and shares its CTA with at most one other row (so 50% more CTAs fit
+        on an SM to hide the per-row latency; narrower tilings spill under that cap)."""
+        lean = self.vecs_per_thread <= 2 and self.even and self.rows_per_cta <= 2
+        return 80 if lean else MAX_REGISTERS_PER_THREAD
 
     @property
     def min_ctas_per_sm(self) -> int:
