@@ -3,6 +3,7 @@
 __version__ = "0.1.0"
 
 from .autograd import CakeRMSNormFunction, cake_rmsnorm  # noqa: E402
+from .module import CakeRMSNorm, swap_rmsnorm  # noqa: E402
 from .ops import (  # noqa: E402
     cake_rmsnorm_train_backward,
     cake_rmsnorm_train_backward_workspace,
@@ -12,6 +13,7 @@ from .ops import (  # noqa: E402
 from .support import is_cake_rmsnorm_train_supported  # noqa: E402
 
 __all__ = [
+    "CakeRMSNorm",
     "CakeRMSNormFunction",
     "cake_rmsnorm",
     "cake_rmsnorm_train_backward",
@@ -19,4 +21,5 @@ __all__ = [
     "cake_rmsnorm_train_backward_workspace_bytes",
     "cake_rmsnorm_train_forward",
     "is_cake_rmsnorm_train_supported",
+    "swap_rmsnorm",
 ]

@@ -34,6 +34,7 @@ def cake_rmsnorm_train_forward(
     device, hidden = v.check_activation(x)
     v.check_weight(w, x)
     eps = v.check_eps(eps)
+    weight_offset = v.check_weight_offset(weight_offset)
     if residual is not None:
         v.check_like("residual", residual, x)
     elif residual_out is not None:
@@ -52,7 +53,7 @@ def cake_rmsnorm_train_forward(
         h_new, h_copy = _outputs_for(residual_out, x.shape, x.dtype, device, vec)
 
     if rows > 0:
-        spec = KernelSpec("fwd", arch, act, v.dtype_name(w.dtype), hidden, residual is not None, float(weight_offset))
+        spec = KernelSpec("fwd", arch, act, v.dtype_name(w.dtype), hidden, residual is not None, weight_offset)
         fn = get_kernel(spec)
         x2 = v.kernel_view(x, vec)
         res2 = v.kernel_view(residual, vec) if residual is not None else None
@@ -71,11 +72,12 @@ def cake_rmsnorm_train_forward(
 
 def cake_rmsnorm_train_backward_workspace_bytes(rows, hidden, device, *, residual=False) -> int:
     """Bytes of the FP32 dW partial rows a backward of up to ``rows`` rows needs (any dtype)."""
-    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
-        raise ValueError(f"rows must be an int >= 0, got {rows!r}")
-    if isinstance(hidden, bool) or not isinstance(hidden, int) or not 1 <= hidden <= v.MAX_HIDDEN:
-        raise ValueError(f"hidden must be an int in [1, {v.MAX_HIDDEN}], got {hidden!r}")
-    device = torch.device(device)
+    v.check_count("rows", rows, 0)
+    v.check_count("hidden", hidden, 1, v.MAX_HIDDEN)
+    try:
+        device = torch.device(device)
+    except (TypeError, RuntimeError) as err:
+        raise ValueError(f"device must name a CUDA device, got {device!r}") from err
     if device.type != "cuda":
         raise ValueError(f"device must be a CUDA device, got {device}")
     v.device_arch(device)
@@ -91,8 +93,8 @@ def cake_rmsnorm_train_backward_workspace(rows, hidden, device, *, residual=Fals
 
 def _check_workspace_tensor(workspace, device) -> None:
     v.check_tensor("workspace", workspace, dtypes=(torch.uint8,), device=device)
-    if not workspace.is_contiguous() or workspace.data_ptr() % 16 != 0:
-        raise ValueError("workspace must be a contiguous uint8 tensor with a 16-byte aligned base")
+    if workspace.dim() != 1 or not workspace.is_contiguous() or workspace.data_ptr() % 16 != 0:
+        raise ValueError("workspace must be a contiguous 1-D uint8 tensor with a 16-byte aligned base")
 
 
 def cake_rmsnorm_train_backward(
@@ -113,6 +115,8 @@ def cake_rmsnorm_train_backward(
         v.check_like("g_residual", g_residual, x)
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    weight_offset = v.check_weight_offset(weight_offset)
+    dw_dtype = v.check_dw_dtype(dw_dtype)
     _check_output("dx", dx, x.shape, x.dtype, device)
     _check_output("dw", dw, (hidden,), dw_dtype, device)
     if workspace is not None:
@@ -138,7 +142,7 @@ def cake_rmsnorm_train_backward(
         dw_t.zero_()
     else:
         wname = v.dtype_name(w.dtype)
-        bwd = get_kernel(KernelSpec("bwd", arch, act, wname, hidden, residual, float(weight_offset)))
+        bwd = get_kernel(KernelSpec("bwd", arch, act, wname, hidden, residual, weight_offset))
         reduce = get_kernel(KernelSpec("dw", arch, v.dtype_name(dw_dtype), "fp32", hidden))
         partials = workspace[:needed].view(torch.float32).view(partial_rows, stride)[:, :hidden]
         with torch.cuda.device(device):

@@ -7,6 +7,7 @@ device or alignment) naming the argument and what was expected.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -63,7 +64,7 @@ def check_tensor(name: str, t, *, dtypes=None, device: torch.device | None = Non
         allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
         raise TypeError(f"{name} must have dtype {allowed}; got {str(t.dtype).replace('torch.', '')}")
     if device is not None and t.device != device:
-        raise ValueError(f"{name} must be on {device} like x, got {t.device}")
+        raise ValueError(f"{name} must be on the same device as x ({device}), got {t.device}")
 
 
 def check_activation(x) -> tuple[torch.device, int]:
@@ -86,13 +87,38 @@ def check_weight(w, x) -> None:
         raise ValueError(f"w must have shape ({x.shape[-1]},) to match x's last dim, got {tuple(w.shape)}")
 
 
+def _check_real(name: str, value, rule: str = "a finite number", ok=math.isfinite) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+    value = float(value)
+    if not ok(value):
+        raise ValueError(f"{name} must be {rule}, got {value}")
+    return value
+
+
 def check_eps(eps) -> float:
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
-        raise TypeError(f"eps must be a float, got {type(eps).__name__}")
-    eps = float(eps)
-    if not math.isfinite(eps) or eps < 0:
-        raise ValueError(f"eps must be a finite number >= 0, got {eps}")
-    return eps
+    return _check_real("eps", eps, "a finite number >= 0", lambda e: math.isfinite(e) and e >= 0)
+
+
+def check_weight_offset(weight_offset) -> float:
+    """A finite float (each distinct value is a compiled kernel variant)."""
+    return _check_real("weight_offset", weight_offset)
+
+
+def check_dw_dtype(dw_dtype) -> torch.dtype:
+    if dw_dtype not in ACT_DTYPES:
+        raise TypeError(f"dw_dtype must be torch.float32, torch.bfloat16 or torch.float16, got {dw_dtype}")
+    return dw_dtype
+
+
+def check_count(name: str, value, low: int, high: int | None = None) -> int:
+    """An int (not a bool) in [low, high]: TypeError for the wrong kind, ValueError out of range."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < low or (high is not None and value > high):
+        bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{name} must be an int {bounds}, got {value}")
+    return value
 
 
 def check_like(name: str, t, x, *, shape=None) -> None:

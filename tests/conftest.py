@@ -1,0 +1,56 @@
+"""Shared test setup: tests marked ``gpu`` are skipped on machines without a CUDA device (and on a
+CUDA device cake_cute does not support: it needs sm_90 / sm_100 / sm_103).
+
+Shared helpers (NaN-poisoned output factory, bitwise comparison, error measures) live in
+``tests/_helpers.py``; the fixtures below expose the most common ones.
+"""
+
+from functools import lru_cache
+
+import pytest
+import torch
+
+from ._helpers import poison, sentinel
+
+
+@lru_cache(maxsize=None)
+def gpu_skip_reason():
+    """None when the GPU tests can run here, else why not."""
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU (torch.cuda.is_available() is False)"
+    try:
+        from cake_cute import is_cake_rmsnorm_train_supported
+
+        if not is_cake_rmsnorm_train_supported(torch.device("cuda")):
+            major, minor = torch.cuda.get_device_capability()
+            return f"needs an sm_90/sm_100/sm_103 GPU, this one is sm_{major}{minor}"
+    except Exception as exc:  # a broken install must not silently skip: report it as the reason
+        return f"cake_cute cannot check the GPU: {exc!r}"
+    return None
+
+
+def pytest_configure(config):
+    # Declared in pyproject.toml too; repeated so --strict-markers works from any root.
+    config.addinivalue_line("markers", "gpu: needs an NVIDIA Hopper or Blackwell GPU (skipped without one)")
+
+
+def pytest_collection_modifyitems(config, items):
+    reason = gpu_skip_reason()
+    if reason is None:
+        return
+    skip = pytest.mark.skip(reason=reason)
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def poisoned():
+    """Factory: ``poisoned(shape, dtype, device="cuda")`` -> a NaN (or 0xFF) filled output buffer."""
+    return poison
+
+
+@pytest.fixture
+def sentinel_buffer():
+    """Factory: ``sentinel_buffer(shape, dtype, device="cpu")`` -> a buffer filled with -7.0 (0xAB)."""
+    return sentinel
