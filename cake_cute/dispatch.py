@@ -9,7 +9,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from .compile_cache import KernelSpec, get_kernel
-from .kernels.config import backward_ctas_per_sm, backward_tiling, forward_tiling
+from .kernels.config import backward_ctas_per_sm, backward_min_ctas_per_sm, backward_tiling, forward_tiling
 from .kernels.dw_reduce import reduce_shape
 from .occupancy import resident_clusters
 from .validation import vector_align_bytes
@@ -28,6 +28,7 @@ def partial_row_stride(hidden: int) -> int:
     return -(-hidden // 4) * 4
 
 
+@lru_cache(maxsize=4096)
 def backward_programs(rows: int, hidden: int, act_dtype: str, residual: bool, device) -> int:
     """Programs (clusters) of the persistent backward: as many as are resident at once, never more
     than there are row tiles. The partition of rows -- and so dw's bits -- is fixed by this number,
@@ -38,7 +39,7 @@ def backward_programs(rows: int, hidden: int, act_dtype: str, residual: bool, de
         return 1
     resident = resident_clusters(
         device.index, device.capability, tiling.threads_per_cta, tiling.cluster_n,
-        backward_ctas_per_sm(tiling, act_dtype, residual), device.sm_count,
+        backward_ctas_per_sm(tiling, device.arch, act_dtype, residual), device.sm_count,
     )
     return min(tiles, resident)
 
@@ -113,7 +114,8 @@ def compile_kernel(spec: KernelSpec):
     partials = cute.runtime.make_fake_tensor(
         cutlass.Float32, (cute.sym_int(), H), stride=(partial_row_stride(H), 1), assumed_align=16
     )
-    kernel = RMSNormBackward(tiling, act, wdt, spec.residual, spec.weight_offset)
+    min_ctas = backward_min_ctas_per_sm(tiling, spec.arch, spec.residual)
+    kernel = RMSNormBackward(tiling, act, wdt, spec.residual, spec.weight_offset, min_ctas)
     return cute.compile(kernel, g, h, w, rstd, g_res, dx, partials, cutlass.Int32(1), stream, options=options)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from . import dispatch, validation as v
-from .compile_cache import KernelSpec, get_kernel
+from .compile_cache import kernel
 
 
 def _check_output(name, given, shape, dtype, device):
@@ -53,12 +53,11 @@ def cake_rmsnorm_train_forward(
         h_new, h_copy = _outputs_for(residual_out, x.shape, x.dtype, device, vec)
 
     if rows > 0:
-        spec = KernelSpec("fwd", arch, act, v.dtype_name(w.dtype), hidden, residual is not None, weight_offset)
-        fn = get_kernel(spec)
+        fn = kernel("fwd", arch, act, v.dtype_name(w.dtype), hidden, residual is not None, weight_offset)
         x2 = v.kernel_view(x, vec)
         res2 = v.kernel_view(residual, vec) if residual is not None else None
         h2 = _rows_view(h_new, hidden) if residual is not None else None
-        with torch.cuda.device(device):
+        with v.on_device(device):
             fn(x2, res2, v.aligned_vector(w, vec), _rows_view(y, hidden), h2, r, eps)
     for src, dst in ((y, y_copy), (r, r_copy)) + (((h_new, h_copy),) if residual is not None else ()):
         if dst is not None:
@@ -142,10 +141,10 @@ def cake_rmsnorm_train_backward(
         dw_t.zero_()
     else:
         wname = v.dtype_name(w.dtype)
-        bwd = get_kernel(KernelSpec("bwd", arch, act, wname, hidden, residual, weight_offset))
-        reduce = get_kernel(KernelSpec("dw", arch, v.dtype_name(dw_dtype), "fp32", hidden))
+        bwd = kernel("bwd", arch, act, wname, hidden, residual, weight_offset)
+        reduce = kernel("dw", arch, v.dtype_name(dw_dtype), "fp32", hidden)
         partials = workspace[:needed].view(torch.float32).view(partial_rows, stride)[:, :hidden]
-        with torch.cuda.device(device):
+        with v.on_device(device):
             bwd(
                 v.kernel_view(g, vec), v.kernel_view(x, vec), v.aligned_vector(w, vec), rstd.contiguous(),
                 v.kernel_view(g_residual, vec) if residual else None,

@@ -6,6 +6,7 @@ device or alignment) naming the argument and what was expected.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 from dataclasses import dataclass
@@ -37,6 +38,13 @@ def _device_facts(index: int) -> DeviceFacts:
     props = torch.cuda.get_device_properties(index)
     capability = (props.major, props.minor)
     return DeviceFacts(index, props.name, capability, ARCH_BY_CAPABILITY.get(capability), props.multi_processor_count)
+
+
+def on_device(device: torch.device):
+    """A context making ``device`` current for the launch; a no-op when it already is (the usual case)."""
+    if device.index is None or device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
 
 
 def device_facts(device: torch.device) -> DeviceFacts:
@@ -151,6 +159,8 @@ def kernel_view(t: torch.Tensor, vec: int) -> torch.Tensor:
     In place: last dim contiguous, leading dims collapsible to one row stride (0 for an expanded
     tensor), base and row stride aligned to the vector width."""
     hidden = t.shape[-1]
+    if t.is_contiguous() and t.data_ptr() % (vec * t.element_size()) == 0:
+        return t if t.dim() == 2 else t.view(-1, hidden)
     try:
         view = t.view(-1, hidden) if t.dim() != 2 else t
     except RuntimeError:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 MAX_HIDDEN = 262144
 SUPPORTED_ARCHS = ("sm_90a", "sm_100a", "sm_103a")
@@ -59,17 +60,9 @@ class RowTiling:
         return self.vec * self.threads_per_row * self.vecs_per_thread
 
     @property
-    def register_budget(self) -> int:
-        """Registers per thread a kernel may use: 128, or 80 when each thread owns at most two vectors,
-        needs no column predicates and shares its CTA with at most one other row (so 50% more CTAs fit
-        on an SM to hide the per-row latency; narrower tilings spill under that cap)."""
-        lean = self.vecs_per_thread <= 2 and self.even and self.rows_per_cta <= 2
-        return 80 if lean else MAX_REGISTERS_PER_THREAD
-
-    @property
     def min_ctas_per_sm(self) -> int:
-        """Resident CTAs a kernel asks the compiler to allow, which caps its registers per thread."""
-        return max(1, REGISTERS_PER_SM // (self.register_budget * self.threads_per_cta))
+        """Resident CTAs a kernel asks the compiler to allow: caps registers at 128 per thread."""
+        return max(1, REGISTERS_PER_SM // (MAX_REGISTERS_PER_THREAD * self.threads_per_cta))
 
     @property
     def warps_per_row(self) -> int:
@@ -124,12 +117,14 @@ def row_tiling(hidden: int, act_bytes: int, bytes_per_thread: int, target_vecs: 
     return RowTiling(hidden, vec, tpr, vpt, cluster, rows)
 
 
+@lru_cache(maxsize=None)
 def forward_tiling(hidden: int, act_dtype: str) -> RowTiling:
     """Forward: x (and residual) stay in registers between the sum of squares and the output; 128
     bytes of a row per thread (eight 128-bit vectors) keeps eight loads in flight without spilling."""
     return row_tiling(hidden, DTYPE_BYTES[act_dtype], bytes_per_thread=128, target_vecs=4)
 
 
+@lru_cache(maxsize=None)
 def backward_tiling(hidden: int, act_dtype: str) -> RowTiling:
     """Backward: g, x, w and an FP32 dW accumulator per element stay in registers, so each thread
     holds half the forward's share of a row. In ``wide_mode`` (512 threads per CTA, so 128 registers
@@ -152,9 +147,24 @@ def backward_smem_bytes(tiling: RowTiling, act_dtype: str, residual: bool) -> in
     return reduction + 4 * tile + staging + 256
 
 
-def backward_ctas_per_sm(tiling: RowTiling, act_dtype: str, residual: bool) -> int:
-    """CTAs of the backward resident on one SM: registers (capped at 128 per thread), shared memory
-    and thread slots all bound it. The persistent grid launches exactly this many per SM."""
+def backward_register_budget(tiling: RowTiling, arch: str, residual: bool) -> int:
+    """Registers per backward thread: 128, or 80 when each thread owns at most two vectors, needs no
+    column predicates and shares its CTA with at most one other row, so 50% more CTAs fit on an SM to
+    hide the per-row latency. Narrower tilings spill under 80, and so does sm_100a's residual variant."""
+    lean = tiling.vecs_per_thread <= 2 and tiling.even and tiling.rows_per_cta <= 2
+    return 80 if lean and (arch == "sm_90a" or not residual) else MAX_REGISTERS_PER_THREAD
+
+
+def backward_min_ctas_per_sm(tiling: RowTiling, arch: str, residual: bool) -> int:
+    """The ``min_blocks_per_mp`` hint that holds the backward to its register budget."""
+    budget = backward_register_budget(tiling, arch, residual)
+    return max(1, REGISTERS_PER_SM // (budget * tiling.threads_per_cta))
+
+
+def backward_ctas_per_sm(tiling: RowTiling, arch: str, act_dtype: str, residual: bool) -> int:
+    """CTAs of the backward resident on one SM: registers, shared memory and thread slots all bound
+    it. The persistent grid launches exactly this many per SM."""
     by_smem = SMEM_PER_SM // (backward_smem_bytes(tiling, act_dtype, residual) + SMEM_RESERVED_PER_CTA)
     by_threads = MAX_THREADS_PER_SM // tiling.threads_per_cta
-    return max(1, min(tiling.min_ctas_per_sm, by_smem, by_threads, MAX_CTAS_PER_SM))
+    by_registers = backward_min_ctas_per_sm(tiling, arch, residual)
+    return max(1, min(by_registers, by_smem, by_threads, MAX_CTAS_PER_SM))

@@ -56,8 +56,9 @@ class RMSNormBackward:
     """One compiled backward per (arch, dtypes, H, residual, weight_offset); T and the number of
     programs are runtime values."""
 
-    def __init__(self, tiling, act_dtype, w_dtype, residual: bool, weight_offset: float):
+    def __init__(self, tiling, act_dtype, w_dtype, residual: bool, weight_offset: float, min_ctas_per_sm: int):
         self.tiling = tiling
+        self.min_ctas_per_sm = min_ctas_per_sm
         self.act_dtype = act_dtype
         self.w_dtype = w_dtype
         self.residual = residual
@@ -81,9 +82,9 @@ class RMSNormBackward:
             grid=[num_programs, t.cluster_n, 1],
             block=[t.threads_per_cta, 1, 1],
             cluster=[1, t.cluster_n, 1] if const_expr(t.cluster_n > 1) else None,
-            # Cap registers at 128 per thread (65536 per SM): g, h and w are re-read from shared
-            # memory, so this costs no spills and doubles the resident CTAs of the widest tiles.
-            min_blocks_per_mp=t.min_ctas_per_sm,
+            # The register budget (config.backward_register_budget): g, h and w are re-read from
+            # shared memory, so a tight budget costs no spills and buys resident CTAs.
+            min_blocks_per_mp=self.min_ctas_per_sm,
             # Given explicitly so that compiling needs no GPU to query the carveout.
             preferred_smem_carveout=100,
             stream=stream,

@@ -68,6 +68,10 @@ class RMSNormForward:
             grid=[cute.ceil_div(rows, t.rows_per_cta), t.cluster_n, 1],
             block=[t.threads_per_cta, 1, 1],
             cluster=[1, t.cluster_n, 1] if const_expr(t.cluster_n > 1) else None,
+            # Cluster variants get an explicit register budget: left to itself the sm_100a compiler
+            # squeezes some of them to 64 registers and spills. (0: no hint, the compiler's choice.)
+            min_blocks_per_mp=t.min_ctas_per_sm if const_expr(t.cluster_n > 1) else 0,
+            preferred_smem_carveout=100,
             stream=stream,
         )
 

@@ -1,0 +1,220 @@
+"""The kernel cache holds up (CPU only: compiling and loading an object need no GPU).
+
+Concurrent requests for one key from threads and from processes compile it once; a truncated, garbage
+or unsealed object is discarded, rebuilt and warned about; a cache of another version is ignored and
+left untouched; a warm cache serves a new process without a compile. One small variant keeps each
+compile around a quarter of a second.
+"""
+
+import hashlib
+import os
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+
+from cake_cute import compile_cache as cc
+from cake_cute.compile_cache import KernelSpec
+
+SPEC = KernelSpec("fwd", "sm_90a", "bf16", "bf16", 512)
+OTHER = KernelSpec("fwd", "sm_90a", "fp16", "fp16", 512)
+
+# A child process: imports everything, signals "ready", waits for "go", then asks for SPEC and prints
+# "<compiles> <seconds> <callable>". The start line lets several children race on one cold key.
+CHILD = """
+import sys, time
+from pathlib import Path
+import cutlass.cute
+from cake_cute import compile_cache as cc
+spec = cc.KernelSpec("fwd", "sm_90a", "bf16", "bf16", 512)
+cc.fingerprint()
+go, ready = Path(sys.argv[1]), Path(sys.argv[2])
+ready.touch()
+while not go.exists():
+    time.sleep(0.002)
+start = time.perf_counter()
+fn = cc.get_kernel(spec)
+print(cc.compile_count, time.perf_counter() - start, callable(fn))
+"""
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """An empty cache directory and an empty in-memory cache for this test."""
+    root = tmp_path / "cache"
+    monkeypatch.setenv("CAKE_CUTE_CACHE_DIR", str(root))
+    monkeypatch.setattr(cc, "_memory", {})
+    monkeypatch.setattr(cc, "_key_locks", {})
+    return root
+
+
+def _children(cache_root: Path, tmp_path: Path, n: int, timeout: float = 120) -> list[tuple[int, float, bool]]:
+    """Run ``n`` CHILD processes against ``cache_root``, released together; their (compiles, s, ok)."""
+    env = dict(os.environ, CAKE_CUTE_CACHE_DIR=str(cache_root))
+    go = tmp_path / "go"
+    ready = [tmp_path / f"ready{i}" for i in range(n)]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", CHILD, str(go), str(r)], env=env, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for r in ready
+    ]
+    try:
+        deadline = time.monotonic() + timeout
+        while not all(r.exists() for r in ready):
+            assert all(p.poll() is None for p in procs), "a child died before the start line"
+            assert time.monotonic() < deadline, "children did not get ready"
+            time.sleep(0.01)
+        go.touch()
+        results = []
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            assert p.returncode == 0, err
+            compiles, seconds, ok = out.split()[-3:]
+            results.append((int(compiles), float(seconds), ok == "True"))
+        return results
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
+def _sound(spec: KernelSpec) -> bool:
+    """The object on disk matches its checksum and loads."""
+    fn, problem = cc._load(cc.object_path(spec), spec)
+    return fn is not None and problem is None
+
+
+def _snapshot(directory: Path) -> dict[str, tuple[bytes, int]]:
+    return {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(directory.iterdir())}
+
+
+def test_threads_asking_for_one_key_compile_it_once(cache):
+    n = 8
+    barrier = threading.Barrier(n)
+    results = [None] * n
+    errors = []
+
+    def ask(i):
+        try:
+            barrier.wait()
+            results[i] = cc.get_kernel(SPEC)
+        except Exception as exc:  # surfaced below; a thread's exception would be lost
+            errors.append(exc)
+
+    before = cc.compile_count
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert cc.compile_count - before == 1
+    assert all(fn is results[0] for fn in results) and callable(results[0])
+    assert _sound(SPEC)
+
+
+def test_a_cache_hit_does_not_wait_for_another_keys_compile(cache, monkeypatch):
+    """Key A is on disk; while key B is (slowly) compiling in another thread, A loads at once."""
+    cc.get_kernel(SPEC)
+    cc.clear_memory()
+    from cake_cute import dispatch
+
+    real_compile = dispatch.compile_kernel
+    compiling, release = threading.Event(), threading.Event()
+
+    def slow_compile(spec):
+        if spec == OTHER:
+            compiling.set()
+            release.wait(60)
+        return real_compile(spec)
+
+    monkeypatch.setattr(dispatch, "compile_kernel", slow_compile)
+    other = threading.Thread(target=cc.get_kernel, args=(OTHER,))
+    other.start()
+    try:
+        assert compiling.wait(60)
+        hit = threading.Thread(target=cc.get_kernel, args=(SPEC,))
+        hit.start()
+        hit.join(30)
+        assert not hit.is_alive(), "a cache hit waited for another key's compile"
+        assert SPEC in cc._memory and OTHER not in cc._memory
+    finally:
+        release.set()
+        other.join(120)
+    assert OTHER in cc._memory
+
+
+def test_processes_racing_on_one_key_compile_it_once(cache, tmp_path):
+    results = _children(cache, tmp_path, 2)
+    assert sum(compiles for compiles, _, _ in results) == 1, results
+    assert all(ok for _, _, ok in results)
+    assert _sound(SPEC)
+
+
+def test_a_warm_cache_serves_a_new_process_without_compiling(cache, tmp_path):
+    cc.get_kernel(SPEC)
+    [(compiles, seconds, ok)] = _children(cache, tmp_path, 1)
+    print(f"warm load in a new process: {seconds * 1e3:.1f} ms")
+    assert compiles == 0 and ok
+    assert seconds < 1.0  # a compile of even this small kernel takes longer; a load is milliseconds
+
+
+def _truncate(path):
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _garbage(path):
+    path.write_bytes(os.urandom(path.stat().st_size))
+
+
+def _unsealed(path):  # the writer died between the object and its checksum
+    cc._checksum_path(path).unlink()
+
+
+def _garbage_with_checksum(path):  # a matching checksum, but not an object file: the load fails
+    data = b"\x7fELF" + os.urandom(4096)
+    path.write_bytes(data)
+    cc._checksum_path(path).write_text(hashlib.sha256(data).hexdigest())
+
+
+@pytest.mark.parametrize("damage", [_truncate, _garbage, _unsealed, _garbage_with_checksum],
+                         ids=lambda f: f.__name__.strip("_"))
+def test_a_damaged_object_is_discarded_and_rebuilt(cache, damage):
+    cc.get_kernel(SPEC)
+    path = cc.object_path(SPEC)
+    damage(path)
+    damaged = path.read_bytes()
+    assert not cc.is_cached_on_disk(SPEC) or damage is _garbage_with_checksum
+    cc.clear_memory()
+    before = cc.compile_count
+    with pytest.warns(RuntimeWarning, match="discarding cached kernel"):
+        fn = cc.get_kernel(SPEC)
+    assert cc.compile_count - before == 1
+    assert callable(fn)
+    assert path.read_bytes() != damaged or damage is _unsealed  # the compile is deterministic
+    assert cc.is_cached_on_disk(SPEC) and _sound(SPEC)
+
+
+def test_a_cache_of_another_version_is_ignored_and_untouched(cache, monkeypatch):
+    monkeypatch.setattr(cc, "_fingerprint", "0" * 16)
+    cc.get_kernel(SPEC)
+    foreign_dir = cc.object_path(SPEC).parent
+    monkeypatch.setattr(cc, "_fingerprint", "1" * 16)
+    # Plant garbage under the name this version will use, inside the foreign directory.
+    (foreign_dir / cc.object_path(SPEC).name).write_bytes(b"not ours")
+    before = _snapshot(foreign_dir)
+    cc.clear_memory()
+    count = cc.compile_count
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cc.get_kernel(SPEC)
+    # Nothing is "discarded": the foreign files are not ours to judge.
+    assert not [w for w in caught if "cake_cute" in str(w.message)]
+    assert cc.compile_count - count == 1
+    assert cc.object_path(SPEC).parent == cache / ("1" * 16) != foreign_dir
+    assert _snapshot(foreign_dir) == before
+    assert _sound(SPEC)
