@@ -96,6 +96,19 @@ def _check_workspace_tensor(workspace, device) -> None:
         raise ValueError("workspace must be a contiguous 1-D uint8 tensor with a 16-byte aligned base")
 
 
+def _partials(workspace, partial_rows: int, stride: int, hidden: int, device) -> torch.Tensor:
+    """The FP32 (partial_rows, hidden) view (row stride ``stride``) the backward writes dW rows into:
+    carved from the caller's workspace, or freshly allocated."""
+    if workspace is None:
+        partials = torch.empty((partial_rows, stride), dtype=torch.float32, device=device)
+    else:
+        needed = partial_rows * stride * 4
+        if workspace.numel() < needed:
+            raise ValueError(f"workspace holds {workspace.numel()} bytes; this call needs at least {needed}")
+        partials = workspace[:needed].view(torch.float32).view(partial_rows, stride)
+    return partials if stride == hidden else partials[:, :hidden]
+
+
 def cake_rmsnorm_train_backward(
     g, x, w, rstd, *, deterministic=True, g_residual=None, workspace=None, dx=None, dw=None,
     weight_offset: float = 0.0, dw_dtype: torch.dtype = torch.float32,
@@ -129,11 +142,7 @@ def cake_rmsnorm_train_backward(
     programs = dispatch.backward_programs(max(rows, 1), hidden, act, residual, facts)
     partial_rows = programs * dispatch.backward_tiling(hidden, act).rows_per_cta
     stride = dispatch.partial_row_stride(hidden)
-    needed = partial_rows * stride * 4
-    if workspace is None:
-        workspace = torch.empty(needed, dtype=torch.uint8, device=device)
-    elif workspace.numel() < needed:
-        raise ValueError(f"workspace holds {workspace.numel()} bytes; this call needs at least {needed}")
+    partials = _partials(workspace, partial_rows, stride, hidden, device)
     dx_t, dx_copy = _outputs_for(dx, x.shape, x.dtype, device, vec)
     dw_t, dw_copy = _outputs_for(dw, (hidden,), dw_dtype, device, 1)
 
@@ -143,10 +152,9 @@ def cake_rmsnorm_train_backward(
         wname = v.dtype_name(w.dtype)
         bwd = kernel("bwd", arch, act, wname, hidden, residual, weight_offset)
         reduce = kernel("dw", arch, v.dtype_name(dw_dtype), "fp32", hidden)
-        partials = workspace[:needed].view(torch.float32).view(partial_rows, stride)[:, :hidden]
         with v.on_device(device):
             bwd(
-                v.kernel_view(g, vec), v.kernel_view(x, vec), v.aligned_vector(w, vec), rstd.contiguous(),
+                v.kernel_view(g, vec), v.kernel_view(x, vec), v.aligned_vector(w, vec), rstd if rstd.is_contiguous() else rstd.contiguous(),
                 v.kernel_view(g_residual, vec) if residual else None,
                 _rows_view(dx_t, hidden), partials, programs,
             )
