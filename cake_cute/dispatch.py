@@ -114,7 +114,7 @@ def compile_kernel(spec: KernelSpec):
     partials = cute.runtime.make_fake_tensor(
         cutlass.Float32, (cute.sym_int(), H), stride=(partial_row_stride(H), 1), assumed_align=16
     )
-    min_ctas = backward_min_ctas_per_sm(tiling, spec.arch, spec.residual)
+    min_ctas = backward_min_ctas_per_sm(tiling, spec.arch)
     kernel = RMSNormBackward(tiling, act, wdt, spec.residual, spec.weight_offset, min_ctas)
     return cute.compile(kernel, g, h, w, rstd, g_res, dx, partials, cutlass.Int32(1), stream, options=options)
 

@@ -28,6 +28,7 @@ MAX_CLUSTER = 16
 MAX_THREADS_PER_CTA = 512
 MIN_THREADS_PER_CTA = 128
 
+SMALL_TILE_BYTES = 8192
 REGISTERS_PER_SM = 65536
 MAX_REGISTERS_PER_THREAD = 128
 SMEM_PER_SM = 228 * 1024
@@ -49,6 +50,7 @@ class RowTiling:
     cluster_n: int
     rows_per_cta: int
     wide_mode: bool = False
+    stages: int = 2
 
     @property
     def threads_per_cta(self) -> int:
@@ -77,7 +79,7 @@ class RowTiling:
         return (
             f"vec={self.vec} tpr={self.threads_per_row} vpt={self.vecs_per_thread} "
             f"cluster={self.cluster_n} rows/cta={self.rows_per_cta}"
-            + (" wide" if self.wide_mode else "")
+            + (" wide" if self.wide_mode else f" stages={self.stages}")
         )
 
 
@@ -132,32 +134,36 @@ def backward_tiling(hidden: int, act_dtype: str) -> RowTiling:
     instead of being held across it (an L2 hit: the rows a cluster has in flight are a few MB)."""
     tiling = row_tiling(hidden, DTYPE_BYTES[act_dtype], bytes_per_thread=64, target_vecs=2)
     if tiling.threads_per_cta >= MAX_THREADS_PER_CTA:
-        tiling = replace(tiling, wide_mode=True)
+        return replace(tiling, wide_mode=True)
+    if tiling.rows_per_cta * tiling.cols_per_cta * DTYPE_BYTES[act_dtype] <= SMALL_TILE_BYTES:
+        # Small tiles make short iterations: stage two tiles ahead so a load's latency spans two.
+        return replace(tiling, stages=3)
     return tiling
 
 
 def backward_smem_bytes(tiling: RowTiling, act_dtype: str, residual: bool) -> int:
     """Shared memory of one backward CTA (``rmsnorm_bwd``): reduction slots, the w tile (FP32 at most),
-    one stage of g_residual, and either two stages of g and h or, in wide mode, the FP32 dW tile."""
+    one stage of g_residual, and either ``stages`` stages of g and h or, in wide mode, the FP32 dW tile."""
     tile = tiling.rows_per_cta * tiling.cols_per_cta
     reduction = 4 * 2 * tiling.rows_per_cta * (tiling.warps_per_row + 1) + 64
     act_bytes = DTYPE_BYTES[act_dtype]
     staging = (1 if residual else 0) * tile * act_bytes
-    staging += 4 * tile if tiling.wide_mode else 2 * 2 * tile * act_bytes
+    staging += 4 * tile if tiling.wide_mode else tiling.stages * 2 * tile * act_bytes
     return reduction + 4 * tile + staging + 256
 
 
-def backward_register_budget(tiling: RowTiling, arch: str, residual: bool) -> int:
+def backward_register_budget(tiling: RowTiling, arch: str) -> int:
     """Registers per backward thread: 128, or 80 when each thread owns at most two vectors, needs no
     column predicates and shares its CTA with at most one other row, so 50% more CTAs fit on an SM to
-    hide the per-row latency. Narrower tilings spill under 80, and so does sm_100a's residual variant."""
+    hide the per-row latency. Narrower tilings spill under 80, and so do some sm_100a variants, which
+    keep 128 (the lean budget is tuned and measured on Hopper only)."""
     lean = tiling.vecs_per_thread <= 2 and tiling.even and tiling.rows_per_cta <= 2
-    return 80 if lean and (arch == "sm_90a" or not residual) else MAX_REGISTERS_PER_THREAD
+    return 80 if lean and arch == "sm_90a" else MAX_REGISTERS_PER_THREAD
 
 
-def backward_min_ctas_per_sm(tiling: RowTiling, arch: str, residual: bool) -> int:
+def backward_min_ctas_per_sm(tiling: RowTiling, arch: str) -> int:
     """The ``min_blocks_per_mp`` hint that holds the backward to its register budget."""
-    budget = backward_register_budget(tiling, arch, residual)
+    budget = backward_register_budget(tiling, arch)
     return max(1, REGISTERS_PER_SM // (budget * tiling.threads_per_cta))
 
 
@@ -166,5 +172,5 @@ def backward_ctas_per_sm(tiling: RowTiling, arch: str, act_dtype: str, residual:
     it. The persistent grid launches exactly this many per SM."""
     by_smem = SMEM_PER_SM // (backward_smem_bytes(tiling, act_dtype, residual) + SMEM_RESERVED_PER_CTA)
     by_threads = MAX_THREADS_PER_SM // tiling.threads_per_cta
-    by_registers = backward_min_ctas_per_sm(tiling, arch, residual)
+    by_registers = backward_min_ctas_per_sm(tiling, arch)
     return max(1, min(by_registers, by_smem, by_threads, MAX_CTAS_PER_SM))
