@@ -28,7 +28,6 @@ MAX_CLUSTER = 16
 MAX_THREADS_PER_CTA = 512
 MIN_THREADS_PER_CTA = 128
 
-SMALL_TILE_BYTES = 8192
 REGISTERS_PER_SM = 65536
 MAX_REGISTERS_PER_THREAD = 128
 SMEM_PER_SM = 228 * 1024
@@ -50,7 +49,6 @@ class RowTiling:
     cluster_n: int
     rows_per_cta: int
     wide_mode: bool = False
-    stages: int = 2
 
     @property
     def threads_per_cta(self) -> int:
@@ -79,7 +77,7 @@ class RowTiling:
         return (
             f"vec={self.vec} tpr={self.threads_per_row} vpt={self.vecs_per_thread} "
             f"cluster={self.cluster_n} rows/cta={self.rows_per_cta}"
-            + (" wide" if self.wide_mode else f" stages={self.stages}")
+            + (" wide" if self.wide_mode else "")
         )
 
 
@@ -135,20 +133,17 @@ def backward_tiling(hidden: int, act_dtype: str) -> RowTiling:
     tiling = row_tiling(hidden, DTYPE_BYTES[act_dtype], bytes_per_thread=64, target_vecs=2)
     if tiling.threads_per_cta >= MAX_THREADS_PER_CTA:
         return replace(tiling, wide_mode=True)
-    if tiling.rows_per_cta * tiling.cols_per_cta * DTYPE_BYTES[act_dtype] <= SMALL_TILE_BYTES:
-        # Small tiles make short iterations: stage two tiles ahead so a load's latency spans two.
-        return replace(tiling, stages=3)
     return tiling
 
 
 def backward_smem_bytes(tiling: RowTiling, act_dtype: str, residual: bool) -> int:
     """Shared memory of one backward CTA (``rmsnorm_bwd``): reduction slots, the w tile (FP32 at most),
-    one stage of g_residual, and either ``stages`` stages of g and h or, in wide mode, the FP32 dW tile."""
+    one stage of g_residual, and either two stages of g and h or, in wide mode, the FP32 dW tile."""
     tile = tiling.rows_per_cta * tiling.cols_per_cta
     reduction = 4 * 2 * tiling.rows_per_cta * (tiling.warps_per_row + 1) + 64
     act_bytes = DTYPE_BYTES[act_dtype]
     staging = (1 if residual else 0) * tile * act_bytes
-    staging += 4 * tile if tiling.wide_mode else tiling.stages * 2 * tile * act_bytes
+    staging += 4 * tile if tiling.wide_mode else 2 * 2 * tile * act_bytes
     return reduction + 4 * tile + staging + 256
 
 

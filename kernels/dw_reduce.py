@@ -57,7 +57,7 @@ class DWReduce:
         row_lane = tidx // col_lanes
         col0 = (bidx * col_lanes + col_lane) * vec
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         sums = smem.allocate_tensor(
             Float32, cute.make_ordered_layout((row_lanes, col_lanes * vec), order=(1, 0)), byte_alignment=16
         )

@@ -117,7 +117,7 @@ class RMSNormBackward:
         rows = mG.shape[0]
         num_tiles = cute.ceil_div(rows, t.rows_per_cta)
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         warp_sums, cta_sums, mbars = allocate_reduction_buffers(smem, t)
 
         tiler = tile_shape(t)
@@ -153,22 +153,21 @@ class RMSNormBackward:
         tXrDX = cute.make_rmem_tensor_like(tXc0, self.act_dtype)
         tXrGR = cute.make_rmem_tensor_like(tXc0, self.act_dtype)
 
-        # Staged mode: g and h of the next ``stages - 1`` row tiles stream into a ring of shared-memory
-        # tiles with cp.async while this one is reduced, so a CTA always has tiles of loads in flight.
-        # Each thread reads back only the cells it staged itself.
+        # Staged mode: g, h (and g_residual) of the next row tile stream into the other half of a
+        # double-buffered shared-memory tile with cp.async while this one is reduced, so a CTA always
+        # has a tile of loads in flight. Each thread reads back only the cells it staged itself.
         staged = not t.wide_mode
-        stages = t.stages
+        stages = 2
         stage = partial(cute.copy, staging_atom(self.act_dtype, t.vec), pred=pred)
         # g_residual is needed only after the row sum: one stage, issued at the top of its iteration.
         sGR = allocate_tile(smem, self.act_dtype, t) if const_expr(self.residual) else None
         if const_expr(staged):
             sG = allocate_tile(smem, self.act_dtype, t, stages)
             sH = allocate_tile(smem, self.act_dtype, t, stages)
-            for ahead in cutlass.range_constexpr(stages - 1):
-                if (bidx + ahead * num_programs) * t.rows_per_cta + row_in_cta < rows:
-                    stage_tile(stage, thr, tiler, rank, bidx + ahead * num_programs, ahead, mG, mH, sG, sH)
-                cute.arch.cp_async_commit_group()
-        ring = Int32(0)
+            first_row = bidx * t.rows_per_cta + row_in_cta
+            if first_row < rows:
+                stage_tile(stage, thr, tiler, rank, bidx, 0, mG, mH, sG, sH)
+            cute.arch.cp_async_commit_group()
 
         init_cluster_reduction(mbars, t.cluster_n)
         # rstd is loaded one tile ahead too, so its latency never sits on a row's critical path.
@@ -197,17 +196,12 @@ class RMSNormBackward:
             if next_row < rows:
                 rstd_next = mRstd[next_row]
             if const_expr(staged):
-                last = tile + (stages - 1) * num_programs
-                last_slot = ring + (stages - 1)
-                if last_slot >= stages:
-                    last_slot = last_slot - stages
-                if last * t.rows_per_cta + row_in_cta < rows:
-                    stage_tile(stage, thr, tiler, rank, last, last_slot, mG, mH, sG, sH)
+                if next_row < rows:
+                    stage_tile(stage, thr, tiler, rank, tile + num_programs, slot ^ 1, mG, mH, sG, sH)
                 cute.arch.cp_async_commit_group()
-                # Pending, oldest first: this tile's g and h, the next stages - 2 tiles', this tile's
-                # g_residual, and the tile just issued: all but the newest ``stages`` are complete.
-                cute.arch.cp_async_wait_group(stages)
-                tXsG, tXsH = [thr.partition_D(sT[None, None, ring]) for sT in (sG, sH)]
+                # Pending, oldest first: this tile's g and h, its g_residual, the next tile's g and h.
+                cute.arch.cp_async_wait_group(2)
+                tXsG, tXsH = [thr.partition_D(sT[None, None, slot]) for sT in (sG, sH)]
             # Rows past T contribute zeros, never stale values.
             tXrG.fill(0)
             tXrH.fill(0)
@@ -249,9 +243,6 @@ class RMSNormBackward:
             if row < rows:
                 copy_act(tXrDX, tXgDX)
             step = step + 1
-            ring = ring + 1
-            if ring == stages:
-                ring = Int32(0)
 
         # Row group r of program b owns partial row b * rows_per_cta + r.
         tXgP = thr.partition_S(cute.local_tile(mPartial, tiler, (bidx, rank)))

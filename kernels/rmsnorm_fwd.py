@@ -93,7 +93,7 @@ class RMSNormForward:
             rank = 0
         rows = mX.shape[0]
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         warp_sums, cta_sums, mbars = allocate_reduction_buffers(smem, t)
         sX = allocate_tile(smem, self.act_dtype, t)[None, None, 0]
 

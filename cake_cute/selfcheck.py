@@ -1,0 +1,199 @@
+"""``cake-cute check``: the kernels on this GPU against the FP64 reference, over a built-in matrix.
+
+Each case runs the functional forward and backward into caller-owned outputs pre-filled with NaN (an
+element the kernel fails to write shows up as a NaN error), then the autograd path, and compares
+relative-norm errors with the reference (``cake_cute.reference``):
+
+* y, h_new, dx: ``tolerance(dtype)`` (one rounding to the activation dtype);
+* rstd and dw (FP32 results of FP32 accumulations): ``FP32_TOLERANCE``;
+* autograd's dw comes back in w's dtype: ``tolerance(w dtype)``.
+
+dx = rstd * (a - xhat * c) cancels when a row is short (H = 1 gives dx = rstd * a * eps / (h^2 + eps)),
+and FP32 then cannot be more accurate than ``FP32_TOLERANCE * ||rstd * a||``. That term, relative to
+||dx||, is added to the dx limit; for ordinary rows it is about 1e-5.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import TextIO
+
+import torch
+
+from .reference import backward_reference, forward_reference, rel_error, tolerance
+
+EPS = 1e-6
+FP32_TOLERANCE = 1e-5
+MAX_ELEMENTS = 1 << 26  # per tensor: keeps the FP64 reference of the widest rows within a few GB
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+FULL_HIDDEN = (1, 7, 512, 4096, 4097, 8192, 65536, 262144)
+QUICK_HIDDEN = (7, 4096, 4097, 65536)
+FULL_ROWS = (1, 2, 129, 4096)
+QUICK_ROWS = (1, 129)
+SHORT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+QUANTITIES = ("y", "rstd", "h", "dx", "dw", "ag_y", "ag_dx", "ag_dres", "ag_dw")
+
+
+@dataclass(frozen=True)
+class Case:
+    dtype: torch.dtype
+    w_dtype: torch.dtype
+    hidden: int
+    rows: int
+    residual: bool
+    weight_offset: float = 0.0
+
+    def label(self) -> str:
+        res = "res" if self.residual else "-"
+        dtypes = f"{SHORT[self.dtype]:<5}{SHORT[self.w_dtype]:<5}"
+        return f"{dtypes}{self.hidden:>7}{self.rows:>6}  {res:<4}{self.weight_offset:g}"
+
+
+HEADER = f"{'act':<5}{'w':<5}{'H':>7}{'T':>6}  {'res':<4}off"
+
+
+@dataclass
+class CaseResult:
+    case: Case
+    errors: dict[str, float]
+    limits: dict[str, float]
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        # A NaN error compares False, so an unwritten (NaN-poisoned) output fails.
+        return self.error is None and all(e <= self.limits[k] for k, e in self.errors.items())
+
+
+def gpu_problem() -> str | None:
+    """Why this machine cannot run the kernels (no CUDA device, unsupported GPU), or None."""
+    from .validation import ARCH_BY_CAPABILITY
+
+    if not torch.cuda.is_available():
+        return "no CUDA GPU is available (torch.cuda.is_available() is False)"
+    capability = torch.cuda.get_device_capability()
+    if capability not in ARCH_BY_CAPABILITY:
+        name = torch.cuda.get_device_name()
+        return f"{name} is sm_{capability[0]}{capability[1]}; cake_cute needs sm_90, sm_100 or sm_103"
+    return None
+
+
+def case_matrix(quick: bool = False) -> list[Case]:
+    """dtypes x H x T x residual (w in the activation dtype) within MAX_ELEMENTS, plus FP32 weights,
+    Gemma's weight offset and an empty batch."""
+    hiddens, rows = (QUICK_HIDDEN, QUICK_ROWS) if quick else (FULL_HIDDEN, FULL_ROWS)
+    cases = [
+        Case(dtype, dtype, hidden, t, residual)
+        for dtype in DTYPES
+        for hidden in hiddens
+        for t in rows
+        for residual in (False, True)
+        if t * hidden <= MAX_ELEMENTS
+    ]
+    cases += [
+        Case(torch.bfloat16, torch.float32, 4096, 129, True),
+        Case(torch.float16, torch.float32, 4097, 129, False),
+        Case(torch.bfloat16, torch.bfloat16, 4096, 129, False, 1.0),
+        Case(torch.bfloat16, torch.bfloat16, 4096, 0, True),
+    ]
+    return cases
+
+
+def _poisoned(shape, dtype, device) -> torch.Tensor:
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+def _dx_limit(case: Case, g, w, rstd, dx_ref) -> float:
+    """tolerance(dtype) plus the FP32 cancellation floor of dx (see the module docstring)."""
+    scale = (g.double() * (w.double() + case.weight_offset) * rstd.double().reshape(-1, 1)).norm().item()
+    norm = dx_ref.norm().item()
+    return tolerance(case.dtype) + (FP32_TOLERANCE * scale / norm if norm > 0 else 0.0)
+
+
+def _functional(case: Case, x, w, residual, g, g_res, errors: dict, limits: dict):
+    """Forward and backward into NaN-poisoned caller-owned outputs; returns the dx reference."""
+    from . import cake_rmsnorm_train_backward, cake_rmsnorm_train_forward
+
+    shape, device, rows = x.shape, x.device, case.rows
+    out, rstd = _poisoned(shape, case.dtype, device), _poisoned((rows,), torch.float32, device)
+    h_out = _poisoned(shape, case.dtype, device) if case.residual else None
+    cake_rmsnorm_train_forward(x, w, EPS, residual=residual, out=out, rstd=rstd, residual_out=h_out,
+                               weight_offset=case.weight_offset)
+    y_ref, rstd_ref, h_ref = forward_reference(x, w, EPS, residual=residual, weight_offset=case.weight_offset)
+    errors.update(y=rel_error(out, y_ref), rstd=rel_error(rstd, rstd_ref))
+    if case.residual:
+        errors["h"] = rel_error(h_out, h_ref)
+    h = h_out if case.residual else x
+
+    dx, dw = _poisoned(shape, case.dtype, device), _poisoned((case.hidden,), torch.float32, device)
+    cake_rmsnorm_train_backward(g, h, w, rstd, g_residual=g_res, dx=dx, dw=dw, weight_offset=case.weight_offset)
+    dx_ref, dw_ref = backward_reference(g, h, w, rstd, g_residual=g_res, weight_offset=case.weight_offset)
+    errors.update(dx=rel_error(dx, dx_ref), dw=rel_error(dw, dw_ref))
+    limits["dx"] = _dx_limit(case, g, w, rstd, dx_ref)
+    return y_ref, dx_ref, dw_ref
+
+
+def _autograd(case: Case, x, w, residual, g, g_res, refs, errors: dict) -> None:
+    """cake_rmsnorm with autograd: y, and the gradients of x, residual and w."""
+    from . import cake_rmsnorm
+
+    y_ref, dx_ref, dw_ref = refs
+    xa, wa = x.clone().requires_grad_(), w.clone().requires_grad_()
+    ra = residual.clone().requires_grad_() if case.residual else None
+    outs = cake_rmsnorm(xa, wa, EPS, residual=ra, weight_offset=case.weight_offset)
+    if case.residual:
+        torch.autograd.backward(list(outs), [g, g_res])
+        y = outs[0]
+        errors["ag_dres"] = rel_error(ra.grad, dx_ref)
+    else:
+        torch.autograd.backward(outs, g)
+        y = outs
+    errors.update(ag_y=rel_error(y.detach(), y_ref), ag_dx=rel_error(xa.grad, dx_ref), ag_dw=rel_error(wa.grad, dw_ref))
+
+
+def run_case(case: Case, device: torch.device) -> CaseResult:
+    """Errors of every output of one case (an exception is a failure with its message)."""
+    act_tol = tolerance(case.dtype)
+    limits = dict(y=act_tol, h=act_tol, dx=act_tol, ag_y=act_tol, rstd=FP32_TOLERANCE, dw=FP32_TOLERANCE,
+                  ag_dw=tolerance(case.w_dtype))
+    errors: dict[str, float] = {}
+    generator = torch.Generator(device=device).manual_seed(case.hidden * 7919 + case.rows)
+
+    def randn(*shape, dtype=case.dtype):
+        return torch.randn(*shape, generator=generator, device=device, dtype=torch.float32).to(dtype)
+
+    shape = (case.rows, case.hidden)
+    x, g = randn(*shape), randn(*shape)
+    w = (randn(case.hidden, dtype=torch.float32) * 0.5 + 1).to(case.w_dtype)
+    residual, g_res = (randn(*shape), randn(*shape)) if case.residual else (None, None)
+    try:
+        refs = _functional(case, x, w, residual, g, g_res, errors, limits)
+        limits["ag_dx"] = limits["ag_dres"] = limits["dx"]
+        _autograd(case, x, w, residual, g, g_res, refs, errors)
+    except Exception as exc:  # a crash in one case is reported, the others still run
+        return CaseResult(case, errors, limits, f"{type(exc).__name__}: {exc}".splitlines()[0])
+    return CaseResult(case, errors, limits)
+
+
+def format_result(result: CaseResult) -> str:
+    status = "PASS" if result.ok else "FAIL"
+    cells = [f"{result.errors[q]:9.1e}" if q in result.errors else f"{'-':>9}" for q in QUANTITIES]
+    line = f"{status}  {result.case.label()}  " + "".join(cells)
+    return line + (f"  {result.error}" if result.error else "")
+
+
+def run_check(quick: bool = False, stream: TextIO = sys.stdout) -> int:
+    """Run the matrix on the current GPU, print one row per case as it finishes; 1 if any failed."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    cases = case_matrix(quick)
+    print(f"cake-cute check: {len(cases)} cases on {torch.cuda.get_device_name(device)} "
+          f"(relative-norm errors vs FP64)", file=stream)
+    print(f"{'':6}{HEADER}  " + "".join(f"{q:>9}" for q in QUANTITIES), file=stream)
+    failed = 0
+    for case in cases:
+        result = run_case(case, device)
+        failed += not result.ok
+        print(format_result(result), file=stream, flush=True)
+    print(f"{len(cases) - failed} passed, {failed} failed", file=stream)
+    return 1 if failed else 0

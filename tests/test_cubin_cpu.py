@@ -1,0 +1,100 @@
+"""cake_cute.cubin: parsing cuobjdump/nvdisasm output, cutting the fatbin out of an exported object,
+and reporting on a cached kernel without compiling it again."""
+
+import pytest
+
+from cake_cute import compile_cache, cubin
+from cake_cute.compile_cache import KernelSpec
+
+SASS = """
+        /*0230*/                   LDG.E.128 R16, desc[UR6][R2.64+0x1800] ;
+        /*0240*/              @!P1 LDG.E.U16 R8, desc[UR6][R2.64] ;
+        /*0250*/               @P0 LDG.E R4, desc[UR6][R2.64] ;
+        /*0260*/                   STG.E.64 desc[UR6][R2.64], R36 ;
+        /*0270*/                   STL [R1+0x4], R3 ;
+        /*0280*/                   LDL R5, [R1+0x4] ;
+        /*0290*/                   LD.E R6, desc[UR4][R2.64] ;
+        /*02a0*/                   LDGSTS.E.BYPASS.128 [R7], desc[UR6][R2.64] ;
+"""
+
+RES_USAGE = """
+ Function kernel_a:
+  REG:62 STACK:0 SHARED:1024 LOCAL:0 CONSTANT[0]:604 TEXTURE:0 SURFACE:0 SAMPLER:0
+ Function kernel_b:
+  REG:40 STACK:16 SHARED:0 LOCAL:8 CONSTANT[0]:604 TEXTURE:0 SURFACE:0 SAMPLER:0
+"""
+
+ELF = """
+	Attribute:	EIATTR_REQNTID
+	Format:	EIFMT_SVAL
+	Value:	0x80 0x2 0x1 
+"""
+
+
+@pytest.mark.parametrize(
+    "opcode, bits",
+    [("LDG.E.128", 128), ("LDG.E.64", 64), ("LDG.E", 32), ("STG.E.U16", 16), ("LDG.E.S8", 8),
+     ("LDG.E.128.CONSTANT", 128), ("LDGSTS.E.BYPASS.128", 128), ("LDG.E.LTC128B.128", 128)],
+)
+def test_access_bits(opcode, bits):
+    assert cubin.access_bits(opcode) == bits
+
+
+def test_parse_sass_counts_by_width():
+    report = cubin.parse_sass(SASS)
+    assert report["ldg_counts"] == {16: 1, 32: 1, 128: 2}
+    assert report["stg_counts"] == {64: 1}
+    assert report["global_load_width_bits"] == 128
+    assert report["global_store_width_bits"] == 64
+    assert (report["local_loads"], report["local_stores"], report["generic_loads"]) == (1, 1, 1)
+
+
+def test_parse_resources_takes_the_worst_function():
+    report = cubin.parse_resources(RES_USAGE)
+    assert report == {"functions": 2, "registers": 62, "stack_bytes": 16, "shared_bytes": 1024, "local_bytes": 8}
+    assert not cubin.spill_free(report)
+
+
+def test_parse_threads():
+    assert cubin.parse_threads(ELF) == 256
+    assert cubin.parse_threads("no attribute") is None
+
+
+def test_fatbin_from_object_rejects_other_files():
+    with pytest.raises(ValueError, match="ELF"):
+        cubin.fatbin_from_object(b"not an object file")
+
+
+def test_missing_tool_names_the_package(monkeypatch):
+    monkeypatch.setattr(cubin, "WHEEL_BIN_DIRS", ())
+    monkeypatch.setenv("PATH", "")
+    with pytest.raises(cubin.ToolNotFoundError, match="pip install nvidia-cuda-cuobjdump"):
+        cubin.find_tool("cuobjdump")
+
+
+def test_report_of_a_cached_kernel_compiles_nothing(tmp_path, monkeypatch):
+    """The report reads the cached object file: a warm cache is reported on without a compile."""
+    monkeypatch.setenv("CAKE_CUTE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(compile_cache, "_memory", {})
+    spec = KernelSpec("fwd", "sm_90a", "bf16", "bf16", 4096)
+    compile_cache.get_kernel(spec)
+    before = compile_cache.compile_count
+    monkeypatch.setattr(compile_cache, "_memory", {})
+    report = cubin.kernel_report(spec)
+    assert compile_cache.compile_count == before
+    assert report["name"] == spec.name()
+    assert report["global_load_width_bits"] == 128 and report["threads"] == 128 and report["cluster_n"] == 1
+    assert report["registers"] > 0
+
+
+def test_fatbin_holds_one_cubin_for_the_spec_arch(tmp_path, monkeypatch):
+    monkeypatch.setenv("CAKE_CUTE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(compile_cache, "_memory", {})
+    spec = KernelSpec("dw", "sm_100a", "fp32", "fp32", 4096)
+    compile_cache.get_kernel(spec)
+    fatbin = cubin.fatbin_from_object(compile_cache.object_path(spec).read_bytes())
+    workdir = tmp_path / "x"
+    workdir.mkdir()
+    (workdir / "k.fatbin").write_bytes(fatbin)
+    listing = cubin._run_tool("cuobjdump", "-lelf", "k.fatbin", cwd=str(workdir))
+    assert listing.count(".cubin") == 1 and "sm_100a" in listing
