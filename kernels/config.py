@@ -119,21 +119,37 @@ def row_tiling(hidden: int, act_bytes: int, bytes_per_thread: int, target_vecs: 
 
 @lru_cache(maxsize=None)
 def forward_tiling(hidden: int, act_dtype: str) -> RowTiling:
-    """Forward: x (and residual) stay in registers between the sum of squares and the output; 128
-    bytes of a row per thread (eight 128-bit vectors) keeps eight loads in flight without spilling."""
+    """Forward: x (and residual) are staged in shared memory; 128 bytes of a row per thread (eight
+    128-bit vectors) keeps a CTA's tile small enough for several CTAs per SM."""
     return row_tiling(hidden, DTYPE_BYTES[act_dtype], bytes_per_thread=128, target_vecs=4)
 
 
 @lru_cache(maxsize=None)
 def backward_tiling(hidden: int, act_dtype: str) -> RowTiling:
-    """Backward: g, x, w and an FP32 dW accumulator per element stay in registers, so each thread
-    holds half the forward's share of a row. In ``wide_mode`` (512 threads per CTA, so 128 registers
+    """Backward: g and h are staged in shared memory (two stages), w sits there too, and each thread
+    keeps an FP32 dW accumulator per element it owns in registers, so it holds half the forward's
+    share of a row. In ``wide_mode`` (512 threads per CTA, so 128 registers
     per thread) the dW accumulator lives in shared memory and g, h are re-read after the row sum
     instead of being held across it (an L2 hit: the rows a cluster has in flight are a few MB)."""
     tiling = row_tiling(hidden, DTYPE_BYTES[act_dtype], bytes_per_thread=64, target_vecs=2)
     if tiling.threads_per_cta >= MAX_THREADS_PER_CTA:
         return replace(tiling, wide_mode=True)
-    return tiling
+    return _exact_lanes(tiling) or tiling
+
+
+def _exact_lanes(tiling: RowTiling) -> RowTiling | None:
+    """For a row that a power-of-two lane count covers only with a ragged tail (H = 5120 = 640
+    vectors), a whole number of warps that covers it exactly with at most two vectors each (here 10
+    warps): no column predicates, and the lean register budget applies. Up to 10 warps, so that two
+    CTAs still fit on an SM."""
+    if tiling.even or tiling.cluster_n > 1 or tiling.threads_per_row < 32:
+        return None
+    vecs = tiling.hidden // tiling.vec
+    for warps in range(1, 11):
+        lanes = 32 * warps
+        if vecs % lanes == 0 and vecs // lanes <= 2:
+            return replace(tiling, threads_per_row=lanes, vecs_per_thread=vecs // lanes, rows_per_cta=1)
+    return None
 
 
 def backward_smem_bytes(tiling: RowTiling, act_dtype: str, residual: bool) -> int:

@@ -1,0 +1,46 @@
+"""The workload compute-sanitizer runs: forward and backward over the dtypes x H in {7, 4096, 4097,
+65536} x residual off/on, small T, each output checked against the FP64 reference so a silent
+corruption would also show. Run by ``tests/sanitizer/run.sh`` under memcheck, racecheck and synccheck
+(a GPU is needed); it prints one line per case and exits non-zero on any mismatch."""
+
+import sys
+
+import torch
+
+import cake_cute
+from cake_cute.reference import backward_reference, forward_reference, rel_error, tolerance
+
+
+def run_case(dtype, hidden, residual, rows=3):
+    torch.manual_seed(hidden + rows)
+    dev = torch.device("cuda")
+    x = torch.randn(rows, hidden, device=dev, dtype=dtype)
+    w = torch.randn(hidden, device=dev, dtype=dtype)
+    res = torch.randn_like(x) if residual else None
+    outs = cake_cute.cake_rmsnorm_train_forward(x, w, 1e-6, residual=res)
+    h = outs[2] if residual else x
+    g = torch.randn_like(x)
+    gr = torch.randn_like(x) if residual else None
+    dx, dw = cake_cute.cake_rmsnorm_train_backward(g, h, w, outs[1], g_residual=gr)
+    torch.cuda.synchronize()
+    y_ref, _, _ = forward_reference(x, w, 1e-6, residual=res)
+    dx_ref, dw_ref = backward_reference(g, h, w, outs[1], g_residual=gr)
+    errors = (rel_error(outs[0], y_ref), rel_error(dx, dx_ref), rel_error(dw, dw_ref))
+    ok = errors[0] <= tolerance(dtype) and errors[1] <= tolerance(dtype) and errors[2] <= 1e-4
+    print(f"{'ok ' if ok else 'BAD'} {str(dtype)[6:]:9s} H={hidden:6d} residual={residual!s:5s} "
+          f"err y={errors[0]:.1e} dx={errors[1]:.1e} dw={errors[2]:.1e}", flush=True)
+    return ok
+
+
+def main():
+    results = [
+        run_case(dtype, hidden, residual)
+        for dtype in (torch.bfloat16, torch.float16, torch.float32)
+        for hidden in (7, 4096, 4097, 65536)
+        for residual in (False, True)
+    ]
+    return 0 if all(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
