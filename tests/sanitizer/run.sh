@@ -8,8 +8,11 @@ mkdir -p "$out"
 here=$(dirname "${BASH_SOURCE[0]}")
 python3 "$here/cases.py" > "$out/plain.log" 2>&1 || { cat "$out/plain.log"; exit 1; }
 status=0
+# --report-api-errors no: cuda-python resolves driver entry points with cuGetProcAddress, and the
+# lookups of symbols this driver lacks return CUDA_ERROR_INVALID_VALUE by design; memcheck would
+# count each as an error although no memory access is involved.
 for tool in memcheck racecheck synccheck; do
-  compute-sanitizer --tool "$tool" --error-exitcode 9 python3 "$here/cases.py" > "$out/$tool.log" 2>&1
+  compute-sanitizer --tool "$tool" --report-api-errors no --error-exitcode 9 python3 "$here/cases.py" > "$out/$tool.log" 2>&1
   rc=$?
   echo "$tool: exit $rc, $(grep -c '^ok ' "$out/$tool.log") cases ok; $(grep 'ERROR SUMMARY' "$out/$tool.log" | tail -1)"
   [[ $rc == 0 ]] || status=1
