@@ -9,7 +9,13 @@ from __future__ import annotations
 from functools import lru_cache
 
 from .compile_cache import KernelSpec, get_kernel
-from .kernels.config import backward_ctas_per_sm, backward_min_ctas_per_sm, backward_tiling, forward_tiling
+from .kernels.config import (
+    backward_ctas_per_sm,
+    backward_min_ctas_per_sm,
+    backward_tiling,
+    forward_min_ctas_per_sm,
+    forward_tiling,
+)
 from .kernels.dw_reduce import reduce_shape
 from .occupancy import resident_clusters
 from .validation import vector_align_bytes
@@ -106,7 +112,8 @@ def compile_kernel(spec: KernelSpec):
         res, h_out = (
             (_fake_rows_tensor(cute, act, rows, H, vec) for _ in range(2)) if spec.residual else (None, None)
         )
-        kernel = RMSNormForward(tiling, act, wdt, spec.residual, spec.weight_offset)
+        min_ctas = forward_min_ctas_per_sm(tiling, spec.arch)
+        kernel = RMSNormForward(tiling, act, wdt, spec.residual, spec.weight_offset, min_ctas)
         return cute.compile(kernel, x, res, w, y, h_out, rstd, cutlass.Float32(1e-6), stream, options=options)
 
     g, h, dx = (_fake_rows_tensor(cute, act, rows, H, vec) for _ in range(3))

@@ -152,6 +152,15 @@ def _exact_lanes(tiling: RowTiling) -> RowTiling | None:
     return None
 
 
+def forward_min_ctas_per_sm(tiling: RowTiling, arch: str) -> int:
+    """The forward's ``min_blocks_per_mp`` hint, 0 for none. On sm_90a the compiler's own register
+    choice is best (64 registers let four 256-thread cluster CTAs share an SM); on Blackwell it
+    squeezes some cluster variants to 64 registers and spills, so they get the 128-register cap."""
+    if arch == "sm_90a" or tiling.cluster_n == 1:
+        return 0
+    return tiling.min_ctas_per_sm
+
+
 def backward_smem_bytes(tiling: RowTiling, act_dtype: str, residual: bool) -> int:
     """Shared memory of one backward CTA (``rmsnorm_bwd``): reduction slots, the w tile (FP32 at most),
     one stage of g_residual, and either two stages of g and h or, in wide mode, the FP32 dW tile."""

@@ -43,8 +43,9 @@ from .common import (
 class RMSNormForward:
     """One compiled forward per (arch, dtypes, H, residual, weight_offset); T is a runtime value."""
 
-    def __init__(self, tiling, act_dtype, w_dtype, residual: bool, weight_offset: float):
+    def __init__(self, tiling, act_dtype, w_dtype, residual: bool, weight_offset: float, min_ctas_per_sm: int):
         self.tiling = tiling
+        self.min_ctas_per_sm = min_ctas_per_sm
         self.act_dtype = act_dtype
         self.w_dtype = w_dtype
         self.residual = residual
@@ -68,9 +69,8 @@ class RMSNormForward:
             grid=[cute.ceil_div(rows, t.rows_per_cta), t.cluster_n, 1],
             block=[t.threads_per_cta, 1, 1],
             cluster=[1, t.cluster_n, 1] if const_expr(t.cluster_n > 1) else None,
-            # Cluster variants get an explicit register budget: left to itself the sm_100a compiler
-            # squeezes some of them to 64 registers and spills. (0: no hint, the compiler's choice.)
-            min_blocks_per_mp=t.min_ctas_per_sm if const_expr(t.cluster_n > 1) else 0,
+            # config.forward_min_ctas_per_sm: a register hint where the compiler's own choice spills.
+            min_blocks_per_mp=self.min_ctas_per_sm,
             preferred_smem_carveout=100,
             stream=stream,
         )
