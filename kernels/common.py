@@ -29,6 +29,40 @@ COPY_BITS = 128
 REDUCTION_SLOTS = 2
 
 
+class RowKernel:
+    """What the forward and backward kernel classes share: their compile-time parameters, the launch
+    shape, and w widened to FP32 with the Gemma-style offset folded in."""
+
+    def __init__(self, tiling, act_dtype, w_dtype, residual: bool, weight_offset: float, min_ctas_per_sm: int):
+        self.tiling = tiling
+        self.act_dtype = act_dtype
+        self.w_dtype = w_dtype
+        self.residual = residual
+        self.weight_offset = weight_offset
+        # A ``min_blocks_per_mp`` register hint (0: none), chosen per arch in ``config``.
+        self.min_ctas_per_sm = min_ctas_per_sm
+
+    def launch_shape(self, ctas) -> dict:
+        """Launch keywords for ``ctas`` row programs times ``cluster_n`` CTAs along y. The shared
+        memory carveout is given explicitly so that compiling needs no GPU to look it up."""
+        t = self.tiling
+        return dict(
+            grid=[ctas, t.cluster_n, 1],
+            block=[t.threads_per_cta, 1, 1],
+            cluster=[1, t.cluster_n, 1] if t.cluster_n > 1 else None,
+            min_blocks_per_mp=self.min_ctas_per_sm,
+            preferred_smem_carveout=100,
+        )
+
+    @cute.jit
+    def widen_weight(self, w: cute.TensorSSA) -> cute.TensorSSA:
+        w = w.to(Float32)
+        if const_expr(self.weight_offset != 0.0):
+            # FP32 add, so (offset + w) is not rounded through w's dtype.
+            w = w + Float32(self.weight_offset)
+        return w
+
+
 def copy_atom(dtype, vec: int):
     """A universal (LDG/STG) copy atom moving ``vec`` elements, at most 128 bits per instruction."""
     bits = min(COPY_BITS, vec * dtype.width)

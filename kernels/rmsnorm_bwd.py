@@ -32,6 +32,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from .common import (
+    RowKernel,
     allocate_reduction_buffers,
     allocate_tile,
     broadcast_rows,
@@ -52,17 +53,9 @@ def stage_tile(stage, thr, tiler, rank, tile, slot, mG, mH, sG, sH):
         stage(thr.partition_S(cute.local_tile(m, tiler, (tile, rank))), thr.partition_D(sT[None, None, slot]))
 
 
-class RMSNormBackward:
+class RMSNormBackward(RowKernel):
     """One compiled backward per (arch, dtypes, H, residual, weight_offset); T and the number of
     programs are runtime values."""
-
-    def __init__(self, tiling, act_dtype, w_dtype, residual: bool, weight_offset: float, min_ctas_per_sm: int):
-        self.tiling = tiling
-        self.min_ctas_per_sm = min_ctas_per_sm
-        self.act_dtype = act_dtype
-        self.w_dtype = w_dtype
-        self.residual = residual
-        self.weight_offset = weight_offset
 
     @cute.jit
     def __call__(
@@ -77,25 +70,9 @@ class RMSNormBackward:
         num_programs: Int32,
         stream,
     ):
-        t = self.tiling
         self.kernel(mG, mH, mW, mRstd, mGRes, mDX, mPartial).launch(
-            grid=[num_programs, t.cluster_n, 1],
-            block=[t.threads_per_cta, 1, 1],
-            cluster=[1, t.cluster_n, 1] if const_expr(t.cluster_n > 1) else None,
-            # The register budget (config.backward_register_budget): g, h and w are re-read from
-            # shared memory, so a tight budget costs no spills and buys resident CTAs.
-            min_blocks_per_mp=self.min_ctas_per_sm,
-            # Given explicitly so that compiling needs no GPU to query the carveout.
-            preferred_smem_carveout=100,
-            stream=stream,
+            **self.launch_shape(num_programs), stream=stream
         )
-
-    @cute.jit
-    def weight(self, tXsW: cute.Tensor):
-        w = tXsW.load().to(Float32)
-        if const_expr(self.weight_offset != 0.0):
-            w = w + Float32(self.weight_offset)
-        return w
 
     @cute.kernel
     def kernel(
@@ -219,7 +196,7 @@ class RMSNormBackward:
             xhat = tXrH.load().to(Float32) * rstd
             tXDW.store(tXDW.load() + g * xhat)
             dot = row_sum(
-                (g * self.weight(tXsW) * xhat).reduce(cute.ReductionOp.ADD, Float32(0.0), 0),
+                (g * self.widen_weight(tXsW.load()) * xhat).reduce(cute.ReductionOp.ADD, Float32(0.0), 0),
                 warp_sums, cta_sums, mbars, row_in_cta, lane_in_row, slot, phase, t.threads_per_row, t.cluster_n,
             )
             c = dot / t.hidden
@@ -236,7 +213,7 @@ class RMSNormBackward:
                 if const_expr(self.residual):
                     copy_act(tXsGR, tXrGR)
             xhat = tXrH.load().to(Float32) * rstd
-            dx = (tXrG.load().to(Float32) * self.weight(tXsW) - xhat * c) * rstd
+            dx = (tXrG.load().to(Float32) * self.widen_weight(tXsW.load()) - xhat * c) * rstd
             if const_expr(self.residual):
                 dx = dx + tXrGR.load().to(Float32)
             tXrDX.store(dx.to(self.act_dtype))

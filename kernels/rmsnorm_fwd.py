@@ -27,6 +27,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from .common import (
+    RowKernel,
     allocate_reduction_buffers,
     allocate_tile,
     broadcast_rows,
@@ -40,16 +41,8 @@ from .common import (
 )
 
 
-class RMSNormForward:
+class RMSNormForward(RowKernel):
     """One compiled forward per (arch, dtypes, H, residual, weight_offset); T is a runtime value."""
-
-    def __init__(self, tiling, act_dtype, w_dtype, residual: bool, weight_offset: float, min_ctas_per_sm: int):
-        self.tiling = tiling
-        self.min_ctas_per_sm = min_ctas_per_sm
-        self.act_dtype = act_dtype
-        self.w_dtype = w_dtype
-        self.residual = residual
-        self.weight_offset = weight_offset
 
     @cute.jit
     def __call__(
@@ -63,17 +56,8 @@ class RMSNormForward:
         eps: Float32,
         stream,
     ):
-        t = self.tiling
-        rows = mX.shape[0]
-        self.kernel(mX, mRes, mW, mY, mHOut, mRstd, eps).launch(
-            grid=[cute.ceil_div(rows, t.rows_per_cta), t.cluster_n, 1],
-            block=[t.threads_per_cta, 1, 1],
-            cluster=[1, t.cluster_n, 1] if const_expr(t.cluster_n > 1) else None,
-            # config.forward_min_ctas_per_sm: a register hint where the compiler's own choice spills.
-            min_blocks_per_mp=self.min_ctas_per_sm,
-            preferred_smem_carveout=100,
-            stream=stream,
-        )
+        ctas = cute.ceil_div(mX.shape[0], self.tiling.rows_per_cta)
+        self.kernel(mX, mRes, mW, mY, mHOut, mRstd, eps).launch(**self.launch_shape(ctas), stream=stream)
 
     @cute.kernel
     def kernel(
@@ -157,9 +141,7 @@ class RMSNormForward:
         # Re-read h from shared memory rather than holding it in registers across the reduction.
         tXrX.fill(0)
         copy_act(tXsX, tXrX)
-        w = tXrW.load().to(Float32)
-        if const_expr(self.weight_offset != 0.0):
-            w = w + Float32(self.weight_offset)
+        w = self.widen_weight(tXrW.load())
         tXrY = cute.make_rmem_tensor_like(tXgY)
         tXrY.store((tXrX.load().to(Float32) * rstd * w).to(self.act_dtype))
         if row < rows:
