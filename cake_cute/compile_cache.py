@@ -44,7 +44,6 @@ except ImportError:  # not POSIX: no cross-process lock; atomic renames still ke
 
 from . import __version__
 
-KINDS = ("fwd", "bwd", "dw")
 CACHE_FORMAT = 2  # bump when the on-disk layout changes (2: sha256 sidecars)
 
 compile_count = 0  # kernels compiled by this process (tests count these)

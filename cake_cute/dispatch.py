@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from .compile_cache import KernelSpec, get_kernel
+from .compile_cache import KernelSpec
 from .kernels.config import (
     backward_ctas_per_sm,
     backward_min_ctas_per_sm,
@@ -130,7 +130,3 @@ def compile_kernel(spec: KernelSpec):
 def vector_elems(hidden: int, act_dtype: str) -> int:
     """Elements per vector access for this H (the alignment, in elements, the kernels assume)."""
     return forward_tiling(hidden, act_dtype).vec
-
-
-def kernel(spec: KernelSpec):
-    return get_kernel(spec)
