@@ -8,16 +8,25 @@ Math, per row t (FP32 arithmetic, one rounding at the end):
     dx   = round(rstd * (a - xhat * c) [+ g_residual])
     dW_partial[p] += g * xhat              (FP32 registers, over the rows that CTA row-group p visits)
 
-Persistent grid: ``num_programs`` CTAs (times ``cluster_n`` along y); program b visits the row tiles
-b, b + num_programs, ... -- a fixed partition for a given (T, num_programs). Each CTA loads w once into
-registers and keeps one FP32 dW accumulator per element it owns; at the end every row group writes its
-accumulator as one FP32 row of the workspace ``partials[num_programs * rows_per_cta, H_pad]``, which
-``dw_reduce`` sums in a fixed order. No atomics anywhere.
+Persistent grid: ``num_programs`` CTAs (times ``cluster_n`` along y), as many as are resident at once
+(``cake_cute.occupancy``); program b visits the row tiles b, b + num_programs, ... -- a fixed partition
+for a given (T, num_programs). Each CTA copies w once into its own cells of shared memory and keeps one
+FP32 dW accumulator per element it owns; at the end every row group writes its accumulator as one FP32
+row of the workspace ``partials[num_programs * rows_per_cta, H_pad]``, which ``dw_reduce`` sums in a
+fixed order. No atomics anywhere.
+
+Pipeline: g and h of the next row tile stream into the other half of a double-buffered shared-memory
+tile with cp.async (and rstd into a register) while the current tile is reduced; g_residual, needed only
+after the row sum, is staged at the top of its own iteration. The row sum (``common.row_sum``) is the
+only synchronisation per row: a CTA barrier, plus for clusters an ``st.async`` push of each CTA's
+partial into every peer's shared memory.
 
 Tiling (``config.backward_tiling``): ``threads_per_row`` lanes per row, ``vecs_per_thread`` vectors of
-``vec`` elements (128-bit accesses when H allows), at most 64 bytes of each of g and h per thread so g,
-h, w and the accumulator fit in registers; wide rows are split over a cluster of ``cluster_n`` CTAs whose
-partial dot products meet in distributed shared memory (one cluster barrier per row, double-buffered).
+``vec`` elements (128-bit accesses when H allows), at most 64 bytes of each of g and h per thread; wide
+rows are split over a cluster of up to 16 CTAs. Registers are held to a budget
+(``config.backward_register_budget``) through ``min_blocks_per_mp``. For the widest rows (512-thread
+CTAs, ``wide_mode``) g and h are loaded straight into registers and re-read from global memory (an L2
+hit) after the row sum, and the dW accumulator lives in shared memory, so 128 registers suffice.
 
 Bytes moved: reads g, h (+ g_residual) and writes dx once: T*H*(3 or 4)*act_bytes, plus 4*T of rstd,
 plus the partial rows (num_programs * rows_per_cta * H * 4, written here, read by dw_reduce).
