@@ -187,17 +187,16 @@ class RMSNormBackward(RowKernel):
                 cute.arch.cp_async_commit_group()
                 # Pending, oldest first: this tile's g and h, its g_residual, the next tile's g and h.
                 cute.arch.cp_async_wait_group(2)
-                tXsG, tXsH = [thr.partition_D(sT[None, None, slot]) for sT in (sG, sH)]
+            # g and h come from the staged tiles, or in wide mode straight from global memory.
+            tXsrcG, tXsrcH = tXgG, tXgH
+            if const_expr(staged):
+                tXsrcG, tXsrcH = [thr.partition_D(sT[None, None, slot]) for sT in (sG, sH)]
             # Rows past T contribute zeros, never stale values.
             tXrG.fill(0)
             tXrH.fill(0)
             if row < rows:
-                if const_expr(staged):
-                    copy_act(tXsG, tXrG)
-                    copy_act(tXsH, tXrH)
-                else:
-                    copy_act(tXgG, tXrG)
-                    copy_act(tXgH, tXrH)
+                copy_act(tXsrcG, tXrG)
+                copy_act(tXsrcH, tXrH)
             # Everything before the row sum is folded into the dot product and the dW accumulator;
             # a and xhat are recomputed from g and h afterwards (re-read from shared memory, or in
             # wide mode from global memory), so nothing of the row is held across the barrier.
@@ -213,12 +212,8 @@ class RMSNormBackward(RowKernel):
             if const_expr(self.residual):
                 cute.arch.cp_async_wait_group(1 if const_expr(staged) else 0)
             if row < rows:
-                if const_expr(staged):
-                    copy_act(tXsG, tXrG)
-                    copy_act(tXsH, tXrH)
-                else:
-                    copy_act(tXgG, tXrG)
-                    copy_act(tXgH, tXrH)
+                copy_act(tXsrcG, tXrG)
+                copy_act(tXsrcH, tXrH)
                 if const_expr(self.residual):
                     copy_act(tXsGR, tXrGR)
             xhat = tXrH.load().to(Float32) * rstd

@@ -27,6 +27,7 @@ from cake_cute import (
 from cake_cute.reference import backward_reference, forward_reference, rel_error, tolerance
 
 from ._helpers import (  # noqa: F401 (fixed_seed, prewarm_kernels: fixtures)
+    WIDE,
     DTYPE_IDS,
     DTYPES,
     EPS,
@@ -49,14 +50,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("prewarm_kernels")]
 DEV = "cuda"
 F32 = torch.float32
 ROWS = (1, 2, 129, 4096, 16231)
-# Memory bound: from H = 65536 on, T is capped at 129 rows (16231 x 65536 would be 1G elements per
-# tensor, and the FP64 reference needs several such tensors).
-WIDE = 65536
 DW_TOL = 2e-5
-
-
-def rows_for(hidden):
-    return list(dict.fromkeys(t if hidden < WIDE else min(t, 129) for t in ROWS))
 
 
 GRID = [
@@ -64,7 +58,7 @@ GRID = [
     for dtype in DTYPES
     for hidden in SUITE_HIDDEN
     for residual in (False, True)
-    for rows in rows_for(hidden)
+    for rows in rows_for(hidden, ROWS)
 ]
 
 

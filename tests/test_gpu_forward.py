@@ -18,6 +18,7 @@ from cake_cute import cake_rmsnorm_train_forward
 from cake_cute.reference import forward_reference, rel_error, tolerance
 
 from ._helpers import (  # noqa: F401 (fixed_seed, prewarm_kernels: fixtures)
+    WIDE,
     DTYPE_IDS,
     DTYPES,
     EPS,
@@ -31,6 +32,7 @@ from ._helpers import (  # noqa: F401 (fixed_seed, prewarm_kernels: fixtures)
     poison_,
     prewarm_kernels,
     rand_weight,
+    rows_for,
 )
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("prewarm_kernels")]
@@ -38,14 +40,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("prewarm_kernels")]
 DEV = "cuda"
 F32 = torch.float32
 ROWS = (0, 1, 2, 129, 4096)
-# Memory bound: from H = 65536 on, T is capped at 129 rows (4096 x 262144 FP32 would be 4 GiB per
-# tensor, and the FP64 reference needs several times that).
-WIDE = 65536
 RSTD_TOL = 1e-5
-
-
-def rows_for(hidden):
-    return [t for t in ROWS if hidden < WIDE or t <= 129]
 
 
 GRID = [
@@ -53,7 +48,7 @@ GRID = [
     for dtype in DTYPES
     for hidden in SUITE_HIDDEN
     for residual in (False, True)
-    for rows in rows_for(hidden)  # T innermost: consecutive tests reuse one compiled kernel
+    for rows in rows_for(hidden, ROWS)  # T innermost: consecutive tests reuse one compiled kernel
 ]
 
 
