@@ -42,6 +42,7 @@ from ._helpers import (  # noqa: F401 (fixed_seed, prewarm_kernels: fixtures)
     poison_,
     prewarm_kernels,
     rand_weight,
+    rows_for,
     sum_rel_error,
 )
 
