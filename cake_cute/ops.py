@@ -115,7 +115,8 @@ def cake_rmsnorm_train_backward(
 ):
     """RMSNorm backward: ``(dx, dw)``. ``x`` is what the forward normalized (x, or h_new in residual
     mode); in residual mode ``g_residual`` (dL/dh_new) is added into dx. dw is FP32 unless
-    ``dw_dtype`` says otherwise (autograd asks for w's dtype)."""
+    ``dw_dtype`` says otherwise (autograd asks for w's dtype). Both values of ``deterministic`` run
+    the deterministic kernels for now (no atomic dW path yet)."""
     device, hidden = v.check_activation(x)
     v.check_tensor("g", g, dtypes=(x.dtype,), device=device)
     if tuple(g.shape) != tuple(x.shape):
