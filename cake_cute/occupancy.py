@@ -74,5 +74,5 @@ def resident_clusters(device_index: int, capability: tuple[int, int], threads: i
             _check(driver.cuCtxPopCurrent())
             _check(driver.cuDevicePrimaryCtxRelease(dev))
     except Exception as err:  # the arithmetic bound; it can over-count how clusters pack into GPCs
-        warnings.warn(f"cake_cute: occupancy query failed ({err}); assuming {estimate} resident programs")
+        warnings.warn(f"cake_cute: occupancy query failed ({err}); assuming {estimate} resident programs", stacklevel=2)
         return estimate
