@@ -50,10 +50,11 @@ def backward_programs(rows: int, hidden: int, act_dtype: str, residual: bool, de
     return min(tiles, resident)
 
 
-def partial_rows(rows: int, hidden: int, act_dtype: str, residual: bool, device) -> int:
-    """FP32 partial rows of dW the backward writes (one per row group of each program)."""
+@lru_cache(maxsize=4096)
+def backward_launch(rows: int, hidden: int, act_dtype: str, residual: bool, device) -> tuple[int, int]:
+    """(programs, FP32 partial rows of dW the backward writes: one per row group of each program)."""
     programs = backward_programs(rows, hidden, act_dtype, residual, device)
-    return programs * backward_tiling(hidden, act_dtype).rows_per_cta
+    return programs, programs * backward_tiling(hidden, act_dtype).rows_per_cta
 
 
 def tiling_for(spec: KernelSpec):

@@ -81,7 +81,7 @@ def cake_rmsnorm_train_backward_workspace_bytes(rows, hidden, device, *, residua
         raise ValueError(f"device must be a CUDA device, got {device}")
     v.device_arch(device)
     facts = v.device_facts(device)
-    most = max(dispatch.partial_rows(max(rows, 1), hidden, act, residual, facts) for act in dispatch.DTYPE_NAMES)
+    most = max(dispatch.backward_launch(max(rows, 1), hidden, act, residual, facts)[1] for act in dispatch.DTYPE_NAMES)
     return most * dispatch.partial_row_stride(hidden) * 4
 
 
@@ -140,8 +140,7 @@ def cake_rmsnorm_train_backward(
 
     facts = v.device_facts(device)
     residual = g_residual is not None
-    programs = dispatch.backward_programs(max(rows, 1), hidden, act, residual, facts)
-    partial_rows = programs * dispatch.backward_tiling(hidden, act).rows_per_cta
+    programs, partial_rows = dispatch.backward_launch(max(rows, 1), hidden, act, residual, facts)
     stride = dispatch.partial_row_stride(hidden)
     partials = _partials(workspace, partial_rows, stride, hidden, device)
     dx_t, dx_copy = _outputs_for(dx, x.shape, x.dtype, device, vec)
