@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .custom_ops import cake_rmsnorm_traceable
-from .ops import cake_rmsnorm_train_backward, cake_rmsnorm_train_forward
+from .ops import backward_from_saved, cake_rmsnorm_train_forward
 
 
 def _forward(x, w, eps, residual, weight_offset, deterministic):
@@ -27,13 +27,7 @@ def _backward(g, h, w, rstd, g_residual, weight_offset, deterministic):
     """``(dx, dw)`` with dw in w's dtype."""
     if torch.compiler.is_compiling():
         return torch.ops.cake_cute.rmsnorm_bwd(g, h, w, rstd, g_residual, weight_offset, deterministic, w.dtype)
-    return cake_rmsnorm_train_backward(
-        g, h, w, rstd,
-        deterministic=deterministic,
-        g_residual=g_residual,
-        weight_offset=weight_offset,
-        dw_dtype=w.dtype,
-    )
+    return backward_from_saved(g, h, w, rstd, g_residual, deterministic, weight_offset)
 
 
 class CakeRMSNormFunction(torch.autograd.Function):

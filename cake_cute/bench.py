@@ -27,7 +27,7 @@ SMALL_TOKENS = (1, 16, 256)
 SMALL_HIDDEN = (4096,)
 DEFAULT_ELEMENTS = 1 << 27
 PEERS = ("torch", "compile", "liger", "quack")
-IMPLS = ("cake",) + PEERS
+IMPLS = ("cake_cute",) + PEERS
 OPS = ("fwd", "bwd")
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 RESIDUAL_MODES = {"off": (False,), "on": (True,), "both": (False, True)}
@@ -239,11 +239,11 @@ def _fmt(value, spec: str) -> str:
 
 def format_table(rows: list[dict]) -> str:
     """Compact fixed-width table (one line per row; error rows show the error)."""
-    head = (f"{'impl':<8} {'op':<3} {'res':<3} {'dtype':<5} {'H':>7} {'T':>7} {'us':>10} {'gpu_us':>10} "
+    head = (f"{'impl':<9} {'op':<3} {'res':<3} {'dtype':<5} {'H':>7} {'T':>7} {'us':>10} {'gpu_us':>10} "
             f"{'TB/s':>6} {'copyTB/s':>8} {'%copy':>6} {'host_us':>8}")
     lines = [head, "-" * len(head)]
     for r in sort_rows(rows):
-        lead = (f"{r.get('impl', '?'):<8} {r.get('op', '?'):<3} {'on' if r.get('residual') else 'off':<3} "
+        lead = (f"{r.get('impl', '?'):<9} {r.get('op', '?'):<3} {'on' if r.get('residual') else 'off':<3} "
                 f"{r.get('dtype', '?'):<5} {r.get('H', 0):>7} {r.get('T', 0):>7} ")
         if r.get("error"):
             lines.append(lead + "error: " + " ".join(str(r["error"]).split())[:70])
@@ -300,7 +300,7 @@ def merge_rows(old: list[dict], new: list[dict]) -> list[dict]:
     return list(merged.values())
 
 
-_IMPL_COLORS = {"cake": "tab:red", "torch": "tab:blue", "compile": "tab:green", "liger": "tab:purple",
+_IMPL_COLORS = {"cake_cute": "tab:red", "torch": "tab:blue", "compile": "tab:green", "liger": "tab:purple",
                 "quack": "tab:orange"}
 
 
@@ -471,7 +471,7 @@ class _Impl:
 
 
 class _Cake(_Impl):
-    name = "cake"
+    name = "cake_cute"
 
     def __init__(self, torch, eps):
         import cake_cute
@@ -594,8 +594,8 @@ class _Quack(_Impl):
         return tuple(out)
 
 
-_FACTORIES = {"cake": _Cake, "torch": _TorchEager, "compile": _TorchCompile, "liger": _Liger, "quack": _Quack}
-_DIST_NAMES = {"liger": "liger-kernel", "quack": "quack-kernels", "cake": "cake-cute", "triton": "triton",
+_FACTORIES = {"cake_cute": _Cake, "torch": _TorchEager, "compile": _TorchCompile, "liger": _Liger, "quack": _Quack}
+_DIST_NAMES = {"liger": "liger-kernel", "quack": "quack-kernels", "cake_cute": "cake-cute", "triton": "triton",
                "cutlass": "nvidia-cutlass-dsl"}
 
 
@@ -829,7 +829,7 @@ def _gpu_main(args, torch, t_start: float, device=None) -> int:  # pragma: no co
     print(f"shapes (T, H): {shapes}; dtypes {args.dtype}; residual {args.residual}; ops {args.ops}; "
           f"reps {args.reps}, profiled {args.prof_reps}, warm-up {args.warmup}", flush=True)
 
-    impl_names = ([] if args.no_cake else ["cake"]) + list(args.vs)
+    impl_names = ([] if args.no_cake else ["cake_cute"]) + list(args.vs)
     if not args.no_cake:
         # Compile every cake kernel of the sweep before any peer is imported (quack patches CuTe classes
         # process-wide on import); the time is reported separately from the timed rows.
@@ -939,7 +939,7 @@ def _gpu_main(args, torch, t_start: float, device=None) -> int:  # pragma: no co
                         else:
                             msg = (f"us {row['us']:.1f}  gpu_us {row['gpu_us']:.1f}  {row['tbps']:.2f} TB/s"
                                    + (f" ({100 * row['frac_copy']:.0f}% of copy)" if row.get("frac_copy") else ""))
-                        print(f"[{done:>3}/{total}] {impl.name:<7} {op} res={'on ' if res else 'off'} {dt} "
+                        print(f"[{done:>3}/{total}] {impl.name:<9} {op} res={'on ' if res else 'off'} {dt} "
                               f"H={H:<6} T={T:<6} {msg}  [{time.perf_counter() - t0:.1f} s]", flush=True)
             tensors.clear()
             gc.collect()

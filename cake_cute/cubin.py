@@ -98,8 +98,9 @@ def access_bits(opcode: str) -> int:
 
 
 def parse_sass(sass: str) -> dict:
-    """Counts of global loads/stores by width, of local accesses (LDL/STL: spills) and of generic
-    loads (LD: distributed shared memory or global memory through a generic pointer)."""
+    """Counts of global loads/stores by width, of local accesses (LDL/STL: spills), of generic
+    loads (LD: distributed shared memory or global memory through a generic pointer) and of global
+    atomics (RED/ATOM)."""
     loads, stores, ops = Counter(), Counter(), Counter()
     for line in sass.splitlines():
         match = _SASS_LINE.match(line)
@@ -122,6 +123,7 @@ def parse_sass(sass: str) -> dict:
         "local_loads": ops["LDL"],
         "local_stores": ops["STL"],
         "generic_loads": ops["LD"],
+        "global_atomics": ops["REDG"] + ops["ATOMG"] + ops["RED"] + ops["ATOM"],
     }
 
 

@@ -18,7 +18,7 @@ from .kernels.config import (
 )
 from .kernels.dw_reduce import reduce_shape
 from .occupancy import resident_clusters
-from .validation import vector_align_bytes
+from .validation import DeviceFacts, vector_align_bytes
 
 DTYPE_NAMES = ("bf16", "fp16", "fp32")
 
@@ -35,7 +35,7 @@ def partial_row_stride(hidden: int) -> int:
 
 
 @lru_cache(maxsize=4096)
-def backward_programs(rows: int, hidden: int, act_dtype: str, residual: bool, device) -> int:
+def backward_programs(rows: int, hidden: int, act_dtype: str, residual: bool, device: DeviceFacts) -> int:
     """Programs (clusters) of the persistent backward: as many as are resident at once, never more
     than there are row tiles. The partition of rows -- and so dw's bits -- is fixed by this number,
     which depends on T and the GPU model only."""
@@ -51,16 +51,23 @@ def backward_programs(rows: int, hidden: int, act_dtype: str, residual: bool, de
 
 
 @lru_cache(maxsize=4096)
-def backward_launch(rows: int, hidden: int, act_dtype: str, residual: bool, device) -> tuple[int, int]:
+def backward_launch(rows: int, hidden: int, act_dtype: str, residual: bool, device: DeviceFacts) -> tuple[int, int]:
     """(programs, FP32 partial rows of dW the backward writes: one per row group of each program)."""
     programs = backward_programs(rows, hidden, act_dtype, residual, device)
     return programs, programs * backward_tiling(hidden, act_dtype).rows_per_cta
 
 
+def atomic_dw_layout(hidden: int) -> tuple[int, int]:
+    """(offset in bytes of the per-rank counters, total bytes) of the atomic backward's scratch: the
+    FP32 accumulator row, then one Int32 counter per cluster rank (room for 16)."""
+    counters = partial_row_stride(hidden) * 4
+    return counters, counters + 64
+
+
 def tiling_for(spec: KernelSpec):
     if spec.kind == "fwd":
         return forward_tiling(spec.hidden, spec.act_dtype)
-    if spec.kind == "bwd":
+    if spec.kind in ("bwd", "bwd_atomic"):
         return backward_tiling(spec.hidden, spec.act_dtype)
     return None
 
@@ -119,12 +126,21 @@ def compile_kernel(spec: KernelSpec):
 
     g, h, dx = (_fake_rows_tensor(cute, act, rows, H, vec) for _ in range(3))
     g_res = _fake_rows_tensor(cute, act, rows, H, vec) if spec.residual else None
+    min_ctas = backward_min_ctas_per_sm(tiling, spec.arch)
+    if spec.kind == "bwd_atomic":
+        dw_dtype = _cutlass_dtype(spec.dw_dtype)
+        accumulator = _fake_vector(cute, cutlass.Float32, H, 4)
+        dw = _fake_vector(cute, dw_dtype, H, 1)
+        counters = _fake_vector(cute, cutlass.Int32, tiling.cluster_n, 1)
+        kernel = RMSNormBackward(tiling, act, wdt, spec.residual, spec.weight_offset, min_ctas, dw_dtype)
+        return cute.compile(kernel, g, h, w, rstd, g_res, dx, accumulator, dw, counters, cutlass.Int32(1), stream,
+                            options=options)
     partials = cute.runtime.make_fake_tensor(
         cutlass.Float32, (cute.sym_int(), H), stride=(partial_row_stride(H), 1), assumed_align=16
     )
-    min_ctas = backward_min_ctas_per_sm(tiling, spec.arch)
     kernel = RMSNormBackward(tiling, act, wdt, spec.residual, spec.weight_offset, min_ctas)
-    return cute.compile(kernel, g, h, w, rstd, g_res, dx, partials, cutlass.Int32(1), stream, options=options)
+    return cute.compile(kernel, g, h, w, rstd, g_res, dx, partials, None, None, cutlass.Int32(1), stream,
+                        options=options)
 
 
 @lru_cache(maxsize=None)

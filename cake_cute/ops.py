@@ -1,11 +1,22 @@
-"""The functional API: validate, pick the compiled variant, launch. No autograd, no tiling here."""
+"""The functional API: validate, pick the compiled variant, launch. No autograd, no tiling here.
+
+The hot path is written for the host: (x, w) properties seen before are recognised with one dict lookup
+(``validation.known_operands``), outputs come from ``torch.empty_like``, and a 2-D contiguous input
+goes to the kernel as it is.
+"""
 
 from __future__ import annotations
+
+import warnings
+from functools import lru_cache
+from typing import Callable, NamedTuple
 
 import torch
 
 from . import dispatch, validation as v
-from .compile_cache import kernel
+from .compile_cache import kernel, on_clear_memory
+
+_CONTIGUOUS = torch.contiguous_format
 
 
 def _check_output(name, given, shape, dtype, device):
@@ -13,17 +24,44 @@ def _check_output(name, given, shape, dtype, device):
         v.check_output(name, given, shape, dtype, device)
 
 
-def _outputs_for(given, shape, dtype, device, vec):
-    """(tensor the kernel writes, caller tensor to copy into afterwards or None); ``given`` is checked."""
+def _like(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x, memory_format=_CONTIGUOUS)
+
+
+def _outputs_like(given, x, vec):
+    """(tensor the kernel writes, caller tensor to copy into afterwards or None) for an output shaped
+    like x; ``given`` was checked."""
     if given is None:
-        return torch.empty(shape, dtype=dtype, device=device), None
+        return _like(x), None
     if v.is_direct_output(given, vec):
         return given, None
-    return torch.empty(shape, dtype=dtype, device=device), given
+    return _like(x), given
+
+
+def _vector_output(given, length, dtype, device):
+    """The same for a 1-D output (rstd, dw)."""
+    if given is None:
+        return torch.empty(length, dtype=dtype, device=device), None
+    if v.is_direct_output(given, 1):
+        return given, None
+    return torch.empty(length, dtype=dtype, device=device), given
 
 
 def _rows_view(t: torch.Tensor, hidden: int) -> torch.Tensor:
-    return t.view(-1, hidden)
+    return t if t.dim() == 2 else t.view(-1, hidden)
+
+
+def _finish(written, caller):
+    """Copy into a caller-owned output the kernel could not write directly; return what the caller gets."""
+    if caller is None:
+        return written
+    caller.copy_(written)
+    return caller
+
+
+def _launch(device: torch.device, fn, *args) -> None:
+    with v.on_device(device):
+        fn(*args)
 
 
 def cake_rmsnorm_train_forward(
@@ -31,46 +69,51 @@ def cake_rmsnorm_train_forward(
 ):
     """RMSNorm forward (optionally ``h = x + residual`` first). Returns ``(y, rstd)`` or
     ``(y, rstd, h_new)``; rstd is FP32 with one value per row."""
-    device, hidden = v.check_activation(x)
-    v.check_weight(w, x)
+    op = v.known_operands(x, w)
+    if op is None:
+        v.check_activation(x)
+        v.check_weight(w, x)
     eps = v.check_eps(eps)
     weight_offset = v.check_weight_offset(weight_offset)
     if residual is not None:
         v.check_like("residual", residual, x)
     elif residual_out is not None:
         raise ValueError("residual_out is only written in residual mode: pass residual= as well")
-    rows = v.rows_of(x)
-    _check_output("out", out, x.shape, x.dtype, device)
-    _check_output("rstd", rstd, (rows,), torch.float32, device)
-    _check_output("residual_out", residual_out, x.shape, x.dtype, device)
-    arch = v.device_arch(device)
-    act = v.dtype_name(x.dtype)
-    vec = dispatch.vector_elems(hidden, act)
+    hidden = x.shape[-1]
+    rows = x.numel() // hidden
+    if out is not None or rstd is not None or residual_out is not None:
+        _check_output("out", out, x.shape, x.dtype, x.device)
+        _check_output("rstd", rstd, (rows,), torch.float32, x.device)
+        _check_output("residual_out", residual_out, x.shape, x.dtype, x.device)
+    if op is None:
+        op = v.operands(x, w)
+    vec = dispatch.vector_elems(hidden, op.act)
 
-    y, y_copy = _outputs_for(out, x.shape, x.dtype, device, vec)
-    r, r_copy = _outputs_for(rstd, (rows,), torch.float32, device, 1)
+    y, y_copy = _outputs_like(out, x, vec)
+    r, r_copy = _vector_output(rstd, rows, torch.float32, op.device)
+    h_new = h_copy = None
     if residual is not None:
-        h_new, h_copy = _outputs_for(residual_out, x.shape, x.dtype, device, vec)
+        h_new, h_copy = _outputs_like(residual_out, x, vec)
 
     if rows > 0:
-        fn = kernel("fwd", arch, act, v.dtype_name(w.dtype), hidden, residual is not None, weight_offset)
-        x2 = v.kernel_view(x, vec)
-        res2 = v.kernel_view(residual, vec) if residual is not None else None
-        h2 = _rows_view(h_new, hidden) if residual is not None else None
-        with v.on_device(device):
-            fn(x2, res2, v.aligned_vector(w, vec), _rows_view(y, hidden), h2, r, eps)
-    for src, dst in ((y, y_copy), (r, r_copy)) + (((h_new, h_copy),) if residual is not None else ()):
-        if dst is not None:
-            dst.copy_(src)
-    y_out = y if y_copy is None else y_copy
-    r_out = r if r_copy is None else r_copy
+        fn = kernel("fwd", op.arch, op.act, op.w_name, hidden, residual is not None, weight_offset)
+        _launch(
+            op.device, fn,
+            v.kernel_view(x, vec),
+            None if residual is None else v.kernel_view(residual, vec),
+            v.aligned_vector(w, vec),
+            _rows_view(y, hidden),
+            None if residual is None else _rows_view(h_new, hidden),
+            r, eps,
+        )
     if residual is None:
-        return y_out, r_out
-    return y_out, r_out, (h_new if h_copy is None else h_copy)
+        return _finish(y, y_copy), _finish(r, r_copy)
+    return _finish(y, y_copy), _finish(r, r_copy), _finish(h_new, h_copy)
 
 
 def cake_rmsnorm_train_backward_workspace_bytes(rows, hidden, device, *, residual=False) -> int:
-    """Bytes of the FP32 dW partial rows a backward of up to ``rows`` rows needs (any dtype)."""
+    """Bytes of scratch a backward of up to ``rows`` rows needs (any dtype, either value of
+    ``deterministic``): the FP32 dW partial rows at the front, the atomic accumulator at the end."""
     v.check_count("rows", rows, 0)
     v.check_count("hidden", hidden, 1, v.MAX_HIDDEN)
     try:
@@ -82,7 +125,7 @@ def cake_rmsnorm_train_backward_workspace_bytes(rows, hidden, device, *, residua
     v.device_arch(device)
     facts = v.device_facts(device)
     most = max(dispatch.backward_launch(max(rows, 1), hidden, act, residual, facts)[1] for act in dispatch.DTYPE_NAMES)
-    return most * dispatch.partial_row_stride(hidden) * 4
+    return most * dispatch.partial_row_stride(hidden) * 4 + dispatch.atomic_dw_layout(hidden)[1]
 
 
 def cake_rmsnorm_train_backward_workspace(rows, hidden, device, *, residual=False) -> torch.Tensor:
@@ -96,17 +139,41 @@ def _check_workspace_tensor(workspace, device) -> None:
         raise ValueError("workspace must be a contiguous 1-D uint8 tensor with a 16-byte aligned base")
 
 
-def _partials(workspace, partial_rows: int, stride: int, hidden: int, device) -> torch.Tensor:
-    """The FP32 (partial_rows, hidden) view (row stride ``stride``) the backward writes dW rows into:
-    carved from the caller's workspace, or freshly allocated."""
+def _partials(workspace, partial_rows: int, hidden: int, device) -> torch.Tensor:
+    """The FP32 (partial_rows, H) view (row stride padded to 4) the deterministic backward writes dW
+    rows into: the front of the caller's workspace, or freshly allocated."""
+    stride = dispatch.partial_row_stride(hidden)
     if workspace is None:
         partials = torch.empty((partial_rows, stride), dtype=torch.float32, device=device)
     else:
-        needed = partial_rows * stride * 4
-        if workspace.numel() < needed:
-            raise ValueError(f"workspace holds {workspace.numel()} bytes; this call needs at least {needed}")
-        partials = workspace[:needed].view(torch.float32).view(partial_rows, stride)
+        partials = workspace[: partial_rows * stride * 4].view(torch.float32).view(partial_rows, stride)
     return partials if stride == hidden else partials[:, :hidden]
+
+
+def _atomic_scratch(workspace, hidden: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(FP32 accumulator of H, Int32 counters) of the atomic backward. They must hold zeros, and the
+    kernel leaves them so: taken from the end of the caller's workspace (zeroed when it was made,
+    and never written by a deterministic call it was sized for), or freshly zeroed."""
+    counters_at, nbytes = dispatch.atomic_dw_layout(hidden)
+    if workspace is None:
+        scratch = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    else:
+        start = (workspace.numel() - nbytes) // 16 * 16
+        scratch = workspace[start:start + nbytes]
+    return scratch[:counters_at].view(torch.float32)[:hidden], scratch[counters_at:].view(torch.int32)
+
+
+def check_nondeterministic_allowed() -> None:
+    """PyTorch's convention for an op without a deterministic implementation, applied to
+    ``deterministic=False`` under ``torch.use_deterministic_algorithms(True)``."""
+    if not torch.are_deterministic_algorithms_enabled():
+        return
+    message = ("cake_rmsnorm_train_backward(deterministic=False) accumulates dw with atomics, but "
+               "torch.use_deterministic_algorithms(True) is set: pass deterministic=True (the default)")
+    if torch.is_deterministic_algorithms_warn_only_enabled():
+        warnings.warn(message, UserWarning, stacklevel=3)
+    else:
+        raise RuntimeError(message)
 
 
 def cake_rmsnorm_train_backward(
@@ -115,54 +182,110 @@ def cake_rmsnorm_train_backward(
 ):
     """RMSNorm backward: ``(dx, dw)``. ``x`` is what the forward normalized (x, or h_new in residual
     mode); in residual mode ``g_residual`` (dL/dh_new) is added into dx. dw is FP32 unless
-    ``dw_dtype`` says otherwise (autograd asks for w's dtype). Both values of ``deterministic`` run
-    the deterministic kernels for now (no atomic dW path yet)."""
-    device, hidden = v.check_activation(x)
-    v.check_tensor("g", g, dtypes=(x.dtype,), device=device)
-    if tuple(g.shape) != tuple(x.shape):
+    ``dw_dtype`` says otherwise (autograd asks for w's dtype). ``deterministic=False`` accumulates dw
+    with atomics in the same launch (dx is unchanged, dw differs by FP32 rounding between runs)."""
+    op = v.known_operands(x, w)
+    if op is None:
+        v.check_activation(x)
+    v.check_tensor("g", g, dtypes=(x.dtype,), device=x.device)
+    if g.shape != x.shape:
         raise ValueError(f"g must have shape {tuple(x.shape)} like x, got {tuple(g.shape)}")
-    v.check_weight(w, x)
-    rows = v.rows_of(x)
-    v.check_rstd(rstd, rows, device)
+    if op is None:
+        v.check_weight(w, x)
+    hidden = x.shape[-1]
+    rows = x.numel() // hidden
+    v.check_rstd(rstd, rows, x.device)
     if g_residual is not None:
         v.check_like("g_residual", g_residual, x)
-    if not isinstance(deterministic, bool):
+    if deterministic is not True and deterministic is not False:
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
     weight_offset = v.check_weight_offset(weight_offset)
     dw_dtype = v.check_dw_dtype(dw_dtype)
-    _check_output("dx", dx, x.shape, x.dtype, device)
-    _check_output("dw", dw, (hidden,), dw_dtype, device)
+    if dx is not None or dw is not None:
+        _check_output("dx", dx, x.shape, x.dtype, x.device)
+        _check_output("dw", dw, (hidden,), dw_dtype, x.device)
     if workspace is not None:
-        _check_workspace_tensor(workspace, device)
-    arch = v.device_arch(device)
-    act = v.dtype_name(x.dtype)
-    vec = dispatch.vector_elems(hidden, act)
+        _check_workspace_tensor(workspace, x.device)
+    if not deterministic:
+        check_nondeterministic_allowed()
+    if op is None:
+        op = v.operands(x, w)
+    return _backward(op, g, x, w, rstd, g_residual, deterministic, workspace, dx, dw, weight_offset, dw_dtype)
 
-    facts = v.device_facts(device)
+
+def backward_from_saved(g, h, w, rstd, g_residual, deterministic: bool, weight_offset: float):
+    """The backward for autograd: h, w, rstd are what the forward validated and saved, and the engine
+    has already matched g (and g_residual) to the outputs' shape, dtype and device, so only the
+    (x, w) facts are looked up again. dw comes back in w's dtype."""
+    op = v.known_operands(h, w) or v.operands(h, w)
+    if not deterministic:
+        check_nondeterministic_allowed()
+    return _backward(op, g, h, w, rstd, g_residual, deterministic, None, None, None, weight_offset, w.dtype)
+
+
+class _BackwardPlan(NamedTuple):
+    programs: int
+    partial_rows: int
+    workspace_bytes: int  # the least a caller's workspace must hold
+    vec: int
+    bwd: Callable
+    reduce: Callable | None  # the dw reduction (deterministic only)
+
+
+@lru_cache(maxsize=4096)
+def _backward_plan(op, rows, residual, deterministic, weight_offset, dw_dtype) -> _BackwardPlan:
+    """Everything a backward call needs besides its tensors, looked up once per distinct call shape."""
+    hidden = op.hidden
+    programs, partial_rows = dispatch.backward_launch(max(rows, 1), hidden, op.act, residual, op.facts)
+    vec = dispatch.vector_elems(hidden, op.act)
+    dw_name = v.dtype_name(dw_dtype)
+    if deterministic:
+        needed = partial_rows * dispatch.partial_row_stride(hidden) * 4
+        bwd = kernel("bwd", op.arch, op.act, op.w_name, hidden, residual, weight_offset)
+        reduce = kernel("dw", op.arch, dw_name, "fp32", hidden)
+    else:
+        needed = dispatch.atomic_dw_layout(hidden)[1]
+        bwd = kernel("bwd_atomic", op.arch, op.act, op.w_name, hidden, residual, weight_offset, dw_name)
+        reduce = None
+    return _BackwardPlan(programs, partial_rows, needed, vec, bwd, reduce)
+
+
+on_clear_memory(_backward_plan.cache_clear)
+
+
+def _backward(op, g, x, w, rstd, g_residual, deterministic, workspace, dx, dw, weight_offset, dw_dtype):
+    hidden = op.hidden
+    rows = x.numel() // hidden
     residual = g_residual is not None
-    programs, partial_rows = dispatch.backward_launch(max(rows, 1), hidden, act, residual, facts)
-    stride = dispatch.partial_row_stride(hidden)
-    partials = _partials(workspace, partial_rows, stride, hidden, device)
-    dx_t, dx_copy = _outputs_for(dx, x.shape, x.dtype, device, vec)
-    dw_t, dw_copy = _outputs_for(dw, (hidden,), dw_dtype, device, 1)
-
     if rows == 0:
+        plan = None
+        vec = dispatch.vector_elems(hidden, op.act)
+    else:
+        plan = _backward_plan(op, rows, residual, deterministic, weight_offset, dw_dtype)
+        vec = plan.vec
+        if workspace is not None and workspace.numel() < plan.workspace_bytes:
+            mode = "" if deterministic else " with deterministic=False"
+            raise ValueError(
+                f"workspace holds {workspace.numel()} bytes; this call{mode} needs at least {plan.workspace_bytes}"
+            )
+    dx_t, dx_copy = _outputs_like(dx, x, vec)
+    dw_t, dw_copy = _vector_output(dw, hidden, dw_dtype, op.device)
+
+    if plan is None:
         dw_t.zero_()
     else:
-        wname = v.dtype_name(w.dtype)
-        bwd = kernel("bwd", arch, act, wname, hidden, residual, weight_offset)
-        reduce = kernel("dw", arch, v.dtype_name(dw_dtype), "fp32", hidden)
-        with v.on_device(device):
-            bwd(
-                v.kernel_view(g, vec), v.kernel_view(x, vec), v.aligned_vector(w, vec), rstd if rstd.is_contiguous() else rstd.contiguous(),
-                v.kernel_view(g_residual, vec) if residual else None,
-                _rows_view(dx_t, hidden), partials, programs,
-            )
-            reduce(partials, dw_t)
-    if dx_copy is not None:
-        dx_copy.copy_(dx_t)
-        dx_t = dx_copy
-    if dw_copy is not None:
-        dw_copy.copy_(dw_t)
-        dw_t = dw_copy
-    return dx_t, dw_t
+        args = (
+            v.kernel_view(g, vec), v.kernel_view(x, vec), v.aligned_vector(w, vec),
+            rstd if rstd.is_contiguous() else rstd.contiguous(),
+            v.kernel_view(g_residual, vec) if residual else None,
+            _rows_view(dx_t, hidden),
+        )
+        if deterministic:
+            partials = _partials(workspace, plan.partial_rows, hidden, op.device)
+            with v.on_device(op.device):
+                plan.bwd(*args, partials, None, None, plan.programs)
+                plan.reduce(partials, dw_t)
+        else:
+            accumulator, counters = _atomic_scratch(workspace, hidden, op.device)
+            _launch(op.device, plan.bwd, *args, accumulator, dw_t, counters, plan.programs)
+    return _finish(dx_t, dx_copy), _finish(dw_t, dw_copy)

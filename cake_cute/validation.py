@@ -24,7 +24,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     return ACT_DTYPES[dtype]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # one instance per device (cached): identity hashing is cheap
 class DeviceFacts:
     index: int
     name: str
@@ -34,7 +34,7 @@ class DeviceFacts:
 
 
 @lru_cache(maxsize=None)
-def _device_facts(index: int) -> DeviceFacts:
+def device_facts_of(index: int) -> DeviceFacts:
     props = torch.cuda.get_device_properties(index)
     capability = (props.major, props.minor)
     return DeviceFacts(index, props.name, capability, ARCH_BY_CAPABILITY.get(capability), props.multi_processor_count)
@@ -48,7 +48,7 @@ def on_device(device: torch.device):
 
 
 def device_facts(device: torch.device) -> DeviceFacts:
-    return _device_facts(device.index if device.index is not None else torch.cuda.current_device())
+    return device_facts_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def device_arch(device: torch.device) -> str:
@@ -63,6 +63,48 @@ def device_arch(device: torch.device) -> str:
             "sm_100/sm_103 (B200/B300)"
         )
     return arch
+
+
+@dataclass(frozen=True, eq=False)  # one instance per validated signature: identity hashing is cheap
+class Operands:
+    """What validating (x, w) established, for everything after it: device, sizes, names, alignment."""
+
+    device: torch.device
+    hidden: int
+    arch: str
+    act: str
+    w_name: str
+    facts: DeviceFacts
+
+
+_known_operands: dict[tuple, Operands] = {}
+
+
+def _operands_key(x, w):
+    """Every property of (x, w) that ``check_activation``, ``check_weight`` and ``device_arch`` read."""
+    try:
+        return (x.dtype, x.dim(), x.shape[-1], x.device, w.dtype, w.shape, w.device)
+    except (AttributeError, IndexError, TypeError):
+        return None
+
+
+def known_operands(x, w) -> Operands | None:
+    """The hot path: ``Operands`` for an (x, w) whose properties were validated before, else None
+    (the caller then runs the full checks, which raise the precise error)."""
+    key = _operands_key(x, w)
+    return None if key is None else _known_operands.get(key)
+
+
+def operands(x, w) -> Operands:
+    """After ``check_activation`` and ``check_weight`` passed: the device check (the last one, so the
+    argument errors come first and can be tested without a GPU), and the result remembered for
+    ``known_operands``. Only CUDA devices are remembered."""
+    device = x.device
+    arch = device_arch(device)
+    found = Operands(device, x.shape[-1], arch, dtype_name(x.dtype), dtype_name(w.dtype), device_facts(device))
+    if device.type == "cuda":
+        _known_operands[_operands_key(x, w)] = found
+    return found
 
 
 def check_tensor(name: str, t, *, dtypes=None, device: torch.device | None = None) -> None:

@@ -116,7 +116,7 @@ def test_git_commit_is_a_string(monkeypatch):
 
 def _rows():
     rows = []
-    for impl in ("cake", "torch", "liger"):
+    for impl in ("cake_cute", "torch", "liger"):
         for op in ("fwd", "bwd"):
             for res in (False, True):
                 for T, H in ((32768, 4096), (1024, 131072)):
@@ -126,7 +126,7 @@ def _rows():
                                      "bytes": nbytes, "error": "RuntimeError: Cannot launch Triton kernel since "
                                                                "n = 131072 exceeds the recommended Triton blocksize"})
                         continue
-                    gpu_us = nbytes / (3.0e6 if impl == "cake" else 2.0e6)
+                    gpu_us = nbytes / (3.0e6 if impl == "cake_cute" else 2.0e6)
                     copy = 4.0
                     rows.append({"impl": impl, "op": op, "residual": res, "dtype": "bf16", "T": T, "H": H,
                                  "bytes": nbytes, "us": gpu_us + 20, "gpu_us": gpu_us, "host_us": 20.0,
@@ -143,7 +143,7 @@ def test_json_roundtrip_one_row_per_line(tmp_path):
     text = path.read_text()
     assert text.count("\n") >= len(doc["rows"])  # rows are one per line
     assert not list(path.parent.glob("*.tmp"))
-    assert bench.load_json(path)["rows"][0]["impl"] == "cake"
+    assert bench.load_json(path)["rows"][0]["impl"] == "cake_cute"
 
 
 def test_load_json_rejects_other_files(tmp_path):
@@ -172,11 +172,11 @@ def test_table_contains_rows_and_errors():
     body = [line for line in lines[2:] if "error" not in line]
     assert all(len(line) == len(lines[0]) for line in body)
     # fwd rows are listed before bwd rows, cake first within a shape
-    assert lines[2].split()[:2] == ["cake", "fwd"]
+    assert lines[2].split()[:2] == ["cake_cute", "fwd"]
 
 
 def test_table_handles_missing_numbers():
-    row = {"impl": "cake", "op": "fwd", "residual": False, "dtype": "bf16", "T": 1, "H": 8, "us": 5.0,
+    row = {"impl": "cake_cute", "op": "fwd", "residual": False, "dtype": "bf16", "T": 1, "H": 8, "us": 5.0,
            "gpu_us": None, "tbps": None}
     cols = bench.format_table([row]).splitlines()[2].split()
     assert cols[6] == "5.0" and cols[7] == "-" and cols[8] == "-"  # us, gpu_us, TB/s
@@ -232,7 +232,7 @@ def test_plot_from_json(tmp_path):
 
 def test_plot_small_sweep_uses_tokens(tmp_path):
     pytest.importorskip("matplotlib")
-    rows = [{"impl": "cake", "op": op, "residual": False, "dtype": "bf16", "T": t, "H": 4096, "bytes": 100,
+    rows = [{"impl": "cake_cute", "op": op, "residual": False, "dtype": "bf16", "T": t, "H": 4096, "bytes": 100,
              "gpu_us": 1.0, "tbps": 1.0, "copy_tbps": 2.0} for op in ("fwd", "bwd") for t in (1, 16, 256)]
     png = tmp_path / "s.png"
     assert bench.plot_results(_doc(rows), png) is True and png.stat().st_size > 0
@@ -260,7 +260,7 @@ def test_perf_plot_script_without_torch_import(tmp_path):
             f"{str(tmp_path / 'p.png')!r}]; runpy.run_path({str(ROOT / 'perf' / 'plot.py')!r}, run_name='__main__')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
     assert out.returncode == 0, out.stderr
-    assert "cake" in out.stdout and (tmp_path / "p.png").exists()
+    assert "cake_cute" in out.stdout and (tmp_path / "p.png").exists()
 
 
 # ---- no GPU ----------------------------------------------------------------------------------------------
@@ -319,7 +319,7 @@ def test_plot_main_merges_files(tmp_path, capsys):
     doc = bench.load_json(merged)
     assert len(doc["rows"]) == len(rows) and doc["rows"][0]["us"] == 1.5
     assert doc["merged_from"] == [str(a), str(b)]
-    assert "cake" in capsys.readouterr().out
+    assert "cake_cute" in capsys.readouterr().out
 
 
 def test_plot_main_bad_file(tmp_path, capsys):

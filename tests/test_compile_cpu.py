@@ -21,6 +21,7 @@ SPECS = list(dict.fromkeys(
     variant_specs(ARCHS, DTYPES, HIDDEN, (False, True), ("same",))
     + variant_specs(ARCHS, ("bf16",), (4096,), (False, True), ("fp32",))
     + variant_specs(ARCHS, ("fp16",), (4097,), (False,), ("fp32",))
+    + variant_specs(ARCHS, ("bf16", "fp32"), (7, 4096, 262144), (False, True), ("same",), nondeterministic=True)
 ))
 
 
@@ -70,6 +71,17 @@ def test_128_bit_global_access(compiled, spec):
     assert report["global_load_width_bits"] == 128, f"{spec.name()}: loads {report['ldg_counts']}"
     if spec.kind != "dw":  # dw writes one H-vector of scalars; its width does not matter
         assert report["global_store_width_bits"] == 128, f"{spec.name()}: stores {report['stg_counts']}"
+
+
+@pytest.mark.parametrize("spec", [s for s in SPECS if _is_vectorizable(s)], ids=lambda s: s.name())
+def test_atomics_only_in_the_nondeterministic_backward(compiled, spec):
+    """The deterministic guarantee, read from the machine code: no kernel but ``bwd_atomic`` has a
+    global atomic, and that one reduces dW with them."""
+    report = _report(compiled, spec)
+    if spec.kind == "bwd_atomic":
+        assert report["global_atomics"] > 0, spec.name()
+    else:
+        assert report["global_atomics"] == 0, f"{spec.name()} has {report['global_atomics']} global atomics"
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name())

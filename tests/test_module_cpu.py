@@ -38,6 +38,10 @@ def _reference_backward(g, x, w, rstd, *, g_residual=None, weight_offset=0.0, dw
     return dx.to(x.dtype), dw.to(dw_dtype)
 
 
+def _reference_backward_from_saved(g, h, w, rstd, g_residual, deterministic, weight_offset):
+    return _reference_backward(g, h, w, rstd, g_residual=g_residual, weight_offset=weight_offset, dw_dtype=w.dtype)
+
+
 @pytest.fixture
 def kernels(monkeypatch):
     """Counts of stand-in kernel calls, keyed "eager.fwd", "eager.bwd", "op.fwd", "op.bwd"."""
@@ -52,7 +56,8 @@ def kernels(monkeypatch):
 
     for module, path in ((autograd, "eager"), (custom_ops, "op")):
         monkeypatch.setattr(module, "cake_rmsnorm_train_forward", counted(f"{path}.fwd", _reference_forward))
-        monkeypatch.setattr(module, "cake_rmsnorm_train_backward", counted(f"{path}.bwd", _reference_backward))
+    monkeypatch.setattr(autograd, "backward_from_saved", counted("eager.bwd", _reference_backward_from_saved))
+    monkeypatch.setattr(custom_ops, "cake_rmsnorm_train_backward", counted("op.bwd", _reference_backward))
     torch._dynamo.reset()
     yield calls
     torch._dynamo.reset()

@@ -489,3 +489,43 @@ def test_workspace_size_threshold_on_gpu(residual):
     dx, dw = call.invoke()
     torch.cuda.synchronize()
     assert torch.isfinite(dx).all() and torch.isfinite(dw).all()
+
+
+# ------------------------------------------------------------- deterministic=False under torch's switch
+
+
+@pytest.fixture
+def restore_deterministic_algorithms():
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    yield
+    torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+def _nondeterministic_call() -> Call:
+    call = bwd_call("cpu", dtype=BF16, residual=False, shape=(T, H))
+    call.kwargs["deterministic"] = False
+    return call
+
+
+def test_nondeterministic_refused_under_use_deterministic_algorithms(restore_deterministic_algorithms):
+    """PyTorch's convention: an error before anything runs (and no output written)."""
+    torch.use_deterministic_algorithms(True)
+    call = _nondeterministic_call()
+    snapshot = call.snapshot()
+    with pytest.raises(RuntimeError, match=r"deterministic=False.*use_deterministic_algorithms\(True\)"):
+        call.invoke()
+    assert_untouched(snapshot)
+
+
+def test_nondeterministic_warns_with_warn_only(restore_deterministic_algorithms):
+    """With ``warn_only=True`` a warning, then the call goes on (here to the CPU-tensor error)."""
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    with pytest.warns(UserWarning, match="deterministic=False"):
+        with pytest.raises(ValueError, match="must be a CUDA tensor"):
+            _nondeterministic_call().invoke()
+
+
+def test_nondeterministic_allowed_by_default():
+    torch.use_deterministic_algorithms(False)
+    with pytest.raises(ValueError, match="must be a CUDA tensor"):
+        _nondeterministic_call().invoke()
