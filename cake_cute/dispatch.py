@@ -10,6 +10,7 @@ from functools import lru_cache
 
 from .compile_cache import KernelSpec
 from .kernels.config import (
+    MAX_CLUSTER,
     backward_ctas_per_sm,
     backward_min_ctas_per_sm,
     backward_tiling,
@@ -59,9 +60,9 @@ def backward_launch(rows: int, hidden: int, act_dtype: str, residual: bool, devi
 
 def atomic_dw_layout(hidden: int) -> tuple[int, int]:
     """(offset in bytes of the per-rank counters, total bytes) of the atomic backward's scratch: the
-    FP32 accumulator row, then one Int32 counter per cluster rank (room for 16)."""
+    FP32 accumulator row, then one Int32 counter per possible cluster rank."""
     counters = partial_row_stride(hidden) * 4
-    return counters, counters + 64
+    return counters, counters + 4 * MAX_CLUSTER
 
 
 def tiling_for(spec: KernelSpec):
@@ -131,7 +132,7 @@ def compile_kernel(spec: KernelSpec):
         dw_dtype = _cutlass_dtype(spec.dw_dtype)
         accumulator = _fake_vector(cute, cutlass.Float32, H, 4)
         dw = _fake_vector(cute, dw_dtype, H, 1)
-        counters = _fake_vector(cute, cutlass.Int32, tiling.cluster_n, 1)
+        counters = _fake_vector(cute, cutlass.Int32, MAX_CLUSTER, 1)
         kernel = RMSNormBackward(tiling, act, wdt, spec.residual, spec.weight_offset, min_ctas, dw_dtype)
         return cute.compile(kernel, g, h, w, rstd, g_res, dx, accumulator, dw, counters, cutlass.Int32(1), stream,
                             options=options)

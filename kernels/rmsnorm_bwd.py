@@ -30,8 +30,9 @@ only synchronisation per row: a CTA barrier, plus for clusters an ``st.async`` p
 partial into every peer's shared memory.
 
 Tiling (``config.backward_tiling``): ``threads_per_row`` lanes per row, ``vecs_per_thread`` vectors of
-``vec`` elements (128-bit accesses when H allows), at most 64 bytes of each of g and h per thread; wide
-rows are split over a cluster of up to 16 CTAs. Registers are held to a budget
+``vec`` elements (128-bit accesses when H allows), at most 64 bytes of each of g and h per thread; a row
+one CTA holds goes to as many whole warps as cover it exactly with one or two vectors each (H = 1024:
+4 warps x 1, 7168: 14 warps x 2); wide rows are split over a cluster of up to 16 CTAs. Registers are held to a budget
 (``config.backward_register_budget``) through ``min_blocks_per_mp``. For the widest rows (512-thread
 CTAs, ``wide_mode``) g and h are loaded straight into registers and re-read from global memory (an L2
 hit) after the row sum, and the dW accumulator lives in shared memory, so 128 registers suffice.
@@ -86,7 +87,7 @@ class RMSNormBackward(RowKernel):
     """One compiled backward per (arch, dtypes, H, residual, weight_offset[, dw dtype]); T and the number
     of programs are runtime values. ``dw_dtype`` None: deterministic partial rows in ``mPartial``;
     a dtype: the atomic variant, ``mPartial`` is the FP32 accumulator row (H,) and ``mDW``, ``mCounter``
-    (one Int32 per cluster rank) are given."""
+    (16 Int32, one per possible cluster rank) are given."""
 
     def __init__(self, tiling, act_dtype, w_dtype, residual, weight_offset, min_ctas_per_sm, dw_dtype=None):
         super().__init__(tiling, act_dtype, w_dtype, residual, weight_offset, min_ctas_per_sm)

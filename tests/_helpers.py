@@ -186,7 +186,7 @@ def assert_within_one_ulp(actual: torch.Tensor, expected64: torch.Tensor, dtype,
 
 # ------------------------------------------------------------------------------ kernel prewarm (GPU)
 
-SUITE_HIDDEN = (1, 7, 64, 512, 1000, 4096, 4097, 5120, 8192, 16384, 65536, 131072, 262144)
+SUITE_HIDDEN = (1, 7, 64, 512, 1000, 1024, 4096, 4097, 5120, 7168, 8192, 16384, 65536, 131072, 262144)
 NONDETERMINISTIC_HIDDEN = (1, 7, 4096, 4097, 65536, 262144)
 
 
