@@ -265,7 +265,10 @@ class RMSNormBackward(RowKernel):
         else:
             tXgAcc = thr.partition_S(cute.local_tile(broadcast_rows(mPartial, t.rows_per_cta), tiler, (0, rank)))
             self.add_into_accumulator(tXrDW, tXgAcc, tXc0)
-            self.finalize_if_last(smem, mPartial, mDW, mCounter, tidx, rank, num_programs)
+            if self.arrived_last(smem, mCounter, tidx, rank, num_programs):
+                # Row group 0 finalizes the columns its lanes own: all its loads in flight at once.
+                if row_in_cta == 0:
+                    self.finalize(tXgAcc, mDW, mCounter, tXc0, tidx, rank)
 
     @cute.jit
     def add_into_accumulator(self, tXrDW: cute.Tensor, tXgAcc: cute.Tensor, tXc: cute.Tensor):
@@ -281,25 +284,35 @@ class RMSNormBackward(RowKernel):
                     cute.arch.red(ptr, tXrDW[i], op="add", dtype=Float32, sem="relaxed", scope="gpu")
 
     @cute.jit
-    def finalize_if_last(self, smem, mAcc: cute.Tensor, mDW: cute.Tensor, mCounter: cute.Tensor, tidx, rank,
-                         num_programs):
-        """The last CTA of this cluster rank to finish writes the rank's columns of dw from acc and leaves
-        acc and the counter at zero (the classic fence / count / last-block pattern)."""
-        t = self.tiling
+    def arrived_last(self, smem, mCounter: cute.Tensor, tidx, rank, num_programs) -> cutlass.Boolean:
+        """Counts this CTA in ``counter[rank]``; True in the CTA that arrives last (the classic fence /
+        count / last-block pattern: the fence releases this CTA's reductions before it is counted)."""
         is_last = smem.allocate_array(Int32, num_elems=1)
-        # Release: this CTA's reductions are visible device-wide before it is counted.
         cute.arch.fence_acq_rel_gpu()
         cute.arch.barrier()
         if tidx == 0:
             arrived = cute.arch.atomic_add(mCounter.iterator + rank, Int32(1), sem="acq_rel", scope="gpu")
             is_last[0] = Int32(1) if arrived == num_programs - 1 else Int32(0)
         cute.arch.barrier()
-        if is_last[0] != 0:
-            cute.arch.fence_acq_rel_gpu()
-            first = rank * t.cols_per_cta
-            end = cutlass.min(first + t.cols_per_cta, t.hidden)
-            for col in cutlass.range(first + tidx, end, t.threads_per_cta, unroll=4):
-                mDW[col] = mAcc[col].to(self.dw_dtype)
-                mAcc[col] = Float32(0.0)
-            if tidx == 0:
-                mCounter[rank] = Int32(0)
+        return is_last[0] != 0
+
+    @cute.jit
+    def finalize(self, tXgAcc: cute.Tensor, mDW: cute.Tensor, mCounter: cute.Tensor, tXc: cute.Tensor, tidx,
+                 rank):
+        """dw = acc for this thread's columns, then acc and the counter back to zero for the next call."""
+        t = self.tiling
+        cute.arch.fence_acq_rel_gpu()  # acquire: every other CTA's reductions are visible
+        pred = None
+        if const_expr(not t.even):
+            pred = column_predicate(tXc, t.hidden)
+        tXrAcc = cute.make_rmem_tensor_like(tXgAcc)
+        tXrAcc.fill(0.0)
+        accumulator_copy = copy_atom(Float32, t.vec)
+        cute.copy(accumulator_copy, tXgAcc, tXrAcc, pred=pred)
+        for i in cutlass.range_constexpr(cute.size(tXrAcc)):
+            if const_expr(t.even) or tXc[i][1] < t.hidden:
+                mDW[tXc[i][1]] = tXrAcc[i].to(self.dw_dtype)
+        tXrAcc.fill(0.0)
+        cute.copy(accumulator_copy, tXrAcc, tXgAcc, pred=pred)
+        if tidx == 0:
+            mCounter[rank] = Int32(0)
