@@ -27,7 +27,8 @@ def _backward(g, h, w, rstd, g_residual, weight_offset, deterministic):
     """``(dx, dw)`` with dw in w's dtype."""
     if torch.compiler.is_compiling():
         return torch.ops.cake_cute.rmsnorm_bwd(g, h, w, rstd, g_residual, weight_offset, deterministic, w.dtype)
-    return backward_from_saved(g, h, w, rstd, g_residual, deterministic, weight_offset)
+    # deterministic=False runs the deterministic kernels too (see ops.cake_rmsnorm_train_backward).
+    return backward_from_saved(g, h, w, rstd, g_residual, weight_offset)
 
 
 class CakeRMSNormFunction(torch.autograd.Function):

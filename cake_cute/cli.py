@@ -59,8 +59,6 @@ def _add_warmup(sub) -> None:
                    help="residual-add variants (default both)")
     p.add_argument("--w-dtype", choices=sorted(W_MODES), default="same",
                    help="weight dtype: the activation dtype, fp32, or both (default same)")
-    p.add_argument("--nondeterministic", action="store_true",
-                   help="also the deterministic=False backward (atomic dw) variants")
     p.add_argument("--cache-dir", help="kernel cache directory (default $CAKE_CUTE_CACHE_DIR or ~/.cache/cake_cute)")
     p.add_argument("--report", action="store_true",
                    help="print registers, spills and access widths per kernel; exit 1 if any kernel spills")
@@ -90,8 +88,7 @@ def cmd_warmup(args) -> int:
         # The environment (not a parameter) so spawned workers use the same directory.
         os.environ["CAKE_CUTE_CACHE_DIR"] = os.path.abspath(args.cache_dir)
     archs = args.arch or local_archs()
-    specs = variant_specs(archs, args.dtype, args.hidden, RESIDUAL_MODES[args.residual], W_MODES[args.w_dtype],
-                          nondeterministic=args.nondeterministic)
+    specs = variant_specs(archs, args.dtype, args.hidden, RESIDUAL_MODES[args.residual], W_MODES[args.w_dtype])
     result = warm(specs, args.jobs)
     for outcome in result.failed:
         print(f"FAILED {outcome.spec.name()}:\n  " + outcome.error.replace("\n", "\n  "), file=sys.stderr)

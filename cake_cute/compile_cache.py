@@ -1,7 +1,6 @@
 """Compile once per kernel variant; keep it in memory and on disk.
 
-A variant is a ``KernelSpec`` (kind, arch, dtypes, H, residual, weight offset, and for the atomic backward
-the dw dtype). The number of rows is a
+A variant is a ``KernelSpec`` (kind, arch, dtypes, H, residual, weight offset). The number of rows is a
 runtime value of every kernel, so a change of T never compiles. Compiled functions use TVM-FFI (torch
 tensors are passed straight in, the launch costs microseconds) and are exported as object files to
 ``cache_dir()/fingerprint()/``.
@@ -57,20 +56,18 @@ _compile_lock = threading.Lock()  # one DSL compile at a time in this process
 
 @dataclass(frozen=True)
 class KernelSpec:
-    kind: str  # "fwd", "bwd", "bwd_atomic" (deterministic=False) or "dw"
+    kind: str  # "fwd", "bwd" or "dw"
     arch: str  # "sm_90a", "sm_100a", "sm_103a"
     act_dtype: str  # "bf16", "fp16", "fp32" (for "dw": the output dtype)
     w_dtype: str
     hidden: int
     residual: bool = False
     weight_offset: float = 0.0
-    dw_dtype: str | None = None  # "bwd_atomic" only: the dtype the kernel writes dw in
 
     def name(self) -> str:
         offset = f"_off{self.weight_offset:g}".replace(".", "p").replace("-", "m")
         res = "_res" if self.residual else ""
-        dw = f"_dw{self.dw_dtype}" if self.dw_dtype else ""
-        return f"cake_{self.kind}_{self.arch}_{self.act_dtype}_w{self.w_dtype}_h{self.hidden}{res}{offset}{dw}"
+        return f"cake_{self.kind}_{self.arch}_{self.act_dtype}_w{self.w_dtype}_h{self.hidden}{res}{offset}"
 
 
 def cache_dir() -> Path:

@@ -10,7 +10,6 @@ from functools import lru_cache
 
 from .compile_cache import KernelSpec
 from .kernels.config import (
-    MAX_CLUSTER,
     backward_ctas_per_sm,
     backward_min_ctas_per_sm,
     backward_tiling,
@@ -35,11 +34,19 @@ def partial_row_stride(hidden: int) -> int:
     return -(-hidden // 4) * 4
 
 
+# From this many row tiles on, when all of them fit on the GPU at once, programs take two tiles each:
+# that halves the partial rows dw_reduce reads, which outweighs one more row of latency per program
+# (H200, H = 4096, T = 256: 7.2 -> 6.3 µs; at T = 16 pairing loses, 4.3 -> 5.1 µs; measured in
+# perf/results/2026-11-30-h200-atomic-dw-experiment/tune_programs-c420c68.log).
+PAIR_TILES_FROM = 64
+
+
 @lru_cache(maxsize=4096)
 def backward_programs(rows: int, hidden: int, act_dtype: str, residual: bool, device: DeviceFacts) -> int:
     """Programs (clusters) of the persistent backward: as many as are resident at once, never more
-    than there are row tiles. The partition of rows -- and so dw's bits -- is fixed by this number,
-    which depends on T and the GPU model only."""
+    than there are row tiles (two tiles each from ``PAIR_TILES_FROM`` tiles up to a full GPU). The
+    partition of rows -- and so dw's bits -- is fixed by this number, which depends on T and the GPU
+    model only."""
     tiling = backward_tiling(hidden, act_dtype)
     tiles = -(-rows // tiling.rows_per_cta)
     if tiles <= 1:
@@ -48,6 +55,8 @@ def backward_programs(rows: int, hidden: int, act_dtype: str, residual: bool, de
         device.index, device.capability, tiling.threads_per_cta, tiling.cluster_n,
         backward_ctas_per_sm(tiling, device.arch, act_dtype, residual), device.sm_count,
     )
+    if PAIR_TILES_FROM <= tiles <= resident:
+        return -(-tiles // 2)
     return min(tiles, resident)
 
 
@@ -58,17 +67,19 @@ def backward_launch(rows: int, hidden: int, act_dtype: str, residual: bool, devi
     return programs, programs * backward_tiling(hidden, act_dtype).rows_per_cta
 
 
-def atomic_dw_layout(hidden: int) -> tuple[int, int]:
-    """(offset in bytes of the per-rank counters, total bytes) of the atomic backward's scratch: the
-    FP32 accumulator row, then one Int32 counter per possible cluster rank."""
-    counters = partial_row_stride(hidden) * 4
-    return counters, counters + 4 * MAX_CLUSTER
+def most_partial_rows(rows: int, hidden: int, act_dtype: str, residual: bool, device: DeviceFacts) -> int:
+    """The most partial rows any backward of up to ``rows`` rows writes (what a workspace for ``rows``
+    must hold): the program count grows with T except where pairing starts, so the largest count is
+    at ``rows`` or just below ``PAIR_TILES_FROM`` tiles."""
+    below_pairing = (PAIR_TILES_FROM - 1) * backward_tiling(hidden, act_dtype).rows_per_cta
+    return max(backward_launch(r, hidden, act_dtype, residual, device)[1]
+               for r in {max(rows, 1), max(min(rows, below_pairing), 1)})
 
 
 def tiling_for(spec: KernelSpec):
     if spec.kind == "fwd":
         return forward_tiling(spec.hidden, spec.act_dtype)
-    if spec.kind in ("bwd", "bwd_atomic"):
+    if spec.kind == "bwd":
         return backward_tiling(spec.hidden, spec.act_dtype)
     return None
 
@@ -128,20 +139,11 @@ def compile_kernel(spec: KernelSpec):
     g, h, dx = (_fake_rows_tensor(cute, act, rows, H, vec) for _ in range(3))
     g_res = _fake_rows_tensor(cute, act, rows, H, vec) if spec.residual else None
     min_ctas = backward_min_ctas_per_sm(tiling, spec.arch)
-    if spec.kind == "bwd_atomic":
-        dw_dtype = _cutlass_dtype(spec.dw_dtype)
-        accumulator = _fake_vector(cute, cutlass.Float32, H, 4)
-        dw = _fake_vector(cute, dw_dtype, H, 1)
-        counters = _fake_vector(cute, cutlass.Int32, MAX_CLUSTER, 1)
-        kernel = RMSNormBackward(tiling, act, wdt, spec.residual, spec.weight_offset, min_ctas, dw_dtype)
-        return cute.compile(kernel, g, h, w, rstd, g_res, dx, accumulator, dw, counters, cutlass.Int32(1), stream,
-                            options=options)
     partials = cute.runtime.make_fake_tensor(
         cutlass.Float32, (cute.sym_int(), H), stride=(partial_row_stride(H), 1), assumed_align=16
     )
     kernel = RMSNormBackward(tiling, act, wdt, spec.residual, spec.weight_offset, min_ctas)
-    return cute.compile(kernel, g, h, w, rstd, g_res, dx, partials, None, None, cutlass.Int32(1), stream,
-                        options=options)
+    return cute.compile(kernel, g, h, w, rstd, g_res, dx, partials, cutlass.Int32(1), stream, options=options)
 
 
 @lru_cache(maxsize=None)

@@ -7,7 +7,6 @@ goes to the kernel as it is.
 
 from __future__ import annotations
 
-import warnings
 from functools import lru_cache
 from typing import Callable, NamedTuple
 
@@ -112,8 +111,7 @@ def cake_rmsnorm_train_forward(
 
 
 def cake_rmsnorm_train_backward_workspace_bytes(rows, hidden, device, *, residual=False) -> int:
-    """Bytes of scratch a backward of up to ``rows`` rows needs (any dtype, either value of
-    ``deterministic``): the FP32 dW partial rows at the front, the atomic accumulator at the end."""
+    """Bytes of the FP32 dW partial rows a backward of up to ``rows`` rows needs (any dtype)."""
     v.check_count("rows", rows, 0)
     v.check_count("hidden", hidden, 1, v.MAX_HIDDEN)
     try:
@@ -124,8 +122,8 @@ def cake_rmsnorm_train_backward_workspace_bytes(rows, hidden, device, *, residua
         raise ValueError(f"device must be a CUDA device, got {device}")
     v.device_arch(device)
     facts = v.device_facts(device)
-    most = max(dispatch.backward_launch(max(rows, 1), hidden, act, residual, facts)[1] for act in dispatch.DTYPE_NAMES)
-    return most * dispatch.partial_row_stride(hidden) * 4 + dispatch.atomic_dw_layout(hidden)[1]
+    most = max(dispatch.most_partial_rows(rows, hidden, act, residual, facts) for act in dispatch.DTYPE_NAMES)
+    return most * dispatch.partial_row_stride(hidden) * 4
 
 
 def cake_rmsnorm_train_backward_workspace(rows, hidden, device, *, residual=False) -> torch.Tensor:
@@ -140,8 +138,8 @@ def _check_workspace_tensor(workspace, device) -> None:
 
 
 def _partials(workspace, partial_rows: int, hidden: int, device) -> torch.Tensor:
-    """The FP32 (partial_rows, H) view (row stride padded to 4) the deterministic backward writes dW
-    rows into: the front of the caller's workspace, or freshly allocated."""
+    """The FP32 (partial_rows, H) view (row stride padded to 4) the backward writes dW rows into: carved
+    from the caller's workspace, or freshly allocated."""
     stride = dispatch.partial_row_stride(hidden)
     if workspace is None:
         partials = torch.empty((partial_rows, stride), dtype=torch.float32, device=device)
@@ -150,40 +148,15 @@ def _partials(workspace, partial_rows: int, hidden: int, device) -> torch.Tensor
     return partials if stride == hidden else partials[:, :hidden]
 
 
-def _atomic_scratch(workspace, hidden: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(FP32 accumulator of H, Int32 counters) of the atomic backward. They must hold zeros, and the
-    kernel leaves them so: taken from the end of the caller's workspace (zeroed when it was made,
-    and never written by a deterministic call it was sized for), or freshly zeroed."""
-    counters_at, nbytes = dispatch.atomic_dw_layout(hidden)
-    if workspace is None:
-        scratch = torch.zeros(nbytes, dtype=torch.uint8, device=device)
-    else:
-        start = (workspace.numel() - nbytes) // 16 * 16
-        scratch = workspace[start:start + nbytes]
-    return scratch[:counters_at].view(torch.float32)[:hidden], scratch[counters_at:].view(torch.int32)
-
-
-def check_nondeterministic_allowed() -> None:
-    """PyTorch's convention for an op without a deterministic implementation, applied to
-    ``deterministic=False`` under ``torch.use_deterministic_algorithms(True)``."""
-    if not torch.are_deterministic_algorithms_enabled():
-        return
-    message = ("cake_rmsnorm_train_backward(deterministic=False) accumulates dw with atomics, but "
-               "torch.use_deterministic_algorithms(True) is set: pass deterministic=True (the default)")
-    if torch.is_deterministic_algorithms_warn_only_enabled():
-        warnings.warn(message, UserWarning, stacklevel=3)
-    else:
-        raise RuntimeError(message)
-
-
 def cake_rmsnorm_train_backward(
     g, x, w, rstd, *, deterministic=True, g_residual=None, workspace=None, dx=None, dw=None,
     weight_offset: float = 0.0, dw_dtype: torch.dtype = torch.float32,
 ):
     """RMSNorm backward: ``(dx, dw)``. ``x`` is what the forward normalized (x, or h_new in residual
     mode); in residual mode ``g_residual`` (dL/dh_new) is added into dx. dw is FP32 unless
-    ``dw_dtype`` says otherwise (autograd asks for w's dtype). ``deterministic=False`` accumulates dw
-    with atomics in the same launch (dx is unchanged, dw differs by FP32 rounding between runs)."""
+    ``dw_dtype`` says otherwise (autograd asks for w's dtype). ``deterministic=False`` is accepted and
+    runs the same deterministic kernels: an atomic dW was built and measured slower on the H200 at
+    every T tried (perf/results/2026-11-30-h200-atomic-dw-experiment)."""
     op = v.known_operands(x, w)
     if op is None:
         v.check_activation(x)
@@ -206,21 +179,17 @@ def cake_rmsnorm_train_backward(
         _check_output("dw", dw, (hidden,), dw_dtype, x.device)
     if workspace is not None:
         _check_workspace_tensor(workspace, x.device)
-    if not deterministic:
-        check_nondeterministic_allowed()
     if op is None:
         op = v.operands(x, w)
-    return _backward(op, g, x, w, rstd, g_residual, deterministic, workspace, dx, dw, weight_offset, dw_dtype)
+    return _backward(op, g, x, w, rstd, g_residual, workspace, dx, dw, weight_offset, dw_dtype)
 
 
-def backward_from_saved(g, h, w, rstd, g_residual, deterministic: bool, weight_offset: float):
+def backward_from_saved(g, h, w, rstd, g_residual, weight_offset: float):
     """The backward for autograd: h, w, rstd are what the forward validated and saved, and the engine
     has already matched g (and g_residual) to the outputs' shape, dtype and device, so only the
     (x, w) facts are looked up again. dw comes back in w's dtype."""
     op = v.known_operands(h, w) or v.operands(h, w)
-    if not deterministic:
-        check_nondeterministic_allowed()
-    return _backward(op, g, h, w, rstd, g_residual, deterministic, None, None, None, weight_offset, w.dtype)
+    return _backward(op, g, h, w, rstd, g_residual, None, None, None, weight_offset, w.dtype)
 
 
 class _BackwardPlan(NamedTuple):
@@ -229,63 +198,54 @@ class _BackwardPlan(NamedTuple):
     workspace_bytes: int  # the least a caller's workspace must hold
     vec: int
     bwd: Callable
-    reduce: Callable | None  # the dw reduction (deterministic only)
+    reduce: Callable
 
 
 @lru_cache(maxsize=4096)
-def _backward_plan(op, rows, residual, deterministic, weight_offset, dw_dtype) -> _BackwardPlan:
+def _backward_plan(op, rows, residual, weight_offset, dw_dtype) -> _BackwardPlan:
     """Everything a backward call needs besides its tensors, looked up once per distinct call shape."""
     hidden = op.hidden
     programs, partial_rows = dispatch.backward_launch(max(rows, 1), hidden, op.act, residual, op.facts)
-    vec = dispatch.vector_elems(hidden, op.act)
-    dw_name = v.dtype_name(dw_dtype)
-    if deterministic:
-        needed = partial_rows * dispatch.partial_row_stride(hidden) * 4
-        bwd = kernel("bwd", op.arch, op.act, op.w_name, hidden, residual, weight_offset)
-        reduce = kernel("dw", op.arch, dw_name, "fp32", hidden)
-    else:
-        needed = dispatch.atomic_dw_layout(hidden)[1]
-        bwd = kernel("bwd_atomic", op.arch, op.act, op.w_name, hidden, residual, weight_offset, dw_name)
-        reduce = None
-    return _BackwardPlan(programs, partial_rows, needed, vec, bwd, reduce)
+    return _BackwardPlan(
+        programs,
+        partial_rows,
+        partial_rows * dispatch.partial_row_stride(hidden) * 4,
+        dispatch.vector_elems(hidden, op.act),
+        kernel("bwd", op.arch, op.act, op.w_name, hidden, residual, weight_offset),
+        kernel("dw", op.arch, v.dtype_name(dw_dtype), "fp32", hidden),
+    )
 
 
 on_clear_memory(_backward_plan.cache_clear)
 
 
-def _backward(op, g, x, w, rstd, g_residual, deterministic, workspace, dx, dw, weight_offset, dw_dtype):
+def _backward(op, g, x, w, rstd, g_residual, workspace, dx, dw, weight_offset, dw_dtype):
     hidden = op.hidden
     rows = x.numel() // hidden
     residual = g_residual is not None
-    if rows == 0:
+    if rows == 0:  # nothing to launch (and nothing to compile); the workspace is still checked
         plan = None
+        partial_rows = dispatch.backward_launch(1, hidden, op.act, residual, op.facts)[1]
+        needed = partial_rows * dispatch.partial_row_stride(hidden) * 4
         vec = dispatch.vector_elems(hidden, op.act)
     else:
-        plan = _backward_plan(op, rows, residual, deterministic, weight_offset, dw_dtype)
-        vec = plan.vec
-        if workspace is not None and workspace.numel() < plan.workspace_bytes:
-            mode = "" if deterministic else " with deterministic=False"
-            raise ValueError(
-                f"workspace holds {workspace.numel()} bytes; this call{mode} needs at least {plan.workspace_bytes}"
-            )
+        plan = _backward_plan(op, rows, residual, weight_offset, dw_dtype)
+        needed, vec = plan.workspace_bytes, plan.vec
+    if workspace is not None and workspace.numel() < needed:
+        raise ValueError(f"workspace holds {workspace.numel()} bytes; this call needs at least {needed}")
     dx_t, dx_copy = _outputs_like(dx, x, vec)
     dw_t, dw_copy = _vector_output(dw, hidden, dw_dtype, op.device)
 
     if plan is None:
         dw_t.zero_()
     else:
-        args = (
-            v.kernel_view(g, vec), v.kernel_view(x, vec), v.aligned_vector(w, vec),
-            rstd if rstd.is_contiguous() else rstd.contiguous(),
-            v.kernel_view(g_residual, vec) if residual else None,
-            _rows_view(dx_t, hidden),
-        )
-        if deterministic:
-            partials = _partials(workspace, plan.partial_rows, hidden, op.device)
-            with v.on_device(op.device):
-                plan.bwd(*args, partials, None, None, plan.programs)
-                plan.reduce(partials, dw_t)
-        else:
-            accumulator, counters = _atomic_scratch(workspace, hidden, op.device)
-            _launch(op.device, plan.bwd, *args, accumulator, dw_t, counters, plan.programs)
+        partials = _partials(workspace, plan.partial_rows, hidden, op.device)
+        with v.on_device(op.device):
+            plan.bwd(
+                v.kernel_view(g, vec), v.kernel_view(x, vec), v.aligned_vector(w, vec),
+                rstd if rstd.is_contiguous() else rstd.contiguous(),
+                v.kernel_view(g_residual, vec) if residual else None,
+                _rows_view(dx_t, hidden), partials, plan.programs,
+            )
+            plan.reduce(partials, dw_t)
     return _finish(dx_t, dx_copy), _finish(dw_t, dw_copy)

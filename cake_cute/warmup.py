@@ -59,20 +59,15 @@ def variant_specs(
     residuals: Iterable[bool] = (False, True),
     w_modes: Iterable[str] = ("same",),
     weight_offset: float = 0.0,
-    nondeterministic: bool = False,
 ) -> list[KernelSpec]:
     """Every kernel a training step can launch for these settings: forward and backward per
     (arch, dtype, w dtype, H, residual), and the dW reduction for both outputs it is asked for
-    (FP32 from the functional API, w's dtype from autograd); with ``nondeterministic`` also the
-    atomic backward (``deterministic=False``) for both dw dtypes. Duplicates removed, order kept."""
+    (FP32 from the functional API, w's dtype from autograd). Duplicates removed, order kept."""
     specs = []
     for arch, act, hidden, residual, w_mode in itertools.product(archs, dtypes, hiddens, residuals, w_modes):
         w = act if w_mode == "same" else "fp32"
         specs += [KernelSpec(kind, arch, act, w, hidden, residual, weight_offset) for kind in ("fwd", "bwd")]
         specs += [KernelSpec("dw", arch, out, "fp32", hidden) for out in ("fp32", w)]
-        if nondeterministic:
-            specs += [KernelSpec("bwd_atomic", arch, act, w, hidden, residual, weight_offset, out)
-                      for out in ("fp32", w)]
     return list(dict.fromkeys(specs))
 
 

@@ -202,8 +202,9 @@ def backward_smem_bytes(tiling: RowTiling, act_dtype: str, residual: bool) -> in
 def backward_register_budget(tiling: RowTiling, arch: str) -> int:
     """Registers per backward thread: 128, or a lean budget when each thread owns at most two vectors,
     needs no column predicates and shares its CTA with at most one other row, so more CTAs fit on an
-    SM to hide the per-row latency: 80, or 64 for 512-thread CTAs (two per SM rather than one). Narrower tilings spill under 80, and so do some sm_100a variants, which
-    keep 128 (the lean budgets are tuned and measured on Hopper only)."""
+    SM to hide the per-row latency: 80, or 64 for 512-thread CTAs (two per SM rather than one).
+    Narrower tilings spill under 80, and so do some sm_100a variants, which keep 128 (the lean
+    budgets are tuned and measured on Hopper only)."""
     lean = tiling.vecs_per_thread <= 2 and tiling.even and tiling.rows_per_cta <= 2
     if not lean or arch != "sm_90a":
         return MAX_REGISTERS_PER_THREAD

@@ -1,5 +1,4 @@
-"""RMSNorm backward: dx in one pass, and the weight gradient as per-CTA FP32 partial rows (deterministic)
-or accumulated with atomics and finalized by the last CTA (``deterministic=False``).
+"""RMSNorm backward: dx in one pass, and per-CTA FP32 partial rows of the weight gradient.
 
 Math, per row t (FP32 arithmetic, one rounding at the end):
 
@@ -16,13 +15,6 @@ FP32 dW accumulator per element it owns; at the end every row group writes its a
 row of the workspace ``partials[num_programs * rows_per_cta, H_pad]``, which ``dw_reduce`` sums in a
 fixed order. No atomics anywhere.
 
-Atomic variant (``dw_dtype`` given; ``deterministic=False``): instead of a partial row, every CTA adds its
-accumulator into one FP32 row ``acc[H_pad]`` with ``red.global.add.f32``, fences, and counts itself in
-``counter[rank]``; the CTA that arrives last for its cluster rank converts that rank's columns of ``acc``
-to ``dw`` and zeroes them and the counter again, so the next call finds them clean. One launch and no
-second pass over partial rows -- what matters at small T -- but the order of the FP32 additions into
-``acc`` varies from run to run, so dw does (by FP32 rounding); dx does not.
-
 Pipeline: g and h of the next row tile stream into the other half of a double-buffered shared-memory
 tile with cp.async (and rstd into a register) while the current tile is reduced; g_residual, needed only
 after the row sum, is staged at the top of its own iteration. The row sum (``common.row_sum``) is the
@@ -38,8 +30,7 @@ CTAs, ``wide_mode``) g and h are loaded straight into registers and re-read from
 hit) after the row sum, and the dW accumulator lives in shared memory, so 128 registers suffice.
 
 Bytes moved: reads g, h (+ g_residual) and writes dx once: T*H*(3 or 4)*act_bytes, plus 4*T of rstd,
-plus the partial rows (num_programs * rows_per_cta * H * 4, written here, read by dw_reduce), or in the
-atomic variant num_programs * rows_per_cta * H FP32 reductions into L2 and one pass over acc and dw.
+plus the partial rows (num_programs * rows_per_cta * H * 4, written here, read by dw_reduce).
 """
 
 from __future__ import annotations
@@ -49,9 +40,6 @@ from functools import partial
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
-from cutlass._mlir import ir
-from cutlass._mlir.dialects import vector
-from cutlass.cutlass_dsl import dsl_user_op
 
 from .common import (
     RowKernel,
@@ -68,14 +56,6 @@ from .common import (
 )
 
 
-@dsl_user_op
-def red_add_f32x4(ptr: cute.Pointer, a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None):
-    """``red.global.add.v4.f32``: four contiguous, 16-byte aligned FP32 atomic adds in one instruction."""
-    values = [Float32(v).ir_value(loc=loc, ip=ip) for v in (a, b, c, d)]
-    packed = vector.from_elements(ir.VectorType.get([4], Float32.mlir_type), values, loc=loc, ip=ip)
-    cute.arch.red(ptr, packed, op="add", dtype=Float32, sem="relaxed", scope="gpu", loc=loc, ip=ip)
-
-
 @cute.jit
 def stage_tile(stage, thr, tiler, rank, tile, slot, mG, mH, sG, sH):
     """Issue the cp.async copies of row tile ``tile`` of g and h into stage ``slot``."""
@@ -84,14 +64,8 @@ def stage_tile(stage, thr, tiler, rank, tile, slot, mG, mH, sG, sH):
 
 
 class RMSNormBackward(RowKernel):
-    """One compiled backward per (arch, dtypes, H, residual, weight_offset[, dw dtype]); T and the number
-    of programs are runtime values. ``dw_dtype`` None: deterministic partial rows in ``mPartial``;
-    a dtype: the atomic variant, ``mPartial`` is the FP32 accumulator row (H,) and ``mDW``, ``mCounter``
-    (16 Int32, one per possible cluster rank) are given."""
-
-    def __init__(self, tiling, act_dtype, w_dtype, residual, weight_offset, min_ctas_per_sm, dw_dtype=None):
-        super().__init__(tiling, act_dtype, w_dtype, residual, weight_offset, min_ctas_per_sm)
-        self.dw_dtype = dw_dtype
+    """One compiled backward per (arch, dtypes, H, residual, weight_offset); T and the number of
+    programs are runtime values."""
 
     @cute.jit
     def __call__(
@@ -103,12 +77,10 @@ class RMSNormBackward(RowKernel):
         mGRes: cute.Tensor,
         mDX: cute.Tensor,
         mPartial: cute.Tensor,
-        mDW: cute.Tensor,
-        mCounter: cute.Tensor,
         num_programs: Int32,
         stream,
     ):
-        self.kernel(mG, mH, mW, mRstd, mGRes, mDX, mPartial, mDW, mCounter).launch(
+        self.kernel(mG, mH, mW, mRstd, mGRes, mDX, mPartial).launch(
             **self.launch_shape(num_programs), stream=stream
         )
 
@@ -122,8 +94,6 @@ class RMSNormBackward(RowKernel):
         mGRes: cute.Tensor,
         mDX: cute.Tensor,
         mPartial: cute.Tensor,
-        mDW: cute.Tensor,
-        mCounter: cute.Tensor,
     ):
         t = self.tiling
         tidx, _, _ = cute.arch.thread_idx()
@@ -256,63 +226,8 @@ class RMSNormBackward(RowKernel):
                 copy_act(tXrDX, tXgDX)
             step = step + 1
 
+        # Row group r of program b owns partial row b * rows_per_cta + r.
+        tXgP = thr.partition_S(cute.local_tile(mPartial, tiler, (bidx, rank)))
         if const_expr(t.wide_mode):
             cute.autovec_copy(tXDW, tXrDW)
-        if const_expr(self.dw_dtype is None):
-            # Row group r of program b owns partial row b * rows_per_cta + r.
-            tXgP = thr.partition_S(cute.local_tile(mPartial, tiler, (bidx, rank)))
-            cute.copy(copy_atom(Float32, t.vec), tXrDW, tXgP, pred=pred)
-        else:
-            tXgAcc = thr.partition_S(cute.local_tile(broadcast_rows(mPartial, t.rows_per_cta), tiler, (0, rank)))
-            self.add_into_accumulator(tXrDW, tXgAcc, tXc0)
-            if self.arrived_last(smem, mCounter, tidx, rank, num_programs):
-                # Row group 0 finalizes the columns its lanes own: all its loads in flight at once.
-                if row_in_cta == 0:
-                    self.finalize(tXgAcc, mDW, mCounter, tXc0, tidx, rank)
-
-    @cute.jit
-    def add_into_accumulator(self, tXrDW: cute.Tensor, tXgAcc: cute.Tensor, tXc: cute.Tensor):
-        """acc[col] += this thread's dW (every row group of the CTA adds into the same FP32 row), four
-        columns per ``red.v4.f32`` when a vector holds a multiple of four (its columns are contiguous)."""
-        group = 4 if const_expr(self.tiling.vec % 4 == 0) else 1
-        for i in cutlass.range_constexpr(0, cute.size(tXrDW), group):
-            if const_expr(self.tiling.even) or tXc[i][1] < self.tiling.hidden:
-                ptr = tXgAcc.iterator + cute.crd2idx(i, tXgAcc.layout)
-                if const_expr(group == 4):
-                    red_add_f32x4(ptr, tXrDW[i], tXrDW[i + 1], tXrDW[i + 2], tXrDW[i + 3])
-                else:
-                    cute.arch.red(ptr, tXrDW[i], op="add", dtype=Float32, sem="relaxed", scope="gpu")
-
-    @cute.jit
-    def arrived_last(self, smem, mCounter: cute.Tensor, tidx, rank, num_programs) -> cutlass.Boolean:
-        """Counts this CTA in ``counter[rank]``; True in the CTA that arrives last (the classic fence /
-        count / last-block pattern: the fence releases this CTA's reductions before it is counted)."""
-        is_last = smem.allocate_array(Int32, num_elems=1)
-        cute.arch.fence_acq_rel_gpu()
-        cute.arch.barrier()
-        if tidx == 0:
-            arrived = cute.arch.atomic_add(mCounter.iterator + rank, Int32(1), sem="acq_rel", scope="gpu")
-            is_last[0] = Int32(1) if arrived == num_programs - 1 else Int32(0)
-        cute.arch.barrier()
-        return is_last[0] != 0
-
-    @cute.jit
-    def finalize(self, tXgAcc: cute.Tensor, mDW: cute.Tensor, mCounter: cute.Tensor, tXc: cute.Tensor, tidx,
-                 rank):
-        """dw = acc for this thread's columns, then acc and the counter back to zero for the next call."""
-        t = self.tiling
-        cute.arch.fence_acq_rel_gpu()  # acquire: every other CTA's reductions are visible
-        pred = None
-        if const_expr(not t.even):
-            pred = column_predicate(tXc, t.hidden)
-        tXrAcc = cute.make_rmem_tensor_like(tXgAcc)
-        tXrAcc.fill(0.0)
-        accumulator_copy = copy_atom(Float32, t.vec)
-        cute.copy(accumulator_copy, tXgAcc, tXrAcc, pred=pred)
-        for i in cutlass.range_constexpr(cute.size(tXrAcc)):
-            if const_expr(t.even) or tXc[i][1] < t.hidden:
-                mDW[tXc[i][1]] = tXrAcc[i].to(self.dw_dtype)
-        tXrAcc.fill(0.0)
-        cute.copy(accumulator_copy, tXrAcc, tXgAcc, pred=pred)
-        if tidx == 0:
-            mCounter[rank] = Int32(0)
+        cute.copy(copy_atom(Float32, t.vec), tXrDW, tXgP, pred=pred)

@@ -38,7 +38,7 @@ def _reference_backward(g, x, w, rstd, *, g_residual=None, weight_offset=0.0, dw
     return dx.to(x.dtype), dw.to(dw_dtype)
 
 
-def _reference_backward_from_saved(g, h, w, rstd, g_residual, deterministic, weight_offset):
+def _reference_backward_from_saved(g, h, w, rstd, g_residual, weight_offset):
     return _reference_backward(g, h, w, rstd, g_residual=g_residual, weight_offset=weight_offset, dw_dtype=w.dtype)
 
 

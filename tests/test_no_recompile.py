@@ -20,7 +20,7 @@ ROWS = (1, 2, 129, 4096)
 def test_kernel_spec_has_no_row_count():
     """The spec is the whole compile key (object_path hashes it with the code fingerprint)."""
     fields = {f.name for f in dataclasses.fields(KernelSpec)}
-    assert fields == {"kind", "arch", "act_dtype", "w_dtype", "hidden", "residual", "weight_offset", "dw_dtype"}
+    assert fields == {"kind", "arch", "act_dtype", "w_dtype", "hidden", "residual", "weight_offset"}
 
 
 def _isolate_memory_caches(monkeypatch):

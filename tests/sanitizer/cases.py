@@ -1,5 +1,6 @@
-"""The workload compute-sanitizer runs: forward and backward over the dtypes x H in {7, 4096, 4097,
-65536} x residual off/on, small T, each output checked against the FP64 reference so a silent
+"""The workload compute-sanitizer runs: forward and backward over the dtypes x H in {7, 1024, 4096, 4097,
+7168, 65536} x residual off/on at T = 3, and T = 100 at H = 4096 (persistent programs with two row tiles
+each), each output checked against the FP64 reference so a silent
 corruption would also show. Run by ``tests/sanitizer/run.sh`` under memcheck, racecheck and synccheck
 (a GPU is needed); it prints one line per case and exits non-zero on any mismatch."""
 
@@ -36,9 +37,10 @@ def main():
     results = [
         run_case(dtype, hidden, residual)
         for dtype in (torch.bfloat16, torch.float16, torch.float32)
-        for hidden in (7, 4096, 4097, 65536)
+        for hidden in (7, 1024, 4096, 4097, 7168, 65536)
         for residual in (False, True)
     ]
+    results += [run_case(torch.bfloat16, 4096, residual, rows=100) for residual in (False, True)]
     return 0 if all(results) else 1
 
 

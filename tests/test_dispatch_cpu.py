@@ -1,0 +1,44 @@
+"""The backward's launch plan, without a GPU: how many persistent programs a T gets, and that a workspace
+sized for T rows holds exactly the most partial rows any call of up to T rows writes."""
+
+from __future__ import annotations
+
+import pytest
+
+from cake_cute import dispatch, validation
+from cake_cute.kernels.config import backward_tiling
+
+H200 = validation.DeviceFacts(0, "stand-in H200", (9, 0), "sm_90a", 132)
+
+
+@pytest.fixture(autouse=True)
+def occupancy_without_a_driver(monkeypatch):
+    """Resident clusters from the per-SM CTA count alone (the driver query needs a GPU)."""
+    monkeypatch.setattr(dispatch, "resident_clusters",
+                        lambda index, capability, threads, cluster, per_sm, sms: sms * per_sm // cluster)
+    for cached in (dispatch.backward_programs, dispatch.backward_launch):
+        cached.cache_clear()
+    yield
+    for cached in (dispatch.backward_programs, dispatch.backward_launch):
+        cached.cache_clear()
+
+
+def _programs(rows, hidden=4096):
+    return dispatch.backward_programs(rows, hidden, "bf16", False, H200)
+
+
+def test_programs_follow_the_row_tiles():
+    resident = 2 * 132  # 512-thread CTAs with 64 registers: two per SM
+    assert backward_tiling(4096, "bf16").threads_per_cta == 512
+    assert [_programs(t) for t in (1, 2, 16, 63)] == [1, 2, 16, 63]  # one tile each
+    assert [_programs(t) for t in (64, 129, 256, resident)] == [32, 65, 128, resident // 2]  # two each
+    assert [_programs(t) for t in (resident + 1, 4096, 10**6)] == [resident] * 3  # all resident
+
+
+@pytest.mark.parametrize("hidden", [1024, 4096, 16384, 262144])
+def test_workspace_rows_cover_every_smaller_call(hidden):
+    most_so_far = 0
+    for rows in range(0, 1500):
+        launched = dispatch.backward_launch(max(rows, 1), hidden, "bf16", False, H200)[1]
+        most_so_far = max(most_so_far, launched)
+        assert dispatch.most_partial_rows(rows, hidden, "bf16", False, H200) == most_so_far, rows
