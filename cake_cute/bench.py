@@ -198,6 +198,10 @@ def default_json_path(gpu: str, date: str, small: bool = False, root: Path | Non
 
 
 def git_commit() -> str:
+    """``$CAKE_CUTE_COMMIT`` when set (a copy of the tree on another machine may carry a stale .git),
+    else ``git rev-parse --short HEAD`` (+ ``-dirty``) of the checkout the package sits in."""
+    if os.environ.get("CAKE_CUTE_COMMIT"):
+        return os.environ["CAKE_CUTE_COMMIT"]
     repo = Path(__file__).resolve().parents[1]
     try:
         if not (repo / ".git").exists():
@@ -213,7 +217,7 @@ def git_commit() -> str:
             return commit
     except (OSError, subprocess.SubprocessError):
         pass
-    return os.environ.get("CAKE_CUTE_COMMIT") or "unknown"
+    return "unknown"
 
 
 def row_key(row: dict) -> tuple:

@@ -108,10 +108,12 @@ def test_default_json_path(tmp_path):
     assert bench.slugify("  ") == "unknown-gpu"
 
 
-def test_git_commit_is_a_string(monkeypatch):
+def test_git_commit_prefers_the_environment(monkeypatch):
     monkeypatch.setenv("CAKE_CUTE_COMMIT", "feedbee")
+    assert bench.git_commit() == "feedbee"
+    monkeypatch.delenv("CAKE_CUTE_COMMIT")
     c = bench.git_commit()
-    assert isinstance(c, str) and c
+    assert isinstance(c, str) and c and c != "feedbee"
 
 
 def _rows():
