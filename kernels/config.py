@@ -124,7 +124,8 @@ def forward_tiling(hidden: int, act_dtype: str) -> RowTiling:
     power-of-two lane count covers only raggedly (H = 7168: 896 vectors over 256 lanes) gets the
     whole number of warps nearest to it that covers the row exactly (7 warps of 4 vectors): no
     column predicates and no idle lanes in the last pass (measured on the H200: 0.8-1.3% faster at
-    7168; at 5120 the nearest exact cover, 10 warps of 2, measured the same as the ragged one)."""
+    7168; at 5120 the nearest exact cover, 10 warps of 2, measured the same as the ragged one; see
+    perf/results/2026-11-30-h200-tiling-scans/scans.log)."""
     tiling = row_tiling(hidden, DTYPE_BYTES[act_dtype], bytes_per_thread=128, target_vecs=4)
     if tiling.even or tiling.cluster_n > 1 or tiling.threads_per_row < 128:
         return tiling
@@ -143,7 +144,8 @@ def backward_tiling(hidden: int, act_dtype: str) -> RowTiling:
     it exactly with one or two vectors each (up to 16 warps): short per-thread work and many loads
     in flight per row hide the row-sum latency best. Measured on the H200 against the
     power-of-two tiling (2 vectors per lane): 1024 -> 4 warps x 1 (3.76 -> 4.02 TB/s), 7168 -> 14
-    warps x 2 (3.69 -> 3.96)."""
+    warps x 2 (3.69 -> 3.96); perf/results/2026-11-30-h200-tiling-scans/scans.log. Cluster tilings keep
+    256 lanes of 4 vectors: 512 lanes of 2 measured slower at H = 32768-131072."""
     tiling = row_tiling(hidden, DTYPE_BYTES[act_dtype], bytes_per_thread=64, target_vecs=2)
     if tiling.threads_per_cta >= MAX_THREADS_PER_CTA:
         return replace(tiling, wide_mode=True)
