@@ -193,10 +193,6 @@ def check_rstd(rstd, rows: int, device) -> None:
         raise ValueError(f"rstd must have shape ({rows},) (one FP32 value per row), got {tuple(rstd.shape)}")
 
 
-def rows_of(x: torch.Tensor) -> int:
-    return math.prod(x.shape[:-1])
-
-
 def kernel_view(t: torch.Tensor, vec: int) -> torch.Tensor:
     """A (rows, H) view the kernels can read in place, or a contiguous copy when the layout forbids it.
 
