@@ -14,7 +14,7 @@ from cake_cute.warmup import collect_reports, variant_specs, warm
 
 ARCHS = ("sm_90a", "sm_100a")
 DTYPES = ("bf16", "fp16", "fp32")
-HIDDEN = (1, 7, 512, 4096, 4097, 8192, 65536, 262144)
+HIDDEN = (1, 7, 512, 1024, 4096, 4097, 7168, 8192, 65536, 262144)
 JOBS = 2
 
 SPECS = list(dict.fromkeys(
