@@ -249,16 +249,6 @@ def is_cached_on_disk(spec: KernelSpec) -> bool:
     return _problem(object_path(spec)) is None
 
 
-_memory_users: list[Callable[[], None]] = []  # caches elsewhere that hold compiled functions
-
-
-def on_clear_memory(clear: Callable[[], None]) -> None:
-    """Register another cache of compiled functions to be emptied with ``clear_memory``."""
-    _memory_users.append(clear)
-
-
 def clear_memory() -> None:
     _memory.clear()
     _by_fields.clear()
-    for clear in _memory_users:
-        clear()

@@ -16,7 +16,6 @@ from .kernels.config import (
     forward_min_ctas_per_sm,
     forward_tiling,
 )
-from .kernels.dw_reduce import reduce_shape
 from .occupancy import resident_clusters
 from .validation import DeviceFacts, vector_align_bytes
 
@@ -32,6 +31,11 @@ def _cutlass_dtype(name: str):
 def partial_row_stride(hidden: int) -> int:
     """FP32 partial rows are padded to 4 columns so every row starts 16-byte aligned."""
     return -(-hidden // 4) * 4
+
+
+def partial_rows_bytes(partial_rows: int, hidden: int) -> int:
+    """Bytes of ``partial_rows`` padded FP32 partial rows (what a workspace must hold for them)."""
+    return partial_rows * partial_row_stride(hidden) * 4
 
 
 # From this many row tiles on, when all of them fit on the GPU at once, programs take two tiles each:
@@ -100,6 +104,13 @@ def _fake_vector(cute, dtype, length, align_elems: int):
     )
 
 
+def _fake_partials(cute, f32, hidden: int):
+    """The (P, H) FP32 partial rows with their padded row stride; P is a runtime value."""
+    return cute.runtime.make_fake_tensor(
+        f32, (cute.sym_int(), hidden), stride=(partial_row_stride(hidden), 1), assumed_align=16
+    )
+
+
 def compile_kernel(spec: KernelSpec):
     """Trace and compile one variant for ``spec.arch`` (works without a GPU)."""
     import cutlass
@@ -116,10 +127,7 @@ def compile_kernel(spec: KernelSpec):
     H = spec.hidden
     rows = cute.sym_int()
     if spec.kind == "dw":
-        vec, _ = reduce_shape(H)
-        partials = cute.runtime.make_fake_tensor(
-            cutlass.Float32, (cute.sym_int(), H), stride=(partial_row_stride(H), 1), assumed_align=16
-        )
+        partials = _fake_partials(cute, cutlass.Float32, H)
         dw = _fake_vector(cute, act, H, 1)
         return cute.compile(DWReduce(H, act), partials, dw, stream, options=options)
 
@@ -139,9 +147,7 @@ def compile_kernel(spec: KernelSpec):
     g, h, dx = (_fake_rows_tensor(cute, act, rows, H, vec) for _ in range(3))
     g_res = _fake_rows_tensor(cute, act, rows, H, vec) if spec.residual else None
     min_ctas = backward_min_ctas_per_sm(tiling, spec.arch)
-    partials = cute.runtime.make_fake_tensor(
-        cutlass.Float32, (cute.sym_int(), H), stride=(partial_row_stride(H), 1), assumed_align=16
-    )
+    partials = _fake_partials(cute, cutlass.Float32, H)
     kernel = RMSNormBackward(tiling, act, wdt, spec.residual, spec.weight_offset, min_ctas)
     return cute.compile(kernel, g, h, w, rstd, g_res, dx, partials, cutlass.Int32(1), stream, options=options)
 

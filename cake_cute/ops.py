@@ -8,12 +8,12 @@ goes to the kernel as it is.
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 
 from . import dispatch, validation as v
-from .compile_cache import kernel, on_clear_memory
+from .compile_cache import kernel
 
 _CONTIGUOUS = torch.contiguous_format
 
@@ -58,11 +58,6 @@ def _finish(written, caller):
     return caller
 
 
-def _launch(device: torch.device, fn, *args) -> None:
-    with v.on_device(device):
-        fn(*args)
-
-
 def cake_rmsnorm_train_forward(
     x, w, eps, *, residual=None, out=None, rstd=None, residual_out=None, weight_offset: float = 0.0
 ):
@@ -96,15 +91,15 @@ def cake_rmsnorm_train_forward(
 
     if rows > 0:
         fn = kernel("fwd", op.arch, op.act, op.w_name, hidden, residual is not None, weight_offset)
-        _launch(
-            op.device, fn,
-            v.kernel_view(x, vec),
-            None if residual is None else v.kernel_view(residual, vec),
-            v.aligned_vector(w, vec),
-            _rows_view(y, hidden),
-            None if residual is None else _rows_view(h_new, hidden),
-            r, eps,
-        )
+        with v.on_device(op.device):
+            fn(
+                v.kernel_view(x, vec),
+                None if residual is None else v.kernel_view(residual, vec),
+                v.aligned_vector(w, vec),
+                _rows_view(y, hidden),
+                None if residual is None else _rows_view(h_new, hidden),
+                r, eps,
+            )
     if residual is None:
         return _finish(y, y_copy), _finish(r, r_copy)
     return _finish(y, y_copy), _finish(r, r_copy), _finish(h_new, h_copy)
@@ -123,7 +118,7 @@ def cake_rmsnorm_train_backward_workspace_bytes(rows, hidden, device, *, residua
     v.device_arch(device)
     facts = v.device_facts(device)
     most = max(dispatch.most_partial_rows(rows, hidden, act, residual, facts) for act in dispatch.DTYPE_NAMES)
-    return most * dispatch.partial_row_stride(hidden) * 4
+    return dispatch.partial_rows_bytes(most, hidden)
 
 
 def cake_rmsnorm_train_backward_workspace(rows, hidden, device, *, residual=False) -> torch.Tensor:
@@ -197,55 +192,39 @@ class _BackwardPlan(NamedTuple):
     partial_rows: int
     workspace_bytes: int  # the least a caller's workspace must hold
     vec: int
-    bwd: Callable
-    reduce: Callable
 
 
 @lru_cache(maxsize=4096)
-def _backward_plan(op, rows, residual, weight_offset, dw_dtype) -> _BackwardPlan:
-    """Everything a backward call needs besides its tensors, looked up once per distinct call shape."""
-    hidden = op.hidden
-    programs, partial_rows = dispatch.backward_launch(max(rows, 1), hidden, op.act, residual, op.facts)
-    return _BackwardPlan(
-        programs,
-        partial_rows,
-        partial_rows * dispatch.partial_row_stride(hidden) * 4,
-        dispatch.vector_elems(hidden, op.act),
-        kernel("bwd", op.arch, op.act, op.w_name, hidden, residual, weight_offset),
-        kernel("dw", op.arch, v.dtype_name(dw_dtype), "fp32", hidden),
-    )
-
-
-on_clear_memory(_backward_plan.cache_clear)
+def _backward_plan(op, rows, residual) -> _BackwardPlan:
+    """The launch shape of a backward call, looked up once per distinct (operands, T, residual)."""
+    programs, partial_rows = dispatch.backward_launch(max(rows, 1), op.hidden, op.act, residual, op.facts)
+    return _BackwardPlan(programs, partial_rows, dispatch.partial_rows_bytes(partial_rows, op.hidden),
+                         dispatch.vector_elems(op.hidden, op.act))
 
 
 def _backward(op, g, x, w, rstd, g_residual, workspace, dx, dw, weight_offset, dw_dtype):
     hidden = op.hidden
     rows = x.numel() // hidden
     residual = g_residual is not None
-    if rows == 0:  # nothing to launch (and nothing to compile); the workspace is still checked
-        plan = None
-        partial_rows = dispatch.backward_launch(1, hidden, op.act, residual, op.facts)[1]
-        needed = partial_rows * dispatch.partial_row_stride(hidden) * 4
-        vec = dispatch.vector_elems(hidden, op.act)
-    else:
-        plan = _backward_plan(op, rows, residual, weight_offset, dw_dtype)
-        needed, vec = plan.workspace_bytes, plan.vec
-    if workspace is not None and workspace.numel() < needed:
-        raise ValueError(f"workspace holds {workspace.numel()} bytes; this call needs at least {needed}")
+    plan = _backward_plan(op, rows, residual)
+    vec = plan.vec
+    if workspace is not None and workspace.numel() < plan.workspace_bytes:
+        raise ValueError(f"workspace holds {workspace.numel()} bytes; this call needs at least {plan.workspace_bytes}")
     dx_t, dx_copy = _outputs_like(dx, x, vec)
     dw_t, dw_copy = _vector_output(dw, hidden, dw_dtype, op.device)
 
-    if plan is None:
+    if rows == 0:  # nothing to launch (and nothing to compile)
         dw_t.zero_()
     else:
+        bwd = kernel("bwd", op.arch, op.act, op.w_name, hidden, residual, weight_offset)
+        reduce = kernel("dw", op.arch, v.dtype_name(dw_dtype), "fp32", hidden)
         partials = _partials(workspace, plan.partial_rows, hidden, op.device)
         with v.on_device(op.device):
-            plan.bwd(
+            bwd(
                 v.kernel_view(g, vec), v.kernel_view(x, vec), v.aligned_vector(w, vec),
                 rstd if rstd.is_contiguous() else rstd.contiguous(),
                 v.kernel_view(g_residual, vec) if residual else None,
                 _rows_view(dx_t, hidden), partials, plan.programs,
             )
-            plan.reduce(partials, dw_t)
+            reduce(partials, dw_t)
     return _finish(dx_t, dx_copy), _finish(dw_t, dw_copy)

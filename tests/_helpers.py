@@ -240,6 +240,19 @@ def prewarm_kernels(request):
 WIDE = 65536
 
 
+def suite_grid(rows) -> list:
+    """``(dtype, hidden, residual, T)`` params over DTYPES x SUITE_HIDDEN x residual x ``rows_for(hidden,
+    rows)``, T innermost so that consecutive tests reuse one compiled kernel."""
+    return [
+        pytest.param(dtype, hidden, residual, t,
+                     id=f"{DTYPE_IDS[dtype]}-H{hidden}-{'res' if residual else 'plain'}-T{t}")
+        for dtype in DTYPES
+        for hidden in SUITE_HIDDEN
+        for residual in (False, True)
+        for t in rows_for(hidden, rows)
+    ]
+
+
 def rows_for(hidden: int, rows) -> list[int]:
     """The row counts tested at ``hidden``: ``rows``, capped at 129 for wide rows, duplicates dropped."""
     return list(dict.fromkeys(t if hidden < WIDE else min(t, 129) for t in rows))

@@ -250,14 +250,18 @@ def test_saves_exactly_h_w_rstd(residual):
 # ------------------------------------------------------------------------------------ missing gradients
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=DTYPE_IDS.get)
-def test_only_h_new_used(dtype):
-    """y unused: dL/dh_new flows to x and residual unchanged, and w gets no (or a zero) gradient."""
-    rows, hidden = 129, 4096
+def _residual_leaves(dtype, rows=129, hidden=4096):
+    """x, w, residual (leaves that require grad) and one output gradient."""
     x = leaf(torch.randn(rows, hidden, device=DEV).to(dtype))
     w = leaf(rand_weight(hidden, dtype))
     res = leaf(torch.randn(rows, hidden, device=DEV).to(dtype))
-    gh = torch.randn(rows, hidden, device=DEV).to(dtype)
+    return x, w, res, torch.randn(rows, hidden, device=DEV).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=DTYPE_IDS.get)
+def test_only_h_new_used(dtype):
+    """y unused: dL/dh_new flows to x and residual unchanged, and w gets no (or a zero) gradient."""
+    x, w, res, gh = _residual_leaves(dtype)
     _, h_new = cake_rmsnorm(x, w, EPS, res)
     torch.autograd.backward([h_new], [gh])
     assert_bitwise_equal(x.grad, gh, "x.grad")
@@ -268,11 +272,7 @@ def test_only_h_new_used(dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=DTYPE_IDS.get)
 def test_only_y_used(dtype):
     """h_new unused: the gradient is the plain RMSNorm backward at h_new, for x and residual alike."""
-    rows, hidden = 129, 4096
-    x = leaf(torch.randn(rows, hidden, device=DEV).to(dtype))
-    w = leaf(rand_weight(hidden, dtype))
-    res = leaf(torch.randn(rows, hidden, device=DEV).to(dtype))
-    gy = torch.randn(rows, hidden, device=DEV).to(dtype)
+    x, w, res, gy = _residual_leaves(dtype)
     y, _ = cake_rmsnorm(x, w, EPS, res)
     y.backward(gy)
     _, _, dx_ref, dw_ref, dres_ref = eager_fp32(x, w, EPS, res, 0.0, gy, None)

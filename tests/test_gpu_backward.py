@@ -29,9 +29,7 @@ from cake_cute.reference import backward_reference, forward_reference, rel_error
 from ._helpers import (  # noqa: F401 (fixed_seed, prewarm_kernels: fixtures)
     WIDE,
     DTYPE_IDS,
-    DTYPES,
     EPS,
-    SUITE_HIDDEN,
     assert_bitwise_equal,
     assert_within_one_ulp,
     fixed_seed,
@@ -42,7 +40,7 @@ from ._helpers import (  # noqa: F401 (fixed_seed, prewarm_kernels: fixtures)
     poison_,
     prewarm_kernels,
     rand_weight,
-    rows_for,
+    suite_grid,
     sum_rel_error,
 )
 
@@ -54,13 +52,7 @@ ROWS = (1, 2, 129, 4096, 16231)
 DW_TOL = 2e-5
 
 
-GRID = [
-    pytest.param(dtype, hidden, residual, rows, id=f"{DTYPE_IDS[dtype]}-H{hidden}-{'res' if residual else 'plain'}-T{rows}")
-    for dtype in DTYPES
-    for hidden in SUITE_HIDDEN
-    for residual in (False, True)
-    for rows in rows_for(hidden, ROWS)
-]
+GRID = suite_grid(ROWS)
 
 
 class Inputs:

@@ -20,9 +20,7 @@ from cake_cute.reference import forward_reference, rel_error, tolerance
 from ._helpers import (  # noqa: F401 (fixed_seed, prewarm_kernels: fixtures)
     WIDE,
     DTYPE_IDS,
-    DTYPES,
     EPS,
-    SUITE_HIDDEN,
     assert_bitwise_equal,
     assert_within_one_ulp,
     fixed_seed,
@@ -32,7 +30,7 @@ from ._helpers import (  # noqa: F401 (fixed_seed, prewarm_kernels: fixtures)
     poison_,
     prewarm_kernels,
     rand_weight,
-    rows_for,
+    suite_grid,
 )
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("prewarm_kernels")]
@@ -43,13 +41,7 @@ ROWS = (0, 1, 2, 129, 4096)
 RSTD_TOL = 1e-5
 
 
-GRID = [
-    pytest.param(dtype, hidden, residual, rows, id=f"{DTYPE_IDS[dtype]}-H{hidden}-{'res' if residual else 'plain'}-T{rows}")
-    for dtype in DTYPES
-    for hidden in SUITE_HIDDEN
-    for residual in (False, True)
-    for rows in rows_for(hidden, ROWS)  # T innermost: consecutive tests reuse one compiled kernel
-]
+GRID = suite_grid(ROWS)
 
 
 def run_forward(x, w, eps=EPS, residual=None, weight_offset=0.0, **outputs):

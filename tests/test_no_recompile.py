@@ -24,11 +24,9 @@ def test_kernel_spec_has_no_row_count():
 
 
 def _isolate_memory_caches(monkeypatch):
-    """Empty in-memory kernel caches for this test only (the originals come back afterwards; the
-    backward plans, which hold kernels too, are emptied and refill on demand)."""
+    """Empty in-memory kernel caches for this test only (the originals come back afterwards)."""
     monkeypatch.setattr(compile_cache, "_memory", {})
     monkeypatch.setattr(compile_cache, "_by_fields", {})
-    ops._backward_plan.cache_clear()
 
 
 @pytest.fixture
