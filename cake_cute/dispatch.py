@@ -12,6 +12,7 @@ from .compile_cache import KernelSpec
 from .kernels.config import (
     backward_ctas_per_sm,
     backward_min_ctas_per_sm,
+    backward_stages,
     backward_tiling,
     forward_min_ctas_per_sm,
     forward_tiling,
@@ -46,18 +47,18 @@ PAIR_TILES_FROM = 64
 
 
 @lru_cache(maxsize=4096)
-def backward_programs(rows: int, hidden: int, act_dtype: str, residual: bool, device: DeviceFacts) -> int:
+def backward_programs(rows: int, hidden: int, act_dtype: str, w_dtype: str, residual: bool, device: DeviceFacts) -> int:
     """Programs (clusters) of the persistent backward: as many as are resident at once, never more
     than there are row tiles (two tiles each from ``PAIR_TILES_FROM`` tiles up to a full GPU). The
-    partition of rows -- and so dw's bits -- is fixed by this number, which depends on T and the GPU
-    model only."""
+    partition of rows -- and so dw's bits -- is fixed by this number, which depends only on T, the GPU
+    model and the variant (dtypes, H, mode)."""
     tiling = backward_tiling(hidden, act_dtype)
     tiles = -(-rows // tiling.rows_per_cta)
     if tiles <= 1:
         return 1
     resident = resident_clusters(
         device.index, device.capability, tiling.threads_per_cta, tiling.cluster_n,
-        backward_ctas_per_sm(tiling, device.arch, act_dtype, residual), device.sm_count,
+        backward_ctas_per_sm(tiling, device.arch, act_dtype, w_dtype, residual), device.sm_count,
     )
     if PAIR_TILES_FROM <= tiles <= resident:
         return -(-tiles // 2)
@@ -65,18 +66,19 @@ def backward_programs(rows: int, hidden: int, act_dtype: str, residual: bool, de
 
 
 @lru_cache(maxsize=4096)
-def backward_launch(rows: int, hidden: int, act_dtype: str, residual: bool, device: DeviceFacts) -> tuple[int, int]:
+def backward_launch(rows: int, hidden: int, act_dtype: str, w_dtype: str, residual: bool,
+                    device: DeviceFacts) -> tuple[int, int]:
     """(programs, FP32 partial rows of dW the backward writes: one per row group of each program)."""
-    programs = backward_programs(rows, hidden, act_dtype, residual, device)
+    programs = backward_programs(rows, hidden, act_dtype, w_dtype, residual, device)
     return programs, programs * backward_tiling(hidden, act_dtype).rows_per_cta
 
 
-def most_partial_rows(rows: int, hidden: int, act_dtype: str, residual: bool, device: DeviceFacts) -> int:
+def most_partial_rows(rows: int, hidden: int, act_dtype: str, w_dtype: str, residual: bool, device: DeviceFacts) -> int:
     """The most partial rows any backward of up to ``rows`` rows writes (what a workspace for ``rows``
     must hold): the program count grows with T except where pairing starts, so the largest count is
     at ``rows`` or just below ``PAIR_TILES_FROM`` tiles."""
     below_pairing = (PAIR_TILES_FROM - 1) * backward_tiling(hidden, act_dtype).rows_per_cta
-    return max(backward_launch(r, hidden, act_dtype, residual, device)[1]
+    return max(backward_launch(r, hidden, act_dtype, w_dtype, residual, device)[1]
                for r in {max(rows, 1), max(min(rows, below_pairing), 1)})
 
 
@@ -148,7 +150,8 @@ def compile_kernel(spec: KernelSpec):
     g_res = _fake_rows_tensor(cute, act, rows, H, vec) if spec.residual else None
     min_ctas = backward_min_ctas_per_sm(tiling, spec.arch)
     partials = _fake_partials(cute, cutlass.Float32, H)
-    kernel = RMSNormBackward(tiling, act, wdt, spec.residual, spec.weight_offset, min_ctas)
+    stages = backward_stages(tiling, spec.act_dtype, spec.residual)
+    kernel = RMSNormBackward(tiling, act, wdt, spec.residual, spec.weight_offset, min_ctas, stages)
     return cute.compile(kernel, g, h, w, rstd, g_res, dx, partials, cutlass.Int32(1), stream, options=options)
 
 

@@ -117,7 +117,8 @@ def cake_rmsnorm_train_backward_workspace_bytes(rows, hidden, device, *, residua
         raise ValueError(f"device must be a CUDA device, got {device}")
     v.device_arch(device)
     facts = v.device_facts(device)
-    most = max(dispatch.most_partial_rows(rows, hidden, act, residual, facts) for act in dispatch.DTYPE_NAMES)
+    most = max(dispatch.most_partial_rows(rows, hidden, act, w, residual, facts)
+               for act in dispatch.DTYPE_NAMES for w in {act, "fp32"})
     return dispatch.partial_rows_bytes(most, hidden)
 
 
@@ -197,7 +198,8 @@ class _BackwardPlan(NamedTuple):
 @lru_cache(maxsize=4096)
 def _backward_plan(op, rows, residual) -> _BackwardPlan:
     """The launch shape of a backward call, looked up once per distinct (operands, T, residual)."""
-    programs, partial_rows = dispatch.backward_launch(max(rows, 1), op.hidden, op.act, residual, op.facts)
+    programs, partial_rows = dispatch.backward_launch(max(rows, 1), op.hidden, op.act, op.w_name, residual,
+                                                      op.facts)
     return _BackwardPlan(programs, partial_rows, dispatch.partial_rows_bytes(partial_rows, op.hidden),
                          dispatch.vector_elems(op.hidden, op.act))
 

@@ -31,7 +31,8 @@ MIN_THREADS_PER_CTA = 128
 REGISTERS_PER_SM = 65536
 MAX_REGISTERS_PER_THREAD = 128
 SMEM_PER_SM = 228 * 1024
-SMEM_RESERVED_PER_CTA = 1024
+SMEM_RESERVED_PER_CTA = 1024  # the driver's per-CTA reserve
+SMEM_STATIC_PER_CTA = 1024  # static shared memory the DSL gives every kernel (cuobjdump: SHARED 1024)
 MAX_CTAS_PER_SM = 32
 MAX_THREADS_PER_SM = 2048
 
@@ -134,7 +135,7 @@ def forward_tiling(hidden: int, act_dtype: str) -> RowTiling:
 
 @lru_cache(maxsize=None)
 def backward_tiling(hidden: int, act_dtype: str) -> RowTiling:
-    """Backward: g and h are staged in shared memory (two stages), w sits there too, and each thread
+    """Backward: g and h are staged in shared memory (``backward_stages``), w sits there too, and each thread
     keeps an FP32 dW accumulator per element it owns in registers, so it holds half the forward's
     share of a row. In ``wide_mode`` (512 threads per CTA, so 128 registers
     per thread) the dW accumulator lives in shared memory and g, h are re-read after the row sum
@@ -190,15 +191,34 @@ def forward_min_ctas_per_sm(tiling: RowTiling, arch: str) -> int:
     return tiling.min_ctas_per_sm
 
 
-def backward_smem_bytes(tiling: RowTiling, act_dtype: str, residual: bool) -> int:
-    """Shared memory of one backward CTA (``rmsnorm_bwd``): reduction slots, the w tile (FP32 at most),
-    one stage of g_residual, and either two stages of g and h or, in wide mode, the FP32 dW tile."""
+def backward_smem_bytes(tiling: RowTiling, act_dtype: str, w_dtype: str, residual: bool, stages: int) -> int:
+    """Shared memory of one backward CTA (``rmsnorm_bwd``), an upper bound: reduction slots, the w tile,
+    one stage of g_residual, either ``stages`` stages of g and h or, in wide mode, the FP32 dW tile, and
+    the DSL's static kilobyte. w's own dtype counts: under autocast w is FP32 next to bf16 rows, and
+    its tile can decide whether two CTAs fit on an SM (bf16 H = 8192, residual)."""
     tile = tiling.rows_per_cta * tiling.cols_per_cta
     reduction = 4 * 2 * tiling.rows_per_cta * (tiling.warps_per_row + 1) + 64
     act_bytes = DTYPE_BYTES[act_dtype]
     staging = (1 if residual else 0) * tile * act_bytes
-    staging += 4 * tile if tiling.wide_mode else 2 * 2 * tile * act_bytes
-    return reduction + 4 * tile + staging + 256
+    staging += 4 * tile if tiling.wide_mode else stages * 2 * tile * act_bytes
+    return reduction + DTYPE_BYTES[w_dtype] * tile + staging + SMEM_STATIC_PER_CTA + 256
+
+
+def backward_stages(tiling: RowTiling, act_dtype: str, residual: bool) -> int:
+    """Row tiles of g and h a staged backward CTA cycles through: 4 (three in flight while one is
+    reduced) for plain rows one CTA holds, else 2. Measured on the H200, plain mode, T*H = 2^27
+    (perf/results/2026-11-30-h200-stages-scan): 4 stages lift bf16 H = 8192 from 3.72 to 4.13 TB/s
+    (its CTA now takes a whole SM: 128 KB of staging), fp32 H = 4096 4.00 -> 4.31, fp32 2048
+    4.09 -> 4.30, bf16 5120 3.92 -> 4.07 and 1024-2048 by about 1%. Exceptions, all measured slower
+    with more stages: residual mode (its g_residual group, committed behind a tile's g and h, would
+    force that tile early), cluster tilings (a CTA that has the SM to itself waits out every DSMEM
+    row sum: H = 16384 4.05 -> 2.99 TB/s), and 16 warps of one 2-byte vector each (H = 4096: 3.84
+    -> 3.76)."""
+    if residual or tiling.wide_mode or tiling.cluster_n > 1:
+        return 2
+    if tiling.threads_per_cta == MAX_THREADS_PER_CTA and tiling.vecs_per_thread == 1 and DTYPE_BYTES[act_dtype] == 2:
+        return 2
+    return 4
 
 
 def backward_register_budget(tiling: RowTiling, arch: str) -> int:
@@ -219,10 +239,12 @@ def backward_min_ctas_per_sm(tiling: RowTiling, arch: str) -> int:
     return max(1, REGISTERS_PER_SM // (budget * tiling.threads_per_cta))
 
 
-def backward_ctas_per_sm(tiling: RowTiling, arch: str, act_dtype: str, residual: bool) -> int:
+def backward_ctas_per_sm(tiling: RowTiling, arch: str, act_dtype: str, w_dtype: str, residual: bool) -> int:
     """CTAs of the backward resident on one SM: registers, shared memory and thread slots all bound
     it. The persistent grid launches exactly this many per SM."""
-    by_smem = SMEM_PER_SM // (backward_smem_bytes(tiling, act_dtype, residual) + SMEM_RESERVED_PER_CTA)
+    stages = backward_stages(tiling, act_dtype, residual)
+    smem = backward_smem_bytes(tiling, act_dtype, w_dtype, residual, stages)
+    by_smem = SMEM_PER_SM // (smem + SMEM_RESERVED_PER_CTA)
     by_threads = MAX_THREADS_PER_SM // tiling.threads_per_cta
     by_registers = backward_min_ctas_per_sm(tiling, arch)
     return max(1, min(by_registers, by_smem, by_threads, MAX_CTAS_PER_SM))

@@ -15,9 +15,10 @@ FP32 dW accumulator per element it owns; at the end every row group writes its a
 row of the workspace ``partials[num_programs * rows_per_cta, H_pad]``, which ``dw_reduce`` sums in a
 fixed order. No atomics anywhere.
 
-Pipeline: g and h of the next row tile stream into the other half of a double-buffered shared-memory
-tile with cp.async (and rstd into a register) while the current tile is reduced; g_residual, needed only
-after the row sum, is staged at the top of its own iteration. The row sum (``common.row_sum``) is the
+Pipeline: g and h of the program's next row tiles stream with cp.async into a ring of ``stages``
+shared-memory tiles (``config.backward_stages``: 4 for plain rows one CTA holds, so three tiles are in
+flight while one is reduced; otherwise 2), and rstd of the next tile into a register; g_residual,
+needed only after the row sum, is staged at the top of its own iteration. The row sum (``common.row_sum``) is the
 only synchronisation per row: a CTA barrier, plus for clusters an ``st.async`` push of each CTA's
 partial into every peer's shared memory.
 
@@ -65,7 +66,16 @@ def stage_tile(stage, thr, tiler, rank, tile, slot, mG, mH, sG, sH):
 
 class RMSNormBackward(RowKernel):
     """One compiled backward per (arch, dtypes, H, residual, weight_offset); T and the number of
-    programs are runtime values."""
+    programs are runtime values. ``stages``: row tiles of g and h in the shared-memory ring of staged
+    mode (``config.backward_stages``)."""
+
+    def __init__(self, tiling, act_dtype, w_dtype, residual: bool, weight_offset: float, min_ctas_per_sm: int,
+                 stages: int):
+        super().__init__(tiling, act_dtype, w_dtype, residual, weight_offset, min_ctas_per_sm)
+        # A g_residual group committed behind a tile's g and h would force that tile's arrival early,
+        # so residual mode keeps two stages.
+        assert stages == 2 or (stages > 2 and not residual)
+        self.stages = stages
 
     @cute.jit
     def __call__(
@@ -140,21 +150,22 @@ class RMSNormBackward(RowKernel):
         tXrDX = cute.make_rmem_tensor_like(tXc0, self.act_dtype)
         tXrGR = cute.make_rmem_tensor_like(tXc0, self.act_dtype)
 
-        # Staged mode: g, h (and g_residual) of the next row tile stream into the other half of a
-        # double-buffered shared-memory tile with cp.async while this one is reduced, so a CTA always
-        # has a tile of loads in flight. Each thread reads back only the cells it staged itself.
+        # Staged mode: g and h of the next stages - 1 row tiles stream into a ring of shared-memory
+        # tiles with cp.async while this one is reduced, so a CTA always has loads in flight. Each
+        # thread reads back only the cells it staged itself.
         staged = not t.wide_mode
-        stages = 2
+        stages = self.stages
         stage = partial(cute.copy, staging_atom(self.act_dtype, t.vec), pred=pred)
         # g_residual is needed only after the row sum: one stage, issued at the top of its iteration.
         sGR = allocate_tile(smem, self.act_dtype, t) if const_expr(self.residual) else None
         if const_expr(staged):
             sG = allocate_tile(smem, self.act_dtype, t, stages)
             sH = allocate_tile(smem, self.act_dtype, t, stages)
-            first_row = bidx * t.rows_per_cta + row_in_cta
-            if first_row < rows:
-                stage_tile(stage, thr, tiler, rank, bidx, 0, mG, mH, sG, sH)
-            cute.arch.cp_async_commit_group()
+            # The first stages - 1 tiles of this program, one cp.async group each.
+            for ahead in cutlass.range_constexpr(stages - 1):
+                if (bidx + ahead * num_programs) * t.rows_per_cta + row_in_cta < rows:
+                    stage_tile(stage, thr, tiler, rank, bidx + ahead * num_programs, ahead, mG, mH, sG, sH)
+                cute.arch.cp_async_commit_group()
 
         init_cluster_reduction(mbars, t.cluster_n)
         # rstd is loaded one tile ahead too, so its latency never sits on a row's critical path.
@@ -164,9 +175,11 @@ class RMSNormBackward(RowKernel):
         step = Int32(0)
         for tile in cutlass.range(bidx, num_tiles, num_programs, unroll=1):
             row = tile * t.rows_per_cta + row_in_cta
-            # Reduction and staging buffers alternate per row; an mbarrier's phase per two rows.
+            # Reduction buffers alternate per row (an mbarrier's phase per two rows); staging buffers
+            # cycle through the stages.
             slot = step & 1
             phase = (step >> 1) & 1
+            stage_slot = step % stages
             tXgG, tXgH, tXgDX = [
                 thr.partition_S(cute.local_tile(m, tiler, (tile, rank))) for m in (mG, mH, mDX)
             ]
@@ -176,22 +189,24 @@ class RMSNormBackward(RowKernel):
                 tXsGR = thr.partition_D(sGR[None, None, 0])
                 if row < rows:
                     stage(tXgGR, tXsGR)
-            cute.arch.cp_async_commit_group()
+                cute.arch.cp_async_commit_group()
             rstd = rstd_next
             next_row = (tile + num_programs) * t.rows_per_cta + row_in_cta
             rstd_next = Float32(0.0)
             if next_row < rows:
                 rstd_next = mRstd[next_row]
             if const_expr(staged):
-                if next_row < rows:
-                    stage_tile(stage, thr, tiler, rank, tile + num_programs, slot ^ 1, mG, mH, sG, sH)
+                last_tile = tile + (stages - 1) * num_programs
+                if last_tile * t.rows_per_cta + row_in_cta < rows:
+                    stage_tile(stage, thr, tiler, rank, last_tile, (step + stages - 1) % stages, mG, mH, sG, sH)
                 cute.arch.cp_async_commit_group()
-                # Pending, oldest first: this tile's g and h, its g_residual, the next tile's g and h.
-                cute.arch.cp_async_wait_group(2)
+                # Pending, oldest first: this tile's g and h, the next stages - 2 tiles' (each one group),
+                # this tile's g_residual, the g and h of the tile just issued.
+                cute.arch.cp_async_wait_group(stages - 1 + (1 if const_expr(self.residual) else 0))
             # g and h come from the staged tiles, or in wide mode straight from global memory.
             tXsrcG, tXsrcH = tXgG, tXgH
             if const_expr(staged):
-                tXsrcG, tXsrcH = [thr.partition_D(sT[None, None, slot]) for sT in (sG, sH)]
+                tXsrcG, tXsrcH = [thr.partition_D(sT[None, None, stage_slot]) for sT in (sG, sH)]
             # Rows past T contribute zeros, never stale values.
             tXrG.fill(0)
             tXrH.fill(0)

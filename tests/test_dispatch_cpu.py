@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from cake_cute import dispatch, validation
+from cake_cute.kernels import config
 from cake_cute.kernels.config import backward_tiling
 
 H200 = validation.DeviceFacts(0, "stand-in H200", (9, 0), "sm_90a", 132)
@@ -24,7 +25,7 @@ def occupancy_without_a_driver(monkeypatch):
 
 
 def _programs(rows, hidden=4096):
-    return dispatch.backward_programs(rows, hidden, "bf16", False, H200)
+    return dispatch.backward_programs(rows, hidden, "bf16", "bf16", False, H200)
 
 
 def test_programs_follow_the_row_tiles():
@@ -39,6 +40,30 @@ def test_programs_follow_the_row_tiles():
 def test_workspace_rows_cover_every_smaller_call(hidden):
     most_so_far = 0
     for rows in range(0, 1500):
-        launched = dispatch.backward_launch(max(rows, 1), hidden, "bf16", False, H200)[1]
+        launched = dispatch.backward_launch(max(rows, 1), hidden, "bf16", "bf16", False, H200)[1]
         most_so_far = max(most_so_far, launched)
-        assert dispatch.most_partial_rows(rows, hidden, "bf16", False, H200) == most_so_far, rows
+        assert dispatch.most_partial_rows(rows, hidden, "bf16", "bf16", False, H200) == most_so_far, rows
+
+
+@pytest.mark.parametrize("hidden, act, residual, stages, per_sm", [
+    (8192, "bf16", False, 4, 1),  # four 16 KB stages of g and h: the CTA takes the SM
+    (8192, "bf16", True, 2, 2),  # residual mode keeps two stages
+    (4096, "fp32", False, 4, 1),
+    (4096, "bf16", False, 2, 2),  # 16 warps of one 2-byte vector: measured slower with four
+    (1024, "bf16", False, 4, 6),  # a small tile: more stages cost no residency
+    (16384, "bf16", False, 2, 2),  # a cluster row
+])
+def test_backward_stages_and_residency(hidden, act, residual, stages, per_sm):
+    tiling = backward_tiling(hidden, act)
+    assert config.backward_stages(tiling, act, residual) == stages
+    assert config.backward_ctas_per_sm(tiling, "sm_90a", act, act, residual) == per_sm
+
+
+@pytest.mark.parametrize("act", ["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("residual", [False, True])
+def test_backward_shared_memory_fits_one_cta(act, residual):
+    """Every backward tiling's shared memory fits the 227 KB one CTA may use (else the launch fails)."""
+    for hidden in [1, 7, 1000, 1024, 4096, 4097, 5120, 7168, 8192, 12288, 16384, 65537, 131072, 262144]:
+        tiling = backward_tiling(hidden, act)
+        stages = config.backward_stages(tiling, act, residual)
+        assert config.backward_smem_bytes(tiling, act, "fp32", residual, stages) <= 227 * 1024, (hidden, tiling.describe())
