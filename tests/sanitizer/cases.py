@@ -1,6 +1,7 @@
 """The workload compute-sanitizer runs: forward and backward over the dtypes x H in {7, 1024, 4096, 4097,
-7168, 65536} x residual off/on at T = 3, and T = 100 at H = 4096 (persistent programs with two row tiles
-each), each output checked against the FP64 reference so a silent
+7168, 65536} x residual off/on at T = 3, T = 100 at H = 4096 (persistent programs with two row tiles
+each), and plain rows with a 4-stage ring that wraps around several times (bf16 H = 8192 and fp32
+H = 4096 at T = 700, bf16 H = 1024 at T = 4000), each output checked against the FP64 reference so a silent
 corruption would also show. Run by ``tests/sanitizer/run.sh`` under memcheck, racecheck and synccheck
 (a GPU is needed); it prints one line per case and exits non-zero on any mismatch."""
 
@@ -41,6 +42,9 @@ def main():
         for residual in (False, True)
     ]
     results += [run_case(torch.bfloat16, 4096, residual, rows=100) for residual in (False, True)]
+    results += [run_case(dtype, hidden, False, rows=rows)
+                for dtype, hidden, rows in ((torch.bfloat16, 8192, 700), (torch.float32, 4096, 700),
+                                            (torch.bfloat16, 1024, 4000))]
     return 0 if all(results) else 1
 
 
