@@ -8,9 +8,9 @@ total, which is what makes the kernels deterministic and batch invariant:
 2. a butterfly (xor) shuffle over the row's lanes of a warp -- commutative pairings, so all lanes agree;
 3. lane 0 of each warp stores its warp's sum in shared memory; after a CTA barrier every thread adds the
    row's warp sums in warp order;
-4. with a cluster, thread 0 of each row pushes the CTA's sum into cell [rank] of every peer's shared
-   memory with ``st.async``, crediting the peer's transaction mbarrier; each CTA waits on its own
-   mbarrier and adds the cells in rank order. No cluster-wide barrier per row, and none at exit: a CTA
+4. with a cluster, the CTA's sum is pushed into cell [rank] of every peer's shared memory with
+   ``st.async`` (by one lane per peer, or for a pair by lane 0), crediting the peer's transaction
+   mbarrier; each CTA waits on its own mbarrier and adds the cells in rank order. No cluster-wide barrier per row, and none at exit: a CTA
    has received every push meant for it before it can leave.
 
 Reduction buffers are double-buffered (``slot``), so a persistent loop needs one CTA barrier per row.
@@ -27,6 +27,10 @@ from cutlass.cutlass_dsl import dsl_user_op
 
 COPY_BITS = 128
 REDUCTION_SLOTS = 2
+# Clusters of at least this many CTAs push a row's partial sum to their peers from as many lanes (H200,
+# plain backward: H = 32768-131072 2-5% faster; with 2 CTAs one pushing lane is 6% faster; forward and
+# residual within 1%; perf/results/2026-11-30-h200-cluster-push).
+PARALLEL_PUSH_CLUSTER = 4
 
 
 class RowKernel:
@@ -203,10 +207,13 @@ def row_sum(
         if cute.arch.thread_idx()[0] == 0:
             rows_per_cta = cute.size(cta_sums, mode=[1])
             cute.arch.mbarrier_arrive_and_expect_tx(mbar, rows_per_cta * cluster_n * 4)
-        if lane_in_row == 0:
+        # From PARALLEL_PUSH_CLUSTER CTAs on, lane p of the row pushes to peer p, so the remote stores
+        # leave at once; in a pair, lane 0 pushes both (each measured faster in its range).
+        pushers = cluster_n if const_expr(cluster_n >= PARALLEL_PUSH_CLUSTER) else 1
+        if lane_in_row < pushers:
             cell = cta_sums.iterator + cute.crd2idx((slot, row_in_cta, rank), cta_sums.layout)
-            for peer in cutlass.range_constexpr(cluster_n):
-                push_to_peer(val, cell, mbar, peer)
+            for peer in cutlass.range_constexpr(cluster_n // pushers):
+                push_to_peer(val, cell, mbar, peer if const_expr(pushers == 1) else lane_in_row)
         cute.arch.mbarrier_wait(mbar, phase)
         val = cta_sums[slot, row_in_cta, 0]
         for peer in cutlass.range_constexpr(1, cluster_n):
