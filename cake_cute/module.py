@@ -32,12 +32,6 @@ def _hidden_size(normalized_shape) -> int:
     return shape[0]
 
 
-def _check_weight_offset(weight_offset) -> float:
-    if isinstance(weight_offset, bool) or not isinstance(weight_offset, (int, float)):
-        raise TypeError(f"weight_offset must be a float, got {type(weight_offset).__name__}")
-    return float(weight_offset)
-
-
 class CakeRMSNorm(nn.Module):
     """RMSNorm over the last dimension with the fused cake_cute kernels; constructed like
     ``torch.nn.RMSNorm`` plus ``weight_offset`` (the scale is ``weight + weight_offset``; 1.0 is Gemma's
@@ -51,7 +45,7 @@ class CakeRMSNorm(nn.Module):
         self.normalized_shape = (_hidden_size(normalized_shape),)
         self.eps = None if eps is None else v.check_eps(eps)
         self.elementwise_affine = bool(elementwise_affine)
-        self.weight_offset = _check_weight_offset(weight_offset)
+        self.weight_offset = v.check_weight_offset(weight_offset)
         weight = torch.empty(self.normalized_shape, device=device, dtype=dtype)
         if self.elementwise_affine:
             self.weight = nn.Parameter(weight)

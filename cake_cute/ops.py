@@ -156,9 +156,7 @@ def cake_rmsnorm_train_backward(
     op = v.known_operands(x, w)
     if op is None:
         v.check_activation(x)
-    v.check_tensor("g", g, dtypes=(x.dtype,), device=x.device)
-    if g.shape != x.shape:
-        raise ValueError(f"g must have shape {tuple(x.shape)} like x, got {tuple(g.shape)}")
+    v.check_like("g", g, x)
     if op is None:
         v.check_weight(w, x)
     hidden = x.shape[-1]

@@ -117,10 +117,10 @@ def check_tensor(name: str, t, *, dtypes=None, device: torch.device | None = Non
         raise ValueError(f"{name} must be on the same device as x ({device}), got {t.device}")
 
 
-def check_activation(x) -> tuple[torch.device, int]:
+def check_activation(x) -> None:
     """x: a tensor of bf16/fp16/fp32 with at least 2 dims and 1 <= H <= 262144.
 
-    The device is checked last (``check_cuda``), after every argument's dtype and shape, so the
+    The device is checked last (``operands``), after every argument's dtype and shape, so the
     whole table of argument errors can be exercised on a machine without a GPU."""
     check_tensor("x", x, dtypes=ACT_DTYPES)
     if x.dim() < 2:
@@ -128,7 +128,6 @@ def check_activation(x) -> tuple[torch.device, int]:
     hidden = x.shape[-1]
     if not 1 <= hidden <= MAX_HIDDEN:
         raise ValueError(f"x's hidden size (last dim) must be in [1, {MAX_HIDDEN}], got {hidden}")
-    return x.device, hidden
 
 
 def check_weight(w, x) -> None:
@@ -173,18 +172,15 @@ def check_count(name: str, value, low: int, high: int | None = None) -> int:
     return value
 
 
-def check_like(name: str, t, x, *, shape=None) -> None:
-    """``t`` has x's dtype, device and shape (or ``shape``)."""
-    check_tensor(name, t, dtypes=(x.dtype,), device=x.device)
-    expected = tuple(x.shape) if shape is None else tuple(shape)
-    if tuple(t.shape) != expected:
-        raise ValueError(f"{name} must have shape {expected}, got {tuple(t.shape)}")
-
-
 def check_output(name: str, t, shape, dtype, device) -> None:
     check_tensor(name, t, dtypes=(dtype,), device=device)
     if tuple(t.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+
+
+def check_like(name: str, t, x) -> None:
+    """``t`` has x's dtype, device and shape."""
+    check_output(name, t, x.shape, x.dtype, x.device)
 
 
 def check_rstd(rstd, rows: int, device) -> None:

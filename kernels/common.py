@@ -10,8 +10,8 @@ total, which is what makes the kernels deterministic and batch invariant:
    row's warp sums in warp order;
 4. with a cluster, the CTA's sum is pushed into cell [rank] of every peer's shared memory with
    ``st.async`` (by one lane per peer, or for a pair by lane 0), crediting the peer's transaction
-   mbarrier; each CTA waits on its own mbarrier and adds the cells in rank order. No cluster-wide barrier per row, and none at exit: a CTA
-   has received every push meant for it before it can leave.
+   mbarrier; each CTA waits on its own mbarrier and adds the cells in rank order. No cluster-wide
+   barrier per row, and none at exit: a CTA has received every push meant for it before it can leave.
 
 Reduction buffers are double-buffered (``slot``), so a persistent loop needs one CTA barrier per row.
 """

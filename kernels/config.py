@@ -209,14 +209,16 @@ def backward_stages(tiling: RowTiling, act_dtype: str, residual: bool) -> int:
     reduced) for plain rows one CTA holds, else 2. Measured on the H200, plain mode, T*H = 2^27
     (perf/results/2026-11-30-h200-stages-scan): 4 stages lift bf16 H = 8192 from 3.72 to 4.13 TB/s
     (its CTA now takes a whole SM: 128 KB of staging), fp32 H = 4096 4.00 -> 4.31, fp32 2048
-    4.09 -> 4.30, bf16 5120 3.92 -> 4.07 and 1024-2048 by about 1%. Exceptions, all measured slower
+    4.09 -> 4.30 and bf16 1024-2048 by about 1% (bf16 5120: 3.92 -> 3.96-4.07 in the scans, 3.88 in
+    the sweep, so no reliable change). Exceptions, all measured slower
     with more stages: residual mode (its g_residual group, committed behind a tile's g and h, would
     force that tile early), cluster tilings (a CTA that has the SM to itself waits out every DSMEM
     row sum: H = 16384 4.05 -> 2.99 TB/s), and 16 warps of one 2-byte vector each (H = 4096: 3.84
     -> 3.76)."""
     if residual or tiling.wide_mode or tiling.cluster_n > 1:
         return 2
-    if tiling.threads_per_cta == MAX_THREADS_PER_CTA and tiling.vecs_per_thread == 1 and DTYPE_BYTES[act_dtype] == 2:
+    one_2byte_vector_per_lane = tiling.vecs_per_thread == 1 and DTYPE_BYTES[act_dtype] == 2
+    if tiling.threads_per_cta == MAX_THREADS_PER_CTA and one_2byte_vector_per_lane:
         return 2
     return 4
 

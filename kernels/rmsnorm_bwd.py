@@ -18,9 +18,9 @@ fixed order. No atomics anywhere.
 Pipeline: g and h of the program's next row tiles stream with cp.async into a ring of ``stages``
 shared-memory tiles (``config.backward_stages``: 4 for plain rows one CTA holds, so three tiles are in
 flight while one is reduced; otherwise 2), and rstd of the next tile into a register; g_residual,
-needed only after the row sum, is staged at the top of its own iteration. The row sum (``common.row_sum``) is the
-only synchronisation per row: a CTA barrier, plus for clusters an ``st.async`` push of each CTA's
-partial into every peer's shared memory.
+needed only after the row sum, is staged at the top of its own iteration. The row sum
+(``common.row_sum``) is the only synchronisation per row: a CTA barrier, plus for clusters an
+``st.async`` push of each CTA's partial into every peer's shared memory.
 
 Tiling (``config.backward_tiling``): ``threads_per_row`` lanes per row, ``vecs_per_thread`` vectors of
 ``vec`` elements (128-bit accesses when H allows), at most 64 bytes of each of g and h per thread; a row

@@ -9,11 +9,11 @@ Math, per row t of H elements (FP32 arithmetic, one rounding per output):
 Tiling (``config.forward_tiling``): a CTA holds ``rows_per_cta`` rows; ``threads_per_row`` lanes share a
 row, each owning ``vecs_per_thread`` vectors of ``vec`` elements (16 bytes, i.e. 128-bit accesses, when
 H allows), up to 128 bytes of row per thread; a row the power-of-two lane count would cover raggedly
-gets the nearest whole number of warps that covers it exactly (H = 7168: 7 warps x 4 vectors). x (and residual) are staged in shared memory with cp.async,
-so the whole tile is in flight at once without holding registers; each thread reads back only the cells
-it staged itself, so no barrier is needed between the copy and its use. Rows too wide for one CTA are
-split over a cluster of ``cluster_n`` CTAs (up to 16) that add their partial sums of squares through
-distributed shared memory. The grid is (ceil(T / rows_per_cta), cluster_n).
+gets the nearest whole number of warps that covers it exactly (H = 7168: 7 warps x 4 vectors). x (and
+residual) are staged in shared memory with cp.async, so the whole tile is in flight at once without
+holding registers; each thread reads back only the cells it staged itself, so no barrier is needed
+between the copy and its use. Rows too wide for one CTA are split over a cluster of ``cluster_n`` CTAs
+(up to 16) that add their partial sums of squares through distributed shared memory. The grid is (ceil(T / rows_per_cta), cluster_n).
 
 Bytes moved: reads x (+ residual) once and w once per CTA (an L2 hit after the first), writes y
 (+ h_new) once and 4 bytes of rstd per row: T*H*(2 or 4)*act_bytes + 4*T from HBM.

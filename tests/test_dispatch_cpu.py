@@ -66,4 +66,5 @@ def test_backward_shared_memory_fits_one_cta(act, residual):
     for hidden in [1, 7, 1000, 1024, 4096, 4097, 5120, 7168, 8192, 12288, 16384, 65537, 131072, 262144]:
         tiling = backward_tiling(hidden, act)
         stages = config.backward_stages(tiling, act, residual)
-        assert config.backward_smem_bytes(tiling, act, "fp32", residual, stages) <= 227 * 1024, (hidden, tiling.describe())
+        smem = config.backward_smem_bytes(tiling, act, "fp32", residual, stages)
+        assert smem <= 227 * 1024, (hidden, tiling.describe())
