@@ -26,7 +26,9 @@ def _forward(x, w, eps, residual, weight_offset, deterministic):
 def _backward(g, h, w, rstd, g_residual, weight_offset, deterministic):
     """``(dx, dw)`` with dw in w's dtype."""
     if torch.compiler.is_compiling():
-        return torch.ops.cake_cute.rmsnorm_bwd(g, h, w, rstd, g_residual, weight_offset, deterministic, w.dtype)
+        return torch.ops.cake_cute.rmsnorm_bwd(
+            g, h, w, rstd, g_residual, weight_offset, deterministic, w.dtype
+        )
     # deterministic=False runs the deterministic kernels too (see ops.cake_rmsnorm_train_backward).
     return backward_from_saved(g, h, w, rstd, g_residual, weight_offset)
 

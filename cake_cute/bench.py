@@ -41,20 +41,20 @@ _MARKER_CYCLES = 1000
 
 TIMING_METHOD = {
     "us": "median over --reps calls of CUDA-event time around ONE call through the public autograd path, "
-          "GPU idle before each call (synchronize), so host work (validation, dispatch, launch) is included; "
-          "bwd = torch.autograd.grad(outputs, (x, w[, residual]), fixed upstream grads, retain_graph=True) "
-          "on a graph built once outside the timed region",
+    "GPU idle before each call (synchronize), so host work (validation, dispatch, launch) is included; "
+    "bwd = torch.autograd.grad(outputs, (x, w[, residual]), fixed upstream grads, retain_graph=True) "
+    "on a graph built once outside the timed region",
     "gpu_us": "median over --prof-reps calls of the summed device durations (kernels, memcpy, memset) that one "
-              "call launches, from torch.profiler (ProfilerActivity.CUDA); each call is bracketed by marker "
-              "kernels (torch.cuda._sleep) that are excluded; if the profiler fails, CUDA events instead "
-              "(row field gpu_method says which)",
+    "call launches, from torch.profiler (ProfilerActivity.CUDA); each call is bracketed by marker "
+    "kernels (torch.cuda._sleep) that are excluded; if the profiler fails, CUDA events instead "
+    "(row field gpu_method says which)",
     "host_us": "us - gpu_us",
     "bytes": "fwd: read x (+residual) and w, write y (+h_new) and rstd (4 bytes/row); "
-             "bwd: read g and x (+g_residual), write dx (w, rstd and dw are not counted)",
+    "bwd: read g and x (+g_residual), write dx (w, rstd and dw are not counted)",
     "tbps": "bytes / gpu_us / 1e6 (TB/s)",
     "copy_tbps": "device-to-device copy of bytes/2 into another buffer (read + write = bytes), device time "
-                 "from torch.profiler exactly like gpu_us; the faster of cudaMemcpyAsync (tensor.copy_) and "
-                 "an elementwise copy kernel (torch.neg on an fp32 view)",
+    "from torch.profiler exactly like gpu_us; the faster of cudaMemcpyAsync (tensor.copy_) and "
+    "an elementwise copy kernel (torch.neg on an fp32 view)",
 }
 
 
@@ -63,8 +63,9 @@ TIMING_METHOD = {
 # --------------------------------------------------------------------------------------------------
 
 
-def model_bytes(op: str, residual: bool, tokens: int, hidden: int, dtype: str = "bf16",
-                w_dtype: str | None = None) -> int:
+def model_bytes(
+    op: str, residual: bool, tokens: int, hidden: int, dtype: str = "bf16", w_dtype: str | None = None
+) -> int:
     """Bytes an ideal kernel moves (see TIMING_METHOD["bytes"])."""
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
@@ -88,7 +89,9 @@ def parse_count(text: str) -> int:
     elif m := re.fullmatch(r"(\d+)([kmg]?)", t):
         value = int(m.group(1)) * {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}[m.group(2)]
     if value is None or value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive count like 134217728, 2^27 or 128M, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected a positive count like 134217728, 2^27 or 128M, got {text!r}"
+        )
     return value
 
 
@@ -113,8 +116,10 @@ def _choice_list(choices, *, allow_none=False, allow_all=False):
         if bad or not items:
             extra = (", 'none'" if allow_none else "") + (", 'all'" if allow_all else "")
             raise argparse.ArgumentTypeError(
-                f"expected a comma-separated subset of {', '.join(choices)}{extra}; got {text!r}")
+                f"expected a comma-separated subset of {', '.join(choices)}{extra}; got {text!r}"
+            )
         return list(dict.fromkeys(items))  # keep order, drop repeats
+
     return parse
 
 
@@ -122,30 +127,62 @@ def build_parser(prog: str = "cake-cute bench") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog,
         description="RMSNorm training performance sweep: cake_cute vs torch eager, torch.compile, Liger and "
-                    "quack, with a device-copy ceiling. See perf/README.md for the method and the JSON fields.")
-    p.add_argument("--hidden", type=_int_list, default=None,
-                   help="comma-separated hidden sizes (default: 1024,2048,4096,5120,7168,8192,16384,32768,"
-                        "65536,131072; with --small: 4096)")
-    p.add_argument("--tokens", type=parse_count, default=None,
-                   help="rows T for every hidden size (default: elements // H; with --small: 1,16,256)")
-    p.add_argument("--elements", type=parse_count, default=DEFAULT_ELEMENTS,
-                   help="T*H per shape when --tokens is not given (default 2^27)")
-    p.add_argument("--dtype", type=_choice_list(tuple(DTYPE_BYTES)), default=["bf16"],
-                   help="comma-separated activation dtypes out of bf16,fp16,fp32 (default bf16); w has the same dtype")
-    p.add_argument("--residual", choices=tuple(RESIDUAL_MODES), default="both",
-                   help="residual-add mode: off, on or both (default both)")
-    p.add_argument("--vs", type=_choice_list(PEERS, allow_none=True, allow_all=True), default=list(PEERS),
-                   help="peers to compare against: comma-separated subset of torch,compile,liger,quack, "
-                        "'all' or 'none' (default all); peers that fail to import are skipped with a note")
+        "quack, with a device-copy ceiling. See perf/README.md for the method and the JSON fields.",
+    )
+    p.add_argument(
+        "--hidden",
+        type=_int_list,
+        default=None,
+        help="comma-separated hidden sizes (default: 1024,2048,4096,5120,7168,8192,16384,32768,"
+        "65536,131072; with --small: 4096)",
+    )
+    p.add_argument(
+        "--tokens",
+        type=parse_count,
+        default=None,
+        help="rows T for every hidden size (default: elements // H; with --small: 1,16,256)",
+    )
+    p.add_argument(
+        "--elements",
+        type=parse_count,
+        default=DEFAULT_ELEMENTS,
+        help="T*H per shape when --tokens is not given (default 2^27)",
+    )
+    p.add_argument(
+        "--dtype",
+        type=_choice_list(tuple(DTYPE_BYTES)),
+        default=["bf16"],
+        help="comma-separated activation dtypes out of bf16,fp16,fp32 (default bf16); w has the same dtype",
+    )
+    p.add_argument(
+        "--residual",
+        choices=tuple(RESIDUAL_MODES),
+        default="both",
+        help="residual-add mode: off, on or both (default both)",
+    )
+    p.add_argument(
+        "--vs",
+        type=_choice_list(PEERS, allow_none=True, allow_all=True),
+        default=list(PEERS),
+        help="peers to compare against: comma-separated subset of torch,compile,liger,quack, "
+        "'all' or 'none' (default all); peers that fail to import are skipped with a note",
+    )
     p.add_argument("--no-cake", action="store_true", help="do not time cake_cute (peers only)")
     p.add_argument("--ops", type=_choice_list(OPS), default=list(OPS), help="fwd,bwd (default both)")
-    p.add_argument("--small", action="store_true",
-                   help="small-batch shapes: T in 1,16,256 at H=4096 (L2-resident by nature)")
-    p.add_argument("--json", type=Path, default=None,
-                   help="output JSON (default perf/results/<date>-<gpu>[-small].json)")
-    p.add_argument("--append", action="store_true",
-                   help="merge into an existing --json file: rows with the same (impl, op, residual, dtype, T, H) "
-                        "are replaced, others kept (to split a sweep across several commands)")
+    p.add_argument(
+        "--small",
+        action="store_true",
+        help="small-batch shapes: T in 1,16,256 at H=4096 (L2-resident by nature)",
+    )
+    p.add_argument(
+        "--json", type=Path, default=None, help="output JSON (default perf/results/<date>-<gpu>[-small].json)"
+    )
+    p.add_argument(
+        "--append",
+        action="store_true",
+        help="merge into an existing --json file: rows with the same (impl, op, residual, dtype, T, H) "
+        "are replaced, others kept (to split a sweep across several commands)",
+    )
     p.add_argument("--plot", type=Path, default=None, help="output PNG (default: the JSON path with .png)")
     p.add_argument("--no-plot", action="store_true", help="do not draw the PNG")
     p.add_argument("--reps", type=int, default=30, help="timed calls per row for us (default 30)")
@@ -206,12 +243,24 @@ def git_commit() -> str:
     try:
         if not (repo / ".git").exists():
             raise OSError("not a git checkout")
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True,
-                             text=True, timeout=10, check=False)
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=repo,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
         if out.returncode == 0 and out.stdout.strip():
             commit = out.stdout.strip()
-            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
-                                   capture_output=True, text=True, timeout=10, check=False)
+            dirty = subprocess.run(
+                ["git", "status", "--porcelain", "--untracked-files=no"],
+                cwd=repo,
+                capture_output=True,
+                text=True,
+                timeout=10,
+                check=False,
+            )
             if dirty.returncode == 0 and dirty.stdout.strip():
                 commit += "-dirty"
             return commit
@@ -221,7 +270,14 @@ def git_commit() -> str:
 
 
 def row_key(row: dict) -> tuple:
-    return (row.get("impl"), row.get("op"), bool(row.get("residual")), row.get("dtype"), row.get("T"), row.get("H"))
+    return (
+        row.get("impl"),
+        row.get("op"),
+        bool(row.get("residual")),
+        row.get("dtype"),
+        row.get("T"),
+        row.get("H"),
+    )
 
 
 def _impl_rank(impl: str) -> int:
@@ -229,9 +285,17 @@ def _impl_rank(impl: str) -> int:
 
 
 def sort_rows(rows: list[dict]) -> list[dict]:
-    return sorted(rows, key=lambda r: (r.get("dtype", ""), OPS.index(r["op"]) if r.get("op") in OPS else 9,
-                                       bool(r.get("residual")),
-                                       r.get("H", 0), r.get("T", 0), _impl_rank(r.get("impl", ""))))
+    return sorted(
+        rows,
+        key=lambda r: (
+            r.get("dtype", ""),
+            OPS.index(r["op"]) if r.get("op") in OPS else 9,
+            bool(r.get("residual")),
+            r.get("H", 0),
+            r.get("T", 0),
+            _impl_rank(r.get("impl", "")),
+        ),
+    )
 
 
 def _fmt(value, spec: str) -> str:
@@ -243,19 +307,25 @@ def _fmt(value, spec: str) -> str:
 
 def format_table(rows: list[dict]) -> str:
     """Compact fixed-width table (one line per row; error rows show the error)."""
-    head = (f"{'impl':<9} {'op':<3} {'res':<3} {'dtype':<5} {'H':>7} {'T':>7} {'us':>10} {'gpu_us':>10} "
-            f"{'TB/s':>6} {'copyTB/s':>8} {'%copy':>6} {'host_us':>8}")
+    head = (
+        f"{'impl':<9} {'op':<3} {'res':<3} {'dtype':<5} {'H':>7} {'T':>7} {'us':>10} {'gpu_us':>10} "
+        f"{'TB/s':>6} {'copyTB/s':>8} {'%copy':>6} {'host_us':>8}"
+    )
     lines = [head, "-" * len(head)]
     for r in sort_rows(rows):
-        lead = (f"{r.get('impl', '?'):<9} {r.get('op', '?'):<3} {'on' if r.get('residual') else 'off':<3} "
-                f"{r.get('dtype', '?'):<5} {r.get('H', 0):>7} {r.get('T', 0):>7} ")
+        lead = (
+            f"{r.get('impl', '?'):<9} {r.get('op', '?'):<3} {'on' if r.get('residual') else 'off':<3} "
+            f"{r.get('dtype', '?'):<5} {r.get('H', 0):>7} {r.get('T', 0):>7} "
+        )
         if r.get("error"):
             lines.append(lead + "error: " + " ".join(str(r["error"]).split())[:70])
             continue
         frac = r.get("frac_copy")
-        lines.append(lead + f"{_fmt(r.get('us'), '10.1f')} {_fmt(r.get('gpu_us'), '10.1f')} "
-                            f"{_fmt(r.get('tbps'), '6.2f')} {_fmt(r.get('copy_tbps'), '8.2f')} "
-                            f"{_fmt(None if frac is None else 100 * frac, '6.1f')} {_fmt(r.get('host_us'), '8.1f')}")
+        lines.append(
+            lead + f"{_fmt(r.get('us'), '10.1f')} {_fmt(r.get('gpu_us'), '10.1f')} "
+            f"{_fmt(r.get('tbps'), '6.2f')} {_fmt(r.get('copy_tbps'), '8.2f')} "
+            f"{_fmt(None if frac is None else 100 * frac, '6.1f')} {_fmt(r.get('host_us'), '8.1f')}"
+        )
     return "\n".join(lines)
 
 
@@ -304,8 +374,13 @@ def merge_rows(old: list[dict], new: list[dict]) -> list[dict]:
     return list(merged.values())
 
 
-_IMPL_COLORS = {"cake_cute": "tab:red", "torch": "tab:blue", "compile": "tab:green", "liger": "tab:purple",
-                "quack": "tab:orange"}
+_IMPL_COLORS = {
+    "cake_cute": "tab:red",
+    "torch": "tab:blue",
+    "compile": "tab:green",
+    "liger": "tab:purple",
+    "quack": "tab:orange",
+}
 
 
 def plot_results(doc, png: Path) -> bool:
@@ -316,11 +391,15 @@ def plot_results(doc, png: Path) -> bool:
         doc = load_json(Path(doc))
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("note: matplotlib is not installed; plot skipped. Render it on any machine with matplotlib: "
-              "python perf/plot.py <results.json>", file=sys.stderr)
+        print(
+            "note: matplotlib is not installed; plot skipped. Render it on any machine with matplotlib: "
+            "python perf/plot.py <results.json>",
+            file=sys.stderr,
+        )
         return False
     rows = [r for r in doc.get("rows", []) if not r.get("error") and r.get("tbps") and r.get("copy_tbps")]
     if not rows:
@@ -344,24 +423,46 @@ def plot_results(doc, png: Path) -> bool:
         for impl in impls:
             for di, dt in enumerate(dtypes):
                 for res in (False, True):
-                    for h in (hs if split_h else [None]):
-                        sel = [r for r in rows if r["op"] == op and r["impl"] == impl and r["dtype"] == dt
-                               and bool(r.get("residual")) == res and (h is None or r["H"] == h)]
+                    for h in hs if split_h else [None]:
+                        sel = [
+                            r
+                            for r in rows
+                            if r["op"] == op
+                            and r["impl"] == impl
+                            and r["dtype"] == dt
+                            and bool(r.get("residual")) == res
+                            and (h is None or r["H"] == h)
+                        ]
                         if not sel:
                             continue
                         pts = sorted((r[xkey], r["tbps"] / r["copy_tbps"]) for r in sel)
-                        label = impl + (f" {dt}" if len(dtypes) > 1 else "") + (f" H={h}" if h else "") + \
-                            (" +residual" if res else "")
-                        ax.plot([p[0] for p in pts], [p[1] for p in pts], linestyle="--" if res else "-",
-                                marker=markers[di % len(markers)], markersize=4, color=colors[impl], label=label)
+                        label = (
+                            impl
+                            + (f" {dt}" if len(dtypes) > 1 else "")
+                            + (f" H={h}" if h else "")
+                            + (" +residual" if res else "")
+                        )
+                        ax.plot(
+                            [p[0] for p in pts],
+                            [p[1] for p in pts],
+                            linestyle="--" if res else "-",
+                            marker=markers[di % len(markers)],
+                            markersize=4,
+                            color=colors[impl],
+                            label=label,
+                        )
         ax.set_xscale("log", base=2)
         ax.set_xticks(xs_all)
-        ax.set_xticklabels([f"{v // 1024}K" if xkey == "H" and v >= 1024 and v % 1024 == 0 else str(v)
-                            for v in xs_all], rotation=45 if len(xs_all) > 6 else 0)
+        ax.set_xticklabels(
+            [f"{v // 1024}K" if xkey == "H" and v >= 1024 and v % 1024 == 0 else str(v) for v in xs_all],
+            rotation=45 if len(xs_all) > 6 else 0,
+        )
         ax.minorticks_off()
         ax.set_xlabel("hidden size H" if xkey == "H" else "rows T")
-        ax.set_title(f"{op}  (bytes: {'x(+res)+w in, y(+h)+rstd out' if op == 'fwd' else 'g+x(+g_res) in, dx out'})",
-                     fontsize=10)
+        ax.set_title(
+            f"{op}  (bytes: {'x(+res)+w in, y(+h)+rstd out' if op == 'fwd' else 'g+x(+g_res) in, dx out'})",
+            fontsize=10,
+        )
         ax.grid(True, which="major", alpha=0.3)
         ax.axhline(1.0, color="gray", linewidth=0.8, linestyle=":")
     axes[0].set_ylabel("TB/s ÷ device-copy TB/s")
@@ -373,8 +474,10 @@ def plot_results(doc, png: Path) -> bool:
                 handles.append(hnd)
                 labels.append(lab)
     fig.legend(handles, labels, loc="center right", fontsize=8, frameon=False)
-    fig.suptitle(f"RMSNorm {'/'.join(dtypes)} vs device copy — {doc.get('gpu', '?')} — {doc.get('date', '?')} — "
-                 f"commit {doc.get('commit', '?')}")
+    fig.suptitle(
+        f"RMSNorm {'/'.join(dtypes)} vs device copy — {doc.get('gpu', '?')} — {doc.get('date', '?')} — "
+        f"commit {doc.get('commit', '?')}"
+    )
     fig.tight_layout(rect=(0, 0, 0.84, 0.95))
     png = Path(png)
     png.parent.mkdir(parents=True, exist_ok=True)
@@ -391,8 +494,10 @@ def per_call_device_us(events, n_calls: int, marker: str = MARKER_NAME) -> list[
     evs = sorted(((str(n), float(ts), float(d)) for n, ts, d in events), key=lambda e: e[1])
     marks = [e for e in evs if marker in e[0]]
     if len(marks) != 2 * n_calls:
-        raise RuntimeError(f"profiler trace has {len(marks)} marker kernels, expected {2 * n_calls}; "
-                           "cannot attribute device time to calls")
+        raise RuntimeError(
+            f"profiler trace has {len(marks)} marker kernels, expected {2 * n_calls}; "
+            "cannot attribute device time to calls"
+        )
     work = [e for e in evs if marker not in e[0]]
     out = []
     for i in range(n_calls):
@@ -419,10 +524,15 @@ def plot_main(argv: list[str] | None = None) -> int:
     """``python perf/plot.py results.json [more.json ...] [-o out.png] [--write-json merged.json]``: table + PNG
     from results JSON files (no GPU, no torch). Several files are merged (later files win on equal rows), e.g.
     a sweep split over several commands."""
-    p = argparse.ArgumentParser(prog="perf/plot.py", description="Plot (and print) cake-cute bench results JSON files.")
-    p.add_argument("json", type=Path, nargs="+", help="results JSON written by cake-cute bench / perf/sweep.py")
-    p.add_argument("-o", "--output", type=Path, default=None,
-                   help="PNG path (default: the (merged) JSON path with .png)")
+    p = argparse.ArgumentParser(
+        prog="perf/plot.py", description="Plot (and print) cake-cute bench results JSON files."
+    )
+    p.add_argument(
+        "json", type=Path, nargs="+", help="results JSON written by cake-cute bench / perf/sweep.py"
+    )
+    p.add_argument(
+        "-o", "--output", type=Path, default=None, help="PNG path (default: the (merged) JSON path with .png)"
+    )
     p.add_argument("--write-json", type=Path, default=None, help="write the merged results to this JSON file")
     p.add_argument("--no-table", action="store_true", help="do not print the table")
     p.add_argument("--no-plot", action="store_true", help="do not draw the PNG")
@@ -479,6 +589,7 @@ class _Cake(_Impl):
 
     def __init__(self, torch, eps):
         import cake_cute
+
         self._fn = cake_cute.cake_rmsnorm
         self._eps = eps
 
@@ -510,6 +621,7 @@ class _TorchCompile(_Impl):
     def __init__(self, torch, eps):
         import torch._dynamo  # a lazy submodule: make torch._dynamo.config reachable
         import triton  # noqa: F401  (inductor's GPU backend; fail early with a clear skip note)
+
         self._torch = torch
         for mod, names, value in (
             (torch._dynamo.config, ("recompile_limit", "cache_size_limit"), 64),
@@ -520,6 +632,7 @@ class _TorchCompile(_Impl):
                     setattr(mod, n, value)
         try:  # donated buffers forbid backward(retain_graph=True) on the compiled graph
             import torch._functorch.config as fconfig
+
             if hasattr(fconfig, "donated_buffer"):
                 fconfig.donated_buffer = False
         except Exception:
@@ -562,6 +675,7 @@ class _Liger(_Impl):
     def __init__(self, torch, eps):
         from liger_kernel.ops.fused_add_rms_norm import LigerFusedAddRMSNormFunction
         from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+
         self._plain = LigerRMSNormFunction
         self._fused = LigerFusedAddRMSNormFunction
         self._eps = eps
@@ -585,6 +699,7 @@ class _Quack(_Impl):
         import inspect
 
         from quack.rmsnorm import rmsnorm
+
         self._fn = rmsnorm
         self._eps = eps
         self._has_prenorm = "prenorm" in inspect.signature(rmsnorm).parameters
@@ -598,13 +713,25 @@ class _Quack(_Impl):
         return tuple(out)
 
 
-_FACTORIES = {"cake_cute": _Cake, "torch": _TorchEager, "compile": _TorchCompile, "liger": _Liger, "quack": _Quack}
-_DIST_NAMES = {"liger": "liger-kernel", "quack": "quack-kernels", "cake_cute": "cake-cute", "triton": "triton",
-               "cutlass": "nvidia-cutlass-dsl"}
+_FACTORIES = {
+    "cake_cute": _Cake,
+    "torch": _TorchEager,
+    "compile": _TorchCompile,
+    "liger": _Liger,
+    "quack": _Quack,
+}
+_DIST_NAMES = {
+    "liger": "liger-kernel",
+    "quack": "quack-kernels",
+    "cake_cute": "cake-cute",
+    "triton": "triton",
+    "cutlass": "nvidia-cutlass-dsl",
+}
 
 
 def _versions() -> dict:
     from importlib import metadata
+
     out = {}
     for key, dist in _DIST_NAMES.items():
         try:
@@ -616,8 +743,18 @@ def _versions() -> dict:
 
 def _is_sticky_cuda_error(exc: BaseException) -> bool:
     text = str(exc).lower()
-    return any(s in text for s in ("illegal memory access", "unspecified launch failure", "illegal instruction",
-                                   "misaligned address", "device-side assert", "an illegal", "cuda error: launch"))
+    return any(
+        s in text
+        for s in (
+            "illegal memory access",
+            "unspecified launch failure",
+            "illegal instruction",
+            "misaligned address",
+            "device-side assert",
+            "an illegal",
+            "cuda error: launch",
+        )
+    )
 
 
 class _Runner:  # pragma: no cover - needs a GPU
@@ -654,6 +791,7 @@ class _Runner:  # pragma: no cover - needs a GPU
     def profile_us(self, call, reps, setup=None) -> list[float]:
         torch = self.torch
         from torch.profiler import ProfilerActivity, profile
+
         torch.cuda.synchronize()
         with tempfile.TemporaryDirectory(prefix="cake-bench-") as d:
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -682,9 +820,11 @@ class _Runner:  # pragma: no cover - needs a GPU
                 if _is_sticky_cuda_error(e):
                     raise
                 self.profiler_failures += 1
-                self._note(f"torch.profiler failed ({type(e).__name__}: {' '.join(str(e).split())[:200]}); this row's "
-                           "gpu_us comes from CUDA events" + ("; profiler disabled from now on"
-                                                              if self.profiler_failures >= 3 else ""))
+                self._note(
+                    f"torch.profiler failed ({type(e).__name__}: {' '.join(str(e).split())[:200]}); this row's "
+                    "gpu_us comes from CUDA events"
+                    + ("; profiler disabled from now on" if self.profiler_failures >= 3 else "")
+                )
         if setup is None:
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
@@ -706,7 +846,10 @@ class _Runner:  # pragma: no cover - needs a GPU
         sf, df = src.view(torch.float32), dst.view(torch.float32)
         result = {"copy_bytes": 2 * half}
         best = None
-        for label, call in (("memcpy", lambda _: dst.copy_(src)), ("kernel", lambda _: torch.neg(sf, out=df))):
+        for label, call in (
+            ("memcpy", lambda _: dst.copy_(src)),
+            ("kernel", lambda _: torch.neg(sf, out=df)),
+        ):
             for _ in range(3):
                 call(None)
             us, method = self.device_us(call, self.args.prof_reps)
@@ -719,18 +862,30 @@ class _Runner:  # pragma: no cover - needs a GPU
         return result
 
     # ---- one row -----------------------------------------------------------------------------------
-    def measure(self, impl: _Impl, op: str, residual: bool, dtype: str, T: int, H: int, t: dict, copy: dict) -> dict:
+    def measure(
+        self, impl: _Impl, op: str, residual: bool, dtype: str, T: int, H: int, t: dict, copy: dict
+    ) -> dict:
         torch = self.torch
         args = self.args
         nbytes = model_bytes(op, residual, T, H, dtype)
-        row = {"impl": impl.name, "op": op, "residual": residual, "dtype": dtype, "T": T, "H": H, "bytes": nbytes}
+        row = {
+            "impl": impl.name,
+            "op": op,
+            "residual": residual,
+            "dtype": dtype,
+            "T": T,
+            "H": H,
+            "bytes": nbytes,
+        }
         x, w, r = t["x"], t["w"], (t["r"] if residual else None)
         inputs = (x, w) + ((r,) if residual else ())
         grads = (t["g"],) + ((t["gh"],) if residual else ())
         try:
             if op == "fwd":
+
                 def call(_):
                     return impl.forward(x, w, r)
+
                 t0 = time.perf_counter()
                 out = call(None)
                 torch.cuda.synchronize()
@@ -754,6 +909,7 @@ class _Runner:  # pragma: no cover - needs a GPU
 
                 def call_fresh(o):
                     return torch.autograd.grad(o, inputs, grad_outputs=grads)
+
                 t0 = time.perf_counter()
                 try:
                     call(None)
@@ -773,9 +929,11 @@ class _Runner:  # pragma: no cover - needs a GPU
                     torch.cuda.synchronize()
                     row.setdefault("first_call_s", round(time.perf_counter() - t0, 3))
                     row["bwd_method"] = "fresh_forward_per_call"
-                    self._note(f"{impl.name} bwd {dtype} T={T} H={H} residual={residual}: retain_graph replay "
-                               f"failed ({type(e).__name__}: {' '.join(str(e).split())[:160]}); timed with a fresh "
-                               "untimed forward before every call")
+                    self._note(
+                        f"{impl.name} bwd {dtype} T={T} H={H} residual={residual}: retain_graph replay "
+                        f"failed ({type(e).__name__}: {' '.join(str(e).split())[:160]}); timed with a fresh "
+                        "untimed forward before every call"
+                    )
                 for _ in range(max(0, args.warmup - 2)):
                     call(setup() if setup else None)
             torch.cuda.synchronize()
@@ -789,7 +947,16 @@ class _Runner:  # pragma: no cover - needs a GPU
             if row["tbps"] is not None and copy.get("copy_tbps"):
                 row["frac_copy"] = round(row["tbps"] / copy["copy_tbps"], 4)
         except Exception as e:  # a peer failing on a shape is a result, not a crash
-            for k in ("us", "gpu_us", "host_us", "tbps", "frac_copy", "first_call_s", "bwd_method", "gpu_method"):
+            for k in (
+                "us",
+                "gpu_us",
+                "host_us",
+                "tbps",
+                "frac_copy",
+                "first_call_s",
+                "bwd_method",
+                "gpu_method",
+            ):
                 row.pop(k, None)
             row["error"] = f"{type(e).__name__}: {' '.join(str(e).split())[:400]}"
             if isinstance(e, torch.cuda.OutOfMemoryError):
@@ -828,10 +995,16 @@ def _gpu_main(args, torch, t_start: float, device=None) -> int:  # pragma: no co
     shapes = sweep_shapes(args)
     res_modes = RESIDUAL_MODES[args.residual]
     torch.manual_seed(args.seed)
-    print(f"cake-cute bench: {gpu} (sm_{props.major}{props.minor}, {props.multi_processor_count} SMs), "
-          f"torch {torch.__version__}, commit {commit}", flush=True)
-    print(f"shapes (T, H): {shapes}; dtypes {args.dtype}; residual {args.residual}; ops {args.ops}; "
-          f"reps {args.reps}, profiled {args.prof_reps}, warm-up {args.warmup}", flush=True)
+    print(
+        f"cake-cute bench: {gpu} (sm_{props.major}{props.minor}, {props.multi_processor_count} SMs), "
+        f"torch {torch.__version__}, commit {commit}",
+        flush=True,
+    )
+    print(
+        f"shapes (T, H): {shapes}; dtypes {args.dtype}; residual {args.residual}; ops {args.ops}; "
+        f"reps {args.reps}, profiled {args.prof_reps}, warm-up {args.warmup}",
+        flush=True,
+    )
 
     impl_names = ([] if args.no_cake else ["cake_cute"]) + list(args.vs)
     if not args.no_cake:
@@ -840,6 +1013,7 @@ def _gpu_main(args, torch, t_start: float, device=None) -> int:  # pragma: no co
         t0 = time.perf_counter()
         try:
             import cake_cute
+
             for dt in args.dtype:
                 for H in sorted({h for _, h in shapes}):
                     for res in res_modes:
@@ -849,10 +1023,14 @@ def _gpu_main(args, torch, t_start: float, device=None) -> int:  # pragma: no co
                         try:
                             out = cake_cute.cake_rmsnorm(x, w, args.eps, residual=r)
                             out = out if isinstance(out, tuple) else (out,)
-                            torch.autograd.grad(out, (x, w), grad_outputs=tuple(torch.ones_like(o) for o in out))
+                            torch.autograd.grad(
+                                out, (x, w), grad_outputs=tuple(torch.ones_like(o) for o in out)
+                            )
                         except Exception as e:
-                            runner._note(f"cake precompile {dt} H={H} residual={res} failed: {type(e).__name__}: "
-                                         f"{str(e)[:200]}")
+                            runner._note(
+                                f"cake precompile {dt} H={H} residual={res} failed: {type(e).__name__}: "
+                                f"{str(e)[:200]}"
+                            )
             torch.cuda.synchronize()
         except Exception as e:
             runner._note(f"cake_cute import/precompile failed: {type(e).__name__}: {e}")
@@ -891,14 +1069,22 @@ def _gpu_main(args, torch, t_start: float, device=None) -> int:  # pragma: no co
 
     def doc(complete: bool) -> dict:
         return {
-            "gpu": gpu, "commit": commit, "date": date,
+            "gpu": gpu,
+            "commit": commit,
+            "date": date,
             "rows": merge_rows(old_rows, runner.rows),
             "complete": complete,
-            "sm": f"sm_{props.major}{props.minor}", "sm_count": props.multi_processor_count,
-            "torch": torch.__version__, "cuda": torch.version.cuda, "versions": _versions(),
+            "sm": f"sm_{props.major}{props.minor}",
+            "sm_count": props.multi_processor_count,
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "versions": _versions(),
             "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-            "impls": [i.name for i in impls], "notes": runner.notes, "method": TIMING_METHOD,
-            "cake_precompile_s": precompile_s, "elapsed_s": round(time.perf_counter() - t_start, 1),
+            "impls": [i.name for i in impls],
+            "notes": runner.notes,
+            "method": TIMING_METHOD,
+            "cake_precompile_s": precompile_s,
+            "elapsed_s": round(time.perf_counter() - t_start, 1),
         }
 
     total = len(args.dtype) * len(shapes) * len(res_modes) * len(impls) * len(args.ops)
@@ -941,10 +1127,19 @@ def _gpu_main(args, torch, t_start: float, device=None) -> int:  # pragma: no co
                         if row.get("error"):
                             msg = "error: " + row["error"][:150]
                         else:
-                            msg = (f"us {row['us']:.1f}  gpu_us {row['gpu_us']:.1f}  {row['tbps']:.2f} TB/s"
-                                   + (f" ({100 * row['frac_copy']:.0f}% of copy)" if row.get("frac_copy") else ""))
-                        print(f"[{done:>3}/{total}] {impl.name:<9} {op} res={'on ' if res else 'off'} {dt} "
-                              f"H={H:<6} T={T:<6} {msg}  [{time.perf_counter() - t0:.1f} s]", flush=True)
+                            msg = (
+                                f"us {row['us']:.1f}  gpu_us {row['gpu_us']:.1f}  {row['tbps']:.2f} TB/s"
+                                + (
+                                    f" ({100 * row['frac_copy']:.0f}% of copy)"
+                                    if row.get("frac_copy")
+                                    else ""
+                                )
+                            )
+                        print(
+                            f"[{done:>3}/{total}] {impl.name:<9} {op} res={'on ' if res else 'off'} {dt} "
+                            f"H={H:<6} T={T:<6} {msg}  [{time.perf_counter() - t0:.1f} s]",
+                            flush=True,
+                        )
             tensors.clear()
             gc.collect()
             torch.cuda.empty_cache()
@@ -962,16 +1157,21 @@ def _gpu_main(args, torch, t_start: float, device=None) -> int:  # pragma: no co
     first = {}
     for r in runner.rows:
         first[r["impl"]] = first.get(r["impl"], 0.0) + (r.get("first_call_s") or 0.0)
-    print("first-call (compile/JIT) seconds per implementation: "
-          + ", ".join(f"{k} {v:.1f}" for k, v in first.items())
-          + ("" if precompile_s is None else f"; cake precompile {precompile_s:.1f}"))
+    print(
+        "first-call (compile/JIT) seconds per implementation: "
+        + ", ".join(f"{k} {v:.1f}" for k, v in first.items())
+        + ("" if precompile_s is None else f"; cake precompile {precompile_s:.1f}")
+    )
     print(f"results written to {json_path} ({len(runner.rows)} rows, {time.perf_counter() - t_start:.0f} s)")
     if png_path is not None:
         try:
             plot_results(doc(runner.fatal is None), png_path)
         except Exception as e:
-            print(f"note: plotting failed ({type(e).__name__}: {e}); render later with python perf/plot.py "
-                  f"{json_path}", file=sys.stderr)
+            print(
+                f"note: plotting failed ({type(e).__name__}: {e}); render later with python perf/plot.py "
+                f"{json_path}",
+                file=sys.stderr,
+            )
     return 1 if runner.fatal else 0
 
 
@@ -985,10 +1185,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cake-cute bench: needs PyTorch with CUDA ({e})", file=sys.stderr)
         return 2
     if not torch.cuda.is_available():
-        print("cake-cute bench: no CUDA GPU is available (torch.cuda.is_available() is False). The sweep "
-              "times kernels on an NVIDIA GPU (Hopper or Blackwell for cake_cute); run it on a GPU machine. "
-              "To plot an existing results file without a GPU use: python perf/plot.py <results.json>",
-              file=sys.stderr)
+        print(
+            "cake-cute bench: no CUDA GPU is available (torch.cuda.is_available() is False). The sweep "
+            "times kernels on an NVIDIA GPU (Hopper or Blackwell for cake_cute); run it on a GPU machine. "
+            "To plot an existing results file without a GPU use: python perf/plot.py <results.json>",
+            file=sys.stderr,
+        )
         return 2
     return _gpu_main(args, torch, t_start)
 

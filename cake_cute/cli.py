@@ -55,13 +55,26 @@ def _add_warmup(sub) -> None:
     p.add_argument("--arch", type=_csv(_arch), help="e.g. sm_90a,sm_100a (default: the local GPU, else both)")
     p.add_argument("--dtype", type=_csv(_dtype), default=["bf16"], help="bf16,fp16,fp32 (default bf16)")
     p.add_argument("--hidden", type=_csv(_hidden), default=[4096], help="hidden sizes (default 4096)")
-    p.add_argument("--residual", choices=sorted(RESIDUAL_MODES), default="both",
-                   help="residual-add variants (default both)")
-    p.add_argument("--w-dtype", choices=sorted(W_MODES), default="same",
-                   help="weight dtype: the activation dtype, fp32, or both (default same)")
-    p.add_argument("--cache-dir", help="kernel cache directory (default $CAKE_CUTE_CACHE_DIR or ~/.cache/cake_cute)")
-    p.add_argument("--report", action="store_true",
-                   help="print registers, spills and access widths per kernel; exit 1 if any kernel spills")
+    p.add_argument(
+        "--residual",
+        choices=sorted(RESIDUAL_MODES),
+        default="both",
+        help="residual-add variants (default both)",
+    )
+    p.add_argument(
+        "--w-dtype",
+        choices=sorted(W_MODES),
+        default="same",
+        help="weight dtype: the activation dtype, fp32, or both (default same)",
+    )
+    p.add_argument(
+        "--cache-dir", help="kernel cache directory (default $CAKE_CUTE_CACHE_DIR or ~/.cache/cake_cute)"
+    )
+    p.add_argument(
+        "--report",
+        action="store_true",
+        help="print registers, spills and access widths per kernel; exit 1 if any kernel spills",
+    )
     p.add_argument("--jobs", type=int, help="worker processes (default: the CPU count)")
 
 
@@ -88,7 +101,9 @@ def cmd_warmup(args) -> int:
         # The environment (not a parameter) so spawned workers use the same directory.
         os.environ["CAKE_CUTE_CACHE_DIR"] = os.path.abspath(args.cache_dir)
     archs = args.arch or local_archs()
-    specs = variant_specs(archs, args.dtype, args.hidden, RESIDUAL_MODES[args.residual], W_MODES[args.w_dtype])
+    specs = variant_specs(
+        archs, args.dtype, args.hidden, RESIDUAL_MODES[args.residual], W_MODES[args.w_dtype]
+    )
     result = warm(specs, args.jobs)
     for outcome in result.failed:
         print(f"FAILED {outcome.spec.name()}:\n  " + outcome.error.replace("\n", "\n  "), file=sys.stderr)
@@ -138,8 +153,10 @@ def _gpu_line() -> str:
         return "no GPU"
     capability = torch.cuda.get_device_capability()
     arch = ARCH_BY_CAPABILITY.get(capability, f"sm_{capability[0]}{capability[1]} (not supported)")
-    return (f"{torch.cuda.get_device_name()} ({arch}), {torch.cuda.device_count()} device(s), "
-            f"driver CUDA {_driver_version()}")
+    return (
+        f"{torch.cuda.get_device_name()} ({arch}), {torch.cuda.device_count()} device(s), "
+        f"driver CUDA {_driver_version()}"
+    )
 
 
 def _dsl_cuda_version(cutlass) -> str:

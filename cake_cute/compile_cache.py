@@ -32,10 +32,10 @@ import os
 import tempfile
 import threading
 import warnings
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 
 try:
     import fcntl
@@ -47,10 +47,10 @@ from . import __version__
 CACHE_FORMAT = 2  # bump when the on-disk layout changes (2: sha256 sidecars)
 
 compile_count = 0  # kernels compiled by this process (tests count these)
-_memory: dict["KernelSpec", Callable] = {}
+_memory: dict[KernelSpec, Callable] = {}
 _by_fields: dict[tuple, Callable] = {}
 _lock = threading.Lock()  # guards _key_locks
-_key_locks: dict["KernelSpec", threading.Lock] = {}
+_key_locks: dict[KernelSpec, threading.Lock] = {}
 _compile_lock = threading.Lock()  # one DSL compile at a time in this process
 
 
@@ -100,8 +100,13 @@ def fingerprint() -> str:
         import cutlass
         import tvm_ffi
 
-        parts = [__version__, cutlass.__version__, getattr(tvm_ffi, "__version__", "?"), _kernel_source_hash(),
-                 f"format{CACHE_FORMAT}"]
+        parts = [
+            __version__,
+            cutlass.__version__,
+            getattr(tvm_ffi, "__version__", "?"),
+            _kernel_source_hash(),
+            f"format{CACHE_FORMAT}",
+        ]
         _fingerprint = hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
     return _fingerprint
 
@@ -208,16 +213,22 @@ def _from_disk_or_compile(spec: KernelSpec) -> Callable:
         if fn is not None:
             return fn
         if problem != "missing":
-            warnings.warn(f"cake_cute: discarding cached kernel {path}: it {problem}; compiling it again",
-                          RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"cake_cute: discarding cached kernel {path}: it {problem}; compiling it again",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         _discard(path)
         compiled = _compile(spec)
         _write_object(compiled, path, spec)
         # Load the exported object, so a warm process and a cold one run the same code path.
         fn, problem = _load(path, spec)
         if fn is None:
-            warnings.warn(f"cake_cute: the kernel just cached at {path} {problem}; using it from memory",
-                          RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"cake_cute: the kernel just cached at {path} {problem}; using it from memory",
+                RuntimeWarning,
+                stacklevel=3,
+            )
             fn = compiled
         return fn
 

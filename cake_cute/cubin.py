@@ -28,7 +28,9 @@ FATBIN_SYMBOL = b"kernels_binary"
 FATBIN_MAGIC = 0xBA55ED50
 # Where the pip wheels put the tools: nvidia-cuda-{cuobjdump,nvdisasm} (CUDA 13), then their -cu12 wheels.
 WHEEL_BIN_DIRS = ("cu13/bin", "cuda_cuobjdump/bin", "cuda_nvdisasm/bin")
-INSTALL_HINT = "pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm (or put the CUDA toolkit's bin on PATH)"
+INSTALL_HINT = (
+    "pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm (or put the CUDA toolkit's bin on PATH)"
+)
 
 _SASS_LINE = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)")
 _RES_LINE = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
@@ -82,7 +84,9 @@ def fatbin_from_object(data: bytes) -> bytes:
 def _run_tool(name: str, *args: str, cwd: str) -> str:
     result = subprocess.run([str(find_tool(name)), *args], capture_output=True, text=True, cwd=cwd)
     if result.returncode != 0:
-        raise RuntimeError(f"{name} {' '.join(args)} failed: {result.stderr.strip() or result.stdout.strip()}")
+        raise RuntimeError(
+            f"{name} {' '.join(args)} failed: {result.stderr.strip() or result.stdout.strip()}"
+        )
     return result.stdout
 
 

@@ -58,7 +58,10 @@ def _rmsnorm_fwd_fake(x, w, eps, residual=None, weight_offset=0.0, deterministic
 def rmsnorm_bwd(g, x, w, rstd, g_residual=None, weight_offset=0.0, deterministic=True, dw_dtype=None):
     """``(dx, dw)``; dw is FP32 unless ``dw_dtype`` is given (autograd asks for w's dtype)."""
     return cake_rmsnorm_train_backward(
-        g, x, w, rstd,
+        g,
+        x,
+        w,
+        rstd,
         deterministic=deterministic,
         g_residual=g_residual,
         weight_offset=weight_offset,

@@ -6,7 +6,7 @@ programs, which never changes a row's arithmetic.
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache, lru_cache
 
 from .compile_cache import KernelSpec
 from .kernels.config import (
@@ -47,7 +47,9 @@ PAIR_TILES_FROM = 64
 
 
 @lru_cache(maxsize=4096)
-def backward_programs(rows: int, hidden: int, act_dtype: str, w_dtype: str, residual: bool, device: DeviceFacts) -> int:
+def backward_programs(
+    rows: int, hidden: int, act_dtype: str, w_dtype: str, residual: bool, device: DeviceFacts
+) -> int:
     """Programs (clusters) of the persistent backward: as many as are resident at once, never more
     than there are row tiles (two tiles each from ``PAIR_TILES_FROM`` tiles up to a full GPU). The
     partition of rows -- and so dw's bits -- is fixed by this number, which depends only on T, the GPU
@@ -57,8 +59,12 @@ def backward_programs(rows: int, hidden: int, act_dtype: str, w_dtype: str, resi
     if tiles <= 1:
         return 1
     resident = resident_clusters(
-        device.index, device.capability, tiling.threads_per_cta, tiling.cluster_n,
-        backward_ctas_per_sm(tiling, device.arch, act_dtype, w_dtype, residual), device.sm_count,
+        device.index,
+        device.capability,
+        tiling.threads_per_cta,
+        tiling.cluster_n,
+        backward_ctas_per_sm(tiling, device.arch, act_dtype, w_dtype, residual),
+        device.sm_count,
     )
     if PAIR_TILES_FROM <= tiles <= resident:
         return -(-tiles // 2)
@@ -66,20 +72,25 @@ def backward_programs(rows: int, hidden: int, act_dtype: str, w_dtype: str, resi
 
 
 @lru_cache(maxsize=4096)
-def backward_launch(rows: int, hidden: int, act_dtype: str, w_dtype: str, residual: bool,
-                    device: DeviceFacts) -> tuple[int, int]:
+def backward_launch(
+    rows: int, hidden: int, act_dtype: str, w_dtype: str, residual: bool, device: DeviceFacts
+) -> tuple[int, int]:
     """(programs, FP32 partial rows of dW the backward writes: one per row group of each program)."""
     programs = backward_programs(rows, hidden, act_dtype, w_dtype, residual, device)
     return programs, programs * backward_tiling(hidden, act_dtype).rows_per_cta
 
 
-def most_partial_rows(rows: int, hidden: int, act_dtype: str, w_dtype: str, residual: bool, device: DeviceFacts) -> int:
+def most_partial_rows(
+    rows: int, hidden: int, act_dtype: str, w_dtype: str, residual: bool, device: DeviceFacts
+) -> int:
     """The most partial rows any backward of up to ``rows`` rows writes (what a workspace for ``rows``
     must hold): the program count grows with T except where pairing starts, so the largest count is
     at ``rows`` or just below ``PAIR_TILES_FROM`` tiles."""
     below_pairing = (PAIR_TILES_FROM - 1) * backward_tiling(hidden, act_dtype).rows_per_cta
-    return max(backward_launch(r, hidden, act_dtype, w_dtype, residual, device)[1]
-               for r in {max(rows, 1), max(min(rows, below_pairing), 1)})
+    return max(
+        backward_launch(r, hidden, act_dtype, w_dtype, residual, device)[1]
+        for r in {max(rows, 1), max(min(rows, below_pairing), 1)}
+    )
 
 
 def tiling_for(spec: KernelSpec):
@@ -155,7 +166,7 @@ def compile_kernel(spec: KernelSpec):
     return cute.compile(kernel, g, h, w, rstd, g_res, dx, partials, cutlass.Int32(1), stream, options=options)
 
 
-@lru_cache(maxsize=None)
+@cache
 def vector_elems(hidden: int, act_dtype: str) -> int:
     """Elements per vector access for this H (the alignment, in elements, the kernels assume)."""
     return forward_tiling(hidden, act_dtype).vec

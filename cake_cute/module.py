@@ -14,7 +14,9 @@ from . import validation as v
 from .autograd import cake_rmsnorm
 
 # "(1.0 + self.weight" or "self.weight.float() + 1": the Gemma-style scale (1 + w).
-_ONE_PLUS_WEIGHT = re.compile(r"(?<![\w.])1(\.0*)?\s*\+\s*self\.weight\b|\bself\.weight(\.\w+\(\))?\s*\+\s*1(\.0*)?\b")
+_ONE_PLUS_WEIGHT = re.compile(
+    r"(?<![\w.])1(\.0*)?\s*\+\s*self\.weight\b|\bself\.weight(\.\w+\(\))?\s*\+\s*1(\.0*)?\b"
+)
 
 
 def _hidden_size(normalized_shape) -> int:
@@ -129,7 +131,9 @@ def _replacement(module: nn.Module, buffer_device: torch.device) -> CakeRMSNorm:
     if not isinstance(module, nn.RMSNorm):
         new = _wrapping(module.weight, _hf_eps(module), _hf_weight_offset(module))
     elif module.weight is None:
-        new = CakeRMSNorm(module.normalized_shape, eps=module.eps, elementwise_affine=False, device=buffer_device)
+        new = CakeRMSNorm(
+            module.normalized_shape, eps=module.eps, elementwise_affine=False, device=buffer_device
+        )
     else:
         new = _wrapping(module.weight, module.eps, 0.0)
     return new.train(module.training)

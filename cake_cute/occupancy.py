@@ -11,7 +11,7 @@ threads), with the real block and cluster shape.
 from __future__ import annotations
 
 import warnings
-from functools import lru_cache
+from functools import cache
 
 from .kernels.config import SMEM_PER_SM, SMEM_RESERVED_PER_CTA
 
@@ -25,7 +25,7 @@ def _check(result):
     return result[1] if len(result) == 2 else result[1:]
 
 
-@lru_cache(maxsize=None)
+@cache
 def _probe_kernel(device_index: int, major: int, minor: int):
     """An empty kernel loaded into the device's primary context (current when this is called)."""
     from cuda.bindings import driver
@@ -38,9 +38,15 @@ def _probe_kernel(device_index: int, major: int, minor: int):
     return _check(driver.cuModuleGetFunction(module, b"cake_cute_occupancy_probe"))
 
 
-@lru_cache(maxsize=None)
-def resident_clusters(device_index: int, capability: tuple[int, int], threads: int, cluster_n: int,
-                      ctas_per_sm: int, sm_count: int) -> int:
+@cache
+def resident_clusters(
+    device_index: int,
+    capability: tuple[int, int],
+    threads: int,
+    cluster_n: int,
+    ctas_per_sm: int,
+    sm_count: int,
+) -> int:
     """Clusters of ``cluster_n`` CTAs of ``threads`` threads, ``ctas_per_sm`` per SM, resident at once."""
     estimate = max(1, sm_count * ctas_per_sm // cluster_n)
     try:
@@ -55,18 +61,26 @@ def resident_clusters(device_index: int, capability: tuple[int, int], threads: i
             func = _probe_kernel(device_index, *capability)
             smem = SMEM_PER_SM // ctas_per_sm - SMEM_RESERVED_PER_CTA
             attr = driver.CUfunction_attribute
-            _check(driver.cuFuncSetAttribute(func, attr.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem))
+            _check(
+                driver.cuFuncSetAttribute(func, attr.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
+            )
             if cluster_n == 1:
                 per_sm = _check(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(func, threads, smem))
                 return max(1, min(estimate, per_sm * sm_count))
-            _check(driver.cuFuncSetAttribute(func, attr.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1))
+            _check(
+                driver.cuFuncSetAttribute(func, attr.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+            )
             config = driver.CUlaunchConfig()
             config.gridDimX, config.gridDimY, config.gridDimZ = cluster_n, 1, 1
             config.blockDimX, config.blockDimY, config.blockDimZ = threads, 1, 1
             config.sharedMemBytes = smem
             cluster = driver.CUlaunchAttribute()
             cluster.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-            cluster.value.clusterDim.x, cluster.value.clusterDim.y, cluster.value.clusterDim.z = cluster_n, 1, 1
+            cluster.value.clusterDim.x, cluster.value.clusterDim.y, cluster.value.clusterDim.z = (
+                cluster_n,
+                1,
+                1,
+            )
             config.attrs = [cluster]
             config.numAttrs = 1
             return max(1, min(estimate, _check(driver.cuOccupancyMaxActiveClusters(func, config))))
@@ -74,5 +88,7 @@ def resident_clusters(device_index: int, capability: tuple[int, int], threads: i
             _check(driver.cuCtxPopCurrent())
             _check(driver.cuDevicePrimaryCtxRelease(dev))
     except Exception as err:  # the arithmetic bound; it can over-count how clusters pack into GPCs
-        warnings.warn(f"cake_cute: occupancy query failed ({err}); assuming {estimate} resident programs", stacklevel=2)
+        warnings.warn(
+            f"cake_cute: occupancy query failed ({err}); assuming {estimate} resident programs", stacklevel=2
+        )
         return estimate

@@ -12,7 +12,8 @@ from typing import NamedTuple
 
 import torch
 
-from . import dispatch, validation as v
+from . import dispatch
+from . import validation as v
 from .compile_cache import kernel
 
 _CONTIGUOUS = torch.contiguous_format
@@ -98,7 +99,8 @@ def cake_rmsnorm_train_forward(
                 v.aligned_vector(w, vec),
                 _rows_view(y, hidden),
                 None if residual is None else _rows_view(h_new, hidden),
-                r, eps,
+                r,
+                eps,
             )
     if residual is None:
         return _finish(y, y_copy), _finish(r, r_copy)
@@ -117,8 +119,11 @@ def cake_rmsnorm_train_backward_workspace_bytes(rows, hidden, device, *, residua
         raise ValueError(f"device must be a CUDA device, got {device}")
     v.device_arch(device)
     facts = v.device_facts(device)
-    most = max(dispatch.most_partial_rows(rows, hidden, act, w, residual, facts)
-               for act in dispatch.DTYPE_NAMES for w in {act, "fp32"})
+    most = max(
+        dispatch.most_partial_rows(rows, hidden, act, w, residual, facts)
+        for act in dispatch.DTYPE_NAMES
+        for w in {act, "fp32"}
+    )
     return dispatch.partial_rows_bytes(most, hidden)
 
 
@@ -145,8 +150,18 @@ def _partials(workspace, partial_rows: int, hidden: int, device) -> torch.Tensor
 
 
 def cake_rmsnorm_train_backward(
-    g, x, w, rstd, *, deterministic=True, g_residual=None, workspace=None, dx=None, dw=None,
-    weight_offset: float = 0.0, dw_dtype: torch.dtype = torch.float32,
+    g,
+    x,
+    w,
+    rstd,
+    *,
+    deterministic=True,
+    g_residual=None,
+    workspace=None,
+    dx=None,
+    dw=None,
+    weight_offset: float = 0.0,
+    dw_dtype: torch.dtype = torch.float32,
 ):
     """RMSNorm backward: ``(dx, dw)``. ``x`` is what the forward normalized (x, or h_new in residual
     mode); in residual mode ``g_residual`` (dL/dh_new) is added into dx. dw is FP32 unless
@@ -196,10 +211,15 @@ class _BackwardPlan(NamedTuple):
 @lru_cache(maxsize=4096)
 def _backward_plan(op, rows, residual) -> _BackwardPlan:
     """The launch shape of a backward call, looked up once per distinct (operands, T, residual)."""
-    programs, partial_rows = dispatch.backward_launch(max(rows, 1), op.hidden, op.act, op.w_name, residual,
-                                                      op.facts)
-    return _BackwardPlan(programs, partial_rows, dispatch.partial_rows_bytes(partial_rows, op.hidden),
-                         dispatch.vector_elems(op.hidden, op.act))
+    programs, partial_rows = dispatch.backward_launch(
+        max(rows, 1), op.hidden, op.act, op.w_name, residual, op.facts
+    )
+    return _BackwardPlan(
+        programs,
+        partial_rows,
+        dispatch.partial_rows_bytes(partial_rows, op.hidden),
+        dispatch.vector_elems(op.hidden, op.act),
+    )
 
 
 def _backward(op, g, x, w, rstd, g_residual, workspace, dx, dw, weight_offset, dw_dtype):
@@ -209,7 +229,9 @@ def _backward(op, g, x, w, rstd, g_residual, workspace, dx, dw, weight_offset, d
     plan = _backward_plan(op, rows, residual)
     vec = plan.vec
     if workspace is not None and workspace.numel() < plan.workspace_bytes:
-        raise ValueError(f"workspace holds {workspace.numel()} bytes; this call needs at least {plan.workspace_bytes}")
+        raise ValueError(
+            f"workspace holds {workspace.numel()} bytes; this call needs at least {plan.workspace_bytes}"
+        )
     dx_t, dx_copy = _outputs_like(dx, x, vec)
     dw_t, dw_copy = _vector_output(dw, hidden, dw_dtype, op.device)
 
@@ -221,10 +243,14 @@ def _backward(op, g, x, w, rstd, g_residual, workspace, dx, dw, weight_offset, d
         partials = _partials(workspace, plan.partial_rows, hidden, op.device)
         with v.on_device(op.device):
             bwd(
-                v.kernel_view(g, vec), v.kernel_view(x, vec), v.aligned_vector(w, vec),
+                v.kernel_view(g, vec),
+                v.kernel_view(x, vec),
+                v.aligned_vector(w, vec),
                 rstd if rstd.is_contiguous() else rstd.contiguous(),
                 v.kernel_view(g_residual, vec) if residual else None,
-                _rows_view(dx_t, hidden), partials, plan.programs,
+                _rows_view(dx_t, hidden),
+                partials,
+                plan.programs,
             )
             reduce(partials, dw_t)
     return _finish(dx_t, dx_copy), _finish(dw_t, dw_copy)

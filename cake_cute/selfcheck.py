@@ -118,8 +118,9 @@ def _functional(case: Case, x, w, residual, g, g_res, errors: dict, limits: dict
     shape, device, rows = x.shape, x.device, case.rows
     out, rstd = _poisoned(shape, case.dtype, device), _poisoned((rows,), torch.float32, device)
     h_out = _poisoned(shape, case.dtype, device) if case.residual else None
-    cake_rmsnorm_train_forward(x, w, EPS, residual=residual, out=out, rstd=rstd, residual_out=h_out,
-                               weight_offset=case.weight_offset)
+    cake_rmsnorm_train_forward(
+        x, w, EPS, residual=residual, out=out, rstd=rstd, residual_out=h_out, weight_offset=case.weight_offset
+    )
     y_ref, rstd_ref, h_ref = forward_reference(x, w, EPS, residual=residual, weight_offset=case.weight_offset)
     errors.update(y=rel_error(out, y_ref), rstd=rel_error(rstd, rstd_ref))
     if case.residual:
@@ -127,7 +128,9 @@ def _functional(case: Case, x, w, residual, g, g_res, errors: dict, limits: dict
     h = h_out if case.residual else x
 
     dx, dw = _poisoned(shape, case.dtype, device), _poisoned((case.hidden,), torch.float32, device)
-    cake_rmsnorm_train_backward(g, h, w, rstd, g_residual=g_res, dx=dx, dw=dw, weight_offset=case.weight_offset)
+    cake_rmsnorm_train_backward(
+        g, h, w, rstd, g_residual=g_res, dx=dx, dw=dw, weight_offset=case.weight_offset
+    )
     dx_ref, dw_ref = backward_reference(g, h, w, rstd, g_residual=g_res, weight_offset=case.weight_offset)
     errors.update(dx=rel_error(dx, dx_ref), dw=rel_error(dw, dw_ref))
     limits["dx"] = _dx_limit(case, g, w, rstd, dx_ref)
@@ -149,14 +152,23 @@ def _autograd(case: Case, x, w, residual, g, g_res, refs, errors: dict) -> None:
     else:
         torch.autograd.backward(outs, g)
         y = outs
-    errors.update(ag_y=rel_error(y.detach(), y_ref), ag_dx=rel_error(xa.grad, dx_ref), ag_dw=rel_error(wa.grad, dw_ref))
+    errors.update(
+        ag_y=rel_error(y.detach(), y_ref), ag_dx=rel_error(xa.grad, dx_ref), ag_dw=rel_error(wa.grad, dw_ref)
+    )
 
 
 def run_case(case: Case, device: torch.device) -> CaseResult:
     """Errors of every output of one case (an exception is a failure with its message)."""
     act_tol = tolerance(case.dtype)
-    limits = dict(y=act_tol, h=act_tol, dx=act_tol, ag_y=act_tol, rstd=FP32_TOLERANCE, dw=FP32_TOLERANCE,
-                  ag_dw=tolerance(case.w_dtype))
+    limits = dict(
+        y=act_tol,
+        h=act_tol,
+        dx=act_tol,
+        ag_y=act_tol,
+        rstd=FP32_TOLERANCE,
+        dw=FP32_TOLERANCE,
+        ag_dw=tolerance(case.w_dtype),
+    )
     errors: dict[str, float] = {}
     generator = torch.Generator(device=device).manual_seed(case.hidden * 7919 + case.rows)
 
@@ -187,8 +199,11 @@ def run_check(quick: bool = False, stream: TextIO = sys.stdout) -> int:
     """Run the matrix on the current GPU, print one row per case as it finishes; 1 if any failed."""
     device = torch.device("cuda", torch.cuda.current_device())
     cases = case_matrix(quick)
-    print(f"cake-cute check: {len(cases)} cases on {torch.cuda.get_device_name(device)} "
-          f"(relative-norm errors vs FP64)", file=stream)
+    print(
+        f"cake-cute check: {len(cases)} cases on {torch.cuda.get_device_name(device)} "
+        f"(relative-norm errors vs FP64)",
+        file=stream,
+    )
     print(f"{'':6}{HEADER}  " + "".join(f"{q:>9}" for q in QUANTITIES), file=stream)
     failed = 0
     for case in cases:

@@ -14,7 +14,9 @@ def is_cake_rmsnorm_train_supported(device, hidden=None) -> bool:
         device = torch.device(device)
     except (TypeError, RuntimeError):
         return False
-    if hidden is not None and (isinstance(hidden, bool) or not isinstance(hidden, int) or not 1 <= hidden <= MAX_HIDDEN):
+    if hidden is not None and (
+        isinstance(hidden, bool) or not isinstance(hidden, int) or not 1 <= hidden <= MAX_HIDDEN
+    ):
         return False
     if device.type != "cuda" or not torch.cuda.is_available():
         return False

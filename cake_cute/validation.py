@@ -10,7 +10,7 @@ import contextlib
 import math
 import numbers
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
 import torch
 
@@ -33,11 +33,13 @@ class DeviceFacts:
     sm_count: int
 
 
-@lru_cache(maxsize=None)
+@cache
 def device_facts_of(index: int) -> DeviceFacts:
     props = torch.cuda.get_device_properties(index)
     capability = (props.major, props.minor)
-    return DeviceFacts(index, props.name, capability, ARCH_BY_CAPABILITY.get(capability), props.multi_processor_count)
+    return DeviceFacts(
+        index, props.name, capability, ARCH_BY_CAPABILITY.get(capability), props.multi_processor_count
+    )
 
 
 def on_device(device: torch.device):
@@ -101,7 +103,9 @@ def operands(x, w) -> Operands:
     ``known_operands``. Only CUDA devices are remembered."""
     device = x.device
     arch = device_arch(device)
-    found = Operands(device, x.shape[-1], arch, dtype_name(x.dtype), dtype_name(w.dtype), device_facts(device))
+    found = Operands(
+        device, x.shape[-1], arch, dtype_name(x.dtype), dtype_name(w.dtype), device_facts(device)
+    )
     if device.type == "cuda":
         _known_operands[_operands_key(x, w)] = found
     return found

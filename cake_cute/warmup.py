@@ -12,9 +12,10 @@ import multiprocessing
 import os
 import sys
 import time
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, TextIO
+from typing import TextIO
 
 from .compile_cache import KernelSpec, get_kernel, is_cached_on_disk
 from .kernels.config import MAX_HIDDEN, SUPPORTED_ARCHS
@@ -47,7 +48,9 @@ def local_archs() -> tuple[str, ...]:
 
     if not torch.cuda.is_available():
         return DEFAULT_ARCHS
-    found = {ARCH_BY_CAPABILITY.get(torch.cuda.get_device_capability(i)) for i in range(torch.cuda.device_count())}
+    found = {
+        ARCH_BY_CAPABILITY.get(torch.cuda.get_device_capability(i)) for i in range(torch.cuda.device_count())
+    }
     found.discard(None)
     return tuple(sorted(found)) or DEFAULT_ARCHS
 
@@ -141,8 +144,11 @@ def warm(specs: list[KernelSpec], jobs: int | None = None, progress: TextIO = sy
     width = len(str(len(pending)))
     for i, outcome in enumerate(_compile_all(pending, jobs or default_jobs()), 1):
         status = "FAILED  " if outcome.error else "compiled"
-        print(f"[{i:>{width}}/{len(pending)}] {status} {outcome.spec.name()} {outcome.seconds:.1f}s",
-              file=progress, flush=True)
+        print(
+            f"[{i:>{width}}/{len(pending)}] {status} {outcome.spec.name()} {outcome.seconds:.1f}s",
+            file=progress,
+            flush=True,
+        )
         (result.failed if outcome.error else result.compiled).append(outcome)
     result.seconds = time.perf_counter() - start
     return result

@@ -37,7 +37,9 @@ class RowKernel:
     """What the forward and backward kernel classes share: their compile-time parameters, the launch
     shape, and w widened to FP32 with the Gemma-style offset folded in."""
 
-    def __init__(self, tiling, act_dtype, w_dtype, residual: bool, weight_offset: float, min_ctas_per_sm: int):
+    def __init__(
+        self, tiling, act_dtype, w_dtype, residual: bool, weight_offset: float, min_ctas_per_sm: int
+    ):
         self.tiling = tiling
         self.act_dtype = act_dtype
         self.w_dtype = w_dtype
@@ -219,5 +221,3 @@ def row_sum(
         for peer in cutlass.range_constexpr(1, cluster_n):
             val = val + cta_sums[slot, row_in_cta, peer]
     return val
-
-

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from functools import lru_cache
+from functools import cache
 
 MAX_HIDDEN = 262144
 SUPPORTED_ARCHS = ("sm_90a", "sm_100a", "sm_103a")
@@ -77,8 +77,7 @@ class RowTiling:
     def describe(self) -> str:
         return (
             f"vec={self.vec} tpr={self.threads_per_row} vpt={self.vecs_per_thread} "
-            f"cluster={self.cluster_n} rows/cta={self.rows_per_cta}"
-            + (" wide" if self.wide_mode else "")
+            f"cluster={self.cluster_n} rows/cta={self.rows_per_cta}" + (" wide" if self.wide_mode else "")
         )
 
 
@@ -118,7 +117,7 @@ def row_tiling(hidden: int, act_bytes: int, bytes_per_thread: int, target_vecs: 
     return RowTiling(hidden, vec, tpr, vpt, cluster, rows)
 
 
-@lru_cache(maxsize=None)
+@cache
 def forward_tiling(hidden: int, act_dtype: str) -> RowTiling:
     """Forward: x (and residual) are staged in shared memory; 128 bytes of a row per thread (eight
     128-bit vectors) keeps a CTA's tile small enough for several CTAs per SM. A row that the
@@ -133,7 +132,7 @@ def forward_tiling(hidden: int, act_dtype: str) -> RowTiling:
     return _nearest_exact_cover(tiling, max_vpt=tiling.vecs_per_thread) or tiling
 
 
-@lru_cache(maxsize=None)
+@cache
 def backward_tiling(hidden: int, act_dtype: str) -> RowTiling:
     """Backward: g and h are staged in shared memory (``backward_stages``), w sits there too, and each thread
     keeps an FP32 dW accumulator per element it owns in registers, so it holds half the forward's
@@ -177,8 +176,11 @@ def _most_warps_exact_cover(tiling: RowTiling, max_vpt: int) -> RowTiling | None
     """The exact cover with the most warps; 16 warps only with one vector per lane, because a
     512-thread CTA gets 64 registers (two CTAs per SM), which two vectors per lane overflow (the
     residual variant spills at H = 8192)."""
-    covers = [c for c in _exact_covers(tiling, max_vpt, MAX_THREADS_PER_CTA // 32)
-              if c.threads_per_row < MAX_THREADS_PER_CTA or c.vecs_per_thread == 1]
+    covers = [
+        c
+        for c in _exact_covers(tiling, max_vpt, MAX_THREADS_PER_CTA // 32)
+        if c.threads_per_row < MAX_THREADS_PER_CTA or c.vecs_per_thread == 1
+    ]
     return covers[-1] if covers else None
 
 

@@ -68,8 +68,12 @@ class DWReduce:
         if col0 < self.hidden:
             for p in cutlass.range(row_lane, num_partials, row_lanes, unroll=4):
                 src = cute.make_tensor(
-                    cute.make_ptr(Float32, (mPartial.iterator + cute.crd2idx((p, col0), mPartial.layout)).toint(),
-                                  cute.AddressSpace.gmem, assumed_align=vec * 4),
+                    cute.make_ptr(
+                        Float32,
+                        (mPartial.iterator + cute.crd2idx((p, col0), mPartial.layout)).toint(),
+                        cute.AddressSpace.gmem,
+                        assumed_align=vec * 4,
+                    ),
                     cute.make_layout(vec),
                 )
                 cute.autovec_copy(src, loaded)

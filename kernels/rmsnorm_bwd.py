@@ -69,8 +69,16 @@ class RMSNormBackward(RowKernel):
     programs are runtime values. ``stages``: row tiles of g and h in the shared-memory ring of staged
     mode (``config.backward_stages``)."""
 
-    def __init__(self, tiling, act_dtype, w_dtype, residual: bool, weight_offset: float, min_ctas_per_sm: int,
-                 stages: int):
+    def __init__(
+        self,
+        tiling,
+        act_dtype,
+        w_dtype,
+        residual: bool,
+        weight_offset: float,
+        min_ctas_per_sm: int,
+        stages: int,
+    ):
         super().__init__(tiling, act_dtype, w_dtype, residual, weight_offset, min_ctas_per_sm)
         # A g_residual group committed behind a tile's g and h would force that tile's arrival early,
         # so residual mode keeps two stages.
@@ -198,7 +206,9 @@ class RMSNormBackward(RowKernel):
             if const_expr(staged):
                 last_tile = tile + (stages - 1) * num_programs
                 if last_tile * t.rows_per_cta + row_in_cta < rows:
-                    stage_tile(stage, thr, tiler, rank, last_tile, (step + stages - 1) % stages, mG, mH, sG, sH)
+                    stage_tile(
+                        stage, thr, tiler, rank, last_tile, (step + stages - 1) % stages, mG, mH, sG, sH
+                    )
                 cute.arch.cp_async_commit_group()
                 # Pending, oldest first: this tile's g and h, the next stages - 2 tiles' (each one group),
                 # this tile's g_residual, the g and h of the tile just issued.
@@ -221,7 +231,15 @@ class RMSNormBackward(RowKernel):
             tXDW.store(tXDW.load() + g * xhat)
             dot = row_sum(
                 (g * self.widen_weight(tXsW.load()) * xhat).reduce(cute.ReductionOp.ADD, Float32(0.0), 0),
-                warp_sums, cta_sums, mbars, row_in_cta, lane_in_row, slot, phase, t.threads_per_row, t.cluster_n,
+                warp_sums,
+                cta_sums,
+                mbars,
+                row_in_cta,
+                lane_in_row,
+                slot,
+                phase,
+                t.threads_per_row,
+                t.cluster_n,
             )
             c = dot / t.hidden
             tXrGR.fill(0)

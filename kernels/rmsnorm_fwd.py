@@ -133,7 +133,15 @@ class RMSNormForward(RowKernel):
 
         sum_sq = row_sum(
             (h * h).reduce(cute.ReductionOp.ADD, Float32(0.0), 0),
-            warp_sums, cta_sums, mbars, row_in_cta, lane_in_row, Int32(0), Int32(0), t.threads_per_row, t.cluster_n,
+            warp_sums,
+            cta_sums,
+            mbars,
+            row_in_cta,
+            lane_in_row,
+            Int32(0),
+            Int32(0),
+            t.threads_per_row,
+            t.cluster_n,
         )
         rstd = cute.math.rsqrt(sum_sq / t.hidden + eps)
         if row < rows and lane_in_row == 0 and rank == 0:

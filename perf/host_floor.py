@@ -103,18 +103,31 @@ def main(argv=None) -> int:
             "cake forward through autograd": lambda: cake_cute.cake_rmsnorm(x, w, 1e-6),
             "cake functional backward": lambda: cake_cute.cake_rmsnorm_train_backward(g, xd, wd, rd),
             "autograd.grad, Function that only allocates": lambda: torch.autograd.grad(
-                y_trivial, (x, w), g, retain_graph=True),
+                y_trivial, (x, w), g, retain_graph=True
+            ),
             "autograd.grad, F.rms_norm": lambda: torch.autograd.grad(y_torch, (x, w), g, retain_graph=True),
             "autograd.grad, cake": lambda: torch.autograd.grad(y_cake, (x, w), g, retain_graph=True),
         }
         for name, fn in cases.items():
-            row = {"T": T, "H": H, "case": name, "single_event_us": round(single(fn), 2),
-                   "loop_perf_counter_us": round(loop(fn), 2)}
+            row = {
+                "T": T,
+                "H": H,
+                "case": name,
+                "single_event_us": round(single(fn), 2),
+                "loop_perf_counter_us": round(loop(fn), 2),
+            }
             rows.append(row)
-            print(f"T={T:6d} {name:45s} single {row['single_event_us']:8.2f}  loop {row['loop_perf_counter_us']:8.2f}",
-                  flush=True)
+            print(
+                f"T={T:6d} {name:45s} single {row['single_event_us']:8.2f}  loop {row['loop_perf_counter_us']:8.2f}",
+                flush=True,
+            )
     if args.json:
-        doc = {"gpu": torch.cuda.get_device_name(0), "commit": bench.git_commit(), "method": __doc__, "rows": rows}
+        doc = {
+            "gpu": torch.cuda.get_device_name(0),
+            "commit": bench.git_commit(),
+            "method": __doc__,
+            "rows": rows,
+        }
         args.json.write_text(json.dumps(doc, indent=1) + "\n")
     return 0
 

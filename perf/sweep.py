@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _use_source_tree() -> None:
     try:
         import cake_cute.kernels.config  # noqa: F401  (installed / editable: nothing to do)
+
         return
     except ImportError:
         for name in [m for m in sys.modules if m == "cake_cute" or m.startswith("cake_cute.")]:
@@ -24,8 +25,9 @@ def _use_source_tree() -> None:
         sys.path.insert(0, str(ROOT))
     init = ROOT / "kernels" / "__init__.py"
     if init.is_file():
-        spec = importlib.util.spec_from_file_location("cake_cute.kernels", init,
-                                                      submodule_search_locations=[str(init.parent)])
+        spec = importlib.util.spec_from_file_location(
+            "cake_cute.kernels", init, submodule_search_locations=[str(init.parent)]
+        )
         module = importlib.util.module_from_spec(spec)
         sys.modules["cake_cute.kernels"] = module
         spec.loader.exec_module(module)
@@ -38,6 +40,7 @@ def _bench_main():
     try:
         _use_source_tree()
         from cake_cute.bench import main
+
         return main
     except ImportError as e:  # cake_cute itself cannot import: peers can still be timed
         print(f"note: cake_cute does not import ({e}); its rows will carry the error", file=sys.stderr)

@@ -229,8 +229,10 @@ def prewarm_kernels(request):
         specs = [s for arch in local_archs() for s in suite_specs(arch)]
         result = warm(specs, jobs=min(16, os.cpu_count() or 1), progress=io.StringIO())
         if result.failed:
-            warnings.warn(f"prewarm: {len(result.failed)} variants failed to compile, e.g. "
-                          f"{result.failed[0].spec.name()}: {result.failed[0].error}")
+            warnings.warn(
+                f"prewarm: {len(result.failed)} variants failed to compile, e.g. "
+                f"{result.failed[0].spec.name()}: {result.failed[0].error}"
+            )
     except Exception as exc:  # never let the optimization break the suite
         warnings.warn(f"prewarm skipped: {exc!r}")
     yield
@@ -244,8 +246,13 @@ def suite_grid(rows) -> list:
     """``(dtype, hidden, residual, T)`` params over DTYPES x SUITE_HIDDEN x residual x ``rows_for(hidden,
     rows)``, T innermost so that consecutive tests reuse one compiled kernel."""
     return [
-        pytest.param(dtype, hidden, residual, t,
-                     id=f"{DTYPE_IDS[dtype]}-H{hidden}-{'res' if residual else 'plain'}-T{t}")
+        pytest.param(
+            dtype,
+            hidden,
+            residual,
+            t,
+            id=f"{DTYPE_IDS[dtype]}-H{hidden}-{'res' if residual else 'plain'}-T{t}",
+        )
         for dtype in DTYPES
         for hidden in SUITE_HIDDEN
         for residual in (False, True)

@@ -5,7 +5,7 @@ Shared helpers (NaN-poisoned output factory, bitwise comparison, error measures)
 ``tests/_helpers.py``; the fixtures below expose the most common ones.
 """
 
-from functools import lru_cache
+from functools import cache
 
 import pytest
 import torch
@@ -13,7 +13,7 @@ import torch
 from ._helpers import poison, sentinel
 
 
-@lru_cache(maxsize=None)
+@cache
 def gpu_skip_reason():
     """None when the GPU tests can run here, else why not."""
     if not torch.cuda.is_available():

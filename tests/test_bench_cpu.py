@@ -58,19 +58,55 @@ def test_defaults():
 
 
 def test_flags():
-    a = bench.parse_args(["--hidden", "4096,8192", "--tokens", "1000", "--dtype", "bf16,fp16,fp32",
-                          "--residual", "on", "--vs", "torch,quack", "--ops", "bwd", "--json", "out.json",
-                          "--plot", "p.png", "--reps", "7", "--prof-reps", "4", "--warmup", "2"])
+    a = bench.parse_args(
+        [
+            "--hidden",
+            "4096,8192",
+            "--tokens",
+            "1000",
+            "--dtype",
+            "bf16,fp16,fp32",
+            "--residual",
+            "on",
+            "--vs",
+            "torch,quack",
+            "--ops",
+            "bwd",
+            "--json",
+            "out.json",
+            "--plot",
+            "p.png",
+            "--reps",
+            "7",
+            "--prof-reps",
+            "4",
+            "--warmup",
+            "2",
+        ]
+    )
     assert a.hidden == [4096, 8192] and a.tokens == 1000 and a.dtype == ["bf16", "fp16", "fp32"]
     assert a.residual == "on" and a.vs == ["torch", "quack"] and a.ops == ["bwd"]
-    assert a.json == Path("out.json") and a.plot == Path("p.png") and (a.reps, a.prof_reps, a.warmup) == (7, 4, 2)
+    assert (
+        a.json == Path("out.json")
+        and a.plot == Path("p.png")
+        and (a.reps, a.prof_reps, a.warmup) == (7, 4, 2)
+    )
     assert bench.sweep_shapes(a) == [(1000, 4096), (1000, 8192)]
     assert bench.parse_args(["--vs", "none"]).vs == []
     assert bench.parse_args(["--vs", "all"]).vs == list(bench.PEERS)
 
 
-@pytest.mark.parametrize("text,value", [("134217728", 1 << 27), ("2^27", 1 << 27), ("2**27", 1 << 27),
-                                        ("1<<27", 1 << 27), ("128M", 1 << 27), ("4k", 4096)])
+@pytest.mark.parametrize(
+    "text,value",
+    [
+        ("134217728", 1 << 27),
+        ("2^27", 1 << 27),
+        ("2**27", 1 << 27),
+        ("1<<27", 1 << 27),
+        ("128M", 1 << 27),
+        ("4k", 4096),
+    ],
+)
 def test_elements_forms(text, value):
     assert bench.parse_count(text) == value
     a = bench.parse_args(["--elements", text, "--hidden", "1024"])
@@ -80,16 +116,31 @@ def test_elements_forms(text, value):
 def test_small_shapes():
     a = bench.parse_args(["--small"])
     assert bench.sweep_shapes(a) == [(1, 4096), (16, 4096), (256, 4096)]
-    assert bench.sweep_shapes(bench.parse_args(["--small", "--hidden", "8192", "--tokens", "4"])) == [(4, 8192)]
+    assert bench.sweep_shapes(bench.parse_args(["--small", "--hidden", "8192", "--tokens", "4"])) == [
+        (4, 8192)
+    ]
 
 
 def test_shapes_skip_when_no_row_fits():
-    assert bench.sweep_shapes(bench.parse_args(["--elements", "2048", "--hidden", "1024,4096"])) == [(2, 1024)]
+    assert bench.sweep_shapes(bench.parse_args(["--elements", "2048", "--hidden", "1024,4096"])) == [
+        (2, 1024)
+    ]
 
 
-@pytest.mark.parametrize("argv", [["--dtype", "int8"], ["--vs", "torch,apex"], ["--ops", "fwd,dgrad"],
-                                  ["--residual", "maybe"], ["--hidden", "0"], ["--hidden", "abc"],
-                                  ["--reps", "0"], ["--warmup", "0"], ["--elements", "-5"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--dtype", "int8"],
+        ["--vs", "torch,apex"],
+        ["--ops", "fwd,dgrad"],
+        ["--residual", "maybe"],
+        ["--hidden", "0"],
+        ["--hidden", "abc"],
+        ["--reps", "0"],
+        ["--warmup", "0"],
+        ["--elements", "-5"],
+    ],
+)
 def test_bad_arguments_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as e:
         bench.parse_args(argv)
@@ -103,8 +154,10 @@ def test_bad_arguments_exit_2(argv, capsys):
 def test_default_json_path(tmp_path):
     p = bench.default_json_path("NVIDIA H200", "2025-01-02", root=tmp_path)
     assert p == tmp_path / "perf" / "results" / "2025-01-02-nvidia-h200.json"
-    assert bench.default_json_path("NVIDIA H100 80GB HBM3", "2025-01-02", small=True, root=tmp_path).name == \
-        "2025-01-02-nvidia-h100-80gb-hbm3-small.json"
+    assert (
+        bench.default_json_path("NVIDIA H100 80GB HBM3", "2025-01-02", small=True, root=tmp_path).name
+        == "2025-01-02-nvidia-h100-80gb-hbm3-small.json"
+    )
     assert bench.slugify("  ") == "unknown-gpu"
 
 
@@ -124,16 +177,39 @@ def _rows():
                 for T, H in ((32768, 4096), (1024, 131072)):
                     nbytes = bench.model_bytes(op, res, T, H)
                     if impl == "liger" and H == 131072:
-                        rows.append({"impl": impl, "op": op, "residual": res, "dtype": "bf16", "T": T, "H": H,
-                                     "bytes": nbytes, "error": "RuntimeError: Cannot launch Triton kernel since "
-                                                               "n = 131072 exceeds the recommended Triton blocksize"})
+                        rows.append(
+                            {
+                                "impl": impl,
+                                "op": op,
+                                "residual": res,
+                                "dtype": "bf16",
+                                "T": T,
+                                "H": H,
+                                "bytes": nbytes,
+                                "error": "RuntimeError: Cannot launch Triton kernel since "
+                                "n = 131072 exceeds the recommended Triton blocksize",
+                            }
+                        )
                         continue
                     gpu_us = nbytes / (3.0e6 if impl == "cake_cute" else 2.0e6)
                     copy = 4.0
-                    rows.append({"impl": impl, "op": op, "residual": res, "dtype": "bf16", "T": T, "H": H,
-                                 "bytes": nbytes, "us": gpu_us + 20, "gpu_us": gpu_us, "host_us": 20.0,
-                                 "tbps": nbytes / gpu_us / 1e6, "copy_tbps": copy,
-                                 "frac_copy": nbytes / gpu_us / 1e6 / copy})
+                    rows.append(
+                        {
+                            "impl": impl,
+                            "op": op,
+                            "residual": res,
+                            "dtype": "bf16",
+                            "T": T,
+                            "H": H,
+                            "bytes": nbytes,
+                            "us": gpu_us + 20,
+                            "gpu_us": gpu_us,
+                            "host_us": 20.0,
+                            "tbps": nbytes / gpu_us / 1e6,
+                            "copy_tbps": copy,
+                            "frac_copy": nbytes / gpu_us / 1e6 / copy,
+                        }
+                    )
     return rows
 
 
@@ -157,7 +233,10 @@ def test_load_json_rejects_other_files(tmp_path):
 
 def test_merge_rows_replaces_same_key():
     old = _rows()
-    new = [dict(old[0], us=1.0), {"impl": "quack", "op": "fwd", "residual": False, "dtype": "bf16", "T": 1, "H": 8}]
+    new = [
+        dict(old[0], us=1.0),
+        {"impl": "quack", "op": "fwd", "residual": False, "dtype": "bf16", "T": 1, "H": 8},
+    ]
     merged = bench.merge_rows(old, new)
     assert len(merged) == len(old) + 1
     assert merged[0]["us"] == 1.0
@@ -178,8 +257,17 @@ def test_table_contains_rows_and_errors():
 
 
 def test_table_handles_missing_numbers():
-    row = {"impl": "cake_cute", "op": "fwd", "residual": False, "dtype": "bf16", "T": 1, "H": 8, "us": 5.0,
-           "gpu_us": None, "tbps": None}
+    row = {
+        "impl": "cake_cute",
+        "op": "fwd",
+        "residual": False,
+        "dtype": "bf16",
+        "T": 1,
+        "H": 8,
+        "us": 5.0,
+        "gpu_us": None,
+        "tbps": None,
+    }
     cols = bench.format_table([row]).splitlines()[2].split()
     assert cols[6] == "5.0" and cols[7] == "-" and cols[8] == "-"  # us, gpu_us, TB/s
 
@@ -191,10 +279,16 @@ def test_per_call_device_us_brackets_calls():
     m = "at::cuda::(anonymous namespace)::spin_kernel(long)"
     events = [
         ("setup_fwd_kernel", 0.0, 50.0),  # untimed setup before the first marker: excluded
-        (m, 100.0, 1.0), ("rmsnorm_bwd", 102.0, 10.0), ("dw_reduce", 113.0, 2.0), ("Memset (Device)", 116.0, 0.5),
+        (m, 100.0, 1.0),
+        ("rmsnorm_bwd", 102.0, 10.0),
+        ("dw_reduce", 113.0, 2.0),
+        ("Memset (Device)", 116.0, 0.5),
         (m, 120.0, 1.0),
         ("setup_fwd_kernel", 130.0, 50.0),  # between calls: excluded
-        (m, 200.0, 1.0), ("rmsnorm_bwd", 202.0, 11.0), ("dw_reduce", 214.0, 2.0), (m, 220.0, 1.0),
+        (m, 200.0, 1.0),
+        ("rmsnorm_bwd", 202.0, 11.0),
+        ("dw_reduce", 214.0, 2.0),
+        (m, 220.0, 1.0),
     ]
     assert bench.per_call_device_us(reversed(events), 2) == [12.5, 13.0]
     with pytest.raises(RuntimeError):
@@ -202,18 +296,23 @@ def test_per_call_device_us_brackets_calls():
 
 
 def test_device_events_from_trace(tmp_path):
-    trace = {"traceEvents": [
-        {"ph": "X", "cat": "cpu_op", "name": "aten::add", "ts": 1.0, "dur": 5.0},
-        {"ph": "X", "cat": "kernel", "name": "k1", "ts": 2.5, "dur": 3.25},
-        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD (Device -> Device)", "ts": 7.0, "dur": 1.0},
-        {"ph": "X", "cat": "gpu_memset", "name": "Memset (Device)", "ts": 9.0, "dur": 0.5},
-        {"ph": "X", "cat": "gpu_user_annotation", "name": "range", "ts": 1.0, "dur": 20.0},
-        {"ph": "f", "cat": "ac2g", "name": "flow", "ts": 1.0},
-    ]}
+    trace = {
+        "traceEvents": [
+            {"ph": "X", "cat": "cpu_op", "name": "aten::add", "ts": 1.0, "dur": 5.0},
+            {"ph": "X", "cat": "kernel", "name": "k1", "ts": 2.5, "dur": 3.25},
+            {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD (Device -> Device)", "ts": 7.0, "dur": 1.0},
+            {"ph": "X", "cat": "gpu_memset", "name": "Memset (Device)", "ts": 9.0, "dur": 0.5},
+            {"ph": "X", "cat": "gpu_user_annotation", "name": "range", "ts": 1.0, "dur": 20.0},
+            {"ph": "f", "cat": "ac2g", "name": "flow", "ts": 1.0},
+        ]
+    }
     p = tmp_path / "t.json"
     p.write_text(json.dumps(trace))
-    assert bench.device_events_from_trace(p) == [("k1", 2.5, 3.25), ("Memcpy DtoD (Device -> Device)", 7.0, 1.0),
-                                                 ("Memset (Device)", 9.0, 0.5)]
+    assert bench.device_events_from_trace(p) == [
+        ("k1", 2.5, 3.25),
+        ("Memcpy DtoD (Device -> Device)", 7.0, 1.0),
+        ("Memset (Device)", 9.0, 0.5),
+    ]
 
 
 # ---- plotting -------------------------------------------------------------------------------------------
@@ -234,15 +333,31 @@ def test_plot_from_json(tmp_path):
 
 def test_plot_small_sweep_uses_tokens(tmp_path):
     pytest.importorskip("matplotlib")
-    rows = [{"impl": "cake_cute", "op": op, "residual": False, "dtype": "bf16", "T": t, "H": 4096, "bytes": 100,
-             "gpu_us": 1.0, "tbps": 1.0, "copy_tbps": 2.0} for op in ("fwd", "bwd") for t in (1, 16, 256)]
+    rows = [
+        {
+            "impl": "cake_cute",
+            "op": op,
+            "residual": False,
+            "dtype": "bf16",
+            "T": t,
+            "H": 4096,
+            "bytes": 100,
+            "gpu_us": 1.0,
+            "tbps": 1.0,
+            "copy_tbps": 2.0,
+        }
+        for op in ("fwd", "bwd")
+        for t in (1, 16, 256)
+    ]
     png = tmp_path / "s.png"
     assert bench.plot_results(_doc(rows), png) is True and png.stat().st_size > 0
 
 
 def test_plot_nothing_to_plot(tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    rows = [{"impl": "liger", "op": "fwd", "residual": False, "dtype": "bf16", "T": 1, "H": 8, "error": "boom"}]
+    rows = [
+        {"impl": "liger", "op": "fwd", "residual": False, "dtype": "bf16", "T": 1, "H": 8, "error": "boom"}
+    ]
     assert bench.plot_results(_doc(rows), tmp_path / "n.png") is False
     assert not (tmp_path / "n.png").exists()
 
@@ -258,9 +373,13 @@ def test_perf_plot_script_without_torch_import(tmp_path):
     pytest.importorskip("matplotlib")
     path = tmp_path / "r.json"
     bench.write_json(path, _doc(_rows()))
-    code = (f"import sys, runpy; sys.modules['torch'] = None; sys.argv = ['plot.py', {str(path)!r}, '-o', "
-            f"{str(tmp_path / 'p.png')!r}]; runpy.run_path({str(ROOT / 'perf' / 'plot.py')!r}, run_name='__main__')")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
+    code = (
+        f"import sys, runpy; sys.modules['torch'] = None; sys.argv = ['plot.py', {str(path)!r}, '-o', "
+        f"{str(tmp_path / 'p.png')!r}]; runpy.run_path({str(ROOT / 'perf' / 'plot.py')!r}, run_name='__main__')"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False
+    )
     assert out.returncode == 0, out.stderr
     assert "cake_cute" in out.stdout and (tmp_path / "p.png").exists()
 
@@ -271,6 +390,7 @@ def test_perf_plot_script_without_torch_import(tmp_path):
 def _cuda_available() -> bool:
     try:
         import torch
+
         return torch.cuda.is_available()
     except ImportError:
         return False
@@ -286,8 +406,13 @@ def test_main_without_gpu_fails_clearly(capsys):
 
 @pytest.mark.skipif(_cuda_available(), reason="a GPU is present: the script would run the sweep")
 def test_perf_sweep_script_without_gpu():
-    out = subprocess.run([sys.executable, str(ROOT / "perf" / "sweep.py"), "--small", "--vs", "none"],
-                         capture_output=True, text=True, timeout=300, check=False)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "perf" / "sweep.py"), "--small", "--vs", "none"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert out.returncode == 2
     assert "no CUDA GPU" in out.stderr
 
@@ -301,11 +426,15 @@ def test_help_works_without_gpu(capsys):
 
 def test_module_level_needs_only_stdlib():
     spec = importlib.util.spec_from_file_location("_bench_isolated", ROOT / "cake_cute" / "bench.py")
-    code = ("import sys, importlib.util; sys.modules['torch'] = None; "
-            f"spec = importlib.util.spec_from_file_location('b', {str(spec.origin)!r}); "
-            "m = importlib.util.module_from_spec(spec); sys.modules['b'] = m; spec.loader.exec_module(m); "
-            "print(m.model_bytes('bwd', True, 2, 8))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    code = (
+        "import sys, importlib.util; sys.modules['torch'] = None; "
+        f"spec = importlib.util.spec_from_file_location('b', {str(spec.origin)!r}); "
+        "m = importlib.util.module_from_spec(spec); sys.modules['b'] = m; spec.loader.exec_module(m); "
+        "print(m.model_bytes('bwd', True, 2, 8))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == str(4 * 2 * 8 * 2)
 

@@ -52,14 +52,21 @@ def cache(tmp_path, monkeypatch):
     return root
 
 
-def _children(cache_root: Path, tmp_path: Path, n: int, timeout: float = 120) -> list[tuple[int, float, bool]]:
+def _children(
+    cache_root: Path, tmp_path: Path, n: int, timeout: float = 120
+) -> list[tuple[int, float, bool]]:
     """Run ``n`` CHILD processes against ``cache_root``, released together; their (compiles, s, ok)."""
     env = dict(os.environ, CAKE_CUTE_CACHE_DIR=str(cache_root))
     go = tmp_path / "go"
     ready = [tmp_path / f"ready{i}" for i in range(n)]
     procs = [
-        subprocess.Popen([sys.executable, "-c", CHILD, str(go), str(r)], env=env, text=True,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        subprocess.Popen(
+            [sys.executable, "-c", CHILD, str(go), str(r)],
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
         for r in ready
     ]
     try:
@@ -181,8 +188,9 @@ def _garbage_with_checksum(path):  # a matching checksum, but not an object file
     cc._checksum_path(path).write_text(hashlib.sha256(data).hexdigest())
 
 
-@pytest.mark.parametrize("damage", [_truncate, _garbage, _unsealed, _garbage_with_checksum],
-                         ids=lambda f: f.__name__.strip("_"))
+@pytest.mark.parametrize(
+    "damage", [_truncate, _garbage, _unsealed, _garbage_with_checksum], ids=lambda f: f.__name__.strip("_")
+)
 def test_a_damaged_object_is_discarded_and_rebuilt(cache, damage):
     cc.get_kernel(SPEC)
     path = cc.object_path(SPEC)

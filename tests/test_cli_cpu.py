@@ -13,13 +13,16 @@ from cake_cute import cli, warmup
 
 WARMUP = ["warmup", "--arch", "sm_90a,sm_100a", "--dtype", "bf16", "--hidden", "4096,65536"]
 VARIANTS = 24  # 2 archs x 2 H x 2 residual x (fwd, bwd) + 2 archs x 2 H x dw(fp32, bf16)
-ROW = re.compile(r"^(cake_\w+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)/(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)$")
+ROW = re.compile(
+    r"^(cake_\w+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)/(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)$"
+)
 
 
 def run_cli(*args, timeout=600) -> tuple[subprocess.CompletedProcess, float]:
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "cake_cute.cli", *args], capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-m", "cake_cute.cli", *args], capture_output=True, text=True, timeout=timeout
+    )
     return proc, time.perf_counter() - start
 
 
@@ -86,11 +89,14 @@ def test_check_without_gpu_exits_2():
     assert "needs a supported GPU" in proc.stderr and "no CUDA GPU" in proc.stderr
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--arch", "sm_80"], "unsupported arch 'sm_80'"),
-    (["--dtype", "int8"], "unsupported dtype 'int8'"),
-    (["--hidden", "0"], "hidden size 0 is outside"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--arch", "sm_80"], "unsupported arch 'sm_80'"),
+        (["--dtype", "int8"], "unsupported dtype 'int8'"),
+        (["--hidden", "0"], "hidden size 0 is outside"),
+    ],
+)
 def test_bad_arguments_exit_nonzero_with_a_clear_message(args, message):
     proc, _ = run_cli("warmup", *args)
     assert proc.returncode != 0
@@ -103,20 +109,48 @@ def test_failed_compile_exits_1_and_names_the_kernel(tmp_path, monkeypatch, caps
 
     monkeypatch.setenv("CAKE_CUTE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(warmup, "get_kernel", broken)
-    code = cli.main(["warmup", "--arch", "sm_90a", "--hidden", "4096", "--residual", "off", "--jobs", "1",
-                     "--cache-dir", str(tmp_path)])
+    code = cli.main(
+        [
+            "warmup",
+            "--arch",
+            "sm_90a",
+            "--hidden",
+            "4096",
+            "--residual",
+            "off",
+            "--jobs",
+            "1",
+            "--cache-dir",
+            str(tmp_path),
+        ]
+    )
     out, err = capsys.readouterr()
     assert code == 1
     assert "compiled 0, cached 0, failed 4" in out
-    assert "FAILED cake_fwd_sm_90a_bf16_wbf16_h4096_off0" in err and "RuntimeError: cannot compile 4096" in err
+    assert (
+        "FAILED cake_fwd_sm_90a_bf16_wbf16_h4096_off0" in err and "RuntimeError: cannot compile 4096" in err
+    )
 
 
 def test_report_exits_1_when_a_kernel_spills(tmp_path, monkeypatch, capsys):
     def fake_reports(specs, jobs=None):
         spills = {s: 16 if s.kind == "bwd" else 0 for s in specs}
-        return [dict(name=s.name(), registers=80, stack_bytes=spills[s], local_bytes=0, local_loads=1,
-                     local_stores=1, shared_bytes=1024, cluster_n=1, threads=256, global_load_width_bits=128,
-                     global_store_width_bits=128) for s in specs]
+        return [
+            dict(
+                name=s.name(),
+                registers=80,
+                stack_bytes=spills[s],
+                local_bytes=0,
+                local_loads=1,
+                local_stores=1,
+                shared_bytes=1024,
+                cluster_n=1,
+                threads=256,
+                global_load_width_bits=128,
+                global_store_width_bits=128,
+            )
+            for s in specs
+        ]
 
     monkeypatch.setenv("CAKE_CUTE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(warmup, "get_kernel", lambda spec: None)

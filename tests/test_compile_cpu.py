@@ -7,9 +7,9 @@ are asserted are disassembled (nvdisasm costs about 0.3 s a kernel, a third of t
 """
 
 import pytest
+from cake_cute.kernels.config import DTYPE_BYTES
 
 from cake_cute.cubin import spill_free
-from cake_cute.kernels.config import DTYPE_BYTES
 from cake_cute.warmup import collect_reports, variant_specs, warm
 
 ARCHS = ("sm_90a", "sm_100a")
@@ -17,11 +17,13 @@ DTYPES = ("bf16", "fp16", "fp32")
 HIDDEN = (1, 7, 512, 1024, 4096, 4097, 7168, 8192, 65536, 262144)
 JOBS = 2
 
-SPECS = list(dict.fromkeys(
-    variant_specs(ARCHS, DTYPES, HIDDEN, (False, True), ("same",))
-    + variant_specs(ARCHS, ("bf16",), (4096,), (False, True), ("fp32",))
-    + variant_specs(ARCHS, ("fp16",), (4097,), (False,), ("fp32",))
-))
+SPECS = list(
+    dict.fromkeys(
+        variant_specs(ARCHS, DTYPES, HIDDEN, (False, True), ("same",))
+        + variant_specs(ARCHS, ("bf16",), (4096,), (False, True), ("fp32",))
+        + variant_specs(ARCHS, ("fp16",), (4097,), (False,), ("fp32",))
+    )
+)
 
 
 def _is_vectorizable(spec) -> bool:

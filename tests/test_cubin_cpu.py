@@ -33,8 +33,16 @@ ELF = """
 
 @pytest.mark.parametrize(
     "opcode, bits",
-    [("LDG.E.128", 128), ("LDG.E.64", 64), ("LDG.E", 32), ("STG.E.U16", 16), ("LDG.E.S8", 8),
-     ("LDG.E.128.CONSTANT", 128), ("LDGSTS.E.BYPASS.128", 128), ("LDG.E.LTC128B.128", 128)],
+    [
+        ("LDG.E.128", 128),
+        ("LDG.E.64", 64),
+        ("LDG.E", 32),
+        ("STG.E.U16", 16),
+        ("LDG.E.S8", 8),
+        ("LDG.E.128.CONSTANT", 128),
+        ("LDGSTS.E.BYPASS.128", 128),
+        ("LDG.E.LTC128B.128", 128),
+    ],
 )
 def test_access_bits(opcode, bits):
     assert cubin.access_bits(opcode) == bits
@@ -51,7 +59,13 @@ def test_parse_sass_counts_by_width():
 
 def test_parse_resources_takes_the_worst_function():
     report = cubin.parse_resources(RES_USAGE)
-    assert report == {"functions": 2, "registers": 62, "stack_bytes": 16, "shared_bytes": 1024, "local_bytes": 8}
+    assert report == {
+        "functions": 2,
+        "registers": 62,
+        "stack_bytes": 16,
+        "shared_bytes": 1024,
+        "local_bytes": 8,
+    }
     assert not cubin.spill_free(report)
 
 

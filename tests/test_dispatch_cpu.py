@@ -4,10 +4,10 @@ sized for T rows holds exactly the most partial rows any call of up to T rows wr
 from __future__ import annotations
 
 import pytest
-
-from cake_cute import dispatch, validation
 from cake_cute.kernels import config
 from cake_cute.kernels.config import backward_tiling
+
+from cake_cute import dispatch, validation
 
 H200 = validation.DeviceFacts(0, "stand-in H200", (9, 0), "sm_90a", 132)
 
@@ -15,8 +15,11 @@ H200 = validation.DeviceFacts(0, "stand-in H200", (9, 0), "sm_90a", 132)
 @pytest.fixture(autouse=True)
 def occupancy_without_a_driver(monkeypatch):
     """Resident clusters from the per-SM CTA count alone (the driver query needs a GPU)."""
-    monkeypatch.setattr(dispatch, "resident_clusters",
-                        lambda index, capability, threads, cluster, per_sm, sms: sms * per_sm // cluster)
+    monkeypatch.setattr(
+        dispatch,
+        "resident_clusters",
+        lambda index, capability, threads, cluster, per_sm, sms: sms * per_sm // cluster,
+    )
     for cached in (dispatch.backward_programs, dispatch.backward_launch):
         cached.cache_clear()
     yield
@@ -45,14 +48,17 @@ def test_workspace_rows_cover_every_smaller_call(hidden):
         assert dispatch.most_partial_rows(rows, hidden, "bf16", "bf16", False, H200) == most_so_far, rows
 
 
-@pytest.mark.parametrize("hidden, act, residual, stages, per_sm", [
-    (8192, "bf16", False, 4, 1),  # four 16 KB stages of g and h: the CTA takes the SM
-    (8192, "bf16", True, 2, 2),  # residual mode keeps two stages
-    (4096, "fp32", False, 4, 1),
-    (4096, "bf16", False, 2, 2),  # 16 warps of one 2-byte vector: measured slower with four
-    (1024, "bf16", False, 4, 6),  # a small tile: more stages cost no residency
-    (16384, "bf16", False, 2, 2),  # a cluster row
-])
+@pytest.mark.parametrize(
+    "hidden, act, residual, stages, per_sm",
+    [
+        (8192, "bf16", False, 4, 1),  # four 16 KB stages of g and h: the CTA takes the SM
+        (8192, "bf16", True, 2, 2),  # residual mode keeps two stages
+        (4096, "fp32", False, 4, 1),
+        (4096, "bf16", False, 2, 2),  # 16 warps of one 2-byte vector: measured slower with four
+        (1024, "bf16", False, 4, 6),  # a small tile: more stages cost no residency
+        (16384, "bf16", False, 2, 2),  # a cluster row
+    ],
+)
 def test_backward_stages_and_residency(hidden, act, residual, stages, per_sm):
     tiling = backward_tiling(hidden, act)
     assert config.backward_stages(tiling, act, residual) == stages

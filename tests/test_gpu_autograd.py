@@ -69,13 +69,17 @@ CASES = [(4096, 257, 0.0), (65536, 33, 0.0), (1000, 129, 1.0)]
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=DTYPE_IDS.get)
 def test_autograd_matches_fp32_eager(dtype, residual, hidden, rows, weight_offset):
     x = leaf(torch.randn(rows, hidden, device=DEV).to(dtype))
-    w = leaf(rand_weight(hidden, dtype) if weight_offset == 0.0 else (0.1 * torch.randn(hidden, device=DEV)).to(dtype))
+    w = leaf(
+        rand_weight(hidden, dtype)
+        if weight_offset == 0.0
+        else (0.1 * torch.randn(hidden, device=DEV)).to(dtype)
+    )
     res = leaf(torch.randn(rows, hidden, device=DEV).to(dtype)) if residual else None
     gy = torch.randn(rows, hidden, device=DEV).to(dtype)
     gh = torch.randn(rows, hidden, device=DEV).to(dtype) if residual else None
 
     out = cake_rmsnorm(x, w, EPS, res, True, weight_offset)
-    y, h_new = (out if residual else (out, None))
+    y, h_new = out if residual else (out, None)
     assert y.dtype == dtype and y.requires_grad and y.grad_fn is not None
     torch.autograd.backward([y] + ([h_new] if residual else []), [gy] + ([gh] if residual else []))
 
@@ -239,7 +243,9 @@ def test_saves_exactly_h_w_rstd(residual):
     assert len(saved_w) == 1 and saved_w[0].data_ptr() == w.data_ptr()
     saved_rstd = [t for t in packed if tuple(t.shape) == (rows,)]
     assert len(saved_rstd) == 1 and saved_rstd[0].dtype == F32
-    expected = cake_rmsnorm_train_forward(x.detach(), w.detach(), EPS, residual=None if res is None else res.detach())
+    expected = cake_rmsnorm_train_forward(
+        x.detach(), w.detach(), EPS, residual=None if res is None else res.detach()
+    )
     assert_bitwise_equal(saved_rstd[0], expected[1], "saved rstd")
     # The backward works from what was saved.
     y = out[0] if residual else out

@@ -27,9 +27,9 @@ from cake_cute import (
 from cake_cute.reference import backward_reference, forward_reference, rel_error, tolerance
 
 from ._helpers import (  # noqa: F401 (fixed_seed, prewarm_kernels: fixtures)
-    WIDE,
     DTYPE_IDS,
     EPS,
+    WIDE,
     assert_bitwise_equal,
     assert_within_one_ulp,
     fixed_seed,
@@ -61,8 +61,11 @@ class Inputs:
     def __init__(self, shape, dtype, residual, w_dtype=None, weight_offset=0.0, g=None, g_residual=None):
         hidden = shape[-1]
         x = torch.randn(shape, device=DEV).to(dtype)
-        self.w = rand_weight(hidden, w_dtype or dtype) if weight_offset == 0.0 else (
-            0.1 * torch.randn(hidden, device=DEV)).to(w_dtype or dtype)
+        self.w = (
+            rand_weight(hidden, w_dtype or dtype)
+            if weight_offset == 0.0
+            else (0.1 * torch.randn(hidden, device=DEV)).to(w_dtype or dtype)
+        )
         if residual:
             r = torch.randn(shape, device=DEV).to(dtype)
             self.h = (x.float() + r.float()).to(dtype)
@@ -70,14 +73,24 @@ class Inputs:
             self.h = x
         self.rstd = forward_reference(self.h, self.w, EPS)[1].float()  # the forward's FP32 rstd
         self.g = torch.randn(shape, device=DEV).to(dtype) if g is None else g
-        self.g_residual = (torch.randn(shape, device=DEV).to(dtype) if g_residual is None else g_residual) if residual else None
+        self.g_residual = (
+            (torch.randn(shape, device=DEV).to(dtype) if g_residual is None else g_residual)
+            if residual
+            else None
+        )
         self.weight_offset = weight_offset
         self.dtype = dtype
         self.shape = tuple(shape)
 
     def call(self, **kwargs):
         return cake_rmsnorm_train_backward(
-            self.g, self.h, self.w, self.rstd, g_residual=self.g_residual, weight_offset=self.weight_offset, **kwargs
+            self.g,
+            self.h,
+            self.w,
+            self.rstd,
+            g_residual=self.g_residual,
+            weight_offset=self.weight_offset,
+            **kwargs,
         )
 
     def call_poisoned(self, **kwargs):
@@ -137,8 +150,13 @@ def test_backward_matches_fp64(dtype, hidden, residual, rows):
 
 @pytest.mark.parametrize(
     "dtype, hidden, residual",
-    [(torch.bfloat16, 4096, False), (torch.bfloat16, 4096, True), (torch.float16, 4097, False),
-     (torch.bfloat16, 65536, False), (torch.float16, 7, True)],
+    [
+        (torch.bfloat16, 4096, False),
+        (torch.bfloat16, 4096, True),
+        (torch.float16, 4097, False),
+        (torch.bfloat16, 65536, False),
+        (torch.float16, 7, True),
+    ],
     ids=lambda v: DTYPE_IDS.get(v, str(v)),
 )
 def test_backward_fp32_weight(dtype, hidden, residual):
@@ -152,8 +170,13 @@ def test_backward_fp32_weight(dtype, hidden, residual):
 
 @pytest.mark.parametrize(
     "dtype, hidden, residual",
-    [(torch.bfloat16, 4096, False), (torch.bfloat16, 4096, True), (torch.float16, 4096, False),
-     (torch.float32, 1000, True), (torch.bfloat16, 65536, False)],
+    [
+        (torch.bfloat16, 4096, False),
+        (torch.bfloat16, 4096, True),
+        (torch.float16, 4096, False),
+        (torch.float32, 1000, True),
+        (torch.bfloat16, 65536, False),
+    ],
     ids=lambda v: DTYPE_IDS.get(v, str(v)),
 )
 def test_backward_weight_offset_one(dtype, hidden, residual):
@@ -196,7 +219,10 @@ def test_backward_nd_inputs(shape, residual):
     dx, dw = inp.call_poisoned()
     inp.check(dx, dw)
     flat = cake_rmsnorm_train_backward(
-        inp.g.reshape(-1, shape[-1]), inp.h.reshape(-1, shape[-1]), inp.w, inp.rstd,
+        inp.g.reshape(-1, shape[-1]),
+        inp.h.reshape(-1, shape[-1]),
+        inp.w,
+        inp.rstd,
         g_residual=None if inp.g_residual is None else inp.g_residual.reshape(-1, shape[-1]),
     )
     assert_bitwise_equal(dx.reshape(flat[0].shape), flat[0], "N-D vs 2-D dx")
@@ -237,7 +263,9 @@ def test_backward_empty_rows_launch_no_kernel_of_ours(residual):
     gr = torch.randn(0, hidden, device=DEV).to(dtype) if residual else None
     rstd = torch.empty(0, device=DEV)
     ws = cake_rmsnorm_train_backward_workspace(0, hidden, DEV)
-    launched = foreign_cuda_kernels(lambda: cake_rmsnorm_train_backward(g, g, one.w, rstd, g_residual=gr, workspace=ws))
+    launched = foreign_cuda_kernels(
+        lambda: cake_rmsnorm_train_backward(g, g, one.w, rstd, g_residual=gr, workspace=ws)
+    )
     assert launched == [], f"T = 0 launched {launched}"
 
 
@@ -269,8 +297,11 @@ def _bare_call_extra_bytes(inp, rows, hidden):
     return peak_extra_bytes(lambda: inp.call(dx=dx_out, dw=dw_out, workspace=ws))
 
 
-@pytest.mark.parametrize("dtype, hidden", [(torch.bfloat16, 4096), (torch.float32, 4097), (torch.bfloat16, 65536)],
-                         ids=lambda v: DTYPE_IDS.get(v, str(v)))
+@pytest.mark.parametrize(
+    "dtype, hidden",
+    [(torch.bfloat16, 4096), (torch.float32, 4097), (torch.bfloat16, 65536)],
+    ids=lambda v: DTYPE_IDS.get(v, str(v)),
+)
 @pytest.mark.parametrize("residual", [False, True], ids=["plain", "res"])
 def test_backward_expanded_gradient(dtype, hidden, residual):
     """g = one row expanded over T rows (stride(0) == 0), as ``y.sum(0)``-style losses produce:
@@ -281,7 +312,9 @@ def test_backward_expanded_gradient(dtype, hidden, residual):
     assert g.stride(0) == 0
     inp = Inputs((rows, hidden), dtype, residual, g=g, g_residual=gr)
     extra = _bare_call_extra_bytes(inp, rows, hidden)
-    assert extra < rows * hidden * g.element_size() // 2, f"the expanded gradient was materialized ({extra} bytes)"
+    assert extra < rows * hidden * g.element_size() // 2, (
+        f"the expanded gradient was materialized ({extra} bytes)"
+    )
     dx, dw = inp.call_poisoned()
     inp.check(dx, dw)
     dx_c, dw_c = cake_rmsnorm_train_backward(
@@ -293,11 +326,16 @@ def test_backward_expanded_gradient(dtype, hidden, residual):
 
 def _padded(rows, hidden, dtype, pad_bytes=16, offset_elems=0):
     pad = pad_bytes // torch.empty(0, dtype=dtype).element_size()
-    return torch.randn(rows, hidden + pad + offset_elems, device=DEV).to(dtype)[:, offset_elems:offset_elems + hidden]
+    return torch.randn(rows, hidden + pad + offset_elems, device=DEV).to(dtype)[
+        :, offset_elems : offset_elems + hidden
+    ]
 
 
-@pytest.mark.parametrize("dtype, hidden", [(torch.bfloat16, 4096), (torch.float32, 5120), (torch.bfloat16, 65536)],
-                         ids=lambda v: DTYPE_IDS.get(v, str(v)))
+@pytest.mark.parametrize(
+    "dtype, hidden",
+    [(torch.bfloat16, 4096), (torch.float32, 5120), (torch.bfloat16, 65536)],
+    ids=lambda v: DTYPE_IDS.get(v, str(v)),
+)
 @pytest.mark.parametrize("residual", [False, True], ids=["plain", "res"])
 def test_backward_sliced_inputs_read_in_place(dtype, hidden, residual):
     rows = 129 if hidden >= WIDE else 2048
@@ -312,7 +350,11 @@ def test_backward_sliced_inputs_read_in_place(dtype, hidden, residual):
     dx, dw = inp.call_poisoned()
     inp.check(dx, dw)
     dx_c, dw_c = cake_rmsnorm_train_backward(
-        g.contiguous(), inp.h.contiguous(), inp.w, inp.rstd, g_residual=None if gr is None else gr.contiguous()
+        g.contiguous(),
+        inp.h.contiguous(),
+        inp.w,
+        inp.rstd,
+        g_residual=None if gr is None else gr.contiguous(),
     )
     assert_bitwise_equal(dx, dx_c, "sliced vs contiguous: dx")
     assert_bitwise_equal(dw, dw_c, "sliced vs contiguous: dw")
@@ -338,7 +380,11 @@ def test_backward_layouts_that_must_be_copied(layout):
     dx, dw = inp.call_poisoned()
     inp.check(dx, dw)
     dx_c, dw_c = cake_rmsnorm_train_backward(
-        inp.g.contiguous(), inp.h.contiguous(), inp.w, inp.rstd.contiguous(), g_residual=inp.g_residual.contiguous()
+        inp.g.contiguous(),
+        inp.h.contiguous(),
+        inp.w,
+        inp.rstd.contiguous(),
+        g_residual=inp.g_residual.contiguous(),
     )
     assert_bitwise_equal(dx, dx_c, f"{layout}: dx")
     assert_bitwise_equal(dw, dw_c, f"{layout}: dw")
@@ -393,15 +439,26 @@ def test_backward_deterministic_across_workspaces(dtype, hidden, rows, residual)
         assert_bitwise_equal(dx, dx0, f"dx ({label})")
         assert_bitwise_equal(dw, dw0, f"dw ({label})")
 
-    same("fresh workspace", workspace=cake_rmsnorm_train_backward_workspace(rows, hidden, DEV, residual=residual))
+    same(
+        "fresh workspace",
+        workspace=cake_rmsnorm_train_backward_workspace(rows, hidden, DEV, residual=residual),
+    )
     same("reused workspace", workspace=first_ws)
     same("reused workspace again", workspace=first_ws)
-    same("workspace poisoned with 0xFF", workspace=poison_(torch.empty(nbytes, dtype=torch.uint8, device=DEV)))
+    same(
+        "workspace poisoned with 0xFF", workspace=poison_(torch.empty(nbytes, dtype=torch.uint8, device=DEV))
+    )
     same("internal workspace")
     bigger = cake_rmsnorm_train_backward_workspace_bytes(4 * rows + 1000, hidden, DEV, residual=residual)
     assert bigger >= nbytes
-    same("poisoned workspace sized for more rows", workspace=poison_(torch.empty(bigger, dtype=torch.uint8, device=DEV)))
-    same("workspace with a 16-byte aligned offset", workspace=poison_(torch.empty(bigger + 16, dtype=torch.uint8, device=DEV))[16:])
+    same(
+        "poisoned workspace sized for more rows",
+        workspace=poison_(torch.empty(bigger, dtype=torch.uint8, device=DEV)),
+    )
+    same(
+        "workspace with a 16-byte aligned offset",
+        workspace=poison_(torch.empty(bigger + 16, dtype=torch.uint8, device=DEV))[16:],
+    )
 
 
 def test_backward_one_workspace_serves_smaller_calls():
@@ -409,7 +466,9 @@ def test_backward_one_workspace_serves_smaller_calls():
     results bitwise equal to calls with their own workspace."""
     dtype, hidden = torch.bfloat16, 4096
     # Sized for both modes (the helper's ``residual`` argument may give different sizes).
-    nbytes = max(cake_rmsnorm_train_backward_workspace_bytes(16231, hidden, DEV, residual=r) for r in (False, True))
+    nbytes = max(
+        cake_rmsnorm_train_backward_workspace_bytes(16231, hidden, DEV, residual=r) for r in (False, True)
+    )
     ws = torch.zeros(nbytes, dtype=torch.uint8, device=DEV)
     for rows in (16231, 4096, 129, 2, 1):
         for residual in (False, True):
@@ -422,9 +481,18 @@ def test_backward_one_workspace_serves_smaller_calls():
             assert_bitwise_equal(dw, dw_own, f"dw, T={rows}")
 
 
-@pytest.mark.parametrize("dtype, hidden", [(torch.bfloat16, 4096), (torch.float16, 4097), (torch.float32, 7),
-                                           (torch.bfloat16, 1000), (torch.bfloat16, 65536), (torch.float32, 262144)],
-                         ids=lambda v: DTYPE_IDS.get(v, str(v)))
+@pytest.mark.parametrize(
+    "dtype, hidden",
+    [
+        (torch.bfloat16, 4096),
+        (torch.float16, 4097),
+        (torch.float32, 7),
+        (torch.bfloat16, 1000),
+        (torch.bfloat16, 65536),
+        (torch.float32, 262144),
+    ],
+    ids=lambda v: DTYPE_IDS.get(v, str(v)),
+)
 @pytest.mark.parametrize("residual", [False, True], ids=["plain", "res"])
 def test_backward_batch_invariance_of_dx(dtype, hidden, residual):
     """Row r's dx has the same bits alone, in batches of 129 (several positions) and of 4096 / 16231
@@ -436,11 +504,11 @@ def test_backward_batch_invariance_of_dx(dtype, hidden, residual):
 
     def dx_of(lo, n):
         sub = Inputs((1, hidden), dtype, residual)
-        sub.g = big.g[lo:lo + n].clone()
-        sub.h = big.h[lo:lo + n].clone()
-        sub.rstd = big.rstd[lo:lo + n].clone()
+        sub.g = big.g[lo : lo + n].clone()
+        sub.h = big.h[lo : lo + n].clone()
+        sub.rstd = big.rstd[lo : lo + n].clone()
         sub.w = big.w
-        sub.g_residual = None if big.g_residual is None else big.g_residual[lo:lo + n].clone()
+        sub.g_residual = None if big.g_residual is None else big.g_residual[lo : lo + n].clone()
         sub.shape = tuple(sub.g.shape)
         return sub.call()[0]
 
@@ -449,4 +517,6 @@ def test_backward_batch_invariance_of_dx(dtype, hidden, residual):
         windows += [(r, n, 0), (r - n // 2, n, n // 2), (r - n + 1, n, n - 1)]
     for lo, n, pos in windows:
         assert 0 <= lo and lo + n <= sizes[0]
-        assert_bitwise_equal(dx_of(lo, n)[pos], dx_big[r], f"dx of row {r} in a batch of {n} at position {pos}")
+        assert_bitwise_equal(
+            dx_of(lo, n)[pos], dx_big[r], f"dx of row {r} in a batch of {n} at position {pos}"
+        )

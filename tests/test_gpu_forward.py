@@ -18,9 +18,9 @@ from cake_cute import cake_rmsnorm_train_forward
 from cake_cute.reference import forward_reference, rel_error, tolerance
 
 from ._helpers import (  # noqa: F401 (fixed_seed, prewarm_kernels: fixtures)
-    WIDE,
     DTYPE_IDS,
     EPS,
+    WIDE,
     assert_bitwise_equal,
     assert_within_one_ulp,
     fixed_seed,
@@ -171,7 +171,9 @@ def test_forward_nd_inputs(shape, residual):
     assert result[0].shape == shape and result[1].shape == (math.prod(shape[:-1]),)
     check_forward(x, w, result, residual=res)
     # Same bits as the 2-D call on the flattened rows.
-    flat = run_forward(x.reshape(-1, shape[-1]), w, residual=None if res is None else res.reshape(-1, shape[-1]))
+    flat = run_forward(
+        x.reshape(-1, shape[-1]), w, residual=None if res is None else res.reshape(-1, shape[-1])
+    )
     for a, b in zip(result, flat):
         assert_bitwise_equal(a.reshape(b.shape), b, "N-D vs 2-D")
 
@@ -222,7 +224,7 @@ def _padded(rows, hidden, dtype, pad_bytes=16, offset_elems=0):
     hidden is), base offset ``offset_elems``."""
     pad = pad_bytes // torch.empty(0, dtype=dtype).element_size()
     big = torch.randn(rows, hidden + pad + offset_elems, device=DEV).to(dtype)
-    return big[:, offset_elems:offset_elems + hidden]
+    return big[:, offset_elems : offset_elems + hidden]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=DTYPE_IDS.get)
@@ -261,7 +263,9 @@ def test_forward_layouts_that_must_be_copied(layout, residual):
     elif layout == "odd-row-stride":
         x = torch.randn(rows, hidden + 1, device=DEV).to(dtype)[:, :hidden]  # row stride not a 16 B multiple
     elif layout == "non-collapsible-3d":
-        x = torch.randn(3, 43, hidden, device=DEV).to(dtype).transpose(0, 1)  # (43, 3, H): no single row stride
+        x = (
+            torch.randn(3, 43, hidden, device=DEV).to(dtype).transpose(0, 1)
+        )  # (43, 3, H): no single row stride
     else:
         x = torch.randn(hidden, rows, device=DEV).to(dtype).t()  # last dim not contiguous
     w = rand_weight(hidden, dtype)
@@ -273,8 +277,11 @@ def test_forward_layouts_that_must_be_copied(layout, residual):
         assert_bitwise_equal(a, b, f"{layout} vs contiguous input")
 
 
-@pytest.mark.parametrize("dtype, hidden", [(torch.bfloat16, 4096), (torch.float32, 4097), (torch.float16, 65536)],
-                         ids=lambda v: DTYPE_IDS.get(v, str(v)))
+@pytest.mark.parametrize(
+    "dtype, hidden",
+    [(torch.bfloat16, 4096), (torch.float32, 4097), (torch.float16, 65536)],
+    ids=lambda v: DTYPE_IDS.get(v, str(v)),
+)
 @pytest.mark.parametrize("residual", [False, True], ids=["plain", "res"])
 def test_forward_expanded_inputs(dtype, hidden, residual):
     rows = 129 if hidden >= WIDE else 1024
@@ -298,10 +305,12 @@ def test_forward_strided_weight_is_read_correctly():
     dtype, hidden, rows = torch.bfloat16, 4096, 129
     x, _, _ = make_inputs((rows, hidden), dtype, False)
     w_big = rand_weight(2 * hidden + 1, dtype)
-    for w in (w_big[::2][:hidden], w_big[1:hidden + 1]):  # strided; contiguous but 2 bytes off alignment
+    for w in (w_big[::2][:hidden], w_big[1 : hidden + 1]):  # strided; contiguous but 2 bytes off alignment
         result = run_forward(x, w)
         check_forward(x, w, result)
-        assert_bitwise_equal(result[0], run_forward(x, w.contiguous().clone())[0], "strided w vs contiguous w")
+        assert_bitwise_equal(
+            result[0], run_forward(x, w.contiguous().clone())[0], "strided w vs contiguous w"
+        )
 
 
 @pytest.mark.parametrize("residual", [False, True], ids=["plain", "res"])
@@ -315,7 +324,9 @@ def test_forward_non_contiguous_and_misaligned_outputs_receive_the_result(residu
         rstd=poison_(torch.empty(2 * rows, device=DEV)[::2]),
     )
     flat = torch.empty(rows * hidden + 1, device=DEV, dtype=dtype)
-    misaligned = dict(out=poison_(flat[1:].view(rows, hidden)), rstd=poison_(torch.empty(rows + 1, device=DEV)[1:]))
+    misaligned = dict(
+        out=poison_(flat[1:].view(rows, hidden)), rstd=poison_(torch.empty(rows + 1, device=DEV)[1:])
+    )
     if residual:
         transposed["residual_out"] = poison_(torch.empty(hidden, rows, device=DEV, dtype=dtype).t())
         flat2 = torch.empty(rows * hidden + 1, device=DEV, dtype=dtype)
@@ -335,7 +346,11 @@ def test_forward_direct_outputs_are_written_in_place():
     x, w, res = make_inputs((rows, hidden), dtype, True)
     out, rstd, h = poison(x.shape, dtype), poison((rows,), F32), poison(x.shape, dtype)
     y, r, h_new = cake_rmsnorm_train_forward(x, w, EPS, residual=res, out=out, rstd=rstd, residual_out=h)
-    assert y.data_ptr() == out.data_ptr() and r.data_ptr() == rstd.data_ptr() and h_new.data_ptr() == h.data_ptr()
+    assert (
+        y.data_ptr() == out.data_ptr()
+        and r.data_ptr() == rstd.data_ptr()
+        and h_new.data_ptr() == h.data_ptr()
+    )
 
 
 # ---------------------------------------------------------------------------------- batch invariance
@@ -362,8 +377,8 @@ def test_forward_batch_invariance(dtype, hidden, residual):
     full = run_forward(x, w, residual=res)
 
     def rows_of(lo, n):
-        xs = x[lo:lo + n].clone()
-        rs = None if res is None else res[lo:lo + n].clone()
+        xs = x[lo : lo + n].clone()
+        rs = None if res is None else res[lo : lo + n].clone()
         return run_forward(xs, w, residual=rs)
 
     variants = {

@@ -72,7 +72,9 @@ def _assert_bitwise(actual, expected):
     assert len(actual) == len(expected)
     for i, (a, e) in enumerate(zip(actual, expected)):
         assert a.dtype == e.dtype and a.shape == e.shape, i
-        assert torch.equal(a, e), f"tensor {i} differs: max |diff| {(a.float() - e.float()).abs().max().item()}"
+        assert torch.equal(a, e), (
+            f"tensor {i} differs: max |diff| {(a.float() - e.float()).abs().max().item()}"
+        )
 
 
 def _via_function(x, w, res):
@@ -93,7 +95,9 @@ def _fresh_dynamo():
 # --- torch.compile -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("entry", [_via_function, _via_autograd_function], ids=["cake_rmsnorm", "Function.apply"])
+@pytest.mark.parametrize(
+    "entry", [_via_function, _via_autograd_function], ids=["cake_rmsnorm", "Function.apply"]
+)
 @pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
 def test_compile_fullgraph_is_bitwise_eager(entry, residual):
     x, w, res, g_y, g_h = _problem(residual)

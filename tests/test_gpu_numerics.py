@@ -37,8 +37,13 @@ pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("prewarm_kernels")]
 DEV = "cuda"
 F32 = torch.float32
 ROWS = 8
-ISOLATION = [(torch.bfloat16, 64), (torch.bfloat16, 4096), (torch.float32, 4096), (torch.bfloat16, 65536),
-             (torch.float16, 4097)]
+ISOLATION = [
+    (torch.bfloat16, 64),
+    (torch.bfloat16, 4096),
+    (torch.float32, 4096),
+    (torch.bfloat16, 65536),
+    (torch.float16, 4097),
+]
 ids = lambda v: DTYPE_IDS.get(v, str(v))  # noqa: E731
 
 
@@ -114,7 +119,7 @@ def test_inf_in_x_stays_in_its_row(dtype, hidden, sign):
     assert_bitwise_equal(rstd[keep], clean[1][keep], "rstd of the other rows")
     # sum h^2 = Inf -> rstd = 0 -> y = h * 0: NaN at the Inf, (signed) zero elsewhere, as in FP64.
     assert rstd[bad_row].item() == 0.0
-    y_ref, rstd_ref, _ = forward_reference(x_bad[bad_row:bad_row + 1], w, EPS)
+    y_ref, rstd_ref, _ = forward_reference(x_bad[bad_row : bad_row + 1], w, EPS)
     assert rstd_ref.item() == 0.0
     assert torch.equal(torch.isnan(y[bad_row]), torch.isnan(y_ref[0])), "NaN exactly at the Inf column"
     others = torch.arange(hidden, device=DEV) != col

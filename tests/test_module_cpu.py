@@ -26,7 +26,9 @@ EPS = 1e-6
 
 
 def _reference_forward(x, w, eps, *, residual=None, weight_offset=0.0, **_):
-    y, rstd, h = forward_reference(x, w, eps, residual=residual, weight_offset=weight_offset, compute_dtype=torch.float32)
+    y, rstd, h = forward_reference(
+        x, w, eps, residual=residual, weight_offset=weight_offset, compute_dtype=torch.float32
+    )
     y = y.to(x.dtype)
     return (y, rstd) if residual is None else (y, rstd, h)
 
@@ -39,7 +41,9 @@ def _reference_backward(g, x, w, rstd, *, g_residual=None, weight_offset=0.0, dw
 
 
 def _reference_backward_from_saved(g, h, w, rstd, g_residual, weight_offset):
-    return _reference_backward(g, h, w, rstd, g_residual=g_residual, weight_offset=weight_offset, dw_dtype=w.dtype)
+    return _reference_backward(
+        g, h, w, rstd, g_residual=g_residual, weight_offset=weight_offset, dw_dtype=w.dtype
+    )
 
 
 @pytest.fixture
@@ -75,7 +79,11 @@ def _forward_backward(fn, inputs, out_grads, params=()):
     out = fn(*leaves)
     outs = out if isinstance(out, tuple) else (out,)
     torch.autograd.backward(outs, out_grads[: len(outs)])
-    return [o.detach() for o in outs] + [leaf.grad for leaf in leaves if leaf is not None] + [p.grad for p in params]
+    return (
+        [o.detach() for o in outs]
+        + [leaf.grad for leaf in leaves if leaf is not None]
+        + [p.grad for p in params]
+    )
 
 
 def _assert_bitwise(actual, expected):
@@ -257,7 +265,13 @@ def test_swap_replaces_every_rmsnorm_and_keeps_parameters():
     assert swap_rmsnorm(model) == 8
     swapped = {name: m for name, m in model.named_modules() if isinstance(m, CakeRMSNorm)}
     assert set(swapped) == {
-        "torch_norm", "torch_norm_default_eps", "torch_norm_plain", "llama", "gemma", "gemma3n", "qwen3_next",
+        "torch_norm",
+        "torch_norm_default_eps",
+        "torch_norm_plain",
+        "llama",
+        "gemma",
+        "gemma3n",
+        "qwen3_next",
         "blocks.1",
     }
     for name, new in swapped.items():
@@ -267,12 +281,16 @@ def test_swap_replaces_every_rmsnorm_and_keeps_parameters():
         assert new.training == old.training, name
     assert model.torch_norm.eps == 1e-5 and model.torch_norm_default_eps.eps is None
     assert model.llama.eps == 1e-5 and model.gemma.eps == 1e-6
-    assert not model.torch_norm_plain.elementwise_affine and model.torch_norm_plain.weight.device.type == "cpu"
+    assert (
+        not model.torch_norm_plain.elementwise_affine and model.torch_norm_plain.weight.device.type == "cpu"
+    )
     offsets = {name: m.weight_offset for name, m in swapped.items()}
     assert offsets == dict.fromkeys(swapped, 0.0) | {"gemma": 1.0, "qwen3_next": 1.0}
     for name in ("torch_norm_2d", "biased", "gated", "layer_norm"):
         assert type(model.get_submodule(name)) is type(before[name]), name
-    assert {id(p) for p in model.parameters()} == {id(p) for group in opt.param_groups for p in group["params"]}
+    assert {id(p) for p in model.parameters()} == {
+        id(p) for group in opt.param_groups for p in group["params"]
+    }
     assert swap_rmsnorm(model) == 0
 
 
@@ -384,7 +402,9 @@ def test_op_autograd_matches_the_eager_function(kernels, residual):
         return y if r is None else (y, h_new)
 
     x, w, res, g_y, g_h = _problem(residual)
-    eager = _forward_backward(lambda x, w, r: cake_rmsnorm(x, w, EPS, r, weight_offset=0.5), (x, w, res), (g_y, g_h))
+    eager = _forward_backward(
+        lambda x, w, r: cake_rmsnorm(x, w, EPS, r, weight_offset=0.5), (x, w, res), (g_y, g_h)
+    )
     _assert_bitwise(_forward_backward(via_op, (x, w, res), (g_y, g_h)), eager)
     assert kernels["op.fwd"] == kernels["op.bwd"] == 1
 
@@ -461,7 +481,9 @@ def _via_autograd_function(x, w, r):
     return CakeRMSNormFunction.apply(x, w, EPS, r, True, 0.25)
 
 
-@pytest.mark.parametrize("entry", [_via_function, _via_autograd_function], ids=["cake_rmsnorm", "Function.apply"])
+@pytest.mark.parametrize(
+    "entry", [_via_function, _via_autograd_function], ids=["cake_rmsnorm", "Function.apply"]
+)
 @pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
 def test_compile_fullgraph_uses_the_ops_and_matches_eager(kernels, entry, residual):
     x, w, res, g_y, g_h = _problem(residual)
@@ -474,7 +496,9 @@ def test_compile_fullgraph_uses_the_ops_and_matches_eager(kernels, entry, residu
     compiled = torch.compile(entry, fullgraph=True, backend="aot_eager")
     _assert_bitwise(_forward_backward(compiled, (x, w, res), (g_y, g_h)), expected)
     assert kernels["op.fwd"] >= 1 and kernels["op.bwd"] >= 1
-    assert kernels["eager.fwd"] == eager_calls["eager.fwd"] and kernels["eager.bwd"] == eager_calls["eager.bwd"]
+    assert (
+        kernels["eager.fwd"] == eager_calls["eager.fwd"] and kernels["eager.bwd"] == eager_calls["eager.bwd"]
+    )
 
 
 @pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])

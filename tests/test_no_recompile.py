@@ -64,8 +64,12 @@ def test_ops_build_the_same_specs_for_every_row_count(recorded_specs, dtype):
         per_rows[rows] = recorded_specs[start:]
     assert per_rows[0] == []  # an empty batch launches nothing
     expected = [
-        KernelSpec("fwd", "sm_100a", validation.dtype_name(dtype), validation.dtype_name(dtype), hidden, True),
-        KernelSpec("bwd", "sm_100a", validation.dtype_name(dtype), validation.dtype_name(dtype), hidden, True),
+        KernelSpec(
+            "fwd", "sm_100a", validation.dtype_name(dtype), validation.dtype_name(dtype), hidden, True
+        ),
+        KernelSpec(
+            "bwd", "sm_100a", validation.dtype_name(dtype), validation.dtype_name(dtype), hidden, True
+        ),
         KernelSpec("dw", "sm_100a", "fp32", "fp32", hidden),
     ]
     for rows in ROWS:
@@ -116,8 +120,23 @@ WARM_PROCESS = textwrap.dedent("""
 def test_warmed_cache_means_no_compilation(tmp_path):
     """`cake-cute warmup` in one process; the public API in a fresh one compiles nothing."""
     env = {**os.environ, "CAKE_CUTE_CACHE_DIR": str(tmp_path)}
-    warm = subprocess.run([sys.executable, "-m", "cake_cute.cli", "warmup", "--arch", _device_arch(),
-                           "--dtype", "bf16", "--hidden", "4096"], capture_output=True, text=True, env=env)
+    warm = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cake_cute.cli",
+            "warmup",
+            "--arch",
+            _device_arch(),
+            "--dtype",
+            "bf16",
+            "--hidden",
+            "4096",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert warm.returncode == 0, warm.stderr
     run = subprocess.run([sys.executable, "-c", WARM_PROCESS], capture_output=True, text=True, env=env)
     assert run.returncode == 0, run.stderr

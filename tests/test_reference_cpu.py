@@ -72,7 +72,9 @@ def test_forward_reference_fp32_weight_with_bf16_activations():
     x, _, res = _inputs((4, 33), torch.bfloat16, residual=True)
     w = torch.randn(33, dtype=torch.float32)
     y, rstd, h = forward_reference(x, w, EPS, residual=res)
-    expected = F.rms_norm((x.float() + res.float()).to(torch.bfloat16).double(), (33,), weight=w.double(), eps=EPS)
+    expected = F.rms_norm(
+        (x.float() + res.float()).to(torch.bfloat16).double(), (33,), weight=w.double(), eps=EPS
+    )
     torch.testing.assert_close(y, expected, rtol=1e-12, atol=1e-12)
 
 

@@ -17,8 +17,8 @@ Cases marked ``xfail(strict=True)`` are validations the SPEC implies but the cod
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import pytest
 import torch
@@ -37,7 +37,6 @@ from ._helpers import EPS, bits, fixed_seed, sentinel  # noqa: F401 (fixed_seed:
 T, H = 4, 8
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 OUTPUT_NAMES = {"fwd": ("out", "rstd", "residual_out"), "bwd": ("dx", "dw")}
-
 
 
 # ------------------------------------------------------------------------------------------ call model
@@ -144,12 +143,14 @@ class Case:
 def arg(i, make):
     def mutate(call, device):
         call.args[i] = make(call, device)
+
     return mutate
 
 
 def kw(name, make):
     def mutate(call, device):
         call.kwargs[name] = make(call, device)
+
     return mutate
 
 
@@ -157,6 +158,7 @@ def both(*mutations):
     def mutate(call, device):
         for m in mutations:
             m(call, device)
+
     return mutate
 
 
@@ -171,116 +173,467 @@ def _misaligned_workspace(call, device):
 CPU_CASES = [
     # ---- forward: x
     Case("fwd-x-fp64", "fwd", arg(0, lambda c, d: c.args[0].double()), TypeError, r"^x must have dtype"),
-    Case("fwd-x-int32", "fwd", arg(0, lambda c, d: _rand((T, H), torch.int32, d)), TypeError, r"^x must have dtype"),
-    Case("fwd-x-bool", "fwd", arg(0, lambda c, d: _rand((T, H), torch.bool, d)), TypeError, r"^x must have dtype"),
-    Case("fwd-x-list", "fwd", arg(0, lambda c, d: c.args[0].tolist()), TypeError, r"^x must be a torch\.Tensor"),
+    Case(
+        "fwd-x-int32",
+        "fwd",
+        arg(0, lambda c, d: _rand((T, H), torch.int32, d)),
+        TypeError,
+        r"^x must have dtype",
+    ),
+    Case(
+        "fwd-x-bool",
+        "fwd",
+        arg(0, lambda c, d: _rand((T, H), torch.bool, d)),
+        TypeError,
+        r"^x must have dtype",
+    ),
+    Case(
+        "fwd-x-list", "fwd", arg(0, lambda c, d: c.args[0].tolist()), TypeError, r"^x must be a torch\.Tensor"
+    ),
     Case("fwd-x-None", "fwd", arg(0, lambda c, d: None), TypeError, r"^x must be a torch\.Tensor"),
-    Case("fwd-x-0d", "fwd", arg(0, lambda c, d: torch.tensor(1.5, device=d)), ValueError, r"^x must have at least 2 dims"),
-    Case("fwd-x-1d", "fwd", arg(0, lambda c, d: _rand((H,), F32, d)), ValueError, r"^x must have at least 2 dims"),
-    Case("fwd-x-H0", "fwd", both(arg(0, lambda c, d: _rand((T, 0), F32, d)), arg(1, lambda c, d: _rand((0,), F32, d))),
-         ValueError, r"^x's hidden size .*got 0"),
-    Case("fwd-x-H-262145", "fwd",
-         both(arg(0, lambda c, d: _rand((1, 262145), BF16, d)), arg(1, lambda c, d: _rand((262145,), BF16, d)),
-              kw("out", lambda c, d: sentinel((1, 262145), BF16, d)), kw("rstd", lambda c, d: sentinel((1,), F32, d))),
-         ValueError, r"^x's hidden size .*262144.*got 262145", build=dict(dtype=BF16)),
+    Case(
+        "fwd-x-0d",
+        "fwd",
+        arg(0, lambda c, d: torch.tensor(1.5, device=d)),
+        ValueError,
+        r"^x must have at least 2 dims",
+    ),
+    Case(
+        "fwd-x-1d",
+        "fwd",
+        arg(0, lambda c, d: _rand((H,), F32, d)),
+        ValueError,
+        r"^x must have at least 2 dims",
+    ),
+    Case(
+        "fwd-x-H0",
+        "fwd",
+        both(arg(0, lambda c, d: _rand((T, 0), F32, d)), arg(1, lambda c, d: _rand((0,), F32, d))),
+        ValueError,
+        r"^x's hidden size .*got 0",
+    ),
+    Case(
+        "fwd-x-H-262145",
+        "fwd",
+        both(
+            arg(0, lambda c, d: _rand((1, 262145), BF16, d)),
+            arg(1, lambda c, d: _rand((262145,), BF16, d)),
+            kw("out", lambda c, d: sentinel((1, 262145), BF16, d)),
+            kw("rstd", lambda c, d: sentinel((1,), F32, d)),
+        ),
+        ValueError,
+        r"^x's hidden size .*262144.*got 262145",
+        build=dict(dtype=BF16),
+    ),
     # ---- forward: w
-    Case("fwd-w-int32", "fwd", arg(1, lambda c, d: _rand((H,), torch.int32, d)), TypeError, r"^w must have dtype"),
-    Case("fwd-w-fp64", "fwd", arg(1, lambda c, d: _rand((H,), torch.float64, d)), TypeError, r"^w must have dtype"),
-    Case("fwd-w-fp16-with-bf16-x", "fwd", arg(1, lambda c, d: _rand((H,), F16, d)), TypeError,
-         r"^w must have dtype bfloat16, float32", build=dict(dtype=BF16)),
-    Case("fwd-w-wrong-length", "fwd", arg(1, lambda c, d: _rand((H - 1,), F32, d)), ValueError, r"^w must have shape \(8,\)"),
-    Case("fwd-w-2d", "fwd", arg(1, lambda c, d: _rand((1, H), F32, d)), ValueError, r"^w must have shape \(8,\)"),
+    Case(
+        "fwd-w-int32",
+        "fwd",
+        arg(1, lambda c, d: _rand((H,), torch.int32, d)),
+        TypeError,
+        r"^w must have dtype",
+    ),
+    Case(
+        "fwd-w-fp64",
+        "fwd",
+        arg(1, lambda c, d: _rand((H,), torch.float64, d)),
+        TypeError,
+        r"^w must have dtype",
+    ),
+    Case(
+        "fwd-w-fp16-with-bf16-x",
+        "fwd",
+        arg(1, lambda c, d: _rand((H,), F16, d)),
+        TypeError,
+        r"^w must have dtype bfloat16, float32",
+        build=dict(dtype=BF16),
+    ),
+    Case(
+        "fwd-w-wrong-length",
+        "fwd",
+        arg(1, lambda c, d: _rand((H - 1,), F32, d)),
+        ValueError,
+        r"^w must have shape \(8,\)",
+    ),
+    Case(
+        "fwd-w-2d",
+        "fwd",
+        arg(1, lambda c, d: _rand((1, H), F32, d)),
+        ValueError,
+        r"^w must have shape \(8,\)",
+    ),
     Case("fwd-w-list", "fwd", arg(1, lambda c, d: [1.0] * H), TypeError, r"^w must be a torch\.Tensor"),
     # ---- forward: eps
-    Case("fwd-eps-negative", "fwd", arg(2, lambda c, d: -1e-6), ValueError, r"^eps must be a finite number >= 0"),
-    Case("fwd-eps-nan", "fwd", arg(2, lambda c, d: float("nan")), ValueError, r"^eps must be a finite number"),
-    Case("fwd-eps-inf", "fwd", arg(2, lambda c, d: float("inf")), ValueError, r"^eps must be a finite number"),
-    Case("fwd-eps-minus-inf", "fwd", arg(2, lambda c, d: float("-inf")), ValueError, r"^eps must be a finite number"),
+    Case(
+        "fwd-eps-negative",
+        "fwd",
+        arg(2, lambda c, d: -1e-6),
+        ValueError,
+        r"^eps must be a finite number >= 0",
+    ),
+    Case(
+        "fwd-eps-nan", "fwd", arg(2, lambda c, d: float("nan")), ValueError, r"^eps must be a finite number"
+    ),
+    Case(
+        "fwd-eps-inf", "fwd", arg(2, lambda c, d: float("inf")), ValueError, r"^eps must be a finite number"
+    ),
+    Case(
+        "fwd-eps-minus-inf",
+        "fwd",
+        arg(2, lambda c, d: float("-inf")),
+        ValueError,
+        r"^eps must be a finite number",
+    ),
     Case("fwd-eps-str", "fwd", arg(2, lambda c, d: "1e-6"), TypeError, r"^eps must be a float"),
     Case("fwd-eps-bool", "fwd", arg(2, lambda c, d: True), TypeError, r"^eps must be a float"),
     Case("fwd-eps-None", "fwd", arg(2, lambda c, d: None), TypeError, r"^eps must be a float"),
     Case("fwd-eps-complex", "fwd", arg(2, lambda c, d: 1e-6 + 0j), TypeError, r"^eps must be a float"),
     # ---- forward: residual
-    Case("fwd-residual-shape", "fwd", kw("residual", lambda c, d: _rand((T, H + 1), F32, d)), ValueError,
-         r"^residual must have shape \(4, 8\)", build=dict(residual=True)),
-    Case("fwd-residual-transposed-shape", "fwd", kw("residual", lambda c, d: _rand((H, T), F32, d)), ValueError,
-         r"^residual must have shape", build=dict(residual=True)),
-    Case("fwd-residual-dtype", "fwd", kw("residual", lambda c, d: _rand((T, H), F16, d)), TypeError,
-         r"^residual must have dtype float32", build=dict(residual=True)),
-    Case("fwd-residual-list", "fwd", kw("residual", lambda c, d: [[0.5] * H] * T), TypeError,
-         r"^residual must be a torch\.Tensor", build=dict(residual=True)),
+    Case(
+        "fwd-residual-shape",
+        "fwd",
+        kw("residual", lambda c, d: _rand((T, H + 1), F32, d)),
+        ValueError,
+        r"^residual must have shape \(4, 8\)",
+        build=dict(residual=True),
+    ),
+    Case(
+        "fwd-residual-transposed-shape",
+        "fwd",
+        kw("residual", lambda c, d: _rand((H, T), F32, d)),
+        ValueError,
+        r"^residual must have shape",
+        build=dict(residual=True),
+    ),
+    Case(
+        "fwd-residual-dtype",
+        "fwd",
+        kw("residual", lambda c, d: _rand((T, H), F16, d)),
+        TypeError,
+        r"^residual must have dtype float32",
+        build=dict(residual=True),
+    ),
+    Case(
+        "fwd-residual-list",
+        "fwd",
+        kw("residual", lambda c, d: [[0.5] * H] * T),
+        TypeError,
+        r"^residual must be a torch\.Tensor",
+        build=dict(residual=True),
+    ),
     # ---- forward: caller-owned outputs
-    Case("fwd-out-shape", "fwd", kw("out", lambda c, d: sentinel((T, H - 1), F32, d)), ValueError, r"^out must have shape \(4, 8\)"),
-    Case("fwd-out-dtype", "fwd", kw("out", lambda c, d: sentinel((T, H), BF16, d)), TypeError, r"^out must have dtype float32"),
-    Case("fwd-out-list", "fwd", kw("out", lambda c, d: [0.0] * H), TypeError, r"^out must be a torch\.Tensor"),
-    Case("fwd-rstd-out-fp16", "fwd", kw("rstd", lambda c, d: sentinel((T,), F16, d)), TypeError, r"^rstd must have dtype float32"),
-    Case("fwd-rstd-out-fp64", "fwd", kw("rstd", lambda c, d: sentinel((T,), torch.float64, d)), TypeError, r"^rstd must have dtype float32"),
-    Case("fwd-rstd-out-bf16-x", "fwd", kw("rstd", lambda c, d: sentinel((T,), BF16, d)), TypeError,
-         r"^rstd must have dtype float32", build=dict(dtype=BF16)),
-    Case("fwd-rstd-out-length", "fwd", kw("rstd", lambda c, d: sentinel((T + 1,), F32, d)), ValueError, r"^rstd must have shape \(4,\)"),
-    Case("fwd-rstd-out-2d", "fwd", kw("rstd", lambda c, d: sentinel((T, 1), F32, d)), ValueError, r"^rstd must have shape \(4,\)"),
-    Case("fwd-rstd-out-3d-x", "fwd", kw("rstd", lambda c, d: sentinel((2, 3), F32, d)), ValueError,
-         r"^rstd must have shape \(6,\)", build=dict(shape=(2, 3, H))),
-    Case("fwd-residual_out-without-residual", "fwd", kw("residual_out", lambda c, d: sentinel((T, H), F32, d)),
-         ValueError, r"^residual_out .*residual="),
-    Case("fwd-residual_out-shape", "fwd", kw("residual_out", lambda c, d: sentinel((T + 1, H), F32, d)), ValueError,
-         r"^residual_out must have shape \(4, 8\)", build=dict(residual=True)),
-    Case("fwd-residual_out-dtype", "fwd", kw("residual_out", lambda c, d: sentinel((T, H), F16, d)), TypeError,
-         r"^residual_out must have dtype float32", build=dict(residual=True)),
+    Case(
+        "fwd-out-shape",
+        "fwd",
+        kw("out", lambda c, d: sentinel((T, H - 1), F32, d)),
+        ValueError,
+        r"^out must have shape \(4, 8\)",
+    ),
+    Case(
+        "fwd-out-dtype",
+        "fwd",
+        kw("out", lambda c, d: sentinel((T, H), BF16, d)),
+        TypeError,
+        r"^out must have dtype float32",
+    ),
+    Case(
+        "fwd-out-list", "fwd", kw("out", lambda c, d: [0.0] * H), TypeError, r"^out must be a torch\.Tensor"
+    ),
+    Case(
+        "fwd-rstd-out-fp16",
+        "fwd",
+        kw("rstd", lambda c, d: sentinel((T,), F16, d)),
+        TypeError,
+        r"^rstd must have dtype float32",
+    ),
+    Case(
+        "fwd-rstd-out-fp64",
+        "fwd",
+        kw("rstd", lambda c, d: sentinel((T,), torch.float64, d)),
+        TypeError,
+        r"^rstd must have dtype float32",
+    ),
+    Case(
+        "fwd-rstd-out-bf16-x",
+        "fwd",
+        kw("rstd", lambda c, d: sentinel((T,), BF16, d)),
+        TypeError,
+        r"^rstd must have dtype float32",
+        build=dict(dtype=BF16),
+    ),
+    Case(
+        "fwd-rstd-out-length",
+        "fwd",
+        kw("rstd", lambda c, d: sentinel((T + 1,), F32, d)),
+        ValueError,
+        r"^rstd must have shape \(4,\)",
+    ),
+    Case(
+        "fwd-rstd-out-2d",
+        "fwd",
+        kw("rstd", lambda c, d: sentinel((T, 1), F32, d)),
+        ValueError,
+        r"^rstd must have shape \(4,\)",
+    ),
+    Case(
+        "fwd-rstd-out-3d-x",
+        "fwd",
+        kw("rstd", lambda c, d: sentinel((2, 3), F32, d)),
+        ValueError,
+        r"^rstd must have shape \(6,\)",
+        build=dict(shape=(2, 3, H)),
+    ),
+    Case(
+        "fwd-residual_out-without-residual",
+        "fwd",
+        kw("residual_out", lambda c, d: sentinel((T, H), F32, d)),
+        ValueError,
+        r"^residual_out .*residual=",
+    ),
+    Case(
+        "fwd-residual_out-shape",
+        "fwd",
+        kw("residual_out", lambda c, d: sentinel((T + 1, H), F32, d)),
+        ValueError,
+        r"^residual_out must have shape \(4, 8\)",
+        build=dict(residual=True),
+    ),
+    Case(
+        "fwd-residual_out-dtype",
+        "fwd",
+        kw("residual_out", lambda c, d: sentinel((T, H), F16, d)),
+        TypeError,
+        r"^residual_out must have dtype float32",
+        build=dict(residual=True),
+    ),
     # ---- forward: weight_offset (not validated yet)
-    Case("fwd-weight_offset-str", "fwd", kw("weight_offset", lambda c, d: "1.0"), TypeError, r"weight_offset"),
-    Case("fwd-weight_offset-nan", "fwd", kw("weight_offset", lambda c, d: float("nan")), ValueError, r"weight_offset"),
-    Case("fwd-weight_offset-inf", "fwd", kw("weight_offset", lambda c, d: float("inf")), ValueError, r"weight_offset"),
+    Case(
+        "fwd-weight_offset-str", "fwd", kw("weight_offset", lambda c, d: "1.0"), TypeError, r"weight_offset"
+    ),
+    Case(
+        "fwd-weight_offset-nan",
+        "fwd",
+        kw("weight_offset", lambda c, d: float("nan")),
+        ValueError,
+        r"weight_offset",
+    ),
+    Case(
+        "fwd-weight_offset-inf",
+        "fwd",
+        kw("weight_offset", lambda c, d: float("inf")),
+        ValueError,
+        r"weight_offset",
+    ),
     # ---- backward: g, x, w, rstd, g_residual
     Case("bwd-x-fp64", "bwd", arg(1, lambda c, d: c.args[1].double()), TypeError, r"^x must have dtype"),
-    Case("bwd-x-1d", "bwd", arg(1, lambda c, d: _rand((H,), F32, d)), ValueError, r"^x must have at least 2 dims"),
+    Case(
+        "bwd-x-1d",
+        "bwd",
+        arg(1, lambda c, d: _rand((H,), F32, d)),
+        ValueError,
+        r"^x must have at least 2 dims",
+    ),
     Case("bwd-x-list", "bwd", arg(1, lambda c, d: [[1.0] * H] * T), TypeError, r"^x must be a torch\.Tensor"),
-    Case("bwd-g-dtype", "bwd", arg(0, lambda c, d: _rand((T, H), BF16, d)), TypeError, r"^g must have dtype float32"),
-    Case("bwd-g-fp32-with-bf16-x", "bwd", arg(0, lambda c, d: _rand((T, H), F32, d)), TypeError,
-         r"^g must have dtype bfloat16", build=dict(dtype=BF16)),
-    Case("bwd-g-shape", "bwd", arg(0, lambda c, d: _rand((T + 1, H), F32, d)), ValueError, r"^g must have shape \(4, 8\)"),
-    Case("bwd-g-flattened-3d", "bwd", arg(0, lambda c, d: _rand((6, H), F32, d)), ValueError,
-         r"^g must have shape \(2, 3, 8\)", build=dict(shape=(2, 3, H))),
+    Case(
+        "bwd-g-dtype",
+        "bwd",
+        arg(0, lambda c, d: _rand((T, H), BF16, d)),
+        TypeError,
+        r"^g must have dtype float32",
+    ),
+    Case(
+        "bwd-g-fp32-with-bf16-x",
+        "bwd",
+        arg(0, lambda c, d: _rand((T, H), F32, d)),
+        TypeError,
+        r"^g must have dtype bfloat16",
+        build=dict(dtype=BF16),
+    ),
+    Case(
+        "bwd-g-shape",
+        "bwd",
+        arg(0, lambda c, d: _rand((T + 1, H), F32, d)),
+        ValueError,
+        r"^g must have shape \(4, 8\)",
+    ),
+    Case(
+        "bwd-g-flattened-3d",
+        "bwd",
+        arg(0, lambda c, d: _rand((6, H), F32, d)),
+        ValueError,
+        r"^g must have shape \(2, 3, 8\)",
+        build=dict(shape=(2, 3, H)),
+    ),
     Case("bwd-g-list", "bwd", arg(0, lambda c, d: [[1.0] * H] * T), TypeError, r"^g must be a torch\.Tensor"),
-    Case("bwd-w-int", "bwd", arg(2, lambda c, d: _rand((H,), torch.int64, d)), TypeError, r"^w must have dtype"),
-    Case("bwd-w-wrong-length", "bwd", arg(2, lambda c, d: _rand((H + 1,), F32, d)), ValueError, r"^w must have shape \(8,\)"),
-    Case("bwd-rstd-fp16", "bwd", arg(3, lambda c, d: c.args[3].half()), TypeError, r"^rstd must have dtype float32"),
-    Case("bwd-rstd-bf16", "bwd", arg(3, lambda c, d: c.args[3].bfloat16()), TypeError, r"^rstd must have dtype float32"),
-    Case("bwd-rstd-length", "bwd", arg(3, lambda c, d: c.args[3][:-1]), ValueError, r"^rstd must have shape \(4,\)"),
-    Case("bwd-rstd-2d", "bwd", arg(3, lambda c, d: c.args[3][:, None]), ValueError, r"^rstd must have shape \(4,\)"),
+    Case(
+        "bwd-w-int", "bwd", arg(2, lambda c, d: _rand((H,), torch.int64, d)), TypeError, r"^w must have dtype"
+    ),
+    Case(
+        "bwd-w-wrong-length",
+        "bwd",
+        arg(2, lambda c, d: _rand((H + 1,), F32, d)),
+        ValueError,
+        r"^w must have shape \(8,\)",
+    ),
+    Case(
+        "bwd-rstd-fp16",
+        "bwd",
+        arg(3, lambda c, d: c.args[3].half()),
+        TypeError,
+        r"^rstd must have dtype float32",
+    ),
+    Case(
+        "bwd-rstd-bf16",
+        "bwd",
+        arg(3, lambda c, d: c.args[3].bfloat16()),
+        TypeError,
+        r"^rstd must have dtype float32",
+    ),
+    Case(
+        "bwd-rstd-length",
+        "bwd",
+        arg(3, lambda c, d: c.args[3][:-1]),
+        ValueError,
+        r"^rstd must have shape \(4,\)",
+    ),
+    Case(
+        "bwd-rstd-2d",
+        "bwd",
+        arg(3, lambda c, d: c.args[3][:, None]),
+        ValueError,
+        r"^rstd must have shape \(4,\)",
+    ),
     Case("bwd-rstd-list", "bwd", arg(3, lambda c, d: [1.0] * T), TypeError, r"^rstd must be a torch\.Tensor"),
-    Case("bwd-g_residual-dtype", "bwd", kw("g_residual", lambda c, d: _rand((T, H), F16, d)), TypeError,
-         r"^g_residual must have dtype float32"),
-    Case("bwd-g_residual-shape", "bwd", kw("g_residual", lambda c, d: _rand((T, H + 2), F32, d)), ValueError,
-         r"^g_residual must have shape \(4, 8\)"),
-    Case("bwd-deterministic-int", "bwd", kw("deterministic", lambda c, d: 1), TypeError, r"^deterministic must be a bool"),
-    Case("bwd-deterministic-None", "bwd", kw("deterministic", lambda c, d: None), TypeError, r"^deterministic must be a bool"),
-    Case("bwd-deterministic-str", "bwd", kw("deterministic", lambda c, d: "yes"), TypeError, r"^deterministic must be a bool"),
+    Case(
+        "bwd-g_residual-dtype",
+        "bwd",
+        kw("g_residual", lambda c, d: _rand((T, H), F16, d)),
+        TypeError,
+        r"^g_residual must have dtype float32",
+    ),
+    Case(
+        "bwd-g_residual-shape",
+        "bwd",
+        kw("g_residual", lambda c, d: _rand((T, H + 2), F32, d)),
+        ValueError,
+        r"^g_residual must have shape \(4, 8\)",
+    ),
+    Case(
+        "bwd-deterministic-int",
+        "bwd",
+        kw("deterministic", lambda c, d: 1),
+        TypeError,
+        r"^deterministic must be a bool",
+    ),
+    Case(
+        "bwd-deterministic-None",
+        "bwd",
+        kw("deterministic", lambda c, d: None),
+        TypeError,
+        r"^deterministic must be a bool",
+    ),
+    Case(
+        "bwd-deterministic-str",
+        "bwd",
+        kw("deterministic", lambda c, d: "yes"),
+        TypeError,
+        r"^deterministic must be a bool",
+    ),
     # ---- backward: caller-owned outputs
-    Case("bwd-dx-dtype", "bwd", kw("dx", lambda c, d: sentinel((T, H), F16, d)), TypeError, r"^dx must have dtype float32"),
-    Case("bwd-dx-shape", "bwd", kw("dx", lambda c, d: sentinel((T, H + 1), F32, d)), ValueError, r"^dx must have shape \(4, 8\)"),
+    Case(
+        "bwd-dx-dtype",
+        "bwd",
+        kw("dx", lambda c, d: sentinel((T, H), F16, d)),
+        TypeError,
+        r"^dx must have dtype float32",
+    ),
+    Case(
+        "bwd-dx-shape",
+        "bwd",
+        kw("dx", lambda c, d: sentinel((T, H + 1), F32, d)),
+        ValueError,
+        r"^dx must have shape \(4, 8\)",
+    ),
     Case("bwd-dx-list", "bwd", kw("dx", lambda c, d: [0.0]), TypeError, r"^dx must be a torch\.Tensor"),
-    Case("bwd-dw-shape", "bwd", kw("dw", lambda c, d: sentinel((H - 1,), F32, d)), ValueError, r"^dw must have shape \(8,\)"),
-    Case("bwd-dw-2d", "bwd", kw("dw", lambda c, d: sentinel((1, H), F32, d)), ValueError, r"^dw must have shape \(8,\)"),
-    Case("bwd-dw-dtype", "bwd", kw("dw", lambda c, d: sentinel((H,), BF16, d)), TypeError, r"^dw must have dtype float32"),
-    Case("bwd-dw-fp32-when-dw_dtype-bf16", "bwd",
-         both(kw("dw", lambda c, d: sentinel((H,), F32, d)), kw("dw_dtype", lambda c, d: BF16)),
-         TypeError, r"^dw must have dtype bfloat16"),
+    Case(
+        "bwd-dw-shape",
+        "bwd",
+        kw("dw", lambda c, d: sentinel((H - 1,), F32, d)),
+        ValueError,
+        r"^dw must have shape \(8,\)",
+    ),
+    Case(
+        "bwd-dw-2d",
+        "bwd",
+        kw("dw", lambda c, d: sentinel((1, H), F32, d)),
+        ValueError,
+        r"^dw must have shape \(8,\)",
+    ),
+    Case(
+        "bwd-dw-dtype",
+        "bwd",
+        kw("dw", lambda c, d: sentinel((H,), BF16, d)),
+        TypeError,
+        r"^dw must have dtype float32",
+    ),
+    Case(
+        "bwd-dw-fp32-when-dw_dtype-bf16",
+        "bwd",
+        both(kw("dw", lambda c, d: sentinel((H,), F32, d)), kw("dw_dtype", lambda c, d: BF16)),
+        TypeError,
+        r"^dw must have dtype bfloat16",
+    ),
     # ---- backward: workspace
-    Case("bwd-workspace-fp32", "bwd", kw("workspace", lambda c, d: torch.zeros(4096, dtype=F32, device=d)), TypeError,
-         r"^workspace must have dtype uint8"),
-    Case("bwd-workspace-int8", "bwd", kw("workspace", lambda c, d: torch.zeros(4096, dtype=torch.int8, device=d)),
-         TypeError, r"^workspace must have dtype uint8"),
-    Case("bwd-workspace-list", "bwd", kw("workspace", lambda c, d: [0] * 64), TypeError, r"^workspace must be a torch\.Tensor"),
-    Case("bwd-workspace-non-contiguous", "bwd",
-         kw("workspace", lambda c, d: torch.zeros(1 << 16, dtype=torch.uint8, device=d)[::2]), ValueError,
-         r"^workspace must be a contiguous"),
-    Case("bwd-workspace-misaligned", "bwd", kw("workspace", _misaligned_workspace), ValueError,
-         r"^workspace .*16-byte aligned"),
-    Case("bwd-workspace-2d", "bwd", kw("workspace", lambda c, d: torch.zeros(256, 256, dtype=torch.uint8, device=d)),
-         ValueError, r"^workspace must be a contiguous 1-D"),
+    Case(
+        "bwd-workspace-fp32",
+        "bwd",
+        kw("workspace", lambda c, d: torch.zeros(4096, dtype=F32, device=d)),
+        TypeError,
+        r"^workspace must have dtype uint8",
+    ),
+    Case(
+        "bwd-workspace-int8",
+        "bwd",
+        kw("workspace", lambda c, d: torch.zeros(4096, dtype=torch.int8, device=d)),
+        TypeError,
+        r"^workspace must have dtype uint8",
+    ),
+    Case(
+        "bwd-workspace-list",
+        "bwd",
+        kw("workspace", lambda c, d: [0] * 64),
+        TypeError,
+        r"^workspace must be a torch\.Tensor",
+    ),
+    Case(
+        "bwd-workspace-non-contiguous",
+        "bwd",
+        kw("workspace", lambda c, d: torch.zeros(1 << 16, dtype=torch.uint8, device=d)[::2]),
+        ValueError,
+        r"^workspace must be a contiguous",
+    ),
+    Case(
+        "bwd-workspace-misaligned",
+        "bwd",
+        kw("workspace", _misaligned_workspace),
+        ValueError,
+        r"^workspace .*16-byte aligned",
+    ),
+    Case(
+        "bwd-workspace-2d",
+        "bwd",
+        kw("workspace", lambda c, d: torch.zeros(256, 256, dtype=torch.uint8, device=d)),
+        ValueError,
+        r"^workspace must be a contiguous 1-D",
+    ),
     # ---- backward: weight_offset / dw_dtype (not validated yet)
-    Case("bwd-weight_offset-nan", "bwd", kw("weight_offset", lambda c, d: float("nan")), ValueError, r"weight_offset"),
+    Case(
+        "bwd-weight_offset-nan",
+        "bwd",
+        kw("weight_offset", lambda c, d: float("nan")),
+        ValueError,
+        r"weight_offset",
+    ),
     Case("bwd-dw_dtype-int32", "bwd", kw("dw_dtype", lambda c, d: torch.int32), TypeError, r"dw_dtype"),
     Case("bwd-dw_dtype-fp64", "bwd", kw("dw_dtype", lambda c, d: torch.float64), TypeError, r"dw_dtype"),
     # ---- workspace size helpers
@@ -288,53 +641,192 @@ CPU_CASES = [
     Case("ws-rows-float", "ws_bytes", arg(0, lambda c, d: 4.0), TypeError, r"^rows must be an int"),
     Case("ws-rows-str", "ws_bytes", arg(0, lambda c, d: "4"), TypeError, r"^rows must be an int"),
     Case("ws-rows-bool", "ws_bytes", arg(0, lambda c, d: True), TypeError, r"^rows must be an int"),
-    Case("ws-hidden-0", "ws_bytes", arg(1, lambda c, d: 0), ValueError, r"^hidden must be an int in \[1, 262144\]"),
-    Case("ws-hidden-262145", "ws_bytes", arg(1, lambda c, d: 262145), ValueError, r"^hidden must be an int in \[1, 262144\]"),
+    Case(
+        "ws-hidden-0",
+        "ws_bytes",
+        arg(1, lambda c, d: 0),
+        ValueError,
+        r"^hidden must be an int in \[1, 262144\]",
+    ),
+    Case(
+        "ws-hidden-262145",
+        "ws_bytes",
+        arg(1, lambda c, d: 262145),
+        ValueError,
+        r"^hidden must be an int in \[1, 262144\]",
+    ),
     Case("ws-hidden-float", "ws_bytes", arg(1, lambda c, d: 4096.0), TypeError, r"^hidden must be an int"),
-    Case("ws-device-cpu", "ws_bytes", arg(2, lambda c, d: "cpu"), ValueError, r"^device must be a CUDA device"),
-    Case("ws-device-cpu-object", "ws_bytes", arg(2, lambda c, d: torch.device("cpu")), ValueError,
-         r"^device must be a CUDA device"),
-    Case("ws-device-meta", "ws_bytes", arg(2, lambda c, d: "meta"), ValueError, r"^device must be a CUDA device"),
-    Case("ws-alloc-device-cpu", "ws", arg(2, lambda c, d: "cpu"), ValueError, r"^device must be a CUDA device"),
-    Case("ws-alloc-hidden-0", "ws", both(arg(1, lambda c, d: 0), arg(2, lambda c, d: "cpu")), ValueError, r"^hidden must be"),
+    Case(
+        "ws-device-cpu", "ws_bytes", arg(2, lambda c, d: "cpu"), ValueError, r"^device must be a CUDA device"
+    ),
+    Case(
+        "ws-device-cpu-object",
+        "ws_bytes",
+        arg(2, lambda c, d: torch.device("cpu")),
+        ValueError,
+        r"^device must be a CUDA device",
+    ),
+    Case(
+        "ws-device-meta",
+        "ws_bytes",
+        arg(2, lambda c, d: "meta"),
+        ValueError,
+        r"^device must be a CUDA device",
+    ),
+    Case(
+        "ws-alloc-device-cpu", "ws", arg(2, lambda c, d: "cpu"), ValueError, r"^device must be a CUDA device"
+    ),
+    Case(
+        "ws-alloc-hidden-0",
+        "ws",
+        both(arg(1, lambda c, d: 0), arg(2, lambda c, d: "cpu")),
+        ValueError,
+        r"^hidden must be",
+    ),
     # ---- autograd entry point
     Case("autograd-eps-str", "autograd", arg(2, lambda c, d: "1e-6"), TypeError, r"^eps must be a float"),
-    Case("autograd-x-int", "autograd", arg(0, lambda c, d: _rand((T, H), torch.int32, d)), TypeError, r"^x must have dtype"),
-    Case("autograd-w-wrong-length", "autograd", arg(1, lambda c, d: _rand((H + 3,), F32, d)), ValueError,
-         r"^w must have shape \(8,\)"),
-    Case("autograd-residual-dtype", "autograd", arg(3, lambda c, d: _rand((T, H), BF16, d)), TypeError,
-         r"^residual must have dtype float32"),
+    Case(
+        "autograd-x-int",
+        "autograd",
+        arg(0, lambda c, d: _rand((T, H), torch.int32, d)),
+        TypeError,
+        r"^x must have dtype",
+    ),
+    Case(
+        "autograd-w-wrong-length",
+        "autograd",
+        arg(1, lambda c, d: _rand((H + 3,), F32, d)),
+        ValueError,
+        r"^w must have shape \(8,\)",
+    ),
+    Case(
+        "autograd-residual-dtype",
+        "autograd",
+        arg(3, lambda c, d: _rand((T, H), BF16, d)),
+        TypeError,
+        r"^residual must have dtype float32",
+    ),
 ]
 
 
 GPU_CASES = [
     # ---- mixed devices
-    Case("gpu-fwd-w-on-cpu", "fwd", arg(1, lambda c, d: c.args[1].cpu()), ValueError, r"^w must be on the same device as x \(cuda"),
-    Case("gpu-fwd-x-on-cpu", "fwd", arg(0, lambda c, d: c.args[0].cpu()), ValueError, r"^w must be on the same device as x \(cpu\)"),
-    Case("gpu-fwd-residual-on-cpu", "fwd", kw("residual", lambda c, d: c.kwargs["residual"].cpu()), ValueError,
-         r"^residual must be on the same device as x \(cuda", build=dict(residual=True)),
-    Case("gpu-fwd-out-on-cpu", "fwd", kw("out", lambda c, d: sentinel((T, H), F32, "cpu")), ValueError, r"^out must be on the same device as x \(cuda"),
-    Case("gpu-fwd-rstd-out-on-cpu", "fwd", kw("rstd", lambda c, d: sentinel((T,), F32, "cpu")), ValueError,
-         r"^rstd must be on the same device as x \(cuda"),
-    Case("gpu-fwd-residual_out-on-cpu", "fwd", kw("residual_out", lambda c, d: sentinel((T, H), F32, "cpu")), ValueError,
-         r"^residual_out must be on the same device as x \(cuda", build=dict(residual=True)),
-    Case("gpu-bwd-g-on-cpu", "bwd", arg(0, lambda c, d: c.args[0].cpu()), ValueError, r"^g must be on the same device as x \(cuda"),
-    Case("gpu-bwd-w-on-cpu", "bwd", arg(2, lambda c, d: c.args[2].cpu()), ValueError, r"^w must be on the same device as x \(cuda"),
-    Case("gpu-bwd-rstd-on-cpu", "bwd", arg(3, lambda c, d: c.args[3].cpu()), ValueError, r"^rstd must be on the same device as x \(cuda"),
-    Case("gpu-bwd-g_residual-on-cpu", "bwd", kw("g_residual", lambda c, d: c.kwargs["g_residual"].cpu()), ValueError,
-         r"^g_residual must be on the same device as x \(cuda", build=dict(residual=True)),
-    Case("gpu-bwd-dx-on-cpu", "bwd", kw("dx", lambda c, d: sentinel((T, H), F32, "cpu")), ValueError, r"^dx must be on the same device as x \(cuda"),
-    Case("gpu-bwd-dw-on-cpu", "bwd", kw("dw", lambda c, d: sentinel((H,), F32, "cpu")), ValueError, r"^dw must be on the same device as x \(cuda"),
-    Case("gpu-bwd-workspace-on-cpu", "bwd", kw("workspace", lambda c, d: torch.zeros(1 << 20, dtype=torch.uint8)),
-         ValueError, r"^workspace must be on the same device as x \(cuda"),
+    Case(
+        "gpu-fwd-w-on-cpu",
+        "fwd",
+        arg(1, lambda c, d: c.args[1].cpu()),
+        ValueError,
+        r"^w must be on the same device as x \(cuda",
+    ),
+    Case(
+        "gpu-fwd-x-on-cpu",
+        "fwd",
+        arg(0, lambda c, d: c.args[0].cpu()),
+        ValueError,
+        r"^w must be on the same device as x \(cpu\)",
+    ),
+    Case(
+        "gpu-fwd-residual-on-cpu",
+        "fwd",
+        kw("residual", lambda c, d: c.kwargs["residual"].cpu()),
+        ValueError,
+        r"^residual must be on the same device as x \(cuda",
+        build=dict(residual=True),
+    ),
+    Case(
+        "gpu-fwd-out-on-cpu",
+        "fwd",
+        kw("out", lambda c, d: sentinel((T, H), F32, "cpu")),
+        ValueError,
+        r"^out must be on the same device as x \(cuda",
+    ),
+    Case(
+        "gpu-fwd-rstd-out-on-cpu",
+        "fwd",
+        kw("rstd", lambda c, d: sentinel((T,), F32, "cpu")),
+        ValueError,
+        r"^rstd must be on the same device as x \(cuda",
+    ),
+    Case(
+        "gpu-fwd-residual_out-on-cpu",
+        "fwd",
+        kw("residual_out", lambda c, d: sentinel((T, H), F32, "cpu")),
+        ValueError,
+        r"^residual_out must be on the same device as x \(cuda",
+        build=dict(residual=True),
+    ),
+    Case(
+        "gpu-bwd-g-on-cpu",
+        "bwd",
+        arg(0, lambda c, d: c.args[0].cpu()),
+        ValueError,
+        r"^g must be on the same device as x \(cuda",
+    ),
+    Case(
+        "gpu-bwd-w-on-cpu",
+        "bwd",
+        arg(2, lambda c, d: c.args[2].cpu()),
+        ValueError,
+        r"^w must be on the same device as x \(cuda",
+    ),
+    Case(
+        "gpu-bwd-rstd-on-cpu",
+        "bwd",
+        arg(3, lambda c, d: c.args[3].cpu()),
+        ValueError,
+        r"^rstd must be on the same device as x \(cuda",
+    ),
+    Case(
+        "gpu-bwd-g_residual-on-cpu",
+        "bwd",
+        kw("g_residual", lambda c, d: c.kwargs["g_residual"].cpu()),
+        ValueError,
+        r"^g_residual must be on the same device as x \(cuda",
+        build=dict(residual=True),
+    ),
+    Case(
+        "gpu-bwd-dx-on-cpu",
+        "bwd",
+        kw("dx", lambda c, d: sentinel((T, H), F32, "cpu")),
+        ValueError,
+        r"^dx must be on the same device as x \(cuda",
+    ),
+    Case(
+        "gpu-bwd-dw-on-cpu",
+        "bwd",
+        kw("dw", lambda c, d: sentinel((H,), F32, "cpu")),
+        ValueError,
+        r"^dw must be on the same device as x \(cuda",
+    ),
+    Case(
+        "gpu-bwd-workspace-on-cpu",
+        "bwd",
+        kw("workspace", lambda c, d: torch.zeros(1 << 20, dtype=torch.uint8)),
+        ValueError,
+        r"^workspace must be on the same device as x \(cuda",
+    ),
     # ---- workspace size and alignment
-    Case("gpu-bwd-workspace-too-small", "bwd", kw("workspace", lambda c, d: torch.zeros(16, dtype=torch.uint8, device=d)),
-         ValueError, r"^workspace holds 16 bytes; this call needs at least \d+"),
-    Case("gpu-bwd-workspace-misaligned", "bwd", kw("workspace", _misaligned_workspace), ValueError,
-         r"^workspace .*16-byte aligned"),
-    Case("gpu-bwd-workspace-non-contiguous", "bwd",
-         kw("workspace", lambda c, d: torch.zeros(1 << 16, dtype=torch.uint8, device=d)[::2]), ValueError,
-         r"^workspace must be a contiguous"),
+    Case(
+        "gpu-bwd-workspace-too-small",
+        "bwd",
+        kw("workspace", lambda c, d: torch.zeros(16, dtype=torch.uint8, device=d)),
+        ValueError,
+        r"^workspace holds 16 bytes; this call needs at least \d+",
+    ),
+    Case(
+        "gpu-bwd-workspace-misaligned",
+        "bwd",
+        kw("workspace", _misaligned_workspace),
+        ValueError,
+        r"^workspace .*16-byte aligned",
+    ),
+    Case(
+        "gpu-bwd-workspace-non-contiguous",
+        "bwd",
+        kw("workspace", lambda c, d: torch.zeros(1 << 16, dtype=torch.uint8, device=d)[::2]),
+        ValueError,
+        r"^workspace must be a contiguous",
+    ),
 ]
 
 
@@ -356,7 +848,9 @@ def _check_raises(case, device):
     snapshot = call.snapshot()
     with pytest.raises(case.exc, match=case.match) as info:
         call.invoke()
-    assert type(info.value) is case.exc, f"expected exactly {case.exc.__name__}, got {type(info.value).__name__}"
+    assert type(info.value) is case.exc, (
+        f"expected exactly {case.exc.__name__}, got {type(info.value).__name__}"
+    )
     assert_untouched(snapshot)
 
 
@@ -376,7 +870,9 @@ CONTROL_CALLS = {
     "fwd-bf16-fp32w-3d": lambda d: fwd_call(d, dtype=BF16, w_dtype=F32, shape=(2, 3, H)),
     "bwd": lambda d: bwd_call(d),
     "bwd-residual": lambda d: bwd_call(d, residual=True),
-    "bwd-workspace": lambda d: _with(bwd_call(d), "workspace", torch.zeros(1 << 16, dtype=torch.uint8, device=d)),
+    "bwd-workspace": lambda d: _with(
+        bwd_call(d), "workspace", torch.zeros(1 << 16, dtype=torch.uint8, device=d)
+    ),
     "bwd-fp16-3d": lambda d: bwd_call(d, dtype=F16, shape=(2, 3, H)),
     "autograd": lambda d: autograd_call(d),
     "autograd-residual": lambda d: autograd_call(d, residual=True),
@@ -452,7 +948,9 @@ def test_control_valid_arguments_run_on_gpu(name):
 def test_workspace_helpers_on_gpu():
     nbytes = cake_rmsnorm_train_backward_workspace_bytes(4096, 4096, "cuda")
     assert isinstance(nbytes, int) and nbytes > 0 and nbytes % 16 == 0
-    assert cake_rmsnorm_train_backward_workspace_bytes(0, 4096, "cuda") > 0  # T = 0 still needs a valid buffer
+    assert (
+        cake_rmsnorm_train_backward_workspace_bytes(0, 4096, "cuda") > 0
+    )  # T = 0 still needs a valid buffer
     assert cake_rmsnorm_train_backward_workspace_bytes(4096, 4096, "cuda", residual=True) > 0
     # Monotone in rows: a workspace for more rows serves fewer.
     sizes = [cake_rmsnorm_train_backward_workspace_bytes(t, 4096, "cuda") for t in (1, 129, 4096, 16231)]
@@ -489,4 +987,3 @@ def test_workspace_size_threshold_on_gpu(residual):
     dx, dw = call.invoke()
     torch.cuda.synchronize()
     assert torch.isfinite(dx).all() and torch.isfinite(dw).all()
-

@@ -29,8 +29,11 @@ def run_case(dtype, hidden, residual, rows=3):
     dx_ref, dw_ref = backward_reference(g, h, w, outs[1], g_residual=gr)
     errors = (rel_error(outs[0], y_ref), rel_error(dx, dx_ref), rel_error(dw, dw_ref))
     ok = errors[0] <= tolerance(dtype) and errors[1] <= tolerance(dtype) and errors[2] <= 1e-4
-    print(f"{'ok ' if ok else 'BAD'} {str(dtype)[6:]:9s} H={hidden:6d} residual={residual!s:5s} "
-          f"err y={errors[0]:.1e} dx={errors[1]:.1e} dw={errors[2]:.1e}", flush=True)
+    print(
+        f"{'ok ' if ok else 'BAD'} {str(dtype)[6:]:9s} H={hidden:6d} residual={residual!s:5s} "
+        f"err y={errors[0]:.1e} dx={errors[1]:.1e} dw={errors[2]:.1e}",
+        flush=True,
+    )
     return ok
 
 
@@ -42,9 +45,14 @@ def main():
         for residual in (False, True)
     ]
     results += [run_case(torch.bfloat16, 4096, residual, rows=100) for residual in (False, True)]
-    results += [run_case(dtype, hidden, False, rows=rows)
-                for dtype, hidden, rows in ((torch.bfloat16, 8192, 700), (torch.float32, 4096, 700),
-                                            (torch.bfloat16, 1024, 4000))]
+    results += [
+        run_case(dtype, hidden, False, rows=rows)
+        for dtype, hidden, rows in (
+            (torch.bfloat16, 8192, 700),
+            (torch.float32, 4096, 700),
+            (torch.bfloat16, 1024, 4000),
+        )
+    ]
     return 0 if all(results) else 1
 
 

@@ -1,13 +1,19 @@
 """Try backward tilings / register budgets for one H (device time via profiler)."""
-import os, sys, statistics, torch
+
+import os
+import sys
 from dataclasses import replace
-import cake_cute
-from cake_cute import dispatch, ops, compile_cache
+
+import torch
 from cake_cute.kernels import config
-from cake_cute import bench
+
+import cake_cute
+from cake_cute import bench, compile_cache, dispatch, ops
+
 runner = bench._Runner(bench.parse_args(["--prof-reps", "8"]), torch)
 dev = torch.device("cuda")
-H = int(sys.argv[1]); act = "bf16"
+H = int(sys.argv[1])
+act = "bf16"
 base = config.backward_tiling(H, act)
 orig_budget = config.backward_register_budget
 variants = [(base, None)]
@@ -15,7 +21,8 @@ for spec in sys.argv[2:]:
     tpr, vpt, rows, budget = map(int, spec.split(","))
     variants.append((replace(base, threads_per_row=tpr, vecs_per_thread=vpt, rows_per_cta=rows), budget))
 T = (1 << 27) // H
-x = torch.randn(T, H, device=dev, dtype=torch.bfloat16); w = torch.randn(H, device=dev, dtype=torch.bfloat16)
+x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
+w = torch.randn(H, device=dev, dtype=torch.bfloat16)
 g = torch.randn_like(x)
 h, rstd = cake_cute.cake_rmsnorm_train_forward(x, w, 1e-6)
 for res in (False, True):
@@ -32,11 +39,15 @@ for res in (False, True):
             compile_cache._memory.clear()
             ws = None
             os.environ["CAKE_CUTE_CACHE_DIR"] = f"/tmp/tune/{tiling.describe().replace(' ', '_')}_{budget}"
-            for _ in range(3): fn(None)
+            for _ in range(3):
+                fn(None)
             torch.cuda.synchronize()
             us = runner.device_us(fn, 8)[0]
             nb = T * H * 2 * (4 if res else 3)
             progs = dispatch.backward_launch(T, H, act, res, cake_cute.validation.device_facts(dev))
-            print(f"H={H} res={res} {tiling.describe()} budget={budget} programs={progs} us={us:.1f} TB/s={nb/us/1e6:.3f}", flush=True)
+            print(
+                f"H={H} res={res} {tiling.describe()} budget={budget} programs={progs} us={us:.1f} TB/s={nb / us / 1e6:.3f}",
+                flush=True,
+            )
         except Exception as e:
             print("FAILED", tiling.describe(), budget, type(e).__name__, str(e)[:300], flush=True)
