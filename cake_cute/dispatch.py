@@ -10,12 +10,14 @@ from functools import cache, lru_cache
 
 from .compile_cache import KernelSpec
 from .kernels.config import (
+    QUANT_RECIPES,
     backward_ctas_per_sm,
     backward_min_ctas_per_sm,
     backward_stages,
     backward_tiling,
     forward_min_ctas_per_sm,
     forward_tiling,
+    quant_tiling,
 )
 from .occupancy import resident_clusters
 from .validation import DeviceFacts, vector_align_bytes
@@ -93,7 +95,18 @@ def most_partial_rows(
     )
 
 
+def quant_kind(recipe: str, emit_y: bool) -> str:
+    """The kernel kind of the quantizing forward for ``recipe`` (with the act-dtype y when ``emit_y``)."""
+    return f"fwd_{recipe}" + ("_y" if emit_y else "")
+
+
+# kind -> (recipe, emit_y) of every quantizing forward.
+QUANT_KINDS = {quant_kind(r, y): (r, y) for r in QUANT_RECIPES for y in (False, True)}
+
+
 def tiling_for(spec: KernelSpec):
+    if spec.kind in QUANT_KINDS:
+        return quant_tiling(spec.hidden, spec.act_dtype, QUANT_RECIPES[QUANT_KINDS[spec.kind][0]][0])
     if spec.kind == "fwd":
         return forward_tiling(spec.hidden, spec.act_dtype)
     if spec.kind == "bwd":
@@ -148,6 +161,8 @@ def compile_kernel(spec: KernelSpec):
     vec = tiling.vec
     w = _fake_vector(cute, wdt, H, vec)
     rstd = _fake_vector(cute, cutlass.Float32, rows, 1)
+    if spec.kind in QUANT_KINDS:
+        return _compile_quant(cute, cutlass, spec, tiling, act, wdt, w, rstd, rows, stream, options)
     if spec.kind == "fwd":
         x, y = (_fake_rows_tensor(cute, act, rows, H, vec) for _ in range(2))
         res, h_out = (
@@ -164,6 +179,37 @@ def compile_kernel(spec: KernelSpec):
     stages = backward_stages(tiling, spec.act_dtype, spec.residual)
     kernel = RMSNormBackward(tiling, act, wdt, spec.residual, spec.weight_offset, min_ctas, stages)
     return cute.compile(kernel, g, h, w, rstd, g_res, dx, partials, cutlass.Int32(1), stream, options=options)
+
+
+def _compile_quant(cute, cutlass, spec, tiling, act, wdt, w, rstd, rows, stream, options):
+    """The quantizing forward: e4m3 bytes like x, scales (T, ceil(H / block)) E8M0 bytes or FP32."""
+    from .kernels.rmsnorm_fwd_quant import RMSNormForwardQuant
+
+    recipe, emit_y = QUANT_KINDS[spec.kind]
+    block, fp32_scales = QUANT_RECIPES[recipe]
+    H, vec = spec.hidden, tiling.vec
+    x = _fake_rows_tensor(cute, act, rows, H, vec)
+    y = _fake_rows_tensor(cute, act, rows, H, vec) if emit_y else None
+    res, h_out = (
+        (_fake_rows_tensor(cute, act, rows, H, vec) for _ in range(2)) if spec.residual else (None, None)
+    )
+    q = _fake_rows_tensor(cute, cutlass.Uint8, rows, H, vec)
+    blocks = -(-H // block)
+    scale_dtype = cutlass.Float32 if fp32_scales else cutlass.Uint8
+    scales = cute.runtime.make_fake_tensor(scale_dtype, (rows, blocks), stride=(blocks, 1), assumed_align=4)
+    kernel = RMSNormForwardQuant(
+        tiling,
+        act,
+        wdt,
+        spec.residual,
+        spec.weight_offset,
+        forward_min_ctas_per_sm(tiling, spec.arch),
+        block,
+        fp32_scales,
+        emit_y,
+    )
+    eps = cutlass.Float32(1e-6)
+    return cute.compile(kernel, x, res, w, y, h_out, rstd, q, scales, eps, stream, options=options)
 
 
 @cache

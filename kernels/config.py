@@ -252,3 +252,20 @@ def backward_ctas_per_sm(tiling: RowTiling, arch: str, act_dtype: str, w_dtype: 
     by_threads = MAX_THREADS_PER_SM // tiling.threads_per_cta
     by_registers = backward_min_ctas_per_sm(tiling, arch)
     return max(1, min(by_registers, by_smem, by_threads, MAX_CTAS_PER_SM))
+
+
+# Block-scaled FP8 recipes of the quantizing forward: block width along H and whether the scales are
+# FP32 powers of two (else E8M0 bytes).
+QUANT_RECIPES = {"mxfp8": (32, False), "1x128": (128, True)}
+
+
+@cache
+def quant_tiling(hidden: int, act_dtype: str, block: int) -> RowTiling:
+    """The forward's tiling when its k-slices (threads_per_row * vec columns) and the quantization
+    blocks nest; else (an exact cover of a non-power-of-two warp count) the power-of-two tiling, whose
+    k-slices always nest with a power-of-two block."""
+    tiling = forward_tiling(hidden, act_dtype)
+    span = tiling.threads_per_row * tiling.vec
+    if span % block == 0 or block % span == 0:
+        return tiling
+    return row_tiling(hidden, DTYPE_BYTES[act_dtype], bytes_per_thread=128, target_vecs=4)

@@ -13,7 +13,9 @@ gets the nearest whole number of warps that covers it exactly (H = 7168: 7 warps
 residual) are staged in shared memory with cp.async, so the whole tile is in flight at once without
 holding registers; each thread reads back only the cells it staged itself, so no barrier is needed
 between the copy and its use. Rows too wide for one CTA are split over a cluster of ``cluster_n`` CTAs
-(up to 16) that add their partial sums of squares through distributed shared memory. The grid is (ceil(T / rows_per_cta), cluster_n).
+(up to 16) that add their partial sums of squares through distributed shared memory. The grid is
+(ceil(T / rows_per_cta), cluster_n). ``normalize`` ends with the FP32 normalized tile in registers;
+the epilogue here rounds and stores it, ``rmsnorm_fwd_quant`` quantizes it instead.
 
 Bytes moved: reads x (+ residual) once and w once per CTA (an L2 hit after the first), writes y
 (+ h_new) once and 4 bytes of rstd per row: T*H*(2 or 4)*act_bytes + 4*T from HBM.
@@ -22,6 +24,7 @@ Bytes moved: reads x (+ residual) once and w once per CTA (an L2 hit after the f
 from __future__ import annotations
 
 from functools import partial
+from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
@@ -42,8 +45,27 @@ from .common import (
 )
 
 
+class NormalizedTile(NamedTuple):
+    """What ``RMSNormForward.normalize`` leaves for an epilogue: the thread's FP32 normalized values (a
+    fragment shaped like its slice of x), how to store a fragment shaped like them, and where it is."""
+
+    y: cute.Tensor  # FP32 register fragment
+    thr: object  # the thread's slice of the tiled copy
+    tiler: tuple
+    bidx: Int32
+    rank: Int32
+    row: Int32
+    rows: Int32
+    pred: object  # column predicate per vector, or None when the tiles cover H exactly
+    row_in_cta: Int32
+    lane_in_row: Int32
+
+
 class RMSNormForward(RowKernel):
-    """One compiled forward per (arch, dtypes, H, residual, weight_offset); T is a runtime value."""
+    """One compiled forward per (arch, dtypes, H, residual, weight_offset); T is a runtime value.
+
+    ``normalize`` is everything up to the FP32 normalized row; ``kernel`` rounds it to the activation
+    dtype and stores it. Other epilogues (``rmsnorm_fwd_quant``) reuse ``normalize``."""
 
     @cute.jit
     def __call__(
@@ -71,6 +93,31 @@ class RMSNormForward(RowKernel):
         mRstd: cute.Tensor,
         eps: Float32,
     ):
+        smem = cutlass.memory.SmemAllocator()
+        tile = self.normalize(smem, mX, mRes, mW, mHOut, mRstd, eps)
+        self.store_rows(tile, tile.y.load().to(self.act_dtype), mY)
+
+    @cute.jit
+    def store_rows(self, tile: NormalizedTile, values: cute.TensorSSA, mOut: cute.Tensor):
+        """Store a fragment shaped like the tile's (``values``, in ``mOut``'s dtype) into its rows."""
+        tXgO = tile.thr.partition_S(cute.local_tile(mOut, tile.tiler, (tile.bidx, tile.rank)))
+        tXrO = cute.make_rmem_tensor_like(tXgO)
+        tXrO.store(values)
+        if tile.row < tile.rows:
+            cute.copy(copy_atom(mOut.element_type, self.tiling.vec), tXrO, tXgO, pred=tile.pred)
+
+    @cute.jit
+    def normalize(
+        self,
+        smem,
+        mX: cute.Tensor,
+        mRes: cute.Tensor,
+        mW: cute.Tensor,
+        mHOut: cute.Tensor,
+        mRstd: cute.Tensor,
+        eps: Float32,
+    ) -> NormalizedTile:
+        """Stage the tile, write h_new and rstd, and return the FP32 normalized values."""
         t = self.tiling
         tidx, _, _ = cute.arch.thread_idx()
         bidx, rank, _ = cute.arch.block_idx()
@@ -78,7 +125,6 @@ class RMSNormForward(RowKernel):
             rank = 0
         rows = mX.shape[0]
 
-        smem = cutlass.memory.SmemAllocator()
         warp_sums, cta_sums, mbars = allocate_reduction_buffers(smem, t)
         sX = allocate_tile(smem, self.act_dtype, t)[None, None, 0]
 
@@ -96,7 +142,7 @@ class RMSNormForward(RowKernel):
         copy_act = partial(cute.copy, copy_atom(self.act_dtype, t.vec), pred=pred)
         stage = partial(cute.copy, staging_atom(self.act_dtype, t.vec), pred=pred)
 
-        tXgX, tXgY = [thr.partition_S(cute.local_tile(m, tiler, (bidx, rank))) for m in (mX, mY)]
+        tXgX = thr.partition_S(cute.local_tile(mX, tiler, (bidx, rank)))
         tXsX = thr.partition_D(sX)
         if const_expr(self.residual):
             sR = allocate_tile(smem, self.act_dtype, t)[None, None, 0]
@@ -151,7 +197,6 @@ class RMSNormForward(RowKernel):
         tXrX.fill(0)
         copy_act(tXsX, tXrX)
         w = self.widen_weight(tXrW.load())
-        tXrY = cute.make_rmem_tensor_like(tXgY)
-        tXrY.store((tXrX.load().to(Float32) * rstd * w).to(self.act_dtype))
-        if row < rows:
-            copy_act(tXrY, tXgY)
+        tXrY = cute.make_rmem_tensor_like(tXgX, Float32)
+        tXrY.store(tXrX.load().to(Float32) * rstd * w)
+        return NormalizedTile(tXrY, thr, tiler, bidx, rank, row, rows, pred, row_in_cta, lane_in_row)

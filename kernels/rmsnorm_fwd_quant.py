@@ -1,0 +1,207 @@
+"""RMSNorm forward fused with rowwise block-scaled FP8 (e4m3) quantization of its output.
+
+Math, per row t (FP32; ``normalize`` is the plain forward's, so h_new and rstd are bitwise the same):
+
+    y     = h * rstd * (w + weight_offset)                 (FP32, never rounded to the act dtype)
+    amax  = max |y_j| over a block of B columns along H   (B = 32 or 128; columns past H count as 0;
+                                                           a NaN in the block makes amax NaN)
+    e     = E8M0 byte of fp32(amax / 448) rounded up to a power of two:
+            2^(e - 127) >= amax / 448, saturated to 254 (2^127), 255 for NaN
+    q_j   = e4m3 of y_j * 2^(127 - e), round to nearest even, saturated to +-448 (NaN stays NaN)
+
+``recipe="mxfp8"`` (B = 32) writes e as a byte; ``recipe="1x128"`` (B = 128) writes the FP32 scale
+2^(e - 127) with e held to >= 1 (a normal FP32 scale) and amax = 0 giving the scale 1.0. The E8M0 byte
+is computed with integer operations on the bits of amax / 448 (sm_90a has no ue8m0 convert; the
+formula is exactly ``cvt.rp.satfinite.ue8m0x2.f32``'s rounding, so both architectures run the same
+code). amax is a maximum of the values' bit patterns with the sign cleared: for non-negative floats
+that order is the numeric order, and NaN patterns sort above infinity, so a NaN propagates.
+
+Tiling: the forward's (``config.quant_tiling``): lane l of a row owns vectors l, l + threads_per_row,
+... of ``vec`` elements; ``threads_per_row * vec`` (a k-slice) and B are powers of two, so either a
+block is ``B / vec`` consecutive lanes of one k-slice or it spans ``B / (threads_per_row * vec)``
+consecutive k-slices of all the row's lanes. Each lane takes the maximum over its own vectors of the
+block, then over the block's lanes with a butterfly shuffle (B / vec <= 32 lanes) or through shared
+memory and one CTA barrier (more lanes, 1x128 with vec < 4). The block's first lane writes the scale.
+
+Bytes moved: reads x (+ residual) and w; writes T*H e4m3 bytes, T*ceil(H/B) scales (1 or 4 bytes),
+4*T bytes of rstd, and (optionally) y and h_new in the activation dtype.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Uint8, const_expr
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import dsl_user_op
+
+from .rmsnorm_fwd import NormalizedTile, RMSNormForward
+
+E4M3_MAX = 448.0
+ABS_MASK = 0x7FFFFFFF
+NAN_BITS = 0x7FC00000
+MANTISSA_MASK = 0x7FFFFF
+HALF_MANTISSA = 0x400000  # the bits of 2^-127, the smallest E8M0 value, as an FP32 subnormal
+E8M0_MAX_FINITE = 254
+E8M0_NAN = 255
+E8M0_ONE = 127
+
+
+@dsl_user_op
+def float_bits(x: Float32, *, loc=None, ip=None) -> Int32:
+    return Int32(llvm.bitcast(Int32.mlir_type, Float32(x).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
+
+
+@dsl_user_op
+def bits_float(x: Int32, *, loc=None, ip=None) -> Float32:
+    return Float32(llvm.bitcast(Float32.mlir_type, Int32(x).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
+
+
+@cute.jit
+def e8m0_round_up(amax_bits: Int32) -> Int32:
+    """The biased E8M0 exponent of fp32(amax / 448) rounded up to a power of two (see the module)."""
+    q = float_bits(bits_float(amax_bits) / Float32(E4M3_MAX))
+    exponent = q >> 23
+    mantissa = q & MANTISSA_MASK
+    normal = cutlass.min(exponent + cutlass.select_(mantissa != 0, Int32(1), Int32(0)), E8M0_MAX_FINITE)
+    subnormal = cutlass.select_(mantissa > HALF_MANTISSA, Int32(1), Int32(0))
+    e = cutlass.select_(exponent == 0, subnormal, normal)
+    return cutlass.select_(q > 0x7F800000, Int32(E8M0_NAN), e)
+
+
+@cute.jit
+def inverse_scale(e: Int32) -> Float32:
+    """2^(127 - e) exactly (2^-127 is an FP32 subnormal), NaN for the NaN exponent."""
+    bits = cutlass.select_(e == E8M0_MAX_FINITE, Int32(HALF_MANTISSA), (E8M0_MAX_FINITE - e) << 23)
+    return bits_float(cutlass.select_(e == E8M0_NAN, Int32(NAN_BITS), bits))
+
+
+class RMSNormForwardQuant(RMSNormForward):
+    """The forward with a block-scaled e4m3 epilogue: one compiled kernel per (arch, dtypes, H,
+    residual, weight_offset, recipe, emit_y). A recipe is a block width and E8M0 byte or FP32 scales."""
+
+    def __init__(
+        self, tiling, act_dtype, w_dtype, residual, weight_offset, min_ctas_per_sm, block, fp32_scales, emit_y
+    ):
+        super().__init__(tiling, act_dtype, w_dtype, residual, weight_offset, min_ctas_per_sm)
+        self.block = block
+        self.fp32_scales = fp32_scales
+        self.emit_y = emit_y
+        span = tiling.threads_per_row * tiling.vec
+        if span % block and block % span:
+            raise ValueError(f"a k-slice of {span} columns and blocks of {block} do not nest")
+        if tiling.cluster_n > 1 and tiling.cols_per_cta % block:
+            raise ValueError("a cluster CTA's column slice must hold whole blocks")
+        self.lanes_per_block = min(block // tiling.vec, tiling.threads_per_row)
+        self.slices_per_block = max(1, block // span)
+        self.groups = -(-tiling.vecs_per_thread // self.slices_per_block)
+
+    @cute.jit
+    def __call__(
+        self,
+        mX: cute.Tensor,
+        mRes: cute.Tensor,
+        mW: cute.Tensor,
+        mY: cute.Tensor,
+        mHOut: cute.Tensor,
+        mRstd: cute.Tensor,
+        mQ: cute.Tensor,
+        mScale: cute.Tensor,
+        eps: Float32,
+        stream,
+    ):
+        ctas = cute.ceil_div(mX.shape[0], self.tiling.rows_per_cta)
+        self.kernel(mX, mRes, mW, mY, mHOut, mRstd, mQ, mScale, eps).launch(
+            **self.launch_shape(ctas), stream=stream
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        mX: cute.Tensor,
+        mRes: cute.Tensor,
+        mW: cute.Tensor,
+        mY: cute.Tensor,
+        mHOut: cute.Tensor,
+        mRstd: cute.Tensor,
+        mQ: cute.Tensor,
+        mScale: cute.Tensor,
+        eps: Float32,
+    ):
+        smem = cutlass.memory.SmemAllocator()
+        tile = self.normalize(smem, mX, mRes, mW, mHOut, mRstd, eps)
+        if const_expr(self.emit_y):
+            self.store_rows(tile, tile.y.load().to(self.act_dtype), mY)
+        amax = self.block_amax(smem, tile)
+        t = self.tiling
+        q = cute.make_rmem_tensor_like(tile.y, cutlass.Float8E4M3FN)
+        for g in cutlass.range_constexpr(self.groups):
+            e = self.scale_exponent(amax[g])
+            inv = inverse_scale(e)
+            for s in cutlass.range_constexpr(self.slices_per_block):
+                k = g * self.slices_per_block + s
+                if const_expr(k < t.vecs_per_thread):
+                    q[None, 0, k].store((tile.y[None, 0, k].load() * inv).to(cutlass.Float8E4M3FN))
+            self.store_scale(tile, mScale, g, e)
+        self.store_rows(tile, cute.recast_tensor(q, Uint8).load(), mQ)
+
+    @cute.jit
+    def block_amax(self, smem, tile: NormalizedTile) -> cute.Tensor:
+        """Per group of the thread's vectors (one block), the block's max |y| as bits (see the module)."""
+        t = self.tiling
+        amax = cute.make_rmem_tensor(cute.make_layout(self.groups), Int32)
+        for g in cutlass.range_constexpr(self.groups):
+            m = Int32(0)
+            for s in cutlass.range_constexpr(self.slices_per_block):
+                k = g * self.slices_per_block + s
+                if const_expr(k < t.vecs_per_thread):
+                    for i in cutlass.range_constexpr(t.vec):
+                        m = cutlass.max(m, float_bits(tile.y[i, 0, k]) & ABS_MASK)
+            amax[g] = cute.arch.warp_reduction_max(m, threads_in_group=min(self.lanes_per_block, 32))
+        if const_expr(self.lanes_per_block > 32):
+            amax = self.combine_warps(smem, tile, amax)
+        return amax
+
+    @cute.jit
+    def combine_warps(self, smem, tile: NormalizedTile, amax: cute.Tensor) -> cute.Tensor:
+        """Blocks wider than a warp: each warp's maximum goes through shared memory (one barrier)."""
+        t = self.tiling
+        warps = smem.allocate_tensor(
+            Int32, cute.make_layout((t.rows_per_cta, self.groups, t.warps_per_row)), byte_alignment=16
+        )
+        warp = tile.lane_in_row // 32
+        if cute.arch.lane_idx() == 0:
+            for g in cutlass.range_constexpr(self.groups):
+                warps[tile.row_in_cta, g, warp] = amax[g]
+        cute.arch.barrier()
+        warps_per_block = self.lanes_per_block // 32
+        first = warp // warps_per_block * warps_per_block
+        for g in cutlass.range_constexpr(self.groups):
+            m = warps[tile.row_in_cta, g, first]
+            for j in cutlass.range_constexpr(1, warps_per_block):
+                m = cutlass.max(m, warps[tile.row_in_cta, g, first + j])
+            amax[g] = m
+        return amax
+
+    @cute.jit
+    def scale_exponent(self, amax_bits: Int32) -> Int32:
+        """The biased exponent of the block's scale: E8M0's, or for FP32 scales one that keeps the
+        scale normal, with 2^0 for an all-zero block."""
+        e = e8m0_round_up(amax_bits)
+        if const_expr(self.fp32_scales):
+            e = cutlass.select_(amax_bits == 0, Int32(E8M0_ONE), cutlass.max(e, Int32(1)))
+        return e
+
+    @cute.jit
+    def store_scale(self, tile: NormalizedTile, mScale: cute.Tensor, g: int, e: Int32):
+        """The block's first lane writes its scale: the E8M0 byte, or the FP32 power of two."""
+        t = self.tiling
+        vector = g * self.slices_per_block * t.threads_per_row + tile.lane_in_row
+        column = tile.rank * t.cols_per_cta + vector * t.vec
+        first_lane = tile.lane_in_row % self.lanes_per_block == 0
+        if tile.row < tile.rows and first_lane and column < t.hidden:
+            if const_expr(self.fp32_scales):
+                bits = cutlass.select_(e == E8M0_NAN, Int32(NAN_BITS), e << 23)
+                mScale[tile.row, column // self.block] = bits_float(bits)
+            else:
+                mScale[tile.row, column // self.block] = Uint8(e)
