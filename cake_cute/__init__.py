@@ -3,6 +3,7 @@
 __version__ = "0.1.0"
 
 from .autograd import CakeRMSNormFunction, cake_rmsnorm  # noqa: E402
+from .fp8 import Fp8NormOutput, cake_rmsnorm_fp8  # noqa: E402
 from .module import CakeRMSNorm, swap_rmsnorm  # noqa: E402
 from .ops import (  # noqa: E402
     cake_rmsnorm_train_backward,
@@ -15,7 +16,9 @@ from .support import is_cake_rmsnorm_train_supported  # noqa: E402
 __all__ = [
     "CakeRMSNorm",
     "CakeRMSNormFunction",
+    "Fp8NormOutput",
     "cake_rmsnorm",
+    "cake_rmsnorm_fp8",
     "cake_rmsnorm_train_backward",
     "cake_rmsnorm_train_backward_workspace",
     "cake_rmsnorm_train_backward_workspace_bytes",
