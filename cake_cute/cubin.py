@@ -104,8 +104,9 @@ def access_bits(opcode: str) -> int:
 def parse_sass(sass: str) -> dict:
     """Counts of global loads/stores by width, of local accesses (LDL/STL: spills), of generic
     loads (LD: distributed shared memory or global memory through a generic pointer) and of global
-    atomics (RED/ATOM)."""
+    atomics (RED/ATOM), and of conversions to e4m3 (F2FP.*E4M3*: the FP8 epilogues)."""
     loads, stores, ops = Counter(), Counter(), Counter()
+    e4m3_converts = 0
     for line in sass.splitlines():
         match = _SASS_LINE.match(line)
         if not match:
@@ -113,6 +114,7 @@ def parse_sass(sass: str) -> dict:
         opcode = match.group(1)
         base = opcode.split(".")[0]
         ops[base] += 1
+        e4m3_converts += base == "F2FP" and "E4M3" in opcode
         if base in ("LDG", "LDGSTS"):
             loads[access_bits(opcode)] += 1
         elif base == "STG":
@@ -128,6 +130,7 @@ def parse_sass(sass: str) -> dict:
         "local_stores": ops["STL"],
         "generic_loads": ops["LD"],
         "global_atomics": ops["REDG"] + ops["ATOMG"] + ops["RED"] + ops["ATOM"],
+        "e4m3_converts": e4m3_converts,
     }
 
 

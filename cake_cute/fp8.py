@@ -231,6 +231,23 @@ def to_scale_layout(scales: torch.Tensor, layout: str) -> torch.Tensor:
     return to_cublas_mx_scales(rows_2d) if layout == "cublas" else to_deepgemm_scales(rows_2d)
 
 
+def fp8_variant_specs(
+    archs, dtypes, hiddens, residuals=(False, True), recipes=RECIPES, emit_ys=(False, True)
+):
+    """The quantizing-forward kernels (``KernelSpec``) for these settings, w in x's dtype (for warmup,
+    CLI reports and the compile tests); the backward is the plain one (``warmup.variant_specs``)."""
+    from itertools import product
+
+    from .compile_cache import KernelSpec
+
+    return [
+        KernelSpec(dispatch.quant_kind(recipe, emit_y), arch, act, act, hidden, residual)
+        for arch, act, hidden, residual, recipe, emit_y in product(
+            archs, dtypes, hiddens, residuals, recipes, emit_ys
+        )
+    ]
+
+
 # ---------------------------------------------------------------------------------------------------
 # Validation
 
@@ -281,21 +298,23 @@ def check_arguments(x, w, eps, residual, recipe, emit_y, weight_offset, scale_la
 # Forward and backward on one device
 
 
+def _empty(shape, dtype, device) -> torch.Tensor:
+    """Every output of the kernel path is allocated here (the GPU tests poison them through it)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
 def _forward_cuda(x, w, eps, residual, recipe, emit_y, weight_offset):
     op = v.known_operands(x, w) or v.operands(x, w)
     hidden = x.shape[-1]
     rows = x.numel() // hidden
     vec = dispatch.vector_elems(hidden, op.act)
     fp32_scales = QUANT_RECIPES[recipe][1]
-    data = torch.empty((rows, hidden), dtype=torch.uint8, device=op.device)
-    scales = torch.empty(
-        (rows, scale_blocks(hidden, recipe)),
-        dtype=torch.float32 if fp32_scales else torch.uint8,
-        device=op.device,
-    )
-    rstd = torch.empty(rows, dtype=torch.float32, device=op.device)
-    y = torch.empty((rows, hidden), dtype=x.dtype, device=op.device) if emit_y else None
-    h_new = torch.empty((rows, hidden), dtype=x.dtype, device=op.device) if residual is not None else None
+    data = _empty((rows, hidden), torch.uint8, op.device)
+    scale_dtype = torch.float32 if fp32_scales else torch.uint8
+    scales = _empty((rows, scale_blocks(hidden, recipe)), scale_dtype, op.device)
+    rstd = _empty((rows,), torch.float32, op.device)
+    y = _empty((rows, hidden), x.dtype, op.device) if emit_y else None
+    h_new = _empty((rows, hidden), x.dtype, op.device) if residual is not None else None
     if rows > 0:
         fn = kernel(
             dispatch.quant_kind(recipe, emit_y),

@@ -96,6 +96,11 @@ class RMSNormForwardQuant(RMSNormForward):
         self.slices_per_block = max(1, block // span)
         self.groups = -(-tiling.vecs_per_thread // self.slices_per_block)
 
+    def group_vectors(self, g: int) -> tuple[int, int]:
+        """The range of the thread's vectors (k) that lie in its g-th block."""
+        first = g * self.slices_per_block
+        return first, min(first + self.slices_per_block, self.tiling.vecs_per_thread)
+
     @cute.jit
     def __call__(
         self,
@@ -133,15 +138,12 @@ class RMSNormForwardQuant(RMSNormForward):
         if const_expr(self.emit_y):
             self.store_rows(tile, tile.y.load().to(self.act_dtype), mY)
         amax = self.block_amax(smem, tile)
-        t = self.tiling
         q = cute.make_rmem_tensor_like(tile.y, cutlass.Float8E4M3FN)
         for g in cutlass.range_constexpr(self.groups):
             e = self.scale_exponent(amax[g])
             inv = inverse_scale(e)
-            for s in cutlass.range_constexpr(self.slices_per_block):
-                k = g * self.slices_per_block + s
-                if const_expr(k < t.vecs_per_thread):
-                    q[None, 0, k].store((tile.y[None, 0, k].load() * inv).to(cutlass.Float8E4M3FN))
+            for k in cutlass.range_constexpr(*self.group_vectors(g)):
+                q[None, 0, k].store((tile.y[None, 0, k].load() * inv).to(cutlass.Float8E4M3FN))
             self.store_scale(tile, mScale, g, e)
         self.store_rows(tile, cute.recast_tensor(q, Uint8).load(), mQ)
 
@@ -152,11 +154,9 @@ class RMSNormForwardQuant(RMSNormForward):
         amax = cute.make_rmem_tensor(cute.make_layout(self.groups), Int32)
         for g in cutlass.range_constexpr(self.groups):
             m = Int32(0)
-            for s in cutlass.range_constexpr(self.slices_per_block):
-                k = g * self.slices_per_block + s
-                if const_expr(k < t.vecs_per_thread):
-                    for i in cutlass.range_constexpr(t.vec):
-                        m = cutlass.max(m, float_bits(tile.y[i, 0, k]) & ABS_MASK)
+            for k in cutlass.range_constexpr(*self.group_vectors(g)):
+                for i in cutlass.range_constexpr(t.vec):
+                    m = cutlass.max(m, float_bits(tile.y[i, 0, k]) & ABS_MASK)
             amax[g] = cute.arch.warp_reduction_max(m, threads_in_group=min(self.lanes_per_block, 32))
         if const_expr(self.lanes_per_block > 32):
             amax = self.combine_warps(smem, tile, amax)

@@ -1,0 +1,303 @@
+"""FP8 forward without a GPU: the torch reference against an independent computation, E8M0 rounding
+edge cases, the scale-layout converters, argument checks, autograd and torch.compile on CPU tensors,
+and every quantizing kernel variant compiled for sm_90a and sm_100a with its SASS checked."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from cake_cute import cake_rmsnorm_fp8, fp8
+from cake_cute.cubin import kernel_report, spill_free
+
+F32 = torch.float32
+NAN_BYTES = (0x7F, 0xFF)  # e4m3fn NaN with either sign
+
+
+def _e(amax: float) -> int:
+    return int(fp8.e8m0_round_up(torch.tensor([amax], dtype=F32))[0])
+
+
+@pytest.mark.parametrize(
+    "amax, expected",
+    [
+        (448.0, 127),  # amax / 448 = 1 exactly: no rounding up
+        (448.0 * 2**-10, 117),  # exact powers of two stay
+        (448.0 * 1.0001, 128),  # just above a power of two rounds up
+        (448.0 * 0.75, 127),
+        (1.0, 127 - 8),  # 1/448 = 2^-8.8 -> 2^-8
+        (0.0, 0),  # amax 0: 2^-127, the smallest E8M0 value (data is all zeros)
+        (2.0**-149, 0),  # subnormal quotients round up to 2^-127 ...
+        (448.0 * 2**-127, 0),  # ... which is exactly representable,
+        (448.0 * 2**-127 * 1.5, 1),  # ... or to 2^-126 above it
+        (float("inf"), 254),  # saturated: 2^127
+        (3.4028234663852886e38, 247),  # the largest float / 448 -> 2^120
+        (float("nan"), 255),
+    ],
+)
+def test_e8m0_rounds_up(amax, expected):
+    assert _e(amax) == expected
+
+
+def test_e8m0_agrees_with_log2_on_normal_values():
+    amax = torch.logspace(-30, 30, 5001, base=2.0, dtype=torch.float64).float()
+    quotient = (amax / fp8.E4M3_MAX).double()  # the same FP32 division, then exact log2 in FP64
+    expected = torch.ceil(torch.log2(quotient)).int() + 127
+    assert torch.equal(fp8.e8m0_round_up(amax), expected)
+
+
+def test_inverse_scale_is_exact():
+    e = torch.arange(0, 255, dtype=torch.int32)
+    expected = torch.tensor([math.ldexp(1.0, 127 - int(k)) for k in e], dtype=torch.float64)
+    assert torch.equal(fp8.inverse_scale(e).double(), expected)
+    assert torch.isnan(fp8.inverse_scale(torch.tensor([255], dtype=torch.int32))).all()
+
+
+def _independent_quantize(y: torch.Tensor, block: int, fp32_scales: bool):
+    """Straightforward per-block loop in FP64: scale = 2^ceil(log2(fp32(amax / 448))), data =
+    e4m3(clamp(y / scale)); for finite, non-zero blocks of normal values."""
+    rows, hidden = y.shape
+    data = torch.empty_like(y, dtype=torch.float8_e4m3fn)
+    scales = []
+    for t in range(rows):
+        row_scales = []
+        for start in range(0, hidden, block):
+            chunk = y[t, start : start + block]
+            quotient = float(torch.tensor(chunk.abs().max().item(), dtype=F32) / 448.0)
+            exponent = max(math.ceil(math.log2(quotient)), -126 if fp32_scales else -127)
+            scale = math.ldexp(1.0, exponent)
+            data[t, start : start + block] = (chunk.double() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+            row_scales.append(scale if fp32_scales else exponent + 127)
+        scales.append(row_scales)
+    return data, torch.tensor(scales, dtype=F32 if fp32_scales else torch.int32)
+
+
+@pytest.mark.parametrize("recipe", fp8.RECIPES)
+@pytest.mark.parametrize("hidden", [1, 31, 33, 128, 300])
+def test_reference_matches_an_independent_quantizer(recipe, hidden):
+    y = torch.randn(3, hidden, dtype=F32) * torch.logspace(-6, 6, 3, base=2.0).reshape(3, 1)
+    y[1, :5] *= 1000  # one row with a few outliers: those blocks' scales go up
+    data, scales = fp8.quantize_rows_reference(y, recipe)
+    block, fp32_scales = fp8.QUANT_RECIPES[recipe]
+    expected_data, expected_scales = _independent_quantize(y, block, fp32_scales)
+    assert torch.equal(data.view(torch.uint8), expected_data.view(torch.uint8))
+    got = scales if fp32_scales else scales.view(torch.uint8).int()
+    assert torch.equal(got, expected_scales)
+    assert scales.shape == (3, -(-hidden // block))
+
+
+def test_padding_blocks_are_shorter_and_zero_filled():
+    """The last block of H = 40 holds 8 columns; its amax is theirs alone."""
+    y = torch.zeros(1, 40)
+    y[0, :32] = 1000.0
+    y[0, 32:] = 1.0
+    _, scales = fp8.quantize_rows_reference(y, "mxfp8")
+    assert scales.view(torch.uint8).tolist() == [[_e(1000.0), _e(1.0)]]
+
+
+def test_saturation_and_zero_blocks():
+    y = torch.zeros(2, 32)
+    y[0, 0] = 448.0 * 1.01  # scale 2: 452.5 / 2 = 226 fits; the values stay below 448
+    y[1, :] = 0.0
+    data, scales = fp8.quantize_rows_reference(y, "mxfp8")
+    assert scales.view(torch.uint8)[:, 0].tolist() == [128, 0]
+    assert data.float()[0, 0].item() == 224.0 and not data.float()[1].any()
+    _, fp32_scales = fp8.quantize_rows_reference(y, "1x128")
+    assert fp32_scales[1, 0].item() == 1.0  # an all-zero 1x128 block gets scale 1
+
+
+def test_nan_and_inf_rows_stay_in_their_rows():
+    x = torch.randn(4, 96)
+    w = torch.rand(96) + 0.5
+    x[1, 3] = float("nan")
+    x[2, 50] = float("inf")
+    data, scales, _, rstd, _ = fp8.rmsnorm_fp8_reference(x, w, 1e-6, recipe="mxfp8")
+    q = data.view(torch.uint8)
+    clean = [0, 3]
+    assert not torch.isin(q[clean], torch.tensor(NAN_BYTES, dtype=torch.uint8)).any()
+    assert torch.isnan(data[1].float()).all() and (scales.view(torch.uint8)[1] == 255).all()
+    # An infinity sends rstd to 0: the row is NaN where it was infinite and 0 elsewhere.
+    assert rstd[2] == 0 and torch.isnan(data[2, 50].float()) and (data[2].float().nan_to_num() == 0).all()
+
+
+def test_dequantized_error_is_within_e4m3_rounding():
+    x = torch.randn(8, 4096, dtype=torch.bfloat16)
+    w = torch.randn(4096, dtype=torch.bfloat16)
+    for recipe in fp8.RECIPES:
+        data, scales, _, rstd, _ = fp8.rmsnorm_fp8_reference(x, w, 1e-6, recipe=recipe)
+        y, _, _ = fp8.normalized_reference(x, w, 1e-6, rstd=rstd)
+        err = (fp8.dequantize_rows(data, scales, recipe) - y).abs()
+        bound = fp8.dequantize_rows(torch.ones_like(data), scales, recipe) * 448 * 2**-4  # half an ulp at 448
+        assert (err <= bound).all()
+
+
+# ---------------------------------------------------------------------------------------- layouts
+
+
+def _cublas_offset(r: int, c: int, col_tiles: int) -> int:
+    tile = (r // 128) * col_tiles + c // 4
+    return tile * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4
+
+
+@pytest.mark.parametrize("rows, blocks", [(1, 1), (5, 3), (128, 4), (130, 9), (300, 128)])
+def test_cublas_layout_places_every_scale_and_round_trips(rows, blocks):
+    compact = torch.randint(0, 255, (rows, blocks), dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    swizzled = fp8.to_cublas_mx_scales(compact)
+    prows, pcols = -(-rows // 128) * 128, -(-blocks // 4) * 4
+    assert swizzled.shape == (prows, pcols) and swizzled.dtype == torch.float8_e8m0fnu
+    flat = swizzled.view(torch.uint8).reshape(-1)
+    src = compact.view(torch.uint8)
+    for r, c in [(0, 0), (rows - 1, blocks - 1), (rows // 2, blocks // 2), (min(rows - 1, 33), 0)]:
+        assert flat[_cublas_offset(r, c, pcols // 4)] == src[r, c]
+    assert int(flat.sum()) == int(src.sum(dtype=torch.int64))  # the padding is zero
+    assert torch.equal(fp8.from_cublas_mx_scales(swizzled, rows, blocks).view(torch.uint8), src)
+
+
+@pytest.mark.parametrize("rows", [1, 4, 5, 129])
+def test_deepgemm_layout_is_mn_major_tma_aligned_and_round_trips(rows):
+    compact = torch.randn(rows, 3)
+    mn_major = fp8.to_deepgemm_scales(compact)
+    assert mn_major.shape == (rows, 3) and mn_major.stride() == (1, -(-rows // 4) * 4)
+    assert torch.equal(mn_major, compact)
+    assert torch.equal(fp8.from_deepgemm_scales(mn_major), compact)
+    assert fp8.from_deepgemm_scales(mn_major).is_contiguous()
+
+
+def test_converters_reject_wrong_inputs():
+    with pytest.raises(TypeError, match="scales"):
+        fp8.to_cublas_mx_scales(torch.zeros(2, 2))
+    with pytest.raises(ValueError, match="swizzled must have shape"):
+        fp8.from_cublas_mx_scales(torch.zeros(128, 4, dtype=torch.uint8).view(torch.float8_e8m0fnu), 129, 1)
+    with pytest.raises(TypeError, match="scales"):
+        fp8.to_deepgemm_scales(torch.zeros(2, 2, dtype=torch.float16))
+
+
+# ------------------------------------------------------------------------------ API and validation
+
+
+def _inputs(rows=3, hidden=64, dtype=torch.bfloat16, residual=False):
+    x = torch.randn(rows, hidden, dtype=dtype, requires_grad=True)
+    w = (torch.rand(hidden, dtype=dtype) + 0.5).requires_grad_()
+    r = torch.randn(rows, hidden, dtype=dtype, requires_grad=True) if residual else None
+    return x, w, r
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(recipe=32), TypeError, "recipe"),
+        (dict(recipe="nvfp4"), ValueError, "recipe"),
+        (dict(scale_layout=None), TypeError, "scale_layout"),
+        (dict(scale_layout="tiled"), ValueError, "scale_layout"),
+        (dict(recipe="1x128", scale_layout="cublas"), ValueError, "scale_layout"),
+        (dict(recipe="mxfp8", scale_layout="deepgemm"), ValueError, "scale_layout"),
+        (dict(emit_y=1), TypeError, "emit_y"),
+        (dict(weight_offset="1"), TypeError, "weight_offset"),
+        (dict(eps=-1.0), ValueError, "eps"),
+    ],
+)
+def test_bad_arguments_name_themselves(kwargs, error, match):
+    x, w, _ = _inputs()
+    with pytest.raises(error, match=match):
+        cake_rmsnorm_fp8(x, w, **kwargs)
+
+
+def test_bad_tensors_name_themselves():
+    x, w, _ = _inputs()
+    with pytest.raises(TypeError, match="x must have dtype"):
+        cake_rmsnorm_fp8(x.to(torch.float64), w)
+    with pytest.raises(ValueError, match="w must have shape"):
+        cake_rmsnorm_fp8(x, w[:-1])
+    with pytest.raises(ValueError, match="residual must have shape"):
+        cake_rmsnorm_fp8(x, w, residual=x[:, :-1])
+
+
+@pytest.mark.parametrize("recipe, layout", [("mxfp8", "compact"), ("mxfp8", "cublas"), ("1x128", "deepgemm")])
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("emit_y", [False, True])
+def test_outputs_and_gradients_on_cpu(recipe, layout, residual, emit_y):
+    """The op's outputs are the reference's, and the gradient reaching x, residual and w through y is
+    torch autograd's of the same FP32 formula."""
+    x, w, r = _inputs(rows=5, hidden=200, residual=residual)
+    out = cake_rmsnorm_fp8(x, w, 1e-6, residual=r, recipe=recipe, emit_y=emit_y, scale_layout=layout)
+    data, scales, y, rstd, h = fp8.rmsnorm_fp8_reference(x.detach(), w.detach(), 1e-6, r, recipe, True)
+    assert torch.equal(out.data.view(torch.uint8), data.view(torch.uint8))
+    assert torch.equal(
+        out.scales.contiguous().view(torch.uint8),
+        fp8.to_scale_layout(scales, layout).contiguous().view(torch.uint8),
+    )
+    assert torch.equal(out.rstd, rstd)
+    assert out.y.shape == x.shape and (torch.equal(out.y, y) if emit_y else out.y.stride() == (0, 0))
+    assert (out.h_new is not None) == residual
+    g = torch.randn(x.shape)
+    loss = (out.y.float() * g).sum() + (out.h_new.float().sum() if residual else 0)
+    grads = torch.autograd.grad(loss, [t for t in (x, w, r) if t is not None])
+
+    xs, ws, rs = (None if t is None else t.detach().float().requires_grad_() for t in (x, w, r))
+    hs = xs if rs is None else xs + rs
+    ref = hs * torch.rsqrt(hs.square().mean(-1, keepdim=True) + 1e-6) * ws
+    ref_loss = (ref * g).sum() + (hs.sum() if residual else 0)
+    ref_grads = torch.autograd.grad(ref_loss, [t for t in (xs, ws, rs) if t is not None])
+    for got, want in zip(grads, ref_grads):
+        assert got.dtype == torch.bfloat16
+        assert (got.float() - want).norm() <= 2e-2 * want.norm()
+
+
+def test_only_h_new_used_passes_its_gradient_through():
+    x, w, r = _inputs(residual=True)
+    out = cake_rmsnorm_fp8(x, w, residual=r)
+    gx, gr = torch.autograd.grad(out.h_new.float().sum(), [x, r])
+    assert torch.equal(gx, torch.ones_like(x)) and torch.equal(gr, torch.ones_like(r))
+
+
+@pytest.mark.parametrize("recipe", fp8.RECIPES)
+def test_torch_compile_fullgraph_matches_eager(recipe):
+    x, w, r = _inputs(rows=4, hidden=160, residual=True)
+
+    def step(x, w, r):
+        out = cake_rmsnorm_fp8(x, w, 1e-6, residual=r, recipe=recipe)
+        return (
+            out.data.float().sum()
+            + out.scales.float().sum()
+            + (out.y.float() * 3).sum()
+            + out.h_new.float().sum()
+        )
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    loss = compiled(x, w, r)
+    got = torch.autograd.grad(loss, [x, w, r])
+    want_loss = step(x, w, r)
+    want = torch.autograd.grad(want_loss, [x, w, r])
+    assert torch.equal(loss, want_loss)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------------------------ kernels: compile + SASS
+
+ARCHS = ("sm_90a", "sm_100a")
+DTYPES = ("bf16", "fp16", "fp32")
+HIDDEN = (7, 4096, 4097, 65536)
+SPECS = fp8.fp8_variant_specs(ARCHS, DTYPES, HIDDEN)
+SPECS += fp8.fp8_variant_specs(ARCHS, ("bf16",), (1, 33, 129, 7168, 65537), emit_ys=(False,))
+
+
+@pytest.fixture(scope="module")
+def fp8_cache(tmp_path_factory):
+    """A fresh kernel cache for this module; each test compiles only its own variant (so ``-k``
+    selections compile only what they select)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CAKE_CUTE_CACHE_DIR", str(tmp_path_factory.mktemp("fp8_cache")))
+        yield
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name())
+def test_kernel_compiles_without_spills_and_converts_in_hardware(fp8_cache, spec):
+    report = kernel_report(spec)
+    assert spill_free(report), report
+    assert report["e4m3_converts"] > 0, "no e4m3 convert instruction"
+    act_bytes = {"bf16": 2, "fp16": 2, "fp32": 4}[spec.act_dtype]
+    if spec.hidden * act_bytes % 16 == 0:
+        assert report["global_load_width_bits"] == 128
