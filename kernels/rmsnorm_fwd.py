@@ -64,8 +64,9 @@ class NormalizedTile(NamedTuple):
 class RMSNormForward(RowKernel):
     """One compiled forward per (arch, dtypes, H, residual, weight_offset); T is a runtime value.
 
-    ``normalize`` is everything up to the FP32 normalized row; ``kernel`` rounds it to the activation
-    dtype and stores it. Other epilogues (``rmsnorm_fwd_quant``) reuse ``normalize``."""
+    ``normalize`` is everything up to the FP32 normalized row; ``epilogue`` rounds it to the activation
+    dtype and stores it. Other epilogues (``rmsnorm_fwd_quant``) override ``epilogue`` and ``__call__``:
+    their extra outputs travel in ``mQ`` and ``mScale``, None here."""
 
     @cute.jit
     def __call__(
@@ -79,8 +80,14 @@ class RMSNormForward(RowKernel):
         eps: Float32,
         stream,
     ):
+        self.launch(mX, mRes, mW, mY, mHOut, mRstd, None, None, eps, stream)
+
+    @cute.jit
+    def launch(self, mX, mRes, mW, mY, mHOut, mRstd, mQ, mScale, eps, stream):
         ctas = cute.ceil_div(mX.shape[0], self.tiling.rows_per_cta)
-        self.kernel(mX, mRes, mW, mY, mHOut, mRstd, eps).launch(**self.launch_shape(ctas), stream=stream)
+        self.kernel(mX, mRes, mW, mY, mHOut, mRstd, mQ, mScale, eps).launch(
+            **self.launch_shape(ctas), stream=stream
+        )
 
     @cute.kernel
     def kernel(
@@ -91,10 +98,16 @@ class RMSNormForward(RowKernel):
         mY: cute.Tensor,
         mHOut: cute.Tensor,
         mRstd: cute.Tensor,
+        mQ: cute.Tensor,
+        mScale: cute.Tensor,
         eps: Float32,
     ):
         smem = cutlass.memory.SmemAllocator()
         tile = self.normalize(smem, mX, mRes, mW, mHOut, mRstd, eps)
+        self.epilogue(smem, tile, mY, mQ, mScale)
+
+    @cute.jit
+    def epilogue(self, smem, tile: NormalizedTile, mY: cute.Tensor, mQ: cute.Tensor, mScale: cute.Tensor):
         self.store_rows(tile, tile.y.load().to(self.act_dtype), mY)
 
     @cute.jit

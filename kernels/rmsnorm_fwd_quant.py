@@ -102,39 +102,13 @@ class RMSNormForwardQuant(RMSNormForward):
         return first, min(first + self.slices_per_block, self.tiling.vecs_per_thread)
 
     @cute.jit
-    def __call__(
-        self,
-        mX: cute.Tensor,
-        mRes: cute.Tensor,
-        mW: cute.Tensor,
-        mY: cute.Tensor,
-        mHOut: cute.Tensor,
-        mRstd: cute.Tensor,
-        mQ: cute.Tensor,
-        mScale: cute.Tensor,
-        eps: Float32,
-        stream,
-    ):
-        ctas = cute.ceil_div(mX.shape[0], self.tiling.rows_per_cta)
-        self.kernel(mX, mRes, mW, mY, mHOut, mRstd, mQ, mScale, eps).launch(
-            **self.launch_shape(ctas), stream=stream
-        )
+    def __call__(self, mX, mRes, mW, mY, mHOut, mRstd, mQ, mScale, eps: Float32, stream):
+        """The forward's arguments plus ``mQ`` (T, H) e4m3 bytes and ``mScale`` (T, blocks) scales."""
+        self.launch(mX, mRes, mW, mY, mHOut, mRstd, mQ, mScale, eps, stream)
 
-    @cute.kernel
-    def kernel(
-        self,
-        mX: cute.Tensor,
-        mRes: cute.Tensor,
-        mW: cute.Tensor,
-        mY: cute.Tensor,
-        mHOut: cute.Tensor,
-        mRstd: cute.Tensor,
-        mQ: cute.Tensor,
-        mScale: cute.Tensor,
-        eps: Float32,
-    ):
-        smem = cutlass.memory.SmemAllocator()
-        tile = self.normalize(smem, mX, mRes, mW, mHOut, mRstd, eps)
+    @cute.jit
+    def epilogue(self, smem, tile: NormalizedTile, mY: cute.Tensor, mQ: cute.Tensor, mScale: cute.Tensor):
+        """y (with ``emit_y``), then per block: amax, scale exponent, e4m3 data and the scale."""
         if const_expr(self.emit_y):
             self.store_rows(tile, tile.y.load().to(self.act_dtype), mY)
         amax = self.block_amax(smem, tile)
