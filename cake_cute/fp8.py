@@ -18,7 +18,8 @@ Numerics (the kernel ``kernels/rmsnorm_fwd_quant.py`` and ``quantize_rows_refere
   all-zero block gets the scale 1.0.
 - ``q = e4m3(y * 2^(127 - e))``: round to nearest even, saturated to +-448 (an infinity becomes
   +-448), NaN stays NaN. A NaN or infinity in a row's input makes that row's rstd NaN or 0, so it
-  stays in that row: its blocks get NaN data and NaN scales (``mxfp8``: byte 255) or zeros.
+  stays in that row: a NaN row is NaN throughout (``mxfp8`` scale byte 255); in a row with an
+  infinity, the block holding it is NaN (inf * 0) and the other blocks are 0.
 
 Scale layouts (``scale_layout=``):
 
