@@ -287,6 +287,7 @@ DTYPES = ("bf16", "fp16", "fp32")
 HIDDEN = (7, 4096, 4097, 65536)
 SPECS = fp8.fp8_variant_specs(ARCHS, DTYPES, HIDDEN)
 SPECS += fp8.fp8_variant_specs(ARCHS, ("bf16",), (1, 33, 129, 7168, 65537), emit_ys=(False,))
+SPECS += fp8.fp8_variant_specs(("sm_103a",), ("bf16",), (4096, 65536), (True,), emit_ys=(False,))
 
 
 @pytest.fixture(scope="module")
