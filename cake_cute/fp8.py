@@ -94,7 +94,9 @@ def e8m0_round_up(amax: torch.Tensor) -> torch.Tensor:
     """Biased E8M0 exponent (int32) of fp32(amax / 448) rounded up to a power of two, saturated to
     254 (2^127); 255 for NaN. ``amax`` is the bit pattern from ``amax_bits`` (int32) or FP32."""
     amax = amax.view(torch.float32) if amax.dtype == torch.int32 else amax.float()
-    quotient = amax / E4M3_MAX
+    # A tensor divisor: torch's CUDA division by a Python scalar multiplies by its rounded
+    # reciprocal, which is not the IEEE quotient the kernel rounds.
+    quotient = amax / torch.full_like(amax, E4M3_MAX)
     bits = quotient.view(torch.int32)
     exponent = bits >> 23
     mantissa = bits & 0x7FFFFF
