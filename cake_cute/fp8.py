@@ -48,14 +48,11 @@ import torch
 from . import dispatch
 from . import validation as v
 from .compile_cache import kernel
-from .kernels.config import QUANT_RECIPES
+from .kernels.config import E4M3_MAX, FP32_BITS_OF_2_POW_M127, FP32_NAN_BITS, QUANT_RECIPES
 from .reference import backward_reference
 
 RECIPES = tuple(QUANT_RECIPES)
-E4M3_MAX = 448.0
 SCALE_LAYOUTS = {"compact": RECIPES, "cublas": ("mxfp8",), "deepgemm": ("1x128",)}
-_NAN_BITS = 0x7FC00000
-_HALF_MANTISSA = 0x400000  # bits of 2^-127 (an FP32 subnormal), the smallest E8M0 value
 _CUBLAS_TILE = (128, 4)
 _DEEPGEMM_ROW_ALIGN = 4  # 16 bytes of FP32 scales per TMA row
 
@@ -101,15 +98,15 @@ def e8m0_round_up(amax: torch.Tensor) -> torch.Tensor:
     exponent = bits >> 23
     mantissa = bits & 0x7FFFFF
     normal = torch.clamp(exponent + (mantissa != 0).int(), max=254)
-    subnormal = (mantissa > _HALF_MANTISSA).int()
+    subnormal = (mantissa > FP32_BITS_OF_2_POW_M127).int()
     e = torch.where(exponent == 0, subnormal, normal)
     return torch.where(torch.isnan(quotient), 255, e).int()
 
 
 def inverse_scale(e: torch.Tensor) -> torch.Tensor:
     """2^(127 - e) as FP32, exactly (NaN for e = 255)."""
-    bits = torch.where(e == 254, _HALF_MANTISSA, (254 - e) << 23)
-    return torch.where(e == 255, _NAN_BITS, bits).int().view(torch.float32)
+    bits = torch.where(e == 254, FP32_BITS_OF_2_POW_M127, (254 - e) << 23)
+    return torch.where(e == 255, FP32_NAN_BITS, bits).int().view(torch.float32)
 
 
 def scale_exponent(amax: torch.Tensor, recipe: str) -> torch.Tensor:
@@ -137,7 +134,7 @@ def quantize_rows_reference(y: torch.Tensor, recipe: str) -> tuple[torch.Tensor,
 
 def _scales_from_exponents(e: torch.Tensor, recipe: str) -> torch.Tensor:
     if QUANT_RECIPES[recipe][1]:
-        return torch.where(e == 255, _NAN_BITS, e << 23).int().view(torch.float32)
+        return torch.where(e == 255, FP32_NAN_BITS, e << 23).int().view(torch.float32)
     return e.to(torch.uint8).view(torch.float8_e8m0fnu)
 
 

@@ -257,6 +257,9 @@ def backward_ctas_per_sm(tiling: RowTiling, arch: str, act_dtype: str, w_dtype: 
 # Block-scaled FP8 recipes of the quantizing forward: block width along H and whether the scales are
 # FP32 powers of two (else E8M0 bytes).
 QUANT_RECIPES = {"mxfp8": (32, False), "1x128": (128, True)}
+E4M3_MAX = 448.0
+FP32_NAN_BITS = 0x7FC00000
+FP32_BITS_OF_2_POW_M127 = 0x400000  # 2^-127, the smallest E8M0 value, is an FP32 subnormal
 
 
 @cache

@@ -35,13 +35,11 @@ from cutlass import Float32, Int32, Uint8, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
+from .config import E4M3_MAX, FP32_BITS_OF_2_POW_M127, FP32_NAN_BITS
 from .rmsnorm_fwd import NormalizedTile, RMSNormForward
 
-E4M3_MAX = 448.0
 ABS_MASK = 0x7FFFFFFF
-NAN_BITS = 0x7FC00000
 MANTISSA_MASK = 0x7FFFFF
-HALF_MANTISSA = 0x400000  # the bits of 2^-127, the smallest E8M0 value, as an FP32 subnormal
 E8M0_MAX_FINITE = 254
 E8M0_NAN = 255
 E8M0_ONE = 127
@@ -64,7 +62,7 @@ def e8m0_round_up(amax_bits: Int32) -> Int32:
     exponent = q >> 23
     mantissa = q & MANTISSA_MASK
     normal = cutlass.min(exponent + cutlass.select_(mantissa != 0, Int32(1), Int32(0)), E8M0_MAX_FINITE)
-    subnormal = cutlass.select_(mantissa > HALF_MANTISSA, Int32(1), Int32(0))
+    subnormal = cutlass.select_(mantissa > FP32_BITS_OF_2_POW_M127, Int32(1), Int32(0))
     e = cutlass.select_(exponent == 0, subnormal, normal)
     return cutlass.select_(q > 0x7F800000, Int32(E8M0_NAN), e)
 
@@ -72,8 +70,8 @@ def e8m0_round_up(amax_bits: Int32) -> Int32:
 @cute.jit
 def inverse_scale(e: Int32) -> Float32:
     """2^(127 - e) exactly (2^-127 is an FP32 subnormal), NaN for the NaN exponent."""
-    bits = cutlass.select_(e == E8M0_MAX_FINITE, Int32(HALF_MANTISSA), (E8M0_MAX_FINITE - e) << 23)
-    return bits_float(cutlass.select_(e == E8M0_NAN, Int32(NAN_BITS), bits))
+    bits = cutlass.select_(e == E8M0_MAX_FINITE, Int32(FP32_BITS_OF_2_POW_M127), (E8M0_MAX_FINITE - e) << 23)
+    return bits_float(cutlass.select_(e == E8M0_NAN, Int32(FP32_NAN_BITS), bits))
 
 
 class RMSNormForwardQuant(RMSNormForward):
@@ -175,7 +173,7 @@ class RMSNormForwardQuant(RMSNormForward):
         first_lane = tile.lane_in_row % self.lanes_per_block == 0
         if tile.row < tile.rows and first_lane and column < t.hidden:
             if const_expr(self.fp32_scales):
-                bits = cutlass.select_(e == E8M0_NAN, Int32(NAN_BITS), e << 23)
+                bits = cutlass.select_(e == E8M0_NAN, Int32(FP32_NAN_BITS), e << 23)
                 mScale[tile.row, column // self.block] = bits_float(bits)
             else:
                 mScale[tile.row, column // self.block] = Uint8(e)
