@@ -47,9 +47,14 @@ import torch
 
 from . import dispatch
 from . import validation as v
+from .build import quant_kind
 from .compile_cache import kernel
+from .device import on_device
 from .kernels.config import E4M3_MAX, FP32_BITS_OF_2_POW_M127, FP32_NAN_BITS, QUANT_RECIPES
+from .operands import known_operands, operands
 from .reference import backward_reference
+from .specs import KernelSpec
+from .views import aligned_vector, kernel_view
 
 RECIPES = tuple(QUANT_RECIPES)
 SCALE_LAYOUTS = {"compact": RECIPES, "cublas": ("mxfp8",), "deepgemm": ("1x128",)}
@@ -238,10 +243,8 @@ def fp8_variant_specs(
     CLI reports and the compile tests); the backward is the plain one (``warmup.variant_specs``)."""
     from itertools import product
 
-    from .compile_cache import KernelSpec
-
     return [
-        KernelSpec(dispatch.quant_kind(recipe, emit_y), arch, act, act, hidden, residual)
+        KernelSpec(quant_kind(recipe, emit_y), arch, act, act, hidden, residual)
         for arch, act, hidden, residual, recipe, emit_y in product(
             archs, dtypes, hiddens, residuals, recipes, emit_ys
         )
@@ -304,7 +307,7 @@ def _empty(shape, dtype, device) -> torch.Tensor:
 
 
 def _forward_cuda(x, w, eps, residual, recipe, emit_y, weight_offset):
-    op = v.known_operands(x, w) or v.operands(x, w)
+    op = known_operands(x, w) or operands(x, w)
     hidden = x.shape[-1]
     rows = x.numel() // hidden
     vec = dispatch.vector_elems(hidden, op.act)
@@ -317,7 +320,7 @@ def _forward_cuda(x, w, eps, residual, recipe, emit_y, weight_offset):
     h_new = _empty((rows, hidden), x.dtype, op.device) if residual is not None else None
     if rows > 0:
         fn = kernel(
-            dispatch.quant_kind(recipe, emit_y),
+            quant_kind(recipe, emit_y),
             op.arch,
             op.act,
             op.w_name,
@@ -325,11 +328,11 @@ def _forward_cuda(x, w, eps, residual, recipe, emit_y, weight_offset):
             residual is not None,
             weight_offset,
         )
-        with v.on_device(op.device):
+        with on_device(op.device):
             fn(
-                v.kernel_view(x, vec),
-                None if residual is None else v.kernel_view(residual, vec),
-                v.aligned_vector(w, vec),
+                kernel_view(x, vec),
+                None if residual is None else kernel_view(residual, vec),
+                aligned_vector(w, vec),
                 y,
                 h_new,
                 rstd,

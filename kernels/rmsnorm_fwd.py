@@ -6,10 +6,11 @@ Math, per row t of H elements (FP32 arithmetic, one rounding per output):
     rstd = 1 / sqrt(sum_j h_j^2 / H + eps)     (written as FP32 [T])
     y    = round(h * rstd * (w + weight_offset))
 
-Tiling (``config.forward_tiling``): a CTA holds ``rows_per_cta`` rows; ``threads_per_row`` lanes share a
-row, each owning ``vecs_per_thread`` vectors of ``vec`` elements (16 bytes, i.e. 128-bit accesses, when
-H allows), up to 128 bytes of row per thread; a row the power-of-two lane count would cover raggedly
-gets the nearest whole number of warps that covers it exactly (H = 7168: 7 warps x 4 vectors). x (and
+Tiling (``config.forward_config``, ``tiling.forward_tiling``): a CTA holds ``rows_per_cta`` rows;
+``threads_per_row`` lanes share a row, each owning ``vecs_per_thread`` vectors of ``vec`` elements
+(16 bytes, i.e. 128-bit accesses, when H allows), up to 128 bytes of row per thread; a row the
+power-of-two lane count would cover raggedly gets the nearest whole number of warps that covers it
+exactly (H = 7168: 7 warps x 4 vectors). x (and
 residual) are staged in shared memory with cp.async, so the whole tile is in flight at once without
 holding registers; each thread reads back only the cells it staged itself, so no barrier is needed
 between the copy and its use. Rows too wide for one CTA are split over a cluster of ``cluster_n`` CTAs
@@ -46,10 +47,11 @@ from .common import (
 
 
 class NormalizedTile(NamedTuple):
-    """What ``RMSNormForward.normalize`` leaves for an epilogue: the thread's FP32 normalized values (a
-    fragment shaped like its slice of x), how to store a fragment shaped like them, and where it is."""
+    """What ``RMSNormForward.normalize`` leaves for an epilogue: the thread's FP32 normalized values,
+    shaped like its slice of x (``like``), how to store a fragment of that shape, and where it is."""
 
-    y: cute.Tensor  # FP32 register fragment
+    y: cute.TensorSSA  # FP32 values
+    like: cute.Tensor  # the thread's slice of x in global memory (its fragment layout)
     thr: object  # the thread's slice of the tiled copy
     tiler: tuple
     bidx: Int32
@@ -62,7 +64,8 @@ class NormalizedTile(NamedTuple):
 
 
 class RMSNormForward(RowKernel):
-    """One compiled forward per (arch, dtypes, H, residual, weight_offset); T is a runtime value.
+    """One compiled forward per (arch, dtypes, H, residual, weight_offset) and its
+    ``config.ForwardConfig``; T is a runtime value.
 
     ``normalize`` is everything up to the FP32 normalized row; ``epilogue`` rounds it to the activation
     dtype and stores it. Other epilogues (``rmsnorm_fwd_quant``) override ``epilogue`` and ``__call__``:
@@ -108,7 +111,7 @@ class RMSNormForward(RowKernel):
 
     @cute.jit
     def epilogue(self, smem, tile: NormalizedTile, mY: cute.Tensor, mQ: cute.Tensor, mScale: cute.Tensor):
-        self.store_rows(tile, tile.y.load().to(self.act_dtype), mY)
+        self.store_rows(tile, tile.y.to(self.act_dtype), mY)
 
     @cute.jit
     def store_rows(self, tile: NormalizedTile, values: cute.TensorSSA, mOut: cute.Tensor):
@@ -149,7 +152,7 @@ class RMSNormForward(RowKernel):
         row_in_cta = tidx // t.threads_per_row
         lane_in_row = tidx % t.threads_per_row
         pred = None
-        if const_expr(not t.even):
+        if const_expr(not t.covers_row_exactly):
             pred = column_predicate(tXc, t.hidden)
         # Bound outside the dynamic branches: a None captured into a branch would become an IR value.
         copy_act = partial(cute.copy, copy_atom(self.act_dtype, t.vec), pred=pred)
@@ -210,6 +213,5 @@ class RMSNormForward(RowKernel):
         tXrX.fill(0)
         copy_act(tXsX, tXrX)
         w = self.widen_weight(tXrW.load())
-        tXrY = cute.make_rmem_tensor_like(tXgX, Float32)
-        tXrY.store(tXrX.load().to(Float32) * rstd * w)
-        return NormalizedTile(tXrY, thr, tiler, bidx, rank, row, rows, pred, row_in_cta, lane_in_row)
+        y = tXrX.load().to(Float32) * rstd * w
+        return NormalizedTile(y, tXgX, thr, tiler, bidx, rank, row, rows, pred, row_in_cta, lane_in_row)

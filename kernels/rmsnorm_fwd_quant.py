@@ -16,7 +16,7 @@ formula is exactly ``cvt.rp.satfinite.ue8m0x2.f32``'s rounding, so both architec
 code). amax is a maximum of the values' bit patterns with the sign cleared: for non-negative floats
 that order is the numeric order, and NaN patterns sort above infinity, so a NaN propagates.
 
-Tiling: the forward's (``config.quant_tiling``): lane l of a row owns vectors l, l + threads_per_row,
+Tiling: the forward's (``config.quant_forward_config``): lane l of a row owns vectors l, l + threads_per_row,
 ... of ``vec`` elements; ``threads_per_row * vec`` (a k-slice) and B are powers of two, so either a
 block is ``B / vec`` consecutive lanes of one k-slice or it spans ``B / (threads_per_row * vec)``
 consecutive k-slices of all the row's lanes. Each lane takes the maximum over its own vectors of the
@@ -35,7 +35,7 @@ from cutlass import Float32, Int32, Uint8, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
-from .config import E4M3_MAX, FP32_BITS_OF_2_POW_M127, FP32_NAN_BITS
+from .config import E4M3_MAX, FP32_BITS_OF_2_POW_M127, FP32_NAN_BITS, blocks_nest
 from .rmsnorm_fwd import NormalizedTile, RMSNormForward
 
 ABS_MASK = 0x7FFFFFFF
@@ -76,22 +76,21 @@ def inverse_scale(e: Int32) -> Float32:
 
 class RMSNormForwardQuant(RMSNormForward):
     """The forward with a block-scaled e4m3 epilogue: one compiled kernel per (arch, dtypes, H,
-    residual, weight_offset, recipe, emit_y). A recipe is a block width and E8M0 byte or FP32 scales."""
+    residual, weight_offset, recipe, emit_y) and its ``config.QuantForwardConfig`` (the recipe's
+    block width and scale type)."""
 
-    def __init__(
-        self, tiling, act_dtype, w_dtype, residual, weight_offset, min_ctas_per_sm, block, fp32_scales, emit_y
-    ):
-        super().__init__(tiling, act_dtype, w_dtype, residual, weight_offset, min_ctas_per_sm)
-        self.block = block
-        self.fp32_scales = fp32_scales
+    def __init__(self, config, act_dtype, w_dtype, residual, weight_offset, emit_y):
+        super().__init__(config, act_dtype, w_dtype, residual, weight_offset)
+        tiling = config.tiling
+        self.block = config.block
+        self.fp32_scales = config.fp32_scales
         self.emit_y = emit_y
-        span = tiling.threads_per_row * tiling.vec
-        if span % block and block % span:
-            raise ValueError(f"a k-slice of {span} columns and blocks of {block} do not nest")
-        if tiling.cluster_n > 1 and tiling.cols_per_cta % block:
+        if not blocks_nest(tiling, self.block):
+            raise ValueError(f"{tiling.describe()}: its k-slices and blocks of {self.block} do not nest")
+        if tiling.cluster_n > 1 and tiling.cols_per_cta % self.block:
             raise ValueError("a cluster CTA's column slice must hold whole blocks")
-        self.lanes_per_block = min(block // tiling.vec, tiling.threads_per_row)
-        self.slices_per_block = max(1, block // span)
+        self.lanes_per_block = min(self.block // tiling.vec, tiling.threads_per_row)
+        self.slices_per_block = max(1, self.block // (tiling.threads_per_row * tiling.vec))
         self.groups = -(-tiling.vecs_per_thread // self.slices_per_block)
 
     def group_vectors(self, g: int) -> tuple[int, int]:
@@ -108,27 +107,30 @@ class RMSNormForwardQuant(RMSNormForward):
     def epilogue(self, smem, tile: NormalizedTile, mY: cute.Tensor, mQ: cute.Tensor, mScale: cute.Tensor):
         """y (with ``emit_y``), then per block: amax, scale exponent, e4m3 data and the scale."""
         if const_expr(self.emit_y):
-            self.store_rows(tile, tile.y.load().to(self.act_dtype), mY)
-        amax = self.block_amax(smem, tile)
-        q = cute.make_rmem_tensor_like(tile.y, cutlass.Float8E4M3FN)
+            self.store_rows(tile, tile.y.to(self.act_dtype), mY)
+        y = cute.make_rmem_tensor_like(tile.like, Float32)
+        y.store(tile.y)
+        amax = self.block_amax(smem, tile, y)
+        q = cute.make_rmem_tensor_like(tile.like, cutlass.Float8E4M3FN)
         for g in cutlass.range_constexpr(self.groups):
             e = self.scale_exponent(amax[g])
             inv = inverse_scale(e)
             for k in cutlass.range_constexpr(*self.group_vectors(g)):
-                q[None, 0, k].store((tile.y[None, 0, k].load() * inv).to(cutlass.Float8E4M3FN))
+                q[None, 0, k].store((y[None, 0, k].load() * inv).to(cutlass.Float8E4M3FN))
             self.store_scale(tile, mScale, g, e)
         self.store_rows(tile, cute.recast_tensor(q, Uint8).load(), mQ)
 
     @cute.jit
-    def block_amax(self, smem, tile: NormalizedTile) -> cute.Tensor:
-        """Per group of the thread's vectors (one block), the block's max |y| as bits (see the module)."""
+    def block_amax(self, smem, tile: NormalizedTile, y: cute.Tensor) -> cute.Tensor:
+        """Per group of the thread's vectors (one block), the block's max |y| as bits (see the module);
+        ``y`` is the tile's FP32 values in registers."""
         t = self.tiling
         amax = cute.make_rmem_tensor(cute.make_layout(self.groups), Int32)
         for g in cutlass.range_constexpr(self.groups):
             m = Int32(0)
             for k in cutlass.range_constexpr(*self.group_vectors(g)):
                 for i in cutlass.range_constexpr(t.vec):
-                    m = cutlass.max(m, float_bits(tile.y[i, 0, k]) & ABS_MASK)
+                    m = cutlass.max(m, float_bits(y[i, 0, k]) & ABS_MASK)
             amax[g] = cute.arch.warp_reduction_max(m, threads_in_group=min(self.lanes_per_block, 32))
         if const_expr(self.lanes_per_block > 32):
             amax = self.combine_warps(smem, tile, amax)

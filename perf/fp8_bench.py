@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from cake_cute import cake_rmsnorm_train_forward, fp8
+from cake_cute.vocab import DTYPE_NAMES, torch_dtype
 
 EPS = 1e-6
 CALLS = 20
@@ -33,7 +34,6 @@ REPLAYS = 15
 ROTATION_BYTES = 512 << 20  # several times the H200's 50 MB L2
 STANDARD = [(2**27 // h, h) for h in (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)]
 TRAINING = [(t, h) for t in (2048, 4096, 8192, 16384) for h in (2048, 4096, 8192)]
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def fused_bytes(rows: int, hidden: int, act_bytes: int, recipe: str, residual: bool) -> int:
@@ -119,7 +119,7 @@ def copy_us(nbytes: int) -> float:
 
 
 def bench_shape(recipe, residual, dtype_name, rows, hidden) -> list[dict]:
-    dtype = DTYPES[dtype_name]
+    dtype = torch_dtype(dtype_name)
     w = torch.rand(hidden, dtype=dtype, device="cuda") + 0.5
     sets = input_sets(rows, hidden, dtype, residual)
     nbytes = fused_bytes(rows, hidden, dtype.itemsize, recipe, residual)
@@ -158,7 +158,7 @@ def main(argv=None) -> int:
     parser.add_argument("out", type=Path, help="JSON file to write")
     parser.add_argument("--grid", default="standard,training", help="standard, training or both")
     parser.add_argument("--recipes", default=",".join(fp8.RECIPES))
-    parser.add_argument("--dtype", default="bf16", choices=tuple(DTYPES))
+    parser.add_argument("--dtype", default="bf16", choices=DTYPE_NAMES)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU")
