@@ -82,9 +82,9 @@ def staging_atom(dtype, vec: int):
     return copy_atom(dtype, vec)
 
 
-def allocate_tile(smem, dtype, tiling, stages: int = 1):
-    """A (rows_per_cta, cols_per_cta, stages) shared-memory tile, row-major within a stage."""
-    shape = (tiling.rows_per_cta, tiling.cols_per_cta, stages)
+def allocate_tile(smem, dtype, tiling, slots: int = 1):
+    """A (rows_per_cta, cols_per_cta, slots) shared-memory tile, row-major within a slot."""
+    shape = (tiling.rows_per_cta, tiling.cols_per_cta, slots)
     return smem.allocate_tensor(dtype, cute.make_ordered_layout(shape, order=(1, 0, 2)), byte_alignment=16)
 
 
