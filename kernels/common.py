@@ -27,9 +27,8 @@ from cutlass.cutlass_dsl import dsl_user_op
 
 COPY_BITS = 128
 REDUCTION_SLOTS = 2
-# Clusters of at least this many CTAs push a row's partial sum to their peers from as many lanes (H200,
-# plain backward: H = 32768-131072 2-5% faster; with 2 CTAs one pushing lane is 6% faster; forward and
-# residual within 1%; perf/results/2026-11-30-h200-cluster-push).
+# Clusters of at least this many CTAs push a row's partial sum to their peers from as many lanes; pairs
+# push from one lane (the A/B behind both: perf/results/2026-11-30-h200-cluster-push/).
 PARALLEL_PUSH_CLUSTER = 4
 
 
