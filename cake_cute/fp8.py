@@ -466,27 +466,14 @@ def _op_backward(ctx, _g_data, _g_scales, g, _g_rstd, g_h_new):
     g_residual = g_h_new if ctx.residual else None
     if g is None:
         return g_residual, None, None, g_residual, None, None, None
-    dx, dw = torch.ops.cake_cute.rmsnorm_bwd(g, h, w, rstd, g_residual, ctx.weight_offset, True, w.dtype)
+    if h.device.type == "cuda":
+        dx, dw = torch.ops.cake_cute.rmsnorm_bwd(g, h, w, rstd, g_residual, ctx.weight_offset, True, w.dtype)
+    else:  # traced as plain torch ops: compiled graphs differentiate on CPU too
+        dx, dw = backward_reference_cast(g, h, w, rstd, g_residual, ctx.weight_offset)
     return dx, dw, None, (dx if ctx.residual else None), None, None, None
 
 
 rmsnorm_fp8_fwd.register_autograd(_op_backward, setup_context=_setup_context)
-
-
-def _register_cpu_backward() -> None:
-    """The backward op on CPU tensors runs the torch reference, so compiled graphs with the FP8
-    forward differentiate without a GPU."""
-    from .custom_ops import rmsnorm_bwd
-
-    @rmsnorm_bwd.register_kernel("cpu")
-    def _rmsnorm_bwd_cpu(
-        g, x, w, rstd, g_residual=None, weight_offset=0.0, deterministic=True, dw_dtype=None
-    ):
-        dx, dw = backward_reference_cast(g, x, w, rstd, g_residual, weight_offset)
-        return dx, dw.to(dw_dtype or torch.float32)
-
-
-_register_cpu_backward()
 
 
 def cake_rmsnorm_fp8(
