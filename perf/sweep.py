@@ -1,14 +1,18 @@
 #!/usr/bin/env python
-"""``python perf/sweep.py [options]`` is ``cake-cute bench [options]``: the per-shape performance sweep
-(cake_cute vs torch, torch.compile, Liger, quack + a device-copy ceiling). See perf/README.md.
+"""``python perf/sweep.py [options]`` is ``cake-cute bench [options]`` (``cake_cute.tools.bench``): the
+per-shape performance sweep (cake_cute vs torch, torch.compile, Liger, quack + a device-copy ceiling).
+See perf/README.md.
 
 Works with cake_cute installed (``pip install -e .``) and from a bare source tree: then the repository
 root goes on ``sys.path`` and ``kernels/`` is registered as ``cake_cute.kernels`` (what pyproject's
 package-dir mapping does for an install)."""
 
+import importlib
 import importlib.util
 import sys
 from pathlib import Path
+
+from plot import STANDALONE, load_bench_package
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,17 +43,13 @@ def _use_source_tree() -> None:
 def _bench_main():
     try:
         _use_source_tree()
-        from cake_cute.bench import main
+        from cake_cute.tools.bench.cli import main
 
         return main
     except ImportError as e:  # cake_cute itself cannot import: peers can still be timed
         print(f"note: cake_cute does not import ({e}); its rows will carry the error", file=sys.stderr)
-        path = ROOT / "cake_cute" / "bench.py"
-        spec = importlib.util.spec_from_file_location("_cake_cute_bench_standalone", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-        return module.main
+        load_bench_package()
+        return importlib.import_module(f"{STANDALONE}.cli").main
 
 
 if __name__ == "__main__":

@@ -9,8 +9,8 @@ are asserted are disassembled (nvdisasm costs about 0.3 s a kernel, a third of t
 import pytest
 from cake_cute.kernels.config import DTYPE_BYTES
 
-from cake_cute.cubin import spill_free
-from cake_cute.warmup import collect_reports, variant_specs, warm
+from cake_cute.tools.cubin import spill_free
+from cake_cute.tools.warmup import collect_reports, variant_specs, warm
 
 ARCHS = ("sm_90a", "sm_100a")
 DTYPES = ("bf16", "fp16", "fp32")

@@ -1,9 +1,10 @@
-"""cake_cute.cubin: parsing cuobjdump/nvdisasm output, cutting the fatbin out of an exported object,
+"""cake_cute.tools.cubin: parsing cuobjdump/nvdisasm output, cutting the fatbin out of an exported object,
 and reporting on a cached kernel without compiling it again."""
 
 import pytest
 
-from cake_cute import compile_cache, cubin
+from cake_cute import compile_cache
+from cake_cute.tools import cubin
 from cake_cute.compile_cache import KernelSpec
 
 SASS = """

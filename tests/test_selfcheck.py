@@ -1,4 +1,4 @@
-"""cake_cute.selfcheck (``cake-cute check``): the case matrix on CPU, the whole check on a GPU."""
+"""cake_cute.tools.selfcheck (``cake-cute check``): the case matrix on CPU, the whole check on a GPU."""
 
 import io
 import math
@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from cake_cute import selfcheck
+from cake_cute.tools import selfcheck
 
 
 def test_full_matrix_covers_the_issue():

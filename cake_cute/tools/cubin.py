@@ -22,7 +22,7 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-from .compile_cache import KernelSpec, get_kernel, is_cached_on_disk, object_path
+from ..compile_cache import KernelSpec, get_kernel, is_cached_on_disk, object_path
 
 FATBIN_SYMBOL = b"kernels_binary"
 FATBIN_MAGIC = 0xBA55ED50
@@ -185,7 +185,7 @@ def spill_free(report: dict) -> bool:
 def kernel_report(spec: KernelSpec, *, sass: bool = True) -> dict:
     """The cubin report of one variant, read from the on-disk cache (compiled first if missing).
     The cluster size is a launch attribute, not in the cubin: it comes from the variant's tiling."""
-    from .dispatch import tiling_for
+    from ..dispatch import tiling_for
 
     if not is_cached_on_disk(spec):
         get_kernel(spec)

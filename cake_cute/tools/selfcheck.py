@@ -21,7 +21,7 @@ from typing import TextIO
 
 import torch
 
-from .reference import backward_reference, forward_reference, rel_error, tolerance
+from ..reference import backward_reference, forward_reference, rel_error, tolerance
 
 EPS = 1e-6
 FP32_TOLERANCE = 1e-5
@@ -68,7 +68,7 @@ class CaseResult:
 
 def gpu_problem() -> str | None:
     """Why this machine cannot run the kernels (no CUDA device, unsupported GPU), or None."""
-    from .validation import ARCH_BY_CAPABILITY
+    from ..validation import ARCH_BY_CAPABILITY
 
     if not torch.cuda.is_available():
         return "no CUDA GPU is available (torch.cuda.is_available() is False)"
@@ -113,7 +113,7 @@ def _dx_limit(case: Case, g, w, rstd, dx_ref) -> float:
 
 def _functional(case: Case, x, w, residual, g, g_res, errors: dict, limits: dict):
     """Forward and backward into NaN-poisoned caller-owned outputs; returns the dx reference."""
-    from . import cake_rmsnorm_train_backward, cake_rmsnorm_train_forward
+    from .. import cake_rmsnorm_train_backward, cake_rmsnorm_train_forward
 
     shape, device, rows = x.shape, x.device, case.rows
     out, rstd = _poisoned(shape, case.dtype, device), _poisoned((rows,), torch.float32, device)
@@ -139,7 +139,7 @@ def _functional(case: Case, x, w, residual, g, g_res, errors: dict, limits: dict
 
 def _autograd(case: Case, x, w, residual, g, g_res, refs, errors: dict) -> None:
     """cake_rmsnorm with autograd: y, and the gradients of x, residual and w."""
-    from . import cake_rmsnorm
+    from .. import cake_rmsnorm
 
     y_ref, dx_ref, dw_ref = refs
     xa, wa = x.clone().requires_grad_(), w.clone().requires_grad_()

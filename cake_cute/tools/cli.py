@@ -7,21 +7,31 @@ without one the default ``warmup`` (so a CI job can run the bare command).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
 EXIT_FAILED = 1
+EXIT_USAGE = 2  # argparse's status for a bad argument; also a bad --cache-dir and a missing GPU
 EXIT_NO_GPU = 2
 
+BARE_COMMAND = (
+    "Without a command: on a supported GPU, `check` then `bench`; without one, `warmup` with its "
+    "defaults (every supported arch: sm_90a, sm_100a, sm_103a; bf16; H = 4096; residual off and on)."
+)
 
-def _csv(convert):
-    """An argparse type for comma-separated values; a bad item is reported as a usage error."""
+
+def _csv(convert, what: str):
+    """An argparse type for comma-separated values; an empty list or a bad item is a usage error."""
 
     def parse(text: str):
         try:
-            return [convert(item.strip()) for item in text.split(",") if item.strip()]
+            values = [convert(item.strip()) for item in text.split(",") if item.strip()]
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
+        if not values:
+            raise argparse.ArgumentTypeError(f"expected one or more {what} separated by commas, got {text!r}")
+        return values
 
     return parse
 
@@ -37,7 +47,11 @@ def _dtype(name: str) -> str:
 def _hidden(text: str) -> int:
     from .warmup import check_hidden
 
-    return check_hidden(int(text))
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"hidden size {text!r} is not an integer") from None
+    return check_hidden(value)
 
 
 def _arch(name: str) -> str:
@@ -46,15 +60,47 @@ def _arch(name: str) -> str:
     return normalize_arch(name)
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _finite_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
 RESIDUAL_MODES = {"on": (True,), "off": (False,), "both": (False, True)}
 W_MODES = {"same": ("same",), "fp32": ("fp32",), "both": ("same", "fp32")}
 
 
+def _add_variant_arguments(p, hidden_default) -> None:
+    p.add_argument(
+        "--arch",
+        type=_csv(_arch, "archs"),
+        help="e.g. sm_90a,sm_100a,sm_103a (default: the local GPU's, else all three)",
+    )
+    p.add_argument(
+        "--dtype", type=_csv(_dtype, "dtypes"), default=["bf16"], help="bf16,fp16,fp32 (default bf16)"
+    )
+    p.add_argument(
+        "--hidden", type=_csv(_hidden, "hidden sizes"), default=hidden_default, help="hidden sizes"
+    )
+
+
 def _add_warmup(sub) -> None:
     p = sub.add_parser("warmup", help="compile kernels into the on-disk cache (works without a GPU)")
-    p.add_argument("--arch", type=_csv(_arch), help="e.g. sm_90a,sm_100a (default: the local GPU, else both)")
-    p.add_argument("--dtype", type=_csv(_dtype), default=["bf16"], help="bf16,fp16,fp32 (default bf16)")
-    p.add_argument("--hidden", type=_csv(_hidden), default=[4096], help="hidden sizes (default 4096)")
+    _add_variant_arguments(p, [4096])
     p.add_argument(
         "--residual",
         choices=sorted(RESIDUAL_MODES),
@@ -68,41 +114,77 @@ def _add_warmup(sub) -> None:
         help="weight dtype: the activation dtype, fp32, or both (default same)",
     )
     p.add_argument(
+        "--weight-offset",
+        type=_finite_float,
+        default=0.0,
+        help="the constant added to w, compiled into the kernels (1.0 for Gemma-style norms; default 0)",
+    )
+    p.add_argument(
         "--cache-dir", help="kernel cache directory (default $CAKE_CUTE_CACHE_DIR or ~/.cache/cake_cute)"
     )
     p.add_argument(
         "--report",
         action="store_true",
-        help="print registers, spills and access widths per kernel; exit 1 if any kernel spills",
+        help="print registers, spills, access widths and the config per kernel; exit 1 if any kernel spills",
     )
-    p.add_argument("--jobs", type=int, help="worker processes (default: the CPU count)")
+    p.add_argument("--jobs", type=_positive_int, help="worker processes (default: the CPU count)")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``cake-cute`` argument parser (``bench`` has its own, in ``cake_cute.tools.bench.cli``)."""
+    from .. import __version__
+
     parser = argparse.ArgumentParser(
         prog="cake-cute",
-        description="Fused RMSNorm training kernels (CuTe DSL): cache warmup, info, self-check, bench.",
+        description="Fused RMSNorm training kernels (CuTe DSL): cache warmup, info, self-check, bench. "
+        + BARE_COMMAND,
     )
+    parser.add_argument("--version", action="version", version=f"cake-cute {__version__}")
     sub = parser.add_subparsers(dest="command")
     _add_warmup(sub)
-    sub.add_parser("info", help="versions, GPU, cache location and contents")
+    info = sub.add_parser("info", help="versions, GPU, cache location and contents")
+    info.add_argument(
+        "--hidden",
+        type=_csv(_hidden, "hidden sizes"),
+        help="also show the config chosen per kernel kind for these hidden sizes",
+    )
+    info.add_argument("--dtype", type=_csv(_dtype, "dtypes"), default=["bf16"], help="for --hidden")
+    info.add_argument("--arch", type=_csv(_arch, "archs"), help="for --hidden (default as for warmup)")
     check = sub.add_parser("check", help="correctness self-test on the current GPU (FP64 reference)")
     check.add_argument("--quick", action="store_true", help="a smaller matrix")
-    sub.add_parser("bench", add_help=False, help="performance sweep (arguments go to cake_cute.bench)")
+    sub.add_parser("bench", add_help=False, help="performance sweep (`cake-cute bench --help` lists options)")
     return parser
 
 
+def _use_cache_dir(explicit: str | None) -> str | None:
+    """Point the cache at ``explicit`` (through the environment, so spawned workers use it too) and
+    check the effective directory once; returns the problem, or None."""
+    from ..compile_cache import cache_dir
+    from .warmup import cache_dir_problem
+
+    if explicit:
+        os.environ["CAKE_CUTE_CACHE_DIR"] = os.path.abspath(explicit)
+    return cache_dir_problem(cache_dir(), create_parents=not explicit)
+
+
 def cmd_warmup(args) -> int:
-    """Exit 1 if a variant fails to compile or, with --report, if a kernel spills (CI gates on both)."""
+    """Exit 1 if a variant fails to compile or, with --report, if a kernel spills (CI gates on both);
+    exit 2 before compiling anything when the cache directory cannot be used."""
     from .cubin import spill_free
     from .warmup import collect_reports, format_report, local_archs, variant_specs, warm
 
-    if args.cache_dir:
-        # The environment (not a parameter) so spawned workers use the same directory.
-        os.environ["CAKE_CUTE_CACHE_DIR"] = os.path.abspath(args.cache_dir)
+    problem = _use_cache_dir(args.cache_dir)
+    if problem:
+        print(f"cake-cute warmup: cannot use the cache directory: {problem}", file=sys.stderr)
+        return EXIT_USAGE
     archs = args.arch or local_archs()
     specs = variant_specs(
-        archs, args.dtype, args.hidden, RESIDUAL_MODES[args.residual], W_MODES[args.w_dtype]
+        archs,
+        args.dtype,
+        args.hidden,
+        RESIDUAL_MODES[args.residual],
+        W_MODES[args.w_dtype],
+        weight_offset=args.weight_offset,
     )
     result = warm(specs, args.jobs)
     for outcome in result.failed:
@@ -125,7 +207,7 @@ def cmd_warmup(args) -> int:
 
 def _cache_contents() -> str:
     """Cached kernel objects: those of this code version, and all versions together."""
-    from .compile_cache import cache_dir, fingerprint
+    from ..compile_cache import cache_dir, fingerprint
 
     root = cache_dir()
     files = [p for p in root.rglob("*.o") if p.is_file()] if root.is_dir() else []
@@ -147,7 +229,7 @@ def _driver_version() -> str:
 def _gpu_line() -> str:
     import torch
 
-    from .validation import ARCH_BY_CAPABILITY
+    from ..validation import ARCH_BY_CAPABILITY
 
     if not torch.cuda.is_available():
         return "no GPU"
@@ -174,13 +256,30 @@ def _cuobjdump_line() -> str:
         return f"not found ({exc}); warmup --report needs it"
 
 
-def cmd_info(_args) -> int:
+def config_lines(archs, dtypes, hiddens) -> list[str]:
+    """One line per (arch, dtype, H, kind, residual): the config that kernel compiles with."""
+    from ..compile_cache import KernelSpec
+    from .warmup import describe_config
+
+    lines = []
+    for arch in archs:
+        for dtype in dtypes:
+            for hidden in hiddens:
+                for kind in ("fwd", "bwd"):
+                    for residual in (False, True):
+                        spec = KernelSpec(kind, arch, dtype, dtype, hidden, residual)
+                        where = f"{arch} {dtype} H={hidden} {kind}{' residual' if residual else ''}"
+                        lines.append(f"{where:<34}{describe_config(spec)}")
+    return lines
+
+
+def cmd_info(args) -> int:
     import cutlass
     import torch
     import tvm_ffi
 
-    from . import __version__
-    from .compile_cache import cache_dir, fingerprint
+    from .. import __version__
+    from ..compile_cache import cache_dir, fingerprint
 
     rows = [
         ("cake_cute", __version__),
@@ -194,6 +293,11 @@ def cmd_info(_args) -> int:
     ]
     for key, value in rows:
         print(f"{key:<20}{value}")
+    if args.hidden:
+        from .warmup import local_archs
+
+        print("config per kernel (the tiling it compiles with; w in the activation dtype):")
+        print("\n".join(config_lines(args.arch or local_archs(), args.dtype, args.hidden)))
     return 0
 
 
@@ -208,7 +312,7 @@ def cmd_check(args) -> int:
 
 
 def cmd_bench(argv: list[str]) -> int:
-    from .bench import main as bench_main
+    from .bench.cli import main as bench_main
 
     return bench_main(argv)
 
