@@ -72,9 +72,8 @@ def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor, what: str
     if not torch.equal(a, e):
         n_bad = int((a != e).sum().item())
         diff = (actual.detach().double() - expected.detach().to(actual.device).double()).abs()
-        raise AssertionError(
-            f"{what}: not bitwise equal ({n_bad} differing bytes, max |diff| {diff.nan_to_num(nan=float('inf')).max().item():g})"
-        )
+        worst = diff.nan_to_num(nan=float("inf")).max().item()
+        raise AssertionError(f"{what}: not bitwise equal ({n_bad} differing bytes, max |diff| {worst:g})")
 
 
 def rand_weight(hidden: int, dtype, device=None) -> torch.Tensor:
@@ -231,10 +230,11 @@ def prewarm_kernels(request):
         if result.failed:
             warnings.warn(
                 f"prewarm: {len(result.failed)} variants failed to compile, e.g. "
-                f"{result.failed[0].spec.name()}: {result.failed[0].error}"
+                f"{result.failed[0].spec.name()}: {result.failed[0].error}",
+                stacklevel=2,
             )
     except Exception as exc:  # never let the optimization break the suite
-        warnings.warn(f"prewarm skipped: {exc!r}")
+        warnings.warn(f"prewarm skipped: {exc!r}", stacklevel=2)
     yield
 
 

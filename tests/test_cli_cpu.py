@@ -18,7 +18,7 @@ from cake_cute.tools import cli, warmup
 
 WARMUP = ["warmup", "--arch", "sm_90a,sm_100a", "--dtype", "bf16", "--hidden", "4096,65536"]
 VARIANTS = 24  # 2 archs x 2 H x 2 residual x (fwd, bwd) + 2 archs x 2 H x dw(fp32, bf16)
-# kernel, regs, stack B, local B, LDL/STL, cluster, threads, ld bits, st bits, config
+# kernel, regs, stack B, local B, LDL/STL, atomics, cluster, threads, ld bits, st bits, config
 ROW = re.compile(
     r"^(cake_\w+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)/(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\S.*)$"
 )
@@ -33,9 +33,9 @@ def run_cli(*args, timeout=600) -> tuple[subprocess.CompletedProcess, float]:
 
 
 def report_rows(stdout: str) -> dict[str, tuple]:
-    """kernel -> (regs, stack, local, LDL, STL, cluster, threads, ld bits, st bits, config)."""
+    """kernel -> (regs, stack, local, LDL, STL, atomics, cluster, threads, ld bits, st bits, config)."""
     return {
-        m.group(1): (*map(int, m.groups()[1:-1]), m.group(11))
+        m.group(1): (*map(int, m.groups()[1:-1]), m.group(12))
         for m in map(ROW.match, stdout.splitlines())
         if m
     }
@@ -59,10 +59,10 @@ def test_cold_warmup_compiles_everything_spill_free_and_vectorized(cold_and_warm
     print(f"cold warmup of {VARIANTS} variants: {seconds:.1f}s")
     rows = report_rows(proc.stdout)
     assert len(rows) == VARIANTS, proc.stdout
-    spilling = [name for name, row in rows.items() if row[1:5] != (0, 0, 0, 0)]  # stack, local, LDL, STL
-    narrow = [name for name, row in rows.items() if row[7] != 128]
+    spilling = [name for name, row in rows.items() if row[1:6] != (0, 0, 0, 0, 0)]  # + atomics
+    narrow = [name for name, row in rows.items() if row[8] != 128]
     assert not spilling and not narrow, f"spilling: {spilling}, narrow loads: {narrow}\n{proc.stdout}"
-    configs = {name: row[9] for name, row in rows.items()}
+    configs = {name: row[10] for name, row in rows.items()}
     assert all(c.startswith("vec=") for n, c in configs.items() if not n.startswith("cake_dw")), configs
     assert all("stages=" in c for n, c in configs.items() if n.startswith("cake_bwd")), configs
     assert warmup.REPORT_LEGEND in proc.stdout
@@ -238,6 +238,7 @@ def test_report_has_units_a_legend_and_the_config():
         local_bytes=0,
         local_loads=0,
         local_stores=0,
+        global_atomics=0,
         cluster_n=2,
         threads=256,
         global_load_width_bits=128,
@@ -245,18 +246,9 @@ def test_report_has_units_a_legend_and_the_config():
         config="vec=8 tpr=256 vpt=2 cluster=2 rows/cta=1 stages=2 regs<=128",
     )
     lines = warmup.format_report([report]).splitlines()
-    assert lines[0].split() == ["kernel", "regs", "stack", "B", "local", "B", "LDL/STL", "cluster"] + [
-        "threads",
-        "ld",
-        "bits",
-        "st",
-        "bits",
-        "config",
-    ]
-    assert (
-        lines[1].split()
-        == ["cake_bwd_x", "80", "0", "0", "0/0", "2", "256", "128", "128"] + report["config"].split()
-    )
+    header = "kernel regs stack B local B LDL/STL atomics cluster threads ld bits st bits config"
+    assert lines[0].split() == header.split()
+    assert lines[1].split() == "cake_bwd_x 80 0 0 0/0 0 2 256 128 128".split() + report["config"].split()
     assert lines[2] == warmup.REPORT_LEGEND and "smem" not in lines[0]
 
 
@@ -330,37 +322,56 @@ def test_failed_compile_exits_1_and_names_the_kernel(tmp_path, monkeypatch, caps
     )
 
 
-def test_report_exits_1_when_a_kernel_spills(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (dict(stack_bytes=16), "1 kernel(s) spill registers: cake_bwd_sm_90a_bf16_wbf16_h4096_off0"),
+        (dict(local_loads=1), "1 kernel(s) spill registers: cake_bwd_sm_90a_bf16_wbf16_h4096_off0"),
+        (dict(global_atomics=2), "1 kernel(s) have global atomics: cake_bwd_sm_90a_bf16_wbf16_h4096_off0"),
+    ],
+    ids=["stack", "local-loads", "atomics"],
+)
+def test_report_exits_1_when_a_kernel_spills_or_has_atomics(tmp_path, monkeypatch, capsys, bad, message):
+    clean = dict(
+        registers=80,
+        stack_bytes=0,
+        local_bytes=0,
+        local_loads=0,
+        local_stores=0,
+        global_atomics=0,
+        cluster_n=1,
+        threads=256,
+        global_load_width_bits=128,
+        global_store_width_bits=128,
+        config="-",
+    )
+
     def fake_reports(specs, jobs=None):
-        spills = {s: 16 if s.kind == "bwd" else 0 for s in specs}
-        return [
-            dict(
-                name=s.name(),
-                registers=80,
-                stack_bytes=spills[s],
-                local_bytes=0,
-                local_loads=1,
-                local_stores=1,
-                cluster_n=1,
-                threads=256,
-                global_load_width_bits=128,
-                global_store_width_bits=128,
-                config="-",
-            )
-            for s in specs
-        ]
+        return [dict(clean, name=s.name(), **(bad if s.kind == "bwd" else {})) for s in specs]
 
     def fake_compile(spec):
         compile_cache.compile_count += 1
 
-    monkeypatch.setenv("CAKE_CUTE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(compile_cache, "compile_count", 0)
     monkeypatch.setattr(warmup, "get_kernel", fake_compile)
     monkeypatch.setattr(warmup, "collect_reports", fake_reports)
-    code = cli.main(["warmup", "--arch", "sm_90a", "--residual", "off", "--jobs", "1", "--report"])
+    code = cli.main(
+        [
+            "warmup",
+            "--arch",
+            "sm_90a",
+            "--residual",
+            "off",
+            "--jobs",
+            "1",
+            "--report",
+            "--cache-dir",
+            str(tmp_path),
+        ]
+    )
     out, err = capsys.readouterr()
     assert code == 1
-    assert "1 kernel(s) spill registers: cake_bwd_sm_90a_bf16_wbf16_h4096_off0" in err
+    assert err.splitlines()[-1] == message
     assert "compiled 4, loaded 0 (compiled by another process meanwhile), cached 0, failed 0" in out
 
 

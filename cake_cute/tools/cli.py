@@ -125,7 +125,8 @@ def _add_warmup(sub) -> None:
     p.add_argument(
         "--report",
         action="store_true",
-        help="print registers, spills, access widths and the config per kernel; exit 1 if any kernel spills",
+        help="print registers, spills, atomics, access widths and the config per kernel; exit 1 if any "
+        "kernel spills or has a global atomic",
     )
     p.add_argument("--jobs", type=_positive_int, help="worker processes (default: the CPU count)")
 
@@ -168,7 +169,8 @@ def _use_cache_dir(explicit: str | None) -> str | None:
 
 
 def cmd_warmup(args) -> int:
-    """Exit 1 if a variant fails to compile or, with --report, if a kernel spills (CI gates on both);
+    """Exit 1 if a variant fails to compile or, with --report, if a kernel spills or has a global atomic
+    (CI gates on these);
     exit 2 before compiling anything when the cache directory cannot be used."""
     from .cubin import spill_free
     from .warmup import collect_reports, format_report, local_archs, variant_specs, warm
@@ -189,7 +191,7 @@ def cmd_warmup(args) -> int:
     result = warm(specs, args.jobs)
     for outcome in result.failed:
         print(f"FAILED {outcome.spec.name()}:\n  " + outcome.error.replace("\n", "\n  "), file=sys.stderr)
-    spilling = []
+    spilling = atomic = []
     if args.report:
         failed = {o.spec for o in result.failed}
         try:
@@ -198,11 +200,14 @@ def cmd_warmup(args) -> int:
             print(f"cake-cute warmup --report: {exc}", file=sys.stderr)
             return EXIT_FAILED
         print(format_report(reports))
-        spilling = [r["name"] for r in reports if not spill_free(r)]
+        spilling = [r["name"] for r in reports if not spill_free(r) or r["local_loads"] or r["local_stores"]]
+        atomic = [r["name"] for r in reports if r["global_atomics"]]
         if spilling:
             print(f"{len(spilling)} kernel(s) spill registers: " + ", ".join(spilling), file=sys.stderr)
+        if atomic:
+            print(f"{len(atomic)} kernel(s) have global atomics: " + ", ".join(atomic), file=sys.stderr)
     print(result.summary())
-    return EXIT_FAILED if result.failed or spilling else 0
+    return EXIT_FAILED if result.failed or spilling or atomic else 0
 
 
 def _cache_contents() -> str:
