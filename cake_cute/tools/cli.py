@@ -279,6 +279,7 @@ def config_lines(archs, dtypes, hiddens) -> list[str]:
 
 
 def cmd_info(args) -> int:
+    """Versions, GPU, cache location and contents; with ``--hidden`` the config per kernel kind."""
     import cutlass
     import torch
     import tvm_ffi
@@ -307,6 +308,7 @@ def cmd_info(args) -> int:
 
 
 def cmd_check(args) -> int:
+    """The self-check on this GPU; exit 2 without a supported one."""
     from .selfcheck import gpu_problem, run_check
 
     problem = gpu_problem()
@@ -317,6 +319,7 @@ def cmd_check(args) -> int:
 
 
 def cmd_bench(argv: list[str]) -> int:
+    """The sweep, with its own argument parser."""
     from .bench.cli import main as bench_main
 
     return bench_main(argv)
@@ -337,6 +340,19 @@ COMMANDS = {"warmup": cmd_warmup, "info": cmd_info, "check": cmd_check}
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``cake-cute`` command.
+
+    Parameters
+    ----------
+    argv : list of str, optional
+        The arguments (default ``sys.argv[1:]``).
+
+    Returns
+    -------
+    int
+        The exit status: 0 success; 1 a failed compile, check, spill or atomic; 2 a usage error, an
+        unusable cache directory or a missing GPU (argparse's own errors exit 2 through SystemExit).
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:  # everything after "bench" belongs to the bench's own parser
         return cmd_bench(argv[1:])

@@ -184,7 +184,24 @@ def spill_free(report: dict) -> bool:
 
 def kernel_report(spec: KernelSpec, *, sass: bool = True) -> dict:
     """The cubin report of one variant, read from the on-disk cache (compiled first if missing).
-    The cluster size is a launch attribute, not in the cubin: it comes from the variant's tiling."""
+
+    Parameters
+    ----------
+    spec : KernelSpec
+    sass : bool
+        Also disassemble: access widths, local loads/stores, generic loads, global atomics.
+
+    Returns
+    -------
+    dict
+        ``name``, ``arch``, ``object`` (the cached file), the ``inspect_fatbin`` fields and
+        ``cluster_n`` (a launch attribute, not in the cubin: it comes from the variant's tiling).
+
+    Raises
+    ------
+    ToolNotFoundError
+        cuobjdump or nvdisasm is not installed.
+    """
     from ..dispatch import tiling_for
 
     if not is_cached_on_disk(spec):

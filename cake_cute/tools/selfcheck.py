@@ -37,6 +37,8 @@ QUANTITIES = ("y", "rstd", "h", "dx", "dw", "ag_y", "ag_dx", "ag_dres", "ag_dw")
 
 @dataclass(frozen=True)
 class Case:
+    """One self-check case: dtypes, H, rows T, residual mode and weight offset."""
+
     dtype: torch.dtype
     w_dtype: torch.dtype
     hidden: int
@@ -45,6 +47,7 @@ class Case:
     weight_offset: float = 0.0
 
     def label(self) -> str:
+        """The case's columns of a result row (under ``HEADER``)."""
         res = "res" if self.residual else "-"
         dtypes = f"{SHORT[self.dtype]:<5}{SHORT[self.w_dtype]:<5}"
         return f"{dtypes}{self.hidden:>7}{self.rows:>6}  {res:<4}{self.weight_offset:g}"
@@ -55,6 +58,8 @@ HEADER = f"{'act':<5}{'w':<5}{'H':>7}{'T':>6}  {'res':<4}off"
 
 @dataclass
 class CaseResult:
+    """Relative errors of one case against the FP64 reference, their limits, and a crash's message."""
+
     case: Case
     errors: dict[str, float]
     limits: dict[str, float]
@@ -62,6 +67,7 @@ class CaseResult:
 
     @property
     def ok(self) -> bool:
+        """Every error within its limit and no crash."""
         # A NaN error compares False, so an unwritten (NaN-poisoned) output fails.
         return self.error is None and all(e <= self.limits[k] for k, e in self.errors.items())
 
@@ -189,6 +195,7 @@ def run_case(case: Case, device: torch.device) -> CaseResult:
 
 
 def format_result(result: CaseResult) -> str:
+    """One printed row: PASS/FAIL, the case, each quantity's error (``-`` where it does not apply)."""
     status = "PASS" if result.ok else "FAIL"
     cells = [f"{result.errors[q]:9.1e}" if q in result.errors else f"{'-':>9}" for q in QUANTITIES]
     line = f"{status}  {result.case.label()}  " + "".join(cells)
@@ -196,7 +203,20 @@ def format_result(result: CaseResult) -> str:
 
 
 def run_check(quick: bool = False, stream: TextIO = sys.stdout) -> int:
-    """Run the matrix on the current GPU, print one row per case as it finishes; 1 if any failed."""
+    """Run the matrix on the current GPU, printing one row per case as it finishes.
+
+    Parameters
+    ----------
+    quick : bool
+        The smaller matrix (``QUICK_HIDDEN`` x ``QUICK_ROWS``).
+    stream : text stream
+        Where the rows go.
+
+    Returns
+    -------
+    int
+        The exit status: 0 when every case passed, else 1.
+    """
     device = torch.device("cuda", torch.cuda.current_device())
     cases = case_matrix(quick)
     print(

@@ -67,9 +67,26 @@ def variant_specs(
     w_modes: Iterable[str] = ("same",),
     weight_offset: float = 0.0,
 ) -> list[KernelSpec]:
-    """Every kernel a training step can launch for these settings: forward and backward per
-    (arch, dtype, w dtype, H, residual), and the dW reduction for both outputs it is asked for
-    (FP32 from the functional API, w's dtype from autograd). Duplicates removed, order kept."""
+    """Every kernel a training step can launch for these settings.
+
+    Parameters
+    ----------
+    archs, dtypes, hiddens : iterables
+        Arch names (``sm_90a``...), activation dtype names (``bf16``...) and hidden sizes.
+    residuals : iterable of bool
+        Residual-add modes to compile.
+    w_modes : iterable of {"same", "fp32"}
+        w in the activation dtype, in FP32, or both.
+    weight_offset : float
+        The constant added to w (compiled into the forward and backward; 1.0 for Gemma).
+
+    Returns
+    -------
+    list of KernelSpec
+        Forward and backward per (arch, dtype, w dtype, H, residual), and the dW reduction for both
+        outputs it is asked for (FP32 from the functional API, w's dtype from autograd); duplicates
+        removed, order kept.
+    """
     specs = []
     for arch, act, hidden, residual, w_mode in itertools.product(archs, dtypes, hiddens, residuals, w_modes):
         w = act if w_mode == "same" else "fp32"
@@ -95,6 +112,8 @@ class Outcome:
 
 @dataclass
 class WarmupResult:
+    """The variants of one warmup: found on disk, and what this process did with the others."""
+
     cached: list[KernelSpec] = field(default_factory=list)
     compiled: list[Outcome] = field(default_factory=list)
     loaded: list[Outcome] = field(default_factory=list)
@@ -102,9 +121,11 @@ class WarmupResult:
     seconds: float = 0.0
 
     def add(self, outcome: Outcome) -> None:
+        """File ``outcome`` under its status."""
         {COMPILED: self.compiled, LOADED: self.loaded, FAILED: self.failed}[outcome.status].append(outcome)
 
     def summary(self) -> str:
+        """The one-line summary ``cake-cute warmup`` prints last."""
         total = len(self.cached) + len(self.compiled) + len(self.loaded) + len(self.failed)
         return (
             f"warmup: {total} variants, compiled {len(self.compiled)}, "
@@ -134,6 +155,7 @@ def compile_one(spec: KernelSpec) -> Outcome:
 
 
 def default_jobs() -> int:
+    """The CPUs this process may run on."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
@@ -191,9 +213,24 @@ def warm(specs: list[KernelSpec], jobs: int | None = None, progress: TextIO | No
 
 
 def cache_dir_problem(path: Path, *, create_parents: bool) -> str | None:
-    """Why kernels cannot be cached in ``path`` (not a directory, missing parent, not creatable, not
-    writable), or None; creates ``path`` when it is missing. Checked once before compiling, so a bad
-    directory is one clear message rather than one error per variant."""
+    """Why kernels cannot be cached in ``path``, or None; creates ``path`` when it is missing.
+
+    Checked once before compiling, so a bad directory is one clear message rather than one error per
+    variant.
+
+    Parameters
+    ----------
+    path : Path
+        The cache directory.
+    create_parents : bool
+        Create missing parent directories (the default location); an explicit ``--cache-dir`` must
+        have an existing parent, which catches typos.
+
+    Returns
+    -------
+    str or None
+        The problem (not a directory, missing parent, cannot be created, not writable), naming the path.
+    """
     if path.exists() and not path.is_dir():
         return f"{path} is not a directory"
     if not path.exists():
@@ -212,8 +249,18 @@ def cache_dir_problem(path: Path, *, create_parents: bool) -> str | None:
 
 
 def describe_config(spec: KernelSpec) -> str:
-    """The configuration ``spec`` compiles with: the row tiling, and for the backward its shared-memory
-    ring depth and register budget; the dW reduction has no tiling to choose."""
+    """The configuration ``spec`` compiles with, as text.
+
+    Parameters
+    ----------
+    spec : KernelSpec
+
+    Returns
+    -------
+    str
+        The row tiling (``RowTiling.describe()``), for the backward also its shared-memory ring depth
+        and register budget; ``-`` for the dW reduction, which has no tiling to choose.
+    """
     from ..dispatch import tiling_for
     from ..kernels.config import backward_register_budget, backward_stages
 
@@ -227,8 +274,21 @@ def describe_config(spec: KernelSpec) -> str:
 
 
 def collect_reports(specs: list[KernelSpec], jobs: int | None = None, *, sass: bool = True) -> list[dict]:
-    """Cubin reports of cached variants with their configuration; the tools run as subprocesses, so
-    threads parallelize them."""
+    """Cubin reports of variants (compiled first where missing) with their configuration.
+
+    Parameters
+    ----------
+    specs : list of KernelSpec
+    jobs : int, optional
+        Threads (the tools run as subprocesses, so threads parallelize them; default: the CPU count).
+    sass : bool
+        Also disassemble (access widths, local accesses, atomics), about 0.3 s a kernel.
+
+    Returns
+    -------
+    list of dict
+        ``cubin.kernel_report`` of each spec plus ``config`` (``describe_config``), in order.
+    """
     from .cubin import kernel_report
 
     def report(spec: KernelSpec) -> dict:
@@ -264,7 +324,8 @@ REPORT_LEGEND = (
 
 
 def format_report(reports: list[dict]) -> str:
-    """A plain-text table (text left-aligned, numbers right-aligned) followed by its legend."""
+    """A plain-text table of ``collect_reports`` output (text left-aligned, numbers right-aligned),
+    followed by ``REPORT_LEGEND``."""
     rows = [[str(get(r)) for _, get in REPORT_COLUMNS] for r in reports]
     header = [name for name, _ in REPORT_COLUMNS]
     widths = [max(len(c) for c in column) for column in zip(header, *rows)]

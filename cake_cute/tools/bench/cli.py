@@ -47,6 +47,7 @@ def _choice_list(choices, *, allow_none=False, allow_all=False):
 
 
 def build_parser(prog: str = "cake-cute bench") -> argparse.ArgumentParser:
+    """The sweep's argument parser (checks that span arguments are in ``parse_args``)."""
     p = argparse.ArgumentParser(
         prog=prog,
         description="RMSNorm training performance sweep: cake_cute vs torch eager, torch.compile, Liger and "

@@ -162,6 +162,7 @@ def merged_document(docs: list[dict], paths: list[Path]) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The arguments of ``perf/plot.py``."""
     p = argparse.ArgumentParser(
         prog="perf/plot.py", description="Print and plot cake-cute bench results JSON files (no GPU needed)."
     )

@@ -41,6 +41,7 @@ TIMING_METHOD = {
 
 
 def slugify(text: str) -> str:
+    """A GPU name as a file-name part: ``NVIDIA H200`` -> ``nvidia-h200``."""
     s = re.sub(r"[^a-z0-9]+", "-", str(text).lower()).strip("-")
     return s or "unknown-gpu"
 
@@ -79,6 +80,7 @@ def git_commit() -> str:
 
 
 def row_key(row: dict) -> tuple:
+    """What a row measured: (impl, op, residual, dtype, T, H); --append and merges replace on it."""
     return tuple(bool(row.get(k)) if k == "residual" else row.get(k) for k in ROW_KEY_FIELDS)
 
 
@@ -91,10 +93,12 @@ def schema_problems(row: dict) -> list[str]:
 
 
 def impl_rank(impl: str) -> int:
+    """cake_cute first, then the peers in their usual order, then anything else."""
     return IMPLS.index(impl) if impl in IMPLS else len(IMPLS)
 
 
 def sort_rows(rows: list[dict]) -> list[dict]:
+    """Rows by dtype, op (fwd first), residual, H, T and implementation."""
     return sorted(
         rows,
         key=lambda r: (
@@ -169,6 +173,7 @@ def write_json(path: Path, doc: dict) -> None:
 
 
 def load_json(path: Path) -> dict:
+    """A results document; ValueError for a JSON file that is not one (no ``rows`` list)."""
     with open(path) as f:
         doc = json.load(f)
     if not isinstance(doc, dict) or not isinstance(doc.get("rows"), list):

@@ -42,8 +42,11 @@ class Sweep:
         self.notes: list[str] = []
         self.fatal: str | None = None
         self.rotate = args.grid != "small"  # small shapes are L2-resident by nature, and reported so
+        self.impls: list[Impl] = []
+        self.done = self.total = 0  # rows measured so far, rows in the sweep (for the progress lines)
 
     def note(self, text: str) -> None:
+        """Print a note now and keep it for the results file."""
         self.notes.append(text)
         print(f"note: {text}", flush=True)
 
@@ -154,14 +157,15 @@ class Sweep:
             if isinstance(e, torch.cuda.OutOfMemoryError):
                 gc.collect()
                 torch.cuda.empty_cache()
-            self._check_context(e, row["error"])
+            self.check_context(e, row["error"])
         finally:
             if op == "bwd":
                 for t in sets:
                     impl.after_backward(t)
         return row
 
-    def _check_context(self, exc: BaseException, message: str) -> None:
+    def check_context(self, exc: BaseException, message: str) -> None:
+        """After an error: stop the sweep (``fatal``) when the CUDA context cannot be used any more."""
         if is_sticky_cuda_error(exc):
             self.fatal = message
             return
@@ -203,119 +207,137 @@ def _implementations(sweep: Sweep) -> list[Impl]:
     return impls
 
 
-def _progress(done: int, total: int, row: dict, seconds: float) -> str:
+def _progress(sweep: Sweep, row: dict, seconds: float) -> str:
     if row.get("error"):
         msg = "error: " + row["error"][:150]
     else:
         msg = f"us {row['us']:.1f}  gpu_us {row['gpu_us']:.1f}  {row['tbps']:.2f} TB/s"
         msg += f" ({100 * row['frac_copy']:.0f}% of copy, {row['buffer_sets']} input sets)"
+    residual = "on " if row["residual"] else "off"
     return (
-        f"[{done:>3}/{total}] {row['impl']:<9} {row['op']} res={'on ' if row['residual'] else 'off'} "
-        f"{row['dtype']} H={row['H']:<6} T={row['T']:<6} {msg}  [{seconds:.1f} s]"
+        f"[{sweep.done:>3}/{sweep.total}] {row['impl']:<9} {row['op']} res={residual} {row['dtype']} "
+        f"H={row['H']:<6} T={row['T']:<6} {msg}  [{seconds:.1f} s]"
     )
 
 
-def _shape_rows(sweep: Sweep, impls, dtype: str, shape, res_modes, counter: list[int], total: int) -> None:
+def _copy_ceilings(sweep: Sweep, dtype: str, shape, residual: bool) -> dict:
+    T, H = shape
+    return {
+        op: sweep.timer.copy_ceiling(
+            model_bytes(op, residual, T, H, dtype), sweep.args.prof_reps, sweep.rotate
+        )
+        for op in sweep.args.ops
+    }
+
+
+def shape_rows(sweep: Sweep, dtype: str, shape, res_modes) -> None:
     """Every row of one (dtype, T, H): per residual mode one rotation of input sets, one copy ceiling per
     op, then each implementation and op."""
-    torch, args = sweep.torch, sweep.args
-    T, H = shape
+    ops = sweep.args.ops
     for res in res_modes:
         try:
-            sets = sweep.input_sets(T, H, dtype, res)
-            copies = {
-                op: sweep.timer.copy_ceiling(model_bytes(op, res, T, H, dtype), args.prof_reps, sweep.rotate)
-                for op in args.ops
-            }
+            sets = sweep.input_sets(*shape, dtype, res)
+            copies = _copy_ceilings(sweep, dtype, shape, res)
         except Exception as e:
             sweep.note(
-                f"T={T} H={H} {dtype} residual={res}: inputs or copy ceiling failed ({_short(e, 200)})"
+                f"T, H = {shape} {dtype} residual={res}: inputs or copy ceiling failed ({_short(e, 200)})"
             )
-            counter[0] += len(impls) * len(args.ops)
-            sweep._check_context(e, _short(e))
+            sweep.done += len(sweep.impls) * len(ops)
+            sweep.check_context(e, _short(e))
             continue
-        for impl in impls:
-            for op in args.ops:
+        for impl in sweep.impls:
+            for op in ops:
                 if sweep.fatal:
                     return
                 start = time.perf_counter()
                 row = sweep.measure(impl, op, res, dtype, shape, sets, copies[op])
                 sweep.rows.append(row)
-                counter[0] += 1
-                print(_progress(counter[0], total, row, time.perf_counter() - start), flush=True)
+                sweep.done += 1
+                print(_progress(sweep, row, time.perf_counter() - start), flush=True)
         del sets
         gc.collect()
-        torch.cuda.empty_cache()
+        sweep.torch.cuda.empty_cache()
+
+
+def results_document(sweep: Sweep, header: dict, old_rows: list[dict], t_start: float) -> dict:
+    """The JSON document: the run's facts, the method, the notes and the rows so far (merged into
+    ``old_rows`` with --append)."""
+    args = sweep.args
+    return {
+        **header,
+        "grid": args.grid,
+        "complete": sweep.fatal is None and sweep.done == sweep.total,
+        "versions": versions(),
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "impls": [i.name for i in sweep.impls],
+        "notes": sweep.notes,
+        "method": TIMING_METHOD,
+        "elapsed_s": round(time.perf_counter() - t_start, 1),
+        "rows": merge_rows(old_rows, sweep.rows),
+    }
+
+
+def _header(sweep: Sweep) -> dict:
+    torch = sweep.torch
+    props = torch.cuda.get_device_properties(sweep.device)
+    return {
+        "gpu": props.name,
+        "commit": git_commit(),
+        "date": _dt.date.today().isoformat(),
+        "sm": f"sm_{props.major}{props.minor}",
+        "sm_count": props.multi_processor_count,
+        "l2_bytes": props.L2_cache_size,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+    }
 
 
 def run(args, torch, t_start: float, device=None) -> int:
-    """The whole sweep: rows, table, JSON and PNG; returns 1 when a CUDA error stopped it early."""
+    """The whole sweep: rows, table, JSON and PNG.
+
+    Returns
+    -------
+    int
+        0; 1 when nothing could be benchmarked or a CUDA error stopped the sweep early.
+    """
     from .plot import plot_results
 
     sweep = Sweep(args, torch, device)
-    props = torch.cuda.get_device_properties(sweep.device)
-    gpu, date, commit = props.name, _dt.date.today().isoformat(), git_commit()
-    json_path = args.json or default_json_path(gpu, date, args.grid, tuple(args.dtype))
+    header = _header(sweep)
+    json_path = args.json or default_json_path(header["gpu"], header["date"], args.grid, tuple(args.dtype))
     shapes = {dt: grid_shapes(args.grid, dt, args.hidden, args.tokens, args.elements) for dt in args.dtype}
     res_modes = RESIDUAL_MODES[args.residual]
     torch.manual_seed(args.seed)
     print(
-        f"cake-cute bench: {gpu} (sm_{props.major}{props.minor}, {props.multi_processor_count} SMs, "
-        f"L2 {props.L2_cache_size >> 20} MiB), torch {torch.__version__}, commit {commit}",
+        f"cake-cute bench: {header['gpu']} ({header['sm']}, {header['sm_count']} SMs, L2 "
+        f"{header['l2_bytes'] >> 20} MiB), torch {header['torch']}, commit {header['commit']}",
         flush=True,
     )
-    print(
-        f"grid {args.grid}: shapes (T, H) {shapes}; residual {args.residual}; ops {args.ops}; "
-        f"reps {args.reps}, device reps {args.prof_reps}, warm-up {args.warmup}",
-        flush=True,
-    )
-    precompile_s = (
-        None
-        if args.no_cake
-        else precompile_cake(sweep, sorted({s for v in shapes.values() for s in v}), res_modes)
-    )
-    impls = _implementations(sweep)
-    if not impls:
+    print(f"grid {args.grid}: shapes (T, H) {shapes}; residual {args.residual}; ops {args.ops}", flush=True)
+    if not args.no_cake:
+        header["cake_precompile_s"] = precompile_cake(
+            sweep, sorted({s for v in shapes.values() for s in v}), res_modes
+        )
+    sweep.impls = _implementations(sweep)
+    if not sweep.impls:
         print("error: nothing to benchmark (every implementation was skipped)")
         return 1
     sweep.timer.warm_clocks()
     old_rows = load_json(json_path)["rows"] if args.append and json_path.exists() else []
-
-    def doc(complete: bool) -> dict:
-        return {
-            "gpu": gpu,
-            "commit": commit,
-            "date": date,
-            "grid": args.grid,
-            "complete": complete,
-            "sm": f"sm_{props.major}{props.minor}",
-            "sm_count": props.multi_processor_count,
-            "l2_bytes": props.L2_cache_size,
-            "torch": torch.__version__,
-            "cuda": torch.version.cuda,
-            "versions": versions(),
-            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-            "impls": [i.name for i in impls],
-            "notes": sweep.notes,
-            "method": TIMING_METHOD,
-            "cake_precompile_s": precompile_s,
-            "elapsed_s": round(time.perf_counter() - t_start, 1),
-            "rows": merge_rows(old_rows, sweep.rows),
-        }
-
-    total = sum(len(v) for v in shapes.values()) * len(res_modes) * len(impls) * len(args.ops)
-    counter = [0]
+    sweep.total = sum(len(v) for v in shapes.values()) * len(res_modes) * len(sweep.impls) * len(args.ops)
     for dt in args.dtype:
         for shape in shapes[dt]:
-            if sweep.fatal:
-                break
-            _shape_rows(sweep, impls, dt, shape, res_modes, counter, total)
-            write_json(json_path, doc(False))  # partial results survive a timeout
+            if not sweep.fatal:
+                shape_rows(sweep, dt, shape, res_modes)
+                write_json(
+                    json_path, results_document(sweep, header, old_rows, t_start)
+                )  # survives a timeout
     if sweep.fatal:
         sweep.note(f"sweep stopped early after a CUDA error that poisons the context: {sweep.fatal}")
-    write_json(json_path, doc(sweep.fatal is None))
+    doc = results_document(sweep, header, old_rows, t_start)
+    write_json(json_path, doc)
     print("\n" + format_table(sweep.rows))
     print(f"results written to {json_path} ({len(sweep.rows)} rows, {time.perf_counter() - t_start:.0f} s)")
     if not args.no_plot:
-        plot_results(doc(sweep.fatal is None), args.plot or json_path.with_suffix(".png"))
+        plot_results(doc, args.plot or json_path.with_suffix(".png"))
     return 1 if sweep.fatal else 0

@@ -27,8 +27,23 @@ CLOCK_WARMUP_S = 0.5
 
 
 def buffer_sets_for(set_bytes: int, l2_bytes: int, rotate: bool = True) -> int:
-    """How many input sets of ``set_bytes`` to rotate through so that together they exceed
-    ``L2_FACTOR * l2_bytes``; 1 without rotation or for sets larger than that already."""
+    """How many input sets to rotate through so that none is L2-resident when its turn comes.
+
+    Parameters
+    ----------
+    set_bytes : int
+        Bytes of one input set.
+    l2_bytes : int
+        The L2's size (``torch.cuda.get_device_properties().L2_cache_size``).
+    rotate : bool
+        False gives 1 (the small grid, L2-resident by nature).
+
+    Returns
+    -------
+    int
+        The least count whose bytes exceed ``L2_FACTOR * l2_bytes``, at most ``MAX_BUFFER_SETS``;
+        1 for sets that large already.
+    """
     if not rotate or set_bytes <= 0:
         return 1
     return min(MAX_BUFFER_SETS, max(1, math.ceil(L2_FACTOR * l2_bytes / set_bytes)))
@@ -86,15 +101,42 @@ class DeviceTimer:
             self.spin_cycles *= 2
 
     def device_us(self, call: Callable, reps: int, setup: Callable | None = None) -> float:
-        """Median device time of one call over ``reps`` calls (see the module docstring)."""
+        """Median device time of one call, µs (see the module docstring).
+
+        Parameters
+        ----------
+        call : callable
+            ``call(i, arg)`` runs rep ``i``.
+        reps : int
+            Calls to time.
+        setup : callable, optional
+            ``setup(i)`` returns ``arg``, run before the spin, outside the timed region.
+
+        Returns
+        -------
+        float
+
+        Raises
+        ------
+        LateHostError
+            The host side of a call outlasted ``MAX_SPIN_CYCLES``.
+        """
         times = []
         for i in range(reps):
             times.append(self._device_once(call, i, setup(i) if setup is not None else None))
         return statistics.median(times)
 
     def copy_ceiling(self, nbytes: int, reps: int, rotate: bool = True) -> dict:
-        """Device-to-device copy of ``nbytes / 2`` (read + write = ``nbytes``), rotated like the inputs:
-        the faster of cudaMemcpyAsync and an elementwise copy kernel, as row fields."""
+        """The device-copy ceiling for ``nbytes`` moved: ``nbytes / 2`` copied device to device (read +
+        write = ``nbytes``), rotated like the inputs.
+
+        Returns
+        -------
+        dict
+            Row fields: ``copy_tbps`` (the faster of cudaMemcpyAsync and an elementwise copy kernel),
+            ``copy_memcpy_tbps``, ``copy_kernel_tbps``, ``copy_gpu_us``, ``copy_bytes``,
+            ``copy_buffer_sets``.
+        """
         torch = self.torch
         half = max(16, (nbytes // 2) // 16 * 16)
         sets = buffer_sets_for(nbytes, self.l2_bytes, rotate)
