@@ -166,6 +166,73 @@ def test_buffer_sets_limits():
     assert timing.buffer_sets_for(2**20, H200_L2, rotate=False) == 1
 
 
+def test_rotation_cycles_across_every_call():
+    rotation = timing.Rotation(3)
+    assert [rotation.next() for _ in range(7)] == [0, 1, 2, 0, 1, 2, 0]
+
+
+class _FakeEvent:
+    """A CUDA event of the fake device below: fires when the device clock passes its timestamp."""
+
+    def __init__(self, device):
+        self.device, self.at = device, None
+
+    def record(self):
+        self.at = self.device.queue_end()
+
+    def query(self):
+        return self.device.host_clock >= self.at
+
+    def synchronize(self):
+        self.device.host_clock = max(self.device.host_clock, self.at)
+
+    def elapsed_time(self, end):
+        return (end.at - self.at) / 1e3  # ms
+
+
+class _FakeCuda:
+    """One stream in microseconds: a spin of c cycles takes c / 1000 us, a call's kernel 10 us; queuing
+    the call costs the host ``host_us``."""
+
+    def __init__(self, host_us):
+        self.host_us, self.host_clock, self.device_clock = host_us, 0.0, 0.0
+        self.Event = lambda enable_timing: _FakeEvent(self)
+
+    def queue_end(self):
+        self.device_clock = max(self.device_clock, self.host_clock)
+        return self.device_clock
+
+    def synchronize(self):
+        self.host_clock = self.device_clock = max(self.host_clock, self.device_clock)
+
+    def _sleep(self, cycles):
+        self.queue_end()
+        self.device_clock += cycles / 1000
+
+    def kernel(self):
+        self.host_clock += self.host_us
+        self.queue_end()
+        self.device_clock += 10.0
+
+    def get_device_properties(self, device):
+        return type("Props", (), {"L2_cache_size": H200_L2})()
+
+
+@pytest.mark.parametrize("host_us, spins", [(50.0, 1), (5000.0, 4)])
+def test_device_time_excludes_the_host_and_lengthens_a_short_spin(host_us, spins):
+    cuda = _FakeCuda(host_us)
+    timer = timing.DeviceTimer(type("Torch", (), {"cuda": cuda})(), "cuda")
+    assert timer.device_us(lambda _: cuda.kernel(), reps=3) == pytest.approx(10.0)
+    assert timer.spin_cycles == timing.SPIN_CYCLES * spins  # 2097 us of spin hides 50 us, not 5000
+
+
+def test_a_host_that_outlasts_every_spin_is_an_error():
+    cuda = _FakeCuda(1e9)
+    timer = timing.DeviceTimer(type("Torch", (), {"cuda": cuda})(), "cuda")
+    with pytest.raises(timing.LateHostError, match="outlasted"):
+        timer.device_us(lambda _: cuda.kernel(), reps=1)
+
+
 # ---- naming, rows, JSON, table ----------------------------------------------------------------------
 
 

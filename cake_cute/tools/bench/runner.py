@@ -20,7 +20,7 @@ from .results import (
     merge_rows,
     write_json,
 )
-from .timing import DeviceTimer, buffer_sets_for
+from .timing import DeviceTimer, Rotation, buffer_sets_for
 
 MEASURED_FIELDS = ("us", "gpu_us", "host_us", "tbps", "frac_copy", "first_call_s", "bwd_method")
 
@@ -70,8 +70,10 @@ class Sweep:
 
     # ---- one row -----------------------------------------------------------------------------------
     def _forward_calls(self, impl: Impl, sets: list[dict]):
-        def call(i, _):
-            t = sets[i % len(sets)]
+        rotation = Rotation(len(sets))
+
+        def call(_):
+            t = sets[rotation.next()]
             return impl.forward(t["x"], t["w"], t.get("r"))
 
         return call, None, None
@@ -80,6 +82,7 @@ class Sweep:
         """(call, setup, method): replay of one retained graph per set, or, where an implementation
         cannot replay its graph, an untimed fresh forward before every timed backward."""
         torch = self.torch
+        rotation = Rotation(len(sets))
 
         def inputs(t):
             return (t["x"], t["w"]) + ((t["r"],) if "r" in t else ())
@@ -89,13 +92,13 @@ class Sweep:
 
         graphs = [impl.forward(t["x"], t["w"], t.get("r")) for t in sets]
 
-        def replay(i, _):
-            t = sets[i % len(sets)]
-            return torch.autograd.grad(graphs[i % len(sets)], inputs(t), grads(t), retain_graph=True)
+        def replay(_):
+            k = rotation.next()
+            return torch.autograd.grad(graphs[k], inputs(sets[k]), grads(sets[k]), retain_graph=True)
 
         try:
-            for i in range(2 * len(sets)):  # every graph twice: a replay must work too
-                replay(i, None)
+            for _ in range(2 * len(sets)):  # every graph twice: a replay must work too
+                replay(None)
             torch.cuda.synchronize()
             return replay, None, "retain_graph"
         except RuntimeError as e:
@@ -107,13 +110,13 @@ class Sweep:
             )
         graphs.clear()
 
-        def setup(i):
-            t = sets[i % len(sets)]
-            return impl.forward(t["x"], t["w"], t.get("r"))
+        def setup():
+            k = rotation.next()
+            return k, impl.forward(sets[k]["x"], sets[k]["w"], sets[k].get("r"))
 
-        def fresh(i, outs):
-            t = sets[i % len(sets)]
-            return torch.autograd.grad(outs, inputs(t), grads(t))
+        def fresh(arg):
+            k, outs = arg
+            return torch.autograd.grad(outs, inputs(sets[k]), grads(sets[k]))
 
         return fresh, setup, "fresh_forward_per_call"
 
@@ -122,7 +125,7 @@ class Sweep:
         start = time.perf_counter()
         if op == "fwd":
             call, setup, method = self._forward_calls(impl, sets)
-            outs = call(0, None)
+            outs = call(None)
             if len(outs) != (2 if "r" in sets[0] else 1):
                 raise RuntimeError(f"forward returned {len(outs)} outputs")
             del outs
@@ -130,8 +133,8 @@ class Sweep:
             call, setup, method = self._backward_calls(impl, sets, row)
         torch.cuda.synchronize()
         row["first_call_s"] = round(time.perf_counter() - start, 3)
-        for i in range(max(args.warmup, len(sets))):  # every set once, in rotation order
-            call(i, setup(i) if setup else None)
+        for _ in range(max(args.warmup, len(sets))):  # every set at least once
+            call(setup() if setup else None)
         torch.cuda.synchronize()
         us = statistics.median(self.timer.wall_us(call, args.reps, setup))
         gpu_us = self.timer.device_us(call, args.prof_reps, setup)

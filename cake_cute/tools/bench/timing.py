@@ -49,13 +49,28 @@ def buffer_sets_for(set_bytes: int, l2_bytes: int, rotate: bool = True) -> int:
     return min(MAX_BUFFER_SETS, max(1, math.ceil(L2_FACTOR * l2_bytes / set_bytes)))
 
 
+class Rotation:
+    """Hands out set indices 0, 1, ..., n - 1, 0, ... across every call, timed or not, so a set is always
+    used again exactly ``n - 1`` calls after its last use, whatever the number of reps in between."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.calls = 0
+
+    def next(self) -> int:
+        """The index of the set the next call uses."""
+        index = self.calls % self.n
+        self.calls += 1
+        return index
+
+
 class LateHostError(RuntimeError):
     """The host side of a call outlasted the longest spin: its device time cannot be isolated."""
 
 
 class DeviceTimer:
-    """Per-call timings on one device. ``call(i, arg)`` runs rep ``i`` (the caller maps ``i`` to an
-    input set); ``setup(i)``, when given, prepares its ``arg`` outside the timed region."""
+    """Per-call timings on one device. ``call(arg)`` runs one call (choosing its input set through a
+    ``Rotation``); ``setup()``, when given, prepares its ``arg`` outside the timed region."""
 
     def __init__(self, torch, device):
         self.torch = torch
@@ -71,25 +86,25 @@ class DeviceTimer:
         cuda = self.torch.cuda
         start, end = self._events()
         times = []
-        for i in range(reps):
-            arg = setup(i) if setup is not None else None
+        for _ in range(reps):
+            arg = setup() if setup is not None else None
             cuda.synchronize()
             start.record()
-            result = call(i, arg)
+            result = call(arg)
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end) * 1e3)
             del result, arg
         return times
 
-    def _device_once(self, call: Callable, i: int, arg) -> float:
+    def _device_once(self, call: Callable, arg) -> float:
         cuda = self.torch.cuda
         start, end = self._events()
         while True:
             cuda.synchronize()
             cuda._sleep(self.spin_cycles)
             start.record()
-            result = call(i, arg)
+            result = call(arg)
             end.record()
             host_late = start.query()  # the spin is over although the host may still have been queuing
             end.synchronize()
@@ -106,11 +121,11 @@ class DeviceTimer:
         Parameters
         ----------
         call : callable
-            ``call(i, arg)`` runs rep ``i``.
+            ``call(arg)`` runs one call.
         reps : int
             Calls to time.
         setup : callable, optional
-            ``setup(i)`` returns ``arg``, run before the spin, outside the timed region.
+            ``setup()`` returns ``arg``, run before the spin, outside the timed region.
 
         Returns
         -------
@@ -122,8 +137,8 @@ class DeviceTimer:
             The host side of a call outlasted ``MAX_SPIN_CYCLES``.
         """
         times = []
-        for i in range(reps):
-            times.append(self._device_once(call, i, setup(i) if setup is not None else None))
+        for _ in range(reps):
+            times.append(self._device_once(call, setup() if setup is not None else None))
         return statistics.median(times)
 
     def copy_ceiling(self, nbytes: int, reps: int, rotate: bool = True) -> dict:
@@ -147,15 +162,21 @@ class DeviceTimer:
             )
             for _ in range(sets)
         ]
-        floats = [(s.view(torch.float32), d.view(torch.float32)) for s, d in pairs]
-        calls = {
-            "memcpy": lambda i, _: pairs[i % sets][1].copy_(pairs[i % sets][0]),
-            "kernel": lambda i, _: torch.neg(floats[i % sets][0], out=floats[i % sets][1]),
-        }
+        floats = [(src.view(torch.float32), dst.view(torch.float32)) for src, dst in pairs]
+        rotation = Rotation(sets)
+
+        def memcpy(_):
+            src, dst = pairs[rotation.next()]
+            return dst.copy_(src)
+
+        def kernel(_):
+            src, dst = floats[rotation.next()]
+            return torch.neg(src, out=dst)
+
         result = {"copy_bytes": 2 * half, "copy_buffer_sets": sets}
-        for label, call in calls.items():
-            for i in range(sets):
-                call(i, None)
+        for label, call in (("memcpy", memcpy), ("kernel", kernel)):
+            for _ in range(sets):
+                call(None)
             us = self.device_us(call, reps)
             result[f"copy_{label}_tbps"] = round(2 * half / us / 1e6, 4)
         best = max(result["copy_memcpy_tbps"], result["copy_kernel_tbps"])
