@@ -14,6 +14,7 @@ class Impl:
     name = "?"
 
     def forward(self, x, w, residual):
+        """(y,) or (y, h_new) for ``residual`` None or a tensor; the backward is this graph's."""
         raise NotImplementedError
 
     def after_backward(self, tensors) -> None:
