@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -498,3 +499,78 @@ def test_grids_rows_and_plot_need_only_the_standard_library():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["24", str(4 * 2 * 8 * 2)]
+
+
+# ---- the whole sweep on the CPU, through a stand-in for torch.cuda -------------------------------------
+
+
+class _HostCuda:
+    """torch.cuda for a sweep whose tensors live on the CPU: events read the host clock, so every
+    call is timed with no spin to wait for."""
+
+    OutOfMemoryError = RuntimeError
+
+    class Event:
+        def __init__(self, enable_timing):
+            self.at = None
+
+        def record(self):
+            self.at = time.perf_counter()
+
+        def query(self):
+            return False
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return (end.at - self.at) * 1e3
+
+    def synchronize(self):
+        pass
+
+    def empty_cache(self):
+        pass
+
+    def _sleep(self, cycles):
+        pass
+
+    def get_device_properties(self, device):
+        facts = dict(name="Host CPU", major=0, minor=0, multi_processor_count=1, L2_cache_size=1 << 16)
+        return type("Props", (), facts)()
+
+
+class _HostTorch:
+    """torch with ``cuda`` replaced by ``_HostCuda``."""
+
+    cuda = _HostCuda()
+
+    def __getattr__(self, name):
+        import torch
+
+        return getattr(torch, name)
+
+
+def test_a_training_sweep_on_the_host_writes_schema_rows(tmp_path, monkeypatch):
+    from cake_cute.tools.bench import runner
+
+    monkeypatch.setattr(timing.DeviceTimer, "warm_clocks", lambda self: None)
+    path = tmp_path / "host.json"
+    args = parse_args(
+        ["--grid", "training", "--hidden", "64", "--tokens", "8,16", "--dtype", "fp32", "--vs", "torch"]
+        + ["--no-cake", "--reps", "2", "--prof-reps", "2", "--warmup", "1", "--no-plot", "--json", str(path)]
+    )
+    assert runner.run(args, _HostTorch(), time.perf_counter(), device="cpu") == 0
+    doc = results.load_json(path)
+    assert doc["complete"] is True and doc["grid"] == "training" and doc["impls"] == ["torch"]
+    rows = doc["rows"]
+    assert [results.row_key(r) for r in rows] == [
+        ("torch", op, res, "fp32", T, 64) for T in (8, 16) for res in (False, True) for op in ("fwd", "bwd")
+    ]
+    assert [results.schema_problems(r) for r in rows] == [[]] * 8, rows
+    for r in rows:
+        per_set = (4 if r["residual"] else 2) * r["T"] * 64 * 4
+        assert r["buffer_sets"] == timing.buffer_sets_for(per_set, 1 << 16) > 1
+        assert r["copy_buffer_sets"] == timing.buffer_sets_for(r["bytes"], 1 << 16)
+        assert r["frac_copy"] == pytest.approx(r["tbps"] / r["copy_tbps"], rel=1e-3)
+    assert {r["bwd_method"] for r in rows if r["op"] == "bwd"} == {"retain_graph"}

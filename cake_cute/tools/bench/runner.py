@@ -20,7 +20,7 @@ from .results import (
     merge_rows,
     write_json,
 )
-from .timing import DeviceTimer, Rotation, buffer_sets_for
+from .timing import DeviceTimer, Rotation, buffer_sets_for, tbps
 
 MEASURED_FIELDS = ("us", "gpu_us", "host_us", "tbps", "frac_copy", "first_call_s", "bwd_method")
 
@@ -139,7 +139,7 @@ class Sweep:
         us = statistics.median(self.timer.wall_us(call, args.reps, setup))
         gpu_us = self.timer.device_us(call, args.prof_reps, setup)
         row.update(us=round(us, 3), gpu_us=round(gpu_us, 3), host_us=round(us - gpu_us, 3))
-        row["tbps"] = round(row["bytes"] / gpu_us / 1e6, 4)
+        row["tbps"] = tbps(row["bytes"], gpu_us)
         if op == "bwd":
             row["bwd_method"] = method
 
@@ -152,7 +152,7 @@ class Sweep:
         try:
             self._time_row(impl, op, sets, row)
             row.update(copy)
-            row["frac_copy"] = round(row["tbps"] / copy["copy_tbps"], 4)
+            row["frac_copy"] = float(f"{row['tbps'] / copy['copy_tbps']:.4g}")
         except Exception as e:
             for k in MEASURED_FIELDS:
                 row.pop(k, None)

@@ -26,6 +26,12 @@ MAX_SPIN_CYCLES = 1 << 27
 CLOCK_WARMUP_S = 0.5
 
 
+def tbps(nbytes: int, us: float) -> float:
+    """TB/s of ``nbytes`` moved in ``us`` microseconds, to 5 significant digits (a relative precision
+    that holds for the slowest rate as for the fastest)."""
+    return float(f"{nbytes / us / 1e6:.5g}")
+
+
 def buffer_sets_for(set_bytes: int, l2_bytes: int, rotate: bool = True) -> int:
     """How many input sets to rotate through so that none is L2-resident when its turn comes.
 
@@ -178,7 +184,7 @@ class DeviceTimer:
             for _ in range(sets):
                 call(None)
             us = self.device_us(call, reps)
-            result[f"copy_{label}_tbps"] = round(2 * half / us / 1e6, 4)
+            result[f"copy_{label}_tbps"] = tbps(2 * half, us)
         best = max(result["copy_memcpy_tbps"], result["copy_kernel_tbps"])
         result["copy_gpu_us"] = round(2 * half / best / 1e6, 3)
         result["copy_tbps"] = best
