@@ -34,19 +34,17 @@ PARALLEL_PUSH_CLUSTER = 4
 
 
 class RowKernel:
-    """What the forward and backward kernel classes share: their compile-time parameters, the launch
-    shape, and w widened to FP32 with the Gemma-style offset folded in."""
+    """What the forward and backward kernel classes share: their compile-time parameters (the config
+    value from ``config``, the dtypes, the mode), the launch shape, and w widened to FP32 with the
+    Gemma-style offset folded in."""
 
-    def __init__(
-        self, tiling, act_dtype, w_dtype, residual: bool, weight_offset: float, min_ctas_per_sm: int
-    ):
-        self.tiling = tiling
+    def __init__(self, config, act_dtype, w_dtype, residual: bool, weight_offset: float):
+        self.config = config
+        self.tiling = config.tiling
         self.act_dtype = act_dtype
         self.w_dtype = w_dtype
         self.residual = residual
         self.weight_offset = weight_offset
-        # A ``min_blocks_per_mp`` register hint (0: none), chosen per arch in ``config``.
-        self.min_ctas_per_sm = min_ctas_per_sm
 
     def launch_shape(self, ctas) -> dict:
         """Launch keywords for ``ctas`` row programs times ``cluster_n`` CTAs along y. The shared
@@ -56,7 +54,7 @@ class RowKernel:
             grid=[ctas, t.cluster_n, 1],
             block=[t.threads_per_cta, 1, 1],
             cluster=[1, t.cluster_n, 1] if t.cluster_n > 1 else None,
-            min_blocks_per_mp=self.min_ctas_per_sm,
+            min_blocks_per_mp=self.config.min_ctas_per_sm,
             preferred_smem_carveout=100,
         )
 

@@ -69,21 +69,9 @@ class RMSNormBackward(RowKernel):
     programs are runtime values. ``stages``: row tiles of g and h in the shared-memory ring of staged
     mode (``config.backward_stages``)."""
 
-    def __init__(
-        self,
-        tiling,
-        act_dtype,
-        w_dtype,
-        residual: bool,
-        weight_offset: float,
-        min_ctas_per_sm: int,
-        stages: int,
-    ):
-        super().__init__(tiling, act_dtype, w_dtype, residual, weight_offset, min_ctas_per_sm)
-        # A g_residual group committed behind a tile's g and h would force that tile's arrival early,
-        # so residual mode keeps two stages.
-        assert stages == 2 or (stages > 2 and not residual)
-        self.stages = stages
+    def __init__(self, config, act_dtype, w_dtype, residual: bool, weight_offset: float):
+        super().__init__(config, act_dtype, w_dtype, residual, weight_offset)
+        self.stages = config.ring_depth
 
     @cute.jit
     def __call__(
@@ -132,7 +120,7 @@ class RMSNormBackward(RowKernel):
         identity = cute.make_identity_tensor(mG.shape)
         tXc0 = thr.partition_S(cute.local_tile(identity, tiler, (0, rank)))
         pred = None
-        if const_expr(not t.even):
+        if const_expr(not t.covers_row_exactly):
             pred = column_predicate(tXc0, t.hidden)
         copy_act = partial(cute.copy, copy_atom(self.act_dtype, t.vec), pred=pred)
 
@@ -149,7 +137,7 @@ class RMSNormBackward(RowKernel):
         tXrDW = cute.make_rmem_tensor_like(tXc0, Float32)
         tXrDW.fill(0.0)
         tXDW = tXrDW
-        if const_expr(t.wide_mode):
+        if const_expr(self.config.dw_in_smem):
             tXDW = thr.partition_S(smem.allocate_tensor(Float32, cta_tile, byte_alignment=16))
             cute.autovec_copy(tXrDW, tXDW)
 
@@ -161,7 +149,7 @@ class RMSNormBackward(RowKernel):
         # Staged mode: g and h of the next stages - 1 row tiles stream into a ring of shared-memory
         # tiles with cp.async while this one is reduced, so a CTA always has loads in flight. Each
         # thread reads back only the cells it staged itself.
-        staged = not t.wide_mode
+        staged = not self.config.dw_in_smem
         stages = self.stages
         stage = partial(cute.copy, staging_atom(self.act_dtype, t.vec), pred=pred)
         # g_residual is needed only after the row sum: one stage, issued at the top of its iteration.
@@ -187,7 +175,8 @@ class RMSNormBackward(RowKernel):
             # cycle through the stages.
             slot = step & 1
             phase = (step >> 1) & 1
-            stage_slot = step % stages
+            if const_expr(staged):
+                stage_slot = step % stages
             tXgG, tXgH, tXgDX = [
                 thr.partition_S(cute.local_tile(m, tiler, (tile, rank))) for m in (mG, mH, mDX)
             ]
@@ -261,6 +250,6 @@ class RMSNormBackward(RowKernel):
 
         # Row group r of program b owns partial row b * rows_per_cta + r.
         tXgP = thr.partition_S(cute.local_tile(mPartial, tiler, (bidx, rank)))
-        if const_expr(t.wide_mode):
+        if const_expr(self.config.dw_in_smem):
             cute.autovec_copy(tXDW, tXrDW)
         cute.copy(copy_atom(Float32, t.vec), tXrDW, tXgP, pred=pred)

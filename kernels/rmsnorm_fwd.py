@@ -6,7 +6,7 @@ Math, per row t of H elements (FP32 arithmetic, one rounding per output):
     rstd = 1 / sqrt(sum_j h_j^2 / H + eps)     (written as FP32 [T])
     y    = round(h * rstd * (w + weight_offset))
 
-Tiling (``config.forward_tiling``): a CTA holds ``rows_per_cta`` rows; ``threads_per_row`` lanes share a
+Tiling (``config.forward_config``, ``tiling.forward_tiling``): a CTA holds ``rows_per_cta`` rows; ``threads_per_row`` lanes share a
 row, each owning ``vecs_per_thread`` vectors of ``vec`` elements (16 bytes, i.e. 128-bit accesses, when
 H allows), up to 128 bytes of row per thread; a row the power-of-two lane count would cover raggedly
 gets the nearest whole number of warps that covers it exactly (H = 7168: 7 warps x 4 vectors). x (and
@@ -43,7 +43,8 @@ from .common import (
 
 
 class RMSNormForward(RowKernel):
-    """One compiled forward per (arch, dtypes, H, residual, weight_offset); T is a runtime value."""
+    """One compiled forward per (arch, dtypes, H, residual, weight_offset) and its
+    ``config.ForwardConfig``; T is a runtime value."""
 
     @cute.jit
     def __call__(
@@ -90,7 +91,7 @@ class RMSNormForward(RowKernel):
         row_in_cta = tidx // t.threads_per_row
         lane_in_row = tidx % t.threads_per_row
         pred = None
-        if const_expr(not t.even):
+        if const_expr(not t.covers_row_exactly):
             pred = column_predicate(tXc, t.hidden)
         # Bound outside the dynamic branches: a None captured into a branch would become an IR value.
         copy_act = partial(cute.copy, copy_atom(self.act_dtype, t.vec), pred=pred)

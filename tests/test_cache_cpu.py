@@ -13,12 +13,16 @@ import sys
 import threading
 import time
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from cake_cute.kernels.config import overridden
+from cake_cute.kernels.tiling import forward_tiling
 
+from cake_cute import build
 from cake_cute import compile_cache as cc
-from cake_cute.compile_cache import KernelSpec
+from cake_cute.specs import KernelSpec
 
 SPEC = KernelSpec("fwd", "sm_90a", "bf16", "bf16", 512)
 OTHER = KernelSpec("fwd", "sm_90a", "fp16", "fp16", 512)
@@ -128,9 +132,7 @@ def test_a_cache_hit_does_not_wait_for_another_keys_compile(cache, monkeypatch):
     """Key A is on disk; while key B is (slowly) compiling in another thread, A loads at once."""
     cc.get_kernel(SPEC)
     cc.clear_memory()
-    from cake_cute import dispatch
-
-    real_compile = dispatch.compile_kernel
+    real_compile = build.compile_kernel
     compiling, release = threading.Event(), threading.Event()
 
     def slow_compile(spec):
@@ -139,7 +141,7 @@ def test_a_cache_hit_does_not_wait_for_another_keys_compile(cache, monkeypatch):
             release.wait(60)
         return real_compile(spec)
 
-    monkeypatch.setattr(dispatch, "compile_kernel", slow_compile)
+    monkeypatch.setattr(build, "compile_kernel", slow_compile)
     other = threading.Thread(target=cc.get_kernel, args=(OTHER,))
     other.start()
     try:
@@ -226,3 +228,64 @@ def test_a_cache_of_another_version_is_ignored_and_untouched(cache, monkeypatch)
     assert cc.object_path(SPEC).parent == cache / ("1" * 16) != foreign_dir
     assert _snapshot(foreign_dir) == before
     assert _sound(SPEC)
+
+
+def test_the_fingerprint_covers_every_source_of_the_package():
+    """Every .py of cake_cute and cake_cute.kernels is hashed, and changing any one of them (one byte
+    more) changes the digest the fingerprint is made of."""
+    import cake_cute.kernels
+
+    import cake_cute
+
+    sources = cc.package_sources()
+    expected = {
+        p.resolve()
+        for package in (cake_cute, cake_cute.kernels)
+        for p in Path(package.__file__).parent.glob("*.py")
+    }
+    assert set(sources) == expected and len(sources) == len(expected)
+    files = {f"{p.parent.name}/{p.name}": p.read_bytes() for p in sources}
+    base = cc.source_digest(files)
+    for name in files:
+        assert cc.source_digest({**files, name: files[name] + b" "}) != base, name
+    renamed = dict(files)
+    first = sorted(renamed)[0]
+    renamed[first + ".moved"] = renamed.pop(first)
+    assert cc.source_digest(renamed) != base
+
+
+def test_a_config_override_compiles_into_its_own_object(cache):
+    """The config is part of the key: an overridden tiling for one H never loads the default's object,
+    and leaving the override brings the default's back without a compile."""
+    cc.get_kernel(SPEC)
+    default_path = cc.object_path(SPEC)
+    default = forward_tiling(512, "bf16")
+    narrower = replace(default, threads_per_row=default.threads_per_row // 2, vecs_per_thread=2)
+    before = cc.compile_count
+    with overridden("fwd", "sm_90a", "bf16", 512, tiling=narrower):
+        assert build.config_for(SPEC).tiling == narrower
+        assert cc.object_path(SPEC) != default_path
+        assert callable(cc.get_kernel(SPEC))
+    assert cc.compile_count - before == 1
+    assert cc.object_path(SPEC) == default_path
+    cc.get_kernel(SPEC)
+    assert cc.compile_count - before == 1
+
+
+def test_a_held_lock_times_out_with_the_lock_file_named(cache, monkeypatch):
+    path = cc.object_path(SPEC)
+    path.parent.mkdir(parents=True)
+    monkeypatch.setattr(cc, "LOCK_TIMEOUT_S", 0.2)
+    with cc._file_lock(path):  # as another process would hold it
+        errors = []
+
+        def ask():
+            try:
+                cc.get_kernel(SPEC)
+            except RuntimeError as exc:
+                errors.append(exc)
+
+        waiter = threading.Thread(target=ask)  # a lock is reentrant in the thread that holds it
+        waiter.start()
+        waiter.join(30)
+    assert len(errors) == 1 and f"{path}.lock" in str(errors[0]) and "waited 0.2 s" in str(errors[0])

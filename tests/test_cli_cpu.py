@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from cake_cute.kernels.config import SUPPORTED_ARCHS
 
 from cake_cute import compile_cache
-from cake_cute.compile_cache import KernelSpec
+from cake_cute.specs import KernelSpec, ReduceSpec
 from cake_cute.tools import cli, warmup
+from cake_cute.vocab import SUPPORTED_ARCHS
 
 WARMUP = ["warmup", "--arch", "sm_90a,sm_100a", "--dtype", "bf16", "--hidden", "4096,65536"]
 VARIANTS = 24  # 2 archs x 2 H x 2 residual x (fwd, bwd) + 2 archs x 2 H x dw(fp32, bf16)
@@ -195,8 +195,8 @@ def test_weight_offset_compiles_gemma_kernels(tmp_path, monkeypatch, capsys):
     assert [s.name() for s in asked] == [
         "cake_fwd_sm_90a_bf16_wbf16_h4096_off1",
         "cake_bwd_sm_90a_bf16_wbf16_h4096_off1",
-        "cake_dw_sm_90a_fp32_wfp32_h4096_off0",
-        "cake_dw_sm_90a_bf16_wfp32_h4096_off0",
+        "cake_dw_sm_90a_fp32_h4096",
+        "cake_dw_sm_90a_bf16_h4096",
     ]
 
 
@@ -222,9 +222,11 @@ def test_importing_cake_cute_imports_no_tool():
 def test_info_shows_the_config_per_kind(capsys):
     assert cli.main(["info", "--hidden", "4096,65536", "--arch", "sm_90a", "--dtype", "bf16"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("sm_90a ")]
-    assert len(lines) == 8  # 2 H x (fwd, bwd) x (plain, residual)
+    assert len(lines) == 10  # 2 H x ((fwd, bwd) x (plain, residual) + dw)
     expected = warmup.describe_config(KernelSpec("bwd", "sm_90a", "bf16", "bf16", 65536, True))
     assert f"{'sm_90a bf16 H=65536 bwd residual':<34}{expected}" in lines
+    reduce = warmup.describe_config(ReduceSpec("sm_90a", "fp32", 4096))
+    assert f"{'sm_90a bf16 H=4096 dw':<34}{reduce}" in lines
     assert all("vec=" in line for line in lines)
 
 
@@ -254,12 +256,16 @@ def test_report_has_units_a_legend_and_the_config():
     assert lines[2] == warmup.REPORT_LEGEND and "smem" not in lines[0]
 
 
-def test_describe_config_follows_the_kind():
-    fwd = warmup.describe_config(KernelSpec("fwd", "sm_90a", "bf16", "bf16", 4096))
-    bwd = warmup.describe_config(KernelSpec("bwd", "sm_90a", "bf16", "bf16", 4096))
-    assert fwd.startswith("vec=8 ") and "stages" not in fwd
-    assert bwd.startswith("vec=8 ") and re.search(r" stages=\d regs<=\d+$", bwd)
-    assert warmup.describe_config(KernelSpec("dw", "sm_90a", "fp32", "fp32", 4096)) == "-"
+def test_describe_config_is_the_config_values_description():
+    from cake_cute.build import config_for
+
+    for spec in (
+        KernelSpec("fwd", "sm_90a", "bf16", "bf16", 4096),
+        KernelSpec("bwd", "sm_100a", "fp32", "fp32", 65536, True),
+        ReduceSpec("sm_90a", "fp32", 4096),
+    ):
+        assert warmup.describe_config(spec) == config_for(spec).describe()
+    assert warmup.describe_config(KernelSpec("bwd", "sm_90a", "bf16", "bf16", 4096)).startswith("vec=8 ")
 
 
 def test_concurrent_warmups_report_what_each_did(tmp_path):

@@ -6,11 +6,14 @@ The whole matrix is compiled once per session by the warmup code path (two worke
 temporary cache, then each variant's cubin is read back with cuobjdump and disassembled with nvdisasm.
 """
 
-import pytest
-from cake_cute.kernels.config import DTYPE_BYTES
+from collections import Counter
 
+import pytest
+
+from cake_cute.build import config_for
 from cake_cute.tools.cubin import spill_free
 from cake_cute.tools.warmup import collect_reports, variant_specs, warm
+from cake_cute.vocab import dtype_bytes
 
 ARCHS = ("sm_90a", "sm_100a")
 DTYPES = ("bf16", "fp16", "fp32")
@@ -28,7 +31,7 @@ SPECS = list(
 
 def _is_vectorizable(spec) -> bool:
     """A row is a whole number of 16-byte vectors (the dW reduction reads FP32 partial rows)."""
-    element_bytes = 4 if spec.kind == "dw" else DTYPE_BYTES[spec.act_dtype]
+    element_bytes = 4 if spec.kind == "dw" else dtype_bytes(spec.act_dtype)
     return spec.hidden * element_bytes % 16 == 0
 
 
@@ -51,9 +54,9 @@ def _report(compiled, spec):
 
 
 def test_matrix_size():
-    # fwd and bwd: archs x dtypes x H x residual x 2; dW reductions per (arch, H) into fp32, bf16, fp16;
-    # bf16 with FP32 w at 4096 (both residual modes) and fp16 with FP32 w at 4097 (plain): fwd + bwd.
-    assert len(SPECS) == 2 * 3 * 10 * 2 * 2 + 2 * 10 * 3 + 2 * 2 * 2 + 2 * 2
+    """Forward and backward: 2 archs x 3 dtypes x 10 H x 2 modes, plus 4 + 2 with an FP32 weight; the
+    reduction: 2 archs x 10 H x 3 output dtypes. 218 of them have rows of whole 16-byte vectors."""
+    assert Counter(s.kind for s in SPECS) == {"fwd": 126, "bwd": 126, "dw": 60}
     assert sum(map(_is_vectorizable, SPECS)) == 218
 
 
@@ -83,11 +86,11 @@ def test_no_global_atomics(compiled, spec):
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name())
-def test_report_matches_tiling(compiled, spec):
-    from cake_cute.dispatch import tiling_for
-
+def test_report_matches_config(compiled, spec):
     report = _report(compiled, spec)
-    tiling = tiling_for(spec)
-    if tiling is not None:
-        assert report["threads"] == tiling.threads_per_cta
-        assert report["cluster_n"] == tiling.cluster_n
+    config = config_for(spec)
+    if spec.kind == "dw":
+        assert (report["threads"], report["cluster_n"]) == (config.threads, 1)
+    else:
+        assert report["threads"] == config.tiling.threads_per_cta
+        assert report["cluster_n"] == config.tiling.cluster_n

@@ -4,12 +4,13 @@ sized for T rows holds exactly the most partial rows any call of up to T rows wr
 from __future__ import annotations
 
 import pytest
-from cake_cute.kernels import config
-from cake_cute.kernels.config import backward_tiling
+from cake_cute.kernels.config import backward_config
+from cake_cute.kernels.tiling import backward_tiling
 
-from cake_cute import dispatch, validation
+from cake_cute import dispatch
+from cake_cute.device import DeviceFacts
 
-H200 = validation.DeviceFacts(0, "stand-in H200", (9, 0), "sm_90a", 132)
+H200 = DeviceFacts(0, "stand-in H200", (9, 0), "sm_90a", 132)
 
 
 @pytest.fixture(autouse=True)
@@ -49,7 +50,7 @@ def test_workspace_rows_cover_every_smaller_call(hidden):
 
 
 @pytest.mark.parametrize(
-    "hidden, act, residual, stages, per_sm",
+    "hidden, act, residual, ring_depth, per_sm",
     [
         (8192, "bf16", False, 4, 1),  # four 16 KB stages of g and h: the CTA takes the SM
         (8192, "bf16", True, 2, 2),  # residual mode keeps two stages
@@ -59,10 +60,9 @@ def test_workspace_rows_cover_every_smaller_call(hidden):
         (16384, "bf16", False, 2, 2),  # a cluster row
     ],
 )
-def test_backward_stages_and_residency(hidden, act, residual, stages, per_sm):
-    tiling = backward_tiling(hidden, act)
-    assert config.backward_stages(tiling, act, residual) == stages
-    assert config.backward_ctas_per_sm(tiling, "sm_90a", act, act, residual) == per_sm
+def test_backward_ring_depth_and_residency(hidden, act, residual, ring_depth, per_sm):
+    config = backward_config("sm_90a", act, act, hidden, residual)
+    assert (config.ring_depth, config.ctas_per_sm) == (ring_depth, per_sm)
 
 
 @pytest.mark.parametrize("act", ["bf16", "fp16", "fp32"])
@@ -70,7 +70,6 @@ def test_backward_stages_and_residency(hidden, act, residual, stages, per_sm):
 def test_backward_shared_memory_fits_one_cta(act, residual):
     """Every backward tiling's shared memory fits the 227 KB one CTA may use (else the launch fails)."""
     for hidden in [1, 7, 1000, 1024, 4096, 4097, 5120, 7168, 8192, 12288, 16384, 65537, 131072, 262144]:
-        tiling = backward_tiling(hidden, act)
-        stages = config.backward_stages(tiling, act, residual)
-        smem = config.backward_smem_bytes(tiling, act, "fp32", residual, stages)
-        assert smem <= 227 * 1024, (hidden, tiling.describe())
+        for arch in ("sm_90a", "sm_100a"):
+            config = backward_config(arch, act, "fp32", hidden, residual)
+            assert config.smem_bytes <= 227 * 1024, (hidden, config.describe())

@@ -7,6 +7,7 @@ without one the default ``warmup`` (so a CI job can run the bare command).
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import os
 import sys
@@ -234,7 +235,7 @@ def _driver_version() -> str:
 def _gpu_line() -> str:
     import torch
 
-    from ..validation import ARCH_BY_CAPABILITY
+    from ..vocab import ARCH_BY_CAPABILITY
 
     if not torch.cuda.is_available():
         return "no GPU"
@@ -262,19 +263,25 @@ def _cuobjdump_line() -> str:
 
 
 def config_lines(archs, dtypes, hiddens) -> list[str]:
-    """One line per (arch, dtype, H, kind, residual): the config that kernel compiles with."""
-    from ..compile_cache import KernelSpec
+    """One line per kernel of (arch, dtype, H): forward and backward, plain and residual, and the dW
+    reduction into FP32; each with the config it compiles with."""
+    from ..specs import KernelSpec, ReduceSpec
     from .warmup import describe_config
 
     lines = []
-    for arch in archs:
-        for dtype in dtypes:
-            for hidden in hiddens:
-                for kind in ("fwd", "bwd"):
-                    for residual in (False, True):
-                        spec = KernelSpec(kind, arch, dtype, dtype, hidden, residual)
-                        where = f"{arch} {dtype} H={hidden} {kind}{' residual' if residual else ''}"
-                        lines.append(f"{where:<34}{describe_config(spec)}")
+    for arch, dtype, hidden in itertools.product(archs, dtypes, hiddens):
+        labelled = [
+            (
+                f"{kind}{' residual' if residual else ''}",
+                KernelSpec(kind, arch, dtype, dtype, hidden, residual),
+            )
+            for kind in ("fwd", "bwd")
+            for residual in (False, True)
+        ]
+        labelled.append(("dw", ReduceSpec(arch, "fp32", hidden)))
+        lines += [
+            f"{f'{arch} {dtype} H={hidden} {label}':<34}{describe_config(spec)}" for label, spec in labelled
+        ]
     return lines
 
 
@@ -302,7 +309,7 @@ def cmd_info(args) -> int:
     if args.hidden:
         from .warmup import local_archs
 
-        print("config per kernel (the tiling it compiles with; w in the activation dtype):")
+        print("config per kernel (what it compiles with; w in the activation dtype):")
         print("\n".join(config_lines(args.arch or local_archs(), args.dtype, args.hidden)))
     return 0
 

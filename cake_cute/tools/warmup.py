@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import TextIO
 
 from .. import compile_cache
-from ..compile_cache import KernelSpec, get_kernel, is_cached_on_disk
-from ..kernels.config import MAX_HIDDEN, SUPPORTED_ARCHS
+from ..compile_cache import KernelSpec, ReduceSpec, get_kernel, is_cached_on_disk
+from ..kernels.tiling import MAX_HIDDEN
+from ..vocab import SUPPORTED_ARCHS
 
 DEFAULT_ARCHS = SUPPORTED_ARCHS  # without a GPU: every arch the kernels compile for
 ARCH_ALIASES = {"sm_90": "sm_90a", "sm_100": "sm_100a", "sm_103": "sm_103a"}
@@ -48,7 +49,7 @@ def local_archs() -> tuple[str, ...]:
     """The supported archs of this machine's GPUs, or every supported arch when there is none."""
     import torch
 
-    from ..validation import ARCH_BY_CAPABILITY
+    from ..vocab import ARCH_BY_CAPABILITY
 
     if not torch.cuda.is_available():
         return DEFAULT_ARCHS
@@ -91,7 +92,7 @@ def variant_specs(
     for arch, act, hidden, residual, w_mode in itertools.product(archs, dtypes, hiddens, residuals, w_modes):
         w = act if w_mode == "same" else "fp32"
         specs += [KernelSpec(kind, arch, act, w, hidden, residual, weight_offset) for kind in ("fwd", "bwd")]
-        specs += [KernelSpec("dw", arch, out, "fp32", hidden) for out in ("fp32", w)]
+        specs += [ReduceSpec(arch, out, hidden) for out in ("fp32", w)]
     return list(dict.fromkeys(specs))
 
 
@@ -248,29 +249,11 @@ def cache_dir_problem(path: Path, *, create_parents: bool) -> str | None:
     return None
 
 
-def describe_config(spec: KernelSpec) -> str:
-    """The configuration ``spec`` compiles with, as text.
+def describe_config(spec: KernelSpec | ReduceSpec) -> str:
+    """The configuration ``spec`` compiles with, as text: ``build.config_for(spec).describe()``."""
+    from ..build import config_for
 
-    Parameters
-    ----------
-    spec : KernelSpec
-
-    Returns
-    -------
-    str
-        The row tiling (``RowTiling.describe()``), for the backward also its shared-memory ring depth
-        and register budget; ``-`` for the dW reduction, which has no tiling to choose.
-    """
-    from ..dispatch import tiling_for
-    from ..kernels.config import backward_register_budget, backward_stages
-
-    tiling = tiling_for(spec)
-    if tiling is None:
-        return "-"
-    if spec.kind == "bwd":
-        stages = backward_stages(tiling, spec.act_dtype, spec.residual)
-        return f"{tiling.describe()} stages={stages} regs<={backward_register_budget(tiling, spec.arch)}"
-    return tiling.describe()
+    return config_for(spec).describe()
 
 
 def collect_reports(specs: list[KernelSpec], jobs: int | None = None, *, sass: bool = True) -> list[dict]:
@@ -316,10 +299,11 @@ REPORT_LEGEND = (
     "regs: registers per thread; stack B / local B: stack frame and local memory per thread in bytes "
     "(non-zero means spills); LDL/STL: local loads/stores in the SASS; atomics: global atomics in the "
     "SASS (non-zero breaks determinism); cluster: CTAs per cluster; "
-    "threads: per CTA; ld/st bits: widest global load/store per thread; config: the kernel's tiling "
-    "(vec: elements per vector, tpr: threads per row, vpt: vectors per thread, rows/cta: rows per CTA, "
-    "stages: staged row tiles, regs<=: register budget). Shared memory is sized from the config at "
-    "launch, so the cubin does not record it."
+    "threads: per CTA; ld/st bits: widest global load/store per thread; config: the config value the "
+    "kernel compiles with (vec: elements per vector, tpr: threads per row, vpt: vectors per thread, "
+    "rows/cta: rows per CTA, min_ctas/SM: register hint, ring: staged row tiles, regs<=: register "
+    "budget, smem: shared memory per CTA in bytes (sized at launch, so the cubin does not record it), "
+    "ctas/SM: resident CTAs, col_lanes/row_lanes: the dW reduction's lanes over columns / partial rows)."
 )
 
 
