@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """``python perf/plot.py results.json [more.json ...] [-o out.png] [--write-json merged.json]``: the table
-and PNG of cake-cute bench results (``cake_cute.tools.bench.plot``). Needs only matplotlib: the harness
-is loaded from the source tree as a standalone package, so neither torch nor a GPU is required."""
+and PNG of cake-cute bench results (``cake_cute.tools.bench.plot``). Needs only matplotlib: the plot and
+results modules are loaded from the source tree as a standalone package, so neither torch nor a GPU is
+required."""
 
 import importlib
 import importlib.util

@@ -7,12 +7,9 @@ Works with cake_cute installed (``pip install -e .``) and from a bare source tre
 root goes on ``sys.path`` and ``kernels/`` is registered as ``cake_cute.kernels`` (what pyproject's
 package-dir mapping does for an install)."""
 
-import importlib
 import importlib.util
 import sys
 from pathlib import Path
-
-from plot import STANDALONE, load_bench_package
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,17 +37,8 @@ def _use_source_tree() -> None:
         cake_cute.kernels = module
 
 
-def _bench_main():
-    try:
-        _use_source_tree()
-        from cake_cute.tools.bench.cli import main
-
-        return main
-    except ImportError as e:  # cake_cute itself cannot import: peers can still be timed
-        print(f"note: cake_cute does not import ({e}); its rows will carry the error", file=sys.stderr)
-        load_bench_package()
-        return importlib.import_module(f"{STANDALONE}.cli").main
-
-
 if __name__ == "__main__":
-    raise SystemExit(_bench_main()(sys.argv[1:]))
+    _use_source_tree()
+    from cake_cute.tools.bench.cli import main
+
+    raise SystemExit(main(sys.argv[1:]))

@@ -38,10 +38,10 @@ def _csv(convert, what: str):
 
 
 def _dtype(name: str) -> str:
-    from .warmup import DTYPES
+    from ..vocab import DTYPE_NAMES
 
-    if name not in DTYPES:
-        raise ValueError(f"unsupported dtype {name!r}: choose from {', '.join(DTYPES)}")
+    if name not in DTYPE_NAMES:
+        raise ValueError(f"unsupported dtype {name!r}: choose from {', '.join(DTYPE_NAMES)}")
     return name
 
 

@@ -22,16 +22,17 @@ from typing import TextIO
 import torch
 
 from ..reference import backward_reference, forward_reference, rel_error, tolerance
+from ..vocab import DTYPES as VOCAB_DTYPES
+from ..vocab import dtype_name
 
 EPS = 1e-6
 FP32_TOLERANCE = 1e-5
 MAX_ELEMENTS = 1 << 26  # per tensor: keeps the FP64 reference of the widest rows within a few GB
-DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+DTYPES = tuple(d.torch for d in VOCAB_DTYPES)
 FULL_HIDDEN = (1, 7, 512, 1024, 4096, 4097, 7168, 8192, 65536, 262144)
 QUICK_HIDDEN = (7, 4096, 4097, 65536)
 FULL_ROWS = (1, 2, 129, 4096)
 QUICK_ROWS = (1, 129)
-SHORT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 QUANTITIES = ("y", "rstd", "h", "dx", "dw", "ag_y", "ag_dx", "ag_dres", "ag_dw")
 
 
@@ -49,7 +50,7 @@ class Case:
     def label(self) -> str:
         """The case's columns of a result row (under ``HEADER``)."""
         res = "res" if self.residual else "-"
-        dtypes = f"{SHORT[self.dtype]:<5}{SHORT[self.w_dtype]:<5}"
+        dtypes = f"{dtype_name(self.dtype):<5}{dtype_name(self.w_dtype):<5}"
         return f"{dtypes}{self.hidden:>7}{self.rows:>6}  {res:<4}{self.weight_offset:g}"
 
 

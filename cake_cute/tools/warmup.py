@@ -26,7 +26,6 @@ from ..vocab import SUPPORTED_ARCHS
 
 DEFAULT_ARCHS = SUPPORTED_ARCHS  # without a GPU: every arch the kernels compile for
 ARCH_ALIASES = {"sm_90": "sm_90a", "sm_100": "sm_100a", "sm_103": "sm_103a"}
-DTYPES = ("bf16", "fp16", "fp32")
 MAX_ERROR_LINES = 20
 
 

@@ -1,6 +1,7 @@
 """What a sweep measures: the shape grids, and the bytes an ideal kernel moves for each shape.
 
-Standard library only, so the grids can be built and tested without torch or a GPU.
+Dtype names and sizes come from ``cake_cute.vocab``; the row vocabulary (ops, implementations) from
+``results``, which, like ``plot``, needs only the standard library.
 """
 
 from __future__ import annotations
@@ -8,9 +9,12 @@ from __future__ import annotations
 import argparse
 import re
 
+from ...vocab import DTYPE_NAMES, dtype_bytes
+from .results import PEERS
+
 STANDARD_HIDDEN = (1024, 2048, 4096, 5120, 7168, 8192, 16384, 32768, 65536, 131072)
-# T * H per shape of the standard grid: 256 MiB per bf16 tensor; fp32 halves T for the same bytes.
-STANDARD_ELEMENTS = {"bf16": 1 << 27, "fp16": 1 << 27, "fp32": 1 << 26}
+# Bytes per activation tensor of the standard grid: T * H = 2^27 in bf16 and fp16, 2^26 in fp32.
+STANDARD_TENSOR_BYTES = 1 << 28
 SMALL_TOKENS = (1, 16, 256)
 SMALL_HIDDEN = (4096,)
 # Micro-batches of real training (issue #13): tokens per GPU x model width.
@@ -19,10 +23,7 @@ TRAINING_HIDDEN = (1024, 2048, 4096, 5120, 8192, 16384)
 GRIDS = ("standard", "training", "small")
 # The implementations a grid times unless --vs says otherwise: the training grid compares with quack
 # only (plus the copy ceiling every row carries); the others with every peer.
-PEERS = ("torch", "compile", "liger", "quack")
 GRID_PEERS = {"standard": PEERS, "training": ("quack",), "small": PEERS}
-OPS = ("fwd", "bwd")
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 RESIDUAL_MODES = {"off": (False,), "on": (True,), "both": (False, True)}
 
 
@@ -52,11 +53,11 @@ def model_bytes(
     ValueError
         An unknown op or dtype.
     """
-    if dtype not in DTYPE_BYTES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
-    act = tokens * hidden * DTYPE_BYTES[dtype]
+    if dtype not in DTYPE_NAMES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {dtype!r}")
+    act = tokens * hidden * dtype_bytes(dtype)
     if op == "fwd":
-        w_bytes = hidden * DTYPE_BYTES[w_dtype or dtype]
+        w_bytes = hidden * dtype_bytes(w_dtype or dtype)
         return (4 if residual else 2) * act + w_bytes + 4 * tokens
     if op == "bwd":
         return (4 if residual else 3) * act
@@ -93,7 +94,7 @@ def grid_shapes(
     Parameters
     ----------
     grid : {"standard", "training", "small"}
-        standard: T = elements // H for every H (default ``STANDARD_ELEMENTS[dtype]``); training:
+        standard: T = elements // H for every H (default: ``STANDARD_TENSOR_BYTES`` per tensor); training:
         ``TRAINING_TOKENS`` x ``TRAINING_HIDDEN``; small: ``SMALL_TOKENS`` at H = 4096.
     dtype : str
         The activation dtype (decides the standard grid's default T * H).
@@ -120,7 +121,7 @@ def grid_shapes(
             f"--grid {grid}" + (" or --tokens" if tokens else "")
         )
     if grid == "standard" and not tokens:
-        per_shape = elements or STANDARD_ELEMENTS[dtype]
+        per_shape = elements or STANDARD_TENSOR_BYTES // dtype_bytes(dtype)
         return [(per_shape // h, h) for h in hidden or STANDARD_HIDDEN if per_shape // h >= 1]
     default_tokens, default_hidden = {
         "standard": ((), STANDARD_HIDDEN),

@@ -7,7 +7,9 @@ import sys
 import time
 from pathlib import Path
 
-from .cases import DTYPE_BYTES, GRIDS, OPS, PEERS, RESIDUAL_MODES, grid_peers, grid_shapes, parse_count
+from ...vocab import DTYPE_NAMES
+from .cases import GRIDS, RESIDUAL_MODES, grid_peers, grid_shapes, parse_count
+from .results import OPS, PEERS
 
 EXIT_USAGE = 2
 
@@ -67,7 +69,7 @@ def build_parser(prog: str = "cake-cute bench") -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--dtype",
-        type=_choice_list(tuple(DTYPE_BYTES)),
+        type=_choice_list(DTYPE_NAMES),
         default=["bf16"],
         help="activation dtypes out of bf16,fp16,fp32 (default bf16); w has the same dtype",
     )

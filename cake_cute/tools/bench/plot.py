@@ -11,8 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .cases import OPS
-from .results import format_table, impl_rank, load_json, merge_rows, write_json
+from .results import OPS, format_table, impl_rank, load_json, merge_rows, write_json
 
 EXIT_NO_MATPLOTLIB = 2
 MATPLOTLIB_HINT = (

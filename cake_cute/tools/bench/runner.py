@@ -9,6 +9,7 @@ import statistics
 import time
 from pathlib import Path
 
+from ...vocab import dtype_bytes, torch_dtype
 from .cases import RESIDUAL_MODES, grid_shapes, model_bytes
 from .peers import FACTORIES, Impl, is_sticky_cuda_error, versions
 from .results import (
@@ -37,7 +38,6 @@ class Sweep:
         self.torch = torch
         self.device = torch.device(device or "cuda")
         self.timer = DeviceTimer(torch, self.device)
-        self.dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
         self.rows: list[dict] = []
         self.notes: list[str] = []
         self.fatal: str | None = None
@@ -53,8 +53,8 @@ class Sweep:
     # ---- inputs ------------------------------------------------------------------------------------
     def input_sets(self, T: int, H: int, dtype: str, residual: bool) -> list[dict]:
         """Enough independent (x, w, g[, residual, g_residual]) sets that together exceed the L2."""
-        torch, tdt = self.torch, self.dtypes[dtype]
-        per_set = (4 if residual else 2) * T * H * torch.empty(0, dtype=tdt).element_size()
+        torch, tdt = self.torch, torch_dtype(dtype)
+        per_set = (4 if residual else 2) * T * H * dtype_bytes(dtype)
         sets = []
         for _ in range(buffer_sets_for(per_set, self.timer.l2_bytes, self.rotate)):
             t = {
@@ -187,8 +187,8 @@ def precompile_cake(sweep: Sweep, shapes, res_modes) -> float:
     for dt in sweep.args.dtype:
         for H in sorted({h for _, h in shapes}):
             for res in res_modes:
-                x = torch.randn(2, H, device=sweep.device, dtype=sweep.dtypes[dt], requires_grad=True)
-                w = torch.ones(H, device=sweep.device, dtype=sweep.dtypes[dt], requires_grad=True)
+                x = torch.randn(2, H, device=sweep.device, dtype=torch_dtype(dt), requires_grad=True)
+                w = torch.ones(H, device=sweep.device, dtype=torch_dtype(dt), requires_grad=True)
                 r = torch.randn_like(x, requires_grad=True) if res else None
                 try:
                     out = cake_cute.cake_rmsnorm(x, w, sweep.args.eps, residual=r)
