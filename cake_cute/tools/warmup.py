@@ -25,7 +25,7 @@ from ..kernels.tiling import MAX_HIDDEN
 from ..vocab import SUPPORTED_ARCHS
 
 DEFAULT_ARCHS = SUPPORTED_ARCHS  # without a GPU: every arch the kernels compile for
-ARCH_ALIASES = {"sm_90": "sm_90a", "sm_100": "sm_100a", "sm_103": "sm_103a"}
+ARCH_ALIASES = {arch.removesuffix("a"): arch for arch in SUPPORTED_ARCHS}  # sm_90 -> sm_90a
 MAX_ERROR_LINES = 20
 
 
