@@ -61,8 +61,9 @@ def test_cold_warmup_compiles_everything_spill_free_and_vectorized(cold_and_warm
     narrow = [name for name, row in rows.items() if row[8] != 128]
     assert not spilling and not narrow, f"spilling: {spilling}, narrow loads: {narrow}\n{proc.stdout}"
     configs = {name: row[10] for name, row in rows.items()}
-    assert all(c.startswith("vec=") for n, c in configs.items() if not n.startswith("cake_dw")), configs
-    assert all("stages=" in c for n, c in configs.items() if n.startswith("cake_bwd")), configs
+    assert all(c.startswith("vec=") for c in configs.values()), configs
+    assert all(re.search(r" regs<=\d+ smem=\d+B ", c) for n, c in configs.items() if n.startswith("cake_bwd"))
+    assert all(" col_lanes=" in c for n, c in configs.items() if n.startswith("cake_dw")), configs
     assert warmup.REPORT_LEGEND in proc.stdout
     assert proc.returncode == 0, proc.stderr  # --report exits 1 on a spill
 
