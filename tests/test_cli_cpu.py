@@ -17,6 +17,8 @@ from cake_cute.tools import cli, warmup
 from cake_cute.vocab import SUPPORTED_ARCHS
 
 WARMUP = ["warmup", "--arch", "sm_90a,sm_100a", "--dtype", "bf16", "--hidden", "4096,65536"]
+# One arch, bf16, H = 4096, plain mode: 4 variants (forward, backward, dW into FP32 and into bf16).
+ONE_ARCH_PLAIN = ["warmup", "--arch", "sm_90a", "--residual", "off", "--jobs", "1"]
 VARIANTS = 24  # 2 archs x 2 H x 2 residual x (fwd, bwd) + 2 archs x 2 H x dw(fp32, bf16)
 # kernel, regs, stack B, local B, LDL/STL, atomics, cluster, threads, ld bits, st bits, config
 ROW = re.compile(r"^(cake_\w+)" + r"\s+(\d+)" * 3 + r"\s+(\d+)/(\d+)" + r"\s+(\d+)" * 5 + r"\s+(\S.*)$")
@@ -107,29 +109,29 @@ def test_check_without_gpu_exits_2():
     assert "needs a supported GPU" in proc.stderr and "no CUDA GPU" in proc.stderr
 
 
-@pytest.mark.parametrize(
-    "args, message",
-    [
-        (["--arch", "sm_80"], "unsupported arch 'sm_80'"),
-        (["--arch", ""], "argument --arch: expected one or more archs separated by commas, got ''"),
-        (["--arch", ","], "argument --arch: expected one or more archs"),
-        (["--dtype", "int8"], "unsupported dtype 'int8'"),
-        (["--dtype", ""], "argument --dtype: expected one or more dtypes separated by commas, got ''"),
-        (["--hidden", "0"], "hidden size 0 is outside"),
-        (
-            ["--hidden", ""],
-            "argument --hidden: expected one or more hidden sizes separated by commas, got ''",
-        ),
-        (["--hidden", "4k"], "argument --hidden: hidden size '4k' is not an integer"),
-        (["--jobs", "0"], "argument --jobs: expected a positive integer, got '0'"),
-        (["--jobs", "-1"], "argument --jobs: expected a positive integer, got '-1'"),
-        (["--jobs", "two"], "argument --jobs: expected a positive integer, got 'two'"),
-        (["--weight-offset", "inf"], "argument --weight-offset: expected a finite number, got 'inf'"),
-    ],
-)
-def test_bad_warmup_arguments_exit_2_with_a_clear_message(args, message, capsys):
+EMPTY = ("--arch", "archs"), ("--dtype", "dtypes"), ("--hidden", "hidden sizes")
+REFUSED = [
+    (option, value, f"argument {option}: expected one or more {what} separated by commas, got {value!r}")
+    for option, what in EMPTY
+    for value in ("", ",")
+]
+REFUSED += [
+    ("--jobs", value, f"argument --jobs: expected a positive integer, got {value!r}")
+    for value in ("0", "-1", "two")
+]
+REFUSED += [
+    ("--arch", "sm_80", "unsupported arch 'sm_80'"),
+    ("--dtype", "int8", "unsupported dtype 'int8'"),
+    ("--hidden", "0", "hidden size 0 is outside"),
+    ("--hidden", "4k", "argument --hidden: hidden size '4k' is not an integer"),
+    ("--weight-offset", "inf", "argument --weight-offset: expected a finite number, got 'inf'"),
+]
+
+
+@pytest.mark.parametrize("option, value, message", REFUSED)
+def test_bad_warmup_arguments_exit_2_with_a_clear_message(option, value, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        cli.main(["warmup", *args])
+        cli.main(["warmup", option, value])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
 
@@ -187,10 +189,7 @@ def test_default_cache_dir_parents_are_created(tmp_path, monkeypatch):
 def test_weight_offset_compiles_gemma_kernels(tmp_path, monkeypatch, capsys):
     asked = []
     monkeypatch.setattr(warmup, "get_kernel", asked.append)
-    code = cli.main(
-        ["warmup", "--arch", "sm_90a", "--residual", "off", "--weight-offset", "1", "--jobs", "1"]
-        + ["--cache-dir", str(tmp_path)]
-    )
+    code = cli.main([*ONE_ARCH_PLAIN, "--weight-offset", "1"] + ["--cache-dir", str(tmp_path)])
     assert code == 0, capsys.readouterr().err
     assert [s.weight_offset for s in asked if s.kind != "dw"] == [1.0, 1.0]
     assert [s.name() for s in asked] == [
@@ -272,18 +271,7 @@ def test_describe_config_is_the_config_values_description():
 def test_concurrent_warmups_report_what_each_did(tmp_path):
     """Three processes on one empty cache: the file lock lets one compile each variant; the others
     load it after waiting and must say so rather than claim a compile."""
-    args = [
-        sys.executable,
-        "-m",
-        "cake_cute",
-        "warmup",
-        "--arch",
-        "sm_90a",
-        "--residual",
-        "off",
-        "--jobs",
-        "1",
-    ]
+    args = [sys.executable, "-m", "cake_cute", *ONE_ARCH_PLAIN]
     procs = [
         subprocess.Popen(
             args + ["--cache-dir", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -308,21 +296,7 @@ def test_failed_compile_exits_1_and_names_the_kernel(tmp_path, monkeypatch, caps
 
     monkeypatch.setenv("CAKE_CUTE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(warmup, "get_kernel", broken)
-    code = cli.main(
-        [
-            "warmup",
-            "--arch",
-            "sm_90a",
-            "--hidden",
-            "4096",
-            "--residual",
-            "off",
-            "--jobs",
-            "1",
-            "--cache-dir",
-            str(tmp_path),
-        ]
-    )
+    code = cli.main([*ONE_ARCH_PLAIN, "--hidden", "4096", "--cache-dir", str(tmp_path)])
     out, err = capsys.readouterr()
     assert code == 1
     assert "compiled 0, loaded 0 (compiled by another process meanwhile), cached 0, failed 4" in out
@@ -350,20 +324,7 @@ def test_report_exits_1_when_a_kernel_spills_or_has_atomics(tmp_path, monkeypatc
     monkeypatch.setattr(compile_cache, "compile_count", 0)
     monkeypatch.setattr(warmup, "get_kernel", fake_compile)
     monkeypatch.setattr(warmup, "collect_reports", fake_reports)
-    code = cli.main(
-        [
-            "warmup",
-            "--arch",
-            "sm_90a",
-            "--residual",
-            "off",
-            "--jobs",
-            "1",
-            "--report",
-            "--cache-dir",
-            str(tmp_path),
-        ]
-    )
+    code = cli.main([*ONE_ARCH_PLAIN, "--report", "--cache-dir", str(tmp_path)])
     out, err = capsys.readouterr()
     assert code == 1
     assert err.splitlines()[-1] == message
@@ -372,9 +333,7 @@ def test_report_exits_1_when_a_kernel_spills_or_has_atomics(tmp_path, monkeypatc
 
 def test_a_variant_another_process_compiled_counts_as_loaded(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(warmup, "get_kernel", lambda spec: None)  # on disk now, not compiled here
-    code = cli.main(
-        ["warmup", "--arch", "sm_90a", "--residual", "off", "--jobs", "1", "--cache-dir", str(tmp_path)]
-    )
+    code = cli.main([*ONE_ARCH_PLAIN, "--cache-dir", str(tmp_path)])
     out, err = capsys.readouterr()
     assert code == 0
     assert "compiled 0, loaded 4 (compiled by another process meanwhile), cached 0, failed 0" in out
