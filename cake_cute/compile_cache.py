@@ -192,11 +192,11 @@ def _compile(spec: Spec):
     return compiled
 
 
-def _from_disk_or_compile(spec: Spec) -> Callable:
+def _from_disk_or_compile(spec: Spec) -> tuple[Callable, str]:
     path = object_path(spec)
     fn, _ = _load(path, spec)  # the common case, without a lock: a warm or read-only cache
     if fn is not None:
-        return fn
+        return fn, "disk"
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         with _file_lock(path):
@@ -209,15 +209,15 @@ def _from_disk_or_compile(spec: Spec) -> Callable:
         ) from err
 
 
-def _compile_under_lock(path: Path, spec: Spec) -> Callable:
+def _compile_under_lock(path: Path, spec: Spec) -> tuple[Callable, str]:
     fn, problem = _load(path, spec)  # another process may have written it while we waited
     if fn is not None:
-        return fn
+        return fn, "disk after waiting"
     if problem != "missing":
         warnings.warn(
             f"cake_cute: discarding cached kernel {path}: it {problem}; compiling it again",
             RuntimeWarning,
-            stacklevel=4,
+            stacklevel=5,
         )
     _discard(path)
     compiled = _compile(spec)
@@ -228,23 +228,33 @@ def _compile_under_lock(path: Path, spec: Spec) -> Callable:
         warnings.warn(
             f"cake_cute: the kernel just cached at {path} {problem}; using it from memory",
             RuntimeWarning,
-            stacklevel=4,
+            stacklevel=5,
         )
         fn = compiled
-    return fn
+    return fn, "compiled"
+
+
+SOURCES = ("memory", "disk", "disk after waiting", "compiled")
+
+
+def get_kernel_and_source(spec: Spec) -> tuple[Callable, str]:
+    """The compiled function for ``spec`` and where this call found it (one of ``SOURCES``): in
+    memory, on disk, on disk after waiting for another process's compile, or compiled (and saved)."""
+    fn = _memory.get(spec)
+    if fn is not None:
+        return fn, "memory"
+    with _key_lock(spec):
+        fn = _memory.get(spec)
+        if fn is not None:  # another thread of this process got it while this one waited
+            return fn, "memory"
+        fn, source = _from_disk_or_compile(spec)
+        _memory[spec] = fn
+        return fn, source
 
 
 def get_kernel(spec: Spec) -> Callable:
     """The compiled function for ``spec``: from memory, else from disk, else compiled (and saved)."""
-    fn = _memory.get(spec)
-    if fn is not None:
-        return fn
-    with _key_lock(spec):
-        fn = _memory.get(spec)
-        if fn is None:
-            fn = _from_disk_or_compile(spec)
-            _memory[spec] = fn
-        return fn
+    return get_kernel_and_source(spec)[0]
 
 
 def kernel(*fields) -> Callable:

@@ -30,8 +30,42 @@ def _check_output(name, given, shape, dtype, device):
 def cake_rmsnorm_train_forward(
     x, w, eps, *, residual=None, out=None, rstd=None, residual_out=None, weight_offset: float = 0.0
 ):
-    """RMSNorm forward (optionally ``h = x + residual`` first). Returns ``(y, rstd)`` or
-    ``(y, rstd, h_new)``; rstd is FP32 with one value per row."""
+    """RMSNorm forward, optionally fused with the residual add, in one pass.
+
+    Per row: ``h = round(x + residual)`` (residual mode), ``rstd = 1 / sqrt(mean(h^2) + eps)`` in FP32,
+    ``y = round(h * rstd * (w + weight_offset))``.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        ``[..., H]`` activations on a supported CUDA device, bf16 / fp16 / fp32, 1 <= H <= 262144;
+        leading dims collapse into rows.
+    w : torch.Tensor
+        ``[H]`` weight, x's dtype or fp32, on x's device.
+    eps : float
+        Finite, >= 0.
+    residual : torch.Tensor, optional
+        Same shape, dtype and device as x: normalize ``h = x + residual`` and return it as h_new.
+    out, rstd, residual_out : torch.Tensor, optional
+        Caller-owned outputs (y: x's shape and dtype; rstd: FP32 ``[rows]``; h_new: x's shape and
+        dtype, residual mode only). Contiguous aligned ones are written directly, others receive a
+        copy; the returned tensors are these.
+    weight_offset : float, default 0.0
+        Added to w in FP32 (1.0 gives Gemma's ``1 + w``); each distinct value is a compiled variant.
+
+    Returns
+    -------
+    tuple of torch.Tensor
+        ``(y, rstd)``, or ``(y, rstd, h_new)`` in residual mode; rstd is FP32 with one value per row.
+
+    Raises
+    ------
+    TypeError
+        An argument of the wrong kind or dtype (x, w, residual, an output, eps, weight_offset).
+    ValueError
+        A wrong shape or device, x on the CPU or an unsupported GPU, ``residual_out`` without
+        ``residual``, a negative or non-finite eps; raised before any launch, with no output written.
+    """
     op = known_operands(x, w)
     if op is None:
         v.check_activation(x)
@@ -76,7 +110,35 @@ def cake_rmsnorm_train_forward(
 
 
 def cake_rmsnorm_train_backward_workspace_bytes(rows, hidden, device, *, residual=False) -> int:
-    """Bytes of the FP32 dW partial rows a backward of up to ``rows`` rows needs (any dtype)."""
+    """Bytes of workspace a backward of up to ``rows`` rows of ``hidden`` needs, for any dtype.
+
+    The workspace holds the FP32 partial rows of dW the backward writes before they are reduced.
+
+    Parameters
+    ----------
+    rows : int
+        The most rows (T) a backward using the workspace will have; >= 0.
+    hidden : int
+        The hidden size H, 1 <= H <= 262144.
+    device : torch.device, str or int
+        The CUDA device (``"cuda"``, ``"cuda:1"``, ``torch.device("cuda", 1)`` or ``1``): the number of
+        partial rows follows its SM count.
+    residual : bool, default False
+        Size it for residual-mode backwards (``g_residual`` given).
+
+    Returns
+    -------
+    int
+        Bytes; a workspace of at least this size serves every backward of up to ``rows`` rows.
+
+    Raises
+    ------
+    TypeError
+        rows or hidden is not an int.
+    ValueError
+        rows or hidden out of range; device names no CUDA device, or one that does not exist, or
+        torch sees no CUDA device, or the GPU is not supported.
+    """
     v.check_count("rows", rows, 0)
     v.check_count("hidden", hidden, 1, v.MAX_HIDDEN)
     device = v.check_cuda_device(device)
@@ -91,6 +153,15 @@ def cake_rmsnorm_train_backward_workspace_bytes(rows, hidden, device, *, residua
 
 
 def cake_rmsnorm_train_backward_workspace(rows, hidden, device, *, residual=False) -> torch.Tensor:
+    """A zero-filled workspace for backwards of up to ``rows`` rows (see
+    ``cake_rmsnorm_train_backward_workspace_bytes``, which takes the same arguments and raises the
+    same errors).
+
+    Returns
+    -------
+    torch.Tensor
+        A contiguous 1-D ``uint8`` tensor on ``device`` with a 16-byte aligned base.
+    """
     nbytes = cake_rmsnorm_train_backward_workspace_bytes(rows, hidden, device, residual=residual)
     return torch.zeros(nbytes, dtype=torch.uint8, device=device)
 
@@ -120,11 +191,51 @@ def cake_rmsnorm_train_backward(
     weight_offset: float = 0.0,
     dw_dtype: torch.dtype = torch.float32,
 ):
-    """RMSNorm backward: ``(dx, dw)``. ``x`` is what the forward normalized (x, or h_new in residual
-    mode); in residual mode ``g_residual`` (dL/dh_new) is added into dx. dw is FP32 unless
-    ``dw_dtype`` says otherwise (autograd asks for w's dtype). ``deterministic=False`` is accepted and
-    runs the same deterministic kernels: an atomic dW was built and measured slower on the H200 at
-    every T tried (perf/results/2026-11-30-h200-atomic-dw-experiment)."""
+    """RMSNorm backward: dx in one pass, dw as a fixed-order sum of FP32 partial rows.
+
+    Per row: ``a = g * (w + weight_offset)``, ``xhat = x * rstd``, ``c = sum(a * xhat) / H``,
+    ``dx = round(rstd * (a - xhat * c) [+ g_residual])``; ``dw = sum over rows of g * xhat`` in FP32.
+
+    Parameters
+    ----------
+    g : torch.Tensor
+        dL/dy, x's shape, dtype and device.
+    x : torch.Tensor
+        What the forward normalized: x, or h_new in residual mode (``[..., H]``, bf16 / fp16 / fp32).
+    w : torch.Tensor
+        ``[H]`` weight, x's dtype or fp32.
+    rstd : torch.Tensor
+        FP32 ``[rows]`` from the forward.
+    deterministic : bool, default True
+        Accepted for API compatibility; both values run the same deterministic kernels (an atomic
+        dW measured slower: perf/results/2026-11-30-h200-atomic-dw-experiment/).
+    g_residual : torch.Tensor, optional
+        dL/dh_new in residual mode (x's shape and dtype), added into dx: dx is then the gradient of
+        both x and residual.
+    workspace : torch.Tensor, optional
+        A contiguous 1-D uint8 tensor, 16-byte aligned, of at least
+        ``cake_rmsnorm_train_backward_workspace_bytes(rows, H, device)`` bytes; without one, the
+        partial rows are allocated per call.
+    dx, dw : torch.Tensor, optional
+        Caller-owned outputs (dx: x's shape and dtype; dw: ``[H]`` of ``dw_dtype``).
+    weight_offset : float, default 0.0
+        The forward's offset.
+    dw_dtype : torch.dtype, default torch.float32
+        dw's dtype (fp32, bf16 or fp16; autograd asks for w's); the sum is FP32, rounded once.
+
+    Returns
+    -------
+    tuple of torch.Tensor
+        ``(dx, dw)``.
+
+    Raises
+    ------
+    TypeError
+        An argument of the wrong kind or dtype (including ``deterministic`` that is not a bool).
+    ValueError
+        A wrong shape or device, an unaligned or too small workspace, x on the CPU or an unsupported
+        GPU; raised before any launch, with no output written.
+    """
     op = known_operands(x, w)
     if op is None:
         v.check_activation(x)

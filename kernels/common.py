@@ -27,9 +27,8 @@ from cutlass.cutlass_dsl import dsl_user_op
 
 COPY_BITS = 128
 REDUCTION_SLOTS = 2
-# Clusters of at least this many CTAs push a row's partial sum to their peers from as many lanes (H200,
-# plain backward: H = 32768-131072 2-5% faster; with 2 CTAs one pushing lane is 6% faster; forward and
-# residual within 1%; perf/results/2026-11-30-h200-cluster-push).
+# Clusters of at least this many CTAs push a row's partial sum to their peers from as many lanes; pairs
+# push from one lane (the A/B behind both: perf/results/2026-11-30-h200-cluster-push/).
 PARALLEL_PUSH_CLUSTER = 4
 
 
@@ -82,9 +81,9 @@ def staging_atom(dtype, vec: int):
     return copy_atom(dtype, vec)
 
 
-def allocate_tile(smem, dtype, tiling, stages: int = 1):
-    """A (rows_per_cta, cols_per_cta, stages) shared-memory tile, row-major within a stage."""
-    shape = (tiling.rows_per_cta, tiling.cols_per_cta, stages)
+def allocate_tile(smem, dtype, tiling, slots: int = 1):
+    """A (rows_per_cta, cols_per_cta, slots) shared-memory tile, row-major within a slot."""
+    shape = (tiling.rows_per_cta, tiling.cols_per_cta, slots)
     return smem.allocate_tensor(dtype, cute.make_ordered_layout(shape, order=(1, 0, 2)), byte_alignment=16)
 
 

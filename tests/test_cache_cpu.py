@@ -28,7 +28,7 @@ SPEC = KernelSpec("fwd", "sm_90a", "bf16", "bf16", 512)
 OTHER = KernelSpec("fwd", "sm_90a", "fp16", "fp16", 512)
 
 # A child process: imports everything, signals "ready", waits for "go", then asks for SPEC and prints
-# "<compiles> <seconds> <callable>". The start line lets several children race on one cold key.
+# "<source> <compiles> <seconds> <callable>". The start line lets several children race on one cold key.
 CHILD = """
 import sys, time
 from pathlib import Path
@@ -41,8 +41,8 @@ ready.touch()
 while not go.exists():
     time.sleep(0.002)
 start = time.perf_counter()
-fn = cc.get_kernel(spec)
-print(cc.compile_count, time.perf_counter() - start, callable(fn))
+fn, source = cc.get_kernel_and_source(spec)
+print(source.replace(" ", "_"), cc.compile_count, time.perf_counter() - start, callable(fn))
 """
 
 
@@ -58,8 +58,9 @@ def cache(tmp_path, monkeypatch):
 
 def _children(
     cache_root: Path, tmp_path: Path, n: int, timeout: float = 120
-) -> list[tuple[int, float, bool]]:
-    """Run ``n`` CHILD processes against ``cache_root``, released together; their (compiles, s, ok)."""
+) -> list[tuple[str, int, float, bool]]:
+    """Run ``n`` CHILD processes against ``cache_root``, released together; their (source, compiles,
+    seconds, ok)."""
     env = dict(os.environ, CAKE_CUTE_CACHE_DIR=str(cache_root))
     go = tmp_path / "go"
     ready = [tmp_path / f"ready{i}" for i in range(n)]
@@ -84,8 +85,8 @@ def _children(
         for p in procs:
             out, err = p.communicate(timeout=timeout)
             assert p.returncode == 0, err
-            compiles, seconds, ok = out.split()[-3:]
-            results.append((int(compiles), float(seconds), ok == "True"))
+            source, compiles, seconds, ok = out.split()[-4:]
+            results.append((source.replace("_", " "), int(compiles), float(seconds), ok == "True"))
         return results
     finally:
         for p in procs:
@@ -159,16 +160,19 @@ def test_a_cache_hit_does_not_wait_for_another_keys_compile(cache, monkeypatch):
 
 def test_processes_racing_on_one_key_compile_it_once(cache, tmp_path):
     results = _children(cache, tmp_path, 2)
-    assert sum(compiles for compiles, _, _ in results) == 1, results
-    assert all(ok for _, _, ok in results)
+    assert sum(compiles for _, compiles, _, _ in results) == 1, results
+    assert all(ok for _, _, _, ok in results)
+    # The one that did not compile says where it found the kernel (usually after waiting for the lock).
+    assert sorted(source for source, _, _, _ in results)[0] == "compiled", results
+    assert sorted(source for source, _, _, _ in results)[1] in ("disk", "disk after waiting"), results
     assert _sound(SPEC)
 
 
 def test_a_warm_cache_serves_a_new_process_without_compiling(cache, tmp_path):
     cc.get_kernel(SPEC)
-    [(compiles, seconds, ok)] = _children(cache, tmp_path, 1)
+    [(source, compiles, seconds, ok)] = _children(cache, tmp_path, 1)
     print(f"warm load in a new process: {seconds * 1e3:.1f} ms")
-    assert compiles == 0 and ok
+    assert compiles == 0 and ok and source == "disk"
     assert seconds < 1.0  # a compile of even this small kernel takes longer; a load is milliseconds
 
 
@@ -289,3 +293,10 @@ def test_a_held_lock_times_out_with_the_lock_file_named(cache, monkeypatch):
         waiter.start()
         waiter.join(30)
     assert len(errors) == 1 and f"{path}.lock" in str(errors[0]) and "waited 0.2 s" in str(errors[0])
+
+
+def test_each_call_says_where_its_kernel_came_from(cache):
+    assert cc.get_kernel_and_source(SPEC)[1] == "compiled"
+    assert cc.get_kernel_and_source(SPEC)[1] == "memory"
+    cc.clear_memory()
+    assert cc.get_kernel_and_source(SPEC)[1] == "disk"

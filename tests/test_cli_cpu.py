@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from cake_cute import compile_cache
 from cake_cute.specs import KernelSpec, ReduceSpec
 from cake_cute.tools import cli, warmup
 from cake_cute.vocab import SUPPORTED_ARCHS
@@ -188,7 +187,7 @@ def test_default_cache_dir_parents_are_created(tmp_path, monkeypatch):
 
 def test_weight_offset_compiles_gemma_kernels(tmp_path, monkeypatch, capsys):
     asked = []
-    monkeypatch.setattr(warmup, "get_kernel", asked.append)
+    monkeypatch.setattr(warmup, "get_kernel_and_source", lambda spec: (asked.append(spec), "compiled"))
     code = cli.main([*ONE_ARCH_PLAIN, "--weight-offset", "1"] + ["--cache-dir", str(tmp_path)])
     assert code == 0, capsys.readouterr().err
     assert [s.weight_offset for s in asked if s.kind != "dw"] == [1.0, 1.0]
@@ -295,7 +294,7 @@ def test_failed_compile_exits_1_and_names_the_kernel(tmp_path, monkeypatch, caps
         raise RuntimeError(f"cannot compile {spec.hidden}")
 
     monkeypatch.setenv("CAKE_CUTE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(warmup, "get_kernel", broken)
+    monkeypatch.setattr(warmup, "get_kernel_and_source", broken)
     code = cli.main([*ONE_ARCH_PLAIN, "--hidden", "4096", "--cache-dir", str(tmp_path)])
     out, err = capsys.readouterr()
     assert code == 1
@@ -318,11 +317,7 @@ def test_report_exits_1_when_a_kernel_spills_or_has_atomics(tmp_path, monkeypatc
     def fake_reports(specs, jobs=None):
         return [dict(CLEAN_REPORT, name=s.name(), **(bad if s.kind == "bwd" else {})) for s in specs]
 
-    def fake_compile(spec):
-        compile_cache.compile_count += 1
-
-    monkeypatch.setattr(compile_cache, "compile_count", 0)
-    monkeypatch.setattr(warmup, "get_kernel", fake_compile)
+    monkeypatch.setattr(warmup, "get_kernel_and_source", lambda spec: (None, "compiled"))
     monkeypatch.setattr(warmup, "collect_reports", fake_reports)
     code = cli.main([*ONE_ARCH_PLAIN, "--report", "--cache-dir", str(tmp_path)])
     out, err = capsys.readouterr()
@@ -332,7 +327,8 @@ def test_report_exits_1_when_a_kernel_spills_or_has_atomics(tmp_path, monkeypatc
 
 
 def test_a_variant_another_process_compiled_counts_as_loaded(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(warmup, "get_kernel", lambda spec: None)  # on disk now, not compiled here
+    # Another process compiled each variant while this one waited on the cache's file lock.
+    monkeypatch.setattr(warmup, "get_kernel_and_source", lambda spec: (None, "disk after waiting"))
     code = cli.main([*ONE_ARCH_PLAIN, "--cache-dir", str(tmp_path)])
     out, err = capsys.readouterr()
     assert code == 0

@@ -3,9 +3,11 @@ sized for T rows holds exactly the most partial rows any call of up to T rows wr
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
-from cake_cute.kernels.config import backward_config
-from cake_cute.kernels.tiling import backward_tiling
+from cake_cute.kernels.config import backward_config, overridden, override_choices, reduce_config
+from cake_cute.kernels.tiling import backward_tiling, forward_tiling
 
 from cake_cute import dispatch
 from cake_cute.device import DeviceFacts
@@ -73,3 +75,57 @@ def test_backward_shared_memory_fits_one_cta(act, residual):
         for arch in ("sm_90a", "sm_100a"):
             config = backward_config(arch, act, "fp32", hidden, residual)
             assert config.smem_bytes <= 227 * 1024, (hidden, config.describe())
+
+
+def test_an_override_changes_one_entry_and_leaves_with_its_context():
+    default = backward_config("sm_90a", "bf16", "bf16", 1024, False)
+    assert default.ring_depth == 4
+    with overridden("bwd", "sm_90a", "bf16", 1024, ring_depth=2, register_budget=128):
+        changed = backward_config("sm_90a", "bf16", "bf16", 1024, False)
+        assert (changed.ring_depth, changed.register_budget) == (2, 128)
+        assert changed.min_ctas_per_sm == 65536 // (128 * changed.tiling.threads_per_cta)  # derived
+        assert changed.smem_bytes < default.smem_bytes  # follows the shallower ring
+        assert backward_config("sm_100a", "bf16", "bf16", 1024, False).ring_depth == 4  # other arch
+        assert backward_config("sm_90a", "bf16", "bf16", 2048, False).ring_depth == 4  # other H
+        assert override_choices("bwd", "sm_90a", "bf16", 1024) == {"ring_depth": 2, "register_budget": 128}
+    assert backward_config("sm_90a", "bf16", "bf16", 1024, False) == default
+    assert override_choices("bwd", "sm_90a", "bf16", 1024) == {}
+
+
+def test_an_override_clears_the_launch_plans_built_from_the_config():
+    before = dispatch.backward_launch(4096, 1024, "bf16", "bf16", False, H200)
+    with overridden("bwd", "sm_90a", "bf16", 1024, ctas_per_sm=1):
+        assert dispatch.backward_launch(4096, 1024, "bf16", "bf16", False, H200) == (132, 132)
+    assert dispatch.backward_launch(4096, 1024, "bf16", "bf16", False, H200) == before != (132, 132)
+
+
+@pytest.mark.parametrize(
+    "kind, choices, message",
+    [
+        ("bwd", {"stages": 4}, r"a bwd config has no choice stages"),
+        ("fwd", {"ring_depth": 4}, r"a fwd config has no choice ring_depth"),
+        ("conv", {}, r"kind must be one of fwd, bwd, dw"),
+        ("fwd", {"tiling": replace(forward_tiling(1024, "bf16"), vec=4)}, r"must keep vec=8"),
+    ],
+)
+def test_an_override_is_checked(kind, choices, message):
+    with pytest.raises(ValueError, match=message), overridden(kind, "sm_90a", "bf16", 1024, **choices):
+        pass
+
+
+def test_residual_mode_refuses_a_deeper_ring():
+    with overridden("bwd", "sm_90a", "bf16", 1024, ring_depth=4):
+        assert backward_config("sm_90a", "bf16", "bf16", 1024, False).ring_depth == 4
+        with pytest.raises(ValueError, match="residual mode keeps a ring of 2"):
+            backward_config("sm_90a", "bf16", "bf16", 1024, True)
+
+
+def test_reduce_config_spreads_narrow_rows():
+    assert [reduce_config("sm_90a", "fp32", h).col_lanes for h in (1, 1024, 4096, 65536, 262144)] == [
+        1,
+        1,
+        4,
+        32,
+        32,
+    ]
+    assert reduce_config("sm_90a", "fp32", 4097).vec == 1

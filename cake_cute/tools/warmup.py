@@ -19,8 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from .. import compile_cache
-from ..compile_cache import KernelSpec, ReduceSpec, get_kernel, is_cached_on_disk
+from ..compile_cache import KernelSpec, ReduceSpec, get_kernel_and_source, is_cached_on_disk
 from ..kernels.tiling import MAX_HIDDEN
 from ..vocab import SUPPORTED_ARCHS
 
@@ -141,17 +140,15 @@ def _short_error(exc: BaseException) -> str:
 
 
 def compile_one(spec: KernelSpec) -> Outcome:
-    """Bring ``spec`` into the disk cache (in a worker, one variant at a time, so the change of the
-    cache's compile counter says whether this process compiled it); errors come back as text, since DSL
-    exceptions do not always pickle."""
+    """Bring ``spec`` into the disk cache (in a worker) and say what this process did: compiled it, or
+    loaded it because another process compiled it since the warmup looked (the cache reports where a
+    kernel came from); errors come back as text, since DSL exceptions do not always pickle."""
     start = time.perf_counter()
-    compiles_before = compile_cache.compile_count
     try:
-        get_kernel(spec)
+        _, source = get_kernel_and_source(spec)
     except Exception as exc:  # reported per variant; the other variants still compile
         return Outcome(spec, time.perf_counter() - start, FAILED, _short_error(exc))
-    status = COMPILED if compile_cache.compile_count > compiles_before else LOADED
-    return Outcome(spec, time.perf_counter() - start, status)
+    return Outcome(spec, time.perf_counter() - start, COMPILED if source == "compiled" else LOADED)
 
 
 def default_jobs() -> int:
