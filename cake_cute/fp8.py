@@ -277,12 +277,6 @@ def check_scale_layout(scale_layout, recipe: str) -> str:
     return scale_layout
 
 
-def _check_bool(name: str, value) -> bool:
-    if value is not True and value is not False:
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
-    return value
-
-
 def check_arguments(x, w, eps, residual, recipe, emit_y, weight_offset, scale_layout="compact"):
     """Every argument of ``cake_rmsnorm_fp8``, before anything runs; returns (eps, weight_offset)."""
     v.check_activation(x)
@@ -292,7 +286,7 @@ def check_arguments(x, w, eps, residual, recipe, emit_y, weight_offset, scale_la
     if residual is not None:
         v.check_like("residual", residual, x)
     check_recipe(recipe)
-    _check_bool("emit_y", emit_y)
+    v.check_bool("emit_y", emit_y)
     check_scale_layout(scale_layout, recipe)
     return eps, weight_offset
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cake_cute import cake_rmsnorm_fp8, fp8
-from cake_cute.cubin import kernel_report, spill_free
+from cake_cute.tools.cubin import kernel_report, spill_free
 
 F32 = torch.float32
 NAN_BYTES = (0x7F, 0xFF)  # e4m3fn NaN with either sign

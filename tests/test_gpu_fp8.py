@@ -36,7 +36,7 @@ def prewarm_fp8_kernels():
     import io
     import os
 
-    from cake_cute.warmup import local_archs, warm
+    from cake_cute.tools.warmup import local_archs, warm
 
     names = tuple(DTYPE_IDS.values())
     specs = fp8.fp8_variant_specs(local_archs(), names, HIDDEN)
