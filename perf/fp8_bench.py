@@ -21,6 +21,7 @@ import argparse
 import json
 import statistics
 import sys
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -78,8 +79,11 @@ def input_sets(rows, hidden, dtype, residual):
     ]
 
 
+@cache
 def _compiled_quantize(recipe: str):
-    return torch.compile(lambda y: fp8.quantize_rows_reference(y, recipe), dynamic=False)
+    """One torch.compile'd quantize per recipe, shape-polymorphic (dynamic=True), so the sweep's many
+    shapes neither recompile it per shape nor hit dynamo's recompile limit and fall back to eager."""
+    return torch.compile(lambda y: fp8.quantize_rows_reference(y, recipe), dynamic=True)
 
 
 def _torchao_quantize():
