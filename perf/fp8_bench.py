@@ -83,7 +83,7 @@ def input_sets(rows, hidden, dtype, residual):
 def _compiled_quantize(recipe: str):
     """One torch.compile'd quantize per recipe, shape-polymorphic (dynamic=True), so the sweep's many
     shapes neither recompile it per shape nor hit dynamo's recompile limit and fall back to eager."""
-    return torch.compile(lambda y: fp8.quantize_rows_reference(y, recipe), dynamic=True)
+    return torch.compile(lambda y: fp8.quantize_rows_bytes(y, recipe), dynamic=True)
 
 
 def _torchao_quantize():
