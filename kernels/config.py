@@ -41,7 +41,6 @@ from .tiling import (
     RowTiling,
     backward_tiling,
     forward_tiling,
-    row_tiling,
     vector_width,
 )
 
@@ -310,15 +309,13 @@ def blocks_nest(tiling: RowTiling, block: int) -> bool:
 
 @cache
 def quant_forward_config(arch: str, act_dtype: str, hidden: int, recipe: str) -> QuantForwardConfig:
-    """The forward's config (its overrides included) when its lanes nest with the recipe's blocks;
-    else (an exact cover of a non-power-of-two warp count) the power-of-two tiling, whose k-slices
-    always nest with a power-of-two block."""
+    """The forward's config (its overrides included) plus the recipe's block width and scale type.
+    Every forward tiling nests with both block widths (its k-slices are a power of two or, for the
+    exact covers of a non-power-of-two warp count, a multiple of 128 columns; tests/test_fp8_cpu.py
+    checks every H), so the quantizing forward runs on the same tiling as the plain one."""
     block, fp32_scales = QUANT_RECIPES[recipe]
     config = forward_config(arch, act_dtype, hidden)
-    if blocks_nest(config.tiling, block):
-        return QuantForwardConfig(config.tiling, config.min_ctas_per_sm, block, fp32_scales)
-    tiling = row_tiling(hidden, dtype_bytes(act_dtype), bytes_per_thread=128, target_vecs=4)
-    return QuantForwardConfig(tiling, forward_register_hint(tiling, arch), block, fp32_scales)
+    return QuantForwardConfig(config.tiling, config.min_ctas_per_sm, block, fp32_scales)
 
 
 on_override_change(quant_forward_config.cache_clear)

@@ -16,12 +16,13 @@ formula is exactly ``cvt.rp.satfinite.ue8m0x2.f32``'s rounding, so both architec
 code). amax is a maximum of the values' bit patterns with the sign cleared: for non-negative floats
 that order is the numeric order, and NaN patterns sort above infinity, so a NaN propagates.
 
-Tiling: the forward's (``config.quant_forward_config``): lane l of a row owns vectors l, l + threads_per_row,
-... of ``vec`` elements; ``threads_per_row * vec`` (a k-slice) and B are powers of two, so either a
-block is ``B / vec`` consecutive lanes of one k-slice or it spans ``B / (threads_per_row * vec)``
-consecutive k-slices of all the row's lanes. Each lane takes the maximum over its own vectors of the
-block, then over the block's lanes with a butterfly shuffle (B / vec <= 32 lanes) or through shared
-memory and one CTA barrier (more lanes, 1x128 with vec < 4). The block's first lane writes the scale.
+Tiling: the forward's (``config.quant_forward_config``): lane l of a row owns vectors l,
+l + threads_per_row, ... of ``vec`` elements. A k-slice (``threads_per_row * vec`` columns) and a block
+of B columns nest (``config.blocks_nest``): either a block is ``B / vec`` consecutive lanes of one
+k-slice or it spans ``B / (threads_per_row * vec)`` consecutive k-slices of all the row's lanes. Each
+lane takes the maximum over its own vectors of the block, then over the block's lanes with a
+butterfly shuffle (B / vec <= 32 lanes) or through shared memory and one CTA barrier (more lanes:
+1x128 with vec < 4). The block's first lane writes the scale.
 
 Bytes moved: reads x (+ residual) and w; writes T*H e4m3 bytes, T*ceil(H/B) scales (1 or 4 bytes),
 4*T bytes of rstd, and (optionally) y and h_new in the activation dtype.

@@ -288,6 +288,19 @@ def test_torch_compile_fullgraph_matches_eager(recipe, layout, backend):
 
 # ------------------------------------------------------------------------------ kernels: compile + SASS
 
+
+@pytest.mark.parametrize("act_dtype", ["bf16", "fp32"])
+def test_every_forward_tiling_nests_with_the_blocks(act_dtype):
+    """The quantizing forward runs on the plain forward's tiling for every H (fp16 tiles like bf16)."""
+    from cake_cute.kernels.config import blocks_nest
+    from cake_cute.kernels.tiling import MAX_HIDDEN, forward_tiling
+
+    for hidden in range(1, MAX_HIDDEN + 1):
+        tiling = forward_tiling(hidden, act_dtype)
+        assert blocks_nest(tiling, 32) and blocks_nest(tiling, 128), (hidden, tiling.describe())
+        assert tiling.cluster_n == 1 or tiling.cols_per_cta % 128 == 0, (hidden, tiling.describe())
+
+
 ARCHS = ("sm_90a", "sm_100a")
 DTYPES = ("bf16", "fp16", "fp32")
 HIDDEN = (7, 4096, 4097, 65536)
