@@ -2,6 +2,8 @@
 
 __version__ = "0.1.0"
 
+import torch  # noqa: E402
+
 from .autograd import CakeRMSNormFunction, cake_rmsnorm  # noqa: E402
 from .module import CakeRMSNorm, swap_rmsnorm  # noqa: E402
 from .ops import (  # noqa: E402
@@ -12,9 +14,14 @@ from .ops import (  # noqa: E402
 )
 from .support import is_cake_rmsnorm_train_supported  # noqa: E402
 
+if torch.distributed.is_available():
+    # Registers the DTensor sharding rules of the custom ops.
+    from .distributed import SequenceParallelResidual  # noqa: E402, F401
+
 __all__ = [
     "CakeRMSNorm",
     "CakeRMSNormFunction",
+    "SequenceParallelResidual",
     "cake_rmsnorm",
     "cake_rmsnorm_train_backward",
     "cake_rmsnorm_train_backward_workspace",
