@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from .custom_ops import cake_rmsnorm_traceable, norm_backward, save_for_backward
+from . import validation as v
+from .custom_ops import cake_rmsnorm_traceable, check_forward_arguments, norm_backward, save_for_backward
 from .ops import cake_rmsnorm_train_forward
 
 if torch.distributed.is_available():
@@ -39,6 +40,9 @@ def _forward(x, w, eps, residual, weight_offset, deterministic, direct):
     if direct:
         outs = cake_rmsnorm_train_forward(x, w, eps, residual=residual, weight_offset=weight_offset)
         return outs if residual is not None else (*outs, None)
+    # The op's schema would turn a bad argument into a RuntimeError that names no argument.
+    check_forward_arguments(x, w, eps, residual)
+    weight_offset = v.check_weight_offset(weight_offset)
     y, rstd, h_new = torch.ops.cake_cute.rmsnorm_fwd(x, w, eps, residual, weight_offset, deterministic)
     return y, rstd, (None if residual is None else h_new)
 

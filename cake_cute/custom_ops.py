@@ -48,12 +48,13 @@ def rmsnorm_fwd(x, w, eps, residual=None, weight_offset=0.0, deterministic=True)
 
 @rmsnorm_fwd.register_kernel("cpu")
 def _rmsnorm_fwd_cpu(x, w, eps, residual=None, weight_offset=0.0, deterministic=True):
-    _check_forward_arguments(x, w, eps, residual)
+    check_forward_arguments(x, w, eps, residual)
     y, rstd, h_new = cpu.forward(x, w, eps, residual, v.check_weight_offset(weight_offset))
     return y, rstd, (x.new_empty(0) if h_new is None else h_new)
 
 
-def _check_forward_arguments(x, w, eps, residual) -> None:
+def check_forward_arguments(x, w, eps, residual) -> None:
+    """The forward's argument errors (TypeError / ValueError naming the argument), device excepted."""
     v.check_activation(x)
     v.check_weight(w, x)
     v.check_eps(eps)
@@ -64,7 +65,7 @@ def _check_forward_arguments(x, w, eps, residual) -> None:
 @rmsnorm_fwd.register_fake
 def _rmsnorm_fwd_fake(x, w, eps, residual=None, weight_offset=0.0, deterministic=True):
     """Contiguous outputs like the real op; argument errors surface while tracing, not at run time."""
-    _check_forward_arguments(x, w, eps, residual)
+    check_forward_arguments(x, w, eps, residual)
     h_new = x.new_empty(x.shape) if residual is not None else x.new_empty(0)
     return x.new_empty(x.shape), x.new_empty(x.shape[:-1], dtype=torch.float32), h_new
 
