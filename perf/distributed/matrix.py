@@ -392,6 +392,7 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--compile-backend", default="inductor")
     parser.add_argument("--only", default="", help="comma-separated case-name prefixes")
+    parser.add_argument("--tag", default="", help="appended to the output file names")
     parser.add_argument("--timeout", type=int, default=300, help="seconds a collective may wait")
     args = parser.parse_args(argv)
     s = _setup(args)
@@ -424,6 +425,7 @@ def main(argv=None) -> int:
 def _write(args, s: Setup, rows, lines) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"{datetime.date.today().isoformat()}-{_device_label(s.device)}-distributed"
+    stem += f"-{args.tag}" if args.tag else ""
     header = {
         "torch": torch.__version__,
         "cake_cute": cake_cute.__version__,
