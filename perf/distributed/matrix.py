@@ -28,7 +28,6 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
-from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -202,52 +201,7 @@ def _sp_adamw_one(s: Setup, residual: bool) -> str:
 # --- 3-9. the model under plans ---------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Plan:
-    tp: bool = False
-    fsdp: bool = False
-    ddp: bool = False
-    mesh_shape: tuple[int, ...] = ()  # (dp, tp) for FSDP + TP
-    reshard: bool = True
-    param_dtype: torch.dtype | None = None
-    accumulate: int = 1
-    checkpoint: bool = False
-    compile: bool = False
-    fused_residual: bool = False
-
-
-def _data_parallel_degree(s: Setup, plan: Plan) -> int:
-    if plan.mesh_shape:
-        return plan.mesh_shape[0]
-    return s.world if (plan.fsdp or plan.ddp) else 1
-
-
-def _dp_rank(s: Setup, plan: Plan) -> int:
-    if plan.mesh_shape:
-        return s.rank // plan.mesh_shape[1]
-    return s.rank if (plan.fsdp or plan.ddp) else 0
-
-
-def _parallelize(model, s: Setup, plan: Plan):
-    if plan.mesh_shape:
-        mesh = init_device_mesh(s.device, plan.mesh_shape, mesh_dim_names=("dp", "tp"))
-        dp_mesh, tp_mesh = mesh["dp"], mesh["tp"]
-    else:
-        dp_mesh = tp_mesh = init_device_mesh(s.device, (s.world,))
-    if plan.tp:
-        llama.apply_tp(model, tp_mesh)
-    if plan.checkpoint:
-        llama.apply_checkpointing(model)
-    if plan.compile:
-        llama.apply_compile(model, s.compile_backend)
-    if plan.fsdp:
-        llama.apply_fsdp(model, dp_mesh, reshard_after_forward=plan.reshard, param_dtype=plan.param_dtype)
-    if plan.ddp:
-        model = DistributedDataParallel(model)
-    return model
-
-
-def _step(model, plan: Plan, tokens, targets, micro: int, total) -> None:
+def _step(model, plan: llama.Plan, tokens, targets, micro: int, total) -> None:
     """Forward and backward over ``plan.accumulate`` micro-batches; FSDP reduces after the last only."""
     for i in range(plan.accumulate):
         if plan.fsdp:
@@ -258,7 +212,7 @@ def _step(model, plan: Plan, tokens, targets, micro: int, total) -> None:
         total += loss.detach()
 
 
-def _train(model, s: Setup, plan: Plan, dp_degree: int, dp_rank: int):
+def _train(model, s: Setup, plan: llama.Plan, dp_degree: int, dp_rank: int):
     """Losses (the global batch's mean) of every step, and the full gradients after the first."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     cfg = replace(s.cfg, fused_residual=plan.fused_residual)
@@ -284,8 +238,9 @@ def _train(model, s: Setup, plan: Plan, dp_degree: int, dp_rank: int):
     return losses, first_grads
 
 
-def _run_plan(s: Setup, plan: Plan, cake: bool, distributed: bool = True):
+def _run_plan(s: Setup, plan: llama.Plan, cake: bool, distributed: bool = True):
     cfg = replace(s.cfg, fused_residual=plan.fused_residual)
+    plan = replace(plan, compile_backend=s.compile_backend)
     torch._dynamo.reset()  # each run compiles afresh, so the recompile checks see this run only
     model = llama.build(cfg, seed=0, device=s.device)
     if cake:
@@ -293,12 +248,12 @@ def _run_plan(s: Setup, plan: Plan, cake: bool, distributed: bool = True):
     if not distributed:
         if plan.param_dtype is not None:
             model = model.to(plan.param_dtype)
-        return _train(model, s, Plan(fused_residual=plan.fused_residual), 1, 0)
-    model = _parallelize(model, s, plan)
-    return _train(model, s, plan, _data_parallel_degree(s, plan), _dp_rank(s, plan))
+        return _train(model, s, llama.Plan(fused_residual=plan.fused_residual), 1, 0)
+    model = llama.parallelize(model, s.device, s.world, plan)
+    return _train(model, s, plan, *llama.data_parallel_coords(s.world, s.rank, plan))
 
 
-def _compare(s: Setup, plan: Plan) -> str:
+def _compare(s: Setup, plan: llama.Plan) -> str:
     """cake under the plan vs torch.nn.RMSNorm under the plan and vs cake on one device."""
     loose = plan.param_dtype is not None
     tol_loss, tol_grad = (3e-2, 8e-2) if loose else (1e-4, 2e-3)
@@ -317,7 +272,7 @@ def _compare(s: Setup, plan: Plan) -> str:
     return f"losses {', '.join(f'{v:.5f}' for v in cake_losses)}, worst relative error {worst:.2e}"
 
 
-def _plan_case(plan: Plan):
+def _plan_case(plan: llama.Plan):
     def case(s: Setup) -> str:
         return _compare(s, plan)
 
@@ -325,7 +280,7 @@ def _plan_case(plan: Plan):
 
 
 def case_determinism(s: Setup) -> str:
-    plan = Plan(tp=True)
+    plan = llama.Plan(tp=True)
     first = _run_plan(s, plan, cake=True)
     second = _run_plan(s, plan, cake=True)
     _check(first[0] == second[0], f"losses differ between identical runs: {first[0]} vs {second[0]}")
@@ -338,15 +293,15 @@ def cases(world: int) -> dict:
     """Case name -> function(Setup) -> detail; every name in the JSON."""
     table = {"1-op-level": case_op_level, "2-sp-adamw": case_sp_adamw}
     plans = {
-        "3-tp-sp": Plan(tp=True),
-        "3-tp-sp-fused-residual": Plan(tp=True, fused_residual=True),
-        "4-fsdp-reshard": Plan(fsdp=True, reshard=True),
-        "4-fsdp-no-reshard": Plan(fsdp=True, reshard=False),
-        "4-fsdp-bf16": Plan(fsdp=True, param_dtype=torch.bfloat16),
-        "4-fsdp-grad-accumulation": Plan(fsdp=True, accumulate=2),
-        "5-fsdp-tp-1x2": Plan(tp=True, fsdp=True, mesh_shape=(1, world)),
-        "5-fsdp-tp-2x1": Plan(tp=True, fsdp=True, mesh_shape=(world, 1)),
-        "6-ddp": Plan(ddp=True),
+        "3-tp-sp": llama.Plan(tp=True),
+        "3-tp-sp-fused-residual": llama.Plan(tp=True, fused_residual=True),
+        "4-fsdp-reshard": llama.Plan(fsdp=True, reshard=True),
+        "4-fsdp-no-reshard": llama.Plan(fsdp=True, reshard=False),
+        "4-fsdp-bf16": llama.Plan(fsdp=True, param_dtype=torch.bfloat16),
+        "4-fsdp-grad-accumulation": llama.Plan(fsdp=True, accumulate=2),
+        "5-fsdp-tp-1x2": llama.Plan(tp=True, fsdp=True, mesh_shape=(1, world)),
+        "5-fsdp-tp-2x1": llama.Plan(tp=True, fsdp=True, mesh_shape=(world, 1)),
+        "6-ddp": llama.Plan(ddp=True),
     }
     for name in ("3-tp-sp", "3-tp-sp-fused-residual", "4-fsdp-reshard", "5-fsdp-tp-1x2", "6-ddp"):
         plans[f"7-compile-{name[2:]}"] = replace(plans[name], compile=True)

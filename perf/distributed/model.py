@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -26,6 +27,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
+from torch.nn.parallel import DistributedDataParallel
 
 from cake_cute import SequenceParallelResidual
 
@@ -219,4 +221,51 @@ def apply_fsdp(model: Llama, mesh, *, reshard_after_forward: bool, param_dtype=N
     for block in model.layers:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+    return model
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How to parallelize the model: TP + SP, FSDP2, DDP, a 2-D (dp, tp) mesh, and what goes on top."""
+
+    tp: bool = False
+    fsdp: bool = False
+    ddp: bool = False
+    mesh_shape: tuple[int, ...] = ()  # (dp, tp) for FSDP + TP; empty: one mesh over every rank
+    reshard: bool = True
+    param_dtype: torch.dtype | None = None
+    accumulate: int = 1
+    checkpoint: bool = False
+    compile: bool = False
+    compile_backend: str = "inductor"
+    fused_residual: bool = False
+
+
+def data_parallel_coords(world: int, rank: int, plan: Plan) -> tuple[int, int]:
+    """(data-parallel degree, this rank's data-parallel index): which share of the global batch it takes."""
+    if plan.mesh_shape:
+        return plan.mesh_shape[0], rank // plan.mesh_shape[1]
+    if plan.fsdp or plan.ddp:
+        return world, rank
+    return 1, 0
+
+
+def parallelize(model: Llama, device: str, world: int, plan: Plan) -> nn.Module:
+    """The plan applied in torchtitan's order: TP, activation checkpointing, compile, FSDP (or DDP).
+    Swap the norms (``swap_rmsnorm``) before calling this."""
+    if plan.mesh_shape:
+        mesh = init_device_mesh(device, plan.mesh_shape, mesh_dim_names=("dp", "tp"))
+        dp_mesh, tp_mesh = mesh["dp"], mesh["tp"]
+    else:
+        dp_mesh = tp_mesh = init_device_mesh(device, (world,))
+    if plan.tp:
+        apply_tp(model, tp_mesh)
+    if plan.checkpoint:
+        apply_checkpointing(model)
+    if plan.compile:
+        apply_compile(model, plan.compile_backend)
+    if plan.fsdp:
+        apply_fsdp(model, dp_mesh, reshard_after_forward=plan.reshard, param_dtype=plan.param_dtype)
+    if plan.ddp:
+        return DistributedDataParallel(model)
     return model
