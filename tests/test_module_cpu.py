@@ -418,6 +418,21 @@ def test_cpu_tensors_run_through_the_ops_and_match_torch(residual):
         torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("path", ["eager", "op"])
+def test_only_h_new_used_passes_its_gradient_through(kernels, path):
+    """h_new = x + residual alone in the loss: x and residual get its gradient, w gets none (eager) or
+    zeros (the op's autograd materializes the unused y gradient)."""
+    x, w, res, _, g_h = _problem(True, dtype=torch.float32)
+    x, w, res = (t.clone().requires_grad_() for t in (x, w, res))
+    if path == "eager":
+        _, h_new = cake_rmsnorm(x, w, EPS, res)
+    else:
+        _, _, h_new = torch.ops.cake_cute.rmsnorm_fwd(x, w, EPS, res)
+    h_new.backward(g_h)
+    assert torch.equal(x.grad, g_h) and torch.equal(res.grad, g_h)
+    assert w.grad is None or not w.grad.any()
+
+
 def test_compile_with_inductor_on_cpu_matches_eager():
     """Inductor compiles the code around the opaque op (it needs a C++ compiler)."""
     x, _, res, g_y, g_h = _problem(True, dtype=torch.float32)

@@ -10,11 +10,7 @@ writes ``<out>/<date>-<device>-distributed.json`` (rows ``{case, world_size, ok,
 
 from __future__ import annotations
 
-import argparse
 import copy
-import datetime
-import json
-import os
 import sys
 import time
 import traceback
@@ -31,9 +27,9 @@ from torch.distributed.tensor.parallel import SequenceParallel, parallelize_modu
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import launch  # noqa: E402
 import model as llama  # noqa: E402
 
-import cake_cute  # noqa: E402
 from cake_cute import CakeRMSNorm, SequenceParallelResidual, cake_rmsnorm, swap_rmsnorm  # noqa: E402
 from cake_cute.reference import rel_error  # noqa: E402
 
@@ -315,20 +311,8 @@ def cases(world: int) -> dict:
 # --- the runner ---------------------------------------------------------------------------------------
 
 
-def _device_label(device: str) -> str:
-    if device == "cpu":
-        return "cpu"
-    return torch.cuda.get_device_name().lower().replace("nvidia ", "nvidia-").replace(" ", "-")
-
-
 def _setup(args) -> Setup:
-    if args.device == "cuda":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
-    dist.init_process_group(
-        "nccl" if args.device == "cuda" else "gloo", timeout=datetime.timedelta(seconds=args.timeout)
-    )
+    launch.init(args)
     if args.small:
         cfg, batch, seq = llama.Config(), 4, 16
     else:
@@ -338,17 +322,11 @@ def _setup(args) -> Setup:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--out", type=Path, default=Path("perf/results"))
-    parser.add_argument("--small", action="store_true", help="a tiny model (H = 64, seq 16) for CPU runs")
+    parser = launch.parser(__doc__)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--compile-backend", default="inductor")
     parser.add_argument("--only", default="", help="comma-separated case-name prefixes")
     parser.add_argument("--tag", default="", help="appended to the output file names")
-    parser.add_argument("--timeout", type=int, default=300, help="seconds a collective may wait")
     args = parser.parse_args(argv)
     s = _setup(args)
     prefixes = [p for p in args.only.split(",") if p]
@@ -378,18 +356,10 @@ def main(argv=None) -> int:
 
 
 def _write(args, s: Setup, rows, lines) -> None:
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"{datetime.date.today().isoformat()}-{_device_label(s.device)}-distributed"
-    stem += f"-{args.tag}" if args.tag else ""
-    header = {
-        "torch": torch.__version__,
-        "cake_cute": cake_cute.__version__,
-        "commit": os.environ.get("CAKE_CUTE_COMMIT", ""),
-        "device": s.device,
-        "config": {**s.cfg.__dict__, "global_batch": s.global_batch, "seq": s.seq, "steps": s.steps},
-    }
-    (args.out / f"{stem}.json").write_text(json.dumps({"meta": header, "rows": rows}, indent=1) + "\n")
-    (args.out / f"{stem}.log").write_text(json.dumps(header) + "\n" + "\n".join(lines) + "\n")
+    config = {**s.cfg.__dict__, "global_batch": s.global_batch, "seq": s.seq, "steps": s.steps}
+    suffix = "distributed" + (f"-{args.tag}" if args.tag else "")
+    path = launch.write_json(args, suffix, config, rows)
+    path.with_suffix(".log").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

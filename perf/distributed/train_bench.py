@@ -11,10 +11,7 @@ memory allocated on rank 0. Parameters are bf16 on CUDA (FP32 on CPU); AdamW ste
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
-import os
 import statistics
 import sys
 import time
@@ -26,9 +23,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import launch  # noqa: E402
 import model as llama  # noqa: E402
 
-import cake_cute  # noqa: E402
 from cake_cute import swap_rmsnorm  # noqa: E402
 
 PLANS = {"fsdp2": llama.Plan(fsdp=True), "tp-sp": llama.Plan(tp=True)}
@@ -77,20 +74,13 @@ def _measure(args, cfg, plan: llama.Plan, cake: bool) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--out", type=Path, default=Path("perf/results"))
-    parser.add_argument("--small", action="store_true", help="a tiny model (H = 64, seq 16) for CPU runs")
+    parser = launch.parser(__doc__)
     parser.add_argument("--batch", type=int, default=8, help="global batch (sequences per step)")
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     args = parser.parse_args(argv)
-    if args.device == "cuda":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+    launch.init(args)
     if args.small:
         cfg, args.seq = llama.Config(), 16
     else:
@@ -104,17 +94,8 @@ def main(argv=None) -> int:
                 if dist.get_rank() == 0:
                     print(json.dumps(row), flush=True)
     if dist.get_rank() == 0:
-        args.out.mkdir(parents=True, exist_ok=True)
-        label = "cpu" if args.device == "cpu" else torch.cuda.get_device_name().lower().replace(" ", "-")
-        meta = {
-            "torch": torch.__version__,
-            "cake_cute": cake_cute.__version__,
-            "commit": os.environ.get("CAKE_CUTE_COMMIT", ""),
-            "world_size": dist.get_world_size(),
-            "config": {**cfg.__dict__, "global_batch": args.batch, "seq": args.seq, "steps": args.steps},
-        }
-        name = f"{datetime.date.today().isoformat()}-{label}-distributed-train.json"
-        (args.out / name).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+        config = {**cfg.__dict__, "global_batch": args.batch, "seq": args.seq, "steps": args.steps}
+        launch.write_json(args, "distributed-train", config, rows)
     dist.destroy_process_group()
     return 0
 
