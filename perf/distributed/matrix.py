@@ -16,6 +16,7 @@ import time
 import traceback
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -197,6 +199,12 @@ def _sp_adamw_one(s: Setup, residual: bool) -> str:
 # --- 3-9. the model under plans ---------------------------------------------------------------------
 
 
+class Run(NamedTuple):
+    losses: list[float]  # the global batch's mean loss of every step
+    grads: dict[str, torch.Tensor]  # full gradients after the first step
+    weights: dict[str, torch.Tensor]  # full parameters after the last step
+
+
 def _step(model, plan: llama.Plan, tokens, targets, micro: int, total) -> None:
     """Forward and backward over ``plan.accumulate`` micro-batches; FSDP reduces after the last only."""
     for i in range(plan.accumulate):
@@ -209,7 +217,7 @@ def _step(model, plan: llama.Plan, tokens, targets, micro: int, total) -> None:
 
 
 def _train(model, s: Setup, plan: llama.Plan, dp_degree: int, dp_rank: int):
-    """Losses (the global batch's mean) of every step, and the full gradients after the first."""
+    """Train ``s.steps`` AdamW steps on the plan's share of each global batch."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     cfg = replace(s.cfg, fused_residual=plan.fused_residual)
     losses, first_grads = [], None
@@ -231,7 +239,8 @@ def _train(model, s: Setup, plan: llama.Plan, dp_degree: int, dp_rank: int):
             first_grads = {_clean_name(n): _full(p.grad).float() for n, p in model.named_parameters()}
         opt.step()
         opt.zero_grad()
-    return losses, first_grads
+    weights = {_clean_name(n): _full(p.detach()).float() for n, p in model.named_parameters()}
+    return Run(losses, first_grads, weights)
 
 
 def _run_plan(s: Setup, plan: llama.Plan, cake: bool, distributed: bool = True):
@@ -253,9 +262,9 @@ def _compare(s: Setup, plan: llama.Plan) -> str:
     """cake under the plan vs torch.nn.RMSNorm under the plan and vs cake on one device."""
     loose = plan.param_dtype is not None
     tol_loss, tol_grad = (3e-2, 8e-2) if loose else (1e-4, 2e-3)
-    cake_losses, cake_grads = _run_plan(s, plan, cake=True)
-    torch_losses, torch_grads = _run_plan(s, plan, cake=False)
-    one_losses, one_grads = _run_plan(s, plan, cake=True, distributed=False)
+    cake_losses, cake_grads, _ = _run_plan(s, plan, cake=True)
+    torch_losses, torch_grads, _ = _run_plan(s, plan, cake=False)
+    one_losses, one_grads, _ = _run_plan(s, plan, cake=True, distributed=False)
     worst = 0.0
     for name, ref_losses in (("torch under the plan", torch_losses), ("one device", one_losses)):
         worst = max(
@@ -276,13 +285,23 @@ def _plan_case(plan: llama.Plan):
 
 
 def case_determinism(s: Setup) -> str:
+    """Two identical TP + SP runs. The norm is deterministic by itself; the rest of the model needs
+    PyTorch's deterministic algorithms (embedding backward) and the math attention backend (the fused
+    attention backwards accumulate with atomics). On CUDA run with CUBLAS_WORKSPACE_CONFIG=:4096:8."""
     plan = llama.Plan(tp=True)
-    first = _run_plan(s, plan, cake=True)
-    second = _run_plan(s, plan, cake=True)
-    _check(first[0] == second[0], f"losses differ between identical runs: {first[0]} vs {second[0]}")
-    for name, g in first[1].items():
-        _check(torch.equal(g, second[1][name]), f"grad {name} differs between identical runs")
-    return f"{len(first[0])} losses and {len(first[1])} gradients bitwise equal"
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        with sdpa_kernel([SDPBackend.MATH]):
+            first = _run_plan(s, plan, cake=True)
+            second = _run_plan(s, plan, cake=True)
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    _check(first.losses == second.losses, f"losses differ: {first.losses} vs {second.losses}")
+    for kind in ("grads", "weights"):
+        for name, t in getattr(first, kind).items():
+            _check(torch.equal(t, getattr(second, kind)[name]), f"{kind} {name} differ between runs")
+    return f"{len(first.losses)} losses, {len(first.grads)} gradients and final weights bitwise equal"
 
 
 def cases(world: int) -> dict:
