@@ -157,9 +157,9 @@ def _run_matrix(out: Path, only: str, tag: str) -> dict:
 
 @pytest.fixture(scope="module")
 def matrix_rows(tmp_path_factory):
-    """The compiled cases in processes of their own: after eager TP runs in the same process, the
-    fused-residual block's compile failed in AOTAutograd ("Node tangents_3 was invalid"), which it
-    does not in a fresh process (an open question, reported with the matrix)."""
+    """The compiled cases in processes of their own: after eager TP + SP runs of a plain and then a
+    fused-residual model in the same process, compiling the fused-residual block failed in AOTAutograd
+    ("Node tangents_3 was invalid"); in a fresh process it passes (open, see docs/distributed.md)."""
     out = tmp_path_factory.mktemp("distributed")
     return _run_matrix(out, "1-,2-,3-,4-,5-,6-,8-,9-", "eager") | _run_matrix(out, "7-", "compile")
 
