@@ -1,6 +1,8 @@
 """cake_cute: fused RMSNorm training kernels (CuTe DSL) for Hopper and Blackwell, used from PyTorch."""
 
-__version__ = "0.1.0"
+from importlib.metadata import version as _installed_version
+
+__version__ = _installed_version("cake-cute")  # the one source: pyproject.toml
 
 import torch  # noqa: E402
 
@@ -13,7 +15,7 @@ from .ops import (  # noqa: E402
     cake_rmsnorm_train_backward_workspace_bytes,
     cake_rmsnorm_train_forward,
 )
-from .support import is_cake_rmsnorm_train_supported  # noqa: E402
+from .validation import is_cake_rmsnorm_train_supported  # noqa: E402
 
 if torch.distributed.is_available():
     # Registers the DTensor sharding rules of the custom ops.

@@ -147,7 +147,7 @@ def _driver_version() -> str:
 def _gpu_line() -> str:
     import torch
 
-    from .validation import ARCH_BY_CAPABILITY
+    from .vocab import ARCH_BY_CAPABILITY
 
     if not torch.cuda.is_available():
         return "no GPU"

@@ -1,25 +1,28 @@
 """Compile once per kernel variant; keep it in memory and on disk.
 
-A variant is a ``KernelSpec`` (kind, arch, dtypes, H, residual, weight offset). The number of rows is a
-runtime value of every kernel, so a change of T never compiles. Compiled functions use TVM-FFI (torch
+A variant is a spec (``specs``: kind, arch, dtypes, H, residual, weight offset) and the config value
+its kernel is built from (``build.config_for``); both are in the key. The number of rows is a runtime
+value of every kernel, so a change of T never compiles. Compiled functions use TVM-FFI (torch
 tensors are passed straight in, the launch costs microseconds) and are exported as object files to
 ``cache_dir()/fingerprint()/``.
 
 How the disk cache holds up:
 
 - **Versions.** The directory name ``fingerprint()`` hashes everything that could change the code or
-  the file format: the kernel sources, this package's version, the DSL and TVM-FFI versions and
-  ``CACHE_FORMAT``. A cache made by another version lives in another directory, is never matched and
-  is never touched (nor deleted) by this one.
+  the file format: every Python source of the package (``package_sources()``: the kernels and all
+  the code that builds or configures them), the DSL and TVM-FFI versions and ``CACHE_FORMAT``. A
+  cache made by another version lives in another directory, is never matched and is never touched
+  (nor deleted) by this one.
 - **Integrity.** Every object ``X.o`` has a sidecar ``X.o.sha256`` with the sha256 of its bytes, written
   after the object; the sidecar is the commit mark. An object is loaded only when its bytes match (a
   corrupted or truncated object can crash the JIT linker instead of raising, so it must never reach
   it); one that does not match, has no sidecar or fails to load is deleted and rebuilt, with a warning.
   Both files are written to a temporary file and renamed into place, so a reader never sees half a
   file; after a power loss a file may be empty, which the checksum catches (hence no fsync).
-- **Concurrency.** Per key, a thread lock (threads of one process) and an ``fcntl.flock`` on
-  ``X.o.lock`` (other processes) guard "check the disk, compile, export": N threads or processes
-  asking for one missing key compile it once, the others wait and load the result. A cache hit needs
+- **Concurrency.** Per key, a thread lock (threads of one process) and a file lock on ``X.o.lock``
+  (other processes; ``filelock``, given up after ``LOCK_TIMEOUT_S`` with an error naming the file)
+  guard "check the disk, compile, export": N threads or processes asking for one missing key compile
+  it once, the others wait and load the result. A cache hit needs
   no lock at all (it works on a read-only cache too), and different keys never wait for each other,
   except that the compiles themselves run one at a time per process (the DSL's compiler is not
   documented to be thread-safe, and it holds the GIL anyway).
@@ -32,42 +35,26 @@ import os
 import tempfile
 import threading
 import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
 from pathlib import Path
 
-try:
-    import fcntl
-except ImportError:  # not POSIX: no cross-process lock; atomic renames still keep the files whole
-    fcntl = None
+import filelock
 
-from . import __version__
+from . import build
+from .kernels.config import on_override_change
+from .specs import KernelSpec, ReduceSpec
 
-CACHE_FORMAT = 2  # bump when the on-disk layout changes (2: sha256 sidecars)
+CACHE_FORMAT = 3  # bump when the on-disk layout changes (2: sha256 sidecars, 3: the config in the key)
+LOCK_TIMEOUT_S = 600  # far above any one compile: a longer wait means a stuck process holds the lock
 
 compile_count = 0  # kernels compiled by this process (tests count these)
-_memory: dict[KernelSpec, Callable] = {}
+_memory: dict = {}  # spec -> compiled function
 _by_fields: dict[tuple, Callable] = {}
 _lock = threading.Lock()  # guards _key_locks
-_key_locks: dict[KernelSpec, threading.Lock] = {}
+_key_locks: dict = {}
 _compile_lock = threading.Lock()  # one DSL compile at a time in this process
 
-
-@dataclass(frozen=True)
-class KernelSpec:
-    kind: str  # "fwd", "bwd" or "dw"
-    arch: str  # "sm_90a", "sm_100a", "sm_103a"
-    act_dtype: str  # "bf16", "fp16", "fp32" (for "dw": the output dtype)
-    w_dtype: str
-    hidden: int
-    residual: bool = False
-    weight_offset: float = 0.0
-
-    def name(self) -> str:
-        offset = f"_off{self.weight_offset:g}".replace(".", "p").replace("-", "m")
-        res = "_res" if self.residual else ""
-        return f"cake_{self.kind}_{self.arch}_{self.act_dtype}_w{self.w_dtype}_h{self.hidden}{res}{offset}"
+Spec = KernelSpec | ReduceSpec
 
 
 def cache_dir() -> Path:
@@ -78,16 +65,25 @@ def cache_dir() -> Path:
     return Path(base) / "cake_cute"
 
 
-def _kernel_source_hash() -> str:
+def package_sources() -> list[Path]:
+    """Every Python source of ``cake_cute`` and ``cake_cute.kernels``: what the compiled code can
+    depend on (the kernels, their configs, the build path, the tensors' assumed alignment)."""
     from . import kernels
 
+    roots = {Path(__file__).resolve().parent, Path(kernels.__file__).resolve().parent}
+    return sorted(path for root in roots for path in root.glob("*.py"))
+
+
+def source_digest(sources: dict[str, bytes]) -> str:
+    """A hash of ``{file name: bytes}`` (names relative to their package, in sorted order)."""
     digest = hashlib.sha256()
-    kernel_dir = Path(kernels.__file__).resolve().parent
-    sources = sorted(kernel_dir.glob("*.py")) + [Path(__file__).resolve().parent / "dispatch.py"]
-    for path in sources:
-        digest.update(path.name.encode())
-        digest.update(path.read_bytes())
+    for name in sorted(sources):
+        digest.update(name.encode() + b"\0" + hashlib.sha256(sources[name]).digest())
     return digest.hexdigest()
+
+
+def _package_source_hash() -> str:
+    return source_digest({f"{p.parent.name}/{p.name}": p.read_bytes() for p in package_sources()})
 
 
 _fingerprint: str | None = None
@@ -101,18 +97,20 @@ def fingerprint() -> str:
         import tvm_ffi
 
         parts = [
-            __version__,
             cutlass.__version__,
             getattr(tvm_ffi, "__version__", "?"),
-            _kernel_source_hash(),
+            _package_source_hash(),
             f"format{CACHE_FORMAT}",
         ]
         _fingerprint = hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
     return _fingerprint
 
 
-def object_path(spec: KernelSpec) -> Path:
-    key = hashlib.sha256(f"{fingerprint()}|{sorted(asdict(spec).items())}".encode()).hexdigest()[:24]
+def object_path(spec: Spec) -> Path:
+    """Where ``spec``'s object lives: named for the spec, keyed by the spec, its config and the
+    fingerprint (a config override compiles into its own file)."""
+    key = f"{fingerprint()}|{spec!r}|{build.config_for(spec)!r}"
+    key = hashlib.sha256(key.encode()).hexdigest()[:24]
     return cache_dir() / fingerprint() / f"{spec.name()}-{key}.o"
 
 
@@ -136,7 +134,7 @@ def _problem(path: Path) -> str | None:
     return None
 
 
-def _load(path: Path, spec: KernelSpec) -> tuple[Callable | None, str | None]:
+def _load(path: Path, spec: Spec) -> tuple[Callable | None, str | None]:
     """(function, None) for a sound object file, else (None, what is wrong with it)."""
     problem = _problem(path)
     if problem is not None:
@@ -162,7 +160,7 @@ def _write_atomic(path: Path, write: Callable[[str], None]) -> None:
             os.unlink(tmp)
 
 
-def _write_object(compiled, path: Path, spec: KernelSpec) -> None:
+def _write_object(compiled, path: Path, spec: Spec) -> None:
     """The object first, then its checksum: a checksum on disk always describes a complete object."""
     _write_atomic(path, lambda tmp: compiled.export_to_c(tmp, function_name=spec.name()))
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
@@ -175,91 +173,106 @@ def _discard(path: Path) -> None:
     path.unlink(missing_ok=True)
 
 
-@contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    """Exclusive lock on ``<object>.lock`` between processes. The lock file is left in place:
-    deleting it would let a third process lock a new file while a second still holds the old one."""
-    if fcntl is None:
-        yield
-        return
-    with open(path.with_name(path.name + ".lock"), "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)  # released when the file is closed, also if we crash
-        yield
+def _file_lock(path: Path) -> filelock.BaseFileLock:
+    """Exclusive lock on ``<object>.lock`` between processes (an OS lock: released when the holder
+    closes it, also if it crashes)."""
+    return filelock.FileLock(path.with_name(path.name + ".lock"), timeout=LOCK_TIMEOUT_S)
 
 
-def _key_lock(spec: KernelSpec) -> threading.Lock:
+def _key_lock(spec: Spec) -> threading.Lock:
     with _lock:
         return _key_locks.setdefault(spec, threading.Lock())
 
 
-def _compile(spec: KernelSpec):
+def _compile(spec: Spec):
     global compile_count
-    from .dispatch import compile_kernel
-
     with _compile_lock:
-        compiled = compile_kernel(spec)
+        compiled = build.compile_kernel(spec)
         compile_count += 1
     return compiled
 
 
-def _from_disk_or_compile(spec: KernelSpec) -> Callable:
+def _from_disk_or_compile(spec: Spec) -> tuple[Callable, str]:
     path = object_path(spec)
     fn, _ = _load(path, spec)  # the common case, without a lock: a warm or read-only cache
     if fn is not None:
-        return fn
+        return fn, "disk"
     path.parent.mkdir(parents=True, exist_ok=True)
-    with _file_lock(path):
-        fn, problem = _load(path, spec)  # another process may have written it while we waited
-        if fn is not None:
-            return fn
-        if problem != "missing":
-            warnings.warn(
-                f"cake_cute: discarding cached kernel {path}: it {problem}; compiling it again",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-        _discard(path)
-        compiled = _compile(spec)
-        _write_object(compiled, path, spec)
-        # Load the exported object, so a warm process and a cold one run the same code path.
-        fn, problem = _load(path, spec)
-        if fn is None:
-            warnings.warn(
-                f"cake_cute: the kernel just cached at {path} {problem}; using it from memory",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-            fn = compiled
-        return fn
+    try:
+        with _file_lock(path):
+            return _compile_under_lock(path, spec)
+    except filelock.Timeout as err:
+        raise RuntimeError(
+            f"cake_cute: waited {LOCK_TIMEOUT_S} s for the compile lock {err.lock_file}: another process "
+            "holds it (a compile that hangs, or a stopped process); delete the lock file if no "
+            "cake_cute process is running"
+        ) from err
 
 
-def get_kernel(spec: KernelSpec, *, use_disk: bool = True) -> Callable:
-    """The compiled function for ``spec``: from memory, else from disk, else compiled (and saved)."""
+def _compile_under_lock(path: Path, spec: Spec) -> tuple[Callable, str]:
+    fn, problem = _load(path, spec)  # another process may have written it while we waited
+    if fn is not None:
+        return fn, "disk after waiting"
+    if problem != "missing":
+        warnings.warn(
+            f"cake_cute: discarding cached kernel {path}: it {problem}; compiling it again",
+            RuntimeWarning,
+            stacklevel=5,
+        )
+    _discard(path)
+    compiled = _compile(spec)
+    _write_object(compiled, path, spec)
+    # Load the exported object, so a warm process and a cold one run the same code path.
+    fn, problem = _load(path, spec)
+    if fn is None:
+        warnings.warn(
+            f"cake_cute: the kernel just cached at {path} {problem}; using it from memory",
+            RuntimeWarning,
+            stacklevel=5,
+        )
+        fn = compiled
+    return fn, "compiled"
+
+
+SOURCES = ("memory", "disk", "disk after waiting", "compiled")
+
+
+def get_kernel_and_source(spec: Spec) -> tuple[Callable, str]:
+    """The compiled function for ``spec`` and where this call found it (one of ``SOURCES``): in
+    memory, on disk, on disk after waiting for another process's compile, or compiled (and saved)."""
     fn = _memory.get(spec)
     if fn is not None:
-        return fn
+        return fn, "memory"
     with _key_lock(spec):
         fn = _memory.get(spec)
-        if fn is None:
-            fn = _from_disk_or_compile(spec) if use_disk else _compile(spec)
-            _memory[spec] = fn
-        return fn
+        if fn is not None:  # another thread of this process got it while this one waited
+            return fn, "memory"
+        fn, source = _from_disk_or_compile(spec)
+        _memory[spec] = fn
+        return fn, source
+
+
+def get_kernel(spec: Spec) -> Callable:
+    """The compiled function for ``spec``: from memory, else from disk, else compiled (and saved)."""
+    return get_kernel_and_source(spec)[0]
 
 
 def kernel(*fields) -> Callable:
-    """``get_kernel(KernelSpec(*fields))`` for the hot path: one dict lookup on the plain field tuple,
-    without building and hashing a dataclass on every call."""
+    """``get_kernel(build.make_spec(*fields))`` for the hot path: one dict lookup on the plain field
+    tuple (kind first), without building and hashing a dataclass on every call."""
     fn = _by_fields.get(fields)
     if fn is None:
-        fn = _by_fields[fields] = get_kernel(KernelSpec(*fields))
+        fn = _by_fields[fields] = get_kernel(build.make_spec(*fields))
     return fn
 
 
-def is_cached_on_disk(spec: KernelSpec) -> bool:
+def is_cached_on_disk(spec: Spec) -> bool:
     """A sound object file (its checksum matches) is on disk for ``spec``."""
     return _problem(object_path(spec)) is None
 
 
+@on_override_change
 def clear_memory() -> None:
+    """Forget the compiled functions held in memory (the disk cache stays)."""
     _memory.clear()
     _by_fields.clear()

@@ -185,13 +185,13 @@ def spill_free(report: dict) -> bool:
 def kernel_report(spec: KernelSpec, *, sass: bool = True) -> dict:
     """The cubin report of one variant, read from the on-disk cache (compiled first if missing).
     The cluster size is a launch attribute, not in the cubin: it comes from the variant's tiling."""
-    from .dispatch import tiling_for
+    from .build import config_for
 
     if not is_cached_on_disk(spec):
         get_kernel(spec)
     path = object_path(spec)
     report = {"name": spec.name(), "arch": spec.arch, "object": str(path)}
     report.update(inspect_fatbin(fatbin_from_object(path.read_bytes()), sass=sass))
-    tiling = tiling_for(spec)
+    tiling = getattr(config_for(spec), "tiling", None)
     report["cluster_n"] = tiling.cluster_n if tiling is not None else 1
     return report

@@ -1,6 +1,7 @@
-"""The one place that turns (arch, dtypes, H, T) into a kernel configuration, a compile and a launch plan.
+"""Launch planning: how many programs a backward of T rows runs, how many FP32 partial rows of dW it
+writes (what a workspace must hold), and the vector width every kernel of an H assumes.
 
-Tiling depends on (arch, dtypes, H) only (``kernels.config``); T decides just the number of backward
+Configs depend on (arch, dtypes, H) only (``kernels.config``); T decides just the number of backward
 programs, which never changes a row's arithmetic.
 """
 
@@ -8,25 +9,10 @@ from __future__ import annotations
 
 from functools import cache, lru_cache
 
-from .compile_cache import KernelSpec
-from .kernels.config import (
-    backward_ctas_per_sm,
-    backward_min_ctas_per_sm,
-    backward_stages,
-    backward_tiling,
-    forward_min_ctas_per_sm,
-    forward_tiling,
-)
-from .occupancy import resident_clusters
-from .validation import DeviceFacts, vector_align_bytes
-
-DTYPE_NAMES = ("bf16", "fp16", "fp32")
-
-
-def _cutlass_dtype(name: str):
-    import cutlass
-
-    return {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp32": cutlass.Float32}[name]
+from .device import DeviceFacts, resident_clusters
+from .kernels.config import backward_config, on_override_change
+from .kernels.tiling import vector_width
+from .vocab import dtype_bytes
 
 
 def partial_row_stride(hidden: int) -> int:
@@ -41,8 +27,7 @@ def partial_rows_bytes(partial_rows: int, hidden: int) -> int:
 
 # From this many row tiles on, when all of them fit on the GPU at once, programs take two tiles each:
 # that halves the partial rows dw_reduce reads, which outweighs one more row of latency per program
-# (H200, H = 4096, T = 256: 7.2 -> 6.3 µs; at T = 16 pairing loses, 4.3 -> 5.1 µs; measured in
-# perf/results/2026-11-30-h200-atomic-dw-experiment/tune_programs-c420c68.log).
+# at large T but not at small T (perf/results/2026-11-30-h200-atomic-dw-experiment/tune_programs-c420c68.log).
 PAIR_TILES_FROM = 64
 
 
@@ -54,7 +39,8 @@ def backward_programs(
     than there are row tiles (two tiles each from ``PAIR_TILES_FROM`` tiles up to a full GPU). The
     partition of rows -- and so dw's bits -- is fixed by this number, which depends only on T, the GPU
     model and the variant (dtypes, H, mode)."""
-    tiling = backward_tiling(hidden, act_dtype)
+    config = backward_config(device.arch, act_dtype, w_dtype, hidden, residual)
+    tiling = config.tiling
     tiles = -(-rows // tiling.rows_per_cta)
     if tiles <= 1:
         return 1
@@ -63,7 +49,7 @@ def backward_programs(
         device.capability,
         tiling.threads_per_cta,
         tiling.cluster_n,
-        backward_ctas_per_sm(tiling, device.arch, act_dtype, w_dtype, residual),
+        config.ctas_per_sm,
         device.sm_count,
     )
     if PAIR_TILES_FROM <= tiles <= resident:
@@ -77,7 +63,8 @@ def backward_launch(
 ) -> tuple[int, int]:
     """(programs, FP32 partial rows of dW the backward writes: one per row group of each program)."""
     programs = backward_programs(rows, hidden, act_dtype, w_dtype, residual, device)
-    return programs, programs * backward_tiling(hidden, act_dtype).rows_per_cta
+    rows_per_cta = backward_config(device.arch, act_dtype, w_dtype, hidden, residual).tiling.rows_per_cta
+    return programs, programs * rows_per_cta
 
 
 def most_partial_rows(
@@ -86,87 +73,22 @@ def most_partial_rows(
     """The most partial rows any backward of up to ``rows`` rows writes (what a workspace for ``rows``
     must hold): the program count grows with T except where pairing starts, so the largest count is
     at ``rows`` or just below ``PAIR_TILES_FROM`` tiles."""
-    below_pairing = (PAIR_TILES_FROM - 1) * backward_tiling(hidden, act_dtype).rows_per_cta
+    rows_per_cta = backward_config(device.arch, act_dtype, w_dtype, hidden, residual).tiling.rows_per_cta
+    below_pairing = (PAIR_TILES_FROM - 1) * rows_per_cta
     return max(
         backward_launch(r, hidden, act_dtype, w_dtype, residual, device)[1]
         for r in {max(rows, 1), max(min(rows, below_pairing), 1)}
     )
 
 
-def tiling_for(spec: KernelSpec):
-    if spec.kind == "fwd":
-        return forward_tiling(spec.hidden, spec.act_dtype)
-    if spec.kind == "bwd":
-        return backward_tiling(spec.hidden, spec.act_dtype)
-    return None
-
-
-def _fake_rows_tensor(cute, dtype, rows, hidden: int, vec: int):
-    """A (rows, H) activation with a runtime row stride that is a multiple of the vector width."""
-    return cute.runtime.make_fake_tensor(
-        dtype,
-        (rows, hidden),
-        stride=(cute.sym_int64(divisibility=vec), 1),
-        assumed_align=vec * dtype.width // 8,
-    )
-
-
-def _fake_vector(cute, dtype, length, align_elems: int):
-    return cute.runtime.make_fake_tensor(
-        dtype, (length,), stride=(1,), assumed_align=vector_align_bytes(align_elems, dtype.width // 8)
-    )
-
-
-def _fake_partials(cute, f32, hidden: int):
-    """The (P, H) FP32 partial rows with their padded row stride; P is a runtime value."""
-    return cute.runtime.make_fake_tensor(
-        f32, (cute.sym_int(), hidden), stride=(partial_row_stride(hidden), 1), assumed_align=16
-    )
-
-
-def compile_kernel(spec: KernelSpec):
-    """Trace and compile one variant for ``spec.arch`` (works without a GPU)."""
-    import cutlass
-    import cutlass.cute as cute
-
-    from .kernels.dw_reduce import DWReduce
-    from .kernels.rmsnorm_bwd import RMSNormBackward
-    from .kernels.rmsnorm_fwd import RMSNormForward
-
-    act = _cutlass_dtype(spec.act_dtype)
-    wdt = _cutlass_dtype(spec.w_dtype)
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    options = f"--enable-tvm-ffi --gpu-arch {spec.arch}"
-    H = spec.hidden
-    rows = cute.sym_int()
-    if spec.kind == "dw":
-        partials = _fake_partials(cute, cutlass.Float32, H)
-        dw = _fake_vector(cute, act, H, 1)
-        return cute.compile(DWReduce(H, act), partials, dw, stream, options=options)
-
-    tiling = tiling_for(spec)
-    vec = tiling.vec
-    w = _fake_vector(cute, wdt, H, vec)
-    rstd = _fake_vector(cute, cutlass.Float32, rows, 1)
-    if spec.kind == "fwd":
-        x, y = (_fake_rows_tensor(cute, act, rows, H, vec) for _ in range(2))
-        res, h_out = (
-            (_fake_rows_tensor(cute, act, rows, H, vec) for _ in range(2)) if spec.residual else (None, None)
-        )
-        min_ctas = forward_min_ctas_per_sm(tiling, spec.arch)
-        kernel = RMSNormForward(tiling, act, wdt, spec.residual, spec.weight_offset, min_ctas)
-        return cute.compile(kernel, x, res, w, y, h_out, rstd, cutlass.Float32(1e-6), stream, options=options)
-
-    g, h, dx = (_fake_rows_tensor(cute, act, rows, H, vec) for _ in range(3))
-    g_res = _fake_rows_tensor(cute, act, rows, H, vec) if spec.residual else None
-    min_ctas = backward_min_ctas_per_sm(tiling, spec.arch)
-    partials = _fake_partials(cute, cutlass.Float32, H)
-    stages = backward_stages(tiling, spec.act_dtype, spec.residual)
-    kernel = RMSNormBackward(tiling, act, wdt, spec.residual, spec.weight_offset, min_ctas, stages)
-    return cute.compile(kernel, g, h, w, rstd, g_res, dx, partials, cutlass.Int32(1), stream, options=options)
-
-
 @cache
 def vector_elems(hidden: int, act_dtype: str) -> int:
-    """Elements per vector access for this H (the alignment, in elements, the kernels assume)."""
-    return forward_tiling(hidden, act_dtype).vec
+    """Elements per vector access for this H: the alignment, in elements, every kernel assumes (an
+    overridden tiling must keep it)."""
+    return vector_width(hidden, dtype_bytes(act_dtype))
+
+
+@on_override_change
+def _clear_launch_plans() -> None:
+    backward_programs.cache_clear()
+    backward_launch.cache_clear()

@@ -1,7 +1,7 @@
 """The functional API: validate, pick the compiled variant, launch. No autograd, no tiling here.
 
 The hot path is written for the host: (x, w) properties seen before are recognised with one dict lookup
-(``validation.known_operands``), outputs come from ``torch.empty_like``, and a 2-D contiguous input
+(``operands.known_operands``), outputs come from ``torch.empty_like``, and a 2-D contiguous input
 goes to the kernel as it is.
 """
 
@@ -15,8 +15,11 @@ import torch
 from . import dispatch
 from . import validation as v
 from .compile_cache import kernel
-
-_CONTIGUOUS = torch.contiguous_format
+from .device import device_arch, device_facts, on_device
+from .kernels.config import on_override_change
+from .operands import known_operands, operands
+from .views import aligned_vector, finish, kernel_view, output_like, rows_view, vector_output
+from .vocab import DTYPE_NAMES, dtype_name
 
 
 def _check_output(name, given, shape, dtype, device):
@@ -24,47 +27,46 @@ def _check_output(name, given, shape, dtype, device):
         v.check_output(name, given, shape, dtype, device)
 
 
-def _like(x: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(x, memory_format=_CONTIGUOUS)
-
-
-def _outputs_like(given, x, vec):
-    """(tensor the kernel writes, caller tensor to copy into afterwards or None) for an output shaped
-    like x; ``given`` was checked."""
-    if given is None:
-        return _like(x), None
-    if v.is_direct_output(given, vec):
-        return given, None
-    return _like(x), given
-
-
-def _vector_output(given, length, dtype, device):
-    """The same for a 1-D output (rstd, dw)."""
-    if given is None:
-        return torch.empty(length, dtype=dtype, device=device), None
-    if v.is_direct_output(given, 1):
-        return given, None
-    return torch.empty(length, dtype=dtype, device=device), given
-
-
-def _rows_view(t: torch.Tensor, hidden: int) -> torch.Tensor:
-    return t if t.dim() == 2 else t.view(-1, hidden)
-
-
-def _finish(written, caller):
-    """Copy into a caller-owned output the kernel could not write directly; return what the caller gets."""
-    if caller is None:
-        return written
-    caller.copy_(written)
-    return caller
-
-
 def cake_rmsnorm_train_forward(
     x, w, eps, *, residual=None, out=None, rstd=None, residual_out=None, weight_offset: float = 0.0
 ):
-    """RMSNorm forward (optionally ``h = x + residual`` first). Returns ``(y, rstd)`` or
-    ``(y, rstd, h_new)``; rstd is FP32 with one value per row."""
-    op = v.known_operands(x, w)
+    """RMSNorm forward, optionally fused with the residual add, in one pass.
+
+    Per row: ``h = round(x + residual)`` (residual mode), ``rstd = 1 / sqrt(mean(h^2) + eps)`` in FP32,
+    ``y = round(h * rstd * (w + weight_offset))``.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        ``[..., H]`` activations on a supported CUDA device, bf16 / fp16 / fp32, 1 <= H <= 262144;
+        leading dims collapse into rows.
+    w : torch.Tensor
+        ``[H]`` weight, x's dtype or fp32, on x's device.
+    eps : float
+        Finite, >= 0.
+    residual : torch.Tensor, optional
+        Same shape, dtype and device as x: normalize ``h = x + residual`` and return it as h_new.
+    out, rstd, residual_out : torch.Tensor, optional
+        Caller-owned outputs (y: x's shape and dtype; rstd: FP32 ``[rows]``; h_new: x's shape and
+        dtype, residual mode only). Contiguous aligned ones are written directly, others receive a
+        copy; the returned tensors are these.
+    weight_offset : float, default 0.0
+        Added to w in FP32 (1.0 gives Gemma's ``1 + w``); each distinct value is a compiled variant.
+
+    Returns
+    -------
+    tuple of torch.Tensor
+        ``(y, rstd)``, or ``(y, rstd, h_new)`` in residual mode; rstd is FP32 with one value per row.
+
+    Raises
+    ------
+    TypeError
+        An argument of the wrong kind or dtype (x, w, residual, an output, eps, weight_offset).
+    ValueError
+        A wrong shape or device, x on the CPU or an unsupported GPU, ``residual_out`` without
+        ``residual``, a negative or non-finite eps; raised before any launch, with no output written.
+    """
+    op = known_operands(x, w)
     if op is None:
         v.check_activation(x)
         v.check_weight(w, x)
@@ -81,61 +83,87 @@ def cake_rmsnorm_train_forward(
         _check_output("rstd", rstd, (rows,), torch.float32, x.device)
         _check_output("residual_out", residual_out, x.shape, x.dtype, x.device)
     if op is None:
-        op = v.operands(x, w)
+        op = operands(x, w)
     vec = dispatch.vector_elems(hidden, op.act)
 
-    y, y_copy = _outputs_like(out, x, vec)
-    r, r_copy = _vector_output(rstd, rows, torch.float32, op.device)
+    y, y_copy = output_like(out, x, vec)
+    r, r_copy = vector_output(rstd, rows, torch.float32, op.device)
     h_new = h_copy = None
     if residual is not None:
-        h_new, h_copy = _outputs_like(residual_out, x, vec)
+        h_new, h_copy = output_like(residual_out, x, vec)
 
     if rows > 0:
         fn = kernel("fwd", op.arch, op.act, op.w_name, hidden, residual is not None, weight_offset)
-        with v.on_device(op.device):
+        with on_device(op.device):
             fn(
-                v.kernel_view(x, vec),
-                None if residual is None else v.kernel_view(residual, vec),
-                v.aligned_vector(w, vec),
-                _rows_view(y, hidden),
-                None if residual is None else _rows_view(h_new, hidden),
+                kernel_view(x, vec),
+                None if residual is None else kernel_view(residual, vec),
+                aligned_vector(w, vec),
+                rows_view(y, hidden),
+                None if residual is None else rows_view(h_new, hidden),
                 r,
                 eps,
             )
     if residual is None:
-        return _finish(y, y_copy), _finish(r, r_copy)
-    return _finish(y, y_copy), _finish(r, r_copy), _finish(h_new, h_copy)
+        return finish(y, y_copy), finish(r, r_copy)
+    return finish(y, y_copy), finish(r, r_copy), finish(h_new, h_copy)
 
 
 def cake_rmsnorm_train_backward_workspace_bytes(rows, hidden, device, *, residual=False) -> int:
-    """Bytes of the FP32 dW partial rows a backward of up to ``rows`` rows needs (any dtype)."""
+    """Bytes of workspace a backward of up to ``rows`` rows of ``hidden`` needs, for any dtype.
+
+    The workspace holds the FP32 partial rows of dW the backward writes before they are reduced.
+
+    Parameters
+    ----------
+    rows : int
+        The most rows (T) a backward using the workspace will have; >= 0.
+    hidden : int
+        The hidden size H, 1 <= H <= 262144.
+    device : torch.device, str or int
+        The CUDA device (``"cuda"``, ``"cuda:1"``, ``torch.device("cuda", 1)`` or ``1``): the number of
+        partial rows follows its SM count.
+    residual : bool, default False
+        Size it for residual-mode backwards (``g_residual`` given).
+
+    Returns
+    -------
+    int
+        Bytes; a workspace of at least this size serves every backward of up to ``rows`` rows.
+
+    Raises
+    ------
+    TypeError
+        rows or hidden is not an int.
+    ValueError
+        rows or hidden out of range; device names no CUDA device, or one that does not exist, or
+        torch sees no CUDA device, or the GPU is not supported.
+    """
     v.check_count("rows", rows, 0)
     v.check_count("hidden", hidden, 1, v.MAX_HIDDEN)
-    try:
-        device = torch.device(device)
-    except (TypeError, RuntimeError) as err:
-        raise ValueError(f"device must name a CUDA device, got {device!r}") from err
-    if device.type != "cuda":
-        raise ValueError(f"device must be a CUDA device, got {device}")
-    v.device_arch(device)
-    facts = v.device_facts(device)
+    device = v.check_cuda_device(device)
+    device_arch(device)
+    facts = device_facts(device)
     most = max(
         dispatch.most_partial_rows(rows, hidden, act, w, residual, facts)
-        for act in dispatch.DTYPE_NAMES
+        for act in DTYPE_NAMES
         for w in {act, "fp32"}
     )
     return dispatch.partial_rows_bytes(most, hidden)
 
 
 def cake_rmsnorm_train_backward_workspace(rows, hidden, device, *, residual=False) -> torch.Tensor:
+    """A zero-filled workspace for backwards of up to ``rows`` rows (see
+    ``cake_rmsnorm_train_backward_workspace_bytes``, which takes the same arguments and raises the
+    same errors).
+
+    Returns
+    -------
+    torch.Tensor
+        A contiguous 1-D ``uint8`` tensor on ``device`` with a 16-byte aligned base.
+    """
     nbytes = cake_rmsnorm_train_backward_workspace_bytes(rows, hidden, device, residual=residual)
     return torch.zeros(nbytes, dtype=torch.uint8, device=device)
-
-
-def _check_workspace_tensor(workspace, device) -> None:
-    v.check_tensor("workspace", workspace, dtypes=(torch.uint8,), device=device)
-    if workspace.dim() != 1 or not workspace.is_contiguous() or workspace.data_ptr() % 16 != 0:
-        raise ValueError("workspace must be a contiguous 1-D uint8 tensor with a 16-byte aligned base")
 
 
 def _partials(workspace, partial_rows: int, hidden: int, device) -> torch.Tensor:
@@ -163,12 +191,52 @@ def cake_rmsnorm_train_backward(
     weight_offset: float = 0.0,
     dw_dtype: torch.dtype = torch.float32,
 ):
-    """RMSNorm backward: ``(dx, dw)``. ``x`` is what the forward normalized (x, or h_new in residual
-    mode); in residual mode ``g_residual`` (dL/dh_new) is added into dx. dw is FP32 unless
-    ``dw_dtype`` says otherwise (autograd asks for w's dtype). ``deterministic=False`` is accepted and
-    runs the same deterministic kernels: an atomic dW was built and measured slower on the H200 at
-    every T tried (perf/results/2026-11-30-h200-atomic-dw-experiment)."""
-    op = v.known_operands(x, w)
+    """RMSNorm backward: dx in one pass, dw as a fixed-order sum of FP32 partial rows.
+
+    Per row: ``a = g * (w + weight_offset)``, ``xhat = x * rstd``, ``c = sum(a * xhat) / H``,
+    ``dx = round(rstd * (a - xhat * c) [+ g_residual])``; ``dw = sum over rows of g * xhat`` in FP32.
+
+    Parameters
+    ----------
+    g : torch.Tensor
+        dL/dy, x's shape, dtype and device.
+    x : torch.Tensor
+        What the forward normalized: x, or h_new in residual mode (``[..., H]``, bf16 / fp16 / fp32).
+    w : torch.Tensor
+        ``[H]`` weight, x's dtype or fp32.
+    rstd : torch.Tensor
+        FP32 ``[rows]`` from the forward.
+    deterministic : bool, default True
+        Accepted for API compatibility; both values run the same deterministic kernels (an atomic
+        dW measured slower: perf/results/2026-11-30-h200-atomic-dw-experiment/).
+    g_residual : torch.Tensor, optional
+        dL/dh_new in residual mode (x's shape and dtype), added into dx: dx is then the gradient of
+        both x and residual.
+    workspace : torch.Tensor, optional
+        A contiguous 1-D uint8 tensor, 16-byte aligned, of at least
+        ``cake_rmsnorm_train_backward_workspace_bytes(rows, H, device)`` bytes; without one, the
+        partial rows are allocated per call.
+    dx, dw : torch.Tensor, optional
+        Caller-owned outputs (dx: x's shape and dtype; dw: ``[H]`` of ``dw_dtype``).
+    weight_offset : float, default 0.0
+        The forward's offset.
+    dw_dtype : torch.dtype, default torch.float32
+        dw's dtype (fp32, bf16 or fp16; autograd asks for w's); the sum is FP32, rounded once.
+
+    Returns
+    -------
+    tuple of torch.Tensor
+        ``(dx, dw)``.
+
+    Raises
+    ------
+    TypeError
+        An argument of the wrong kind or dtype (including ``deterministic`` that is not a bool).
+    ValueError
+        A wrong shape or device, an unaligned or too small workspace, x on the CPU or an unsupported
+        GPU; raised before any launch, with no output written.
+    """
+    op = known_operands(x, w)
     if op is None:
         v.check_activation(x)
     v.check_like("g", g, x)
@@ -187,9 +255,9 @@ def cake_rmsnorm_train_backward(
         _check_output("dx", dx, x.shape, x.dtype, x.device)
         _check_output("dw", dw, (hidden,), dw_dtype, x.device)
     if workspace is not None:
-        _check_workspace_tensor(workspace, x.device)
+        v.check_workspace(workspace, x.device)
     if op is None:
-        op = v.operands(x, w)
+        op = operands(x, w)
     return _backward(op, g, x, w, rstd, g_residual, workspace, dx, dw, weight_offset, dw_dtype)
 
 
@@ -197,7 +265,7 @@ def backward_from_saved(g, h, w, rstd, g_residual, weight_offset: float):
     """The backward for autograd: h, w, rstd are what the forward validated and saved, and the engine
     has already matched g (and g_residual) to the outputs' shape, dtype and device, so only the
     (x, w) facts are looked up again. dw comes back in w's dtype."""
-    op = v.known_operands(h, w) or v.operands(h, w)
+    op = known_operands(h, w) or operands(h, w)
     return _backward(op, g, h, w, rstd, g_residual, None, None, None, weight_offset, w.dtype)
 
 
@@ -222,6 +290,9 @@ def _backward_plan(op, rows, residual) -> _BackwardPlan:
     )
 
 
+on_override_change(_backward_plan.cache_clear)
+
+
 def _backward(op, g, x, w, rstd, g_residual, workspace, dx, dw, weight_offset, dw_dtype):
     hidden = op.hidden
     rows = x.numel() // hidden
@@ -232,25 +303,25 @@ def _backward(op, g, x, w, rstd, g_residual, workspace, dx, dw, weight_offset, d
         raise ValueError(
             f"workspace holds {workspace.numel()} bytes; this call needs at least {plan.workspace_bytes}"
         )
-    dx_t, dx_copy = _outputs_like(dx, x, vec)
-    dw_t, dw_copy = _vector_output(dw, hidden, dw_dtype, op.device)
+    dx_t, dx_copy = output_like(dx, x, vec)
+    dw_t, dw_copy = vector_output(dw, hidden, dw_dtype, op.device)
 
     if rows == 0:  # nothing to launch (and nothing to compile)
         dw_t.zero_()
     else:
         bwd = kernel("bwd", op.arch, op.act, op.w_name, hidden, residual, weight_offset)
-        reduce = kernel("dw", op.arch, v.dtype_name(dw_dtype), "fp32", hidden)
+        reduce = kernel("dw", op.arch, dtype_name(dw_dtype), hidden)
         partials = _partials(workspace, plan.partial_rows, hidden, op.device)
-        with v.on_device(op.device):
+        with on_device(op.device):
             bwd(
-                v.kernel_view(g, vec),
-                v.kernel_view(x, vec),
-                v.aligned_vector(w, vec),
+                kernel_view(g, vec),
+                kernel_view(x, vec),
+                aligned_vector(w, vec),
                 rstd if rstd.is_contiguous() else rstd.contiguous(),
-                v.kernel_view(g_residual, vec) if residual else None,
-                _rows_view(dx_t, hidden),
+                kernel_view(g_residual, vec) if residual else None,
+                rows_view(dx_t, hidden),
                 partials,
                 plan.programs,
             )
             reduce(partials, dw_t)
-    return _finish(dx_t, dx_copy), _finish(dw_t, dw_copy)
+    return finish(dx_t, dx_copy), finish(dw_t, dw_copy)

@@ -68,7 +68,7 @@ class CaseResult:
 
 def gpu_problem() -> str | None:
     """Why this machine cannot run the kernels (no CUDA device, unsupported GPU), or None."""
-    from .validation import ARCH_BY_CAPABILITY
+    from .vocab import ARCH_BY_CAPABILITY
 
     if not torch.cuda.is_available():
         return "no CUDA GPU is available (torch.cuda.is_available() is False)"

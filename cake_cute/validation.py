@@ -6,109 +6,14 @@ device or alignment) naming the argument and what was expected.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import numbers
-from dataclasses import dataclass
-from functools import cache
 
 import torch
 
-from .kernels.config import MAX_HIDDEN
-
-ACT_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
-ARCH_BY_CAPABILITY = {(9, 0): "sm_90a", (10, 0): "sm_100a", (10, 3): "sm_103a"}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return ACT_DTYPES[dtype]
-
-
-@dataclass(frozen=True, eq=False)  # one instance per device (cached): identity hashing is cheap
-class DeviceFacts:
-    index: int
-    name: str
-    capability: tuple[int, int]
-    arch: str | None
-    sm_count: int
-
-
-@cache
-def device_facts_of(index: int) -> DeviceFacts:
-    props = torch.cuda.get_device_properties(index)
-    capability = (props.major, props.minor)
-    return DeviceFacts(
-        index, props.name, capability, ARCH_BY_CAPABILITY.get(capability), props.multi_processor_count
-    )
-
-
-def on_device(device: torch.device):
-    """A context making ``device`` current for the launch; a no-op when it already is (the usual case)."""
-    if device.index is None or device.index == torch.cuda.current_device():
-        return contextlib.nullcontext()
-    return torch.cuda.device(device)
-
-
-def device_facts(device: torch.device) -> DeviceFacts:
-    return device_facts_of(device.index if device.index is not None else torch.cuda.current_device())
-
-
-def device_arch(device: torch.device) -> str:
-    """The compile target of a CUDA device, or a ValueError for a CPU tensor or an unsupported GPU."""
-    if device.type != "cuda":
-        raise ValueError(f"x must be a CUDA tensor, got device {device}")
-    facts = device_facts(device)
-    arch, name = facts.arch, facts.name
-    if arch is None:
-        raise ValueError(
-            f"device {device} ({name}) is not supported: cake_cute needs sm_90 (H100/H200) or "
-            "sm_100/sm_103 (B200/B300)"
-        )
-    return arch
-
-
-@dataclass(frozen=True, eq=False)  # one instance per validated signature: identity hashing is cheap
-class Operands:
-    """What validating (x, w) established, for everything after it: device, sizes, names, alignment."""
-
-    device: torch.device
-    hidden: int
-    arch: str
-    act: str
-    w_name: str
-    facts: DeviceFacts
-
-
-_known_operands: dict[tuple, Operands] = {}
-
-
-def _operands_key(x, w):
-    """Every property of (x, w) that ``check_activation``, ``check_weight`` and ``device_arch`` read."""
-    try:
-        return (x.dtype, x.dim(), x.shape[-1], x.device, w.dtype, w.shape, w.device)
-    except (AttributeError, IndexError, TypeError):
-        return None
-
-
-def known_operands(x, w) -> Operands | None:
-    """The hot path: ``Operands`` for an (x, w) whose properties were validated before, else None
-    (the caller then runs the full checks, which raise the precise error)."""
-    key = _operands_key(x, w)
-    return None if key is None else _known_operands.get(key)
-
-
-def operands(x, w) -> Operands:
-    """After ``check_activation`` and ``check_weight`` passed: the device check (the last one, so the
-    argument errors come first and can be tested without a GPU), and the result remembered for
-    ``known_operands``. Only CUDA devices are remembered."""
-    device = x.device
-    arch = device_arch(device)
-    found = Operands(
-        device, x.shape[-1], arch, dtype_name(x.dtype), dtype_name(w.dtype), device_facts(device)
-    )
-    if device.type == "cuda":
-        _known_operands[_operands_key(x, w)] = found
-    return found
+from .device import device_facts
+from .kernels.tiling import MAX_HIDDEN
+from .vocab import DTYPE_BY_TORCH
 
 
 def check_tensor(name: str, t, *, dtypes=None, device: torch.device | None = None) -> None:
@@ -124,9 +29,9 @@ def check_tensor(name: str, t, *, dtypes=None, device: torch.device | None = Non
 def check_activation(x) -> None:
     """x: a tensor of bf16/fp16/fp32 with at least 2 dims and 1 <= H <= 262144.
 
-    The device is checked last (``operands``), after every argument's dtype and shape, so the
+    The device is checked last (``operands.operands``), after every argument's dtype and shape, so the
     whole table of argument errors can be exercised on a machine without a GPU."""
-    check_tensor("x", x, dtypes=ACT_DTYPES)
+    check_tensor("x", x, dtypes=DTYPE_BY_TORCH)
     if x.dim() < 2:
         raise ValueError(f"x must have at least 2 dims [..., H], got shape {tuple(x.shape)}")
     hidden = x.shape[-1]
@@ -161,7 +66,7 @@ def check_weight_offset(weight_offset) -> float:
 
 
 def check_dw_dtype(dw_dtype) -> torch.dtype:
-    if dw_dtype not in ACT_DTYPES:
+    if dw_dtype not in DTYPE_BY_TORCH:
         raise TypeError(f"dw_dtype must be torch.float32, torch.bfloat16 or torch.float16, got {dw_dtype}")
     return dw_dtype
 
@@ -193,44 +98,55 @@ def check_rstd(rstd, rows: int, device) -> None:
         raise ValueError(f"rstd must have shape ({rows},) (one FP32 value per row), got {tuple(rstd.shape)}")
 
 
-def kernel_view(t: torch.Tensor, vec: int) -> torch.Tensor:
-    """A (rows, H) view the kernels can read in place, or a contiguous copy when the layout forbids it.
+def check_workspace(workspace, device) -> None:
+    """A caller's backward workspace: a contiguous 1-D uint8 tensor on x's device, 16-byte aligned
+    (its size is checked against the launch plan, which knows how many partial rows it needs)."""
+    check_tensor("workspace", workspace, dtypes=(torch.uint8,), device=device)
+    if workspace.dim() != 1 or not workspace.is_contiguous() or workspace.data_ptr() % 16 != 0:
+        raise ValueError("workspace must be a contiguous 1-D uint8 tensor with a 16-byte aligned base")
 
-    In place: last dim contiguous, leading dims collapsible to one row stride (0 for an expanded
-    tensor), base and row stride aligned to the vector width."""
-    hidden = t.shape[-1]
-    if t.is_contiguous() and t.data_ptr() % (vec * t.element_size()) == 0:
-        return t if t.dim() == 2 else t.view(-1, hidden)
+
+def check_cuda_device(device) -> torch.device:
+    """``device`` as a ``torch.device`` naming a CUDA device that exists: a ``torch.device``, a string
+    (``"cuda"``, ``"cuda:1"``) or a device index (``0``), as torch accepts them."""
+    if isinstance(device, int) and not isinstance(device, bool):
+        if device < 0:
+            raise ValueError(f"device must name a CUDA device, got {device!r}")
+        device = torch.device("cuda", device)
     try:
-        view = t.view(-1, hidden) if t.dim() != 2 else t
-    except RuntimeError:
-        view = None
-    if view is not None and _is_kernel_layout(view, vec):
-        return view
-    return t.reshape(-1, hidden).contiguous()
+        device = torch.device(device)
+    except (TypeError, RuntimeError) as err:
+        raise ValueError(f"device must name a CUDA device, got {device!r}") from err
+    if device.type != "cuda":
+        raise ValueError(f"device must be a CUDA device, got {device}")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device {device}: no CUDA device is available to this torch")
+    count = torch.cuda.device_count()
+    if device.index is not None and device.index >= count:
+        raise ValueError(f"device {device} does not exist: {count} CUDA device(s) are visible")
+    return device
 
 
-def _is_kernel_layout(view: torch.Tensor, vec: int) -> bool:
-    if view.shape[1] > 1 and view.stride(1) != 1:
+def is_cake_rmsnorm_train_supported(device, hidden=None) -> bool:
+    """Whether cake_cute can run on ``device`` (and, when given, at this hidden size). Never raises.
+
+    Parameters
+    ----------
+    device : torch.device, str or int
+        The device to ask about (``"cuda"``, ``"cuda:1"``, ``torch.device("cuda", 1)``, ``1``).
+    hidden : int, optional
+        A hidden size (the last dim of x); supported when 1 <= hidden <= 262144.
+
+    Returns
+    -------
+    bool
+        True for an existing sm_90 / sm_100 / sm_103 CUDA device (and a supported ``hidden``); False
+        for anything else, including arguments that name no device.
+    """
+    try:
+        device = check_cuda_device(device)
+        if hidden is not None:
+            check_count("hidden", hidden, 1, MAX_HIDDEN)
+    except (TypeError, ValueError):
         return False
-    row_stride = view.stride(0)
-    if view.shape[0] > 1 and row_stride % vec != 0:
-        return False
-    return view.data_ptr() % (vec * view.element_size()) == 0
-
-
-def is_direct_output(t: torch.Tensor, vec: int) -> bool:
-    """A caller-owned output the kernel may write directly: contiguous and vector aligned."""
-    return t.is_contiguous() and t.data_ptr() % (vec * t.element_size()) == 0
-
-
-def vector_align_bytes(vec: int, element_size: int) -> int:
-    """The base alignment the kernels assume for a vector of ``vec`` elements (capped at 16 bytes)."""
-    return min(16, vec * element_size)
-
-
-def aligned_vector(w: torch.Tensor, vec: int) -> torch.Tensor:
-    """w as the kernels read it: contiguous with an aligned base (a copy only when it is not)."""
-    if w.is_contiguous() and w.data_ptr() % vector_align_bytes(vec, w.element_size()) == 0:
-        return w
-    return w.clone(memory_format=torch.contiguous_format)
+    return device_facts(device).arch is not None

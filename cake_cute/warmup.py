@@ -17,8 +17,9 @@ from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, as_compl
 from dataclasses import dataclass, field
 from typing import TextIO
 
-from .compile_cache import KernelSpec, get_kernel, is_cached_on_disk
-from .kernels.config import MAX_HIDDEN, SUPPORTED_ARCHS
+from .compile_cache import KernelSpec, ReduceSpec, get_kernel, is_cached_on_disk
+from .kernels.tiling import MAX_HIDDEN
+from .vocab import SUPPORTED_ARCHS
 
 DEFAULT_ARCHS = ("sm_90a", "sm_100a")
 ARCH_ALIASES = {"sm_90": "sm_90a", "sm_100": "sm_100a", "sm_103": "sm_103a"}
@@ -44,7 +45,7 @@ def local_archs() -> tuple[str, ...]:
     """The supported archs of this machine's GPUs, or the default pair when there is none."""
     import torch
 
-    from .validation import ARCH_BY_CAPABILITY
+    from .vocab import ARCH_BY_CAPABILITY
 
     if not torch.cuda.is_available():
         return DEFAULT_ARCHS
@@ -70,7 +71,7 @@ def variant_specs(
     for arch, act, hidden, residual, w_mode in itertools.product(archs, dtypes, hiddens, residuals, w_modes):
         w = act if w_mode == "same" else "fp32"
         specs += [KernelSpec(kind, arch, act, w, hidden, residual, weight_offset) for kind in ("fwd", "bwd")]
-        specs += [KernelSpec("dw", arch, out, "fp32", hidden) for out in ("fp32", w)]
+        specs += [ReduceSpec(arch, out, hidden) for out in ("fp32", w)]
     return list(dict.fromkeys(specs))
 
 

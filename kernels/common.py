@@ -27,26 +27,23 @@ from cutlass.cutlass_dsl import dsl_user_op
 
 COPY_BITS = 128
 REDUCTION_SLOTS = 2
-# Clusters of at least this many CTAs push a row's partial sum to their peers from as many lanes (H200,
-# plain backward: H = 32768-131072 2-5% faster; with 2 CTAs one pushing lane is 6% faster; forward and
-# residual within 1%; perf/results/2026-11-30-h200-cluster-push).
+# Clusters of at least this many CTAs push a row's partial sum to their peers from as many lanes; pairs
+# push from one lane (the A/B behind both: perf/results/2026-11-30-h200-cluster-push/).
 PARALLEL_PUSH_CLUSTER = 4
 
 
 class RowKernel:
-    """What the forward and backward kernel classes share: their compile-time parameters, the launch
-    shape, and w widened to FP32 with the Gemma-style offset folded in."""
+    """What the forward and backward kernel classes share: their compile-time parameters (the config
+    value from ``config``, the dtypes, the mode), the launch shape, and w widened to FP32 with the
+    Gemma-style offset folded in."""
 
-    def __init__(
-        self, tiling, act_dtype, w_dtype, residual: bool, weight_offset: float, min_ctas_per_sm: int
-    ):
-        self.tiling = tiling
+    def __init__(self, config, act_dtype, w_dtype, residual: bool, weight_offset: float):
+        self.config = config
+        self.tiling = config.tiling
         self.act_dtype = act_dtype
         self.w_dtype = w_dtype
         self.residual = residual
         self.weight_offset = weight_offset
-        # A ``min_blocks_per_mp`` register hint (0: none), chosen per arch in ``config``.
-        self.min_ctas_per_sm = min_ctas_per_sm
 
     def launch_shape(self, ctas) -> dict:
         """Launch keywords for ``ctas`` row programs times ``cluster_n`` CTAs along y. The shared
@@ -56,7 +53,7 @@ class RowKernel:
             grid=[ctas, t.cluster_n, 1],
             block=[t.threads_per_cta, 1, 1],
             cluster=[1, t.cluster_n, 1] if t.cluster_n > 1 else None,
-            min_blocks_per_mp=self.min_ctas_per_sm,
+            min_blocks_per_mp=self.config.min_ctas_per_sm,
             preferred_smem_carveout=100,
         )
 
@@ -84,9 +81,9 @@ def staging_atom(dtype, vec: int):
     return copy_atom(dtype, vec)
 
 
-def allocate_tile(smem, dtype, tiling, stages: int = 1):
-    """A (rows_per_cta, cols_per_cta, stages) shared-memory tile, row-major within a stage."""
-    shape = (tiling.rows_per_cta, tiling.cols_per_cta, stages)
+def allocate_tile(smem, dtype, tiling, slots: int = 1):
+    """A (rows_per_cta, cols_per_cta, slots) shared-memory tile, row-major within a slot."""
+    shape = (tiling.rows_per_cta, tiling.cols_per_cta, slots)
     return smem.allocate_tensor(dtype, cute.make_ordered_layout(shape, order=(1, 0, 2)), byte_alignment=16)
 
 

@@ -3,11 +3,12 @@
 Math: ``dw[j] = sum_p partials[p, j]`` in FP32, rounded once to the output dtype (FP32 for the
 functional API, w's dtype for autograd).
 
-Tiling: a CTA of 256 threads covers ``col_lanes * vec`` columns (vec = 4 FP32 = one 128-bit load when
-H is a multiple of 4) and splits the P partial rows over ``256 / col_lanes`` row lanes. Row lane l adds
-rows l, l + lanes, ... in order; the lanes' sums then meet in shared memory through a binary tree with a
-fixed pairing. The order of every addition depends only on (P, H), so dw is bitwise reproducible.
-``col_lanes`` shrinks for narrow rows so that even H = 1024 spreads over a few hundred CTAs.
+Tiling (``config.reduce_config``): a CTA of 256 threads covers ``col_lanes * vec`` columns (vec = 4
+FP32 = one 128-bit load when H is a multiple of 4) and splits the P partial rows over
+``256 / col_lanes`` row lanes. Row lane l adds rows l, l + lanes, ... in order; the lanes' sums then
+meet in shared memory through a binary tree with a fixed pairing. The order of every addition
+depends only on (P, H), so dw is bitwise reproducible. ``col_lanes`` shrinks for narrow rows so that
+even H = 1024 spreads over a few hundred CTAs.
 
 Bytes moved: reads P * H * 4, writes H * out_bytes.
 """
@@ -18,32 +19,22 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
-THREADS = 256
-
-
-def reduce_shape(hidden: int) -> tuple[int, int]:
-    """(vec, col_lanes) for a row of ``hidden`` FP32 partial sums."""
-    vec = 4 if hidden % 4 == 0 else 1
-    col_vecs = -(-hidden // vec)
-    col_lanes = 1
-    while col_lanes < 32 and col_lanes * 2 * 256 <= col_vecs:
-        col_lanes *= 2
-    return vec, col_lanes
-
 
 class DWReduce:
-    def __init__(self, hidden: int, out_dtype):
-        self.hidden = hidden
+    """One compiled reduction per (arch, output dtype, H) and its ``config.ReduceConfig``; the number
+    of partial rows is a runtime value."""
+
+    def __init__(self, config, out_dtype):
+        self.config = config
+        self.hidden = config.hidden
         self.out_dtype = out_dtype
-        self.vec, self.col_lanes = reduce_shape(hidden)
-        self.row_lanes = THREADS // self.col_lanes
+        self.vec, self.col_lanes, self.row_lanes = config.vec, config.col_lanes, config.row_lanes
 
     @cute.jit
     def __call__(self, mPartial: cute.Tensor, mDW: cute.Tensor, stream):
-        cols_per_cta = self.col_lanes * self.vec
         self.kernel(mPartial, mDW).launch(
-            grid=[cute.ceil_div(self.hidden, cols_per_cta), 1, 1],
-            block=[THREADS, 1, 1],
+            grid=[cute.ceil_div(self.hidden, self.config.cols_per_cta), 1, 1],
+            block=[self.config.threads, 1, 1],
             stream=stream,
         )
 

@@ -6,29 +6,35 @@ Math, per row t (FP32 arithmetic, one rounding at the end):
     xhat = h * rstd                        (h: the saved x, or h_new in residual mode)
     c    = sum_j a_j * xhat_j / H
     dx   = round(rstd * (a - xhat * c) [+ g_residual])
-    dW_partial[p] += g * xhat              (FP32 registers, over the rows that CTA row-group p visits)
+    dW_partial[p] += g * xhat              (FP32, over the rows that CTA row-group p visits)
 
 Persistent grid: ``num_programs`` CTAs (times ``cluster_n`` along y), as many as are resident at once
-(``cake_cute.occupancy``); program b visits the row tiles b, b + num_programs, ... -- a fixed partition
-for a given (T, num_programs). Each CTA copies w once into its own cells of shared memory and keeps one
-FP32 dW accumulator per element it owns; at the end every row group writes its accumulator as one FP32
-row of the workspace ``partials[num_programs * rows_per_cta, H_pad]``, which ``dw_reduce`` sums in a
-fixed order. No atomics anywhere.
+(``cake_cute.device.resident_clusters``); program b visits the row tiles b, b + num_programs, ... -- a
+fixed partition for a given (T, num_programs). Each CTA copies w once into its own cells of shared
+memory and keeps one FP32 dW accumulator per element it owns; at the end every row group writes its
+accumulator as one FP32 row of the workspace ``partials[num_programs * rows_per_cta, H_pad]``, which
+``dw_reduce`` sums in a fixed order. No atomics anywhere.
 
-Pipeline: g and h of the program's next row tiles stream with cp.async into a ring of ``stages``
-shared-memory tiles (``config.backward_stages``: 4 for plain rows one CTA holds, so three tiles are in
-flight while one is reduced; otherwise 2), and rstd of the next tile into a register; g_residual,
-needed only after the row sum, is staged at the top of its own iteration. The row sum
+Pipeline: g and h of the program's next row tiles stream with cp.async into a ring of ``ring_depth``
+shared-memory row tiles (``config.backward_ring_depth``: 4 for plain rows one CTA holds, so three
+tiles are in flight while one is reduced; otherwise 2), and rstd of the next tile into a register;
+g_residual, needed only after the row sum, is issued at the top of its own iteration. The row sum
 (``common.row_sum``) is the only synchronisation per row: a CTA barrier, plus for clusters an
 ``st.async`` push of each CTA's partial into every peer's shared memory.
 
-Tiling (``config.backward_tiling``): ``threads_per_row`` lanes per row, ``vecs_per_thread`` vectors of
-``vec`` elements (128-bit accesses when H allows), at most 64 bytes of each of g and h per thread; a row
-one CTA holds goes to as many whole warps as cover it exactly with one or two vectors each (H = 1024:
-4 warps x 1, 7168: 14 warps x 2); wide rows are split over a cluster of up to 16 CTAs. Registers are held to a budget
-(``config.backward_register_budget``) through ``min_blocks_per_mp``. For the widest rows (512-thread
-CTAs, ``wide_mode``) g and h are loaded straight into registers and re-read from global memory (an L2
-hit) after the row sum, and the dW accumulator lives in shared memory, so 128 registers suffice.
+Tiling (``config.backward_config``, ``tiling.backward_tiling``): ``threads_per_row`` lanes per row,
+``vecs_per_thread`` vectors of ``vec`` elements (128-bit accesses when H allows), at most 64 bytes of
+each of g and h per thread; a row one CTA holds goes to as many whole warps as cover it exactly with
+one or two vectors each (H = 1024: 4 warps x 1, 7168: 14 warps x 2); wide rows are split over a
+cluster of up to 16 CTAs. Registers are held to a budget (``config.backward_register_budget``)
+through ``min_blocks_per_mp``. For the widest rows (512-thread CTAs of several vectors per lane,
+``BackwardConfig.dw_in_smem``) there is no ring: g and h are loaded straight into registers and
+re-read from global memory (an L2 hit) after the row sum, and the dW accumulator lives in shared
+memory, so 128 registers suffice.
+
+The kernel body reads as its steps: ``prologue`` (w and the dW accumulator), ``fill_ring`` (the
+first row tiles), then per row tile ``issue_g_residual``, ``load_rstd``, ``refill_ring``,
+``reduce_row`` (dW and the row sum) and ``write_dx``; at the end ``write_dw_partial_row``.
 
 Bytes moved: reads g, h (+ g_residual) and writes dx once: T*H*(3 or 4)*act_bytes, plus 4*T of rstd,
 plus the partial rows (num_programs * rows_per_cta * H * 4, written here, read by dw_reduce).
@@ -36,6 +42,7 @@ plus the partial rows (num_programs * rows_per_cta * H * 4, written here, read b
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 
 import cutlass
@@ -57,33 +64,38 @@ from .common import (
 )
 
 
+@dataclass(frozen=True)
+class ThreadTiles:
+    """What one thread needs to find its cells of any row tile: its slice of the tiled copy, the tile
+    shape, its cluster rank and row, and the two copies it issues (registers <-> memory, and
+    global -> shared with cp.async), both predicated on the columns when the tiles overrun H."""
+
+    thr: object
+    tiler: tuple
+    rank: object
+    row_in_cta: object
+    copy_act: object
+    async_copy: object
+
+    def of(self, m, tile):
+        """This thread's cells of row tile ``tile`` of ``m`` (a (rows, H) tensor)."""
+        return self.thr.partition_S(cute.local_tile(m, self.tiler, (tile, self.rank)))
+
+    def in_smem(self, s, ring_slot):
+        """This thread's cells of one slot of a shared-memory tile."""
+        return self.thr.partition_D(s[None, None, ring_slot])
+
+
 @cute.jit
-def stage_tile(stage, thr, tiler, rank, tile, slot, mG, mH, sG, sH):
-    """Issue the cp.async copies of row tile ``tile`` of g and h into stage ``slot``."""
+def issue_row_tile(tt: ThreadTiles, tile, ring_slot, mG, mH, sG, sH):
+    """Issue the cp.async copies of row tile ``tile`` of g and h into slot ``ring_slot`` of the ring."""
     for m, sT in ((mG, sG), (mH, sH)):
-        stage(thr.partition_S(cute.local_tile(m, tiler, (tile, rank))), thr.partition_D(sT[None, None, slot]))
+        tt.async_copy(tt.of(m, tile), tt.in_smem(sT, ring_slot))
 
 
 class RMSNormBackward(RowKernel):
-    """One compiled backward per (arch, dtypes, H, residual, weight_offset); T and the number of
-    programs are runtime values. ``stages``: row tiles of g and h in the shared-memory ring of staged
-    mode (``config.backward_stages``)."""
-
-    def __init__(
-        self,
-        tiling,
-        act_dtype,
-        w_dtype,
-        residual: bool,
-        weight_offset: float,
-        min_ctas_per_sm: int,
-        stages: int,
-    ):
-        super().__init__(tiling, act_dtype, w_dtype, residual, weight_offset, min_ctas_per_sm)
-        # A g_residual group committed behind a tile's g and h would force that tile's arrival early,
-        # so residual mode keeps two stages.
-        assert stages == 2 or (stages > 2 and not residual)
-        self.stages = stages
+    """One compiled backward per (arch, dtypes, H, residual, weight_offset) and its
+    ``config.BackwardConfig``; T and the number of programs are runtime values."""
 
     @cute.jit
     def __call__(
@@ -114,6 +126,8 @@ class RMSNormBackward(RowKernel):
         mPartial: cute.Tensor,
     ):
         t = self.tiling
+        uses_ring = not self.config.dw_in_smem
+        ring_depth = self.config.ring_depth
         tidx, _, _ = cute.arch.thread_idx()
         bidx, rank, _ = cute.arch.block_idx()
         num_programs, _, _ = cute.arch.grid_dim()
@@ -132,13 +146,67 @@ class RMSNormBackward(RowKernel):
         identity = cute.make_identity_tensor(mG.shape)
         tXc0 = thr.partition_S(cute.local_tile(identity, tiler, (0, rank)))
         pred = None
-        if const_expr(not t.even):
+        if const_expr(not t.covers_row_exactly):
             pred = column_predicate(tXc0, t.hidden)
         copy_act = partial(cute.copy, copy_atom(self.act_dtype, t.vec), pred=pred)
 
-        # w once per CTA into this thread's own cells of shared memory (no barrier needed: no other
-        # thread touches them), widened to FP32 at each use; keeping it out of registers is what lets
-        # 128 registers per thread suffice. In wide mode the FP32 dW accumulator lives there too.
+        tXsW, tXrDW, tXDW = self.prologue(smem, thr, tiler, rank, tXc0, mW, pred)
+
+        tXrG = cute.make_rmem_tensor_like(tXc0, self.act_dtype)
+        tXrH = cute.make_rmem_tensor_like(tXc0, self.act_dtype)
+        tXrDX = cute.make_rmem_tensor_like(tXc0, self.act_dtype)
+        tXrGR = cute.make_rmem_tensor_like(tXc0, self.act_dtype)
+
+        async_copy = partial(cute.copy, staging_atom(self.act_dtype, t.vec), pred=pred)
+        tt = ThreadTiles(thr, tiler, rank, row_in_cta, copy_act, async_copy)
+        # g_residual is needed only after the row sum: one tile, issued at the top of its iteration.
+        sGR = allocate_tile(smem, self.act_dtype, t) if const_expr(self.residual) else None
+        if const_expr(uses_ring):
+            sG = allocate_tile(smem, self.act_dtype, t, ring_depth)
+            sH = allocate_tile(smem, self.act_dtype, t, ring_depth)
+            self.fill_ring(tt, bidx, num_programs, rows, mG, mH, sG, sH)
+
+        init_cluster_reduction(mbars, t.cluster_n)
+        # rstd is loaded one tile ahead too, so its latency never sits on a row's critical path.
+        rstd_next = self.load_rstd(mRstd, bidx * t.rows_per_cta + row_in_cta, rows)
+        visit = Int32(0)  # row tiles this program has visited
+        for tile in cutlass.range(bidx, num_tiles, num_programs, unroll=1):
+            row = tile * t.rows_per_cta + row_in_cta
+            # Reduction buffers alternate per row (an mbarrier's phase per two rows); the ring's
+            # slots are used in turn.
+            reduction_slot = visit & 1
+            phase = (visit >> 1) & 1
+            if const_expr(uses_ring):
+                ring_slot = visit % ring_depth
+            tXgG, tXgH, tXgDX = [tt.of(m, tile) for m in (mG, mH, mDX)]
+            tXsGR = None  # this tile's g_residual cells, in residual mode
+            if const_expr(self.residual):
+                tXsGR = self.issue_g_residual(tt, tile, row, rows, mGRes, sGR)
+            rstd = rstd_next
+            rstd_next = self.load_rstd(mRstd, (tile + num_programs) * t.rows_per_cta + row_in_cta, rows)
+            # g and h come from the ring, or with dW in shared memory straight from global memory.
+            tXsrcG, tXsrcH = tXgG, tXgH
+            if const_expr(uses_ring):
+                self.refill_ring(tt, tile, visit, num_programs, rows, mG, mH, sG, sH)
+                tXsrcG, tXsrcH = [tt.in_smem(sT, ring_slot) for sT in (sG, sH)]
+            c = self.reduce_row(
+                tt, row, rows, rstd, reduction_slot, phase, lane_in_row, tXsrcG, tXsrcH, tXrG, tXrH, tXDW,
+                tXsW, warp_sums, cta_sums, mbars,
+            )  # fmt: skip
+            self.write_dx(
+                tt, row, rows, rstd, c, tXsrcG, tXsrcH, tXsGR, tXrG, tXrH, tXrGR, tXrDX, tXsW, tXgDX
+            )
+            visit = visit + 1
+
+        self.write_dw_partial_row(tt, bidx, mPartial, tXrDW, tXDW, pred)
+
+    @cute.jit
+    def prologue(self, smem, thr, tiler, rank, tXc0, mW, pred):
+        """w once per CTA into this thread's own cells of shared memory (no barrier needed: no other
+        thread touches them), widened to FP32 at each use; keeping it out of registers is what lets
+        128 registers per thread suffice. The FP32 dW accumulator starts at zero, in registers or
+        (``dw_in_smem``) in shared memory. Returns (w cells, dW registers, dW accumulator)."""
+        t = self.tiling
         cta_tile = cute.make_ordered_layout(tiler, order=(1, 0))
         tXgW = thr.partition_S(cute.local_tile(broadcast_rows(mW, t.rows_per_cta), tiler, (0, rank)))
         tXsW = thr.partition_D(smem.allocate_tensor(self.w_dtype, cta_tile, byte_alignment=16))
@@ -149,118 +217,125 @@ class RMSNormBackward(RowKernel):
         tXrDW = cute.make_rmem_tensor_like(tXc0, Float32)
         tXrDW.fill(0.0)
         tXDW = tXrDW
-        if const_expr(t.wide_mode):
+        if const_expr(self.config.dw_in_smem):
             tXDW = thr.partition_S(smem.allocate_tensor(Float32, cta_tile, byte_alignment=16))
             cute.autovec_copy(tXrDW, tXDW)
+        return tXsW, tXrDW, tXDW
 
-        tXrG = cute.make_rmem_tensor_like(tXc0, self.act_dtype)
-        tXrH = cute.make_rmem_tensor_like(tXc0, self.act_dtype)
-        tXrDX = cute.make_rmem_tensor_like(tXc0, self.act_dtype)
-        tXrGR = cute.make_rmem_tensor_like(tXc0, self.act_dtype)
+    @cute.jit
+    def fill_ring(self, tt: ThreadTiles, bidx, num_programs, rows, mG, mH, sG, sH):
+        """Issue the program's first ``ring_depth - 1`` row tiles, one cp.async group each. Each
+        thread later reads back only the cells it issued itself, so no barrier is needed."""
+        for ahead in cutlass.range_constexpr(self.config.ring_depth - 1):
+            if (bidx + ahead * num_programs) * self.tiling.rows_per_cta + tt.row_in_cta < rows:
+                issue_row_tile(tt, bidx + ahead * num_programs, ahead, mG, mH, sG, sH)
+            cute.arch.cp_async_commit_group()
 
-        # Staged mode: g and h of the next stages - 1 row tiles stream into a ring of shared-memory
-        # tiles with cp.async while this one is reduced, so a CTA always has loads in flight. Each
-        # thread reads back only the cells it staged itself.
-        staged = not t.wide_mode
-        stages = self.stages
-        stage = partial(cute.copy, staging_atom(self.act_dtype, t.vec), pred=pred)
-        # g_residual is needed only after the row sum: one stage, issued at the top of its iteration.
-        sGR = allocate_tile(smem, self.act_dtype, t) if const_expr(self.residual) else None
-        if const_expr(staged):
-            sG = allocate_tile(smem, self.act_dtype, t, stages)
-            sH = allocate_tile(smem, self.act_dtype, t, stages)
-            # The first stages - 1 tiles of this program, one cp.async group each.
-            for ahead in cutlass.range_constexpr(stages - 1):
-                if (bidx + ahead * num_programs) * t.rows_per_cta + row_in_cta < rows:
-                    stage_tile(stage, thr, tiler, rank, bidx + ahead * num_programs, ahead, mG, mH, sG, sH)
-                cute.arch.cp_async_commit_group()
+    @cute.jit
+    def issue_g_residual(self, tt: ThreadTiles, tile, row, rows, mGRes, sGR):
+        """Issue this tile's g_residual into its shared-memory tile (its own cp.async group)."""
+        tXgGR = tt.of(mGRes, tile)
+        tXsGR = tt.in_smem(sGR, 0)
+        if row < rows:
+            tt.async_copy(tXgGR, tXsGR)
+        cute.arch.cp_async_commit_group()
+        return tXsGR
 
-        init_cluster_reduction(mbars, t.cluster_n)
-        # rstd is loaded one tile ahead too, so its latency never sits on a row's critical path.
-        rstd_next = Float32(0.0)
-        if bidx * t.rows_per_cta + row_in_cta < rows:
-            rstd_next = mRstd[bidx * t.rows_per_cta + row_in_cta]
-        step = Int32(0)
-        for tile in cutlass.range(bidx, num_tiles, num_programs, unroll=1):
-            row = tile * t.rows_per_cta + row_in_cta
-            # Reduction buffers alternate per row (an mbarrier's phase per two rows); staging buffers
-            # cycle through the stages.
-            slot = step & 1
-            phase = (step >> 1) & 1
-            stage_slot = step % stages
-            tXgG, tXgH, tXgDX = [
-                thr.partition_S(cute.local_tile(m, tiler, (tile, rank))) for m in (mG, mH, mDX)
-            ]
-            if const_expr(self.residual):
-                tXgGR = thr.partition_S(cute.local_tile(mGRes, tiler, (tile, rank)))
-            if const_expr(self.residual):
-                tXsGR = thr.partition_D(sGR[None, None, 0])
-                if row < rows:
-                    stage(tXgGR, tXsGR)
-                cute.arch.cp_async_commit_group()
-            rstd = rstd_next
-            next_row = (tile + num_programs) * t.rows_per_cta + row_in_cta
-            rstd_next = Float32(0.0)
-            if next_row < rows:
-                rstd_next = mRstd[next_row]
-            if const_expr(staged):
-                last_tile = tile + (stages - 1) * num_programs
-                if last_tile * t.rows_per_cta + row_in_cta < rows:
-                    stage_tile(
-                        stage, thr, tiler, rank, last_tile, (step + stages - 1) % stages, mG, mH, sG, sH
-                    )
-                cute.arch.cp_async_commit_group()
-                # Pending, oldest first: this tile's g and h, the next stages - 2 tiles' (each one group),
-                # this tile's g_residual, the g and h of the tile just issued.
-                cute.arch.cp_async_wait_group(stages - 1 + (1 if const_expr(self.residual) else 0))
-            # g and h come from the staged tiles, or in wide mode straight from global memory.
-            tXsrcG, tXsrcH = tXgG, tXgH
-            if const_expr(staged):
-                tXsrcG, tXsrcH = [thr.partition_D(sT[None, None, stage_slot]) for sT in (sG, sH)]
-            # Rows past T contribute zeros, never stale values.
-            tXrG.fill(0)
-            tXrH.fill(0)
-            if row < rows:
-                copy_act(tXsrcG, tXrG)
-                copy_act(tXsrcH, tXrH)
-            # Everything before the row sum is folded into the dot product and the dW accumulator;
-            # a and xhat are recomputed from g and h afterwards (re-read from shared memory, or in
-            # wide mode from global memory), so nothing of the row is held across the barrier.
-            g = tXrG.load().to(Float32)
-            xhat = tXrH.load().to(Float32) * rstd
-            tXDW.store(tXDW.load() + g * xhat)
-            dot = row_sum(
-                (g * self.widen_weight(tXsW.load()) * xhat).reduce(cute.ReductionOp.ADD, Float32(0.0), 0),
-                warp_sums,
-                cta_sums,
-                mbars,
-                row_in_cta,
-                lane_in_row,
-                slot,
-                phase,
-                t.threads_per_row,
-                t.cluster_n,
-            )
-            c = dot / t.hidden
-            tXrGR.fill(0)
-            if const_expr(self.residual):
-                cute.arch.cp_async_wait_group(1 if const_expr(staged) else 0)
-            if row < rows:
-                copy_act(tXsrcG, tXrG)
-                copy_act(tXsrcH, tXrH)
-                if const_expr(self.residual):
-                    copy_act(tXsGR, tXrGR)
-            xhat = tXrH.load().to(Float32) * rstd
-            dx = (tXrG.load().to(Float32) * self.widen_weight(tXsW.load()) - xhat * c) * rstd
-            if const_expr(self.residual):
-                dx = dx + tXrGR.load().to(Float32)
-            tXrDX.store(dx.to(self.act_dtype))
-            if row < rows:
-                copy_act(tXrDX, tXgDX)
-            step = step + 1
+    @cute.jit
+    def load_rstd(self, mRstd, row, rows) -> Float32:
+        """rstd of ``row``, or 0 past the last row."""
+        rstd = Float32(0.0)
+        if row < rows:
+            rstd = mRstd[row]
+        return rstd
 
-        # Row group r of program b owns partial row b * rows_per_cta + r.
-        tXgP = thr.partition_S(cute.local_tile(mPartial, tiler, (bidx, rank)))
-        if const_expr(t.wide_mode):
+    @cute.jit
+    def refill_ring(self, tt: ThreadTiles, tile, visit, num_programs, rows, mG, mH, sG, sH):
+        """Issue the tile ``ring_depth - 1`` visits ahead into the slot the previous tile freed, then
+        wait for this tile's g and h."""
+        ring_depth = self.config.ring_depth
+        last_tile = tile + (ring_depth - 1) * num_programs
+        if last_tile * self.tiling.rows_per_cta + tt.row_in_cta < rows:
+            issue_row_tile(tt, last_tile, (visit + ring_depth - 1) % ring_depth, mG, mH, sG, sH)
+        cute.arch.cp_async_commit_group()
+        # Pending, oldest first: this tile's g and h, the next ring_depth - 2 tiles' (each one group),
+        # this tile's g_residual, the g and h of the tile just issued.
+        cute.arch.cp_async_wait_group(ring_depth - 1 + (1 if const_expr(self.residual) else 0))
+
+    @cute.jit
+    def reduce_row(
+        self, tt: ThreadTiles, row, rows, rstd, reduction_slot, phase, lane_in_row, tXsrcG, tXsrcH, tXrG,
+        tXrH, tXDW, tXsW, warp_sums, cta_sums, mbars,
+    ) -> Float32:  # fmt: skip
+        """Add this row's g * xhat into the dW accumulator and return c = sum(a * xhat) / H.
+
+        Everything before the row sum is folded into the dot product and the accumulator; a and xhat
+        are recomputed from g and h afterwards (``write_dx``), so nothing of the row is held in
+        registers across the barrier."""
+        t = self.tiling
+        # Rows past T contribute zeros, never stale values.
+        tXrG.fill(0)
+        tXrH.fill(0)
+        if row < rows:
+            tt.copy_act(tXsrcG, tXrG)
+            tt.copy_act(tXsrcH, tXrH)
+        g = tXrG.load().to(Float32)
+        xhat = tXrH.load().to(Float32) * rstd
+        tXDW.store(tXDW.load() + g * xhat)
+        dot = row_sum(
+            (g * self.widen_weight(tXsW.load()) * xhat).reduce(cute.ReductionOp.ADD, Float32(0.0), 0),
+            warp_sums,
+            cta_sums,
+            mbars,
+            tt.row_in_cta,
+            lane_in_row,
+            reduction_slot,
+            phase,
+            t.threads_per_row,
+            t.cluster_n,
+        )
+        return dot / t.hidden
+
+    @cute.jit
+    def write_dx(
+        self,
+        tt: ThreadTiles,
+        row,
+        rows,
+        rstd,
+        c,
+        tXsrcG,
+        tXsrcH,
+        tXsGR,
+        tXrG,
+        tXrH,
+        tXrGR,
+        tXrDX,
+        tXsW,
+        tXgDX,
+    ):
+        """Re-read g and h (from the ring, or from global memory), compute dx (+ g_residual), store it."""
+        tXrGR.fill(0)
+        if const_expr(self.residual):
+            # This tile's g_residual; the tile issued by refill_ring may stay in flight.
+            cute.arch.cp_async_wait_group(1 if const_expr(not self.config.dw_in_smem) else 0)
+        if row < rows:
+            tt.copy_act(tXsrcG, tXrG)
+            tt.copy_act(tXsrcH, tXrH)
+            if const_expr(self.residual):
+                tt.copy_act(tXsGR, tXrGR)
+        xhat = tXrH.load().to(Float32) * rstd
+        dx = (tXrG.load().to(Float32) * self.widen_weight(tXsW.load()) - xhat * c) * rstd
+        if const_expr(self.residual):
+            dx = dx + tXrGR.load().to(Float32)
+        tXrDX.store(dx.to(self.act_dtype))
+        if row < rows:
+            tt.copy_act(tXrDX, tXgDX)
+
+    @cute.jit
+    def write_dw_partial_row(self, tt: ThreadTiles, bidx, mPartial, tXrDW, tXDW, pred):
+        """Row group r of program b owns partial row b * rows_per_cta + r."""
+        tXgP = tt.of(mPartial, bidx)
+        if const_expr(self.config.dw_in_smem):
             cute.autovec_copy(tXDW, tXrDW)
-        cute.copy(copy_atom(Float32, t.vec), tXrDW, tXgP, pred=pred)
+        cute.copy(copy_atom(Float32, self.tiling.vec), tXrDW, tXgP, pred=pred)

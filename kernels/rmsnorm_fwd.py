@@ -6,14 +6,15 @@ Math, per row t of H elements (FP32 arithmetic, one rounding per output):
     rstd = 1 / sqrt(sum_j h_j^2 / H + eps)     (written as FP32 [T])
     y    = round(h * rstd * (w + weight_offset))
 
-Tiling (``config.forward_tiling``): a CTA holds ``rows_per_cta`` rows; ``threads_per_row`` lanes share a
-row, each owning ``vecs_per_thread`` vectors of ``vec`` elements (16 bytes, i.e. 128-bit accesses, when
-H allows), up to 128 bytes of row per thread; a row the power-of-two lane count would cover raggedly
-gets the nearest whole number of warps that covers it exactly (H = 7168: 7 warps x 4 vectors). x (and
-residual) are staged in shared memory with cp.async, so the whole tile is in flight at once without
-holding registers; each thread reads back only the cells it staged itself, so no barrier is needed
-between the copy and its use. Rows too wide for one CTA are split over a cluster of ``cluster_n`` CTAs
-(up to 16) that add their partial sums of squares through distributed shared memory. The grid is (ceil(T / rows_per_cta), cluster_n).
+Tiling (``config.forward_config``, ``tiling.forward_tiling``): a CTA holds ``rows_per_cta`` rows;
+``threads_per_row`` lanes share a row, each owning ``vecs_per_thread`` vectors of ``vec`` elements (16
+bytes, i.e. 128-bit accesses, when H allows), up to 128 bytes of row per thread; a row the
+power-of-two lane count would cover raggedly gets the nearest whole number of warps that covers it
+exactly (H = 7168: 7 warps x 4 vectors). x (and residual) are staged in shared memory with cp.async,
+so the whole tile is in flight at once without holding registers; each thread reads back only the
+cells it staged itself, so no barrier is needed between the copy and its use. Rows too wide for one
+CTA are split over a cluster of ``cluster_n`` CTAs (up to 16) that add their partial sums of squares
+through distributed shared memory. The grid is (ceil(T / rows_per_cta), cluster_n).
 
 Bytes moved: reads x (+ residual) once and w once per CTA (an L2 hit after the first), writes y
 (+ h_new) once and 4 bytes of rstd per row: T*H*(2 or 4)*act_bytes + 4*T from HBM.
@@ -43,7 +44,8 @@ from .common import (
 
 
 class RMSNormForward(RowKernel):
-    """One compiled forward per (arch, dtypes, H, residual, weight_offset); T is a runtime value."""
+    """One compiled forward per (arch, dtypes, H, residual, weight_offset) and its
+    ``config.ForwardConfig``; T is a runtime value."""
 
     @cute.jit
     def __call__(
@@ -90,11 +92,11 @@ class RMSNormForward(RowKernel):
         row_in_cta = tidx // t.threads_per_row
         lane_in_row = tidx % t.threads_per_row
         pred = None
-        if const_expr(not t.even):
+        if const_expr(not t.covers_row_exactly):
             pred = column_predicate(tXc, t.hidden)
         # Bound outside the dynamic branches: a None captured into a branch would become an IR value.
         copy_act = partial(cute.copy, copy_atom(self.act_dtype, t.vec), pred=pred)
-        stage = partial(cute.copy, staging_atom(self.act_dtype, t.vec), pred=pred)
+        async_copy = partial(cute.copy, staging_atom(self.act_dtype, t.vec), pred=pred)
 
         tXgX, tXgY = [thr.partition_S(cute.local_tile(m, tiler, (bidx, rank))) for m in (mX, mY)]
         tXsX = thr.partition_D(sX)
@@ -103,9 +105,9 @@ class RMSNormForward(RowKernel):
             tXsR = thr.partition_D(sR)
             tXgR, tXgH = [thr.partition_S(cute.local_tile(m, tiler, (bidx, rank))) for m in (mRes, mHOut)]
         if row < rows:
-            stage(tXgX, tXsX)
+            async_copy(tXgX, tXsX)
             if const_expr(self.residual):
-                stage(tXgR, tXsR)
+                async_copy(tXgR, tXsR)
         cute.arch.cp_async_commit_group()
         init_cluster_reduction(mbars, t.cluster_n)
 

@@ -35,11 +35,12 @@ def main(argv=None) -> int:
     import torch
 
     import cake_cute
-    from cake_cute import bench, validation
+    from cake_cute import bench
     from cake_cute.compile_cache import kernel
+    from cake_cute.device import device_arch
 
     dev = torch.device("cuda")
-    arch = validation.device_arch(dev)
+    arch = device_arch(dev)
 
     def single(fn):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -72,9 +72,8 @@ def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor, what: str
     if not torch.equal(a, e):
         n_bad = int((a != e).sum().item())
         diff = (actual.detach().double() - expected.detach().to(actual.device).double()).abs()
-        raise AssertionError(
-            f"{what}: not bitwise equal ({n_bad} differing bytes, max |diff| {diff.nan_to_num(nan=float('inf')).max().item():g})"
-        )
+        largest = diff.nan_to_num(nan=float("inf")).max().item()
+        raise AssertionError(f"{what}: not bitwise equal ({n_bad} differing bytes, max |diff| {largest:g})")
 
 
 def rand_weight(hidden: int, dtype, device=None) -> torch.Tensor:
@@ -192,7 +191,7 @@ SUITE_HIDDEN = (1, 7, 64, 512, 1000, 1024, 4096, 4097, 5120, 7168, 8192, 16384, 
 def suite_specs(arch: str):
     """Every kernel variant the GPU tests launch (so a cold cache compiles them in parallel up
     front instead of one by one inside the tests)."""
-    from cake_cute.compile_cache import KernelSpec
+    from cake_cute.specs import ReduceSpec
     from cake_cute.warmup import variant_specs
 
     names = ("bf16", "fp16", "fp32")
@@ -200,7 +199,7 @@ def suite_specs(arch: str):
     specs += variant_specs([arch], ("bf16", "fp16"), (7, 4096, 4097, 65536), (False, True), ("fp32",))
     specs += variant_specs([arch], names, (1000, 4096, 65536), (False, True), ("same",), weight_offset=1.0)
     specs += variant_specs([arch], ("fp32",), (8, 33), (False, True), ("same",))
-    specs += [KernelSpec("dw", arch, n, "fp32", h) for n in names for h in (4096, 5120)]
+    specs += [ReduceSpec(arch, n, h) for n in names for h in (4096, 5120)]
     return list(dict.fromkeys(specs))
 
 
@@ -231,10 +230,11 @@ def prewarm_kernels(request):
         if result.failed:
             warnings.warn(
                 f"prewarm: {len(result.failed)} variants failed to compile, e.g. "
-                f"{result.failed[0].spec.name()}: {result.failed[0].error}"
+                f"{result.failed[0].spec.name()}: {result.failed[0].error}",
+                stacklevel=2,
             )
     except Exception as exc:  # never let the optimization break the suite
-        warnings.warn(f"prewarm skipped: {exc!r}")
+        warnings.warn(f"prewarm skipped: {exc!r}", stacklevel=2)
     yield
 
 

@@ -13,18 +13,22 @@ import sys
 import threading
 import time
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from cake_cute.kernels.config import overridden
+from cake_cute.kernels.tiling import forward_tiling
 
+from cake_cute import build
 from cake_cute import compile_cache as cc
-from cake_cute.compile_cache import KernelSpec
+from cake_cute.specs import KernelSpec
 
 SPEC = KernelSpec("fwd", "sm_90a", "bf16", "bf16", 512)
 OTHER = KernelSpec("fwd", "sm_90a", "fp16", "fp16", 512)
 
 # A child process: imports everything, signals "ready", waits for "go", then asks for SPEC and prints
-# "<compiles> <seconds> <callable>". The start line lets several children race on one cold key.
+# "<source> <compiles> <seconds> <callable>". The start line lets several children race on one cold key.
 CHILD = """
 import sys, time
 from pathlib import Path
@@ -37,8 +41,8 @@ ready.touch()
 while not go.exists():
     time.sleep(0.002)
 start = time.perf_counter()
-fn = cc.get_kernel(spec)
-print(cc.compile_count, time.perf_counter() - start, callable(fn))
+fn, source = cc.get_kernel_and_source(spec)
+print(source.replace(" ", "_"), cc.compile_count, time.perf_counter() - start, callable(fn))
 """
 
 
@@ -54,8 +58,9 @@ def cache(tmp_path, monkeypatch):
 
 def _children(
     cache_root: Path, tmp_path: Path, n: int, timeout: float = 120
-) -> list[tuple[int, float, bool]]:
-    """Run ``n`` CHILD processes against ``cache_root``, released together; their (compiles, s, ok)."""
+) -> list[tuple[str, int, float, bool]]:
+    """Run ``n`` CHILD processes against ``cache_root``, released together; their (source, compiles,
+    seconds, ok)."""
     env = dict(os.environ, CAKE_CUTE_CACHE_DIR=str(cache_root))
     go = tmp_path / "go"
     ready = [tmp_path / f"ready{i}" for i in range(n)]
@@ -80,8 +85,8 @@ def _children(
         for p in procs:
             out, err = p.communicate(timeout=timeout)
             assert p.returncode == 0, err
-            compiles, seconds, ok = out.split()[-3:]
-            results.append((int(compiles), float(seconds), ok == "True"))
+            source, compiles, seconds, ok = out.split()[-4:]
+            results.append((source.replace("_", " "), int(compiles), float(seconds), ok == "True"))
         return results
     finally:
         for p in procs:
@@ -128,9 +133,7 @@ def test_a_cache_hit_does_not_wait_for_another_keys_compile(cache, monkeypatch):
     """Key A is on disk; while key B is (slowly) compiling in another thread, A loads at once."""
     cc.get_kernel(SPEC)
     cc.clear_memory()
-    from cake_cute import dispatch
-
-    real_compile = dispatch.compile_kernel
+    real_compile = build.compile_kernel
     compiling, release = threading.Event(), threading.Event()
 
     def slow_compile(spec):
@@ -139,7 +142,7 @@ def test_a_cache_hit_does_not_wait_for_another_keys_compile(cache, monkeypatch):
             release.wait(60)
         return real_compile(spec)
 
-    monkeypatch.setattr(dispatch, "compile_kernel", slow_compile)
+    monkeypatch.setattr(build, "compile_kernel", slow_compile)
     other = threading.Thread(target=cc.get_kernel, args=(OTHER,))
     other.start()
     try:
@@ -157,16 +160,19 @@ def test_a_cache_hit_does_not_wait_for_another_keys_compile(cache, monkeypatch):
 
 def test_processes_racing_on_one_key_compile_it_once(cache, tmp_path):
     results = _children(cache, tmp_path, 2)
-    assert sum(compiles for compiles, _, _ in results) == 1, results
-    assert all(ok for _, _, ok in results)
+    assert sum(compiles for _, compiles, _, _ in results) == 1, results
+    assert all(ok for _, _, _, ok in results)
+    # The one that did not compile says where it found the kernel (usually after waiting for the lock).
+    assert sorted(source for source, _, _, _ in results)[0] == "compiled", results
+    assert sorted(source for source, _, _, _ in results)[1] in ("disk", "disk after waiting"), results
     assert _sound(SPEC)
 
 
 def test_a_warm_cache_serves_a_new_process_without_compiling(cache, tmp_path):
     cc.get_kernel(SPEC)
-    [(compiles, seconds, ok)] = _children(cache, tmp_path, 1)
+    [(source, compiles, seconds, ok)] = _children(cache, tmp_path, 1)
     print(f"warm load in a new process: {seconds * 1e3:.1f} ms")
-    assert compiles == 0 and ok
+    assert compiles == 0 and ok and source == "disk"
     assert seconds < 1.0  # a compile of even this small kernel takes longer; a load is milliseconds
 
 
@@ -226,3 +232,71 @@ def test_a_cache_of_another_version_is_ignored_and_untouched(cache, monkeypatch)
     assert cc.object_path(SPEC).parent == cache / ("1" * 16) != foreign_dir
     assert _snapshot(foreign_dir) == before
     assert _sound(SPEC)
+
+
+def test_the_fingerprint_covers_every_source_of_the_package():
+    """Every .py of cake_cute and cake_cute.kernels is hashed, and changing any one of them (one byte
+    more) changes the digest the fingerprint is made of."""
+    import cake_cute.kernels
+
+    import cake_cute
+
+    sources = cc.package_sources()
+    expected = {
+        p.resolve()
+        for package in (cake_cute, cake_cute.kernels)
+        for p in Path(package.__file__).parent.glob("*.py")
+    }
+    assert set(sources) == expected and len(sources) == len(expected)
+    files = {f"{p.parent.name}/{p.name}": p.read_bytes() for p in sources}
+    base = cc.source_digest(files)
+    for name in files:
+        assert cc.source_digest({**files, name: files[name] + b" "}) != base, name
+    renamed = dict(files)
+    first = sorted(renamed)[0]
+    renamed[first + ".moved"] = renamed.pop(first)
+    assert cc.source_digest(renamed) != base
+
+
+def test_a_config_override_compiles_into_its_own_object(cache):
+    """The config is part of the key: an overridden tiling for one H never loads the default's object,
+    and leaving the override brings the default's back without a compile."""
+    cc.get_kernel(SPEC)
+    default_path = cc.object_path(SPEC)
+    default = forward_tiling(512, "bf16")
+    narrower = replace(default, threads_per_row=default.threads_per_row // 2, vecs_per_thread=2)
+    before = cc.compile_count
+    with overridden("fwd", "sm_90a", "bf16", 512, tiling=narrower):
+        assert build.config_for(SPEC).tiling == narrower
+        assert cc.object_path(SPEC) != default_path
+        assert callable(cc.get_kernel(SPEC))
+    assert cc.compile_count - before == 1
+    assert cc.object_path(SPEC) == default_path
+    cc.get_kernel(SPEC)
+    assert cc.compile_count - before == 1
+
+
+def test_a_held_lock_times_out_with_the_lock_file_named(cache, monkeypatch):
+    path = cc.object_path(SPEC)
+    path.parent.mkdir(parents=True)
+    monkeypatch.setattr(cc, "LOCK_TIMEOUT_S", 0.2)
+    with cc._file_lock(path):  # as another process would hold it
+        errors = []
+
+        def ask():
+            try:
+                cc.get_kernel(SPEC)
+            except RuntimeError as exc:
+                errors.append(exc)
+
+        waiter = threading.Thread(target=ask)  # a lock is reentrant in the thread that holds it
+        waiter.start()
+        waiter.join(30)
+    assert len(errors) == 1 and f"{path}.lock" in str(errors[0]) and "waited 0.2 s" in str(errors[0])
+
+
+def test_each_call_says_where_its_kernel_came_from(cache):
+    assert cc.get_kernel_and_source(SPEC)[1] == "compiled"
+    assert cc.get_kernel_and_source(SPEC)[1] == "memory"
+    cc.clear_memory()
+    assert cc.get_kernel_and_source(SPEC)[1] == "disk"

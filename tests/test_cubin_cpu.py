@@ -4,7 +4,7 @@ and reporting on a cached kernel without compiling it again."""
 import pytest
 
 from cake_cute import compile_cache, cubin
-from cake_cute.compile_cache import KernelSpec
+from cake_cute.specs import KernelSpec, ReduceSpec
 
 SASS = """
         /*0230*/                   LDG.E.128 R16, desc[UR6][R2.64+0x1800] ;
@@ -104,7 +104,7 @@ def test_report_of_a_cached_kernel_compiles_nothing(tmp_path, monkeypatch):
 def test_fatbin_holds_one_cubin_for_the_spec_arch(tmp_path, monkeypatch):
     monkeypatch.setenv("CAKE_CUTE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(compile_cache, "_memory", {})
-    spec = KernelSpec("dw", "sm_100a", "fp32", "fp32", 4096)
+    spec = ReduceSpec("sm_100a", "fp32", 4096)
     compile_cache.get_kernel(spec)
     fatbin = cubin.fatbin_from_object(compile_cache.object_path(spec).read_bytes())
     workdir = tmp_path / "x"

@@ -3,13 +3,16 @@ sized for T rows holds exactly the most partial rows any call of up to T rows wr
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
-from cake_cute.kernels import config
-from cake_cute.kernels.config import backward_tiling
+from cake_cute.kernels.config import backward_config, overridden, override_choices, reduce_config
+from cake_cute.kernels.tiling import backward_tiling, forward_tiling
 
-from cake_cute import dispatch, validation
+from cake_cute import dispatch
+from cake_cute.device import DeviceFacts
 
-H200 = validation.DeviceFacts(0, "stand-in H200", (9, 0), "sm_90a", 132)
+H200 = DeviceFacts(0, "stand-in H200", (9, 0), "sm_90a", 132)
 
 
 @pytest.fixture(autouse=True)
@@ -49,7 +52,7 @@ def test_workspace_rows_cover_every_smaller_call(hidden):
 
 
 @pytest.mark.parametrize(
-    "hidden, act, residual, stages, per_sm",
+    "hidden, act, residual, ring_depth, per_sm",
     [
         (8192, "bf16", False, 4, 1),  # four 16 KB stages of g and h: the CTA takes the SM
         (8192, "bf16", True, 2, 2),  # residual mode keeps two stages
@@ -59,10 +62,9 @@ def test_workspace_rows_cover_every_smaller_call(hidden):
         (16384, "bf16", False, 2, 2),  # a cluster row
     ],
 )
-def test_backward_stages_and_residency(hidden, act, residual, stages, per_sm):
-    tiling = backward_tiling(hidden, act)
-    assert config.backward_stages(tiling, act, residual) == stages
-    assert config.backward_ctas_per_sm(tiling, "sm_90a", act, act, residual) == per_sm
+def test_backward_ring_depth_and_residency(hidden, act, residual, ring_depth, per_sm):
+    config = backward_config("sm_90a", act, act, hidden, residual)
+    assert (config.ring_depth, config.ctas_per_sm) == (ring_depth, per_sm)
 
 
 @pytest.mark.parametrize("act", ["bf16", "fp16", "fp32"])
@@ -70,7 +72,60 @@ def test_backward_stages_and_residency(hidden, act, residual, stages, per_sm):
 def test_backward_shared_memory_fits_one_cta(act, residual):
     """Every backward tiling's shared memory fits the 227 KB one CTA may use (else the launch fails)."""
     for hidden in [1, 7, 1000, 1024, 4096, 4097, 5120, 7168, 8192, 12288, 16384, 65537, 131072, 262144]:
-        tiling = backward_tiling(hidden, act)
-        stages = config.backward_stages(tiling, act, residual)
-        smem = config.backward_smem_bytes(tiling, act, "fp32", residual, stages)
-        assert smem <= 227 * 1024, (hidden, tiling.describe())
+        for arch in ("sm_90a", "sm_100a"):
+            config = backward_config(arch, act, "fp32", hidden, residual)
+            assert config.smem_bytes <= 227 * 1024, (hidden, config.describe())
+
+
+def test_an_override_changes_one_entry_and_leaves_with_its_context():
+    default = backward_config("sm_90a", "bf16", "bf16", 1024, False)
+    assert default.ring_depth == 4
+    with overridden("bwd", "sm_90a", "bf16", 1024, ring_depth=2, register_budget=128):
+        changed = backward_config("sm_90a", "bf16", "bf16", 1024, False)
+        assert (changed.ring_depth, changed.register_budget) == (2, 128)
+        assert changed.min_ctas_per_sm == 65536 // (128 * changed.tiling.threads_per_cta)  # derived
+        assert changed.smem_bytes < default.smem_bytes  # follows the shallower ring
+        assert backward_config("sm_100a", "bf16", "bf16", 1024, False).ring_depth == 4  # other arch
+        assert backward_config("sm_90a", "bf16", "bf16", 2048, False).ring_depth == 4  # other H
+        assert override_choices("bwd", "sm_90a", "bf16", 1024) == {"ring_depth": 2, "register_budget": 128}
+    assert backward_config("sm_90a", "bf16", "bf16", 1024, False) == default
+    assert override_choices("bwd", "sm_90a", "bf16", 1024) == {}
+
+
+def test_an_override_clears_the_launch_plans_built_from_the_config():
+    before = dispatch.backward_launch(4096, 1024, "bf16", "bf16", False, H200)
+    with overridden("bwd", "sm_90a", "bf16", 1024, ctas_per_sm=1):
+        assert dispatch.backward_launch(4096, 1024, "bf16", "bf16", False, H200) == (132, 132)
+    assert dispatch.backward_launch(4096, 1024, "bf16", "bf16", False, H200) == before != (132, 132)
+
+
+@pytest.mark.parametrize(
+    "kind, choices, message",
+    [
+        ("bwd", {"stages": 4}, r"a bwd config has no choice stages"),
+        ("fwd", {"ring_depth": 4}, r"a fwd config has no choice ring_depth"),
+        ("conv", {}, r"kind must be one of fwd, bwd, dw"),
+        ("fwd", {"tiling": replace(forward_tiling(1024, "bf16"), vec=4)}, r"must keep vec=8"),
+    ],
+)
+def test_an_override_is_checked(kind, choices, message):
+    with pytest.raises(ValueError, match=message), overridden(kind, "sm_90a", "bf16", 1024, **choices):
+        pass
+
+
+def test_residual_mode_refuses_a_deeper_ring():
+    with overridden("bwd", "sm_90a", "bf16", 1024, ring_depth=4):
+        assert backward_config("sm_90a", "bf16", "bf16", 1024, False).ring_depth == 4
+        with pytest.raises(ValueError, match="residual mode keeps a ring of 2"):
+            backward_config("sm_90a", "bf16", "bf16", 1024, True)
+
+
+def test_reduce_config_spreads_narrow_rows():
+    assert [reduce_config("sm_90a", "fp32", h).col_lanes for h in (1, 1024, 4096, 65536, 262144)] == [
+        1,
+        1,
+        4,
+        32,
+        32,
+    ]
+    assert reduce_config("sm_90a", "fp32", 4097).vec == 1

@@ -11,16 +11,19 @@ import textwrap
 import pytest
 import torch
 
-from cake_cute import compile_cache, ops, validation
-from cake_cute.compile_cache import KernelSpec
+from cake_cute import compile_cache, device, ops
+from cake_cute.specs import KernelSpec, ReduceSpec
+from cake_cute.vocab import dtype_name
 
 ROWS = (1, 2, 129, 4096)
 
 
-def test_kernel_spec_has_no_row_count():
-    """The spec is the whole compile key (object_path hashes it with the code fingerprint)."""
+def test_kernel_specs_have_no_row_count():
+    """A spec and its config are the whole compile key (object_path hashes them with the code
+    fingerprint)."""
     fields = {f.name for f in dataclasses.fields(KernelSpec)}
     assert fields == {"kind", "arch", "act_dtype", "w_dtype", "hidden", "residual", "weight_offset"}
+    assert {f.name for f in dataclasses.fields(ReduceSpec)} == {"arch", "out_dtype", "hidden"}
 
 
 def _isolate_memory_caches(monkeypatch):
@@ -40,9 +43,9 @@ def recorded_specs(monkeypatch):
 
     _isolate_memory_caches(monkeypatch)
     monkeypatch.setattr(compile_cache, "get_kernel", fake_get_kernel)
-    facts = validation.DeviceFacts(0, "fake B200", (10, 0), "sm_100a", 148)
-    monkeypatch.setattr(validation, "device_arch", lambda device: facts.arch)
-    monkeypatch.setattr(validation, "device_facts", lambda device: facts)
+    facts = device.DeviceFacts(0, "fake B200", (10, 0), "sm_100a", 148)
+    monkeypatch.setattr(device, "device_arch", lambda device: facts.arch)
+    monkeypatch.setattr(device, "device_facts", lambda device: facts)
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     return specs
 
@@ -64,20 +67,16 @@ def test_ops_build_the_same_specs_for_every_row_count(recorded_specs, dtype):
         per_rows[rows] = recorded_specs[start:]
     assert per_rows[0] == []  # an empty batch launches nothing
     expected = [
-        KernelSpec(
-            "fwd", "sm_100a", validation.dtype_name(dtype), validation.dtype_name(dtype), hidden, True
-        ),
-        KernelSpec(
-            "bwd", "sm_100a", validation.dtype_name(dtype), validation.dtype_name(dtype), hidden, True
-        ),
-        KernelSpec("dw", "sm_100a", "fp32", "fp32", hidden),
+        KernelSpec("fwd", "sm_100a", dtype_name(dtype), dtype_name(dtype), hidden, True),
+        KernelSpec("bwd", "sm_100a", dtype_name(dtype), dtype_name(dtype), hidden, True),
+        ReduceSpec("sm_100a", "fp32", hidden),
     ]
     for rows in ROWS:
         assert per_rows[rows] == expected, rows
 
 
 def _device_arch() -> str:
-    return validation.device_arch(torch.device("cuda"))
+    return device.device_arch(torch.device("cuda"))
 
 
 @pytest.mark.gpu

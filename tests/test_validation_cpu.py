@@ -9,9 +9,6 @@ workspace. Unsupported architectures cannot be exercised on an H200 and are not 
 
 Every case passes caller-owned output buffers filled with a sentinel and checks afterwards that they,
 and every input, are bit-for-bit unchanged.
-
-Cases marked ``xfail(strict=True)`` are validations the SPEC implies but the code does not do yet
-(see the reason); they turn into failures the day the validation lands, as a reminder to drop the mark.
 """
 
 from __future__ import annotations
@@ -125,7 +122,6 @@ class Case:
     exc: type
     match: str
     build: dict = field(default_factory=dict)  # extra builder arguments (dtype, residual, shape)
-    xfail: str | None = None
 
     def make(self, device):
         if self.api == "ws":
@@ -136,8 +132,7 @@ class Case:
         return call
 
     def param(self):
-        marks = [pytest.mark.xfail(strict=True, reason=self.xfail)] if self.xfail else []
-        return pytest.param(self, id=self.id, marks=marks)
+        return pytest.param(self, id=self.id)
 
 
 def arg(i, make):
@@ -837,7 +832,7 @@ def _ids(cases):
 def test_table_is_large_and_ids_unique():
     ids = [c.id for c in CPU_CASES + GPU_CASES]
     assert len(ids) == len(set(ids))
-    assert len([c for c in CPU_CASES if not c.xfail]) >= 20
+    assert len(CPU_CASES) >= 20
 
 
 # ----------------------------------------------------------------------------------------------- CPU
@@ -927,17 +922,31 @@ def test_is_supported_never_raises_on_bad_input():
         assert f("cuda", hidden) is False
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="asks a torch without CUDA devices")
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", torch.device("cuda", 1), 0, 3])
+def test_workspace_bytes_without_a_cuda_device(device):
+    """A CUDA device (by name, object or index, as torch accepts it) where torch has none: a ValueError
+    that says so, not torch's bare AssertionError."""
+    with pytest.raises(ValueError, match=r"no CUDA device is available") as info:
+        cake_rmsnorm_train_backward_workspace_bytes(T, H, device)
+    assert type(info.value) is ValueError
+
+
+@pytest.mark.parametrize("device", [-1, True, 1.0, None, "cuda:x"])
+def test_workspace_bytes_device_that_names_nothing(device):
+    with pytest.raises(ValueError, match=r"^device must name a CUDA device") as info:
+        cake_rmsnorm_train_backward_workspace_bytes(T, H, device)
+    assert type(info.value) is ValueError
+
+
 # ----------------------------------------------------------------------------------------------- GPU
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    "case", _ids(GPU_CASES + [c for c in CPU_CASES if not c.api.startswith("ws") and not c.xfail])
-)
+@pytest.mark.parametrize("case", _ids(GPU_CASES + [c for c in CPU_CASES if not c.api.startswith("ws")]))
 def test_bad_input_gpu(case):
     """The whole table again with CUDA tensors (where the device check would pass), plus the cases
-    that need CUDA. Caller-owned CUDA outputs must stay untouched: nothing may be launched.
-    (The xfail rows stay CPU-only: on a GPU they would compile and launch odd kernel variants.)"""
+    that need CUDA. Caller-owned CUDA outputs must stay untouched: nothing may be launched."""
     _check_raises(case, "cuda")
     torch.cuda.synchronize()  # an asynchronous fault from a stray launch would surface here
 
@@ -964,6 +973,8 @@ def test_workspace_helpers_on_gpu():
         cake_rmsnorm_train_backward_workspace_bytes(0, 4096, "cuda") > 0
     )  # T = 0 still needs a valid buffer
     assert cake_rmsnorm_train_backward_workspace_bytes(4096, 4096, "cuda", residual=True) > 0
+    # A device index is a device, as for torch.
+    assert cake_rmsnorm_train_backward_workspace_bytes(4096, 4096, 0) == nbytes
     # Monotone in rows: a workspace for more rows serves fewer.
     sizes = [cake_rmsnorm_train_backward_workspace_bytes(t, 4096, "cuda") for t in (1, 129, 4096, 16231)]
     assert sizes == sorted(sizes)

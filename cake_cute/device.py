@@ -1,19 +1,63 @@
-"""How many CTAs (or clusters) of a launch shape are resident at once on a device.
+"""What cake_cute needs to know about a CUDA device: its compile target, its SM count, which device is
+current, and how many CTAs (or clusters) of a launch shape are resident on it at once.
 
-The persistent backward launches exactly the resident number of programs: one more cluster than fits
-would run as a second wave and double the time. Clusters must fit inside one GPC, so the count is not
-simply SMs * CTAs-per-SM / cluster size; the driver's occupancy calculator knows the GPC layout.
-It is asked about a trivial kernel whose dynamic shared memory is sized so that exactly
+Residency: the persistent backward launches exactly the resident number of programs: one more cluster
+than fits would run as a second wave and double the time. Clusters must fit inside one GPC, so the
+count is not simply SMs * CTAs-per-SM / cluster size; the driver's occupancy calculator knows the GPC
+layout. It is asked about a trivial kernel whose dynamic shared memory is sized so that exactly
 ``ctas_per_sm`` CTAs fit on an SM (the backward's own limit from registers, shared memory and
 threads), with the real block and cluster shape.
 """
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from dataclasses import dataclass
 from functools import cache
 
-from .kernels.config import SMEM_PER_SM, SMEM_RESERVED_PER_CTA
+import torch
+
+from .kernels.tiling import SMEM_PER_SM, SMEM_RESERVED_PER_CTA
+from .vocab import SUPPORTED_GPUS, arch_of
+
+
+@dataclass(frozen=True, eq=False)  # one instance per device (cached): identity hashing is cheap
+class DeviceFacts:
+    index: int
+    name: str
+    capability: tuple[int, int]
+    arch: str | None  # None: a GPU cake_cute does not support
+    sm_count: int
+
+
+@cache
+def device_facts_of(index: int) -> DeviceFacts:
+    props = torch.cuda.get_device_properties(index)
+    capability = (props.major, props.minor)
+    return DeviceFacts(index, props.name, capability, arch_of(capability), props.multi_processor_count)
+
+
+def device_facts(device: torch.device) -> DeviceFacts:
+    return device_facts_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def device_arch(device: torch.device) -> str:
+    """The compile target of a CUDA device, or a ValueError for a CPU tensor or an unsupported GPU."""
+    if device.type != "cuda":
+        raise ValueError(f"x must be a CUDA tensor, got device {device}")
+    facts = device_facts(device)
+    if facts.arch is None:
+        raise ValueError(f"device {device} ({facts.name}) is not supported: cake_cute needs {SUPPORTED_GPUS}")
+    return facts.arch
+
+
+def on_device(device: torch.device):
+    """A context making ``device`` current for the launch; a no-op when it already is (the usual case)."""
+    if device.index is None or device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
+
 
 _PTX_VERSION = {9: "7.8", 10: "8.8"}
 

@@ -1,0 +1,151 @@
+"""From a kernel spec to a compiled function (works without a GPU), and the registry of kernel kinds.
+
+A kind is one ``KernelKind`` entry in ``KINDS``: how its spec is built from the hot path's fields, its
+config constructor (``kernels.config``), its kernel object, and the arguments it is compiled against
+(fake tensors with a symbolic number of rows and the strides and alignment the launch guarantees).
+Adding a kernel means adding one entry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+from .dispatch import partial_row_stride
+from .kernels.config import backward_config, forward_config, reduce_config
+from .specs import KernelSpec, ReduceSpec
+from .views import vector_align_bytes
+from .vocab import cutlass_dtype
+
+
+@dataclass(frozen=True)
+class KernelKind:
+    spec: Callable[..., Any]  # the hot path's fields after the kind -> the spec
+    config: Callable[[Any], Any]  # spec -> its config value
+    kernel: Callable[[Any, Any], Any]  # (spec, config) -> the kernel object cute.compile traces
+    arguments: Callable[[Any, Any], tuple]  # (spec, config) -> its arguments, before the stream
+
+
+def _rows_tensor(dtype, rows, hidden: int, vec: int):
+    """A (rows, H) activation with a runtime row stride that is a multiple of the vector width."""
+    import cutlass.cute as cute
+
+    return cute.runtime.make_fake_tensor(
+        dtype,
+        (rows, hidden),
+        stride=(cute.sym_int64(divisibility=vec), 1),
+        assumed_align=vec * dtype.width // 8,
+    )
+
+
+def _vector(dtype, length, align_elems: int):
+    import cutlass.cute as cute
+
+    return cute.runtime.make_fake_tensor(
+        dtype, (length,), stride=(1,), assumed_align=vector_align_bytes(align_elems, dtype.width // 8)
+    )
+
+
+def _partials(hidden: int):
+    """The (P, H) FP32 partial rows with their padded row stride; P is a runtime value."""
+    import cutlass
+    import cutlass.cute as cute
+
+    return cute.runtime.make_fake_tensor(
+        cutlass.Float32, (cute.sym_int(), hidden), stride=(partial_row_stride(hidden), 1), assumed_align=16
+    )
+
+
+def _forward_arguments(spec: KernelSpec, config) -> tuple:
+    import cutlass
+    import cutlass.cute as cute
+
+    act, H, vec, rows = cutlass_dtype(spec.act_dtype), spec.hidden, config.tiling.vec, cute.sym_int()
+    w = _vector(cutlass_dtype(spec.w_dtype), H, vec)
+    rstd = _vector(cutlass.Float32, rows, 1)
+    x, y = (_rows_tensor(act, rows, H, vec) for _ in range(2))
+    res, h_out = (_rows_tensor(act, rows, H, vec) for _ in range(2)) if spec.residual else (None, None)
+    return x, res, w, y, h_out, rstd, cutlass.Float32(1e-6)
+
+
+def _backward_arguments(spec: KernelSpec, config) -> tuple:
+    import cutlass
+    import cutlass.cute as cute
+
+    act, H, vec, rows = cutlass_dtype(spec.act_dtype), spec.hidden, config.tiling.vec, cute.sym_int()
+    w = _vector(cutlass_dtype(spec.w_dtype), H, vec)
+    rstd = _vector(cutlass.Float32, rows, 1)
+    g, h, dx = (_rows_tensor(act, rows, H, vec) for _ in range(3))
+    g_res = _rows_tensor(act, rows, H, vec) if spec.residual else None
+    return g, h, w, rstd, g_res, dx, _partials(H), cutlass.Int32(1)
+
+
+def _reduce_arguments(spec: ReduceSpec, config) -> tuple:
+    return _partials(spec.hidden), _vector(cutlass_dtype(spec.out_dtype), spec.hidden, 1)
+
+
+def _forward_kernel(spec: KernelSpec, config):
+    from .kernels.rmsnorm_fwd import RMSNormForward
+
+    dtypes = cutlass_dtype(spec.act_dtype), cutlass_dtype(spec.w_dtype)
+    return RMSNormForward(config, *dtypes, spec.residual, spec.weight_offset)
+
+
+def _backward_kernel(spec: KernelSpec, config):
+    from .kernels.rmsnorm_bwd import RMSNormBackward
+
+    dtypes = cutlass_dtype(spec.act_dtype), cutlass_dtype(spec.w_dtype)
+    return RMSNormBackward(config, *dtypes, spec.residual, spec.weight_offset)
+
+
+def _reduce_kernel(spec: ReduceSpec, config):
+    from .kernels.dw_reduce import DWReduce
+
+    return DWReduce(config, cutlass_dtype(spec.out_dtype))
+
+
+KINDS: dict[str, KernelKind] = {
+    "fwd": KernelKind(
+        partial(KernelSpec, "fwd"),
+        lambda s: forward_config(s.arch, s.act_dtype, s.hidden),
+        _forward_kernel,
+        _forward_arguments,
+    ),
+    "bwd": KernelKind(
+        partial(KernelSpec, "bwd"),
+        lambda s: backward_config(s.arch, s.act_dtype, s.w_dtype, s.hidden, s.residual),
+        _backward_kernel,
+        _backward_arguments,
+    ),
+    "dw": KernelKind(
+        ReduceSpec, lambda s: reduce_config(s.arch, s.out_dtype, s.hidden), _reduce_kernel, _reduce_arguments
+    ),
+}
+
+
+def make_spec(kind: str, *fields):
+    """The spec of ``kind`` from the fields after the kind (``("fwd", arch, act, w, H, residual,
+    offset)``, ``("dw", arch, out_dtype, H)``)."""
+    return KINDS[kind].spec(*fields)
+
+
+def config_for(spec):
+    """The config value ``spec``'s kernel is compiled with (part of the compile-cache key)."""
+    return KINDS[spec.kind].config(spec)
+
+
+def compile_kernel(spec):
+    """Trace and compile one variant for ``spec.arch``."""
+    import cutlass.cute as cute
+
+    kind = KINDS[spec.kind]
+    config = kind.config(spec)
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return cute.compile(
+        kind.kernel(spec, config),
+        *kind.arguments(spec, config),
+        stream,
+        options=f"--enable-tvm-ffi --gpu-arch {spec.arch}",
+    )

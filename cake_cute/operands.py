@@ -1,0 +1,56 @@
+"""The hot path's memory of validated operands: an (x, w) pair whose properties were checked before is
+recognised with one dict lookup, and everything after validation reads its facts from one value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import device as dev
+from .vocab import dtype_name
+
+
+@dataclass(frozen=True, eq=False)  # one instance per validated signature: identity hashing is cheap
+class Operands:
+    """What validating (x, w) established, for everything after it: device, sizes, names, alignment."""
+
+    device: torch.device
+    hidden: int
+    arch: str
+    act: str
+    w_name: str
+    facts: dev.DeviceFacts
+
+
+_known_operands: dict[tuple, Operands] = {}
+
+
+def _operands_key(x, w):
+    """Every property of (x, w) that ``check_activation``, ``check_weight`` and ``device_arch`` read."""
+    try:
+        return (x.dtype, x.dim(), x.shape[-1], x.device, w.dtype, w.shape, w.device)
+    except (AttributeError, IndexError, TypeError):
+        return None
+
+
+def known_operands(x, w) -> Operands | None:
+    """The hot path: ``Operands`` for an (x, w) whose properties were validated before, else None
+    (the caller then runs the full checks, which raise the precise error)."""
+    key = _operands_key(x, w)
+    return None if key is None else _known_operands.get(key)
+
+
+def operands(x, w) -> Operands:
+    """After ``check_activation`` and ``check_weight`` passed: the device check (the last one, so the
+    argument errors come first and can be tested without a GPU), and the result remembered for
+    ``known_operands``. Only CUDA devices are remembered."""
+    device = x.device
+    arch = dev.device_arch(device)
+    found = Operands(
+        device, x.shape[-1], arch, dtype_name(x.dtype), dtype_name(w.dtype), dev.device_facts(device)
+    )
+    if device.type == "cuda":
+        _known_operands[_operands_key(x, w)] = found
+    return found

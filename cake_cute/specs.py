@@ -1,0 +1,43 @@
+"""Kernel specs: what names one compiled kernel variant (with its config, the compile-cache key).
+
+The number of rows T is a runtime value of every kernel, so it is in no spec: a change of T never
+compiles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """A forward (``"fwd"``) or backward (``"bwd"``) kernel: rows of ``act_dtype``, a weight of
+    ``w_dtype``, hidden size ``hidden``, optionally fused with the residual add, with the Gemma-style
+    ``weight_offset`` compiled in."""
+
+    kind: str  # "fwd" or "bwd"
+    arch: str  # vocab.SUPPORTED_ARCHS
+    act_dtype: str  # vocab.DTYPE_NAMES
+    w_dtype: str
+    hidden: int
+    residual: bool = False
+    weight_offset: float = 0.0
+
+    def name(self) -> str:
+        offset = f"_off{self.weight_offset:g}".replace(".", "p").replace("-", "m")
+        res = "_res" if self.residual else ""
+        return f"cake_{self.kind}_{self.arch}_{self.act_dtype}_w{self.w_dtype}_h{self.hidden}{res}{offset}"
+
+
+@dataclass(frozen=True)
+class ReduceSpec:
+    """The dW reduction: FP32 partial rows of ``hidden`` columns summed into a dW of ``out_dtype``."""
+
+    kind: ClassVar[str] = "dw"
+    arch: str
+    out_dtype: str  # vocab.DTYPE_NAMES: FP32 for the functional API, w's dtype for autograd
+    hidden: int
+
+    def name(self) -> str:
+        return f"cake_dw_{self.arch}_{self.out_dtype}_h{self.hidden}"

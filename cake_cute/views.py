@@ -1,0 +1,88 @@
+"""How torch tensors reach the kernels: the (rows, H) views they read in place (or a copy when the
+layout forbids it) and the output buffers they write (the caller's own when it is aligned, else a
+fresh one copied into the caller's afterwards).
+
+The kernels assume every row starts on a ``vec``-element boundary (``dispatch.vector_elems``); the
+helpers here are what makes that true for any input layout.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_CONTIGUOUS = torch.contiguous_format
+
+
+def vector_align_bytes(vec: int, element_size: int) -> int:
+    """The base alignment the kernels assume for a vector of ``vec`` elements (capped at 16 bytes)."""
+    return min(16, vec * element_size)
+
+
+def kernel_view(t: torch.Tensor, vec: int) -> torch.Tensor:
+    """A (rows, H) view the kernels can read in place, or a contiguous copy when the layout forbids it.
+
+    In place: last dim contiguous, leading dims collapsible to one row stride (0 for an expanded
+    tensor), base and row stride aligned to the vector width."""
+    hidden = t.shape[-1]
+    if t.is_contiguous() and t.data_ptr() % (vec * t.element_size()) == 0:
+        return t if t.dim() == 2 else t.view(-1, hidden)
+    try:
+        view = t.view(-1, hidden) if t.dim() != 2 else t
+    except RuntimeError:
+        view = None
+    if view is not None and _is_kernel_layout(view, vec):
+        return view
+    return t.reshape(-1, hidden).contiguous()
+
+
+def _is_kernel_layout(view: torch.Tensor, vec: int) -> bool:
+    if view.shape[1] > 1 and view.stride(1) != 1:
+        return False
+    row_stride = view.stride(0)
+    if view.shape[0] > 1 and row_stride % vec != 0:
+        return False
+    return view.data_ptr() % (vec * view.element_size()) == 0
+
+
+def aligned_vector(w: torch.Tensor, vec: int) -> torch.Tensor:
+    """w as the kernels read it: contiguous with an aligned base (a copy only when it is not)."""
+    if w.is_contiguous() and w.data_ptr() % vector_align_bytes(vec, w.element_size()) == 0:
+        return w
+    return w.clone(memory_format=_CONTIGUOUS)
+
+
+def rows_view(t: torch.Tensor, hidden: int) -> torch.Tensor:
+    """A contiguous output as (rows, H)."""
+    return t if t.dim() == 2 else t.view(-1, hidden)
+
+
+def is_direct_output(t: torch.Tensor, vec: int) -> bool:
+    """A caller-owned output the kernel may write directly: contiguous and vector aligned."""
+    return t.is_contiguous() and t.data_ptr() % (vec * t.element_size()) == 0
+
+
+def output_like(given, x: torch.Tensor, vec: int):
+    """(tensor the kernel writes, caller tensor to copy into afterwards or None) for an output shaped
+    like x; ``given`` (the caller's, or None) was checked."""
+    if given is None:
+        return torch.empty_like(x, memory_format=_CONTIGUOUS), None
+    if is_direct_output(given, vec):
+        return given, None
+    return torch.empty_like(x, memory_format=_CONTIGUOUS), given
+
+
+def vector_output(given, length: int, dtype: torch.dtype, device: torch.device):
+    """The same for a 1-D output (rstd, dw)."""
+    if given is None:
+        return torch.empty(length, dtype=dtype, device=device), None
+    if is_direct_output(given, 1):
+        return given, None
+    return torch.empty(length, dtype=dtype, device=device), given
+
+
+def finish(written: torch.Tensor, caller):
+    """Copy into a caller-owned output the kernel could not write directly; return what the caller gets."""
+    if caller is None:
+        return written
+    caller.copy_(written)
+    return caller

@@ -1,0 +1,150 @@
+"""Time candidate kernel configs for one H on the local GPU, through the config override table.
+
+    python perf/tune.py fwd H [TPR,VPT,ROWS ...]                 forward tilings
+    python perf/tune.py bwd H [TPR,VPT,ROWS,BUDGET ...]          backward tilings / register budgets
+    python perf/tune.py ring H[,H...] DEPTH:CTAS [DEPTH:CTAS ...]   backward ring depth, CTAs per SM
+
+Options: ``--dtype`` (bf16), ``--reps`` (8), ``--rows`` (default 2^27 / H). The first candidate is
+always the default config; ``0`` for BUDGET or CTAS keeps the default's value. Each candidate runs
+inside ``kernels.config.overridden``, so it compiles into its own cache entry (the config is part of the
+key) and nothing is patched. Device time comes from the profiler (the sum of the kernels a call
+launches, averaged over ``--reps`` calls); TB/s counts the bytes the kernels must move. ``ring`` also
+checks that every candidate with the default's program count returns bitwise the default's dx and dw.
+The scans these modes replaced, and their logs: perf/results/2026-11-30-h200-tiling-scans/,
+perf/results/2026-11-30-h200-stages-scan/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import replace
+from functools import partial
+
+import torch
+from cake_cute.kernels.config import backward_config, forward_config, overridden
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+import cake_cute
+from cake_cute import dispatch
+from cake_cute.device import device_facts
+from cake_cute.vocab import DTYPE_NAMES, dtype_bytes, torch_dtype
+
+
+def device_us(fn, reps: int) -> float:
+    """Microseconds of device time per call of ``fn`` (all the kernels it launches)."""
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    return sum(e.time_range.elapsed_us() for e in kernels) / reps
+
+
+def _ints(text: str, sep: str = ",") -> list[int]:
+    return [int(v) for v in text.split(sep)]
+
+
+def _report(label: str, us: float, nbytes: int, extra: str = "") -> None:
+    print(f"{label} us={us:.2f} TB/s={nbytes / us / 1e6:.3f} {extra}".rstrip(), flush=True)
+
+
+def tune_forward(args, arch: str) -> None:
+    H, act = args.hidden[0], args.dtype
+    default = forward_config(arch, act, H).tiling
+    tilings = [default] + [
+        replace(default, threads_per_row=t, vecs_per_thread=v, rows_per_cta=r)
+        for t, v, r in map(_ints, args.candidates)
+    ]
+    T = args.rows or (1 << 27) // H
+    x = torch.randn(T, H, device="cuda", dtype=torch_dtype(act))
+    w = torch.randn(H, device="cuda", dtype=torch_dtype(act))
+    r = torch.randn_like(x)
+    for residual in (False, True):
+        forward = partial(cake_cute.cake_rmsnorm_train_forward, x, w, 1e-6, residual=r if residual else None)
+        for tiling in tilings:
+            with overridden("fwd", arch, act, H, tiling=tiling):
+                label = f"fwd {act} H={H} res={residual} {forward_config(arch, act, H).describe()}"
+                _report(
+                    label,
+                    device_us(forward, args.reps),
+                    T * H * dtype_bytes(act) * (4 if residual else 2) + T * 4,
+                )
+
+
+def tune_backward(args, arch: str) -> None:
+    H, act = args.hidden[0], args.dtype
+    default = backward_config(arch, act, act, H, False).tiling
+    candidates = [{}] + [
+        {"tiling": replace(default, threads_per_row=t, vecs_per_thread=v, rows_per_cta=r)}
+        | ({"register_budget": budget} if budget else {})
+        for t, v, r, budget in map(_ints, args.candidates)
+    ]
+    T = args.rows or (1 << 27) // H
+    x = torch.randn(T, H, device="cuda", dtype=torch_dtype(act))
+    w = torch.randn(H, device="cuda", dtype=torch_dtype(act))
+    g = torch.randn_like(x)
+    h, rstd = cake_cute.cake_rmsnorm_train_forward(x, w, 1e-6)
+    ws = cake_cute.cake_rmsnorm_train_backward_workspace(T, H, "cuda", residual=True)
+    for residual in (False, True):
+        gr = torch.randn_like(x) if residual else None
+        backward = partial(cake_cute.cake_rmsnorm_train_backward, g, h, w, rstd, g_residual=gr, workspace=ws)
+        for choices in candidates:
+            with overridden("bwd", arch, act, H, **choices):
+                config = backward_config(arch, act, act, H, residual)
+                us = device_us(backward, args.reps)
+                programs = dispatch.backward_launch(T, H, act, act, residual, device_facts(x.device))[0]
+                label = f"bwd {act} H={H} res={residual} {config.describe()} programs={programs}"
+                _report(label, us, T * H * dtype_bytes(act) * (4 if residual else 3))
+
+
+def tune_ring(args, arch: str) -> None:
+    act = args.dtype
+    combos = [(0, 0)] + [tuple(_ints(c, ":")) for c in args.candidates]
+    for H in args.hidden:
+        T = args.rows or (1 << 27) // H
+        x = torch.randn(T, H, device="cuda", dtype=torch_dtype(act))
+        w = torch.randn(H, device="cuda", dtype=torch_dtype(act))
+        g = torch.randn_like(x)
+        h, rstd = cake_cute.cake_rmsnorm_train_forward(x, w, 1e-6)
+        ws = cake_cute.cake_rmsnorm_train_backward_workspace(T, H, "cuda")
+        reference = None
+        backward = partial(cake_cute.cake_rmsnorm_train_backward, g, h, w, rstd, workspace=ws)
+        for depth, ctas in combos:
+            choices = {k: v for k, v in (("ring_depth", depth), ("ctas_per_sm", ctas)) if v}
+            with overridden("bwd", arch, act, H, **choices):
+                config = backward_config(arch, act, act, H, False)
+                programs = dispatch.backward_launch(T, H, act, act, False, device_facts(x.device))[0]
+                out = backward()
+                same = ""
+                if reference is None:
+                    reference = (tuple(t.clone() for t in out), programs)
+                elif reference[1] == programs:
+                    same = f"bitwise={all(torch.equal(a, b) for a, b in zip(reference[0], out))}"
+                us = device_us(backward, args.reps)
+                label = f"ring {act} H={H} T={T} {config.describe()} programs={programs}"
+                _report(label, us, T * H * dtype_bytes(act) * 3, same)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("mode", choices=("fwd", "bwd", "ring"))
+    parser.add_argument("hidden", type=_ints, help="H (ring: a comma-separated list)")
+    parser.add_argument("candidates", nargs="*")
+    parser.add_argument("--dtype", default="bf16", choices=DTYPE_NAMES)
+    parser.add_argument("--reps", type=int, default=8)
+    parser.add_argument("--rows", type=int, default=0, help="T (default: 2^27 / H)")
+    args = parser.parse_args(argv)
+    device = torch.device("cuda")
+    if not cake_cute.is_cake_rmsnorm_train_supported(device):
+        print("perf/tune.py needs a supported GPU", file=sys.stderr)
+        return 2
+    {"fwd": tune_forward, "bwd": tune_backward, "ring": tune_ring}[args.mode](args, device_facts(device).arch)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

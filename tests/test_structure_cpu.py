@@ -1,0 +1,141 @@
+"""The package's shape, read from its sources: the vocabulary (dtype and architecture tables) is
+defined in ``cake_cute.vocab`` only, and no two modules import each other, directly or through others.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import cake_cute.kernels
+import pytest
+
+import cake_cute
+
+PACKAGES = {
+    "cake_cute": Path(cake_cute.__file__).parent,
+    "cake_cute.kernels": Path(cake_cute.kernels.__file__).parent,
+}
+VOCABULARY = "cake_cute.vocab"
+DTYPE_NAMES = {"bf16", "fp16", "fp32"}
+TORCH_DTYPES = {"bfloat16", "float16", "float32"}
+ARCHS = {"sm_90a", "sm_100a", "sm_103a"}
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for package, root in PACKAGES.items():
+        for path in sorted(root.glob("*.py")):
+            found[package if path.stem == "__init__" else f"{package}.{path.stem}"] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _is_torch_dtype(node) -> bool:
+    return isinstance(node, ast.Attribute) and node.attr in TORCH_DTYPES
+
+
+def _is_capability(node) -> bool:
+    return (
+        isinstance(node, ast.Tuple)
+        and len(node.elts) == 2
+        and all(isinstance(e, ast.Constant) and type(e.value) is int for e in node.elts)
+    )
+
+
+def _strings(nodes) -> set[str]:
+    return {n.value for n in nodes if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+
+
+def _translates(key, value) -> bool:
+    """A dict entry that maps one word of the vocabulary to another: torch dtype -> name or size, name
+    -> torch dtype, size or DSL type, compute capability -> anything."""
+    if _is_capability(key):
+        return True
+    if _is_torch_dtype(key):
+        return isinstance(value, ast.Constant) and type(value.value) in (str, int)
+    if isinstance(key, ast.Constant) and key.value in DTYPE_NAMES:
+        return isinstance(value, ast.Attribute) or (
+            isinstance(value, ast.Constant) and type(value.value) is int
+        )
+    return False
+
+
+def vocabulary_tables(source: str) -> list[str]:
+    """Literals that restate the vocabulary: a dict translating dtypes or capabilities (see
+    ``_translates``), or a sequence of all the dtype names or all the architectures."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Dict):
+            if any(k is not None and _translates(k, v) for k, v in zip(node.keys, node.values)):
+                found.append(f"line {node.lineno}: {ast.unparse(node)[:60]}")
+        elif isinstance(node, ast.Tuple | ast.List | ast.Set):
+            strings = _strings(node.elts)
+            if DTYPE_NAMES <= strings or ARCHS <= strings:
+                found.append(f"line {node.lineno}: {ast.unparse(node)[:60]}")
+    return found
+
+
+def test_the_detector_finds_each_kind_of_table():
+    assert vocabulary_tables("A = {torch.bfloat16: 'bf16'}")
+    assert vocabulary_tables("A = {(9, 0): 'sm_90a'}")
+    assert vocabulary_tables("A = {'fp16': 2}")
+    assert vocabulary_tables("A = {'bf16': torch.bfloat16}")
+    assert vocabulary_tables("A = {'bf16': cutlass.BFloat16}")
+    assert vocabulary_tables("A = ('bf16', 'fp16', 'fp32')")
+    assert vocabulary_tables("A = ['sm_90a', 'sm_100a', 'sm_103a']")
+    assert not vocabulary_tables("A = {'fwd': 1}; B = ('bf16', 'fp32'); C = {'sm_90': 'sm_90a'}")
+    assert not vocabulary_tables("A = {torch.float32: 1e-5}; B = {'same': ('same',), 'fp32': ('fp32',)}")
+
+
+@pytest.mark.parametrize("module", [m for m in MODULES if m != VOCABULARY])
+def test_the_vocabulary_is_defined_once(module):
+    tables = vocabulary_tables(MODULES[module].read_text())
+    assert not tables, f"{module} restates the dtype or arch vocabulary (use {VOCABULARY}): {tables}"
+
+
+def test_the_vocabulary_module_holds_the_tables():
+    assert vocabulary_tables(MODULES[VOCABULARY].read_text())
+
+
+def _imports(module: str, path: Path) -> set[str]:
+    """The package modules ``module`` imports anywhere in its source (top level or inside functions)."""
+    package = module if path.stem == "__init__" else module.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + [base])
+                base = base.rstrip(".")
+            # ``from .pkg import mod`` imports the submodule; ``from .mod import name`` imports mod.
+            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names]
+        else:
+            continue
+        found |= {n for n in names if n in MODULES and n != module}
+    return found
+
+
+def test_no_import_cycles():
+    graph = {m: _imports(m, p) for m, p in MODULES.items()}
+    assert graph["cake_cute.compile_cache"] >= {"cake_cute.build"}  # the parser sees relative imports
+    done, on_path = set(), []
+
+    def visit(module):
+        if module in on_path:
+            cycle = on_path[on_path.index(module) :] + [module]
+            raise AssertionError("import cycle: " + " -> ".join(cycle))
+        if module in done:
+            return
+        on_path.append(module)
+        for imported in sorted(graph[module]):
+            visit(imported)
+        on_path.pop()
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module)
