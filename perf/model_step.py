@@ -1,0 +1,277 @@
+#!/usr/bin/env python
+"""``python perf/model_step.py OUT.json``: what a Llama-style model's training step (forward + loss +
+backward, bf16) costs with each RMSNorm, eager and under ``torch.compile``, in one process.
+
+Shapes: 4 layers at H = 2048 and at H = 4096, 8192 tokens (batch 4 x sequence 2048). Implementations
+(peers skipped when they do not import):
+
+* ``torch``: every RMSNorm is ``torch.nn.RMSNorm`` (the residual adds are the model's own);
+* ``cake_cute``: ``swap_rmsnorm(model, fuse_residual=True)``, every residual add done by the norm
+  that follows it;
+* ``liger`` / ``quack``: every RMSNorm calls that library's RMSNorm (``cake_cute.bench``'s adapters,
+  patched on the instances so nothing global changes between implementations).
+
+The model is Hugging Face's ``LlamaForCausalLM`` (sdpa attention, loss from ``labels=``) when
+transformers imports, else the Llama of ``perf/distributed/model.py`` (its fused-residual blocks for
+cake_cute). Every implementation starts from the same seed. A step is timed with CUDA events after
+``--warmup`` steps (which include the compile), median over ``--steps``; ``peak_gib`` is the peak
+allocated memory over the timed steps. ``--device cpu --tiny`` runs a tiny model on CPU (host clock,
+no peak memory) to check the script end to end.
+
+Rows: ``{impl, mode, layers, H, tokens, step_ms, peak_gib}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from sweep import _use_source_tree  # noqa: E402
+
+IMPLS = ("torch", "cake_cute", "liger", "quack")
+EPS = 1e-5
+
+
+@dataclass(frozen=True)
+class Shape:
+    layers: int
+    hidden: int
+    batch: int
+    seq: int
+    vocab: int = 32000
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq
+
+    @property
+    def heads(self) -> int:
+        return max(1, self.hidden // 128)
+
+    @property
+    def ffn(self) -> int:
+        """Llama's SwiGLU width, 8/3 H rounded up to a multiple of 256."""
+        return -(-8 * self.hidden // 3 // 256) * 256
+
+
+FULL_SHAPES = (Shape(4, 2048, 4, 2048), Shape(4, 4096, 4, 2048))
+TINY_SHAPES = (Shape(2, 64, 2, 32, vocab=128),)
+
+
+class AdapterNorm(nn.Module):
+    """An RMSNorm that calls a ``cake_cute.bench`` adapter (Liger's or quack's kernel) on its weight."""
+
+    def __init__(self, adapter, weight: nn.Parameter):
+        super().__init__()
+        self.adapter = adapter
+        self.weight = weight
+
+    def forward(self, x):
+        return self.adapter.forward(x, self.weight, None)[0]
+
+
+def _is_rmsnorm(module: nn.Module) -> bool:
+    """torch.nn.RMSNorm or a Hugging Face RMSNorm (one weight, ``variance_epsilon``)."""
+    return isinstance(module, nn.RMSNorm) or type(module).__name__.endswith("RMSNorm")
+
+
+def replace_norms(model: nn.Module, make) -> None:
+    """Put ``make(weight)`` in place of every RMSNorm module of ``model`` (the weight is shared)."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if _is_rmsnorm(child):
+                setattr(parent, name, make(child.weight))
+
+
+def _torch_norm(weight: nn.Parameter) -> nn.RMSNorm:
+    norm = nn.RMSNorm(weight.shape[0], eps=EPS, device="meta")
+    norm.weight = weight
+    return norm
+
+
+def build_model(shape: Shape, impl: str, device):
+    """(model, step function) for ``impl``; the step returns the loss of one batch."""
+    torch.manual_seed(0)
+    try:
+        import transformers
+    except ImportError:
+        transformers = None
+    with torch.device(device):
+        if transformers is not None:
+            config = transformers.LlamaConfig(
+                vocab_size=shape.vocab,
+                hidden_size=shape.hidden,
+                intermediate_size=shape.ffn,
+                num_hidden_layers=shape.layers,
+                num_attention_heads=shape.heads,
+                num_key_value_heads=shape.heads,
+                max_position_embeddings=shape.seq,
+                rms_norm_eps=EPS,
+                attn_implementation="sdpa",
+            )
+            model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+        else:
+            sys.path.insert(0, str(HERE / "distributed"))
+            import model as llama
+
+            config = llama.Config(
+                vocab=shape.vocab,
+                hidden=shape.hidden,
+                layers=shape.layers,
+                heads=shape.heads,
+                ffn=shape.ffn,
+                fused_residual=impl == "cake_cute",
+            )
+            model = llama.build(config, seed=0, device=device, dtype=torch.bfloat16)
+    prepare_norms(model, impl, fused=transformers is not None)
+    ids = torch.randint(0, shape.vocab, (shape.batch, shape.seq + 1), device=device)
+    inputs, targets = ids[:, :-1], ids[:, 1:]
+
+    if transformers is not None:
+
+        def loss(m):
+            return m(input_ids=inputs, labels=inputs).loss
+    else:
+
+        def loss(m):
+            logits = m(inputs)
+            return nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+
+    return model, loss
+
+
+def prepare_norms(model: nn.Module, impl: str, fused: bool) -> None:
+    """Install ``impl``'s norms; for cake_cute also the fused residual (HF layers patched, or the
+    fallback model built with fused-residual blocks)."""
+    import cake_cute
+
+    if impl == "cake_cute":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the weight_offset guess: Llama's 0.0 is right
+            cake_cute.swap_rmsnorm(model, weight_offset=0.0, fuse_residual=fused)
+    elif impl == "torch":
+        replace_norms(model, _torch_norm)
+    else:
+        from cake_cute import bench
+
+        adapter = bench._FACTORIES[impl](torch, EPS)
+        replace_norms(model, lambda weight: AdapterNorm(adapter, weight))
+
+
+def _clock(device):
+    """(start, stop -> ms) timing one step: CUDA events on a GPU, the host clock on CPU."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+        def stop():
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end)
+
+        return start.record, stop
+    begin = []
+
+    def stop_host():
+        return (time.perf_counter() - begin.pop()) * 1e3
+
+    return lambda: begin.append(time.perf_counter()), stop_host
+
+
+def time_steps(model, loss, device, warmup: int, steps: int) -> tuple[float, float | None]:
+    """(median step ms, peak GiB or None on CPU) of forward + loss + backward."""
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        loss(model).backward()
+
+    for _ in range(warmup):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    start, stop = _clock(device)
+    times = []
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        start()
+        loss(model).backward()
+        times.append(stop())
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
+    return statistics.median(times), peak
+
+
+def _available(impl: str) -> bool:
+    if impl in ("torch", "cake_cute"):
+        return True
+    from cake_cute import bench
+
+    try:
+        bench._FACTORIES[impl](torch, EPS)
+    except ImportError as e:
+        print(f"skip {impl}: {e}", file=sys.stderr)
+        return False
+    return True
+
+
+def run(args) -> list[dict]:
+    device = torch.device(args.device)
+    rows = []
+    for shape in TINY_SHAPES if args.tiny else FULL_SHAPES:
+        for impl in [i for i in args.impls if _available(i)]:
+            for mode in args.modes:
+                torch._dynamo.reset()
+                model, loss = build_model(shape, impl, device)
+                stepped = torch.compile(model) if mode == "compile" else model
+                step_ms, peak = time_steps(stepped, loss, device, args.warmup, args.steps)
+                row = dict(impl=impl, mode=mode, layers=shape.layers, H=shape.hidden, tokens=shape.tokens)
+                rows.append({**row, "step_ms": round(step_ms, 3), "peak_gib": peak and round(peak, 3)})
+                print(json.dumps(rows[-1]), flush=True)
+                del model, stepped, loss
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("out", type=Path, help="JSON file to write")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tiny", action="store_true", help="a tiny model (checks the script, e.g. on CPU)")
+    p.add_argument("--impls", type=lambda s: s.split(","), default=list(IMPLS))
+    p.add_argument("--modes", type=lambda s: s.split(","), default=["eager", "compile"])
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--steps", type=int, default=20)
+    args = p.parse_args(argv)
+    _use_source_tree()
+    import cake_cute
+
+    rows = run(args)
+    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device
+    doc = {
+        "script": "perf/model_step.py",
+        "device": device,
+        "torch": torch.__version__,
+        "cake_cute": cake_cute.__version__,
+        "rows": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {len(rows)} rows to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
