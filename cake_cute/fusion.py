@@ -27,9 +27,10 @@ A layer that transformers checkpoints (``gradient_checkpointing_enable``) runs i
 forward under the checkpoint, which the patch would otherwise bypass.
 
 The forward values are bitwise those of the unfused cake model (the kernel rounds ``h = a + b`` to
-the activation dtype exactly as torch's add does). In FP32 the gradients are bitwise too; in bf16 /
-fp16 the fused backward adds the residual branch's gradient to dx before rounding once, where the
-unfused graph rounds dx first, so the gradients differ by at most that rounding.
+the activation dtype exactly as torch's add does). The gradients agree to rounding: in bf16 / fp16
+the fused backward adds the residual branch's gradient to dx before rounding once, where the unfused
+graph rounds dx first; on a GPU the residual backward's launch plan may sum dW's partial rows over
+another number of programs. On CPU (the ops' CPU kernels) FP32 gradients are bitwise.
 
 Before patching, each layer class's ``forward`` source is checked statement by statement against the
 pattern the patch computes; any other structure (Gemma 2/3's sandwich norms, a future transformers

@@ -62,7 +62,7 @@ def _tokens():
 def _step(model, **kwargs):
     """(loss, hidden states, {name: grad}) of one forward + backward on fixed tokens."""
     model.zero_grad(set_to_none=True)
-    ids = _tokens()
+    ids = _tokens().to(next(model.parameters()).device)
     out = model(input_ids=ids, labels=ids, **kwargs)
     out.loss.backward()
     grads = {name.removeprefix("_orig_mod."): p.grad for name, p in model.named_parameters()}
