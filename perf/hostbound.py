@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results_doc import write_results  # noqa: E402
 from sweep import _use_source_tree  # noqa: E402
 
 EPS = 1e-6
@@ -155,21 +156,9 @@ def main(argv=None) -> int:
     args.extra = {}
     args.tokens = args.tokens or ([1, 16] if args.cpu_layers else [1, 16, 256, 2048])
     _use_source_tree()
-    import cake_cute
-
     rows = cpu_layers_main(torch, args) if args.cpu_layers else gpu_main(torch, args)
     device = "cpu" if args.cpu_layers else torch.cuda.get_device_name()
-    doc = {
-        "script": "perf/hostbound.py",
-        "device": device,
-        "torch": torch.__version__,
-        "cake_cute": cake_cute.__version__,
-        "reps": args.reps,
-        "rows": rows,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"wrote {len(rows)} rows to {args.out}")
+    write_results(args.out, "perf/hostbound.py", device, rows, reps=args.reps)
     return 0
 
 

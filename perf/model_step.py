@@ -38,6 +38,7 @@ from torch import nn
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from results_doc import write_results  # noqa: E402
 from sweep import _use_source_tree  # noqa: E402
 
 IMPLS = ("torch", "cake_cute", "liger", "quack")
@@ -66,6 +67,14 @@ class Shape:
         return -(-8 * self.hidden // 3 // 256) * 256
 
 
+# perf/distributed/model.py's Config field -> transformers.LlamaConfig's
+_HF_NAMES = {
+    "vocab": "vocab_size",
+    "hidden": "hidden_size",
+    "layers": "num_hidden_layers",
+    "heads": "num_attention_heads",
+    "ffn": "intermediate_size",
+}
 FULL_SHAPES = (Shape(4, 2048, 4, 2048), Shape(4, 4096, 4, 2048))
 TINY_SHAPES = (Shape(2, 64, 2, 32, vocab=128),)
 
@@ -108,14 +117,13 @@ def build_model(shape: Shape, impl: str, device):
         import transformers
     except ImportError:
         transformers = None
+    sizes = dict(
+        vocab=shape.vocab, hidden=shape.hidden, layers=shape.layers, heads=shape.heads, ffn=shape.ffn
+    )
     with torch.device(device):
         if transformers is not None:
             config = transformers.LlamaConfig(
-                vocab_size=shape.vocab,
-                hidden_size=shape.hidden,
-                intermediate_size=shape.ffn,
-                num_hidden_layers=shape.layers,
-                num_attention_heads=shape.heads,
+                **{_HF_NAMES[k]: v for k, v in sizes.items()},
                 num_key_value_heads=shape.heads,
                 max_position_embeddings=shape.seq,
                 rms_norm_eps=EPS,
@@ -126,14 +134,7 @@ def build_model(shape: Shape, impl: str, device):
             sys.path.insert(0, str(HERE / "distributed"))
             import model as llama
 
-            config = llama.Config(
-                vocab=shape.vocab,
-                hidden=shape.hidden,
-                layers=shape.layers,
-                heads=shape.heads,
-                ffn=shape.ffn,
-                fused_residual=impl == "cake_cute",
-            )
+            config = llama.Config(**sizes, fused_residual=impl == "cake_cute")
             model = llama.build(config, seed=0, device=device, dtype=torch.bfloat16)
     prepare_norms(model, impl, fused=transformers is not None)
     ids = torch.randint(0, shape.vocab, (shape.batch, shape.seq + 1), device=device)
@@ -256,20 +257,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=20)
     args = p.parse_args(argv)
     _use_source_tree()
-    import cake_cute
-
     rows = run(args)
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device
-    doc = {
-        "script": "perf/model_step.py",
-        "device": device,
-        "torch": torch.__version__,
-        "cake_cute": cake_cute.__version__,
-        "rows": rows,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"wrote {len(rows)} rows to {args.out}")
+    write_results(args.out, "perf/model_step.py", device, rows, warmup=args.warmup, steps=args.steps)
     return 0
 
 
