@@ -7,7 +7,7 @@ Shapes: 4 layers at H = 2048 and at H = 4096, 8192 tokens (batch 4 x sequence 20
 
 * ``torch``: every RMSNorm is ``torch.nn.RMSNorm`` (the residual adds are the model's own);
 * ``cake_cute``: ``swap_rmsnorm(model, fuse_residual=True)``, every residual add done by the norm
-  that follows it;
+  that follows it (``cake_cute_unfused``, on request: ``swap_rmsnorm(model)`` alone);
 * ``liger`` / ``quack``: every RMSNorm calls that library's RMSNorm (``cake_cute.bench``'s adapters,
   patched on the instances so nothing global changes between implementations).
 
@@ -29,7 +29,6 @@ import json
 import statistics
 import sys
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +41,7 @@ from results_doc import write_results  # noqa: E402
 from sweep import _use_source_tree  # noqa: E402
 
 IMPLS = ("torch", "cake_cute", "liger", "quack")
+ALL_IMPLS = (*IMPLS, "cake_cute_unfused")
 EPS = 1e-5
 
 
@@ -158,10 +158,8 @@ def prepare_norms(model: nn.Module, impl: str, fused: bool) -> None:
     fallback model built with fused-residual blocks)."""
     import cake_cute
 
-    if impl == "cake_cute":
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the weight_offset guess: Llama's 0.0 is right
-            cake_cute.swap_rmsnorm(model, weight_offset=0.0, fuse_residual=fused)
+    if impl.startswith("cake_cute"):
+        cake_cute.swap_rmsnorm(model, weight_offset=0.0, fuse_residual=fused and impl == "cake_cute")
     elif impl == "torch":
         replace_norms(model, _torch_norm)
     else:
@@ -214,7 +212,7 @@ def time_steps(model, loss, device, warmup: int, steps: int) -> tuple[float, flo
 
 
 def _available(impl: str) -> bool:
-    if impl in ("torch", "cake_cute"):
+    if impl in ("torch", "cake_cute", "cake_cute_unfused"):
         return True
     from cake_cute import bench
 
@@ -251,11 +249,18 @@ def main(argv=None) -> int:
     p.add_argument("out", type=Path, help="JSON file to write")
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="a tiny model (checks the script, e.g. on CPU)")
-    p.add_argument("--impls", type=lambda s: s.split(","), default=list(IMPLS))
+    p.add_argument(
+        "--impls",
+        type=lambda s: s.split(","),
+        default=list(IMPLS),
+        help=f"comma-separated subset of {','.join(ALL_IMPLS)} (default {','.join(IMPLS)})",
+    )
     p.add_argument("--modes", type=lambda s: s.split(","), default=["eager", "compile"])
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=20)
     args = p.parse_args(argv)
+    if unknown := set(args.impls) - set(ALL_IMPLS):
+        p.error(f"--impls: unknown {sorted(unknown)}, expected a subset of {','.join(ALL_IMPLS)}")
     _use_source_tree()
     rows = run(args)
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device
