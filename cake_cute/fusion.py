@@ -24,7 +24,9 @@ states and anything else between layers see the true hidden state) and hands y t
 which uses it only if it is called on that very h (and y is in the autograd graph whenever h is: a
 reentrant checkpoint that ran the producer without grad fails that); otherwise it normalizes h itself.
 A layer that transformers checkpoints (``gradient_checkpointing_enable``) runs its own, unfused
-forward under the checkpoint, which the patch would otherwise bypass.
+forward under the checkpoint, which the patch would otherwise bypass. Nothing is handed over when the
+next norm's weight is a DTensor (FSDP2 keeps it sharded outside the next layer's forward): the layer
+then ends with torch's add, and only its post-attention add is fused.
 
 The forward values are bitwise those of the unfused cake model (the kernel rounds ``h = a + b`` to
 the activation dtype exactly as torch's add does). The gradients agree to rounding: in bf16 / fp16
@@ -49,6 +51,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .autograd import DTensor
 from .module import CakeRMSNorm
 
 # The body a patchable decoder layer's forward must have, statement for statement; ATTENTION_CALL
@@ -165,7 +168,9 @@ def _fused_layer_forward(self, hidden_states, *args, **kwargs):
     attention_out, _ = self.self_attn(hidden_states=normed, **fusion.attention_kwargs(args, kwargs))
     normed, hidden_states = self.post_attention_layernorm(attention_out, hidden_states)
     mlp_out = self.mlp(normed)
-    if fusion.next_norm is None:
+    # A DTensor weight outside its own layer's forward is FSDP2's shard (or tensor-parallel): the
+    # next layer's norm can only run inside that layer's forward.
+    if fusion.next_norm is None or isinstance(fusion.next_norm.weight, DTensor):
         return hidden_states + mlp_out
     y, hidden_states = fusion.next_norm(mlp_out, hidden_states)
     fusion.handoff.give(fusion.next_norm, y, hidden_states)

@@ -158,6 +158,32 @@ def test_checkpointed_layers_stay_checkpointed():
     _assert_grads(results[1][2], results[0][2], exact=True)
 
 
+@pytest.fixture
+def one_rank_group(tmp_path):
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available():
+        pytest.skip("torch without distributed")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_fsdp2_sharded_layers_hand_nothing_over(one_rank_group):
+    """FSDP2 per layer keeps the next layer's norm weight sharded during this layer's forward: the
+    layer ends with a plain add, and the step equals the unsharded fused step."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = _tiny("llama")
+    loss, _, grads = _step(_swapped(model, fuse=True))
+    sharded = _swapped(model, fuse=True)
+    for layer in sharded.model.layers:
+        fully_shard(layer)
+    fully_shard(sharded)
+    sharded_loss, _, sharded_grads = _step(sharded)
+    assert torch.equal(sharded_loss, loss)
+    _assert_grads({k: g.full_tensor() for k, g in sharded_grads.items()}, grads, exact=True)
+
+
 def test_a_handoff_outside_the_graph_is_refused():
     """A y computed without grad (a reentrant checkpoint's first run) for an h that requires grad
     would cut the gradient: the next norm recomputes instead."""
