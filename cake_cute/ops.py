@@ -22,11 +22,6 @@ from .views import aligned_vector, finish, kernel_view, output_like, rows_view, 
 from .vocab import DTYPE_NAMES, dtype_name
 
 
-def _check_output(name, given, shape, dtype, device):
-    if given is not None:
-        v.check_output(name, given, shape, dtype, device)
-
-
 def cake_rmsnorm_train_forward(
     x, w, eps, *, residual=None, out=None, rstd=None, residual_out=None, weight_offset: float = 0.0
 ):
@@ -74,14 +69,10 @@ def cake_rmsnorm_train_forward(
     weight_offset = v.check_weight_offset(weight_offset)
     if residual is not None:
         v.check_like("residual", residual, x)
-    elif residual_out is not None:
-        raise ValueError("residual_out is only written in residual mode: pass residual= as well")
     hidden = x.shape[-1]
     rows = x.numel() // hidden
     if out is not None or rstd is not None or residual_out is not None:
-        _check_output("out", out, x.shape, x.dtype, x.device)
-        _check_output("rstd", rstd, (rows,), torch.float32, x.device)
-        _check_output("residual_out", residual_out, x.shape, x.dtype, x.device)
+        v.check_forward_outputs(x, rows, residual, out, rstd, residual_out)
     if op is None:
         op = operands(x, w)
     vec = dispatch.vector_elems(hidden, op.act)
@@ -247,13 +238,11 @@ def cake_rmsnorm_train_backward(
     v.check_rstd(rstd, rows, x.device)
     if g_residual is not None:
         v.check_like("g_residual", g_residual, x)
-    if deterministic is not True and deterministic is not False:
-        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    v.check_bool("deterministic", deterministic)
     weight_offset = v.check_weight_offset(weight_offset)
     dw_dtype = v.check_dw_dtype(dw_dtype)
     if dx is not None or dw is not None:
-        _check_output("dx", dx, x.shape, x.dtype, x.device)
-        _check_output("dw", dw, (hidden,), dw_dtype, x.device)
+        v.check_backward_outputs(x, dx, dw, dw_dtype)
     if workspace is not None:
         v.check_workspace(workspace, x.device)
     if op is None:
@@ -299,10 +288,8 @@ def _backward(op, g, x, w, rstd, g_residual, workspace, dx, dw, weight_offset, d
     residual = g_residual is not None
     plan = _backward_plan(op, rows, residual)
     vec = plan.vec
-    if workspace is not None and workspace.numel() < plan.workspace_bytes:
-        raise ValueError(
-            f"workspace holds {workspace.numel()} bytes; this call needs at least {plan.workspace_bytes}"
-        )
+    if workspace is not None:
+        v.check_workspace_size(workspace, plan.workspace_bytes)
     dx_t, dx_copy = output_like(dx, x, vec)
     dw_t, dw_copy = vector_output(dw, hidden, dw_dtype, op.device)
 

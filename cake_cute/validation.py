@@ -92,6 +92,34 @@ def check_like(name: str, t, x) -> None:
     check_output(name, t, x.shape, x.dtype, x.device)
 
 
+def check_forward_outputs(x, rows: int, residual, out, rstd, residual_out) -> None:
+    """The forward's caller-owned outputs (each may be None): y and h_new shaped like x, FP32 rstd
+    with one value per row; h_new only in residual mode."""
+    if residual is None and residual_out is not None:
+        raise ValueError("residual_out is only written in residual mode: pass residual= as well")
+    for name, given, shape, dtype in (
+        ("out", out, x.shape, x.dtype),
+        ("rstd", rstd, (rows,), torch.float32),
+        ("residual_out", residual_out, x.shape, x.dtype),
+    ):
+        if given is not None:
+            check_output(name, given, shape, dtype, x.device)
+
+
+def check_backward_outputs(x, dx, dw, dw_dtype: torch.dtype) -> None:
+    """The backward's caller-owned outputs (each may be None): dx shaped like x, dw ``[H]`` of
+    ``dw_dtype``."""
+    if dx is not None:
+        check_like("dx", dx, x)
+    if dw is not None:
+        check_output("dw", dw, (x.shape[-1],), dw_dtype, x.device)
+
+
+def check_bool(name: str, value) -> None:
+    if value is not True and value is not False:
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+
+
 def check_rstd(rstd, rows: int, device) -> None:
     check_tensor("rstd", rstd, dtypes=(torch.float32,), device=device)
     if rstd.dim() != 1 or rstd.shape[0] != rows:
@@ -104,6 +132,12 @@ def check_workspace(workspace, device) -> None:
     check_tensor("workspace", workspace, dtypes=(torch.uint8,), device=device)
     if workspace.dim() != 1 or not workspace.is_contiguous() or workspace.data_ptr() % 16 != 0:
         raise ValueError("workspace must be a contiguous 1-D uint8 tensor with a 16-byte aligned base")
+
+
+def check_workspace_size(workspace, needed: int) -> None:
+    """The workspace holds the ``needed`` bytes of partial rows the launch plan writes."""
+    if workspace.numel() < needed:
+        raise ValueError(f"workspace holds {workspace.numel()} bytes; this call needs at least {needed}")
 
 
 def check_cuda_device(device) -> torch.device:

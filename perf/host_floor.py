@@ -35,9 +35,9 @@ def main(argv=None) -> int:
     import torch
 
     import cake_cute
-    from cake_cute import bench
     from cake_cute.compile_cache import kernel
     from cake_cute.device import device_arch
+    from cake_cute.tools.bench.results import git_commit
 
     dev = torch.device("cuda")
     arch = device_arch(dev)
@@ -80,9 +80,10 @@ def main(argv=None) -> int:
             x, w, _ = ctx.saved_tensors
             return torch.empty_like(x), torch.empty_like(w)
 
-    rows = []
     H = 4096
-    for T in (1, 256, 32768):
+
+    def cases_for(T: int) -> dict:
+        """The timed callables at T rows (a function, so each closure binds this T's tensors)."""
         x = torch.randn(T, H, device=dev, dtype=torch.bfloat16, requires_grad=True)
         w = torch.randn(H, device=dev, dtype=torch.bfloat16, requires_grad=True)
         g = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
@@ -92,7 +93,7 @@ def main(argv=None) -> int:
         y_trivial = AllocateOnly.apply(x, w)
         y_torch = torch.nn.functional.rms_norm(x, (H,), w, 1e-6)
         y_cake = cake_cute.cake_rmsnorm(x, w, 1e-6)
-        cases = {
+        return {
             "events only": lambda: None,
             "torch.empty x2": lambda: (torch.empty_like(xd), torch.empty(T, device=dev)),
             "torch.neg (one native kernel)": lambda: torch.neg(xd),
@@ -109,6 +110,10 @@ def main(argv=None) -> int:
             "autograd.grad, F.rms_norm": lambda: torch.autograd.grad(y_torch, (x, w), g, retain_graph=True),
             "autograd.grad, cake": lambda: torch.autograd.grad(y_cake, (x, w), g, retain_graph=True),
         }
+
+    rows = []
+    for T in (1, 256, 32768):
+        cases = cases_for(T)
         for name, fn in cases.items():
             row = {
                 "T": T,
@@ -118,14 +123,12 @@ def main(argv=None) -> int:
                 "loop_perf_counter_us": round(loop(fn), 2),
             }
             rows.append(row)
-            print(
-                f"T={T:6d} {name:45s} single {row['single_event_us']:8.2f}  loop {row['loop_perf_counter_us']:8.2f}",
-                flush=True,
-            )
+            single_us, loop_us = row["single_event_us"], row["loop_perf_counter_us"]
+            print(f"T={T:6d} {name:45s} single {single_us:8.2f}  loop {loop_us:8.2f}", flush=True)
     if args.json:
         doc = {
             "gpu": torch.cuda.get_device_name(0),
-            "commit": bench.git_commit(),
+            "commit": git_commit(),
             "method": __doc__,
             "rows": rows,
         }

@@ -5,7 +5,7 @@
 
 The matrix: forward and backward x {sm_90a, sm_100a} x {bf16, fp32} x H x residual off/on, and the dW
 reduction x arch x output dtype x H. Each variant is compiled through the package's own cache, its
-cubin cut out of the exported object (``cake_cute.cubin.fatbin_from_object``) and disassembled with
+cubin cut out of the exported object (``cake_cute.tools.cubin.fatbin_from_object``) and disassembled with
 ``cuobjdump -sass``. The hash covers the instruction stream (addresses, opcodes, operands, encodings)
 with the kernel symbol names replaced by a placeholder, so a renamed Python class or method does not
 count as a change while any changed instruction does. ``compare`` prints every label whose hash
@@ -76,7 +76,7 @@ def normalized_sass(sass: str) -> tuple[str, list[str]]:
 
 def sass_of(row) -> dict:
     from cake_cute.compile_cache import get_kernel, object_path
-    from cake_cute.cubin import fatbin_from_object, find_tool
+    from cake_cute.tools.cubin import fatbin_from_object, find_tool
 
     spec = make_spec(*row)
     get_kernel(spec)

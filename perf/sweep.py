@@ -1,6 +1,7 @@
 #!/usr/bin/env python
-"""``python perf/sweep.py [options]`` is ``cake-cute bench [options]``: the per-shape performance sweep
-(cake_cute vs torch, torch.compile, Liger, quack + a device-copy ceiling). See perf/README.md.
+"""``python perf/sweep.py [options]`` is ``cake-cute bench [options]`` (``cake_cute.tools.bench``): the
+per-shape performance sweep (cake_cute vs torch, torch.compile, Liger, quack + a device-copy ceiling).
+See perf/README.md.
 
 Works with cake_cute installed (``pip install -e .``) and from a bare source tree: then the repository
 root goes on ``sys.path`` and ``kernels/`` is registered as ``cake_cute.kernels`` (what pyproject's
@@ -36,21 +37,8 @@ def _use_source_tree() -> None:
         cake_cute.kernels = module
 
 
-def _bench_main():
-    try:
-        _use_source_tree()
-        from cake_cute.bench import main
-
-        return main
-    except ImportError as e:  # cake_cute itself cannot import: peers can still be timed
-        print(f"note: cake_cute does not import ({e}); its rows will carry the error", file=sys.stderr)
-        path = ROOT / "cake_cute" / "bench.py"
-        spec = importlib.util.spec_from_file_location("_cake_cute_bench_standalone", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-        return module.main
-
-
 if __name__ == "__main__":
-    raise SystemExit(_bench_main()(sys.argv[1:]))
+    _use_source_tree()
+    from cake_cute.tools.bench.cli import main
+
+    raise SystemExit(main(sys.argv[1:]))

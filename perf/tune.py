@@ -48,6 +48,16 @@ def _ints(text: str, sep: str = ",") -> list[int]:
     return [int(v) for v in text.split(sep)]
 
 
+def _backward(g, h, w, rstd, g_residual=None):
+    """A backward call with its own workspace, sized under the config in force (an override can
+    change how many partial rows of dW the backward writes)."""
+    rows, hidden = h.shape
+    ws = cake_cute.cake_rmsnorm_train_backward_workspace(
+        rows, hidden, h.device, residual=g_residual is not None
+    )
+    return partial(cake_cute.cake_rmsnorm_train_backward, g, h, w, rstd, g_residual=g_residual, workspace=ws)
+
+
 def _report(label: str, us: float, nbytes: int, extra: str = "") -> None:
     print(f"{label} us={us:.2f} TB/s={nbytes / us / 1e6:.3f} {extra}".rstrip(), flush=True)
 
@@ -88,14 +98,12 @@ def tune_backward(args, arch: str) -> None:
     w = torch.randn(H, device="cuda", dtype=torch_dtype(act))
     g = torch.randn_like(x)
     h, rstd = cake_cute.cake_rmsnorm_train_forward(x, w, 1e-6)
-    ws = cake_cute.cake_rmsnorm_train_backward_workspace(T, H, "cuda", residual=True)
     for residual in (False, True):
         gr = torch.randn_like(x) if residual else None
-        backward = partial(cake_cute.cake_rmsnorm_train_backward, g, h, w, rstd, g_residual=gr, workspace=ws)
         for choices in candidates:
             with overridden("bwd", arch, act, H, **choices):
                 config = backward_config(arch, act, act, H, residual)
-                us = device_us(backward, args.reps)
+                us = device_us(_backward(g, h, w, rstd, gr), args.reps)
                 programs = dispatch.backward_launch(T, H, act, act, residual, device_facts(x.device))[0]
                 label = f"bwd {act} H={H} res={residual} {config.describe()} programs={programs}"
                 _report(label, us, T * H * dtype_bytes(act) * (4 if residual else 3))
@@ -110,14 +118,13 @@ def tune_ring(args, arch: str) -> None:
         w = torch.randn(H, device="cuda", dtype=torch_dtype(act))
         g = torch.randn_like(x)
         h, rstd = cake_cute.cake_rmsnorm_train_forward(x, w, 1e-6)
-        ws = cake_cute.cake_rmsnorm_train_backward_workspace(T, H, "cuda")
         reference = None
-        backward = partial(cake_cute.cake_rmsnorm_train_backward, g, h, w, rstd, workspace=ws)
         for depth, ctas in combos:
             choices = {k: v for k, v in (("ring_depth", depth), ("ctas_per_sm", ctas)) if v}
             with overridden("bwd", arch, act, H, **choices):
                 config = backward_config(arch, act, act, H, False)
                 programs = dispatch.backward_launch(T, H, act, act, False, device_facts(x.device))[0]
+                backward = _backward(g, h, w, rstd)
                 out = backward()
                 same = ""
                 if reference is None:

@@ -192,7 +192,7 @@ def suite_specs(arch: str):
     """Every kernel variant the GPU tests launch (so a cold cache compiles them in parallel up
     front instead of one by one inside the tests)."""
     from cake_cute.specs import ReduceSpec
-    from cake_cute.warmup import variant_specs
+    from cake_cute.tools.warmup import variant_specs
 
     names = ("bf16", "fp16", "fp32")
     specs = variant_specs([arch], names, SUITE_HIDDEN, (False, True), ("same",))
@@ -208,7 +208,7 @@ PREWARM_MIN_TESTS = 50
 
 @pytest.fixture(scope="session")
 def prewarm_kernels(request):
-    """Compile the suite's kernels into the disk cache with parallel workers (cake_cute.warmup), once
+    """Compile the suite's kernels into the disk cache with parallel workers (cake_cute.tools.warmup), once
     per session, when at least PREWARM_MIN_TESTS GPU tests are selected (a cold cache otherwise costs
     1-2 s per variant, one after the other, inside the tests). Variants already on disk cost a stat.
     Best effort: CAKE_CUTE_TEST_PREWARM=0 skips it, =1 forces it; a variant that fails to compile here
@@ -223,7 +223,7 @@ def prewarm_kernels(request):
         yield
         return
     try:
-        from cake_cute.warmup import local_archs, warm
+        from cake_cute.tools.warmup import local_archs, warm
 
         specs = [s for arch in local_archs() for s in suite_specs(arch)]
         result = warm(specs, jobs=min(16, os.cpu_count() or 1), progress=io.StringIO())

@@ -1,5 +1,7 @@
-"""The ``cake-cute`` command without a GPU: warmup (cold, then warm), info, check, and failures."""
+"""The ``cake-cute`` command without a GPU: warmup (cold, then warm, concurrent), info, check, and
+every way an argument can be refused."""
 
+import os
 import re
 import subprocess
 import sys
@@ -9,26 +11,33 @@ from pathlib import Path
 import pytest
 import torch
 
-from cake_cute import cli, warmup
+from cake_cute.specs import KernelSpec, ReduceSpec
+from cake_cute.tools import cli, warmup
+from cake_cute.vocab import SUPPORTED_ARCHS
 
 WARMUP = ["warmup", "--arch", "sm_90a,sm_100a", "--dtype", "bf16", "--hidden", "4096,65536"]
+# One arch, bf16, H = 4096, plain mode: 4 variants (forward, backward, dW into FP32 and into bf16).
+ONE_ARCH_PLAIN = ["warmup", "--arch", "sm_90a", "--residual", "off", "--jobs", "1"]
 VARIANTS = 24  # 2 archs x 2 H x 2 residual x (fwd, bwd) + 2 archs x 2 H x dw(fp32, bf16)
-ROW = re.compile(
-    r"^(cake_\w+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)/(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)$"
-)
+# kernel, regs, stack B, local B, LDL/STL, atomics, cluster, threads, ld bits, st bits, config
+ROW = re.compile(r"^(cake_\w+)" + r"\s+(\d+)" * 3 + r"\s+(\d+)/(\d+)" + r"\s+(\d+)" * 5 + r"\s+(\S.*)$")
 
 
 def run_cli(*args, timeout=600) -> tuple[subprocess.CompletedProcess, float]:
     start = time.perf_counter()
     proc = subprocess.run(
-        [sys.executable, "-m", "cake_cute.cli", *args], capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "cake_cute", *args], capture_output=True, text=True, timeout=timeout
     )
     return proc, time.perf_counter() - start
 
 
-def report_rows(stdout: str) -> dict[str, tuple[int, ...]]:
-    """kernel -> (regs, stack, local, LDL, STL, smem, cluster, threads, ld bits, st bits)."""
-    return {m.group(1): tuple(map(int, m.groups()[1:])) for m in map(ROW.match, stdout.splitlines()) if m}
+def report_rows(stdout: str) -> dict[str, tuple]:
+    """kernel -> (regs, stack, local, LDL, STL, atomics, cluster, threads, ld bits, st bits, config)."""
+    return {
+        m.group(1): (*map(int, m.groups()[1:-1]), m.group(12))
+        for m in map(ROW.match, stdout.splitlines())
+        if m
+    }
 
 
 @pytest.fixture(scope="module")
@@ -42,21 +51,31 @@ def cold_and_warm(tmp_path_factory):
 
 def test_cold_warmup_compiles_everything_spill_free_and_vectorized(cold_and_warm):
     (proc, seconds), _, _ = cold_and_warm
-    assert f"compiled {VARIANTS}, cached 0, failed 0" in proc.stdout, proc.stderr
+    assert f"compiled {VARIANTS}, loaded 0 (compiled by another process meanwhile), cached 0, failed 0" in (
+        proc.stdout
+    ), proc.stderr
     assert re.search(rf"\[\s*{VARIANTS}/{VARIANTS}\] compiled cake_", proc.stderr)
     print(f"cold warmup of {VARIANTS} variants: {seconds:.1f}s")
     rows = report_rows(proc.stdout)
     assert len(rows) == VARIANTS, proc.stdout
-    spilling = [name for name, row in rows.items() if row[1:5] != (0, 0, 0, 0)]  # stack, local, LDL, STL
+    spilling = [name for name, row in rows.items() if row[1:6] != (0, 0, 0, 0, 0)]  # + atomics
     narrow = [name for name, row in rows.items() if row[8] != 128]
     assert not spilling and not narrow, f"spilling: {spilling}, narrow loads: {narrow}\n{proc.stdout}"
+    configs = {name: row[10] for name, row in rows.items()}
+    assert all(c.startswith("vec=") for c in configs.values()), configs
+    assert all(re.search(r" regs<=\d+ smem=\d+B ", c) for n, c in configs.items() if n.startswith("cake_bwd"))
+    assert all(" col_lanes=" in c for n, c in configs.items() if n.startswith("cake_dw")), configs
+    assert warmup.REPORT_LEGEND in proc.stdout
     assert proc.returncode == 0, proc.stderr  # --report exits 1 on a spill
 
 
 def test_second_warmup_compiles_nothing(cold_and_warm):
     _, (with_report, report_s), (plain, plain_s) = cold_and_warm
     for proc in (with_report, plain):
-        assert f"compiled 0, cached {VARIANTS}, failed 0" in proc.stdout, proc.stderr
+        assert (
+            f"compiled 0, loaded 0 (compiled by another process meanwhile), cached {VARIANTS}, failed 0"
+            in (proc.stdout)
+        ), proc.stderr
         assert "] compiled" not in proc.stderr
     assert len(report_rows(with_report.stdout)) == VARIANTS
     assert plain.returncode == 0, plain.stderr
@@ -89,18 +108,185 @@ def test_check_without_gpu_exits_2():
     assert "needs a supported GPU" in proc.stderr and "no CUDA GPU" in proc.stderr
 
 
+EMPTY = ("--arch", "archs"), ("--dtype", "dtypes"), ("--hidden", "hidden sizes")
+REFUSED = [
+    (option, value, f"argument {option}: expected one or more {what} separated by commas, got {value!r}")
+    for option, what in EMPTY
+    for value in ("", ",")
+]
+REFUSED += [
+    ("--jobs", value, f"argument --jobs: expected a positive integer, got {value!r}")
+    for value in ("0", "-1", "two")
+]
+REFUSED += [
+    ("--arch", "sm_80", "unsupported arch 'sm_80'"),
+    ("--dtype", "int8", "unsupported dtype 'int8'"),
+    ("--hidden", "0", "hidden size 0 is outside"),
+    ("--hidden", "4k", "argument --hidden: hidden size '4k' is not an integer"),
+    ("--weight-offset", "inf", "argument --weight-offset: expected a finite number, got 'inf'"),
+]
+
+
+@pytest.mark.parametrize("option, value, message", REFUSED)
+def test_bad_warmup_arguments_exit_2_with_a_clear_message(option, value, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["warmup", option, value])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args", [["--hidden", ""], ["--dtype", "x"], ["--arch", ""]])
+def test_bad_info_arguments_exit_2(args, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["info", *args])
+    assert exit_info.value.code == 2
+    assert "error: argument" in capsys.readouterr().err
+
+
+def _unwritable_dir(tmp_path: Path) -> Path:
+    """A directory this process cannot create files in (root ignores mode bits, but not sysfs)."""
+    if os.geteuid() == 0:
+        return Path("/sys")
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    return locked
+
+
 @pytest.mark.parametrize(
-    "args, message",
+    "make_dir, problem",
     [
-        (["--arch", "sm_80"], "unsupported arch 'sm_80'"),
-        (["--dtype", "int8"], "unsupported dtype 'int8'"),
-        (["--hidden", "0"], "hidden size 0 is outside"),
+        (lambda tmp: tmp / "file", "is not a directory"),
+        (lambda tmp: tmp / "missing" / "cache", "its parent directory"),
+        (_unwritable_dir, "is not writable"),
     ],
+    ids=["a-file", "missing-parent", "unwritable"],
 )
-def test_bad_arguments_exit_nonzero_with_a_clear_message(args, message):
-    proc, _ = run_cli("warmup", *args)
-    assert proc.returncode != 0
-    assert message in proc.stderr
+def test_unusable_cache_dir_is_one_line_and_exit_2_before_compiling(
+    tmp_path, monkeypatch, capsys, make_dir, problem
+):
+    (tmp_path / "file").write_text("not a directory")
+    monkeypatch.delenv("CAKE_CUTE_CACHE_DIR", raising=False)
+
+    def no_warmup(*args, **kwargs):
+        raise AssertionError("compiling started despite an unusable cache directory")
+
+    monkeypatch.setattr(warmup, "warm", no_warmup)
+    code = cli.main(["warmup", "--arch", "sm_90a", "--cache-dir", str(make_dir(tmp_path))])
+    out, err = capsys.readouterr()
+    assert code == 2
+    assert err.count("\n") == 1 and err.startswith("cake-cute warmup: cannot use the cache directory: ")
+    assert problem in err and not out
+
+
+def test_default_cache_dir_parents_are_created(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "fresh" / "home-cache"))
+    monkeypatch.delenv("CAKE_CUTE_CACHE_DIR", raising=False)
+    assert cli._use_cache_dir(None) is None
+    assert (tmp_path / "fresh" / "home-cache" / "cake_cute").is_dir()
+
+
+def test_weight_offset_compiles_gemma_kernels(tmp_path, monkeypatch, capsys):
+    asked = []
+    monkeypatch.setattr(warmup, "get_kernel_and_source", lambda spec: (asked.append(spec), "compiled"))
+    code = cli.main([*ONE_ARCH_PLAIN, "--weight-offset", "1"] + ["--cache-dir", str(tmp_path)])
+    assert code == 0, capsys.readouterr().err
+    assert [s.weight_offset for s in asked if s.kind != "dw"] == [1.0, 1.0]
+    assert [s.name() for s in asked] == [
+        "cake_fwd_sm_90a_bf16_wbf16_h4096_off1",
+        "cake_bwd_sm_90a_bf16_wbf16_h4096_off1",
+        "cake_dw_sm_90a_fp32_h4096",
+        "cake_dw_sm_90a_bf16_h4096",
+    ]
+
+
+def test_version_and_help_say_what_a_bare_command_does():
+    from cake_cute import __version__
+
+    version, _ = run_cli("--version")
+    assert version.returncode == 0 and version.stdout.strip() == f"cake-cute {__version__}"
+    help_text, _ = run_cli("--help")
+    assert help_text.returncode == 0
+    assert "Without a command: on a supported GPU, `check` then `bench`; without one, `warmup`" in " ".join(
+        help_text.stdout.split()
+    )
+
+
+def test_importing_cake_cute_imports_no_tool():
+    code = "import sys, cake_cute; print(sorted(m for m in sys.modules if m.startswith('cake_cute.tools')))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
+def test_info_shows_the_config_per_kind(capsys):
+    assert cli.main(["info", "--hidden", "4096,65536", "--arch", "sm_90a", "--dtype", "bf16"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("sm_90a ")]
+    assert len(lines) == 10  # 2 H x ((fwd, bwd) x (plain, residual) + dw)
+    expected = warmup.describe_config(KernelSpec("bwd", "sm_90a", "bf16", "bf16", 65536, True))
+    assert f"{'sm_90a bf16 H=65536 bwd residual':<34}{expected}" in lines
+    reduce = warmup.describe_config(ReduceSpec("sm_90a", "fp32", 4096))
+    assert f"{'sm_90a bf16 H=4096 dw':<34}{reduce}" in lines
+    assert all("vec=" in line for line in lines)
+
+
+# A cubin report of a kernel that neither spills nor has atomics (as collect_reports returns it).
+CLEAN_REPORT = dict(
+    registers=80,
+    stack_bytes=0,
+    local_bytes=0,
+    local_loads=0,
+    local_stores=0,
+    global_atomics=0,
+    cluster_n=2,
+    threads=256,
+    global_load_width_bits=128,
+    global_store_width_bits=128,
+    config="-",
+)
+
+
+def test_report_has_units_a_legend_and_the_config():
+    config = "vec=8 tpr=256 vpt=2 cluster=2 rows/cta=1 stages=2 regs<=128"
+    report = dict(CLEAN_REPORT, name="cake_bwd_x", config=config)
+    lines = warmup.format_report([report]).splitlines()
+    header = "kernel regs stack B local B LDL/STL atomics cluster threads ld bits st bits config"
+    assert lines[0].split() == header.split()
+    assert lines[1].split() == "cake_bwd_x 80 0 0 0/0 0 2 256 128 128".split() + report["config"].split()
+    assert lines[2] == warmup.REPORT_LEGEND and "smem" not in lines[0]
+
+
+def test_describe_config_is_the_config_values_description():
+    from cake_cute.build import config_for
+
+    for spec in (
+        KernelSpec("fwd", "sm_90a", "bf16", "bf16", 4096),
+        KernelSpec("bwd", "sm_100a", "fp32", "fp32", 65536, True),
+        ReduceSpec("sm_90a", "fp32", 4096),
+    ):
+        assert warmup.describe_config(spec) == config_for(spec).describe()
+    assert warmup.describe_config(KernelSpec("bwd", "sm_90a", "bf16", "bf16", 4096)).startswith("vec=8 ")
+
+
+def test_concurrent_warmups_report_what_each_did(tmp_path):
+    """Three processes on one empty cache: the file lock lets one compile each variant; the others
+    load it after waiting and must say so rather than claim a compile."""
+    args = [sys.executable, "-m", "cake_cute", *ONE_ARCH_PLAIN]
+    procs = [
+        subprocess.Popen(
+            args + ["--cache-dir", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(3)
+    ]
+    outputs = [p.communicate(timeout=900) for p in procs]
+    summary = re.compile(
+        r"4 variants, compiled (\d), loaded (\d) \(compiled by another process meanwhile\), cached (\d)"
+    )
+    counts = []
+    for (out, err), proc in zip(outputs, procs):
+        assert proc.returncode == 0, err
+        counts.append(tuple(map(int, summary.search(out).groups())))
+    assert all(sum(c) == 4 for c in counts), counts
+    assert sum(c[0] for c in counts) == 4, counts  # each variant compiled exactly once, somewhere
 
 
 def test_failed_compile_exits_1_and_names_the_kernel(tmp_path, monkeypatch, capsys):
@@ -108,62 +294,51 @@ def test_failed_compile_exits_1_and_names_the_kernel(tmp_path, monkeypatch, caps
         raise RuntimeError(f"cannot compile {spec.hidden}")
 
     monkeypatch.setenv("CAKE_CUTE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(warmup, "get_kernel", broken)
-    code = cli.main(
-        [
-            "warmup",
-            "--arch",
-            "sm_90a",
-            "--hidden",
-            "4096",
-            "--residual",
-            "off",
-            "--jobs",
-            "1",
-            "--cache-dir",
-            str(tmp_path),
-        ]
-    )
+    monkeypatch.setattr(warmup, "get_kernel_and_source", broken)
+    code = cli.main([*ONE_ARCH_PLAIN, "--hidden", "4096", "--cache-dir", str(tmp_path)])
     out, err = capsys.readouterr()
     assert code == 1
-    assert "compiled 0, cached 0, failed 4" in out
+    assert "compiled 0, loaded 0 (compiled by another process meanwhile), cached 0, failed 4" in out
     assert (
         "FAILED cake_fwd_sm_90a_bf16_wbf16_h4096_off0" in err and "RuntimeError: cannot compile 4096" in err
     )
 
 
-def test_report_exits_1_when_a_kernel_spills(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (dict(stack_bytes=16), "1 kernel(s) spill registers: cake_bwd_sm_90a_bf16_wbf16_h4096_off0"),
+        (dict(local_loads=1), "1 kernel(s) spill registers: cake_bwd_sm_90a_bf16_wbf16_h4096_off0"),
+        (dict(global_atomics=2), "1 kernel(s) have global atomics: cake_bwd_sm_90a_bf16_wbf16_h4096_off0"),
+    ],
+    ids=["stack", "local-loads", "atomics"],
+)
+def test_report_exits_1_when_a_kernel_spills_or_has_atomics(tmp_path, monkeypatch, capsys, bad, message):
     def fake_reports(specs, jobs=None):
-        spills = {s: 16 if s.kind == "bwd" else 0 for s in specs}
-        return [
-            dict(
-                name=s.name(),
-                registers=80,
-                stack_bytes=spills[s],
-                local_bytes=0,
-                local_loads=1,
-                local_stores=1,
-                shared_bytes=1024,
-                cluster_n=1,
-                threads=256,
-                global_load_width_bits=128,
-                global_store_width_bits=128,
-            )
-            for s in specs
-        ]
+        return [dict(CLEAN_REPORT, name=s.name(), **(bad if s.kind == "bwd" else {})) for s in specs]
 
-    monkeypatch.setenv("CAKE_CUTE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(warmup, "get_kernel", lambda spec: None)
+    monkeypatch.setattr(warmup, "get_kernel_and_source", lambda spec: (None, "compiled"))
     monkeypatch.setattr(warmup, "collect_reports", fake_reports)
-    code = cli.main(["warmup", "--arch", "sm_90a", "--residual", "off", "--jobs", "1", "--report"])
+    code = cli.main([*ONE_ARCH_PLAIN, "--report", "--cache-dir", str(tmp_path)])
     out, err = capsys.readouterr()
     assert code == 1
-    assert "1 kernel(s) spill registers: cake_bwd_sm_90a_bf16_wbf16_h4096_off0" in err
-    assert "compiled 4, cached 0, failed 0" in out
+    assert err.splitlines()[-1] == message
+    assert "compiled 4, loaded 0 (compiled by another process meanwhile), cached 0, failed 0" in out
+
+
+def test_a_variant_another_process_compiled_counts_as_loaded(tmp_path, monkeypatch, capsys):
+    # Another process compiled each variant while this one waited on the cache's file lock.
+    monkeypatch.setattr(warmup, "get_kernel_and_source", lambda spec: (None, "disk after waiting"))
+    code = cli.main([*ONE_ARCH_PLAIN, "--cache-dir", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert code == 0
+    assert "compiled 0, loaded 4 (compiled by another process meanwhile), cached 0, failed 0" in out
+    assert err.count("] loaded   cake_") == 4
 
 
 def test_arch_aliases_and_defaults():
     assert warmup.normalize_arch("sm_90") == "sm_90a"
     assert warmup.normalize_arch("sm_100a") == "sm_100a"
+    assert warmup.normalize_arch("sm_103") == "sm_103a"
     if not torch.cuda.is_available():
-        assert warmup.local_archs() == ("sm_90a", "sm_100a")
+        assert warmup.local_archs() == ("sm_90a", "sm_100a", "sm_103a") == SUPPORTED_ARCHS

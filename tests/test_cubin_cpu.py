@@ -1,10 +1,11 @@
-"""cake_cute.cubin: parsing cuobjdump/nvdisasm output, cutting the fatbin out of an exported object,
+"""cake_cute.tools.cubin: parsing cuobjdump/nvdisasm output, cutting the fatbin out of an exported object,
 and reporting on a cached kernel without compiling it again."""
 
 import pytest
 
-from cake_cute import compile_cache, cubin
+from cake_cute import compile_cache
 from cake_cute.specs import KernelSpec, ReduceSpec
+from cake_cute.tools import cubin
 
 SASS = """
         /*0230*/                   LDG.E.128 R16, desc[UR6][R2.64+0x1800] ;
@@ -27,7 +28,7 @@ RES_USAGE = """
 ELF = """
 	Attribute:	EIATTR_REQNTID
 	Format:	EIFMT_SVAL
-	Value:	0x80 0x2 0x1 
+	Value:	0x80 0x2 0x1
 """
 
 

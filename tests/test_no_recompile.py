@@ -123,7 +123,7 @@ def test_warmed_cache_means_no_compilation(tmp_path):
         [
             sys.executable,
             "-m",
-            "cake_cute.cli",
+            "cake_cute",
             "warmup",
             "--arch",
             _device_arch(),

@@ -15,6 +15,8 @@ import cake_cute
 PACKAGES = {
     "cake_cute": Path(cake_cute.__file__).parent,
     "cake_cute.kernels": Path(cake_cute.kernels.__file__).parent,
+    "cake_cute.tools": Path(cake_cute.__file__).parent / "tools",
+    "cake_cute.tools.bench": Path(cake_cute.__file__).parent / "tools" / "bench",
 }
 VOCABULARY = "cake_cute.vocab"
 DTYPE_NAMES = {"bf16", "fp16", "fp32"}

@@ -21,22 +21,25 @@ from typing import TextIO
 
 import torch
 
-from .reference import backward_reference, forward_reference, rel_error, tolerance
+from ..reference import backward_reference, forward_reference, rel_error, tolerance
+from ..vocab import DTYPES as VOCAB_DTYPES
+from ..vocab import dtype_name
 
 EPS = 1e-6
 FP32_TOLERANCE = 1e-5
 MAX_ELEMENTS = 1 << 26  # per tensor: keeps the FP64 reference of the widest rows within a few GB
-DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+DTYPES = tuple(d.torch for d in VOCAB_DTYPES)
 FULL_HIDDEN = (1, 7, 512, 1024, 4096, 4097, 7168, 8192, 65536, 262144)
 QUICK_HIDDEN = (7, 4096, 4097, 65536)
 FULL_ROWS = (1, 2, 129, 4096)
 QUICK_ROWS = (1, 129)
-SHORT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 QUANTITIES = ("y", "rstd", "h", "dx", "dw", "ag_y", "ag_dx", "ag_dres", "ag_dw")
 
 
 @dataclass(frozen=True)
 class Case:
+    """One self-check case: dtypes, H, rows T, residual mode and weight offset."""
+
     dtype: torch.dtype
     w_dtype: torch.dtype
     hidden: int
@@ -45,8 +48,9 @@ class Case:
     weight_offset: float = 0.0
 
     def label(self) -> str:
+        """The case's columns of a result row (under ``HEADER``)."""
         res = "res" if self.residual else "-"
-        dtypes = f"{SHORT[self.dtype]:<5}{SHORT[self.w_dtype]:<5}"
+        dtypes = f"{dtype_name(self.dtype):<5}{dtype_name(self.w_dtype):<5}"
         return f"{dtypes}{self.hidden:>7}{self.rows:>6}  {res:<4}{self.weight_offset:g}"
 
 
@@ -55,6 +59,8 @@ HEADER = f"{'act':<5}{'w':<5}{'H':>7}{'T':>6}  {'res':<4}off"
 
 @dataclass
 class CaseResult:
+    """Relative errors of one case against the FP64 reference, their limits, and a crash's message."""
+
     case: Case
     errors: dict[str, float]
     limits: dict[str, float]
@@ -62,13 +68,14 @@ class CaseResult:
 
     @property
     def ok(self) -> bool:
+        """Every error within its limit and no crash."""
         # A NaN error compares False, so an unwritten (NaN-poisoned) output fails.
         return self.error is None and all(e <= self.limits[k] for k, e in self.errors.items())
 
 
 def gpu_problem() -> str | None:
     """Why this machine cannot run the kernels (no CUDA device, unsupported GPU), or None."""
-    from .vocab import ARCH_BY_CAPABILITY
+    from ..vocab import ARCH_BY_CAPABILITY
 
     if not torch.cuda.is_available():
         return "no CUDA GPU is available (torch.cuda.is_available() is False)"
@@ -113,7 +120,7 @@ def _dx_limit(case: Case, g, w, rstd, dx_ref) -> float:
 
 def _functional(case: Case, x, w, residual, g, g_res, errors: dict, limits: dict):
     """Forward and backward into NaN-poisoned caller-owned outputs; returns the dx reference."""
-    from . import cake_rmsnorm_train_backward, cake_rmsnorm_train_forward
+    from .. import cake_rmsnorm_train_backward, cake_rmsnorm_train_forward
 
     shape, device, rows = x.shape, x.device, case.rows
     out, rstd = _poisoned(shape, case.dtype, device), _poisoned((rows,), torch.float32, device)
@@ -139,7 +146,7 @@ def _functional(case: Case, x, w, residual, g, g_res, errors: dict, limits: dict
 
 def _autograd(case: Case, x, w, residual, g, g_res, refs, errors: dict) -> None:
     """cake_rmsnorm with autograd: y, and the gradients of x, residual and w."""
-    from . import cake_rmsnorm
+    from .. import cake_rmsnorm
 
     y_ref, dx_ref, dw_ref = refs
     xa, wa = x.clone().requires_grad_(), w.clone().requires_grad_()
@@ -189,6 +196,7 @@ def run_case(case: Case, device: torch.device) -> CaseResult:
 
 
 def format_result(result: CaseResult) -> str:
+    """One printed row: PASS/FAIL, the case, each quantity's error (``-`` where it does not apply)."""
     status = "PASS" if result.ok else "FAIL"
     cells = [f"{result.errors[q]:9.1e}" if q in result.errors else f"{'-':>9}" for q in QUANTITIES]
     line = f"{status}  {result.case.label()}  " + "".join(cells)
@@ -196,7 +204,20 @@ def format_result(result: CaseResult) -> str:
 
 
 def run_check(quick: bool = False, stream: TextIO = sys.stdout) -> int:
-    """Run the matrix on the current GPU, print one row per case as it finishes; 1 if any failed."""
+    """Run the matrix on the current GPU, printing one row per case as it finishes.
+
+    Parameters
+    ----------
+    quick : bool
+        The smaller matrix (``QUICK_HIDDEN`` x ``QUICK_ROWS``).
+    stream : text stream
+        Where the rows go.
+
+    Returns
+    -------
+    int
+        The exit status: 0 when every case passed, else 1.
+    """
     device = torch.device("cuda", torch.cuda.current_device())
     cases = case_matrix(quick)
     print(

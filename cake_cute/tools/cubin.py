@@ -22,7 +22,7 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-from .compile_cache import KernelSpec, get_kernel, is_cached_on_disk, object_path
+from ..compile_cache import Spec, get_kernel, is_cached_on_disk, object_path
 
 FATBIN_SYMBOL = b"kernels_binary"
 FATBIN_MAGIC = 0xBA55ED50
@@ -182,10 +182,27 @@ def spill_free(report: dict) -> bool:
     return report["stack_bytes"] == 0 and report["local_bytes"] == 0
 
 
-def kernel_report(spec: KernelSpec, *, sass: bool = True) -> dict:
+def kernel_report(spec: Spec, *, sass: bool = True) -> dict:
     """The cubin report of one variant, read from the on-disk cache (compiled first if missing).
-    The cluster size is a launch attribute, not in the cubin: it comes from the variant's tiling."""
-    from .build import config_for
+
+    Parameters
+    ----------
+    spec : KernelSpec or ReduceSpec
+    sass : bool
+        Also disassemble: access widths, local loads/stores, generic loads, global atomics.
+
+    Returns
+    -------
+    dict
+        ``name``, ``arch``, ``object`` (the cached file), the ``inspect_fatbin`` fields and
+        ``cluster_n`` (a launch attribute, not in the cubin: it comes from the variant's config).
+
+    Raises
+    ------
+    ToolNotFoundError
+        cuobjdump or nvdisasm is not installed.
+    """
+    from ..build import config_for
 
     if not is_cached_on_disk(spec):
         get_kernel(spec)

@@ -1,0 +1,202 @@
+"""Device time of one call with the L2 defeated, and the device-copy ceiling of the same bytes.
+
+* ``gpu_us``: a spin kernel (``torch.cuda._sleep``) holds the stream while the host queues the start
+  event, the call and the end event, so the events bracket the call's device work alone: no host time,
+  no launch gap before the first kernel. If the spin ended before the host finished queuing (the
+  start event has already fired), the call is measured again with a spin twice as long.
+* L2: calls rotate through ``buffer_sets`` input sets whose bytes together exceed ``L2_FACTOR`` times
+  the L2 (``torch.cuda.get_device_properties().L2_cache_size``), so each call finds its inputs evicted
+  by the calls in between and every figure is an HBM figure.
+* ``copy_tbps``: the same bytes copied device to device, timed the same way with the same rotation.
+
+torch is passed in (imported by the caller), so this module imports on a machine without torch.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable
+
+L2_FACTOR = 2  # the rotation's bytes exceed twice the L2: LRU-like replacement keeps none of a set
+MAX_BUFFER_SETS = 64
+SPIN_CYCLES = 1 << 21  # about 1 ms at 2 GHz: longer than the host side of any call measured
+MAX_SPIN_CYCLES = 1 << 27
+CLOCK_WARMUP_S = 0.5
+
+
+def tbps(nbytes: int, us: float) -> float:
+    """TB/s of ``nbytes`` moved in ``us`` microseconds, to 5 significant digits (a relative precision
+    that holds for the slowest rate as for the fastest)."""
+    return float(f"{nbytes / us / 1e6:.5g}")
+
+
+def buffer_sets_for(set_bytes: int, l2_bytes: int, rotate: bool = True) -> int:
+    """How many input sets to rotate through so that none is L2-resident when its turn comes.
+
+    Parameters
+    ----------
+    set_bytes : int
+        Bytes of one input set.
+    l2_bytes : int
+        The L2's size (``torch.cuda.get_device_properties().L2_cache_size``).
+    rotate : bool
+        False gives 1 (the small grid, L2-resident by nature).
+
+    Returns
+    -------
+    int
+        The least count whose bytes exceed ``L2_FACTOR * l2_bytes``, at most ``MAX_BUFFER_SETS``;
+        1 for sets that large already.
+    """
+    if not rotate or set_bytes <= 0:
+        return 1
+    return min(MAX_BUFFER_SETS, max(1, math.ceil(L2_FACTOR * l2_bytes / set_bytes)))
+
+
+class Rotation:
+    """Hands out set indices 0, 1, ..., n - 1, 0, ... across every call, timed or not, so a set is always
+    used again exactly ``n - 1`` calls after its last use, whatever the number of reps in between."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.calls = 0
+
+    def next(self) -> int:
+        """The index of the set the next call uses."""
+        index = self.calls % self.n
+        self.calls += 1
+        return index
+
+
+class LateHostError(RuntimeError):
+    """The host side of a call outlasted the longest spin: its device time cannot be isolated."""
+
+
+class DeviceTimer:
+    """Per-call timings on one device. ``call(arg)`` runs one call (choosing its input set through a
+    ``Rotation``); ``setup()``, when given, prepares its ``arg`` outside the timed region."""
+
+    def __init__(self, torch, device):
+        self.torch = torch
+        self.device = device
+        self.spin_cycles = SPIN_CYCLES
+        self.l2_bytes = torch.cuda.get_device_properties(device).L2_cache_size
+
+    def _events(self):
+        return tuple(self.torch.cuda.Event(enable_timing=True) for _ in range(2))
+
+    def wall_us(self, call: Callable, reps: int, setup: Callable | None = None) -> list[float]:
+        """Per-call time from an idle GPU: host work (checks, dispatch, launches) included."""
+        cuda = self.torch.cuda
+        start, end = self._events()
+        times = []
+        for _ in range(reps):
+            arg = setup() if setup is not None else None
+            cuda.synchronize()
+            start.record()
+            result = call(arg)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3)
+            del result, arg
+        return times
+
+    def _device_once(self, call: Callable, arg) -> float:
+        cuda = self.torch.cuda
+        start, end = self._events()
+        while True:
+            cuda.synchronize()
+            cuda._sleep(self.spin_cycles)
+            start.record()
+            result = call(arg)
+            end.record()
+            host_late = start.query()  # the spin is over although the host may still have been queuing
+            end.synchronize()
+            del result
+            if not host_late:
+                return start.elapsed_time(end) * 1e3
+            if self.spin_cycles >= MAX_SPIN_CYCLES:
+                raise LateHostError(f"the host side of one call outlasted a {self.spin_cycles}-cycle spin")
+            self.spin_cycles *= 2
+
+    def device_us(self, call: Callable, reps: int, setup: Callable | None = None) -> float:
+        """Median device time of one call, µs (see the module docstring).
+
+        Parameters
+        ----------
+        call : callable
+            ``call(arg)`` runs one call.
+        reps : int
+            Calls to time.
+        setup : callable, optional
+            ``setup()`` returns ``arg``, run before the spin, outside the timed region.
+
+        Returns
+        -------
+        float
+
+        Raises
+        ------
+        LateHostError
+            The host side of a call outlasted ``MAX_SPIN_CYCLES``.
+        """
+        times = []
+        for _ in range(reps):
+            times.append(self._device_once(call, setup() if setup is not None else None))
+        return statistics.median(times)
+
+    def copy_ceiling(self, nbytes: int, reps: int, rotate: bool = True) -> dict:
+        """The device-copy ceiling for ``nbytes`` moved: ``nbytes / 2`` copied device to device (read +
+        write = ``nbytes``), rotated like the inputs.
+
+        Returns
+        -------
+        dict
+            Row fields: ``copy_tbps`` (the faster of cudaMemcpyAsync and an elementwise copy kernel),
+            ``copy_memcpy_tbps``, ``copy_kernel_tbps``, ``copy_gpu_us``, ``copy_bytes``,
+            ``copy_buffer_sets``.
+        """
+        torch = self.torch
+        half = max(16, (nbytes // 2) // 16 * 16)
+        sets = buffer_sets_for(nbytes, self.l2_bytes, rotate)
+        pairs = [
+            (
+                torch.zeros(half, dtype=torch.uint8, device=self.device),
+                torch.empty(half, dtype=torch.uint8, device=self.device),
+            )
+            for _ in range(sets)
+        ]
+        floats = [(src.view(torch.float32), dst.view(torch.float32)) for src, dst in pairs]
+        rotation = Rotation(sets)
+
+        def memcpy(_):
+            src, dst = pairs[rotation.next()]
+            return dst.copy_(src)
+
+        def kernel(_):
+            src, dst = floats[rotation.next()]
+            return torch.neg(src, out=dst)
+
+        result = {"copy_bytes": 2 * half, "copy_buffer_sets": sets}
+        for label, call in (("memcpy", memcpy), ("kernel", kernel)):
+            for _ in range(sets):
+                call(None)
+            us = self.device_us(call, reps)
+            result[f"copy_{label}_tbps"] = tbps(2 * half, us)
+        best = max(result["copy_memcpy_tbps"], result["copy_kernel_tbps"])
+        result["copy_gpu_us"] = round(2 * half / best / 1e6, 3)
+        result["copy_tbps"] = best
+        return result
+
+    def warm_clocks(self) -> None:
+        """About half a second of copies, so the first row does not meet idle clocks."""
+        torch = self.torch
+        src = torch.empty(1 << 28, dtype=torch.uint8, device=self.device)
+        dst = torch.empty_like(src)
+        start = time.perf_counter()
+        while time.perf_counter() - start < CLOCK_WARMUP_S:
+            for _ in range(20):
+                dst.copy_(src)
+            torch.cuda.synchronize()

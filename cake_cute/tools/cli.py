@@ -1,0 +1,373 @@
+"""The ``cake-cute`` command: warmup (fill the kernel cache, no GPU needed), info, check, bench.
+
+Without a subcommand it does what makes sense on the machine: on a GPU ``check`` then ``bench``;
+without one the default ``warmup`` (so a CI job can run the bare command).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import os
+import sys
+
+EXIT_FAILED = 1
+EXIT_USAGE = 2  # argparse's status for a bad argument; also a bad --cache-dir and a missing GPU
+EXIT_NO_GPU = 2
+
+BARE_COMMAND = (
+    "Without a command: on a supported GPU, `check` then `bench`; without one, `warmup` with its "
+    "defaults (every supported arch: sm_90a, sm_100a, sm_103a; bf16; H = 4096; residual off and on)."
+)
+
+
+def _csv(convert, what: str):
+    """An argparse type for comma-separated values; an empty list or a bad item is a usage error."""
+
+    def parse(text: str):
+        try:
+            values = [convert(item.strip()) for item in text.split(",") if item.strip()]
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        if not values:
+            raise argparse.ArgumentTypeError(f"expected one or more {what} separated by commas, got {text!r}")
+        return values
+
+    return parse
+
+
+def _dtype(name: str) -> str:
+    from ..vocab import DTYPE_NAMES
+
+    if name not in DTYPE_NAMES:
+        raise ValueError(f"unsupported dtype {name!r}: choose from {', '.join(DTYPE_NAMES)}")
+    return name
+
+
+def _hidden(text: str) -> int:
+    from .warmup import check_hidden
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"hidden size {text!r} is not an integer") from None
+    return check_hidden(value)
+
+
+def _arch(name: str) -> str:
+    from .warmup import normalize_arch
+
+    return normalize_arch(name)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _finite_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+RESIDUAL_MODES = {"on": (True,), "off": (False,), "both": (False, True)}
+W_MODES = {"same": ("same",), "fp32": ("fp32",), "both": ("same", "fp32")}
+
+
+def _add_variant_arguments(p, hidden_default) -> None:
+    p.add_argument(
+        "--arch",
+        type=_csv(_arch, "archs"),
+        help="e.g. sm_90a,sm_100a,sm_103a (default: the local GPU's, else all three)",
+    )
+    p.add_argument(
+        "--dtype", type=_csv(_dtype, "dtypes"), default=["bf16"], help="bf16,fp16,fp32 (default bf16)"
+    )
+    p.add_argument(
+        "--hidden", type=_csv(_hidden, "hidden sizes"), default=hidden_default, help="hidden sizes"
+    )
+
+
+def _add_warmup(sub) -> None:
+    p = sub.add_parser("warmup", help="compile kernels into the on-disk cache (works without a GPU)")
+    _add_variant_arguments(p, [4096])
+    p.add_argument(
+        "--residual",
+        choices=sorted(RESIDUAL_MODES),
+        default="both",
+        help="residual-add variants (default both)",
+    )
+    p.add_argument(
+        "--w-dtype",
+        choices=sorted(W_MODES),
+        default="same",
+        help="weight dtype: the activation dtype, fp32, or both (default same)",
+    )
+    p.add_argument(
+        "--weight-offset",
+        type=_finite_float,
+        default=0.0,
+        help="the constant added to w, compiled into the kernels (1.0 for Gemma-style norms; default 0)",
+    )
+    p.add_argument(
+        "--cache-dir", help="kernel cache directory (default $CAKE_CUTE_CACHE_DIR or ~/.cache/cake_cute)"
+    )
+    p.add_argument(
+        "--report",
+        action="store_true",
+        help="print registers, spills, atomics, access widths and the config per kernel; exit 1 if any "
+        "kernel spills or has a global atomic",
+    )
+    p.add_argument("--jobs", type=_positive_int, help="worker processes (default: the CPU count)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``cake-cute`` argument parser (``bench`` has its own, in ``cake_cute.tools.bench.cli``)."""
+    from .. import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="cake-cute",
+        description="Fused RMSNorm training kernels (CuTe DSL): cache warmup, info, self-check, bench. "
+        + BARE_COMMAND,
+    )
+    parser.add_argument("--version", action="version", version=f"cake-cute {__version__}")
+    sub = parser.add_subparsers(dest="command")
+    _add_warmup(sub)
+    info = sub.add_parser("info", help="versions, GPU, cache location and contents")
+    info.add_argument(
+        "--hidden",
+        type=_csv(_hidden, "hidden sizes"),
+        help="also show the config chosen per kernel kind for these hidden sizes",
+    )
+    info.add_argument("--dtype", type=_csv(_dtype, "dtypes"), default=["bf16"], help="for --hidden")
+    info.add_argument("--arch", type=_csv(_arch, "archs"), help="for --hidden (default as for warmup)")
+    check = sub.add_parser("check", help="correctness self-test on the current GPU (FP64 reference)")
+    check.add_argument("--quick", action="store_true", help="a smaller matrix")
+    sub.add_parser("bench", add_help=False, help="performance sweep (`cake-cute bench --help` lists options)")
+    return parser
+
+
+def _use_cache_dir(explicit: str | None) -> str | None:
+    """Point the cache at ``explicit`` (through the environment, so spawned workers use it too) and
+    check the effective directory once; returns the problem, or None."""
+    from ..compile_cache import cache_dir
+    from .warmup import cache_dir_problem
+
+    if explicit:
+        os.environ["CAKE_CUTE_CACHE_DIR"] = os.path.abspath(explicit)
+    return cache_dir_problem(cache_dir(), create_parents=not explicit)
+
+
+def cmd_warmup(args) -> int:
+    """Exit 1 if a variant fails to compile or, with --report, if a kernel spills or has a global atomic
+    (CI gates on these);
+    exit 2 before compiling anything when the cache directory cannot be used."""
+    from .cubin import spill_free
+    from .warmup import collect_reports, format_report, local_archs, variant_specs, warm
+
+    problem = _use_cache_dir(args.cache_dir)
+    if problem:
+        print(f"cake-cute warmup: cannot use the cache directory: {problem}", file=sys.stderr)
+        return EXIT_USAGE
+    archs = args.arch or local_archs()
+    specs = variant_specs(
+        archs,
+        args.dtype,
+        args.hidden,
+        RESIDUAL_MODES[args.residual],
+        W_MODES[args.w_dtype],
+        weight_offset=args.weight_offset,
+    )
+    result = warm(specs, args.jobs)
+    for outcome in result.failed:
+        print(f"FAILED {outcome.spec.name()}:\n  " + outcome.error.replace("\n", "\n  "), file=sys.stderr)
+    spilling = atomic = []
+    if args.report:
+        failed = {o.spec for o in result.failed}
+        try:
+            reports = collect_reports([s for s in specs if s not in failed], args.jobs)
+        except Exception as exc:  # e.g. cuobjdump missing: say so, do not dump a traceback
+            print(f"cake-cute warmup --report: {exc}", file=sys.stderr)
+            return EXIT_FAILED
+        print(format_report(reports))
+        spilling = [r["name"] for r in reports if not spill_free(r) or r["local_loads"] or r["local_stores"]]
+        atomic = [r["name"] for r in reports if r["global_atomics"]]
+        if spilling:
+            print(f"{len(spilling)} kernel(s) spill registers: " + ", ".join(spilling), file=sys.stderr)
+        if atomic:
+            print(f"{len(atomic)} kernel(s) have global atomics: " + ", ".join(atomic), file=sys.stderr)
+    print(result.summary())
+    return EXIT_FAILED if result.failed or spilling or atomic else 0
+
+
+def _cache_contents() -> str:
+    """Cached kernel objects: those of this code version, and all versions together."""
+    from ..compile_cache import cache_dir, fingerprint
+
+    root = cache_dir()
+    files = [p for p in root.rglob("*.o") if p.is_file()] if root.is_dir() else []
+    current = sum(1 for p in files if p.parent.name == fingerprint())
+    size = sum(p.stat().st_size for p in files)
+    return f"{current} for this version, {len(files)} files in all, {size / 2**20:.1f} MiB"
+
+
+def _driver_version() -> str:
+    try:
+        from cuda.bindings import driver
+
+        err, version = driver.cuDriverGetVersion()
+        return f"{version // 1000}.{version % 1000 // 10}" if int(err) == 0 else "?"
+    except Exception:  # no driver library: the GPU line already says so
+        return "?"
+
+
+def _gpu_line() -> str:
+    import torch
+
+    from ..vocab import ARCH_BY_CAPABILITY
+
+    if not torch.cuda.is_available():
+        return "no GPU"
+    capability = torch.cuda.get_device_capability()
+    arch = ARCH_BY_CAPABILITY.get(capability, f"sm_{capability[0]}{capability[1]} (not supported)")
+    return (
+        f"{torch.cuda.get_device_name()} ({arch}), {torch.cuda.device_count()} device(s), "
+        f"driver CUDA {_driver_version()}"
+    )
+
+
+def _dsl_cuda_version(cutlass) -> str:
+    """The CUDA toolkit flavour the DSL compiles with (cu12 or cu13 wheels)."""
+    version = getattr(cutlass, "CUDA_VERSION", None)
+    return f"{version.major}.{version.minor}" if hasattr(version, "major") else str(version)
+
+
+def _cuobjdump_line() -> str:
+    from .cubin import ToolNotFoundError, find_tool
+
+    try:
+        return str(find_tool("cuobjdump"))
+    except ToolNotFoundError as exc:
+        return f"not found ({exc}); warmup --report needs it"
+
+
+def config_lines(archs, dtypes, hiddens) -> list[str]:
+    """One line per kernel of (arch, dtype, H): forward and backward, plain and residual, and the dW
+    reduction into FP32; each with the config it compiles with."""
+    from ..specs import KernelSpec, ReduceSpec
+    from .warmup import describe_config
+
+    lines = []
+    for arch, dtype, hidden in itertools.product(archs, dtypes, hiddens):
+        labelled = [
+            (
+                f"{kind}{' residual' if residual else ''}",
+                KernelSpec(kind, arch, dtype, dtype, hidden, residual),
+            )
+            for kind in ("fwd", "bwd")
+            for residual in (False, True)
+        ]
+        labelled.append(("dw", ReduceSpec(arch, "fp32", hidden)))
+        lines += [
+            f"{f'{arch} {dtype} H={hidden} {label}':<34}{describe_config(spec)}" for label, spec in labelled
+        ]
+    return lines
+
+
+def cmd_info(args) -> int:
+    """Versions, GPU, cache location and contents; with ``--hidden`` the config per kernel kind."""
+    import cutlass
+    import torch
+    import tvm_ffi
+
+    from .. import __version__
+    from ..compile_cache import cache_dir, fingerprint
+
+    rows = [
+        ("cake_cute", __version__),
+        ("nvidia-cutlass-dsl", f"{cutlass.__version__} (CUDA {_dsl_cuda_version(cutlass)})"),
+        ("apache-tvm-ffi", getattr(tvm_ffi, "__version__", "?")),
+        ("torch", f"{torch.__version__} (CUDA {torch.version.cuda or 'none'})"),
+        ("GPU", _gpu_line()),
+        ("cache", f"{cache_dir()} (version {fingerprint()})"),
+        ("cached kernels", _cache_contents()),
+        ("cuobjdump", _cuobjdump_line()),
+    ]
+    for key, value in rows:
+        print(f"{key:<20}{value}")
+    if args.hidden:
+        from .warmup import local_archs
+
+        print("config per kernel (what it compiles with; w in the activation dtype):")
+        print("\n".join(config_lines(args.arch or local_archs(), args.dtype, args.hidden)))
+    return 0
+
+
+def cmd_check(args) -> int:
+    """The self-check on this GPU; exit 2 without a supported one."""
+    from .selfcheck import gpu_problem, run_check
+
+    problem = gpu_problem()
+    if problem:
+        print(f"cake-cute check needs a supported GPU: {problem}", file=sys.stderr)
+        return EXIT_NO_GPU
+    return run_check(quick=args.quick)
+
+
+def cmd_bench(argv: list[str]) -> int:
+    """The sweep, with its own argument parser."""
+    from .bench.cli import main as bench_main
+
+    return bench_main(argv)
+
+
+def cmd_default() -> int:
+    """On a GPU: check, then bench. Without one: the default warmup."""
+    from .selfcheck import gpu_problem
+
+    problem = gpu_problem()
+    if problem:
+        print(f"cake-cute: {problem}; running `cake-cute warmup` with its defaults", file=sys.stderr)
+        return cmd_warmup(build_parser().parse_args(["warmup"]))
+    return cmd_check(argparse.Namespace(quick=False)) or cmd_bench([])
+
+
+COMMANDS = {"warmup": cmd_warmup, "info": cmd_info, "check": cmd_check}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The ``cake-cute`` command.
+
+    Parameters
+    ----------
+    argv : list of str, optional
+        The arguments (default ``sys.argv[1:]``).
+
+    Returns
+    -------
+    int
+        The exit status: 0 success; 1 a failed compile, check, spill or atomic; 2 a usage error, an
+        unusable cache directory or a missing GPU (argparse's own errors exit 2 through SystemExit).
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:  # everything after "bench" belongs to the bench's own parser
+        return cmd_bench(argv[1:])
+    args = build_parser().parse_args(argv)
+    if args.command is None:
+        return cmd_default()
+    return COMMANDS[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

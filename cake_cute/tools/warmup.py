@@ -1,0 +1,317 @@
+"""Ahead-of-time compilation into the on-disk kernel cache (``cake-cute warmup``); no GPU needed.
+
+A training job then loads every kernel from disk and never compiles on its hot path. Compiling is
+CPU-bound and independent per variant, so it runs in worker processes (spawned: the DSL's state is
+not fork-safe); a variant that is already on disk costs one ``stat``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+from ..compile_cache import KernelSpec, ReduceSpec, get_kernel_and_source, is_cached_on_disk
+from ..kernels.tiling import MAX_HIDDEN
+from ..vocab import SUPPORTED_ARCHS
+
+DEFAULT_ARCHS = SUPPORTED_ARCHS  # without a GPU: every arch the kernels compile for
+ARCH_ALIASES = {arch.removesuffix("a"): arch for arch in SUPPORTED_ARCHS}  # sm_90 -> sm_90a
+MAX_ERROR_LINES = 20
+
+
+def normalize_arch(name: str) -> str:
+    """``sm_90`` -> ``sm_90a`` (the kernels need the arch-specific features); unknown -> ValueError."""
+    arch = ARCH_ALIASES.get(name.strip(), name.strip())
+    if arch not in SUPPORTED_ARCHS:
+        raise ValueError(f"unsupported arch {name!r}: cake_cute compiles for {', '.join(SUPPORTED_ARCHS)}")
+    return arch
+
+
+def check_hidden(hidden: int) -> int:
+    """``hidden`` itself when the kernels support it, else ValueError."""
+    if not 1 <= hidden <= MAX_HIDDEN:
+        raise ValueError(f"hidden size {hidden} is outside [1, {MAX_HIDDEN}]")
+    return hidden
+
+
+def local_archs() -> tuple[str, ...]:
+    """The supported archs of this machine's GPUs, or every supported arch when there is none."""
+    import torch
+
+    from ..vocab import ARCH_BY_CAPABILITY
+
+    if not torch.cuda.is_available():
+        return DEFAULT_ARCHS
+    found = {
+        ARCH_BY_CAPABILITY.get(torch.cuda.get_device_capability(i)) for i in range(torch.cuda.device_count())
+    }
+    found.discard(None)
+    return tuple(sorted(found)) or DEFAULT_ARCHS
+
+
+def variant_specs(
+    archs: Iterable[str],
+    dtypes: Iterable[str],
+    hiddens: Iterable[int],
+    residuals: Iterable[bool] = (False, True),
+    w_modes: Iterable[str] = ("same",),
+    weight_offset: float = 0.0,
+) -> list[KernelSpec]:
+    """Every kernel a training step can launch for these settings.
+
+    Parameters
+    ----------
+    archs, dtypes, hiddens : iterables
+        Arch names (``sm_90a``...), activation dtype names (``bf16``...) and hidden sizes.
+    residuals : iterable of bool
+        Residual-add modes to compile.
+    w_modes : iterable of {"same", "fp32"}
+        w in the activation dtype, in FP32, or both.
+    weight_offset : float
+        The constant added to w (compiled into the forward and backward; 1.0 for Gemma).
+
+    Returns
+    -------
+    list of KernelSpec
+        Forward and backward per (arch, dtype, w dtype, H, residual), and the dW reduction for both
+        outputs it is asked for (FP32 from the functional API, w's dtype from autograd); duplicates
+        removed, order kept.
+    """
+    specs = []
+    for arch, act, hidden, residual, w_mode in itertools.product(archs, dtypes, hiddens, residuals, w_modes):
+        w = act if w_mode == "same" else "fp32"
+        specs += [KernelSpec(kind, arch, act, w, hidden, residual, weight_offset) for kind in ("fwd", "bwd")]
+        specs += [ReduceSpec(arch, out, hidden) for out in ("fp32", w)]
+    return list(dict.fromkeys(specs))
+
+
+COMPILED, LOADED, FAILED = "compiled", "loaded", "FAILED"
+
+
+@dataclass
+class Outcome:
+    """What this process did for one variant that was not on disk when the warmup started:
+    ``COMPILED`` it, ``LOADED`` it after another process compiled it (the cache's file lock made this
+    one wait), or ``FAILED`` with ``error``."""
+
+    spec: KernelSpec
+    seconds: float
+    status: str
+    error: str | None = None
+
+
+@dataclass
+class WarmupResult:
+    """The variants of one warmup: found on disk, and what this process did with the others."""
+
+    cached: list[KernelSpec] = field(default_factory=list)
+    compiled: list[Outcome] = field(default_factory=list)
+    loaded: list[Outcome] = field(default_factory=list)
+    failed: list[Outcome] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def add(self, outcome: Outcome) -> None:
+        """File ``outcome`` under its status."""
+        {COMPILED: self.compiled, LOADED: self.loaded, FAILED: self.failed}[outcome.status].append(outcome)
+
+    def summary(self) -> str:
+        """The one-line summary ``cake-cute warmup`` prints last."""
+        total = len(self.cached) + len(self.compiled) + len(self.loaded) + len(self.failed)
+        return (
+            f"warmup: {total} variants, compiled {len(self.compiled)}, "
+            f"loaded {len(self.loaded)} (compiled by another process meanwhile), "
+            f"cached {len(self.cached)}, failed {len(self.failed)} ({self.seconds:.1f}s)"
+        )
+
+
+def _short_error(exc: BaseException) -> str:
+    """The DSL's errors can carry whole IR dumps; keep the head, which names the problem."""
+    lines = f"{type(exc).__name__}: {exc}".splitlines()
+    return "\n".join(lines[:MAX_ERROR_LINES] + (["..."] if len(lines) > MAX_ERROR_LINES else []))
+
+
+def compile_one(spec: KernelSpec) -> Outcome:
+    """Bring ``spec`` into the disk cache (in a worker) and say what this process did: compiled it, or
+    loaded it because another process compiled it since the warmup looked (the cache reports where a
+    kernel came from); errors come back as text, since DSL exceptions do not always pickle."""
+    start = time.perf_counter()
+    try:
+        _, source = get_kernel_and_source(spec)
+    except Exception as exc:  # reported per variant; the other variants still compile
+        return Outcome(spec, time.perf_counter() - start, FAILED, _short_error(exc))
+    return Outcome(spec, time.perf_counter() - start, COMPILED if source == "compiled" else LOADED)
+
+
+def default_jobs() -> int:
+    """The CPUs this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def _compile_all(specs: list[KernelSpec], jobs: int) -> Iterator[Outcome]:
+    """Outcomes in completion order; one worker or one variant compiles in this process (a worker
+    costs a few seconds of imports)."""
+    if jobs <= 1 or len(specs) <= 1:
+        yield from map(compile_one, specs)
+        return
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=min(jobs, len(specs)), mp_context=context) as pool:
+        futures = {pool.submit(compile_one, spec): spec for spec in specs}
+        for future in as_completed(futures):
+            try:
+                yield future.result()
+            except Exception as exc:  # the worker died (e.g. BrokenProcessPool after a crash)
+                yield Outcome(futures[future], 0.0, FAILED, f"worker failed: {exc!r}")
+
+
+def warm(specs: list[KernelSpec], jobs: int | None = None, progress: TextIO | None = None) -> WarmupResult:
+    """Compile the variants of ``specs`` that are not on disk yet, printing one line per variant.
+
+    Parameters
+    ----------
+    specs : list of KernelSpec
+        The variants to bring into the disk cache (``variant_specs`` builds them).
+    jobs : int, optional
+        Worker processes (default: the CPU count).
+    progress : text stream, optional
+        Where the per-variant lines go (default: stderr at the time of the call).
+
+    Returns
+    -------
+    WarmupResult
+        The variants found on disk, and for the others what this process did (compiled, loaded after
+        another process compiled it, failed).
+    """
+    progress = progress or sys.stderr
+    start = time.perf_counter()
+    result = WarmupResult()
+    pending = []
+    for spec in specs:
+        (result.cached if is_cached_on_disk(spec) else pending).append(spec)
+    print(f"{len(specs)} variants: {len(result.cached)} cached, {len(pending)} to compile", file=progress)
+    width = len(str(len(pending)))
+    for i, outcome in enumerate(_compile_all(pending, jobs or default_jobs()), 1):
+        print(
+            f"[{i:>{width}}/{len(pending)}] {outcome.status:<8} {outcome.spec.name()} {outcome.seconds:.1f}s",
+            file=progress,
+            flush=True,
+        )
+        result.add(outcome)
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def cache_dir_problem(path: Path, *, create_parents: bool) -> str | None:
+    """Why kernels cannot be cached in ``path``, or None; creates ``path`` when it is missing.
+
+    Checked once before compiling, so a bad directory is one clear message rather than one error per
+    variant.
+
+    Parameters
+    ----------
+    path : Path
+        The cache directory.
+    create_parents : bool
+        Create missing parent directories (the default location); an explicit ``--cache-dir`` must
+        have an existing parent, which catches typos.
+
+    Returns
+    -------
+    str or None
+        The problem (not a directory, missing parent, cannot be created, not writable), naming the path.
+    """
+    if path.exists() and not path.is_dir():
+        return f"{path} is not a directory"
+    if not path.exists():
+        if not create_parents and not path.parent.is_dir():
+            return f"{path}: its parent directory {path.parent} does not exist"
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            return f"{path} cannot be created ({exc.strerror})"
+    try:
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        return f"{path} is not writable ({exc.strerror})"
+    return None
+
+
+def describe_config(spec: KernelSpec | ReduceSpec) -> str:
+    """The configuration ``spec`` compiles with, as text: ``build.config_for(spec).describe()``."""
+    from ..build import config_for
+
+    return config_for(spec).describe()
+
+
+def collect_reports(specs: list[KernelSpec], jobs: int | None = None, *, sass: bool = True) -> list[dict]:
+    """Cubin reports of variants (compiled first where missing) with their configuration.
+
+    Parameters
+    ----------
+    specs : list of KernelSpec
+    jobs : int, optional
+        Threads (the tools run as subprocesses, so threads parallelize them; default: the CPU count).
+    sass : bool
+        Also disassemble (access widths, local accesses, atomics), about 0.3 s a kernel.
+
+    Returns
+    -------
+    list of dict
+        ``cubin.kernel_report`` of each spec plus ``config`` (``describe_config``), in order.
+    """
+    from .cubin import kernel_report
+
+    def report(spec: KernelSpec) -> dict:
+        return {**kernel_report(spec, sass=sass), "config": describe_config(spec)}
+
+    with ThreadPoolExecutor(max_workers=jobs or default_jobs()) as pool:
+        return list(pool.map(report, specs))
+
+
+REPORT_COLUMNS = (
+    ("kernel", lambda r: r["name"]),
+    ("regs", lambda r: r["registers"]),
+    ("stack B", lambda r: r["stack_bytes"]),
+    ("local B", lambda r: r["local_bytes"]),
+    ("LDL/STL", lambda r: f"{r['local_loads']}/{r['local_stores']}"),
+    ("atomics", lambda r: r["global_atomics"]),
+    ("cluster", lambda r: r["cluster_n"]),
+    ("threads", lambda r: r["threads"] if r["threads"] is not None else "?"),
+    ("ld bits", lambda r: r["global_load_width_bits"]),
+    ("st bits", lambda r: r["global_store_width_bits"]),
+    ("config", lambda r: r["config"]),
+)
+TEXT_COLUMNS = ("kernel", "config")
+REPORT_LEGEND = (
+    "regs: registers per thread; stack B / local B: stack frame and local memory per thread in bytes "
+    "(non-zero means spills); LDL/STL: local loads/stores in the SASS; atomics: global atomics in the "
+    "SASS (non-zero breaks determinism); cluster: CTAs per cluster; "
+    "threads: per CTA; ld/st bits: widest global load/store per thread; config: the config value the "
+    "kernel compiles with (vec: elements per vector, tpr: threads per row, vpt: vectors per thread, "
+    "rows/cta: rows per CTA, min_ctas/SM: register hint, ring: staged row tiles, regs<=: register "
+    "budget, smem: shared memory per CTA in bytes (sized at launch, so the cubin does not record it), "
+    "ctas/SM: resident CTAs, col_lanes/row_lanes: the dW reduction's lanes over columns / partial rows)."
+)
+
+
+def format_report(reports: list[dict]) -> str:
+    """A plain-text table of ``collect_reports`` output (text left-aligned, numbers right-aligned),
+    followed by ``REPORT_LEGEND``."""
+    rows = [[str(get(r)) for _, get in REPORT_COLUMNS] for r in reports]
+    header = [name for name, _ in REPORT_COLUMNS]
+    widths = [max(len(c) for c in column) for column in zip(header, *rows)]
+    left = [name in TEXT_COLUMNS for name in header]
+
+    def line(cells):
+        return "  ".join(c.ljust(w) if lj else c.rjust(w) for c, w, lj in zip(cells, widths, left)).rstrip()
+
+    return "\n".join([line(header)] + [line(r) for r in rows] + [REPORT_LEGEND])
