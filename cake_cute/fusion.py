@@ -12,8 +12,8 @@ the same pass. Two ways to get there:
       h = h + self.feed_forward(normed)
 
 * Hugging Face pre-norm decoders (Llama, Qwen2, Qwen3, Mistral, Gemma, Mixtral, Qwen3-MoE, and any
-  decoder layer whose forward is that same pattern): ``fuse_residual_rmsnorm(model)`` or
-  ``swap_rmsnorm(model, fuse_residual=True)`` swaps the norms and replaces each decoder layer's
+  decoder layer whose forward is that same pattern): ``fuse_residual_rmsnorm(model)`` swaps the norms
+  (``swap_rmsnorm``) and replaces each decoder layer's
   ``forward`` on the instance (as Liger patches instances; the class, the module tree and the state
   dict are unchanged).
 
@@ -52,7 +52,7 @@ import torch
 from torch import nn
 
 from .autograd import DTensor
-from .module import CakeRMSNorm
+from .module import CakeRMSNorm, _is_swappable, swap_rmsnorm
 
 # The body a patchable decoder layer's forward must have, statement for statement; ATTENTION_CALL
 # stands for ``hidden_states, _ = self.self_attn(hidden_states=hidden_states, ..., **kwargs)``, whose
@@ -251,7 +251,7 @@ def _layer_plan(cls: type) -> _LayerPlan:
     if problem is not None:
         raise ValueError(
             f"cannot fuse the residual adds of {cls.__qualname__}: its forward is not the pre-norm "
-            f"decoder pattern the patch computes ({problem}); use swap_rmsnorm without fuse_residual"
+            f"decoder pattern the patch computes ({problem}); use swap_rmsnorm alone"
         )
     named = [p for p in signature.parameters.values() if p.name not in ("self", "hidden_states")]
     return _LayerPlan(
@@ -280,8 +280,6 @@ def _decoder_stacks(model: nn.Module) -> list[tuple[nn.Module, nn.ModuleList]]:
 
 
 def _require_swappable_norms(layer: nn.Module) -> None:
-    from .module import _is_swappable
-
     for name in ("input_layernorm", "post_attention_layernorm"):
         norm = getattr(layer, name)
         if not isinstance(norm, CakeRMSNorm) and not _is_swappable(norm):
@@ -291,17 +289,10 @@ def _require_swappable_norms(layer: nn.Module) -> None:
             )
 
 
-def plan_residual_fusion(model: nn.Module):
-    """Check that every decoder layer of ``model`` can be patched, before anything changes, and return
-    the function that patches them once their norms are ``CakeRMSNorm`` (``swap_rmsnorm`` calls both
-    with ``fuse_residual=True``). That function returns how many layers it patched.
-
-    Raises
-    ------
-    ValueError
-        No decoder layer stack found, a layer's forward is not the pre-norm pattern, or a layer's norm
-        is not one ``swap_rmsnorm`` replaces.
-    """
+def _planned_patch(model: nn.Module):
+    """Check that every decoder layer of ``model`` can be patched, before anything changes (a
+    ``ValueError`` naming what is not), and return the function that patches them once their norms are
+    ``CakeRMSNorm``."""
     stacks = _decoder_stacks(model)
     if not stacks:
         raise ValueError(
@@ -326,15 +317,14 @@ def plan_residual_fusion(model: nn.Module):
                 layer.forward = _fused_layer_forward.__get__(layer, type(layer))
             if final is not None:
                 final.forward = functools.partial(_final_norm_forward, final, handoff=handoff)
-        return len(plans)
 
     return patch
 
 
 def fuse_residual_rmsnorm(model: nn.Module, weight_offset: float | None = None) -> int:
-    """Swap the RMSNorm modules of a Hugging Face pre-norm decoder for ``CakeRMSNorm`` and fuse every
-    residual add into the norm that follows it; same as ``swap_rmsnorm(model, weight_offset,
-    fuse_residual=True)``.
+    """Swap the RMSNorm modules of a Hugging Face pre-norm decoder for ``CakeRMSNorm`` (``swap_rmsnorm``)
+    and fuse every residual add into the norm that follows it. The layers are checked before anything
+    is swapped.
 
     Parameters
     ----------
@@ -351,9 +341,13 @@ def fuse_residual_rmsnorm(model: nn.Module, weight_offset: float | None = None) 
     Raises
     ------
     ValueError
-        The model has no decoder layers in the Hugging Face layout, or a layer's forward is not the
-        pre-norm pattern (the message names the class); ``swap_rmsnorm``'s errors.
+        The model has no decoder layers in the Hugging Face layout, a layer's forward is not the
+        pre-norm pattern, or a layer's norm is not one ``swap_rmsnorm`` replaces (the message names the
+        class); ``swap_rmsnorm``'s errors.
+    TypeError
+        weight_offset is not a number.
     """
-    from .module import swap_rmsnorm
-
-    return swap_rmsnorm(model, weight_offset, fuse_residual=True)
+    patch = _planned_patch(model)
+    swapped = swap_rmsnorm(model, weight_offset)
+    patch()
+    return swapped

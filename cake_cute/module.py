@@ -220,7 +220,7 @@ def _model_device(model: nn.Module) -> torch.device:
     return tensor.device if tensor is not None else torch.device("cpu")
 
 
-def swap_rmsnorm(model: nn.Module, weight_offset: float | None = None, fuse_residual: bool = False) -> int:
+def swap_rmsnorm(model: nn.Module, weight_offset: float | None = None) -> int:
     """Replace, in place, every ``torch.nn.RMSNorm`` over one dimension and every Hugging Face-style
     RMSNorm module of ``model`` with a ``CakeRMSNorm`` that keeps the same weight Parameter, eps and
     training mode.
@@ -236,9 +236,6 @@ def swap_rmsnorm(model: nn.Module, weight_offset: float | None = None, fuse_resi
         The scale of every swapped module is ``weight + weight_offset``. None: 0.0 for
         ``torch.nn.RMSNorm``; for Hugging Face modules a guess from the forward's source (``1 + weight``
         means 1.0), with a ``UserWarning`` that names the classes guessed.
-    fuse_residual : bool
-        Also patch the model's Hugging Face pre-norm decoder layers so that every residual add is done
-        by the norm that follows it (see ``cake_cute.fusion``); checked before anything is swapped.
 
     Returns
     -------
@@ -249,17 +246,12 @@ def swap_rmsnorm(model: nn.Module, weight_offset: float | None = None, fuse_resi
     ------
     ValueError
         ``model`` is itself an RMSNorm; a norm weight is already a DTensor (the model was parallelized
-        or sharded before the swap); weight_offset is not finite; with ``fuse_residual``, the model
-        has no decoder layers the patch recognizes (the message names the class).
+        or sharded before the swap); weight_offset is not finite.
     TypeError
         weight_offset is not a number.
     """
     if _is_swappable(model):
         raise ValueError("model is itself an RMSNorm; construct a CakeRMSNorm instead of swapping in place")
-    if fuse_residual:
-        from .fusion import plan_residual_fusion
-
-        patch_layers = plan_residual_fusion(model)
     found = [
         (parent, name, child)
         for parent in model.modules()
@@ -276,6 +268,4 @@ def swap_rmsnorm(model: nn.Module, weight_offset: float | None = None, fuse_resi
         if child not in replaced:
             replaced[child] = _replacement(child, device, offsets[child])
         setattr(parent, name, replaced[child])
-    if fuse_residual:
-        patch_layers()
     return len(replaced)

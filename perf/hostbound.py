@@ -11,8 +11,9 @@ behind the host this is what a call costs the host. Ops:
 * ``fwd``: the same call under ``torch.no_grad()``;
 * ``bwd``: ``torch.autograd.grad(..., retain_graph=True)`` on a graph built once.
 
-The implementations are ``cake_cute.bench``'s adapters (the ones the sweep measures). ``mode =
-compile`` wraps each adapter's call in ``torch.compile(dynamic=False)``, one graph per (T, residual).
+The implementations are the adapters of ``cake_cute.tools.bench.peers`` (the ones the sweep
+measures). ``mode = compile`` wraps each adapter's call in ``torch.compile(dynamic=False)``, one
+graph per (T, residual).
 
 ``--cpu-layers`` (no CUDA needed): the cost of cake_cute's Python layers on the path every non-eager-CUDA
 call takes (``cake_rmsnorm`` -> autograd -> argument checks -> the ``cake_cute::`` custom ops), with the
@@ -97,14 +98,14 @@ def measure(torch, impl: str, forward, mode: str, rows: list, args, device, sync
 def gpu_main(torch, args) -> list:
     import torch._functorch.config as functorch_config
 
-    from cake_cute import bench
+    from cake_cute.tools.bench import peers
 
     functorch_config.donated_buffer = False  # bwd re-runs a compiled backward on a retained graph
     torch._dynamo.config.recompile_limit = 64
     rows: list = []
     for impl in args.impls:
         try:
-            adapter = bench._FACTORIES[impl](torch, EPS)
+            adapter = peers.FACTORIES[impl](torch, EPS)
         except ImportError as e:
             print(f"skip {impl}: {e}", file=sys.stderr)
             continue
@@ -127,13 +128,13 @@ def _allocating_backward(g, x, w, rstd, g_residual=None, weight_offset=0.0, dete
 
 def cpu_layers_main(torch, args) -> list:
     """cake_cute's layers with allocate-only CPU kernels vs torch's CPU F.rms_norm (see the module)."""
-    from cake_cute import bench
+    from cake_cute.tools.bench import peers
 
     torch.library.register_kernel("cake_cute::rmsnorm_fwd", "cpu", _allocating_forward)
     torch.library.register_kernel("cake_cute::rmsnorm_bwd", "cpu", _allocating_backward)
     rows: list = []
     for impl in ("cake_cute", "torch"):
-        adapter = bench._FACTORIES[impl](torch, EPS)
+        adapter = peers.FACTORIES[impl](torch, EPS)
         args.extra = {"path": "cpu-layers", "kernel": "allocate-only" if impl == "cake_cute" else "torch cpu"}
         measure(torch, impl, adapter.forward, "eager", rows, args, "cpu", lambda: None)
     return rows

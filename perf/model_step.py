@@ -6,10 +6,11 @@ Shapes: 4 layers at H = 2048 and at H = 4096, 8192 tokens (batch 4 x sequence 20
 (peers skipped when they do not import):
 
 * ``torch``: every RMSNorm is ``torch.nn.RMSNorm`` (the residual adds are the model's own);
-* ``cake_cute``: ``swap_rmsnorm(model, fuse_residual=True)``, every residual add done by the norm
+* ``cake_cute``: ``fuse_residual_rmsnorm(model)``, every residual add done by the norm
   that follows it (``cake_cute_unfused``, on request: ``swap_rmsnorm(model)`` alone);
-* ``liger`` / ``quack``: every RMSNorm calls that library's RMSNorm (``cake_cute.bench``'s adapters,
-  patched on the instances so nothing global changes between implementations).
+* ``liger`` / ``quack``: every RMSNorm calls that library's RMSNorm (the adapters of
+  ``cake_cute.tools.bench.peers``, patched on the instances so nothing global changes between
+  implementations).
 
 The model is Hugging Face's ``LlamaForCausalLM`` (sdpa attention, loss from ``labels=``) when
 transformers imports, else the Llama of ``perf/distributed/model.py`` (its fused-residual blocks for
@@ -80,7 +81,8 @@ TINY_SHAPES = (Shape(2, 64, 2, 32, vocab=128),)
 
 
 class AdapterNorm(nn.Module):
-    """An RMSNorm that calls a ``cake_cute.bench`` adapter (Liger's or quack's kernel) on its weight."""
+    """An RMSNorm that calls a ``cake_cute.tools.bench.peers`` adapter (Liger's or quack's kernel) on
+    its weight."""
 
     def __init__(self, adapter, weight: nn.Parameter):
         super().__init__()
@@ -158,14 +160,16 @@ def prepare_norms(model: nn.Module, impl: str, fused: bool) -> None:
     fallback model built with fused-residual blocks)."""
     import cake_cute
 
-    if impl.startswith("cake_cute"):
-        cake_cute.swap_rmsnorm(model, weight_offset=0.0, fuse_residual=fused and impl == "cake_cute")
+    if impl == "cake_cute" and fused:
+        cake_cute.fuse_residual_rmsnorm(model, weight_offset=0.0)
+    elif impl.startswith("cake_cute"):
+        cake_cute.swap_rmsnorm(model, weight_offset=0.0)
     elif impl == "torch":
         replace_norms(model, _torch_norm)
     else:
-        from cake_cute import bench
+        from cake_cute.tools.bench import peers
 
-        adapter = bench._FACTORIES[impl](torch, EPS)
+        adapter = peers.FACTORIES[impl](torch, EPS)
         replace_norms(model, lambda weight: AdapterNorm(adapter, weight))
 
 
@@ -214,10 +218,10 @@ def time_steps(model, loss, device, warmup: int, steps: int) -> tuple[float, flo
 def _available(impl: str) -> bool:
     if impl in ("torch", "cake_cute", "cake_cute_unfused"):
         return True
-    from cake_cute import bench
+    from cake_cute.tools.bench import peers
 
     try:
-        bench._FACTORIES[impl](torch, EPS)
+        peers.FACTORIES[impl](torch, EPS)
     except ImportError as e:
         print(f"skip {impl}: {e}", file=sys.stderr)
         return False

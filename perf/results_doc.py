@@ -1,5 +1,6 @@
 """The results document the model-step and host-bound scripts write: what ran where (script, device,
-commit, versions of torch and the peers) and one row per line (``cake_cute.bench``'s JSON layout)."""
+commit, versions of torch and the peers) and one row per line (the JSON layout of
+``cake_cute.tools.bench.results``)."""
 
 from __future__ import annotations
 
@@ -10,16 +11,16 @@ def write_results(path: Path, script: str, device: str, rows: list[dict], **extr
     """Write ``rows`` with the run's facts (and ``extra`` fields) to ``path`` atomically."""
     import torch
 
-    from cake_cute import bench
+    from cake_cute.tools.bench import peers, results
 
     doc = {
         "script": script,
         "device": device,
-        "commit": bench.git_commit(),
+        "commit": results.git_commit(),
         "torch": torch.__version__,
-        "versions": bench._versions(),
+        "versions": peers.versions(),
         **extra,
         "rows": rows,
     }
-    bench.write_json(path, doc)
+    results.write_json(path, doc)
     print(f"wrote {len(rows)} rows to {path}")

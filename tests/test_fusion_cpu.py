@@ -73,7 +73,7 @@ def _swapped(model, fuse: bool):
     model = copy.deepcopy(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the weight_offset guess warning (Gemma's is tested elsewhere)
-        swap_rmsnorm(model, fuse_residual=fuse)
+        (fuse_residual_rmsnorm if fuse else swap_rmsnorm)(model)
     return model
 
 
@@ -232,7 +232,7 @@ def test_sandwich_norm_layers_are_refused_by_name():
     model = transformers.Gemma2ForCausalLM(config)
     before = copy.deepcopy(model.state_dict())
     with pytest.raises(ValueError, match="Gemma2DecoderLayer"):
-        swap_rmsnorm(model, weight_offset=1.0, fuse_residual=True)
+        fuse_residual_rmsnorm(model, weight_offset=1.0)
     assert not any(isinstance(m, CakeRMSNorm) for m in model.modules())  # nothing was swapped
     assert model.state_dict().keys() == before.keys()
 
@@ -291,7 +291,7 @@ def test_plain_block_with_add_rmsnorm():
 
 def test_plain_model_without_decoder_layers_is_named():
     with pytest.raises(ValueError, match="Sequential has no Hugging Face-style decoder layers.*add_rmsnorm"):
-        swap_rmsnorm(nn.Sequential(_Block()), fuse_residual=True)
+        fuse_residual_rmsnorm(nn.Sequential(_Block()))
 
 
 def _residual_norm_calls(graph_module) -> tuple[int, int]:

@@ -1,4 +1,4 @@
-"""The fused residual of ``swap_rmsnorm(model, fuse_residual=True)`` on a GPU, where eager calls launch
+"""The fused residual of ``fuse_residual_rmsnorm(model)`` on a GPU, where eager calls launch
 the kernels directly (not through the custom ops the CPU tests run): a tiny random Hugging Face Llama
 and Gemma in bf16, against the unfused cake model and the unpatched model, eager and compiled."""
 
