@@ -90,7 +90,9 @@ class AdapterNorm(nn.Module):
         self.weight = weight
 
     def forward(self, x):
-        return self.adapter.forward(x, self.weight, None)[0]
+        # The peers' kernels take rows: [batch, seq, H] as [batch * seq, H] (a view).
+        rows = x.reshape(-1, x.shape[-1])
+        return self.adapter.forward(rows, self.weight, None)[0].view(x.shape)
 
 
 def _is_rmsnorm(module: nn.Module) -> bool:
