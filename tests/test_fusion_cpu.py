@@ -209,6 +209,20 @@ def test_a_stale_handoff_is_not_used():
     assert torch.equal(_step(fused)[0], _step(unfused)[0])
 
 
+def test_a_layer_called_with_positional_arguments():
+    """Arguments given by position reach the attention under the original forward's names."""
+    model = _tiny("llama")
+    fused, unfused = _swapped(model, fuse=True), _swapped(model, fuse=False)
+    hidden = torch.randn(2, 12, HIDDEN)
+    position_ids = torch.arange(12).unsqueeze(0)
+    rope = model.model.rotary_emb(hidden, position_ids=position_ids)
+    mask = torch.full((12, 12), float("-inf")).triu(1).expand(2, 1, 12, 12)
+    expected = unfused.model.layers[0](hidden, mask, position_ids, None, False, rope)
+    assert torch.equal(fused.model.layers[0](hidden, mask, position_ids, None, False, rope), expected)
+    with pytest.raises(TypeError, match="positional arguments"):
+        fused.model.layers[0](hidden, mask, position_ids, None, False, rope, "extra")
+
+
 def test_no_grad_generation_path():
     model = _tiny("llama").eval()
     fused = _swapped(model, fuse=True)
