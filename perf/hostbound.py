@@ -52,7 +52,7 @@ def per_call_us(fn, reps: int, sync) -> float:
     return (time.perf_counter() - start) / reps * 1e6
 
 
-def op_callables(torch, forward, x, w, r, g):
+def op_callables(forward, x, w, r, g):
     """{"step", "fwd", "bwd"} -> a zero-argument call of that op for one (x, w, r)."""
     leaves = (x, w) if r is None else (x, w, r)
 
@@ -71,7 +71,7 @@ def op_callables(torch, forward, x, w, r, g):
     return {"step": step, "fwd": fwd, "bwd": bwd}
 
 
-def measure(torch, impl: str, forward, mode: str, rows: list, args, device, sync) -> None:
+def measure(impl: str, forward, mode: str, rows: list, args, device, sync) -> None:
     """Append the rows of one implementation in one mode over every (residual, T)."""
     for residual in (False, True):
         for tokens in args.tokens:
@@ -88,20 +88,19 @@ def measure(torch, impl: str, forward, mode: str, rows: list, args, device, sync
             r = leaf(tokens, args.hidden) if residual else None
             g = torch.randn(tokens, args.hidden, generator=gen, device=device, dtype=torch.bfloat16)
             fn = torch.compile(forward, dynamic=False) if mode == "compile" else forward
-            for op, call in op_callables(torch, fn, x, w, r, g).items():
+            for op, call in op_callables(fn, x, w, r, g).items():
                 us = per_call_us(call, args.reps, sync)
                 row = dict(impl=impl, op=op, mode=mode, residual=residual, T=tokens, H=args.hidden)
                 rows.append({**row, "dtype": "bfloat16", "us_per_call": round(us, 2), **args.extra})
                 print(json.dumps(rows[-1]), flush=True)
 
 
-def gpu_main(torch, args) -> list:
+def gpu_main(args) -> list:
     import torch._functorch.config as functorch_config
 
     from cake_cute.tools.bench import peers
 
     functorch_config.donated_buffer = False  # bwd re-runs a compiled backward on a retained graph
-    torch._dynamo.config.recompile_limit = 64
     rows: list = []
     for impl in args.impls:
         try:
@@ -111,7 +110,7 @@ def gpu_main(torch, args) -> list:
             continue
         for mode in args.modes:
             try:
-                measure(torch, impl, adapter.forward, mode, rows, args, "cuda", torch.cuda.synchronize)
+                measure(impl, adapter.forward, mode, rows, args, "cuda", torch.cuda.synchronize)
             except Exception as e:  # a peer that fails under compile: note it, measure the rest
                 print(f"skip {impl} {mode}: {type(e).__name__}: {e}", file=sys.stderr)
     return rows
@@ -126,7 +125,7 @@ def _allocating_backward(g, x, w, rstd, g_residual=None, weight_offset=0.0, dete
     return torch.empty_like(x), torch.empty_like(w)
 
 
-def cpu_layers_main(torch, args) -> list:
+def cpu_layers_main(args) -> list:
     """cake_cute's layers with allocate-only CPU kernels vs torch's CPU F.rms_norm (see the module)."""
     from cake_cute.tools.bench import peers
 
@@ -136,7 +135,7 @@ def cpu_layers_main(torch, args) -> list:
     for impl in ("cake_cute", "torch"):
         adapter = peers.FACTORIES[impl](torch, EPS)
         args.extra = {"path": "cpu-layers", "kernel": "allocate-only" if impl == "cake_cute" else "torch cpu"}
-        measure(torch, impl, adapter.forward, "eager", rows, args, "cpu", lambda: None)
+        measure(impl, adapter.forward, "eager", rows, args, "cpu", lambda: None)
     return rows
 
 
@@ -157,7 +156,7 @@ def main(argv=None) -> int:
     args.extra = {}
     args.tokens = args.tokens or ([1, 16] if args.cpu_layers else [1, 16, 256, 2048])
     _use_source_tree()
-    rows = cpu_layers_main(torch, args) if args.cpu_layers else gpu_main(torch, args)
+    rows = cpu_layers_main(args) if args.cpu_layers else gpu_main(args)
     device = "cpu" if args.cpu_layers else torch.cuda.get_device_name()
     write_results(args.out, "perf/hostbound.py", device, rows, reps=args.reps)
     return 0
