@@ -17,7 +17,8 @@ transformers imports, else the Llama of ``perf/distributed/model.py`` (its fused
 cake_cute). Every implementation starts from the same seed. A step is timed with CUDA events after
 ``--warmup`` steps (which include the compile), median over ``--steps``; ``peak_gib`` is the peak
 allocated memory over the timed steps. ``--device cpu --tiny`` runs a tiny model on CPU (host clock,
-no peak memory) to check the script end to end.
+no peak memory) to check the script end to end. ``--hidden 2048`` runs one of the shapes and
+``--append`` keeps OUT's rows, so a long run can be split over several commands into one file.
 
 Rows: ``{impl, mode, layers, H, tokens, step_ms, peak_gib}``.
 """
@@ -233,7 +234,8 @@ def _available(impl: str) -> bool:
 def run(args) -> list[dict]:
     device = torch.device(args.device)
     rows = []
-    for shape in TINY_SHAPES if args.tiny else FULL_SHAPES:
+    shapes = TINY_SHAPES if args.tiny else [s for s in FULL_SHAPES if s.hidden in args.hidden]
+    for shape in shapes:
         for impl in [i for i in args.impls if _available(i)]:
             for mode in args.modes:
                 torch._dynamo.reset()
@@ -264,11 +266,19 @@ def main(argv=None) -> int:
     p.add_argument("--modes", type=lambda s: s.split(","), default=["eager", "compile"])
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument(
+        "--hidden",
+        type=lambda s: [int(h) for h in s.split(",")],
+        default=[shape.hidden for shape in FULL_SHAPES],
+        help="the full shapes to run, by H (default 2048,4096); --append collects several runs in one file",
+    )
+    p.add_argument("--append", action="store_true", help="keep the rows already in OUT (other shapes)")
     args = p.parse_args(argv)
     if unknown := set(args.impls) - set(ALL_IMPLS):
         p.error(f"--impls: unknown {sorted(unknown)}, expected a subset of {','.join(ALL_IMPLS)}")
     _use_source_tree()
-    rows = run(args)
+    kept = json.loads(args.out.read_text())["rows"] if args.append and args.out.exists() else []
+    rows = kept + run(args)
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device
     write_results(args.out, "perf/model_step.py", device, rows, warmup=args.warmup, steps=args.steps)
     return 0
