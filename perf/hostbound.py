@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from results_doc import write_results  # noqa: E402
+from results_doc import kept_rows, write_results  # noqa: E402
 from sweep import _use_source_tree  # noqa: E402
 
 EPS = 1e-6
@@ -152,11 +152,12 @@ def main(argv=None) -> int:
     p.add_argument("--impls", type=lambda s: s.split(","), default=list(IMPLS))
     p.add_argument("--modes", type=lambda s: s.split(","), default=["eager", "compile"])
     p.add_argument("--cpu-layers", action="store_true", help="CPU only: cake_cute's Python layers")
+    p.add_argument("--append", action="store_true", help="keep the rows already in OUT (a split run)")
     args = p.parse_args(argv)
     args.extra = {}
     args.tokens = args.tokens or ([1, 16] if args.cpu_layers else [1, 16, 256, 2048])
     _use_source_tree()
-    rows = cpu_layers_main(args) if args.cpu_layers else gpu_main(args)
+    rows = kept_rows(args.out, args.append) + (cpu_layers_main(args) if args.cpu_layers else gpu_main(args))
     device = "cpu" if args.cpu_layers else torch.cuda.get_device_name()
     write_results(args.out, "perf/hostbound.py", device, rows, reps=args.reps)
     return 0

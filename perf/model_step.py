@@ -39,7 +39,7 @@ from torch import nn
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from results_doc import write_results  # noqa: E402
+from results_doc import kept_rows, write_results  # noqa: E402
 from sweep import _use_source_tree  # noqa: E402
 
 IMPLS = ("torch", "cake_cute", "liger", "quack")
@@ -277,8 +277,7 @@ def main(argv=None) -> int:
     if unknown := set(args.impls) - set(ALL_IMPLS):
         p.error(f"--impls: unknown {sorted(unknown)}, expected a subset of {','.join(ALL_IMPLS)}")
     _use_source_tree()
-    kept = json.loads(args.out.read_text())["rows"] if args.append and args.out.exists() else []
-    rows = kept + run(args)
+    rows = kept_rows(args.out, args.append) + run(args)
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device
     write_results(args.out, "perf/model_step.py", device, rows, warmup=args.warmup, steps=args.steps)
     return 0

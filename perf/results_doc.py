@@ -4,7 +4,13 @@ commit, versions of torch and the peers) and one row per line (the JSON layout o
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+
+
+def kept_rows(path: Path, append: bool) -> list[dict]:
+    """The rows already in ``path`` when appending (a run split over several commands), else none."""
+    return json.loads(path.read_text())["rows"] if append and path.exists() else []
 
 
 def write_results(path: Path, script: str, device: str, rows: list[dict], **extra) -> None:
