@@ -45,14 +45,14 @@ from typing import NamedTuple
 
 import torch
 
-from . import dispatch
+from . import cpu, dispatch
 from . import validation as v
 from .build import quant_kind
 from .compile_cache import kernel
+from .custom_ops import check_forward_arguments
 from .device import on_device
 from .kernels.config import E4M3_MAX, FP32_BITS_OF_2_POW_M127, FP32_NAN_BITS, QUANT_RECIPES
 from .operands import known_operands, operands
-from .reference import backward_reference
 from .specs import KernelSpec
 from .views import aligned_vector, kernel_view
 
@@ -284,16 +284,12 @@ def check_scale_layout(scale_layout, recipe: str) -> str:
 
 def check_arguments(x, w, eps, residual, recipe, emit_y, weight_offset, scale_layout="compact"):
     """Every argument of ``cake_rmsnorm_fp8``, before anything runs; returns (eps, weight_offset)."""
-    v.check_activation(x)
-    v.check_weight(w, x)
-    eps = v.check_eps(eps)
+    check_forward_arguments(x, w, eps, residual)
     weight_offset = v.check_weight_offset(weight_offset)
-    if residual is not None:
-        v.check_like("residual", residual, x)
     check_recipe(recipe)
     v.check_bool("emit_y", emit_y)
     check_scale_layout(scale_layout, recipe)
-    return eps, weight_offset
+    return v.check_eps(eps), weight_offset
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -362,12 +358,6 @@ def fp8_forward(x, w, eps, residual, recipe, emit_y, weight_offset):
     return data, scales.reshape(*x.shape[:-1], scales.shape[-1]), y, rstd, h_new
 
 
-def backward_reference_cast(g, h, w, rstd, g_residual, weight_offset):
-    """The RMSNorm backward in FP32 torch, cast to h's and w's dtypes: the CPU backward."""
-    dx, dw = backward_reference(g, h, w, rstd, g_residual, weight_offset, compute_dtype=torch.float32)
-    return dx.to(h.dtype), dw.to(w.dtype)
-
-
 def _placeholder(x: torch.Tensor) -> torch.Tensor:
     """A (…, H) zero without memory: it stands for y in autograd when y is not emitted."""
     return x.new_zeros(()).expand(x.shape)
@@ -378,7 +368,7 @@ def _backward_eager(h, w, rstd, g, g_residual, weight_offset):
 
     if h.device.type == "cuda":
         return backward_from_saved(g, h, w, rstd, g_residual, weight_offset)
-    return backward_reference_cast(g, h, w, rstd, g_residual, weight_offset)
+    return cpu.backward(g, h, w, rstd, g_residual, weight_offset)
 
 
 class CakeRMSNormFp8Function(torch.autograd.Function):
@@ -465,10 +455,7 @@ def _op_backward(ctx, _g_data, _g_scales, g, _g_rstd, g_h_new):
     g_residual = g_h_new if ctx.residual else None
     if g is None:
         return g_residual, None, None, g_residual, None, None, None
-    if h.device.type == "cuda":
-        dx, dw = torch.ops.cake_cute.rmsnorm_bwd(g, h, w, rstd, g_residual, ctx.weight_offset, True, w.dtype)
-    else:  # traced as plain torch ops: compiled graphs differentiate on CPU too
-        dx, dw = backward_reference_cast(g, h, w, rstd, g_residual, ctx.weight_offset)
+    dx, dw = torch.ops.cake_cute.rmsnorm_bwd(g, h, w, rstd, g_residual, ctx.weight_offset, True)
     return dx, dw, None, (dx if ctx.residual else None), None, None, None
 
 
