@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""``python perf/fp8_bench.py OUT.json [--grid standard,training] [--recipes mxfp8,1x128] [--dtype bf16]``
+"""``python perf/fp8_bench.py OUT.json [--grid standard,training] [--recipes mxfp8,1x128] [--dtype bf16]
+[--append]``
 
 The fused RMSNorm -> block-scaled e4m3 forward (impl ``cake_cute``) against cake's forward followed by
 a separate quantize of y: torchao's MX quantizer when importable (``cake_cute+torchao``, MXFP8 only)
@@ -25,6 +26,7 @@ from functools import cache
 from pathlib import Path
 
 import torch
+from results_doc import kept_rows, write_results
 
 from cake_cute import cake_rmsnorm_train_forward, fp8
 from cake_cute.vocab import DTYPE_NAMES, torch_dtype
@@ -163,6 +165,7 @@ def main(argv=None) -> int:
     parser.add_argument("--grid", default="standard,training", help="standard, training or both")
     parser.add_argument("--recipes", default=",".join(fp8.RECIPES))
     parser.add_argument("--dtype", default="bf16", choices=DTYPE_NAMES)
+    parser.add_argument("--append", action="store_true", help="keep the rows already in OUT (split runs)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU")
@@ -174,11 +177,10 @@ def main(argv=None) -> int:
         for residual in (False, True):
             for t, h in dict.fromkeys(shapes):
                 rows += bench_shape(recipe, residual, args.dtype, t, h)
-    doc = dict(
-        gpu=torch.cuda.get_device_name(), torch=torch.__version__, calls=CALLS, replays=REPLAYS, rows=rows
-    )
+    rows = kept_rows(args.out, args.append) + rows
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=1) + "\n")
+    device = torch.cuda.get_device_name()
+    write_results(args.out, "perf/fp8_bench.py", device, rows, calls=CALLS, replays=REPLAYS)
     return 0
 
 
