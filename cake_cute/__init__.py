@@ -4,7 +4,10 @@ from importlib.metadata import version as _installed_version
 
 __version__ = _installed_version("cake-cute")  # the one source: pyproject.toml
 
+import torch  # noqa: E402
+
 from .autograd import CakeRMSNormFunction, cake_rmsnorm  # noqa: E402
+from .fusion import add_rmsnorm, fuse_residual_rmsnorm  # noqa: E402
 from .module import CakeRMSNorm, swap_rmsnorm  # noqa: E402
 from .ops import (  # noqa: E402
     cake_rmsnorm_train_backward,
@@ -14,14 +17,21 @@ from .ops import (  # noqa: E402
 )
 from .validation import is_cake_rmsnorm_train_supported  # noqa: E402
 
+if torch.distributed.is_available():
+    # Registers the DTensor sharding rules of the custom ops.
+    from .distributed import SequenceParallelResidual  # noqa: E402, F401
+
 __all__ = [
     "CakeRMSNorm",
     "CakeRMSNormFunction",
+    "add_rmsnorm",
+    "SequenceParallelResidual",
     "cake_rmsnorm",
     "cake_rmsnorm_train_backward",
     "cake_rmsnorm_train_backward_workspace",
     "cake_rmsnorm_train_backward_workspace_bytes",
     "cake_rmsnorm_train_forward",
+    "fuse_residual_rmsnorm",
     "is_cake_rmsnorm_train_supported",
     "swap_rmsnorm",
 ]

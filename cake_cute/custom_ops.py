@@ -1,26 +1,32 @@
-"""The kernels as ``torch.library`` custom ops, so that torch.compile sees two opaque nodes instead of
-launch code it cannot trace (no graph break).
+"""The kernels as ``torch.library`` custom ops, and the save/backward logic both autograd paths share.
 
 ``cake_cute::rmsnorm_fwd`` returns ``(y, rstd, h_new)`` and ``cake_cute::rmsnorm_bwd`` returns
-``(dx, dw)``. Both have fake implementations (output shapes, dtypes and devices without running
-anything) and the forward has a registered autograd formula, so AOTAutograd puts the backward op in the
-backward graph. A schema has a fixed number of outputs, so in plain mode (no residual) ``h_new`` is an
-empty tensor.
+``(dx, dw)``. rstd is shaped ``x.shape[:-1]`` at the op boundary (the functional kernels use one row
+per value, ``[T]``; the ops view it), so an N-D input stays N-D and a DTensor sharded on any
+non-hidden dimension needs no redistribution. dw comes back in w's dtype, as autograd wants it. A
+schema has a fixed number of outputs, so in plain mode (no residual) ``h_new`` is an empty tensor.
 
-Eager code never comes here: a Python custom op pays the dispatcher tens of microseconds per call, so
-``cake_rmsnorm`` and ``CakeRMSNormFunction`` launch the kernels directly and switch to these ops only
-while ``torch.compiler.is_compiling()``. Caller-owned ``out=`` buffers are an eager feature and have no
-op form.
+Where the ops are used:
+
+* torch.compile sees two opaque nodes instead of launch code it cannot trace (no graph break): the
+  fake implementations give output shapes without running anything, and the forward's registered
+  autograd puts the backward op in the backward graph;
+* DTensor inputs: the sharding rules in ``cake_cute.distributed`` tell DTensor how the outputs and the
+  weight gradient are placed;
+* CPU tensors: the CPU kernels (``cake_cute.cpu``) follow the SPEC's math.
+
+Eager calls on plain CUDA tensors do not come here: a Python custom op pays the dispatcher tens of
+microseconds per call, so ``CakeRMSNormFunction`` launches the kernels directly (see ``autograd``).
+Caller-owned ``out=`` buffers are an eager feature and have no op form.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 
+from . import cpu
 from . import validation as v
-from .ops import cake_rmsnorm_train_backward, cake_rmsnorm_train_forward
+from .ops import backward_from_saved, cake_rmsnorm_train_backward, cake_rmsnorm_train_forward
 
 _FWD_SCHEMA = (
     "(Tensor x, Tensor w, float eps, Tensor? residual=None, float weight_offset=0.0, "
@@ -28,78 +34,118 @@ _FWD_SCHEMA = (
 )
 _BWD_SCHEMA = (
     "(Tensor g, Tensor x, Tensor w, Tensor rstd, Tensor? g_residual=None, float weight_offset=0.0, "
-    "bool deterministic=True, ScalarType? dw_dtype=None) -> (Tensor, Tensor)"
+    "bool deterministic=True) -> (Tensor, Tensor)"
 )
 
 
 @torch.library.custom_op("cake_cute::rmsnorm_fwd", mutates_args=(), schema=_FWD_SCHEMA)
 def rmsnorm_fwd(x, w, eps, residual=None, weight_offset=0.0, deterministic=True):
-    """``(y, rstd, h_new)``. ``deterministic`` only travels to the backward through autograd."""
+    """``(y, rstd, h_new)`` on CUDA. ``deterministic`` only travels to the backward through autograd."""
     outs = cake_rmsnorm_train_forward(x, w, eps, residual=residual, weight_offset=weight_offset)
-    if residual is None:
-        return outs[0], outs[1], x.new_empty(0)
-    return outs
+    rstd = outs[1].view(x.shape[:-1])
+    return outs[0], rstd, (x.new_empty(0) if residual is None else outs[2])
 
 
-@rmsnorm_fwd.register_fake
-def _rmsnorm_fwd_fake(x, w, eps, residual=None, weight_offset=0.0, deterministic=True):
-    """Contiguous outputs like the real op; argument errors surface while tracing, not at run time."""
+@rmsnorm_fwd.register_kernel("cpu")
+def _rmsnorm_fwd_cpu(x, w, eps, residual=None, weight_offset=0.0, deterministic=True):
+    check_forward_arguments(x, w, eps, residual)
+    y, rstd, h_new = cpu.forward(x, w, eps, residual, v.check_weight_offset(weight_offset))
+    return y, rstd, (x.new_empty(0) if h_new is None else h_new)
+
+
+def check_forward_arguments(x, w, eps, residual) -> None:
+    """The forward's argument errors (TypeError / ValueError naming the argument), device excepted."""
     v.check_activation(x)
     v.check_weight(w, x)
     v.check_eps(eps)
     if residual is not None:
         v.check_like("residual", residual, x)
-    rows = math.prod(x.shape[:-1])
+
+
+@rmsnorm_fwd.register_fake
+def _rmsnorm_fwd_fake(x, w, eps, residual=None, weight_offset=0.0, deterministic=True):
+    """Contiguous outputs like the real op; argument errors surface while tracing, not at run time."""
+    check_forward_arguments(x, w, eps, residual)
     h_new = x.new_empty(x.shape) if residual is not None else x.new_empty(0)
-    return x.new_empty(x.shape), x.new_empty((rows,), dtype=torch.float32), h_new
+    return x.new_empty(x.shape), x.new_empty(x.shape[:-1], dtype=torch.float32), h_new
 
 
 @torch.library.custom_op("cake_cute::rmsnorm_bwd", mutates_args=(), schema=_BWD_SCHEMA)
-def rmsnorm_bwd(g, x, w, rstd, g_residual=None, weight_offset=0.0, deterministic=True, dw_dtype=None):
-    """``(dx, dw)``; dw is FP32 unless ``dw_dtype`` is given (autograd asks for w's dtype)."""
+def rmsnorm_bwd(g, x, w, rstd, g_residual=None, weight_offset=0.0, deterministic=True):
+    """``(dx, dw)`` on CUDA, dw in w's dtype; ``rstd`` is shaped ``x.shape[:-1]``."""
     return cake_rmsnorm_train_backward(
         g,
         x,
         w,
-        rstd,
+        rstd.reshape(-1),
         deterministic=deterministic,
         g_residual=g_residual,
         weight_offset=weight_offset,
-        dw_dtype=dw_dtype or torch.float32,
+        dw_dtype=w.dtype,
     )
 
 
+@rmsnorm_bwd.register_kernel("cpu")
+def _rmsnorm_bwd_cpu(g, x, w, rstd, g_residual=None, weight_offset=0.0, deterministic=True):
+    return cpu.backward(g, x, w, rstd, g_residual, weight_offset)
+
+
 @rmsnorm_bwd.register_fake
-def _rmsnorm_bwd_fake(g, x, w, rstd, g_residual=None, weight_offset=0.0, deterministic=True, dw_dtype=None):
-    return x.new_empty(x.shape), x.new_empty((x.shape[-1],), dtype=dw_dtype or torch.float32)
+def _rmsnorm_bwd_fake(g, x, w, rstd, g_residual=None, weight_offset=0.0, deterministic=True):
+    return x.new_empty(x.shape), w.new_empty(w.shape)
+
+
+# --- the save/backward logic of both autograd paths ------------------------------------------------
+
+
+def save_for_backward(ctx, x, w, residual, rstd, h_new, weight_offset, deterministic, direct) -> None:
+    """Saves exactly (x or h_new, w, rstd) and the flags the backward needs.
+
+    ``direct`` says the forward launched the kernels itself (plain CUDA tensors in eager), so the
+    backward does too and rstd is ``[T]``; otherwise the backward goes through ``rmsnorm_bwd``."""
+    ctx.save_for_backward(x if residual is None else h_new, w, rstd)
+    ctx.residual = residual is not None
+    ctx.weight_offset = weight_offset
+    ctx.deterministic = deterministic
+    ctx.direct = direct
+
+
+def norm_backward(ctx, g, g_h_new):
+    """``(dx, dw, d_residual)`` for a context ``save_for_backward`` filled.
+
+    In residual mode one dx is the gradient of both x and residual (h_new = x + residual). When only
+    h_new was used (``g`` is None), its gradient reaches x and residual unchanged and w gets none."""
+    h, w, rstd = ctx.saved_tensors
+    g_residual = g_h_new if ctx.residual else None
+    if g is None:
+        return g_residual, None, g_residual
+    if ctx.direct:
+        dx, dw = backward_from_saved(g, h, w, rstd, g_residual, ctx.weight_offset)
+    else:
+        dx, dw = torch.ops.cake_cute.rmsnorm_bwd(
+            g, h, w, rstd, g_residual, ctx.weight_offset, ctx.deterministic
+        )
+    return dx, dw, (dx if ctx.residual else None)
 
 
 def _setup_context(ctx, inputs, output):
-    """Saves exactly (x or h_new, w, rstd), like the eager ``CakeRMSNormFunction``."""
     x, w, _eps, residual, weight_offset, deterministic = inputs
     _y, rstd, h_new = output
     ctx.mark_non_differentiable(rstd)
     if residual is None:
         ctx.mark_non_differentiable(h_new)
-    ctx.save_for_backward(x if residual is None else h_new, w, rstd)
-    ctx.residual = residual is not None
-    ctx.weight_offset = weight_offset
-    ctx.deterministic = deterministic
+    save_for_backward(ctx, x, w, residual, rstd, h_new, weight_offset, deterministic, direct=False)
 
 
-def _backward(ctx, g, _g_rstd, g_h):
-    """One dx for both x and residual (h = x + residual); dw in w's dtype."""
-    h, w, rstd = ctx.saved_tensors
-    dx, dw = torch.ops.cake_cute.rmsnorm_bwd(
-        g, h, w, rstd, g_h if ctx.residual else None, ctx.weight_offset, ctx.deterministic, w.dtype
-    )
-    return dx, dw, None, (dx if ctx.residual else None), None, None
+def _backward(ctx, g, _g_rstd, g_h_new):
+    dx, dw, d_residual = norm_backward(ctx, g, g_h_new)
+    return dx, dw, None, d_residual, None, None
 
 
 rmsnorm_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def cake_rmsnorm_traceable(x, w, eps, residual=None, deterministic=True, weight_offset=0.0):
-    """``cake_rmsnorm`` as torch.compile traces it: y, or (y, h_new) when a residual is given."""
+    """``cake_rmsnorm`` through the custom op (torch.compile, DTensor, CPU): y, or (y, h_new)."""
     y, _rstd, h_new = torch.ops.cake_cute.rmsnorm_fwd(x, w, eps, residual, weight_offset, deterministic)
     return y if residual is None else (y, h_new)

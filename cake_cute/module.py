@@ -1,11 +1,17 @@
 """``CakeRMSNorm``, a drop-in ``torch.nn.Module`` for ``torch.nn.RMSNorm``, and ``swap_rmsnorm``, which
-puts it in place of the RMSNorm modules of an existing model (PyTorch's and Hugging Face's)."""
+puts it in place of the RMSNorm modules of an existing model (PyTorch's and Hugging Face's).
+
+Swap before parallelizing (``parallelize_module``, ``fully_shard``, DDP): the parallel styles and FSDP
+replace parameters by DTensors and attach hooks to the modules they see, so a module swapped in
+afterwards would bypass them. ``swap_rmsnorm`` refuses a model whose norm weights are already DTensors.
+"""
 
 from __future__ import annotations
 
 import inspect
 import itertools
 import re
+import warnings
 
 import torch
 from torch import nn
@@ -35,13 +41,46 @@ def _hidden_size(normalized_shape) -> int:
 
 
 class CakeRMSNorm(nn.Module):
-    """RMSNorm over the last dimension with the fused cake_cute kernels; constructed like
-    ``torch.nn.RMSNorm`` plus ``weight_offset`` (the scale is ``weight + weight_offset``; 1.0 is Gemma's
-    ``1 + weight``). ``forward(x, residual=None)`` returns y, or ``(y, x + residual)`` with the residual
-    add fused in. The output has x's dtype."""
+    """RMSNorm over the last dimension with the fused cake_cute kernels, a drop-in for
+    ``torch.nn.RMSNorm``.
+
+    ``forward(x, residual=None)`` returns y, or ``(y, x + residual)`` with the residual add fused in;
+    the output has x's dtype. x may be a DTensor sharded on a non-hidden dimension (sequence parallel):
+    see ``cake_cute.SequenceParallelResidual`` for the residual call.
+
+    Parameters
+    ----------
+    normalized_shape : int or tuple of one int
+        The hidden size H (only the last dimension is normalized).
+    eps : float, optional
+        Added to the mean square; None means the input dtype's machine epsilon, as in torch.
+    elementwise_affine : bool
+        Learn a weight (True) or scale by a fixed ones buffer (False).
+    device, dtype : optional
+        Of the weight.
+    weight_offset : float
+        The scale is ``weight + weight_offset`` (1.0 is Gemma's ``1 + weight``).
+    sequence_parallel : bool
+        Set ``weight.sequence_parallel = True``, the mark Megatron-Core's gradient finalization uses to
+        all-reduce a sequence-parallel norm's weight gradient over the tensor-parallel group.
+
+    Raises
+    ------
+    ValueError
+        ``normalized_shape`` is not one positive int, or eps / weight_offset out of range.
+    TypeError
+        eps or weight_offset is not a number.
+    """
 
     def __init__(
-        self, normalized_shape, eps=None, elementwise_affine=True, device=None, dtype=None, weight_offset=0.0
+        self,
+        normalized_shape,
+        eps=None,
+        elementwise_affine=True,
+        device=None,
+        dtype=None,
+        weight_offset=0.0,
+        sequence_parallel=False,
     ):
         super().__init__()
         self.normalized_shape = (_hidden_size(normalized_shape),)
@@ -51,6 +90,8 @@ class CakeRMSNorm(nn.Module):
         weight = torch.empty(self.normalized_shape, device=device, dtype=dtype)
         if self.elementwise_affine:
             self.weight = nn.Parameter(weight)
+            if sequence_parallel:
+                self.weight.sequence_parallel = True
         else:
             # Not persistent: the state dict matches torch.nn.RMSNorm's, which has no weight here.
             self.register_buffer("weight", weight, persistent=False)
@@ -61,6 +102,7 @@ class CakeRMSNorm(nn.Module):
         nn.init.constant_(self.weight, 1.0 - self.weight_offset)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """y, or ``(y, x + residual)``; see ``cake_rmsnorm``."""
         # eps=None means the input dtype's machine epsilon, as in torch.nn.RMSNorm.
         eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
         w = self.weight
@@ -98,7 +140,8 @@ def _is_hf_rmsnorm(module: nn.Module) -> bool:
 
 
 def _hf_weight_offset(module: nn.Module) -> float:
-    """1.0 when the module scales by ``1 + weight`` (Gemma, Gemma 2/3, Qwen3-Next), else 0.0.
+    """1.0 when the module scales by ``1 + weight`` (Gemma, Gemma 2/3, Qwen3-Next), else 0.0; a guess
+    (``swap_rmsnorm`` warns when it is used).
 
     The forward's source decides, because class names mislead both ways (Gemma3n's RMSNorm scales by
     plain ``weight``, Qwen3-Next's by ``1 + weight``). Without readable source, a class name containing
@@ -126,17 +169,49 @@ def _is_swappable(module: nn.Module) -> bool:
     return _is_hf_rmsnorm(module)
 
 
-def _replacement(module: nn.Module, buffer_device: torch.device) -> CakeRMSNorm:
-    """The CakeRMSNorm to put in place of a swappable ``module``."""
+def _replacement(module: nn.Module, buffer_device: torch.device, weight_offset) -> CakeRMSNorm:
+    """The CakeRMSNorm to put in place of a swappable ``module``; ``weight_offset`` was decided."""
     if not isinstance(module, nn.RMSNorm):
-        new = _wrapping(module.weight, _hf_eps(module), _hf_weight_offset(module))
+        new = _wrapping(module.weight, _hf_eps(module), weight_offset)
     elif module.weight is None:
         new = CakeRMSNorm(
             module.normalized_shape, eps=module.eps, elementwise_affine=False, device=buffer_device
         )
     else:
-        new = _wrapping(module.weight, module.eps, 0.0)
+        new = _wrapping(module.weight, module.eps, weight_offset)
     return new.train(module.training)
+
+
+def _refuse_parallelized(name: str, module: nn.Module) -> None:
+    """A weight that is already a DTensor means parallelize_module / fully_shard ran first."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(getattr(module, "weight", None), DTensor):
+        raise ValueError(
+            f"{name} ({type(module).__name__}) has a DTensor weight: swap_rmsnorm must run before "
+            "parallelize_module / fully_shard, which replace parameters and hook the modules they see"
+        )
+
+
+def _decided_offsets(swappable, weight_offset) -> dict[nn.Module, float]:
+    """The weight_offset of each swappable module: the caller's, 0.0 for torch.nn.RMSNorm, or the
+    source-pattern guess for Hugging Face modules (with one warning naming the classes guessed)."""
+    if weight_offset is not None:
+        offset = v.check_weight_offset(weight_offset)
+        return dict.fromkeys(swappable, offset)
+    decided = {m: 0.0 if isinstance(m, nn.RMSNorm) else _hf_weight_offset(m) for m in swappable}
+    guessed = sorted(
+        {f"{type(m).__name__}: {decided[m]}" for m in swappable if not isinstance(m, nn.RMSNorm)}
+    )
+    if guessed:
+        warnings.warn(
+            f"swap_rmsnorm guessed weight_offset from each module's forward source or class name "
+            f"({', '.join(guessed)}); "
+            "pass weight_offset= (1.0 for a 1 + weight scale, else 0.0) to decide it explicitly",
+            UserWarning,
+            stacklevel=3,
+        )
+    return decided
 
 
 def _model_device(model: nn.Module) -> torch.device:
@@ -145,19 +220,52 @@ def _model_device(model: nn.Module) -> torch.device:
     return tensor.device if tensor is not None else torch.device("cpu")
 
 
-def swap_rmsnorm(model: nn.Module) -> int:
+def swap_rmsnorm(model: nn.Module, weight_offset: float | None = None) -> int:
     """Replace, in place, every ``torch.nn.RMSNorm`` over one dimension and every Hugging Face-style
     RMSNorm module of ``model`` with a ``CakeRMSNorm`` that keeps the same weight Parameter, eps and
-    training mode; returns how many modules were replaced. A module used in several places is replaced
-    by one CakeRMSNorm everywhere. Hooks registered on the old modules do not carry over."""
+    training mode.
+
+    A module used in several places is replaced by one CakeRMSNorm everywhere. Hooks registered on the
+    old modules do not carry over. Call it before ``parallelize_module`` / ``fully_shard`` / DDP.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        Changed in place.
+    weight_offset : float, optional
+        The scale of every swapped module is ``weight + weight_offset``. None: 0.0 for
+        ``torch.nn.RMSNorm``; for Hugging Face modules a guess from the forward's source (``1 + weight``
+        means 1.0), with a ``UserWarning`` that names the classes guessed.
+
+    Returns
+    -------
+    int
+        How many modules were replaced.
+
+    Raises
+    ------
+    ValueError
+        ``model`` is itself an RMSNorm; a norm weight is already a DTensor (the model was parallelized
+        or sharded before the swap); weight_offset is not finite.
+    TypeError
+        weight_offset is not a number.
+    """
     if _is_swappable(model):
         raise ValueError("model is itself an RMSNorm; construct a CakeRMSNorm instead of swapping in place")
+    found = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent._modules.items()
+        if child is not None and _is_swappable(child)
+    ]
+    if torch.distributed.is_available():
+        for _, name, child in found:
+            _refuse_parallelized(name, child)
+    offsets = _decided_offsets(list(dict.fromkeys(child for _, _, child in found)), weight_offset)
     device = _model_device(model)
     replaced: dict[nn.Module, CakeRMSNorm] = {}
-    for parent in list(model.modules()):
-        for name, child in list(parent._modules.items()):
-            if child is not None and _is_swappable(child):
-                if child not in replaced:
-                    replaced[child] = _replacement(child, device)
-                setattr(parent, name, replaced[child])
+    for parent, name, child in found:
+        if child not in replaced:
+            replaced[child] = _replacement(child, device, offsets[child])
+        setattr(parent, name, replaced[child])
     return len(replaced)

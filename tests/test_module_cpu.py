@@ -1,12 +1,14 @@
 """CakeRMSNorm, swap_rmsnorm and the torch.library custom ops, without a GPU.
 
-Where a test must run the ops, the kernels are replaced by CPU stand-ins that follow the SPEC's math
-and rounding points in FP32 (``kernels`` fixture); the eager autograd path and the custom ops get
-separately counted stand-ins, so the tests also see which path ran."""
+On CPU tensors both autograd paths run the custom ops, whose CPU kernels (``cake_cute.cpu``) follow the
+SPEC's math. The ``kernels`` fixture also switches on the eager fast path that CUDA tensors take (direct
+launches, no dispatcher), with the same CPU math standing in for the launches, and counts each path's
+calls, so the tests see which path ran."""
 
 from __future__ import annotations
 
 import collections
+import warnings
 
 import pytest
 import torch
@@ -16,39 +18,25 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import cake_cute
-from cake_cute import CakeRMSNorm, CakeRMSNormFunction, autograd, cake_rmsnorm, custom_ops, swap_rmsnorm
-from cake_cute.reference import backward_reference, forward_reference
+from cake_cute import CakeRMSNorm, CakeRMSNormFunction, autograd, cake_rmsnorm, cpu, custom_ops, swap_rmsnorm
+from cake_cute.reference import backward_reference, forward_reference, rel_error, tolerance
 
 EPS = 1e-6
 
-
-# --- CPU stand-ins for the kernels ---------------------------------------------------------------
-
-
-def _reference_forward(x, w, eps, *, residual=None, weight_offset=0.0, **_):
-    y, rstd, h = forward_reference(
-        x, w, eps, residual=residual, weight_offset=weight_offset, compute_dtype=torch.float32
-    )
-    y = y.to(x.dtype)
-    return (y, rstd) if residual is None else (y, rstd, h)
+# The CPU math itself, kept before any test patches the module attributes.
+_CPU_FORWARD, _CPU_BACKWARD = cpu.forward, cpu.backward
 
 
-def _reference_backward(g, x, w, rstd, *, g_residual=None, weight_offset=0.0, dw_dtype=torch.float32, **_):
-    dx, dw = backward_reference(
-        g, x, w, rstd, g_residual=g_residual, weight_offset=weight_offset, compute_dtype=torch.float32
-    )
-    return dx.to(x.dtype), dw.to(dw_dtype)
-
-
-def _reference_backward_from_saved(g, h, w, rstd, g_residual, weight_offset):
-    return _reference_backward(
-        g, h, w, rstd, g_residual=g_residual, weight_offset=weight_offset, dw_dtype=w.dtype
-    )
+def _direct_forward(x, w, eps, *, residual=None, weight_offset=0.0):
+    """``ops.cake_rmsnorm_train_forward``'s results (rstd ``[T]``) from the CPU math."""
+    y, rstd, h_new = _CPU_FORWARD(x, w, eps, residual, weight_offset)
+    return (y, rstd.reshape(-1)) if residual is None else (y, rstd.reshape(-1), h_new)
 
 
 @pytest.fixture
 def kernels(monkeypatch):
-    """Counts of stand-in kernel calls, keyed "eager.fwd", "eager.bwd", "op.fwd", "op.bwd"."""
+    """Counts of kernel calls keyed "eager.fwd", "eager.bwd" (the direct path) and "op.fwd", "op.bwd"
+    (the custom ops' CPU kernels), with the direct path switched on for CPU tensors."""
     calls = collections.Counter()
 
     def counted(label, fn):
@@ -58,10 +46,11 @@ def kernels(monkeypatch):
 
         return wrapper
 
-    for module, path in ((autograd, "eager"), (custom_ops, "op")):
-        monkeypatch.setattr(module, "cake_rmsnorm_train_forward", counted(f"{path}.fwd", _reference_forward))
-    monkeypatch.setattr(autograd, "backward_from_saved", counted("eager.bwd", _reference_backward_from_saved))
-    monkeypatch.setattr(custom_ops, "cake_rmsnorm_train_backward", counted("op.bwd", _reference_backward))
+    monkeypatch.setattr(cpu, "forward", counted("op.fwd", _CPU_FORWARD))
+    monkeypatch.setattr(cpu, "backward", counted("op.bwd", _CPU_BACKWARD))
+    monkeypatch.setattr(autograd, "_launches_directly", lambda x, w: not torch.compiler.is_compiling())
+    monkeypatch.setattr(autograd, "cake_rmsnorm_train_forward", counted("eager.fwd", _direct_forward))
+    monkeypatch.setattr(custom_ops, "backward_from_saved", counted("eager.bwd", _CPU_BACKWARD))
     torch._dynamo.reset()
     yield calls
     torch._dynamo.reset()
@@ -262,7 +251,8 @@ def test_swap_replaces_every_rmsnorm_and_keeps_parameters():
     model.gemma.eval()
     before = dict(model.named_modules())
     opt = torch.optim.AdamW(model.parameters())
-    assert swap_rmsnorm(model) == 8
+    with pytest.warns(UserWarning, match=r"guessed weight_offset .*GemmaRMSNorm: 1.0.*Qwen3NextRMSNorm: 1.0"):
+        assert swap_rmsnorm(model) == 8
     swapped = {name: m for name, m in model.named_modules() if isinstance(m, CakeRMSNorm)}
     assert set(swapped) == {
         "torch_norm",
@@ -307,7 +297,7 @@ def test_swap_shared_and_tied_modules():
     tied_a, tied_b = nn.RMSNorm(8), nn.RMSNorm(8)
     tied_b.weight = tied_a.weight
     model = nn.ModuleDict({"a": shared, "b": nn.Sequential(shared), "tied_a": tied_a, "tied_b": tied_b})
-    assert swap_rmsnorm(model) == 3
+    assert swap_rmsnorm(model, weight_offset=0.0) == 3
     assert model["a"] is model["b"][0] and isinstance(model["a"], CakeRMSNorm)
     assert model["tied_a"].weight is model["tied_b"].weight
 
@@ -330,7 +320,8 @@ def test_swap_falls_back_to_the_class_name_without_source():
         namespace,
     )
     model = nn.Sequential(namespace["SomeGemmaRMSNorm"]())
-    assert swap_rmsnorm(model) == 1
+    with pytest.warns(UserWarning, match="SomeGemmaRMSNorm: 1.0"):
+        assert swap_rmsnorm(model) == 1
     assert model[0].weight_offset == 1.0
 
 
@@ -342,8 +333,122 @@ def test_swapped_model_computes_what_the_original_did(kernels):
             p.normal_(0.0, 0.5)
     x = torch.randn(4, 9, 32)
     expected = model(x)
-    assert swap_rmsnorm(model) == 4
+    with pytest.warns(UserWarning, match="guessed weight_offset"):
+        assert swap_rmsnorm(model) == 4
     torch.testing.assert_close(model(x), expected)
+
+
+def test_swap_weight_offset_override_decides_without_a_warning():
+    model = ToyModel()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert swap_rmsnorm(model, weight_offset=1.0) == 8
+    assert model.gemma3n.weight_offset == 1.0 and model.llama.weight_offset == 1.0
+    assert model.torch_norm_plain.weight_offset == 0.0  # a ones buffer has no offset to add to
+    with pytest.raises(TypeError, match="weight_offset"):
+        swap_rmsnorm(ToyModel(), weight_offset="1")
+
+
+def test_swap_without_hugging_face_modules_does_not_warn():
+    model = nn.Sequential(nn.Linear(8, 8), nn.RMSNorm(8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert swap_rmsnorm(model) == 1
+    assert model[1].weight_offset == 0.0
+
+
+def test_module_sequence_parallel_marks_the_weight():
+    assert CakeRMSNorm(8, sequence_parallel=True).weight.sequence_parallel is True
+    assert not hasattr(CakeRMSNorm(8).weight, "sequence_parallel")
+
+
+# --- the CPU kernels ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("shape", [(3, 7, 37), (0, 64), (1, 5)])
+def test_cpu_ops_match_the_fp64_reference(dtype, residual, shape):
+    gen = torch.Generator().manual_seed(1)
+    x, r, g, g_h = (torch.randn(shape, generator=gen).to(dtype) for _ in range(4))
+    w = (torch.rand(shape[-1], generator=gen) + 0.5).to(dtype)
+    y, rstd, h_new = torch.ops.cake_cute.rmsnorm_fwd(x, w, EPS, r if residual else None, 0.5)
+    y_ref, rstd_ref, h_ref = forward_reference(x, w, EPS, r if residual else None, 0.5)
+    assert y.dtype == dtype and rstd.shape == shape[:-1] and rstd.dtype == torch.float32
+    assert rel_error(y, y_ref) <= tolerance(dtype) and rel_error(rstd, rstd_ref) <= 1e-6
+    if residual:
+        assert torch.equal(h_new, h_ref)
+    dx, dw = torch.ops.cake_cute.rmsnorm_bwd(g, h_ref, w, rstd, g_h if residual else None, 0.5)
+    dx_ref, dw_ref = backward_reference(g, h_ref, w, rstd, g_h if residual else None, 0.5)
+    assert dx.dtype == dtype and dw.dtype == dtype
+    assert rel_error(dx, dx_ref) <= tolerance(dtype) and rel_error(dw, dw_ref) <= tolerance(dtype)
+    if x.numel() == 0:
+        assert torch.equal(dw, torch.zeros_like(dw))
+
+
+def test_cpu_dw_does_not_depend_on_the_thread_count():
+    gen = torch.Generator().manual_seed(2)
+    g, h = (torch.randn(4096, 96, generator=gen) for _ in range(2))
+    w, rstd = torch.rand(96, generator=gen), torch.rand(4096, generator=gen) + 0.5
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            results.append(torch.ops.cake_cute.rmsnorm_bwd(g, h, w, rstd)[1])
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(r, results[0]) for r in results)
+
+
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+def test_cpu_tensors_run_through_the_ops_and_match_torch(residual):
+    x, w, res, g_y, g_h = _problem(residual, dtype=torch.float32)
+    with _OpRecorder() as recorder:
+        ours = _forward_backward(lambda x, w, r: cake_rmsnorm(x, w, EPS, r), (x, w, res), (g_y, g_h))
+    assert {"cake_cute::rmsnorm_fwd", "cake_cute::rmsnorm_bwd"} <= set(recorder.names)
+
+    def torch_norm(x, w, r):
+        h = x if r is None else x + r
+        y = torch.nn.functional.rms_norm(h, (x.shape[-1],), w, EPS)
+        return y if r is None else (y, h)
+
+    theirs = _forward_backward(torch_norm, (x, w, res), (g_y, g_h))
+    for a, e in zip(ours, theirs):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("path", ["eager", "op"])
+def test_only_h_new_used_passes_its_gradient_through(kernels, path):
+    """h_new = x + residual alone in the loss: x and residual get its gradient, w gets none (eager) or
+    zeros (the op's autograd materializes the unused y gradient)."""
+    x, w, res, _, g_h = _problem(True, dtype=torch.float32)
+    x, w, res = (t.clone().requires_grad_() for t in (x, w, res))
+    if path == "eager":
+        _, h_new = cake_rmsnorm(x, w, EPS, res)
+    else:
+        _, _, h_new = torch.ops.cake_cute.rmsnorm_fwd(x, w, EPS, res)
+    h_new.backward(g_h)
+    assert torch.equal(x.grad, g_h) and torch.equal(res.grad, g_h)
+    assert w.grad is None or not w.grad.any()
+
+
+def test_compile_with_inductor_on_cpu_matches_eager():
+    """Inductor compiles the code around the opaque op (it needs a C++ compiler)."""
+    x, _, res, g_y, g_h = _problem(True, dtype=torch.float32)
+    norm = CakeRMSNorm(64, eps=EPS)
+
+    def block(x, r):
+        y, h = norm(x * 2, r)
+        return torch.relu(y), h
+
+    torch._dynamo.reset()
+    results = []
+    for fn in (block, torch.compile(block, fullgraph=True, backend="inductor")):
+        norm.weight.grad = None
+        results.append(_forward_backward(fn, (x, res), (g_y, g_h), params=(norm.weight,)))
+    for a, e in zip(*results):
+        torch.testing.assert_close(a, e, rtol=1e-6, atol=1e-6)
 
 
 # --- the custom ops ------------------------------------------------------------------------------
@@ -353,7 +458,8 @@ def test_op_schemas_express_optional_residuals():
     fwd = str(torch.ops.cake_cute.rmsnorm_fwd.default._schema)
     bwd = str(torch.ops.cake_cute.rmsnorm_bwd.default._schema)
     assert "Tensor? residual" in fwd and "float eps" in fwd and "float weight_offset" in fwd
-    assert "Tensor? g_residual" in bwd and "ScalarType? dw_dtype" in bwd
+    # dw comes back in w's dtype: no dtype argument, which DTensor's sharding cache would not key on.
+    assert "Tensor? g_residual" in bwd and "ScalarType" not in bwd
 
 
 @pytest.mark.parametrize("device", ["cuda", "meta"])
@@ -366,14 +472,13 @@ def test_fake_implementations_propagate_shapes(device, w_dtype):
         w = torch.empty(64, dtype=w_dtype, device=device)
         y, rstd, h_new = torch.ops.cake_cute.rmsnorm_fwd(x, w, EPS)
         assert (y.shape, y.dtype, y.device) == (x.shape, x.dtype, x.device) and y.is_contiguous()
-        assert (rstd.shape, rstd.dtype, rstd.device) == ((6,), torch.float32, x.device)
+        assert (rstd.shape, rstd.dtype, rstd.device) == ((2, 3), torch.float32, x.device)
         assert h_new.numel() == 0
         y, rstd, h_new = torch.ops.cake_cute.rmsnorm_fwd(x, w, EPS, x, 1.0, False)
         assert (h_new.shape, h_new.dtype, h_new.device) == (x.shape, x.dtype, x.device)
-        for dw_dtype, expected in ((None, torch.float32), (w_dtype, w_dtype)):
-            dx, dw = torch.ops.cake_cute.rmsnorm_bwd(x, x, w, rstd, None, 0.0, True, dw_dtype)
-            assert (dx.shape, dx.dtype, dx.device) == (x.shape, x.dtype, x.device)
-            assert (dw.shape, dw.dtype, dw.device) == ((64,), expected, x.device)
+        dx, dw = torch.ops.cake_cute.rmsnorm_bwd(x, x, w, rstd, None, 0.0, True)
+        assert (dx.shape, dx.dtype, dx.device) == (x.shape, x.dtype, x.device)
+        assert (dw.shape, dw.dtype, dw.device) == ((64,), w_dtype, x.device)
 
 
 def test_fake_forward_reports_bad_arguments_while_tracing():
@@ -391,8 +496,8 @@ def test_opcheck(kernels, residual):
     x, w, res, g, g_res = _problem(residual)
     leaves = [t.clone().requires_grad_() if t is not None else None for t in (x, w, res)]
     torch.library.opcheck(torch.ops.cake_cute.rmsnorm_fwd.default, (*leaves[:2], EPS, leaves[2], 1.0, True))
-    rstd = torch.rand(x.numel() // x.shape[-1]) + 0.5
-    torch.library.opcheck(torch.ops.cake_cute.rmsnorm_bwd.default, (g, x, w, rstd, g_res, 1.0, True, w.dtype))
+    rstd = torch.rand(x.shape[:-1]) + 0.5
+    torch.library.opcheck(torch.ops.cake_cute.rmsnorm_bwd.default, (g, x, w, rstd, g_res, 1.0, True))
 
 
 @pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
@@ -441,7 +546,10 @@ def test_both_paths_save_exactly_h_w_rstd(kernels, path, residual):
     h = out[-1] if residual else x
     assert len(record.saved) == 3
     assert record.saved[0] is h or torch.equal(record.saved[0], h)
-    assert record.saved[1] is w and record.saved[2].dtype == torch.float32 and record.saved[2].shape == (10,)
+    # rstd: [T] from the direct launch, x.shape[:-1] at the op boundary.
+    rstd_shape = (10,) if path == "eager" else (2, 5)
+    assert record.saved[1] is w and record.saved[2].dtype == torch.float32
+    assert record.saved[2].shape == rstd_shape
 
 
 class _OpRecorder(TorchDispatchMode):

@@ -869,9 +869,21 @@ CONTROL_CALLS = {
         bwd_call(d), "workspace", torch.zeros(1 << 16, dtype=torch.uint8, device=d)
     ),
     "bwd-fp16-3d": lambda d: bwd_call(d, dtype=F16, shape=(2, 3, H)),
+}
+
+# The autograd layer runs on CPU tensors (the custom ops' CPU kernels), so its valid base calls succeed.
+AUTOGRAD_CONTROL_CALLS = {
     "autograd": lambda d: autograd_call(d),
     "autograd-residual": lambda d: autograd_call(d, residual=True),
 }
+
+
+@pytest.mark.parametrize("name", list(AUTOGRAD_CONTROL_CALLS))
+def test_control_valid_autograd_arguments_run_on_cpu(name):
+    call = AUTOGRAD_CONTROL_CALLS[name]("cpu")
+    out = call.invoke()
+    y = out[0] if isinstance(out, tuple) else out
+    assert y.shape == call.args[0].shape and torch.isfinite(y).all()
 
 
 @pytest.mark.parametrize("name", list(CONTROL_CALLS))

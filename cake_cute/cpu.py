@@ -1,0 +1,36 @@
+"""The SPEC's math on CPU tensors, registered as the CPU kernels of the ``cake_cute::`` custom ops, so
+that a model holding ``CakeRMSNorm`` runs (slowly) without a GPU and the distributed plumbing (DTensor,
+FSDP2, DDP over gloo) can be tested on any machine.
+
+Rounding points are the kernels': FP32 compute, h rounded to the activation dtype before it is
+normalized, y and dx rounded once at the end. dw is summed over rows by a sequential scan
+(``torch.cumsum`` along the rows, whose CPU loop runs row by row), so its order is fixed and does not
+depend on the number of threads.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .reference import forward_reference
+
+
+def forward(x, w, eps, residual, weight_offset):
+    """``(y, rstd, h_new)`` with rstd shaped ``x.shape[:-1]``; h_new is None in plain mode."""
+    y, rstd, h = forward_reference(x, w, eps, residual, weight_offset, compute_dtype=torch.float32)
+    return y.to(x.dtype), rstd.view(x.shape[:-1]), (None if residual is None else h)
+
+
+def backward(g, h, w, rstd, g_residual, weight_offset):
+    """``(dx, dw)`` for the saved ``h`` (x, or h_new in residual mode); dw in w's dtype."""
+    hidden = h.shape[-1]
+    g32 = g.reshape(-1, hidden).float()
+    xhat = h.reshape(-1, hidden).float() * rstd.reshape(-1, 1)
+    a = g32 * (w.float() + weight_offset)
+    c = (a * xhat).sum(dim=-1, keepdim=True) / hidden
+    dx = rstd.reshape(-1, 1) * (a - xhat * c)
+    if g_residual is not None:
+        dx = dx + g_residual.reshape(-1, hidden).float()
+    products = g32 * xhat
+    dw = products.cumsum(dim=0)[-1] if products.shape[0] else products.new_zeros(hidden)
+    return dx.to(h.dtype).view(h.shape), dw.to(w.dtype)

@@ -1,0 +1,115 @@
+"""DTensor support: sharding rules for the ``cake_cute::`` custom ops, and a sequence-parallel style for
+``CakeRMSNorm`` in residual mode.
+
+The rules mirror aten's for ``_fused_rms_norm``. For every dimension d but the last (the hidden one,
+which the norm reduces over): x, residual, g, g_residual, y, h_new, rstd and dx are ``Shard(d)``, w is
+``Replicate()`` and dw is ``Partial()`` (each rank holds the sum over its own rows; FSDP2 or the
+optimizer's DTensor ops reduce it). Everything ``Replicate()`` works too. A hidden dimension that is
+sharded is refused: the norm would need every element of a row, and a silent all-gather would undo
+the sharding the caller chose. None of these strategies needs a collective in the norm itself.
+
+Importing ``cake_cute`` registers the rules; ``SequenceParallelResidual`` is the
+``torch.distributed.tensor.parallel`` style to use for a norm called as ``norm(x, residual)``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.experimental import register_sharding
+from torch.distributed.tensor.parallel import SequenceParallel
+
+__all__ = ["SequenceParallelResidual"]
+
+
+def _refuse_a_sharded_hidden_dim(x) -> None:
+    """``x`` is the DTensorSpec DTensor hands a sharding rule."""
+    hidden_dim = x.ndim - 1
+    for placement in x.placements:
+        if isinstance(placement, Shard) and placement.dim in (hidden_dim, -1):
+            raise ValueError(
+                f"cake_cute RMSNorm normalizes over the last (hidden) dimension, which this DTensor shards "
+                f"({tuple(x.placements)} over a {x.ndim}-D tensor); shard a sequence or batch dimension, "
+                "or redistribute to Replicate() before the norm"
+            )
+
+
+def _row_placements(x):
+    """Replicate() and Shard(d) for every non-hidden dimension d."""
+    return [Replicate(), *(Shard(d) for d in range(x.ndim - 1))]
+
+
+@register_sharding(torch.ops.cake_cute.rmsnorm_fwd.default)
+def _forward_sharding(x, w, eps, residual=None, weight_offset=0.0, deterministic=True):
+    """Outputs (y, rstd, h_new), inputs (x, w, eps, residual, weight_offset, deterministic)."""
+    _refuse_a_sharded_hidden_dim(x)
+    strategies = []
+    for rows in _row_placements(x):
+        # In plain mode h_new is an empty tensor: replicated, whatever x is.
+        h_new, res = (Replicate(), None) if residual is None else (rows, rows)
+        strategies.append(([rows, rows, h_new], [rows, Replicate(), None, res, None, None]))
+    return strategies
+
+
+@register_sharding(torch.ops.cake_cute.rmsnorm_bwd.default)
+def _backward_sharding(g, x, w, rstd, g_residual=None, weight_offset=0.0, deterministic=True):
+    """Outputs (dx, dw), inputs (g, x, w, rstd, g_residual, weight_offset, deterministic)."""
+    _refuse_a_sharded_hidden_dim(x)
+    strategies = []
+    for rows in _row_placements(x):
+        dw = Replicate() if isinstance(rows, Replicate) else Partial()
+        g_res = None if g_residual is None else rows
+        strategies.append(([rows, dw], [rows, rows, Replicate(), rows, g_res, None, None]))
+    return strategies
+
+
+class SequenceParallelResidual(SequenceParallel):
+    """``SequenceParallel`` for a norm that takes a residual: ``norm(x, residual)`` or
+    ``norm(x, residual=r)``, returning ``(y, h_new)``.
+
+    Stock ``SequenceParallel`` converts only the first positional input, so a residual would reach the
+    norm as a plain tensor (or, passed positionally, be dropped). This style converts x and the
+    residual alike (a local tensor is taken as this rank's shard of the sequence; a DTensor is
+    redistributed to ``Shard(sequence_dim)`` if it is placed otherwise), replicates the weight as the
+    stock style does, and returns both outputs sharded on the sequence dimension.
+
+    Parameters
+    ----------
+    sequence_dim : int
+        The sequence dimension of x and residual (1 for ``[batch, seq, hidden]``).
+    use_local_output : bool
+        Return local tensors instead of DTensors.
+
+    Examples
+    --------
+    >>> parallelize_module(block, tp_mesh, {"ffn_norm": SequenceParallelResidual()})  # doctest: +SKIP
+    """
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        self._replicate_module_fn("", module, device_mesh)
+        module.register_forward_pre_hook(self._make_pre_hook(device_mesh), with_kwargs=True)
+        module.register_forward_hook(self._make_post_hook())
+        return module
+
+    def _make_pre_hook(self, device_mesh):
+        def to_sequence_shards(module, args, kwargs):
+            def convert(t):
+                return self._prepare_input_fn(self.sequence_sharding, module, (t,), device_mesh)
+
+            args = tuple(convert(a) if isinstance(a, torch.Tensor) else a for a in args)
+            if isinstance(kwargs.get("residual"), torch.Tensor):
+                kwargs = {**kwargs, "residual": convert(kwargs["residual"])}
+            return args, kwargs
+
+        return to_sequence_shards
+
+    def _make_post_hook(self):
+        def outputs(module, _args, output):
+            if not self.use_local_output:
+                return output
+            if isinstance(output, tuple):
+                return tuple(o.to_local() if isinstance(o, DTensor) else o for o in output)
+            return output.to_local()
+
+        return outputs

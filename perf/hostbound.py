@@ -1,0 +1,167 @@
+#!/usr/bin/env python
+"""``python perf/hostbound.py OUT.json``: the host-bound cost of an RMSNorm training step, cake_cute next
+to torch, quack and Liger (those that import), all in one process, bf16, H = 4096, T in (1, 16, 256,
+2048), eager and under ``torch.compile``, plain and residual (torch: ``x + r`` then ``F.rms_norm``).
+
+Each number is the wall time of ``--reps`` back-to-back calls with no synchronization inside
+(synchronize, ``time.perf_counter``, the calls, synchronize), divided by the count: when the GPU runs
+behind the host this is what a call costs the host. Ops:
+
+* ``step``: ``y = norm(x, w[, r])`` with autograd, then ``torch.autograd.grad(y, (x, w[, r]), g)``;
+* ``fwd``: the same call under ``torch.no_grad()``;
+* ``bwd``: ``torch.autograd.grad(..., retain_graph=True)`` on a graph built once.
+
+The implementations are the adapters of ``cake_cute.tools.bench.peers`` (the ones the sweep
+measures). ``mode = compile`` wraps each adapter's call in ``torch.compile(dynamic=False)``, one
+graph per (T, residual).
+
+``--cpu-layers`` (no CUDA needed): the cost of cake_cute's Python layers on the path every non-eager-CUDA
+call takes (``cake_rmsnorm`` -> autograd -> argument checks -> the ``cake_cute::`` custom ops), with the
+ops' CPU kernels replaced through ``torch.library.register_kernel`` by kernels that only allocate
+their outputs, next to torch's own CPU ``F.rms_norm`` step (which also computes). The eager CUDA path
+launches without the ops and needs a GPU for its device checks; the GPU mode measures it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results_doc import kept_rows, write_results  # noqa: E402
+from sweep import _use_source_tree  # noqa: E402
+
+EPS = 1e-6
+IMPLS = ("cake_cute", "torch", "quack", "liger")
+
+
+def per_call_us(fn, reps: int, sync) -> float:
+    """Mean host time of ``reps`` back-to-back calls, after 20 warm-up calls."""
+    for _ in range(20):
+        fn()
+    sync()
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    sync()
+    return (time.perf_counter() - start) / reps * 1e6
+
+
+def op_callables(forward, x, w, r, g):
+    """{"step", "fwd", "bwd"} -> a zero-argument call of that op for one (x, w, r)."""
+    leaves = (x, w) if r is None else (x, w, r)
+
+    def step():
+        torch.autograd.grad(forward(x, w, r)[0], leaves, g)
+
+    def fwd():
+        with torch.no_grad():
+            forward(x, w, r)
+
+    graph_output = forward(x, w, r)[0]
+
+    def bwd():
+        torch.autograd.grad(graph_output, leaves, g, retain_graph=True)
+
+    return {"step": step, "fwd": fwd, "bwd": bwd}
+
+
+def measure(impl: str, forward, mode: str, rows: list, args, device, sync) -> None:
+    """Append the rows of one implementation in one mode over every (residual, T)."""
+    for residual in (False, True):
+        for tokens in args.tokens:
+            if mode == "compile":
+                torch._dynamo.reset()
+            gen = torch.Generator(device=device).manual_seed(tokens)
+
+            def leaf(*shape, gen=gen):
+                return torch.randn(
+                    *shape, generator=gen, device=device, dtype=torch.bfloat16
+                ).requires_grad_()
+
+            x, w = leaf(tokens, args.hidden), leaf(args.hidden)
+            r = leaf(tokens, args.hidden) if residual else None
+            g = torch.randn(tokens, args.hidden, generator=gen, device=device, dtype=torch.bfloat16)
+            fn = torch.compile(forward, dynamic=False) if mode == "compile" else forward
+            for op, call in op_callables(fn, x, w, r, g).items():
+                us = per_call_us(call, args.reps, sync)
+                row = dict(impl=impl, op=op, mode=mode, residual=residual, T=tokens, H=args.hidden)
+                rows.append({**row, "dtype": "bfloat16", "us_per_call": round(us, 2), **args.extra})
+                print(json.dumps(rows[-1]), flush=True)
+
+
+def gpu_main(args) -> list:
+    import torch._functorch.config as functorch_config
+
+    from cake_cute.tools.bench import peers
+
+    functorch_config.donated_buffer = False  # bwd re-runs a compiled backward on a retained graph
+    rows: list = []
+    for impl in args.impls:
+        try:
+            adapter = peers.FACTORIES[impl](torch, EPS)
+        except ImportError as e:
+            print(f"skip {impl}: {e}", file=sys.stderr)
+            continue
+        for mode in args.modes:
+            try:
+                measure(impl, adapter.forward, mode, rows, args, "cuda", torch.cuda.synchronize)
+            except Exception as e:  # a peer that fails under compile: note it, measure the rest
+                print(f"skip {impl} {mode}: {type(e).__name__}: {e}", file=sys.stderr)
+    return rows
+
+
+def _allocating_forward(x, w, eps, residual=None, weight_offset=0.0, deterministic=True):
+    h_new = torch.empty_like(x) if residual is not None else x.new_empty(0)
+    return torch.empty_like(x), x.new_empty(x.shape[:-1], dtype=torch.float32), h_new
+
+
+def _allocating_backward(g, x, w, rstd, g_residual=None, weight_offset=0.0, deterministic=True):
+    return torch.empty_like(x), torch.empty_like(w)
+
+
+def cpu_layers_main(args) -> list:
+    """cake_cute's layers with allocate-only CPU kernels vs torch's CPU F.rms_norm (see the module)."""
+    from cake_cute.tools.bench import peers
+
+    torch.library.register_kernel("cake_cute::rmsnorm_fwd", "cpu", _allocating_forward)
+    torch.library.register_kernel("cake_cute::rmsnorm_bwd", "cpu", _allocating_backward)
+    rows: list = []
+    for impl in ("cake_cute", "torch"):
+        adapter = peers.FACTORIES[impl](torch, EPS)
+        args.extra = {"path": "cpu-layers", "kernel": "allocate-only" if impl == "cake_cute" else "torch cpu"}
+        measure(impl, adapter.forward, "eager", rows, args, "cpu", lambda: None)
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("out", type=Path, help="JSON file to write")
+    p.add_argument("--reps", type=int, default=300)
+    p.add_argument(
+        "--tokens",
+        type=lambda s: [int(t) for t in s.split(",")],
+        help="T values (default 1,16,256,2048; with --cpu-layers 1,16, where torch's CPU op computes)",
+    )
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--impls", type=lambda s: s.split(","), default=list(IMPLS))
+    p.add_argument("--modes", type=lambda s: s.split(","), default=["eager", "compile"])
+    p.add_argument("--cpu-layers", action="store_true", help="CPU only: cake_cute's Python layers")
+    p.add_argument("--append", action="store_true", help="keep the rows already in OUT (a split run)")
+    args = p.parse_args(argv)
+    args.extra = {}
+    args.tokens = args.tokens or ([1, 16] if args.cpu_layers else [1, 16, 256, 2048])
+    _use_source_tree()
+    rows = kept_rows(args.out, args.append) + (cpu_layers_main(args) if args.cpu_layers else gpu_main(args))
+    device = "cpu" if args.cpu_layers else torch.cuda.get_device_name()
+    write_results(args.out, "perf/hostbound.py", device, rows, reps=args.reps)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,287 @@
+#!/usr/bin/env python
+"""``python perf/model_step.py OUT.json``: what a Llama-style model's training step (forward + loss +
+backward, bf16) costs with each RMSNorm, eager and under ``torch.compile``, in one process.
+
+Shapes: 4 layers at H = 2048 and at H = 4096, 8192 tokens (batch 4 x sequence 2048). Implementations
+(peers skipped when they do not import):
+
+* ``torch``: every RMSNorm is ``torch.nn.RMSNorm`` (the residual adds are the model's own);
+* ``cake_cute``: ``fuse_residual_rmsnorm(model)``, every residual add done by the norm
+  that follows it (``cake_cute_unfused``, on request: ``swap_rmsnorm(model)`` alone);
+* ``liger`` / ``quack``: every RMSNorm calls that library's RMSNorm (the adapters of
+  ``cake_cute.tools.bench.peers``, patched on the instances so nothing global changes between
+  implementations).
+
+The model is Hugging Face's ``LlamaForCausalLM`` (sdpa attention, loss from ``labels=``) when
+transformers imports, else the Llama of ``perf/distributed/model.py`` (its fused-residual blocks for
+cake_cute). Every implementation starts from the same seed. A step is timed with CUDA events after
+``--warmup`` steps (which include the compile), median over ``--steps``; ``peak_gib`` is the peak
+allocated memory over the timed steps. ``--device cpu --tiny`` runs a tiny model on CPU (host clock,
+no peak memory) to check the script end to end. ``--hidden 2048`` runs one of the shapes and
+``--append`` keeps OUT's rows, so a long run can be split over several commands into one file.
+
+Rows: ``{impl, mode, layers, H, tokens, step_ms, peak_gib}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from results_doc import kept_rows, write_results  # noqa: E402
+from sweep import _use_source_tree  # noqa: E402
+
+IMPLS = ("torch", "cake_cute", "liger", "quack")
+ALL_IMPLS = (*IMPLS, "cake_cute_unfused")
+EPS = 1e-5
+
+
+@dataclass(frozen=True)
+class Shape:
+    layers: int
+    hidden: int
+    batch: int
+    seq: int
+    vocab: int = 32000
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq
+
+    @property
+    def heads(self) -> int:
+        return max(1, self.hidden // 128)
+
+    @property
+    def ffn(self) -> int:
+        """Llama's SwiGLU width, 8/3 H rounded up to a multiple of 256."""
+        return -(-8 * self.hidden // 3 // 256) * 256
+
+
+# perf/distributed/model.py's Config field -> transformers.LlamaConfig's
+_HF_NAMES = {
+    "vocab": "vocab_size",
+    "hidden": "hidden_size",
+    "layers": "num_hidden_layers",
+    "heads": "num_attention_heads",
+    "ffn": "intermediate_size",
+}
+FULL_SHAPES = (Shape(4, 2048, 4, 2048), Shape(4, 4096, 4, 2048))
+TINY_SHAPES = (Shape(2, 64, 2, 32, vocab=128),)
+
+
+class AdapterNorm(nn.Module):
+    """An RMSNorm that calls a ``cake_cute.tools.bench.peers`` adapter (Liger's or quack's kernel) on
+    its weight."""
+
+    def __init__(self, adapter, weight: nn.Parameter):
+        super().__init__()
+        self.adapter = adapter
+        self.weight = weight
+
+    def forward(self, x):
+        # The peers' kernels take rows: [batch, seq, H] as [batch * seq, H] (a view).
+        rows = x.reshape(-1, x.shape[-1])
+        return self.adapter.forward(rows, self.weight, None)[0].view(x.shape)
+
+
+def _is_rmsnorm(module: nn.Module) -> bool:
+    """torch.nn.RMSNorm or a Hugging Face RMSNorm (one weight, ``variance_epsilon``)."""
+    return isinstance(module, nn.RMSNorm) or type(module).__name__.endswith("RMSNorm")
+
+
+def replace_norms(model: nn.Module, make) -> None:
+    """Put ``make(weight)`` in place of every RMSNorm module of ``model`` (the weight is shared)."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if _is_rmsnorm(child):
+                setattr(parent, name, make(child.weight))
+
+
+def _torch_norm(weight: nn.Parameter) -> nn.RMSNorm:
+    norm = nn.RMSNorm(weight.shape[0], eps=EPS, device="meta")
+    norm.weight = weight
+    return norm
+
+
+def build_model(shape: Shape, impl: str, device):
+    """(model, step function) for ``impl``; the step returns the loss of one batch."""
+    torch.manual_seed(0)
+    try:
+        import transformers
+    except ImportError:
+        transformers = None
+    sizes = dict(
+        vocab=shape.vocab, hidden=shape.hidden, layers=shape.layers, heads=shape.heads, ffn=shape.ffn
+    )
+    with torch.device(device):
+        if transformers is not None:
+            config = transformers.LlamaConfig(
+                **{_HF_NAMES[k]: v for k, v in sizes.items()},
+                num_key_value_heads=shape.heads,
+                max_position_embeddings=shape.seq,
+                rms_norm_eps=EPS,
+                attn_implementation="sdpa",
+            )
+            model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+        else:
+            sys.path.insert(0, str(HERE / "distributed"))
+            import model as llama
+
+            config = llama.Config(**sizes, fused_residual=impl == "cake_cute")
+            model = llama.build(config, seed=0, device=device, dtype=torch.bfloat16)
+    prepare_norms(model, impl, fused=transformers is not None)
+    ids = torch.randint(0, shape.vocab, (shape.batch, shape.seq + 1), device=device)
+    inputs, targets = ids[:, :-1], ids[:, 1:]
+
+    if transformers is not None:
+
+        def loss(m):
+            return m(input_ids=inputs, labels=inputs).loss
+    else:
+
+        def loss(m):
+            logits = m(inputs)
+            return nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+
+    return model, loss
+
+
+def prepare_norms(model: nn.Module, impl: str, fused: bool) -> None:
+    """Install ``impl``'s norms; for cake_cute also the fused residual (HF layers patched, or the
+    fallback model built with fused-residual blocks)."""
+    import cake_cute
+
+    if impl == "cake_cute" and fused:
+        cake_cute.fuse_residual_rmsnorm(model, weight_offset=0.0)
+    elif impl.startswith("cake_cute"):
+        cake_cute.swap_rmsnorm(model, weight_offset=0.0)
+    elif impl == "torch":
+        replace_norms(model, _torch_norm)
+    else:
+        from cake_cute.tools.bench import peers
+
+        adapter = peers.FACTORIES[impl](torch, EPS)
+        replace_norms(model, lambda weight: AdapterNorm(adapter, weight))
+
+
+def _clock(device):
+    """(start, stop -> ms) timing one step: CUDA events on a GPU, the host clock on CPU."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+        def stop():
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end)
+
+        return start.record, stop
+    begin = []
+
+    def stop_host():
+        return (time.perf_counter() - begin.pop()) * 1e3
+
+    return lambda: begin.append(time.perf_counter()), stop_host
+
+
+def time_steps(model, loss, device, warmup: int, steps: int) -> tuple[float, float | None]:
+    """(median step ms, peak GiB or None on CPU) of forward + loss + backward."""
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        loss(model).backward()
+
+    for _ in range(warmup):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    start, stop = _clock(device)
+    times = []
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        start()
+        loss(model).backward()
+        times.append(stop())
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
+    return statistics.median(times), peak
+
+
+def _available(impl: str) -> bool:
+    if impl in ("torch", "cake_cute", "cake_cute_unfused"):
+        return True
+    from cake_cute.tools.bench import peers
+
+    try:
+        peers.FACTORIES[impl](torch, EPS)
+    except ImportError as e:
+        print(f"skip {impl}: {e}", file=sys.stderr)
+        return False
+    return True
+
+
+def run(args) -> list[dict]:
+    device = torch.device(args.device)
+    rows = []
+    shapes = TINY_SHAPES if args.tiny else [s for s in FULL_SHAPES if s.hidden in args.hidden]
+    for shape in shapes:
+        for impl in [i for i in args.impls if _available(i)]:
+            for mode in args.modes:
+                torch._dynamo.reset()
+                model, loss = build_model(shape, impl, device)
+                stepped = torch.compile(model) if mode == "compile" else model
+                step_ms, peak = time_steps(stepped, loss, device, args.warmup, args.steps)
+                row = dict(impl=impl, mode=mode, layers=shape.layers, H=shape.hidden, tokens=shape.tokens)
+                rows.append({**row, "step_ms": round(step_ms, 3), "peak_gib": peak and round(peak, 3)})
+                print(json.dumps(rows[-1]), flush=True)
+                del model, stepped, loss
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("out", type=Path, help="JSON file to write")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tiny", action="store_true", help="a tiny model (checks the script, e.g. on CPU)")
+    p.add_argument(
+        "--impls",
+        type=lambda s: s.split(","),
+        default=list(IMPLS),
+        help=f"comma-separated subset of {','.join(ALL_IMPLS)} (default {','.join(IMPLS)})",
+    )
+    p.add_argument("--modes", type=lambda s: s.split(","), default=["eager", "compile"])
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument(
+        "--hidden",
+        type=lambda s: [int(h) for h in s.split(",")],
+        default=[shape.hidden for shape in FULL_SHAPES],
+        help="the full shapes to run, by H (default 2048,4096); --append collects several runs in one file",
+    )
+    p.add_argument("--append", action="store_true", help="keep the rows already in OUT (other shapes)")
+    args = p.parse_args(argv)
+    if unknown := set(args.impls) - set(ALL_IMPLS):
+        p.error(f"--impls: unknown {sorted(unknown)}, expected a subset of {','.join(ALL_IMPLS)}")
+    _use_source_tree()
+    rows = kept_rows(args.out, args.append) + run(args)
+    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device
+    write_results(args.out, "perf/model_step.py", device, rows, warmup=args.warmup, steps=args.steps)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,337 @@
+"""The residual add fused into the norm (``cake_cute.fusion``) on tiny random Hugging Face decoders and
+a plain ``nn.Module`` block, on CPU (the custom ops' CPU kernels): bitwise equal to the unfused cake
+model where the math is the same, close to the unpatched model with its own norms, the same under
+``torch.compile(fullgraph=True)``, and a clear error for layers the patch does not recognize."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from cake_cute import CakeRMSNorm, add_rmsnorm, fuse_residual_rmsnorm, swap_rmsnorm
+from cake_cute.fusion import _Handoff
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, HIDDEN, LAYERS = 96, 64, 3
+
+# model type -> (config class, causal-LM class); Qwen3 only where the installed transformers has it.
+_ARCHES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM"),
+}
+
+
+def _tiny(arch: str, dtype=torch.float32, **extra) -> nn.Module:
+    """A random-weight model of ``arch`` (no download); norm weights random so a wrong dw shows."""
+    config_name, model_name = _ARCHES[arch]
+    if not hasattr(transformers, model_name):
+        pytest.skip(f"transformers {transformers.__version__} has no {model_name}")
+    config = getattr(transformers, config_name)(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=2 * HIDDEN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=HIDDEN // 4,
+        max_position_embeddings=64,
+        attn_implementation="eager",
+        **extra,
+    )
+    torch.manual_seed(0)
+    model = getattr(transformers, model_name)(config).to(dtype)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(-0.5, 0.5) if arch == "gemma" else p.uniform_(0.5, 1.5)
+    return model
+
+
+def _tokens():
+    return torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
+
+
+def _step(model, **kwargs):
+    """(loss, hidden states, {name: grad}) of one forward + backward on fixed tokens."""
+    model.zero_grad(set_to_none=True)
+    ids = _tokens().to(next(model.parameters()).device)
+    out = model(input_ids=ids, labels=ids, **kwargs)
+    out.loss.backward()
+    grads = {name.removeprefix("_orig_mod."): p.grad for name, p in model.named_parameters()}
+    return out.loss.detach(), out.hidden_states, grads
+
+
+def _swapped(model, fuse: bool):
+    model = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the weight_offset guess warning (Gemma's is tested elsewhere)
+        (fuse_residual_rmsnorm if fuse else swap_rmsnorm)(model)
+    return model
+
+
+def _assert_grads(actual: dict, expected: dict, *, exact: bool, rtol=0.0, atol=0.0):
+    assert actual.keys() == expected.keys()
+    for name, g in expected.items():
+        if exact:
+            assert torch.equal(actual[name], g), name
+        else:
+            torch.testing.assert_close(actual[name], g, rtol=rtol, atol=atol, msg=name)
+
+
+@pytest.mark.parametrize("arch", list(_ARCHES))
+def test_fused_is_bitwise_the_unfused_cake_model_fp32(arch):
+    model = _tiny(arch)
+    loss, hidden, grads = _step(_swapped(model, fuse=False), output_hidden_states=True)
+    fused_loss, fused_hidden, fused_grads = _step(_swapped(model, fuse=True), output_hidden_states=True)
+    assert torch.equal(fused_loss, loss)
+    # Every captured hidden state (the layers' outputs) is the true one, not a deferred sum.
+    assert len(fused_hidden) == len(hidden) == LAYERS + 1
+    for a, b in zip(fused_hidden, hidden):
+        assert torch.equal(a, b)
+    _assert_grads(fused_grads, grads, exact=True)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma"])
+def test_fused_bf16_forward_bitwise_grads_within_one_rounding(arch):
+    """bf16: the loss is bitwise; the fused backward adds the residual gradient before its single
+    rounding where the unfused graph rounds dx first, so grads agree to bf16 rounding."""
+    model = _tiny(arch, torch.bfloat16)
+    loss, _, grads = _step(_swapped(model, fuse=False))
+    fused_loss, _, fused_grads = _step(_swapped(model, fuse=True))
+    assert torch.equal(fused_loss, loss)
+    _assert_grads(fused_grads, grads, exact=False, rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.parametrize("arch", list(_ARCHES))
+def test_fused_matches_the_unpatched_model(arch):
+    model = _tiny(arch)
+    loss, _, grads = _step(model)
+    fused_loss, _, fused_grads = _step(_swapped(model, fuse=True))
+    torch.testing.assert_close(fused_loss, loss, rtol=1e-6, atol=1e-6)
+    _assert_grads(fused_grads, grads, exact=False, rtol=1e-4, atol=1e-6)
+
+
+def test_layers_and_final_norm_are_patched_on_the_instances_only():
+    model = _tiny("llama")
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.warns(UserWarning, match="LlamaRMSNorm: 0.0"):
+        swapped = fuse_residual_rmsnorm(model)
+    assert swapped == 2 * LAYERS + 1
+    assert model.state_dict().keys() == state.keys()
+    for layer in model.model.layers:
+        assert "forward" in vars(layer) and isinstance(layer.post_attention_layernorm, CakeRMSNorm)
+    assert "forward" in vars(model.model.norm)
+    fresh = _tiny("llama")
+    assert "forward" not in vars(fresh.model.layers[0])  # the class is untouched
+
+
+def test_gemma_offset_is_recognized():
+    model = _tiny("gemma")
+    with pytest.warns(UserWarning, match="GemmaRMSNorm: 1.0"):
+        fuse_residual_rmsnorm(model)
+    assert model.model.norm.weight_offset == 1.0
+
+
+def test_checkpointed_layers_stay_checkpointed():
+    """transformers checkpoints inside the class's forward; a checkpointed layer runs that, so its
+    MLP runs twice per step (forward and recompute) as in the unpatched model, with equal results."""
+    model = _tiny("llama")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    model.train()
+    results, mlp_calls = [], []
+    for fuse in (False, True):
+        swapped = _swapped(model, fuse=fuse)
+        calls = []
+        swapped.model.layers[1].mlp.register_forward_hook(lambda *_, calls=calls: calls.append(1))
+        results.append(_step(swapped))
+        mlp_calls.append(len(calls))
+    assert mlp_calls == [2, 2]
+    assert torch.equal(results[1][0], results[0][0])
+    _assert_grads(results[1][2], results[0][2], exact=True)
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available():
+        pytest.skip("torch without distributed")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_fsdp2_sharded_layers_hand_nothing_over(one_rank_group):
+    """FSDP2 per layer keeps the next layer's norm weight sharded during this layer's forward: the
+    layer ends with a plain add, and the step equals the unsharded fused step."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = _tiny("llama")
+    loss, _, grads = _step(_swapped(model, fuse=True))
+    sharded = _swapped(model, fuse=True)
+    for layer in sharded.model.layers:
+        fully_shard(layer)
+    fully_shard(sharded)
+    sharded_loss, _, sharded_grads = _step(sharded)
+    assert torch.equal(sharded_loss, loss)
+    _assert_grads({k: g.full_tensor() for k, g in sharded_grads.items()}, grads, exact=True)
+
+
+def test_a_handoff_outside_the_graph_is_refused():
+    """A y computed without grad (a reentrant checkpoint's first run) for an h that requires grad
+    would cut the gradient: the next norm recomputes instead."""
+    norm = CakeRMSNorm(HIDDEN)
+    h = torch.randn(3, HIDDEN, requires_grad=True)
+    handoff = _Handoff()
+    with torch.no_grad():
+        handoff.give(norm, norm(h), h)
+    assert handoff.take(norm, h) is None
+    y = norm(h)
+    handoff.give(norm, y, h)
+    assert handoff.take(norm, h) is y
+    assert handoff.take(norm, h) is None  # consumed
+
+
+def test_a_stale_handoff_is_not_used():
+    """A hidden state changed between layers (here by a forward hook) is normalized, not the y handed
+    over for the value the previous layer returned."""
+    model = _tiny("llama")
+    fused, unfused = _swapped(model, fuse=True), _swapped(model, fuse=False)
+    for m in (fused, unfused):
+        m.model.layers[0].register_forward_hook(lambda _mod, _args, out: out * 0.5)
+    assert torch.equal(_step(fused)[0], _step(unfused)[0])
+
+
+def test_a_layer_called_with_positional_arguments():
+    """Arguments given by position reach the attention under the original forward's names."""
+    model = _tiny("llama")
+    fused, unfused = _swapped(model, fuse=True), _swapped(model, fuse=False)
+    hidden = torch.randn(2, 12, HIDDEN)
+    position_ids = torch.arange(12).unsqueeze(0)
+    rope = model.model.rotary_emb(hidden, position_ids=position_ids)
+    mask = torch.full((12, 12), float("-inf")).triu(1).expand(2, 1, 12, 12)
+    expected = unfused.model.layers[0](hidden, mask, position_ids, None, False, rope)
+    assert torch.equal(fused.model.layers[0](hidden, mask, position_ids, None, False, rope), expected)
+    with pytest.raises(TypeError, match="positional arguments"):
+        fused.model.layers[0](hidden, mask, position_ids, None, False, rope, "extra")
+
+
+def test_no_grad_generation_path():
+    model = _tiny("llama").eval()
+    fused = _swapped(model, fuse=True)
+    with torch.no_grad():
+        expected = _swapped(model, fuse=False)(input_ids=_tokens()).logits
+        assert torch.equal(fused(input_ids=_tokens()).logits, expected)
+
+
+def test_sandwich_norm_layers_are_refused_by_name():
+    if not hasattr(transformers, "Gemma2ForCausalLM"):
+        pytest.skip("no Gemma2 in this transformers")
+    config = transformers.Gemma2Config(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=2 * HIDDEN,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    )
+    model = transformers.Gemma2ForCausalLM(config)
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(ValueError, match="Gemma2DecoderLayer"):
+        fuse_residual_rmsnorm(model, weight_offset=1.0)
+    assert not any(isinstance(m, CakeRMSNorm) for m in model.modules())  # nothing was swapped
+    assert model.state_dict().keys() == before.keys()
+
+
+def test_a_changed_layer_forward_is_refused():
+    model = _tiny("llama")
+    layer_cls = type(model.model.layers[0])
+
+    class ReorderedLayer(layer_cls):
+        def forward(self, hidden_states, **kwargs):
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+            hidden_states, _ = self.self_attn(hidden_states=hidden_states, **kwargs)
+            hidden_states = residual + 2 * hidden_states
+            residual = hidden_states
+            hidden_states = self.post_attention_layernorm(hidden_states)
+            hidden_states = self.mlp(hidden_states)
+            hidden_states = residual + hidden_states
+            return hidden_states
+
+    for layer in model.model.layers:
+        layer.__class__ = ReorderedLayer
+    with pytest.raises(ValueError, match=r"ReorderedLayer.*residual \+ 2 \* hidden_states"):
+        fuse_residual_rmsnorm(model, weight_offset=0.0)
+
+
+class _Block(nn.Module):
+    """A plain pre-norm block written with ``add_rmsnorm``: (x, residual) in and out."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.RMSNorm(HIDDEN, eps=1e-5)
+        self.proj = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x, residual):
+        normed, residual = add_rmsnorm(self.norm, x, residual)
+        return self.proj(normed), residual
+
+
+def test_plain_block_with_add_rmsnorm():
+    torch.manual_seed(0)
+    block = nn.Sequential(_Block())
+    x, r = torch.randn(2, 5, HIDDEN, requires_grad=True), torch.randn(2, 5, HIDDEN, requires_grad=True)
+    out, h = block[0](x, r)
+    (out.sum() + h.square().sum()).backward()
+    grads = (x.grad, r.grad, block[0].norm.weight.grad)
+    x.grad = r.grad = block[0].norm.weight.grad = None
+    assert swap_rmsnorm(block) == 1
+    fused_out, fused_h = block[0](x, r)
+    (fused_out.sum() + fused_h.square().sum()).backward()
+    torch.testing.assert_close(fused_out, out, rtol=1e-6, atol=1e-6)
+    assert torch.equal(fused_h, h)
+    for a, b in zip((x.grad, r.grad, block[0].norm.weight.grad), grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_plain_model_without_decoder_layers_is_named():
+    with pytest.raises(ValueError, match="Sequential has no Hugging Face-style decoder layers.*add_rmsnorm"):
+        fuse_residual_rmsnorm(nn.Sequential(_Block()))
+
+
+def _residual_norm_calls(graph_module) -> tuple[int, int]:
+    """(residual-mode, plain) ``cake_cute::rmsnorm_fwd`` calls in a dynamo graph."""
+    calls = [n for n in graph_module.graph.nodes if "cake_cute.rmsnorm_fwd" in str(n.target)]
+    with_residual = sum(1 for n in calls if (n.args[3] if len(n.args) > 3 else n.kwargs.get("residual")))
+    return with_residual, len(calls) - with_residual
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_fullgraph_traces_the_fused_op_and_matches_eager(backend):
+    """torch.compile(fullgraph=True) of a patched model: every residual add goes into the residual-mode
+    op (only the first layer's input norm is plain). With the aot_eager backend the step is bitwise the
+    eager fused step; with inductor the loss is bitwise and the grads agree to FP32 rounding (inductor
+    reorders the sums of the other ops' backward, e.g. the attention's)."""
+    model = _swapped(_tiny("llama"), fuse=True)
+    graphs = []
+
+    def recording(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return torch._dynamo.lookup_backend(backend)(graph_module, example_inputs)
+
+    torch._dynamo.reset()
+    loss, _, grads = _step(torch.compile(model, fullgraph=True, backend=recording))
+    eager_loss, _, eager_grads = _step(model)
+    assert len(graphs) == 1
+    assert _residual_norm_calls(graphs[0]) == (2 * LAYERS, 1)
+    assert torch.equal(loss, eager_loss)
+    _assert_grads(grads, eager_grads, exact=backend == "aot_eager", rtol=1e-5, atol=1e-7)
