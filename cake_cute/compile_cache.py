@@ -65,13 +65,22 @@ def cache_dir() -> Path:
     return Path(base) / "cake_cute"
 
 
-def package_sources() -> list[Path]:
-    """Every Python source of ``cake_cute`` and ``cake_cute.kernels``: what the compiled code can
-    depend on (the kernels, their configs, the build path, the tensors' assumed alignment)."""
+def package_sources() -> dict[str, Path]:
+    """Every Python source of ``cake_cute`` (subpackages included) and ``cake_cute.kernels``, by name
+    relative to its package root: what the compiled code can depend on (the kernels, their configs,
+    the build path, the tensors' assumed alignment). Only ``cake_cute.tools`` is left out: the CLI,
+    warmup, self-check and benchmark run kernels but build none, and editing them must not make every
+    cached kernel compile again."""
     from . import kernels
 
-    roots = {Path(__file__).resolve().parent, Path(kernels.__file__).resolve().parent}
-    return sorted(path for root in roots for path in root.glob("*.py"))
+    package = Path(__file__).resolve().parent
+    tools = package / "tools"
+    found = {}
+    for root in (package, Path(kernels.__file__).resolve().parent):
+        for path in root.rglob("*.py"):
+            if tools not in path.parents:
+                found[f"{root.name}/{path.relative_to(root).as_posix()}"] = path
+    return dict(sorted(found.items()))
 
 
 def source_digest(sources: dict[str, bytes]) -> str:
@@ -83,7 +92,7 @@ def source_digest(sources: dict[str, bytes]) -> str:
 
 
 def _package_source_hash() -> str:
-    return source_digest({f"{p.parent.name}/{p.name}": p.read_bytes() for p in package_sources()})
+    return source_digest({name: path.read_bytes() for name, path in package_sources().items()})
 
 
 _fingerprint: str | None = None

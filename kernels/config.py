@@ -147,6 +147,8 @@ def _check_choices(kind: str, dtype: str, hidden: int, choices: dict) -> None:
             f"a {kind} config has no choice {', '.join(unknown)}; it has {', '.join(CHOICES[kind])}"
         )
     tiling = choices.get("tiling")
+    if tiling is not None and tiling.hidden != hidden:
+        raise ValueError(f"an overridden tiling must be one of H = {hidden}, got one of H = {tiling.hidden}")
     if tiling is not None and tiling.vec != vector_width(hidden, dtype_bytes(dtype)):
         # The tensor views and alignment checks assume the vector width of the dtype and H.
         raise ValueError(f"an overridden tiling must keep vec={vector_width(hidden, dtype_bytes(dtype))}")
@@ -154,7 +156,22 @@ def _check_choices(kind: str, dtype: str, hidden: int, choices: dict) -> None:
 
 @contextmanager
 def overridden(kind: str, arch: str, dtype: str, hidden: int, **choices) -> Iterator[None]:
-    """Use ``choices`` (see ``CHOICES``) for one (kind, arch, dtype, H) while the context is open."""
+    """Use ``choices`` for one (kind, arch, dtype, H) while the context is open.
+
+    Parameters
+    ----------
+    kind, arch, dtype, hidden
+        The entry: ``"fwd"``, ``"bwd"`` or ``"dw"``; a compile target; the rows' dtype name (dW's
+        output dtype for ``"dw"``); H. A backward entry applies to both w dtypes and both modes.
+    **choices
+        Values for the entry's ``CHOICES`` (e.g. ``tiling=``, ``ring_depth=``); the rest keep their
+        rules, and derived values (min CTAs per SM, shared memory, CTAs per SM) follow.
+
+    Raises
+    ------
+    ValueError
+        An unknown kind or choice, or a tiling of another H or vector width.
+    """
     _check_choices(kind, dtype, hidden, choices)
     key = (kind, arch, dtype, hidden)
     previous = _overrides.get(key)

@@ -76,7 +76,11 @@ def normalized_sass(sass: str) -> tuple[str, list[str]]:
 
 def sass_of(row) -> dict:
     from cake_cute.compile_cache import get_kernel, object_path
-    from cake_cute.tools.cubin import fatbin_from_object, find_tool
+
+    try:
+        from cake_cute.tools.cubin import fatbin_from_object, find_tool
+    except ImportError:  # before the tools moved into their subpackage
+        from cake_cute.cubin import fatbin_from_object, find_tool
 
     spec = make_spec(*row)
     get_kernel(spec)

@@ -106,6 +106,7 @@ def test_an_override_clears_the_launch_plans_built_from_the_config():
         ("fwd", {"ring_depth": 4}, r"a fwd config has no choice ring_depth"),
         ("conv", {}, r"kind must be one of fwd, bwd, dw"),
         ("fwd", {"tiling": replace(forward_tiling(1024, "bf16"), vec=4)}, r"must keep vec=8"),
+        ("fwd", {"tiling": forward_tiling(2048, "bf16")}, r"must be one of H = 1024, got one of H = 2048"),
     ],
 )
 def test_an_override_is_checked(kind, choices, message):
