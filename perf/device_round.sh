@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# One evidence round on a lent GPU machine, section by section, everything written under $OUT/<section>/.
+#
+#   . /opt/cake/env.sh && bash perf/device_round.sh suite sanitizer sweeps ...
+#
+# Sections (each bounded by its own timeout, so one slow part cannot eat the call):
+#   suite        the GPU test suite (pytest -m gpu) and `cake-cute check`
+#   sanitizer    compute-sanitizer memcheck / racecheck / synccheck over tests/sanitizer/cases.py
+#   sweeps       standard bf16 sweep, training-shapes grid, small batches (perf/sweep.py)
+#   dtypes       standard sweep for fp16 and fp32
+#   fp8          perf/fp8_bench.py (standard and training grids)
+#   model        perf/model_step.py (H = 2048 and 4096) and perf/hostbound.py (eager and compile)
+#   distributed  the two-GPU matrix and training benchmark (torchrun, NCCL; needs 2 GPUs)
+# $CAKE_CUTE_COMMIT labels every results file (the copied tree's .git may be stale).
+set -uo pipefail
+: "${OUT:?set OUT to the folder that comes back}"
+export CAKE_CUTE_CACHE_DIR=${CAKE_CUTE_CACHE_DIR:-/tmp/cake-cute-cache}
+export NCCL_NVLS_ENABLE=0 CUBLAS_WORKSPACE_CONFIG=:4096:8
+python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . > "$OUT/pip.log" 2>&1
+day=$(date -u +%F)
+
+bounded() {  # bounded SECONDS LOG COMMAND...: run, log, and print one status line
+  local limit=$1 log=$2
+  shift 2
+  local start=$SECONDS
+  timeout "$limit" "$@" > "$log" 2>&1
+  local rc=$?
+  echo "$(basename "$log"): rc=$rc in $((SECONDS - start)) s; $(grep -E 'passed|failed|error' "$log" | tail -1)"
+}
+
+section_suite() {
+  local d=$OUT/suite && mkdir -p "$d"
+  { cake-cute info; nvidia-smi; } > "$d/env.txt" 2>&1
+  bounded 420 "$d/gpu_tests.log" python3 -m pytest -q -rs -m gpu tests -p no:cacheprovider
+  bounded 150 "$d/check.log" cake-cute check
+}
+
+section_sanitizer() {
+  local d=$OUT/sanitizer && mkdir -p "$d"
+  bounded 400 "$d/run.log" bash tests/sanitizer/run.sh "$d"
+}
+
+section_sweeps() {
+  local d=$OUT/sweeps && mkdir -p "$d"
+  bounded 260 "$d/standard.log" python3 perf/sweep.py --json "$d/$day-nvidia-h200.json" --plot "$d/$day-nvidia-h200.png"
+  bounded 240 "$d/training.log" python3 perf/sweep.py --grid training \
+    --json "$d/$day-nvidia-h200-training-shapes.json" --plot "$d/$day-nvidia-h200-training-shapes.png"
+  bounded 90 "$d/small.log" python3 perf/sweep.py --grid small --json "$d/$day-nvidia-h200-small.json" --no-plot
+}
+
+section_dtypes() {
+  local d=$OUT/dtypes && mkdir -p "$d"
+  for dt in fp16 fp32; do
+    bounded 240 "$d/$dt.log" python3 perf/sweep.py --dtype "$dt" --vs quack \
+      --json "$d/$day-nvidia-h200-$dt.json" --plot "$d/$day-nvidia-h200-$dt.png"
+  done
+}
+
+section_fp8() {
+  local d=$OUT/fp8 && mkdir -p "$d"
+  bounded 300 "$d/fp8.log" python3 perf/fp8_bench.py "$d/$day-nvidia-h200-fp8.json"
+}
+
+section_model() {
+  local d=$OUT/model && mkdir -p "$d"
+  local ms=$d/$day-nvidia-h200-model-step.json hb=$d/$day-nvidia-h200-hostbound.json
+  bounded 240 "$d/model_step.log" python3 perf/model_step.py "$ms" --hidden 2048
+  bounded 200 "$d/model_step_4096.log" python3 perf/model_step.py "$ms" --hidden 4096 --append
+  bounded 150 "$d/hostbound.log" python3 perf/hostbound.py "$hb" --modes eager
+  bounded 200 "$d/hostbound_compile.log" python3 perf/hostbound.py "$hb" --modes compile --append
+}
+
+section_distributed() {
+  local d=$OUT/distributed && mkdir -p "$d"
+  bounded 300 "$d/matrix-eager.log" torchrun --nproc_per_node=2 perf/distributed/matrix.py \
+    --only 1-,2-,3-,4-,5-,6-,8-,9- --tag eager --out "$d"
+  bounded 240 "$d/matrix-compile.log" torchrun --nproc_per_node=2 perf/distributed/matrix.py \
+    --only 7- --tag compile --out "$d"
+  bounded 240 "$d/train.log" torchrun --nproc_per_node=2 perf/distributed/train_bench.py --out "$d"
+}
+
+for section in "$@"; do
+  "section_$section"
+done
