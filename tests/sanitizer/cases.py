@@ -2,14 +2,17 @@
 7168, 65536} x residual off/on at T = 3, T = 100 at H = 4096 (persistent programs with two row tiles
 each), and plain rows with a 4-stage ring that wraps around several times (bf16 H = 8192 and fp32
 H = 4096 at T = 700, bf16 H = 1024 at T = 4000), each output checked against the FP64 reference so a silent
-corruption would also show. Run by ``tests/sanitizer/run.sh`` under memcheck, racecheck and synccheck
-(a GPU is needed); it prints one line per case and exits non-zero on any mismatch."""
+corruption would also show; and the quantizing forward (both FP8 recipes, bf16, H in {33, 4096, 4097,
+65536}, residual off/on, y emitted) at T = 3 and T = 100, its e4m3 bytes and scales compared bitwise with
+the torch reference of ``cake_cute.fp8``. Run by ``tests/sanitizer/run.sh`` under memcheck, racecheck
+and synccheck (a GPU is needed); it prints one line per case and exits non-zero on any mismatch."""
 
 import sys
 
 import torch
 
 import cake_cute
+from cake_cute import fp8
 from cake_cute.reference import backward_reference, forward_reference, rel_error, tolerance
 
 
@@ -37,6 +40,27 @@ def run_case(dtype, hidden, residual, rows=3):
     return ok
 
 
+def run_fp8_case(recipe, hidden, residual, rows=3):
+    torch.manual_seed(hidden + rows)
+    dev = torch.device("cuda")
+    x = torch.randn(rows, hidden, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(hidden, device=dev, dtype=torch.bfloat16)
+    res = torch.randn_like(x) if residual else None
+    out = cake_cute.cake_rmsnorm_fp8(x, w, 1e-6, residual=res, recipe=recipe, emit_y=True)
+    torch.cuda.synchronize()
+    data, scales, y, _, _ = fp8.rmsnorm_fp8_reference(x, w, 1e-6, res, recipe, True, rstd=out.rstd)
+    ok = (
+        torch.equal(out.data.view(torch.uint8), data.view(torch.uint8))
+        and torch.equal(out.scales.view(torch.uint8), scales.view(torch.uint8))
+        and torch.equal(out.y, y)
+    )
+    print(
+        f"{'ok ' if ok else 'BAD'} fp8 {recipe:6s} H={hidden:6d} T={rows:4d} residual={residual!s:5s}",
+        flush=True,
+    )
+    return ok
+
+
 def main():
     results = [
         run_case(dtype, hidden, residual)
@@ -52,6 +76,13 @@ def main():
             (torch.float32, 4096, 700),
             (torch.bfloat16, 1024, 4000),
         )
+    ]
+    results += [
+        run_fp8_case(recipe, hidden, residual, rows)
+        for recipe in fp8.RECIPES
+        for hidden in (33, 4096, 4097, 65536)
+        for residual in (False, True)
+        for rows in (3, 100)
     ]
     return 0 if all(results) else 1
 
