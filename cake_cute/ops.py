@@ -144,14 +144,22 @@ def cake_rmsnorm_train_backward_workspace_bytes(rows, hidden, device, *, residua
 
 
 def cake_rmsnorm_train_backward_workspace(rows, hidden, device, *, residual=False) -> torch.Tensor:
-    """A zero-filled workspace for backwards of up to ``rows`` rows (see
-    ``cake_rmsnorm_train_backward_workspace_bytes``, which takes the same arguments and raises the
-    same errors).
+    """A zero-filled workspace for backwards of up to ``rows`` rows.
+
+    Parameters
+    ----------
+    rows, hidden, device, residual
+        As for ``cake_rmsnorm_train_backward_workspace_bytes``.
 
     Returns
     -------
     torch.Tensor
         A contiguous 1-D ``uint8`` tensor on ``device`` with a 16-byte aligned base.
+
+    Raises
+    ------
+    TypeError, ValueError
+        The errors of ``cake_rmsnorm_train_backward_workspace_bytes``.
     """
     nbytes = cake_rmsnorm_train_backward_workspace_bytes(rows, hidden, device, residual=residual)
     return torch.zeros(nbytes, dtype=torch.uint8, device=device)
