@@ -12,8 +12,12 @@ import numbers
 import torch
 
 from .device import device_facts
+from .kernels.config import QUANT_RECIPES
 from .kernels.tiling import MAX_HIDDEN
 from .vocab import DTYPE_BY_TORCH
+
+# The FP8 scale layouts (``fp8_numerics``) and the recipes each one holds.
+SCALE_LAYOUTS = {"compact": tuple(QUANT_RECIPES), "cublas": ("mxfp8",), "deepgemm": ("1x128",)}
 
 
 def check_tensor(name: str, t, *, dtypes=None, device: torch.device | None = None) -> None:
@@ -138,6 +142,30 @@ def check_workspace_size(workspace, needed: int) -> None:
     """The workspace holds the ``needed`` bytes of partial rows the launch plan writes."""
     if workspace.numel() < needed:
         raise ValueError(f"workspace holds {workspace.numel()} bytes; this call needs at least {needed}")
+
+
+def check_recipe(recipe) -> str:
+    """An FP8 recipe: a key of ``kernels.config.QUANT_RECIPES`` (``"mxfp8"`` or ``"1x128"``)."""
+    if not isinstance(recipe, str):
+        raise TypeError(f"recipe must be a str, one of {tuple(QUANT_RECIPES)}; got {type(recipe).__name__}")
+    if recipe not in QUANT_RECIPES:
+        raise ValueError(f"recipe must be one of {tuple(QUANT_RECIPES)}, got {recipe!r}")
+    return recipe
+
+
+def check_scale_layout(scale_layout, recipe: str) -> str:
+    """A scale layout of ``cake_rmsnorm_fp8`` that ``recipe`` (already checked) can be written in."""
+    if not isinstance(scale_layout, str):
+        raise TypeError(
+            f"scale_layout must be a str, one of {tuple(SCALE_LAYOUTS)}; got {type(scale_layout).__name__}"
+        )
+    if scale_layout not in SCALE_LAYOUTS:
+        raise ValueError(f"scale_layout must be one of {tuple(SCALE_LAYOUTS)}, got {scale_layout!r}")
+    if recipe not in SCALE_LAYOUTS[scale_layout]:
+        raise ValueError(
+            f"scale_layout={scale_layout!r} is for recipe {SCALE_LAYOUTS[scale_layout][0]!r}, not {recipe!r}"
+        )
+    return scale_layout
 
 
 def check_cuda_device(device) -> torch.device:

@@ -20,7 +20,7 @@ import argparse
 import torch
 
 from cake_cute import cake_rmsnorm_fp8
-from cake_cute.fp8 import dequantize_rows
+from cake_cute.fp8_numerics import dequantize_rows
 
 
 class Fp8InputLinear(torch.autograd.Function):

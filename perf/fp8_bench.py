@@ -26,9 +26,10 @@ from functools import cache
 from pathlib import Path
 
 import torch
+from cake_cute.kernels.config import QUANT_RECIPES
 from results_doc import kept_rows, write_results
 
-from cake_cute import cake_rmsnorm_train_forward, fp8
+from cake_cute import cake_rmsnorm_train_forward, fp8, fp8_numerics, validation
 from cake_cute.vocab import DTYPE_NAMES, torch_dtype
 
 EPS = 1e-6
@@ -41,9 +42,14 @@ TRAINING = [(t, h) for t in (2048, 4096, 8192, 16384) for h in (2048, 4096, 8192
 
 def fused_bytes(rows: int, hidden: int, act_bytes: int, recipe: str, residual: bool) -> int:
     """Minimal HBM traffic of the fused forward (w is read once, an L2 hit thereafter: not counted)."""
-    scale_bytes = 4 if fp8.QUANT_RECIPES[recipe][1] else 1
+    scale_bytes = 4 if QUANT_RECIPES[recipe][1] else 1
     activations = rows * hidden * act_bytes * (3 if residual else 1)  # x [+ residual, h_new]
-    return activations + rows * hidden + rows * fp8.scale_blocks(hidden, recipe) * scale_bytes + 4 * rows
+    return (
+        activations
+        + rows * hidden
+        + rows * fp8_numerics.scale_blocks(hidden, recipe) * scale_bytes
+        + 4 * rows
+    )
 
 
 def graph_us(calls) -> float:
@@ -85,7 +91,7 @@ def input_sets(rows, hidden, dtype, residual):
 def _compiled_quantize(recipe: str):
     """One torch.compile'd quantize per recipe, shape-polymorphic (dynamic=True), so the sweep's many
     shapes neither recompile it per shape nor hit dynamo's recompile limit and fall back to eager."""
-    return torch.compile(lambda y: fp8.quantize_rows_bytes(y, recipe), dynamic=True)
+    return torch.compile(lambda y: fp8_numerics.quantize_rows_bytes(y, recipe), dynamic=True)
 
 
 def _torchao_quantize():
@@ -163,7 +169,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path, help="JSON file to write")
     parser.add_argument("--grid", default="standard,training", help="standard, training or both")
-    parser.add_argument("--recipes", default=",".join(fp8.RECIPES))
+    parser.add_argument("--recipes", default=",".join(fp8_numerics.RECIPES))
     parser.add_argument("--dtype", default="bf16", choices=DTYPE_NAMES)
     parser.add_argument("--append", action="store_true", help="keep the rows already in OUT (split runs)")
     args = parser.parse_args(argv)
@@ -173,7 +179,7 @@ def main(argv=None) -> int:
     shapes = [s for g in args.grid.split(",") for s in grids[g]]
     rows = []
     for recipe in args.recipes.split(","):
-        fp8.check_recipe(recipe)
+        validation.check_recipe(recipe)
         for residual in (False, True):
             for t, h in dict.fromkeys(shapes):
                 rows += bench_shape(recipe, residual, args.dtype, t, h)

@@ -8,8 +8,9 @@ import math
 
 import pytest
 import torch
+from cake_cute.kernels.config import E4M3_MAX, QUANT_RECIPES
 
-from cake_cute import cake_rmsnorm_fp8, fp8
+from cake_cute import cake_rmsnorm_fp8, fp8, fp8_numerics
 from cake_cute.tools.cubin import kernel_report, spill_free
 
 F32 = torch.float32
@@ -17,7 +18,7 @@ NAN_BYTES = (0x7F, 0xFF)  # e4m3fn NaN with either sign
 
 
 def _e(amax: float) -> int:
-    return int(fp8.e8m0_round_up(torch.tensor([amax], dtype=F32))[0])
+    return int(fp8_numerics.e8m0_round_up(torch.tensor([amax], dtype=F32))[0])
 
 
 @pytest.mark.parametrize(
@@ -43,16 +44,16 @@ def test_e8m0_rounds_up(amax, expected):
 
 def test_e8m0_agrees_with_log2_on_normal_values():
     amax = torch.logspace(-30, 30, 5001, base=2.0, dtype=torch.float64).float()
-    quotient = (amax / fp8.E4M3_MAX).double()  # the same FP32 division, then exact log2 in FP64
+    quotient = (amax / E4M3_MAX).double()  # the same FP32 division, then exact log2 in FP64
     expected = torch.ceil(torch.log2(quotient)).int() + 127
-    assert torch.equal(fp8.e8m0_round_up(amax), expected)
+    assert torch.equal(fp8_numerics.e8m0_round_up(amax), expected)
 
 
 def test_inverse_scale_is_exact():
     e = torch.arange(0, 255, dtype=torch.int32)
     expected = torch.tensor([math.ldexp(1.0, 127 - int(k)) for k in e], dtype=torch.float64)
-    assert torch.equal(fp8.inverse_scale(e).double(), expected)
-    assert torch.isnan(fp8.inverse_scale(torch.tensor([255], dtype=torch.int32))).all()
+    assert torch.equal(fp8_numerics.inverse_scale(e).double(), expected)
+    assert torch.isnan(fp8_numerics.inverse_scale(torch.tensor([255], dtype=torch.int32))).all()
 
 
 def _independent_quantize(y: torch.Tensor, block: int, fp32_scales: bool):
@@ -74,13 +75,13 @@ def _independent_quantize(y: torch.Tensor, block: int, fp32_scales: bool):
     return data, torch.tensor(scales, dtype=F32 if fp32_scales else torch.int32)
 
 
-@pytest.mark.parametrize("recipe", fp8.RECIPES)
+@pytest.mark.parametrize("recipe", fp8_numerics.RECIPES)
 @pytest.mark.parametrize("hidden", [1, 31, 33, 128, 300])
 def test_reference_matches_an_independent_quantizer(recipe, hidden):
     y = torch.randn(3, hidden, dtype=F32) * torch.logspace(-6, 6, 3, base=2.0).reshape(3, 1)
     y[1, :5] *= 1000  # one row with a few outliers: those blocks' scales go up
-    data, scales = fp8.quantize_rows_reference(y, recipe)
-    block, fp32_scales = fp8.QUANT_RECIPES[recipe]
+    data, scales = fp8_numerics.quantize_rows_reference(y, recipe)
+    block, fp32_scales = QUANT_RECIPES[recipe]
     expected_data, expected_scales = _independent_quantize(y, block, fp32_scales)
     assert torch.equal(data.view(torch.uint8), expected_data.view(torch.uint8))
     got = scales if fp32_scales else scales.view(torch.uint8).int()
@@ -93,7 +94,7 @@ def test_padding_blocks_are_shorter_and_zero_filled():
     y = torch.zeros(1, 40)
     y[0, :32] = 1000.0
     y[0, 32:] = 1.0
-    _, scales = fp8.quantize_rows_reference(y, "mxfp8")
+    _, scales = fp8_numerics.quantize_rows_reference(y, "mxfp8")
     assert scales.view(torch.uint8).tolist() == [[_e(1000.0), _e(1.0)]]
 
 
@@ -101,10 +102,10 @@ def test_saturation_and_zero_blocks():
     y = torch.zeros(2, 32)
     y[0, 0] = 448.0 * 1.01  # scale 2: 452.5 / 2 = 226 fits; the values stay below 448
     y[1, :] = 0.0
-    data, scales = fp8.quantize_rows_reference(y, "mxfp8")
+    data, scales = fp8_numerics.quantize_rows_reference(y, "mxfp8")
     assert scales.view(torch.uint8)[:, 0].tolist() == [128, 0]
     assert data.float()[0, 0].item() == 224.0 and not data.float()[1].any()
-    _, fp32_scales = fp8.quantize_rows_reference(y, "1x128")
+    _, fp32_scales = fp8_numerics.quantize_rows_reference(y, "1x128")
     assert fp32_scales[1, 0].item() == 1.0  # an all-zero 1x128 block gets scale 1
 
 
@@ -113,7 +114,7 @@ def test_nan_and_inf_rows_stay_in_their_rows():
     w = torch.rand(96) + 0.5
     x[1, 3] = float("nan")
     x[2, 50] = float("inf")
-    data, scales, _, rstd, _ = fp8.rmsnorm_fp8_reference(x, w, 1e-6, recipe="mxfp8")
+    data, scales, _, rstd, _ = fp8_numerics.rmsnorm_fp8_reference(x, w, 1e-6, recipe="mxfp8")
     q = data.view(torch.uint8)
     clean = [0, 3]
     assert not torch.isin(q[clean], torch.tensor(NAN_BYTES, dtype=torch.uint8)).any()
@@ -127,11 +128,13 @@ def test_nan_and_inf_rows_stay_in_their_rows():
 def test_dequantized_error_is_within_e4m3_rounding():
     x = torch.randn(8, 4096, dtype=torch.bfloat16)
     w = torch.randn(4096, dtype=torch.bfloat16)
-    for recipe in fp8.RECIPES:
-        data, scales, _, rstd, _ = fp8.rmsnorm_fp8_reference(x, w, 1e-6, recipe=recipe)
-        y, _, _ = fp8.normalized_reference(x, w, 1e-6, rstd=rstd)
-        err = (fp8.dequantize_rows(data, scales, recipe) - y).abs()
-        bound = fp8.dequantize_rows(torch.ones_like(data), scales, recipe) * 448 * 2**-4  # half an ulp at 448
+    for recipe in fp8_numerics.RECIPES:
+        data, scales, _, rstd, _ = fp8_numerics.rmsnorm_fp8_reference(x, w, 1e-6, recipe=recipe)
+        y, _, _ = fp8_numerics.normalized_reference(x, w, 1e-6, rstd=rstd)
+        err = (fp8_numerics.dequantize_rows(data, scales, recipe) - y).abs()
+        bound = (
+            fp8_numerics.dequantize_rows(torch.ones_like(data), scales, recipe) * 448 * 2**-4
+        )  # half an ulp at 448
         assert (err <= bound).all()
 
 
@@ -146,7 +149,7 @@ def _cublas_offset(r: int, c: int, col_tiles: int) -> int:
 @pytest.mark.parametrize("rows, blocks", [(1, 1), (5, 3), (128, 4), (130, 9), (300, 128)])
 def test_cublas_layout_places_every_scale_and_round_trips(rows, blocks):
     compact = torch.randint(0, 255, (rows, blocks), dtype=torch.uint8).view(torch.float8_e8m0fnu)
-    swizzled = fp8.to_cublas_mx_scales(compact)
+    swizzled = fp8_numerics.to_cublas_mx_scales(compact)
     prows, pcols = -(-rows // 128) * 128, -(-blocks // 4) * 4
     assert swizzled.shape == (prows, pcols) and swizzled.dtype == torch.float8_e8m0fnu
     flat = swizzled.view(torch.uint8).reshape(-1)
@@ -154,26 +157,28 @@ def test_cublas_layout_places_every_scale_and_round_trips(rows, blocks):
     for r, c in [(0, 0), (rows - 1, blocks - 1), (rows // 2, blocks // 2), (min(rows - 1, 33), 0)]:
         assert flat[_cublas_offset(r, c, pcols // 4)] == src[r, c]
     assert int(flat.sum()) == int(src.sum(dtype=torch.int64))  # the padding is zero
-    assert torch.equal(fp8.from_cublas_mx_scales(swizzled, rows, blocks).view(torch.uint8), src)
+    assert torch.equal(fp8_numerics.from_cublas_mx_scales(swizzled, rows, blocks).view(torch.uint8), src)
 
 
 @pytest.mark.parametrize("rows", [1, 4, 5, 129])
 def test_deepgemm_layout_is_mn_major_tma_aligned_and_round_trips(rows):
     compact = torch.randn(rows, 3)
-    mn_major = fp8.to_deepgemm_scales(compact)
+    mn_major = fp8_numerics.to_deepgemm_scales(compact)
     assert mn_major.shape == (rows, 3) and mn_major.stride() == (1, -(-rows // 4) * 4)
     assert torch.equal(mn_major, compact)
-    assert torch.equal(fp8.from_deepgemm_scales(mn_major), compact)
-    assert fp8.from_deepgemm_scales(mn_major).is_contiguous()
+    assert torch.equal(fp8_numerics.from_deepgemm_scales(mn_major), compact)
+    assert fp8_numerics.from_deepgemm_scales(mn_major).is_contiguous()
 
 
 def test_converters_reject_wrong_inputs():
     with pytest.raises(TypeError, match="scales"):
-        fp8.to_cublas_mx_scales(torch.zeros(2, 2))
+        fp8_numerics.to_cublas_mx_scales(torch.zeros(2, 2))
     with pytest.raises(ValueError, match="swizzled must have shape"):
-        fp8.from_cublas_mx_scales(torch.zeros(128, 4, dtype=torch.uint8).view(torch.float8_e8m0fnu), 129, 1)
+        fp8_numerics.from_cublas_mx_scales(
+            torch.zeros(128, 4, dtype=torch.uint8).view(torch.float8_e8m0fnu), 129, 1
+        )
     with pytest.raises(TypeError, match="scales"):
-        fp8.to_deepgemm_scales(torch.zeros(2, 2, dtype=torch.float16))
+        fp8_numerics.to_deepgemm_scales(torch.zeros(2, 2, dtype=torch.float16))
 
 
 # ------------------------------------------------------------------------------ API and validation
@@ -224,11 +229,13 @@ def test_outputs_and_gradients_on_cpu(recipe, layout, residual, emit_y):
     torch autograd's of the same FP32 formula."""
     x, w, r = _inputs(rows=5, hidden=200, residual=residual)
     out = cake_rmsnorm_fp8(x, w, 1e-6, residual=r, recipe=recipe, emit_y=emit_y, scale_layout=layout)
-    data, scales, y, rstd, h = fp8.rmsnorm_fp8_reference(x.detach(), w.detach(), 1e-6, r, recipe, True)
+    data, scales, y, rstd, h = fp8_numerics.rmsnorm_fp8_reference(
+        x.detach(), w.detach(), 1e-6, r, recipe, True
+    )
     assert torch.equal(out.data.view(torch.uint8), data.view(torch.uint8))
     assert torch.equal(
         out.scales.contiguous().view(torch.uint8),
-        fp8.to_scale_layout(scales, layout).contiguous().view(torch.uint8),
+        fp8_numerics.to_scale_layout(scales, layout).contiguous().view(torch.uint8),
     )
     assert torch.equal(out.rstd, rstd)
     assert out.y.shape == x.shape and (torch.equal(out.y, y) if emit_y else out.y.stride() == (0, 0))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cake_cute import cake_rmsnorm_fp8, fp8
+from cake_cute import cake_rmsnorm_fp8, fp8, fp8_numerics
 from cake_cute.reference import forward_reference
 
 from ._helpers import DTYPE_IDS, DTYPES, EPS, fixed_seed, poison, rand_weight  # noqa: F401 (fixture)
@@ -63,7 +63,7 @@ def _assert_matches_reference(out, x, w, residual, recipe, emit_y, weight_offset
     _, rstd64, _ = forward_reference(h, w, EPS, weight_offset=weight_offset)
     finite = torch.isfinite(rstd64)
     assert torch.allclose(out.rstd[finite].double(), rstd64[finite], rtol=1e-5, atol=0)
-    data, scales, y, _, _ = fp8.rmsnorm_fp8_reference(
+    data, scales, y, _, _ = fp8_numerics.rmsnorm_fp8_reference(
         h, w, EPS, None, recipe, emit_y, weight_offset, rstd=out.rstd
     )
     assert torch.equal(_canonical_nan_bytes(out.data), _canonical_nan_bytes(data)), "e4m3 data"
@@ -80,7 +80,7 @@ def _activations(rows, hidden, dtype, residual):
     return x, r
 
 
-@pytest.mark.parametrize("recipe", fp8.RECIPES)
+@pytest.mark.parametrize("recipe", fp8_numerics.RECIPES)
 @pytest.mark.parametrize("emit_y", [False, True], ids=["q", "q+y"])
 @pytest.mark.parametrize("residual", [False, True], ids=["plain", "res"])
 @pytest.mark.parametrize("hidden", HIDDEN)
@@ -90,11 +90,14 @@ def test_bitwise_equal_to_reference(dtype, hidden, residual, emit_y, recipe):
     for rows in ROWS if hidden < 65536 else (0, 1, 2, 33):
         x, r = _activations(rows, hidden, dtype, residual)
         out = cake_rmsnorm_fp8(x, w, EPS, residual=r, recipe=recipe, emit_y=emit_y)
-        assert out.data.shape == x.shape and out.scales.shape == (rows, fp8.scale_blocks(hidden, recipe))
+        assert out.data.shape == x.shape and out.scales.shape == (
+            rows,
+            fp8_numerics.scale_blocks(hidden, recipe),
+        )
         _assert_matches_reference(out, x, w, r, recipe, emit_y)
 
 
-@pytest.mark.parametrize("recipe", fp8.RECIPES)
+@pytest.mark.parametrize("recipe", fp8_numerics.RECIPES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
 def test_gemma_offset_and_fp32_weight(dtype, recipe):
     hidden = 4096
@@ -104,7 +107,7 @@ def test_gemma_offset_and_fp32_weight(dtype, recipe):
     _assert_matches_reference(out, x, w, None, recipe, False, weight_offset=1.0)
 
 
-@pytest.mark.parametrize("recipe", fp8.RECIPES)
+@pytest.mark.parametrize("recipe", fp8_numerics.RECIPES)
 @pytest.mark.parametrize("hidden", [129, 4096, 65537])
 def test_nan_and_inf_rows_stay_in_their_rows(recipe, hidden):
     x, _ = _activations(6, hidden, torch.bfloat16, False)
@@ -124,7 +127,11 @@ def test_gemm_layouts_round_trip_on_device(layout, recipe):
     w = rand_weight(4096, torch.bfloat16)
     compact = cake_rmsnorm_fp8(x, w, EPS, recipe=recipe).scales
     gemm = cake_rmsnorm_fp8(x, w, EPS, recipe=recipe, scale_layout=layout).scales
-    back = fp8.from_cublas_mx_scales(gemm, 300, 128) if layout == "cublas" else fp8.from_deepgemm_scales(gemm)
+    back = (
+        fp8_numerics.from_cublas_mx_scales(gemm, 300, 128)
+        if layout == "cublas"
+        else fp8_numerics.from_deepgemm_scales(gemm)
+    )
     assert torch.equal(_scale_bits(back), _scale_bits(compact))
 
 
@@ -169,7 +176,7 @@ def test_agrees_with_torchao_mx_quantizer(hidden):
     x, _ = _activations(128, hidden, torch.bfloat16, False)
     w = rand_weight(hidden, torch.bfloat16)
     out = cake_rmsnorm_fp8(x, w, EPS, recipe="mxfp8")
-    y32, _, _ = fp8.normalized_reference(x, w, EPS, rstd=out.rstd)
+    y32, _, _ = fp8_numerics.normalized_reference(x, w, EPS, rstd=out.rstd)
     scale, data = mx.to_mx(y32, torch.float8_e4m3fn, 32, config.ScaleCalculationMode.RCEIL)
     # torchao takes ceil(log2(amax / 448)) in FP32, which can miss by one when amax / 448 is within
     # a few FP32 ulps above a power of two; such blocks are left out (cake rounds those exactly).

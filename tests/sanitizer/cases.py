@@ -4,7 +4,7 @@ each), and plain rows with a 4-stage ring that wraps around several times (bf16 
 H = 4096 at T = 700, bf16 H = 1024 at T = 4000), each output checked against the FP64 reference so a silent
 corruption would also show; and the quantizing forward (both FP8 recipes, bf16, H in {33, 4096, 4097,
 65536}, residual off/on, y emitted) at T = 3 and T = 100, its e4m3 bytes and scales compared bitwise with
-the torch reference of ``cake_cute.fp8``. Run by ``tests/sanitizer/run.sh`` under memcheck, racecheck
+the torch reference of ``cake_cute.fp8_numerics``. Run by ``tests/sanitizer/run.sh`` under memcheck, racecheck
 and synccheck (a GPU is needed); it prints one line per case and exits non-zero on any mismatch."""
 
 import sys
@@ -12,7 +12,7 @@ import sys
 import torch
 
 import cake_cute
-from cake_cute import fp8
+from cake_cute import fp8_numerics
 from cake_cute.reference import backward_reference, forward_reference, rel_error, tolerance
 
 
@@ -48,7 +48,7 @@ def run_fp8_case(recipe, hidden, residual, rows=3):
     res = torch.randn_like(x) if residual else None
     out = cake_cute.cake_rmsnorm_fp8(x, w, 1e-6, residual=res, recipe=recipe, emit_y=True)
     torch.cuda.synchronize()
-    data, scales, y, _, _ = fp8.rmsnorm_fp8_reference(x, w, 1e-6, res, recipe, True, rstd=out.rstd)
+    data, scales, y, _, _ = fp8_numerics.rmsnorm_fp8_reference(x, w, 1e-6, res, recipe, True, rstd=out.rstd)
     ok = (
         torch.equal(out.data.view(torch.uint8), data.view(torch.uint8))
         and torch.equal(out.scales.view(torch.uint8), scales.view(torch.uint8))
@@ -79,7 +79,7 @@ def main():
     ]
     results += [
         run_fp8_case(recipe, hidden, residual, rows)
-        for recipe in fp8.RECIPES
+        for recipe in fp8_numerics.RECIPES
         for hidden in (33, 4096, 4097, 65536)
         for residual in (False, True)
         for rows in (3, 100)

@@ -1,0 +1,212 @@
+"""Rowwise block-scaled FP8 (e4m3) numerics in torch, and the scale-layout converters.
+
+The reference that ``cake_rmsnorm_fp8`` (``cake_cute.fp8``) runs on CPU tensors and that the kernel
+``kernels/rmsnorm_fwd_quant.py`` agrees with bitwise (``quantize_rows_reference``):
+
+- The quantized value is the FP32 normalized value ``h * rstd * (w + weight_offset)`` (offset added in
+  FP32), never the act-dtype y.
+- amax of a block of B columns (32 for ``mxfp8``, 128 for ``1x128``) along H; columns past H (H not a
+  multiple of B) count as zeros and are not stored: the last block of a row is shorter.
+- Scale exponent ``e`` (biased, as in E8M0): fp32(amax / 448) rounded *up* to a power of two
+  (``cvt.rp.satfinite.ue8m0x2.f32``, torchao's RCEIL), saturated to 2^127; a NaN amax gives 255.
+  amax = 0 gives e = 0 (2^-127) for ``mxfp8``; ``1x128`` FP32 scales are held normal (e >= 1) and an
+  all-zero block gets the scale 1.0.
+- ``q = e4m3(y * 2^(127 - e))``: round to nearest even, saturated to +-448 (an infinity becomes
+  +-448), NaN stays NaN. A NaN or infinity in a row's input makes that row's rstd NaN or 0, so it
+  stays in that row: a NaN row is NaN throughout (``mxfp8`` scale byte 255); in a row with an
+  infinity, the block holding it is NaN (inf * 0) and the other blocks are 0.
+
+Scale layouts (``scale_layout=``):
+
+- ``"compact"``: row-major ``(…, ceil(H / B))``; ``torch.float8_e8m0fnu`` for ``mxfp8``, FP32 for ``1x128``.
+- ``"cublas"`` (``mxfp8``): cuBLAS / TransformerEngine's swizzled MXFP8 layout, a
+  ``(roundup(T, 128), roundup(ceil(H / 32), 4))`` tensor whose bytes are 128x4 tiles in row-major tile
+  order, each tile stored as ``offset(r, c) = (r % 32) * 16 + (r // 32) * 4 + c``; padding is byte 0.
+- ``"deepgemm"`` (``1x128``): DeepGEMM's MN-major, TMA-aligned FP32 scales: shape ``(T, ceil(H / 128))``,
+  strides ``(1, roundup(T, 4))`` (the storage is the transposed ``(ceil(H / 128), roundup(T, 4))``,
+  padding 0), as TransformerEngine's blockwise rowwise scale_inv is stored.
+
+``to_cublas_mx_scales`` / ``from_cublas_mx_scales`` and ``to_deepgemm_scales`` / ``from_deepgemm_scales``
+convert between the compact and GEMM layouts in both directions. Which layout goes with which recipe is
+checked in ``validation.check_scale_layout``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import validation as v
+from .kernels.config import E4M3_MAX, FP32_BITS_OF_2_POW_M127, FP32_NAN_BITS, QUANT_RECIPES
+
+RECIPES = tuple(QUANT_RECIPES)
+_CUBLAS_TILE = (128, 4)
+_DEEPGEMM_ROW_ALIGN = 4  # 16 bytes of FP32 scales per TMA row
+
+
+def block_of(recipe: str) -> int:
+    """Columns per scale block of ``recipe``."""
+    return QUANT_RECIPES[recipe][0]
+
+
+def scale_blocks(hidden: int, recipe: str) -> int:
+    """Scales per row: ceil(H / block)."""
+    return -(-hidden // block_of(recipe))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Reference numerics
+
+
+def amax_bits(blocks: torch.Tensor) -> torch.Tensor:
+    """Max over the last dim of the FP32 values' bit patterns with the sign cleared (int32): the
+    numeric maximum of |value|, with any NaN sorting above infinity (so it propagates)."""
+    return (blocks.contiguous().view(torch.int32) & 0x7FFFFFFF).amax(dim=-1)
+
+
+def e8m0_round_up(amax: torch.Tensor) -> torch.Tensor:
+    """Biased E8M0 exponent (int32) of fp32(amax / 448) rounded up to a power of two, saturated to
+    254 (2^127); 255 for NaN. ``amax`` is the bit pattern from ``amax_bits`` (int32) or FP32."""
+    amax = amax.view(torch.float32) if amax.dtype == torch.int32 else amax.float()
+    # A tensor divisor: torch's CUDA division by a Python scalar multiplies by its rounded
+    # reciprocal, which is not the IEEE quotient the kernel rounds.
+    quotient = amax / torch.full_like(amax, E4M3_MAX)
+    bits = quotient.view(torch.int32)
+    exponent = bits >> 23
+    mantissa = bits & 0x7FFFFF
+    normal = torch.clamp(exponent + (mantissa != 0).int(), max=254)
+    subnormal = (mantissa > FP32_BITS_OF_2_POW_M127).int()
+    e = torch.where(exponent == 0, subnormal, normal)
+    return torch.where(torch.isnan(quotient), 255, e).int()
+
+
+def inverse_scale(e: torch.Tensor) -> torch.Tensor:
+    """2^(127 - e) as FP32, exactly (NaN for e = 255)."""
+    bits = torch.where(e == 254, FP32_BITS_OF_2_POW_M127, (254 - e) << 23)
+    return torch.where(e == 255, FP32_NAN_BITS, bits).int().view(torch.float32)
+
+
+def scale_exponent(amax: torch.Tensor, recipe: str) -> torch.Tensor:
+    """The biased exponent of each block's scale under ``recipe`` (``amax`` as bits, int32)."""
+    e = e8m0_round_up(amax)
+    if QUANT_RECIPES[recipe][1]:
+        e = torch.where(amax == 0, 127, torch.clamp(e, min=1)).int()
+    return e
+
+
+def quantize_rows_reference(y: torch.Tensor, recipe: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rowwise block-scaled e4m3 of FP32 ``y`` (…, H): ``(data float8_e4m3fn like y, compact scales)``."""
+    v.check_recipe(recipe)
+    data, scales = quantize_rows_bytes(y, recipe)
+    return data, scales if QUANT_RECIPES[recipe][1] else scales.view(torch.float8_e8m0fnu)
+
+
+def quantize_rows_bytes(y: torch.Tensor, recipe: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_rows_reference`` with E8M0 scales as their uint8 bytes (a dtype torch.compile's
+    code generators all handle; the benchmark compiles this)."""
+    hidden = y.shape[-1]
+    block = block_of(recipe)
+    blocks = scale_blocks(hidden, recipe)
+    padded = torch.nn.functional.pad(y.float(), (0, blocks * block - hidden))
+    padded = padded.reshape(*y.shape[:-1], blocks, block)
+    e = scale_exponent(amax_bits(padded), recipe)
+    scaled = padded * inverse_scale(e).unsqueeze(-1)
+    data = scaled.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    data = data.reshape(*y.shape[:-1], blocks * block)[..., :hidden]
+    if QUANT_RECIPES[recipe][1]:
+        scales = torch.where(e == 255, FP32_NAN_BITS, e << 23).int().view(torch.float32)
+    else:
+        scales = e.to(torch.uint8)
+    return data.contiguous(), scales
+
+
+def dequantize_rows(data: torch.Tensor, scales: torch.Tensor, recipe: str) -> torch.Tensor:
+    """FP32 ``data * scale`` from e4m3 data and compact scales (for checks and examples)."""
+    hidden = data.shape[-1]
+    expanded = scales.float().repeat_interleave(block_of(recipe), dim=-1)[..., :hidden]
+    return data.float() * expanded
+
+
+def normalized_reference(x, w, eps, residual=None, weight_offset=0.0, rstd=None):
+    """``(y FP32, rstd, h)`` with the kernel's rounding points: h rounded to x's dtype in residual
+    mode, ``y = h * rstd * (w + offset)`` in FP32 in that order. rstd is computed in FP32 unless given
+    (the GPU tests pass the kernel's rstd, whose row sum order a torch sum does not reproduce)."""
+    h = x if residual is None else (x.float() + residual.float()).to(x.dtype)
+    hf = h.float()
+    if rstd is None:
+        rstd = torch.rsqrt(hf.square().mean(dim=-1) + eps).reshape(-1)
+    w32 = w.float() + weight_offset if weight_offset != 0.0 else w.float()
+    y = hf * rstd.reshape(*h.shape[:-1], 1) * w32
+    return y, rstd, h
+
+
+def rmsnorm_fp8_reference(
+    x, w, eps, residual=None, recipe="mxfp8", emit_y=False, weight_offset=0.0, rstd=None
+):
+    """``(data, compact scales, y or None, rstd, h_new or None)`` in torch (any device)."""
+    y32, rstd, h = normalized_reference(x, w, eps, residual, weight_offset, rstd)
+    data, scales = quantize_rows_reference(y32, recipe)
+    y = y32.to(x.dtype) if emit_y else None
+    return data, scales, y, rstd, (h if residual is not None else None)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Scale layouts
+
+
+def _roundup(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def to_cublas_mx_scales(scales: torch.Tensor) -> torch.Tensor:
+    """Compact (T, blocks) E8M0 scales -> cuBLAS's swizzled (roundup(T, 128), roundup(blocks, 4))."""
+    _check_scales("scales", scales, torch.float8_e8m0fnu, 2)
+    rows, blocks = scales.shape
+    tr, tc = _CUBLAS_TILE
+    prows, pcols = _roundup(rows, tr), _roundup(blocks, tc)
+    padded = scales.new_zeros((prows, pcols), dtype=torch.uint8)
+    padded[:rows, :blocks] = scales.view(torch.uint8)
+    # (row tile, 4 row groups of 32, 32, col tile, 4) -> (row tile, col tile, 32, 4 row groups, 4)
+    tiles = padded.view(prows // tr, 4, 32, pcols // tc, tc).permute(0, 3, 2, 1, 4)
+    return tiles.reshape(prows, pcols).view(torch.float8_e8m0fnu)
+
+
+def from_cublas_mx_scales(swizzled: torch.Tensor, rows: int, blocks: int) -> torch.Tensor:
+    """cuBLAS's swizzled MXFP8 scales -> compact (rows, blocks)."""
+    _check_scales("swizzled", swizzled, torch.float8_e8m0fnu, 2)
+    tr, tc = _CUBLAS_TILE
+    prows, pcols = _roundup(rows, tr), _roundup(blocks, tc)
+    if tuple(swizzled.shape) != (prows, pcols):
+        raise ValueError(f"swizzled must have shape ({prows}, {pcols}), got {tuple(swizzled.shape)}")
+    tiles = swizzled.contiguous().view(torch.uint8).view(prows // tr, pcols // tc, 32, 4, tc)
+    compact = tiles.permute(0, 3, 2, 1, 4).reshape(prows, pcols)
+    return compact[:rows, :blocks].contiguous().view(torch.float8_e8m0fnu)
+
+
+def to_deepgemm_scales(scales: torch.Tensor) -> torch.Tensor:
+    """Compact (T, blocks) FP32 scales -> DeepGEMM's MN-major view: shape (T, blocks), strides
+    (1, roundup(T, 4)), over a zero-padded (blocks, roundup(T, 4)) buffer."""
+    _check_scales("scales", scales, torch.float32, 2)
+    rows, blocks = scales.shape
+    buffer = scales.new_zeros((blocks, _roundup(rows, _DEEPGEMM_ROW_ALIGN)))
+    buffer[:, :rows] = scales.t()
+    return buffer[:, :rows].t()
+
+
+def from_deepgemm_scales(scales: torch.Tensor) -> torch.Tensor:
+    """DeepGEMM's MN-major FP32 scales (any strides) -> compact contiguous (T, blocks)."""
+    _check_scales("scales", scales, torch.float32, 2)
+    return scales.contiguous()
+
+
+def _check_scales(name, t, dtype, dims) -> None:
+    v.check_tensor(name, t, dtypes=(dtype,))
+    if t.dim() != dims:
+        raise ValueError(f"{name} must have {dims} dims, got shape {tuple(t.shape)}")
+
+
+def to_scale_layout(scales: torch.Tensor, layout: str) -> torch.Tensor:
+    """Compact scales (…, blocks) -> ``layout`` (the GEMM layouts take the leading dims as T)."""
+    if layout == "compact":
+        return scales
+    rows_2d = scales.reshape(-1, scales.shape[-1])
+    return to_cublas_mx_scales(rows_2d) if layout == "cublas" else to_deepgemm_scales(rows_2d)
