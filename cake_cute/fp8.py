@@ -35,13 +35,28 @@ from .views import aligned_vector, kernel_view
 
 
 class Fp8NormOutput(NamedTuple):
-    """What ``cake_rmsnorm_fp8`` returns (see ``cake_cute.fp8_numerics`` for the numerics and layouts)."""
+    """What ``cake_rmsnorm_fp8`` returns (``cake_cute.fp8_numerics`` states the numerics and layouts).
 
-    data: torch.Tensor  # torch.float8_e4m3fn, x's shape
-    scales: torch.Tensor  # in the requested scale layout
-    y: torch.Tensor  # differentiable: the act-dtype y (emit_y) or a zero-memory placeholder
-    rstd: torch.Tensor  # FP32, one per row
-    h_new: torch.Tensor | None  # x + residual in residual mode (differentiable), else None
+    Attributes
+    ----------
+    data : torch.Tensor
+        ``torch.float8_e4m3fn`` in x's shape; not differentiable.
+    scales : torch.Tensor
+        The block scales in the requested scale layout; not differentiable.
+    y : torch.Tensor
+        Differentiable: the act-dtype y (``emit_y=True``) or a placeholder that holds no memory; its
+        gradient (the consuming GEMM's dgrad) flows through the RMSNorm backward.
+    rstd : torch.Tensor
+        FP32, one value per row of x, flat (``[T]`` for T rows).
+    h_new : torch.Tensor or None
+        ``x + residual`` in residual mode (differentiable), else None.
+    """
+
+    data: torch.Tensor
+    scales: torch.Tensor
+    y: torch.Tensor
+    rstd: torch.Tensor
+    h_new: torch.Tensor | None
 
 
 def fp8_variant_specs(
