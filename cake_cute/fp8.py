@@ -60,14 +60,14 @@ class Fp8NormOutput(NamedTuple):
 
 
 def fp8_variant_specs(
-    archs, dtypes, hiddens, residuals=(False, True), recipes=RECIPES, emit_ys=(False, True)
+    archs, dtypes, hiddens, residuals=(False, True), recipes=RECIPES, emit_ys=(False, True), weight_offset=0.0
 ):
     """The quantizing-forward kernels (``KernelSpec``) for these settings, w in x's dtype (for warmup,
     CLI reports and the compile tests); the backward is the plain one (``warmup.variant_specs``)."""
     from itertools import product
 
     return [
-        KernelSpec(quant_kind(recipe, emit_y), arch, act, act, hidden, residual)
+        KernelSpec(quant_kind(recipe, emit_y), arch, act, act, hidden, residual, weight_offset)
         for arch, act, hidden, residual, recipe, emit_y in product(
             archs, dtypes, hiddens, residuals, recipes, emit_ys
         )

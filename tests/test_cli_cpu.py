@@ -124,6 +124,8 @@ REFUSED += [
     ("--hidden", "0", "hidden size 0 is outside"),
     ("--hidden", "4k", "argument --hidden: hidden size '4k' is not an integer"),
     ("--weight-offset", "inf", "argument --weight-offset: expected a finite number, got 'inf'"),
+    ("--fp8", "", "argument --fp8: expected one or more FP8 recipes separated by commas, got ''"),
+    ("--fp8", "nvfp4", "recipe must be one of ('mxfp8', '1x128'), got 'nvfp4'"),
 ]
 
 
@@ -196,6 +198,17 @@ def test_weight_offset_compiles_gemma_kernels(tmp_path, monkeypatch, capsys):
         "cake_bwd_sm_90a_bf16_wbf16_h4096_off1",
         "cake_dw_sm_90a_fp32_h4096",
         "cake_dw_sm_90a_bf16_h4096",
+    ]
+
+
+def test_fp8_adds_the_quantizing_forwards(tmp_path, monkeypatch, capsys):
+    asked = []
+    monkeypatch.setattr(warmup, "get_kernel_and_source", lambda spec: (asked.append(spec), "compiled"))
+    code = cli.main([*ONE_ARCH_PLAIN, "--fp8", "mxfp8", "--weight-offset", "1", "--cache-dir", str(tmp_path)])
+    assert code == 0, capsys.readouterr().err
+    assert [s.name() for s in asked if "mxfp8" in s.kind] == [
+        "cake_fwd_mxfp8_sm_90a_bf16_wbf16_h4096_off1",
+        "cake_fwd_mxfp8_y_sm_90a_bf16_wbf16_h4096_off1",
     ]
 
 

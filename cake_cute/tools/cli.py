@@ -61,6 +61,12 @@ def _arch(name: str) -> str:
     return normalize_arch(name)
 
 
+def _recipe(name: str) -> str:
+    from ..validation import check_recipe
+
+    return check_recipe(name)
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -119,6 +125,12 @@ def _add_warmup(sub) -> None:
         type=_finite_float,
         default=0.0,
         help="the constant added to w, compiled into the kernels (1.0 for Gemma-style norms; default 0)",
+    )
+    p.add_argument(
+        "--fp8",
+        type=_csv(_recipe, "FP8 recipes"),
+        default=[],
+        help="also the quantizing forwards of these recipes (mxfp8,1x128), with and without y",
     )
     p.add_argument(
         "--cache-dir", help="kernel cache directory (default $CAKE_CUTE_CACHE_DIR or ~/.cache/cake_cute)"
@@ -189,6 +201,13 @@ def cmd_warmup(args) -> int:
         W_MODES[args.w_dtype],
         weight_offset=args.weight_offset,
     )
+    if args.fp8:
+        from ..fp8 import fp8_variant_specs
+
+        residuals = RESIDUAL_MODES[args.residual]
+        specs += fp8_variant_specs(
+            archs, args.dtype, args.hidden, residuals, args.fp8, weight_offset=args.weight_offset
+        )
     result = warm(specs, args.jobs)
     for outcome in result.failed:
         print(f"FAILED {outcome.spec.name()}:\n  " + outcome.error.replace("\n", "\n  "), file=sys.stderr)
