@@ -11,7 +11,9 @@ import torch
 from cake_cute.kernels.config import E4M3_MAX, QUANT_RECIPES
 
 from cake_cute import cake_rmsnorm_fp8, fp8, fp8_numerics
-from cake_cute.tools.cubin import kernel_report, spill_free
+from cake_cute.tools.cubin import spill_free
+from cake_cute.tools.warmup import collect_reports, warm
+from cake_cute.vocab import dtype_bytes
 
 F32 = torch.float32
 NAN_BYTES = (0x7F, 0xFF)  # e4m3fn NaN with either sign
@@ -317,19 +319,21 @@ SPECS += fp8.fp8_variant_specs(("sm_103a",), ("bf16",), (4096, 65536), (True,), 
 
 
 @pytest.fixture(scope="module")
-def fp8_cache(tmp_path_factory):
-    """A fresh kernel cache for this module; each test compiles only its own variant (so ``-k``
-    selections compile only what they select)."""
+def fp8_reports(tmp_path_factory):
+    """{spec: cubin report} of every variant, compiled by the warmup code path (two worker processes)
+    into a fresh cache, then read back and disassembled (two workers)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("CAKE_CUTE_CACHE_DIR", str(tmp_path_factory.mktemp("fp8_cache")))
-        yield
+        result = warm(SPECS, jobs=2)
+        assert not result.failed, "\n".join(f"{o.spec.name()}: {o.error}" for o in result.failed)
+        return dict(zip(SPECS, collect_reports(SPECS, jobs=2)))
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name())
-def test_kernel_compiles_without_spills_and_converts_in_hardware(fp8_cache, spec):
-    report = kernel_report(spec)
+def test_kernel_compiles_without_spills_and_converts_in_hardware(fp8_reports, spec):
+    report = fp8_reports[spec]
     assert spill_free(report), report
     assert report["e4m3_converts"] > 0, "no e4m3 convert instruction"
-    act_bytes = {"bf16": 2, "fp16": 2, "fp32": 4}[spec.act_dtype]
+    act_bytes = dtype_bytes(spec.act_dtype)
     if spec.hidden * act_bytes % 16 == 0:
         assert report["global_load_width_bits"] == 128
