@@ -240,6 +240,15 @@ def prewarm_kernels(request):
 
 # From H = 65536 on, the GPU tests cap T: the FP64 reference of 16231 x 65536 rows alone needs GBs.
 WIDE = 65536
+# (dtype, H) of the batch-invariance tests: vectorized, ragged, tiny, non-power-of-two, cluster, widest.
+INVARIANCE_SHAPES = [
+    (torch.bfloat16, 4096),
+    (torch.float16, 4097),
+    (torch.float32, 7),
+    (torch.bfloat16, 1000),
+    (torch.bfloat16, 65536),
+    (torch.float32, 262144),
+]
 
 
 def suite_grid(rows) -> list:

@@ -29,6 +29,7 @@ from cake_cute.reference import backward_reference, forward_reference, rel_error
 from ._helpers import (  # noqa: F401 (fixed_seed, prewarm_kernels: fixtures)
     DTYPE_IDS,
     EPS,
+    INVARIANCE_SHAPES,
     WIDE,
     assert_bitwise_equal,
     assert_within_one_ulp,
@@ -481,18 +482,7 @@ def test_backward_one_workspace_serves_smaller_calls():
             assert_bitwise_equal(dw, dw_own, f"dw, T={rows}")
 
 
-@pytest.mark.parametrize(
-    "dtype, hidden",
-    [
-        (torch.bfloat16, 4096),
-        (torch.float16, 4097),
-        (torch.float32, 7),
-        (torch.bfloat16, 1000),
-        (torch.bfloat16, 65536),
-        (torch.float32, 262144),
-    ],
-    ids=lambda v: DTYPE_IDS.get(v, str(v)),
-)
+@pytest.mark.parametrize("dtype, hidden", INVARIANCE_SHAPES, ids=lambda v: DTYPE_IDS.get(v, str(v)))
 @pytest.mark.parametrize("residual", [False, True], ids=["plain", "res"])
 def test_backward_batch_invariance_of_dx(dtype, hidden, residual):
     """Row r's dx has the same bits alone, in batches of 129 (several positions) and of 4096 / 16231

@@ -20,6 +20,7 @@ from cake_cute.reference import forward_reference, rel_error, tolerance
 from ._helpers import (  # noqa: F401 (fixed_seed, prewarm_kernels: fixtures)
     DTYPE_IDS,
     EPS,
+    INVARIANCE_SHAPES,
     WIDE,
     assert_bitwise_equal,
     assert_within_one_ulp,
@@ -356,17 +357,7 @@ def test_forward_direct_outputs_are_written_in_place():
 # ---------------------------------------------------------------------------------- batch invariance
 
 
-INVARIANCE = [
-    (torch.bfloat16, 4096),
-    (torch.float16, 4097),
-    (torch.float32, 7),
-    (torch.bfloat16, 1000),
-    (torch.bfloat16, 65536),
-    (torch.float32, 262144),
-]
-
-
-@pytest.mark.parametrize("dtype, hidden", INVARIANCE, ids=lambda v: DTYPE_IDS.get(v, str(v)))
+@pytest.mark.parametrize("dtype, hidden", INVARIANCE_SHAPES, ids=lambda v: DTYPE_IDS.get(v, str(v)))
 @pytest.mark.parametrize("residual", [False, True], ids=["plain", "res"])
 def test_forward_batch_invariance(dtype, hidden, residual):
     """Row ``r``'s y, rstd and h_new have the same bits alone, in a batch of 129 (at two positions)
