@@ -36,7 +36,16 @@ from __future__ import annotations
 import torch
 
 from . import validation as v
-from .kernels.config import E4M3_MAX, FP32_BITS_OF_2_POW_M127, FP32_NAN_BITS, QUANT_RECIPES
+from .kernels.config import (
+    AMAX_BITS_E8M0_ZERO,
+    E4M3_MAX,
+    E8M0_EXPONENT_OFFSET,
+    E8M0_SIGNIFICAND_CARRY,
+    FP32_BITS_OF_2_POW_M127,
+    FP32_INF_BITS,
+    FP32_NAN_BITS,
+    QUANT_RECIPES,
+)
 
 RECIPES = tuple(QUANT_RECIPES)
 _CUBLAS_TILE = (128, 4)
@@ -77,6 +86,24 @@ def e8m0_round_up(amax: torch.Tensor) -> torch.Tensor:
     subnormal = (mantissa > FP32_BITS_OF_2_POW_M127).int()
     e = torch.where(exponent == 0, subnormal, normal)
     return torch.where(torch.isnan(quotient), 255, e).int()
+
+
+def e8m0_round_up_from_bits(amax_bits: torch.Tensor) -> torch.Tensor:
+    """``e8m0_round_up`` without the division, from the bits of a non-negative FP32 amax (int32): the
+    form the kernel computes.
+
+    With amax = m * 2^E (1 <= m < 2) and 448 = 1.75 * 2^8, amax / 448 lies in (2^(E-9), 2^(E-7)), and
+    its FP32 rounding stays at or below 2^(E-8) exactly when m <= 1.75: for m above 1.75 the quotient
+    exceeds 2^(E-8) by more than half an ulp, since m's 23 fraction bits cannot come closer. So
+    e = E + 127 - 8, plus one when amax's fraction bits exceed 0x600000, i.e. when adding 0x1FFFFF
+    to amax's bits carries into its exponent. Below 2^-118 the quotient is an FP32 subnormal, whose
+    coarser grid rounds it to 2^-127 or less (e = 0) up to amax = (1.75 + 2^-23) * 2^-119
+    (``AMAX_BITS_E8M0_ZERO``) and above 2^-127 (e = 1) past it. Infinity gives 254, NaN 255."""
+    finite = torch.clamp(amax_bits, max=FP32_INF_BITS)
+    e = ((finite + E8M0_SIGNIFICAND_CARRY) >> 23) - E8M0_EXPONENT_OFFSET
+    e = torch.where(amax_bits <= AMAX_BITS_E8M0_ZERO, 0, e)
+    e = torch.where(amax_bits == FP32_INF_BITS, 254, e)
+    return torch.where(amax_bits > FP32_INF_BITS, 255, e).int()
 
 
 def inverse_scale(e: torch.Tensor) -> torch.Tensor:

@@ -41,6 +41,7 @@ from .tiling import (
     RowTiling,
     backward_tiling,
     forward_tiling,
+    quant_forward_tiling,
     vector_width,
 )
 
@@ -114,6 +115,7 @@ CHOICES = {
     "fwd": ("tiling", "min_ctas_per_sm"),
     "bwd": ("tiling", "ring_depth", "register_budget", "ctas_per_sm"),
     "dw": ("col_lanes",),
+    "quant": ("tiling", "min_ctas_per_sm"),
 }
 _overrides: dict[tuple[str, str, str, int], dict] = {}
 _listeners: list[Callable[[], None]] = []
@@ -161,8 +163,9 @@ def overridden(kind: str, arch: str, dtype: str, hidden: int, **choices) -> Iter
     Parameters
     ----------
     kind, arch, dtype, hidden
-        The entry: ``"fwd"``, ``"bwd"`` or ``"dw"``; a compile target; the rows' dtype name (dW's
-        output dtype for ``"dw"``); H. A backward entry applies to both w dtypes and both modes.
+        The entry: ``"fwd"``, ``"bwd"``, ``"dw"`` or ``"quant"``; a compile target; the rows' dtype
+        name (dW's output dtype for ``"dw"``); H. A backward entry applies to both w dtypes and both
+        modes, a quant entry to both recipes.
     **choices
         Values for the entry's ``CHOICES`` (e.g. ``tiling=``, ``ring_depth=``); the rest keep their
         rules, and derived values (min CTAs per SM, shared memory, CTAs per SM) follow.
@@ -301,6 +304,11 @@ QUANT_RECIPES = {"mxfp8": (32, False), "1x128": (128, True)}
 E4M3_MAX = 448.0
 FP32_NAN_BITS = 0x7FC00000
 FP32_BITS_OF_2_POW_M127 = 0x400000  # 2^-127, the smallest E8M0 value, is an FP32 subnormal
+FP32_INF_BITS = 0x7F800000
+# The E8M0 exponent of fp32(amax / 448) rounded up, from amax's bits (fp8_numerics.e8m0_round_up_from_bits):
+E8M0_EXPONENT_OFFSET = 8  # 448 = 1.75 * 2^8
+E8M0_SIGNIFICAND_CARRY = 0x1FFFFF  # 2^23 - 0x600001: a significand above 1.75 carries into the exponent
+AMAX_BITS_E8M0_ZERO = 0x04600001  # the largest amax whose amax / 448 rounds to 2^-127 or less
 
 
 @dataclass(frozen=True)
@@ -326,13 +334,16 @@ def blocks_nest(tiling: RowTiling, block: int) -> bool:
 
 @cache
 def quant_forward_config(arch: str, act_dtype: str, hidden: int, recipe: str) -> QuantForwardConfig:
-    """The forward's config (its overrides included) plus the recipe's block width and scale type.
-    Every forward tiling nests with both block widths (its k-slices are a power of two or, for the
-    exact covers of a non-power-of-two warp count, a multiple of 128 columns; tests/test_fp8_cpu.py
-    checks every H), so the quantizing forward runs on the same tiling as the plain one."""
+    """The quantizing forward's tiling (``tiling.quant_forward_tiling``: the forward's, split further
+    for rows wider than 32 values per thread) and register hint (the forward's rule), plus the recipe's
+    block width and scale type. Both recipes share one override entry (kind ``"quant"``). Every such
+    tiling nests with both block widths (its k-slices are a power of two or, for the exact covers of a
+    non-power-of-two warp count, a multiple of 128 columns; tests/test_fp8_cpu.py checks every H)."""
     block, fp32_scales = QUANT_RECIPES[recipe]
-    config = forward_config(arch, act_dtype, hidden)
-    return QuantForwardConfig(config.tiling, config.min_ctas_per_sm, block, fp32_scales)
+    choices = override_choices("quant", arch, act_dtype, hidden)
+    tiling = choices.get("tiling") or quant_forward_tiling(hidden, act_dtype)
+    hint = choices.get("min_ctas_per_sm", forward_register_hint(tiling, arch))
+    return QuantForwardConfig(tiling, hint, block, fp32_scales)
 
 
 on_override_change(quant_forward_config.cache_clear)

@@ -10,18 +10,22 @@ Math, per row t (FP32; ``normalize`` is the plain forward's, so h_new and rstd a
     q_j   = e4m3 of y_j * 2^(127 - e), round to nearest even, saturated to +-448 (NaN stays NaN)
 
 ``recipe="mxfp8"`` (B = 32) writes e as a byte; ``recipe="1x128"`` (B = 128) writes the FP32 scale
-2^(e - 127) with e held to >= 1 (a normal FP32 scale) and amax = 0 giving the scale 1.0. The E8M0 byte
-is computed with integer operations on the bits of amax / 448 (sm_90a has no ue8m0 convert; the
-formula is exactly ``cvt.rp.satfinite.ue8m0x2.f32``'s rounding, so both architectures run the same
-code). amax is a maximum of the values' bit patterns with the sign cleared: for non-negative floats
-that order is the numeric order, and NaN patterns sort above infinity, so a NaN propagates.
+2^(e - 127) with e held to >= 1 (a normal FP32 scale) and amax = 0 giving the scale 1.0. e is computed
+from the bits of amax with integer operations and no division (``fp8_numerics.e8m0_round_up_from_bits``
+derives the formula and the CPU tests check it against the division; sm_90a has no ue8m0 convert, and
+the formula is exactly ``cvt.rp.satfinite.ue8m0x2.f32``'s rounding, so both architectures run the same
+code). amax is a NaN-propagating maximum (``max.NaN``) of |y|, one FMNMX per value; across lanes it
+travels as its bit pattern, whose integer order is the numeric order of non-negative floats with NaN
+above infinity.
 
-Tiling: the forward's (``config.quant_forward_config``): lane l of a row owns vectors l,
-l + threads_per_row, ... of ``vec`` elements. A k-slice (``threads_per_row * vec`` columns) and a block
-of B columns nest (``config.blocks_nest``): either a block is ``B / vec`` consecutive lanes of one
-k-slice or it spans ``B / (threads_per_row * vec)`` consecutive k-slices of all the row's lanes. Each
-lane takes the maximum over its own vectors of the block, then over the block's lanes with a
-butterfly shuffle (B / vec <= 32 lanes) or through shared memory and one CTA barrier (more lanes:
+Tiling (``config.quant_forward_config``): the forward's, held to 32 values per thread
+(``tiling.quant_forward_tiling``: the epilogue keeps a thread's FP32 values live across the amax
+shuffles), so bf16 rows wider than 8192 use twice the forward's cluster CTAs. Lane l of a row owns
+vectors l, l + threads_per_row, ... of ``vec`` elements. A k-slice (``threads_per_row * vec`` columns)
+and a block of B columns nest (``config.blocks_nest``): either a block is ``B / vec`` consecutive
+lanes of one k-slice or it spans ``B / (threads_per_row * vec)`` consecutive k-slices of all the row's
+lanes. Each lane takes the maximum over its own vectors of the block, then over the block's lanes with
+a butterfly shuffle (B / vec <= 32 lanes) or through shared memory and one CTA barrier (more lanes:
 1x128 with vec < 4). The block's first lane writes the scale.
 
 Bytes moved: reads x (+ residual) and w; writes T*H e4m3 bytes, T*ceil(H/B) scales (1 or 4 bytes),
@@ -36,11 +40,17 @@ from cutlass import Float32, Int32, Uint8, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
-from .config import E4M3_MAX, FP32_BITS_OF_2_POW_M127, FP32_NAN_BITS, blocks_nest
+from .config import (
+    AMAX_BITS_E8M0_ZERO,
+    E8M0_EXPONENT_OFFSET,
+    E8M0_SIGNIFICAND_CARRY,
+    FP32_BITS_OF_2_POW_M127,
+    FP32_INF_BITS,
+    FP32_NAN_BITS,
+    blocks_nest,
+)
 from .rmsnorm_fwd import NormalizedTile, RMSNormForward
 
-ABS_MASK = 0x7FFFFFFF
-MANTISSA_MASK = 0x7FFFFF
 E8M0_MAX_FINITE = 254
 E8M0_NAN = 255
 E8M0_ONE = 127
@@ -58,14 +68,13 @@ def bits_float(x: Int32, *, loc=None, ip=None) -> Float32:
 
 @cute.jit
 def e8m0_round_up(amax_bits: Int32) -> Int32:
-    """The biased E8M0 exponent of fp32(amax / 448) rounded up to a power of two (see the module)."""
-    q = float_bits(bits_float(amax_bits) / Float32(E4M3_MAX))
-    exponent = q >> 23
-    mantissa = q & MANTISSA_MASK
-    normal = cutlass.min(exponent + cutlass.select_(mantissa != 0, Int32(1), Int32(0)), E8M0_MAX_FINITE)
-    subnormal = cutlass.select_(mantissa > FP32_BITS_OF_2_POW_M127, Int32(1), Int32(0))
-    e = cutlass.select_(exponent == 0, subnormal, normal)
-    return cutlass.select_(q > 0x7F800000, Int32(E8M0_NAN), e)
+    """The biased E8M0 exponent of fp32(amax / 448) rounded up to a power of two, from amax's bits
+    alone (``fp8_numerics.e8m0_round_up_from_bits`` states the derivation; no division)."""
+    finite = cutlass.min(amax_bits, FP32_INF_BITS)  # keeps the carry below from overflowing for NaN
+    e = ((finite + E8M0_SIGNIFICAND_CARRY) >> 23) - E8M0_EXPONENT_OFFSET
+    e = cutlass.select_(amax_bits <= AMAX_BITS_E8M0_ZERO, Int32(0), e)
+    e = cutlass.select_(amax_bits == FP32_INF_BITS, Int32(E8M0_MAX_FINITE), e)
+    return cutlass.select_(amax_bits > FP32_INF_BITS, Int32(E8M0_NAN), e)
 
 
 @cute.jit
@@ -128,11 +137,14 @@ class RMSNormForwardQuant(RMSNormForward):
         t = self.tiling
         amax = cute.make_rmem_tensor(cute.make_layout(self.groups), Int32)
         for g in cutlass.range_constexpr(self.groups):
-            m = Int32(0)
-            for k in cutlass.range_constexpr(*self.group_vectors(g)):
-                for i in cutlass.range_constexpr(t.vec):
-                    m = cutlass.max(m, float_bits(y[i, 0, k]) & ABS_MASK)
-            amax[g] = cute.arch.warp_reduction_max(m, threads_in_group=min(self.lanes_per_block, 32))
+            first, end = self.group_vectors(g)
+            m = cute.math.absf(y[0, 0, first])
+            for k in cutlass.range_constexpr(first, end):
+                for i in cutlass.range_constexpr(1 if k == first else 0, t.vec):
+                    m = cute.arch.fmax(m, cute.math.absf(y[i, 0, k]), nan=True)
+            amax[g] = cute.arch.warp_reduction_max(
+                float_bits(m), threads_in_group=min(self.lanes_per_block, 32)
+            )
         if const_expr(self.lanes_per_block > 32):
             amax = self.combine_warps(smem, tile, amax)
         return amax

@@ -37,6 +37,7 @@ SMEM_RESERVED_PER_CTA = 1024  # the driver's per-CTA reserve
 SMEM_STATIC_PER_CTA = 1024  # static shared memory the DSL gives every kernel (cuobjdump: SHARED 1024)
 MAX_CTAS_PER_SM = 32
 MAX_THREADS_PER_SM = 2048
+QUANT_VALUES_PER_THREAD = 32  # row values per thread of the quantizing forward (quant_forward_tiling)
 
 
 @dataclass(frozen=True)
@@ -128,6 +129,20 @@ def forward_tiling(hidden: int, act_dtype: str) -> RowTiling:
     if tiling.covers_row_exactly or tiling.cluster_n > 1 or tiling.threads_per_row < 128:
         return tiling
     return _nearest_exact_cover(tiling, max_vpt=tiling.vecs_per_thread) or tiling
+
+
+@cache
+def quant_forward_tiling(hidden: int, act_dtype: str) -> RowTiling:
+    """The forward's tiling, held to ``QUANT_VALUES_PER_THREAD`` values of a row per thread. The
+    quantizing epilogue keeps every FP32 value of a thread's blocks live across the lanes' amax
+    reduction, so the forward's 64 bf16 values per thread (H > 8192) take 80-98 registers and leave
+    two or three 256-thread CTAs per SM where the plain forward has four; rows that wide are split
+    over twice the cluster CTAs instead (the plain rule of ``row_tiling`` at the smaller budget)."""
+    tiling = forward_tiling(hidden, act_dtype)
+    if tiling.vec * tiling.vecs_per_thread <= QUANT_VALUES_PER_THREAD:
+        return tiling
+    act_bytes = dtype_bytes(act_dtype)
+    return row_tiling(hidden, act_bytes, bytes_per_thread=QUANT_VALUES_PER_THREAD * act_bytes, target_vecs=4)
 
 
 @cache

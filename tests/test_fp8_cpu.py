@@ -51,6 +51,29 @@ def test_e8m0_agrees_with_log2_on_normal_values():
     assert torch.equal(fp8_numerics.e8m0_round_up(amax), expected)
 
 
+def _patterns_around_every_rounding_edge() -> torch.Tensor:
+    """Non-negative FP32 bit patterns: every exponent field with the significands where the rounding
+    of amax / 448 changes (around 1.75 = 0x600000) and at the ends of the binade, 64 random ones per
+    exponent, every pattern of the two binades where amax / 448 leaves the subnormals (exponent
+    fields 8 and 9), and NaN and infinity."""
+    exponents = torch.arange(256, dtype=torch.int32).reshape(-1, 1) << 23
+    edges = torch.tensor([0, 1, 2, 0x5FFFFF, 0x600000, 0x600001, 0x600002, 0x7FFFFE, 0x7FFFFF])
+    generator = torch.Generator().manual_seed(0)
+    random = torch.randint(0, 1 << 23, (256, 64), generator=generator, dtype=torch.int32)
+    transition = torch.arange(8 << 23, 10 << 23, dtype=torch.int32)
+    return torch.cat([(exponents | edges.int()).flatten(), (exponents | random).flatten(), transition])
+
+
+def test_e8m0_from_bits_equals_the_division():
+    """The kernel's division-free formula (``e8m0_round_up_from_bits``) against the division (an
+    exhaustive run over all 2^31 non-negative patterns agreed too; it takes minutes)."""
+    bits = _patterns_around_every_rounding_edge()
+    expected = fp8_numerics.e8m0_round_up(bits)
+    got = fp8_numerics.e8m0_round_up_from_bits(bits)
+    wrong = (got != expected).nonzero().flatten()[:5]
+    assert wrong.numel() == 0, [(hex(int(bits[i])), int(got[i]), int(expected[i])) for i in wrong]
+
+
 def test_inverse_scale_is_exact():
     e = torch.arange(0, 255, dtype=torch.int32)
     expected = torch.tensor([math.ldexp(1.0, 127 - int(k)) for k in e], dtype=torch.float64)
@@ -299,15 +322,25 @@ def test_torch_compile_fullgraph_matches_eager(recipe, layout, backend):
 
 
 @pytest.mark.parametrize("act_dtype", ["bf16", "fp32"])
-def test_every_forward_tiling_nests_with_the_blocks(act_dtype):
-    """The quantizing forward runs on the plain forward's tiling for every H (fp16 tiles like bf16)."""
+def test_every_quant_tiling_nests_with_the_blocks(act_dtype):
+    """For every H (fp16 tiles like bf16) the quantizing forward's tiling nests with both block widths,
+    holds at most 32 values per thread, and is the plain forward's wherever that one already does."""
     from cake_cute.kernels.config import blocks_nest
-    from cake_cute.kernels.tiling import MAX_HIDDEN, forward_tiling
+    from cake_cute.kernels.tiling import (
+        MAX_HIDDEN,
+        QUANT_VALUES_PER_THREAD,
+        forward_tiling,
+        quant_forward_tiling,
+    )
 
     for hidden in range(1, MAX_HIDDEN + 1):
-        tiling = forward_tiling(hidden, act_dtype)
-        assert blocks_nest(tiling, 32) and blocks_nest(tiling, 128), (hidden, tiling.describe())
-        assert tiling.cluster_n == 1 or tiling.cols_per_cta % 128 == 0, (hidden, tiling.describe())
+        tiling = quant_forward_tiling(hidden, act_dtype)
+        facts = (hidden, tiling.describe())
+        assert blocks_nest(tiling, 32) and blocks_nest(tiling, 128), facts
+        assert tiling.cluster_n == 1 or tiling.cols_per_cta % 128 == 0, facts
+        assert tiling.vec * tiling.vecs_per_thread <= QUANT_VALUES_PER_THREAD, facts
+        plain = forward_tiling(hidden, act_dtype)
+        assert tiling == plain or plain.vec * plain.vecs_per_thread > QUANT_VALUES_PER_THREAD, facts
 
 
 ARCHS = ("sm_90a", "sm_100a")
