@@ -146,6 +146,13 @@ def quantize_rows_bytes(y: torch.Tensor, recipe: str) -> tuple[torch.Tensor, tor
     return data.contiguous(), scales
 
 
+def canonical_nan_bytes(data: torch.Tensor) -> torch.Tensor:
+    """The bytes of e4m3 ``data`` with both NaN encodings (0x7F, 0xFF) as 0x7F: the CPU's and the
+    GPU's default NaNs differ in sign, which comparisons of quantized data should not see."""
+    b = data.view(torch.uint8)
+    return torch.where(b == 0xFF, torch.full_like(b, 0x7F), b)
+
+
 def dequantize_rows(data: torch.Tensor, scales: torch.Tensor, recipe: str) -> torch.Tensor:
     """FP32 ``data * scale`` from e4m3 data and compact scales (for checks and examples)."""
     hidden = data.shape[-1]

@@ -1,6 +1,7 @@
 """RMSNorm forward fused with rowwise block-scaled FP8 (e4m3) quantization of its output.
 
-Math, per row t (FP32; ``normalize`` is the plain forward's, so h_new and rstd are bitwise the same):
+Math, per row t (FP32; ``normalize`` is the plain forward's: h_new is bitwise the same, and so is rstd
+wherever the two tilings agree -- elsewhere its row sum adds in another fixed order):
 
     y     = h * rstd * (w + weight_offset)                 (FP32, never rounded to the act dtype)
     amax  = max |y_j| over a block of B columns along H   (B = 32 or 128; columns past H count as 0;

@@ -58,7 +58,7 @@ section_dtypes() {
 
 section_fp8() {
   local d=$OUT/fp8 && mkdir -p "$d"
-  bounded 300 "$d/fp8.log" python3 perf/fp8_bench.py "$d/$day-nvidia-h200-fp8.json"
+  bounded 300 "$d/fp8.log" python3 perf/fp8_bench.py "$d/$day-nvidia-h200-fp8.json" --check
 }
 
 section_model() {

@@ -21,7 +21,7 @@ from ._helpers import DTYPE_IDS, DTYPES, EPS, fixed_seed, poison, rand_weight  #
 pytestmark = pytest.mark.gpu
 
 DEV = "cuda"
-HIDDEN = (1, 7, 31, 33, 127, 129, 4096, 4097, 65537)
+HIDDEN = (1, 7, 31, 33, 127, 129, 4096, 4097, 16384, 32768, 65537)  # 16384+: the quant tiling's own split
 ROWS = (0, 1, 2, 129)
 
 
@@ -43,12 +43,6 @@ def prewarm_fp8_kernels():
     warm(specs, jobs=min(16, os.cpu_count() or 1), progress=io.StringIO())
 
 
-def _canonical_nan_bytes(data: torch.Tensor) -> torch.Tensor:
-    """e4m3 bytes with both NaN encodings (0x7F, 0xFF) mapped to 0x7F."""
-    b = data.view(torch.uint8)
-    return torch.where(b == 0xFF, torch.full_like(b, 0x7F), b)
-
-
 def _scale_bits(scales: torch.Tensor) -> torch.Tensor:
     if scales.dtype == torch.float32:
         return torch.where(torch.isnan(scales), float("nan"), scales).view(torch.int32)  # one NaN pattern
@@ -66,7 +60,9 @@ def _assert_matches_reference(out, x, w, residual, recipe, emit_y, weight_offset
     data, scales, y, _, _ = fp8_numerics.rmsnorm_fp8_reference(
         h, w, EPS, None, recipe, emit_y, weight_offset, rstd=out.rstd
     )
-    assert torch.equal(_canonical_nan_bytes(out.data), _canonical_nan_bytes(data)), "e4m3 data"
+    assert torch.equal(fp8_numerics.canonical_nan_bytes(out.data), fp8_numerics.canonical_nan_bytes(data)), (
+        "e4m3 data"
+    )
     assert torch.equal(_scale_bits(out.scales), _scale_bits(scales)), "scales"
     if emit_y:
         assert torch.equal(out.y.view(-1).view(torch.uint8), y.view(-1).view(torch.uint8)), "y"
@@ -119,6 +115,20 @@ def test_nan_and_inf_rows_stay_in_their_rows(recipe, hidden):
     clean = [0, 2, 3, 5]
     assert not torch.isnan(out.data[clean].float()).any()
     assert torch.isnan(out.data[1].float()).all()
+
+
+@pytest.mark.parametrize("recipe", fp8_numerics.RECIPES)
+@pytest.mark.parametrize("hidden", [4096, 16384])
+def test_scales_span_the_e8m0_range(recipe, hidden):
+    """Weights from 2^-130 to 2^100 along H put the blocks' amax / 448 anywhere from FP32 subnormals
+    to 2^93, so the kernel's division-free scale exponent meets every rounding regime of the
+    reference's division."""
+    x, _ = _activations(64, hidden, torch.bfloat16, False)
+    w = torch.exp2(torch.linspace(-130.0, 100.0, hidden, device=DEV)).to(torch.bfloat16)
+    out = cake_rmsnorm_fp8(x, w, EPS, recipe=recipe)
+    _assert_matches_reference(out, x, w, None, recipe, False)
+    exponents = (out.scales.view(torch.int32) >> 23) if recipe == "1x128" else out.scales.view(torch.uint8)
+    assert int(exponents.min()) <= 1 and int(exponents.max()) >= 215
 
 
 @pytest.mark.parametrize("layout, recipe", [("cublas", "mxfp8"), ("deepgemm", "1x128")])

@@ -51,3 +51,68 @@ def test_hostbound_cpu_layers(tmp_path):
         for residual in (False, True)
     }
     assert all(r["us_per_call"] > 0 and r["mode"] == "eager" and r["path"] == "cpu-layers" for r in rows)
+
+
+# ---- perf/fp8_bench.py: the pure parts, imported on CPU ---------------------------------------------
+
+
+@pytest.fixture
+def fp8_bench(monkeypatch):
+    import importlib
+
+    monkeypatch.syspath_prepend(str(PERF))  # its sibling results_doc
+    return importlib.import_module("fp8_bench")
+
+
+def test_fp8_bench_rotating_call_drops_a_sets_outputs_just_before_its_next_turn(fp8_bench):
+    import weakref
+
+    class Output:
+        pass
+
+    made: list[tuple[int, weakref.ref]] = []
+    alive_at_call = []
+
+    def fn(index):
+        alive_at_call.append([ref() is not None for _, ref in made])
+        out = Output()
+        made.append((index, weakref.ref(out)))
+        return out
+
+    call = fp8_bench.rotating_call(fn, [(0,), (1,), (2,)])
+    for _ in range(7):
+        call(None)
+    assert [index for index, _ in made] == [0, 1, 2, 0, 1, 2, 0]
+    # At call 3 (set 0 again) set 0's first output is gone, sets 1 and 2 still hold theirs.
+    assert alive_at_call[3] == [False, True, True]
+    assert alive_at_call[6] == [False, False, False, False, True, True]
+    assert [ref() is not None for _, ref in made] == [False] * 4 + [True] * 3
+
+
+def test_fp8_bench_fused_bytes(fp8_bench):
+    # x read, e4m3 written (1 byte each), one E8M0 byte per 32 columns, 4 bytes of rstd per row.
+    assert fp8_bench.fused_bytes(2, 64, 2, "mxfp8", False) == 2 * 64 * 2 + 2 * 64 + 2 * 2 + 2 * 4
+    # residual adds the residual read and h_new written; 1x128 scales are 4 bytes, one for 65 columns.
+    assert fp8_bench.fused_bytes(3, 65, 4, "1x128", True) == 3 * 65 * 4 * 3 + 3 * 65 + 3 * 4 + 3 * 4
+
+
+def test_fp8_bench_parse_tiling(fp8_bench):
+    hidden, tiling = fp8_bench.parse_tiling("16384=512,4,1", "bf16", "sm_90a")
+    assert hidden == 16384
+    assert (tiling.vec, tiling.threads_per_row, tiling.vecs_per_thread, tiling.cluster_n) == (8, 512, 4, 1)
+    assert tiling.rows_per_cta == 1 and tiling.covers_row_exactly
+    with pytest.raises(ValueError, match="H=TPR,VPT,CLUSTER"):
+        fp8_bench.parse_tiling("16384:512,4,1", "bf16", "sm_90a")
+    with pytest.raises(ValueError, match="do not cover H"):
+        fp8_bench.parse_tiling("16384=256,4,1", "bf16", "sm_90a")
+
+
+def test_fp8_bench_same_bits_matches_nans_only(fp8_bench):
+    import torch
+
+    a = torch.tensor([1.0, float("nan"), 0.0])
+    b = a.clone()
+    b.view(torch.int32)[1] = -4194304  # 0xFFC00000: a NaN with another sign
+    assert fp8_bench.same_bits(a, b)
+    assert not fp8_bench.same_bits(a, torch.tensor([1.0, float("nan"), -0.0]))
+    assert not fp8_bench.same_bits(a, torch.tensor([1.0, 2.0, 0.0]))
