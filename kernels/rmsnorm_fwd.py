@@ -123,6 +123,12 @@ class RMSNormForward(RowKernel):
             cute.copy(copy_atom(mOut.element_type, self.tiling.vec), tXrO, tXgO, pred=tile.pred)
 
     @cute.jit
+    def widen(self, frag: cute.Tensor) -> cute.TensorSSA:
+        """A register fragment of x, residual, h or w as FP32 values (an epilogue may widen its
+        dtype another way, to the same values)."""
+        return frag.load().to(Float32)
+
+    @cute.jit
     def normalize(
         self,
         smem,
@@ -187,11 +193,11 @@ class RMSNormForward(RowKernel):
             tXrR.fill(0)
             copy_act(tXsR, tXrR)
             # h is rounded to the activation dtype: the rounded h is both h_new and what is normalized.
-            tXrX.store((tXrX.load().to(Float32) + tXrR.load().to(Float32)).to(self.act_dtype))
+            tXrX.store((self.widen(tXrX) + self.widen(tXrR)).to(self.act_dtype))
             copy_act(tXrX, tXsX)
             if row < rows:
                 copy_act(tXrX, tXgH)
-        h = tXrX.load().to(Float32)
+        h = self.widen(tXrX)
 
         sum_sq = row_sum(
             (h * h).reduce(cute.ReductionOp.ADD, Float32(0.0), 0),
@@ -212,6 +218,6 @@ class RMSNormForward(RowKernel):
         # Re-read h from shared memory rather than holding it in registers across the reduction.
         tXrX.fill(0)
         copy_act(tXsX, tXrX)
-        w = self.widen_weight(tXrW.load())
-        y = tXrX.load().to(Float32) * rstd * w
+        w = self.widen_weight(self.widen(tXrW))
+        y = self.widen(tXrX) * rstd * w
         return NormalizedTile(y, tXgX, thr, tiler, bidx, rank, row, rows, pred, row_in_cta, lane_in_row)
