@@ -114,8 +114,9 @@ class RMSNormForwardQuant(RMSNormForward):
     def widen(self, frag: cute.Tensor) -> cute.TensorSSA:
         """bf16 widened from its 32-bit words: the low value shifted up, the high one masked, one
         integer operation per value where the compiler's conversion spends two on every high half
-        (PRMT + shift); the values are the same. Other dtypes convert as the forward does."""
-        if const_expr(frag.element_type != cutlass.BFloat16):
+        (PRMT + shift); the values are the same. Other dtypes, and bf16 vectors of one element (no
+        whole words), convert as the forward does."""
+        if const_expr(frag.element_type != cutlass.BFloat16 or self.tiling.vec % 2):
             return frag.load().to(Float32)
         words = cute.recast_tensor(frag, Int32)
         out = cute.make_rmem_tensor_like(frag, Float32)
