@@ -313,6 +313,20 @@ def print_table(rows: list[dict]) -> None:
     fused = [r for r in rows if r["impl"] == "cake_cute" and "candidate" not in r]
     reached = sum(r["frac_copy"] >= 0.9 for r in fused)
     print(f"cake_cute at >= 0.9 of the copy: {reached} of {len(fused)} rows", flush=True)
+    for hidden, config, us in fastest_configs(rows):
+        print(f"H={hidden}: fastest config over every recipe and mode: {config} ({us:.1f} us in all)")
+
+
+def fastest_configs(rows: list[dict]) -> list[tuple[int, str, float]]:
+    """Per H with candidate rows: the fused op's config of least total time over the standard-grid
+    rows (recipes, modes) it was timed in, and that total."""
+    totals: dict[int, dict[str, float]] = {}
+    candidates = {r["H"] for r in rows if "candidate" in r}
+    for r in rows:
+        if r["impl"] == "cake_cute" and r["H"] in candidates and (r["T"], r["H"]) in STANDARD:
+            per_config = totals.setdefault(r["H"], {})
+            per_config[r["config"]] = per_config.get(r["config"], 0.0) + r["gpu_us"]
+    return [(hidden, *min(t.items(), key=lambda kv: kv[1])) for hidden, t in sorted(totals.items())]
 
 
 def main(argv=None) -> int:

@@ -116,3 +116,20 @@ def test_fp8_bench_same_bits_matches_nans_only(fp8_bench):
     assert fp8_bench.same_bits(a, b)
     assert not fp8_bench.same_bits(a, torch.tensor([1.0, float("nan"), -0.0]))
     assert not fp8_bench.same_bits(a, torch.tensor([1.0, 2.0, 0.0]))
+
+
+def test_fp8_bench_fastest_configs_sums_each_config_over_its_rows(fp8_bench):
+    def row(config, us, candidate, T=8192, H=16384, impl="cake_cute"):
+        r = {"impl": impl, "T": T, "H": H, "config": config, "gpu_us": us}
+        return r | ({"candidate": True} if candidate else {})
+
+    rows = [
+        row("a", 10.0, False),
+        row("a", 10.0, False),
+        row("b", 9.0, True),
+        row("b", 12.0, True),  # b: 21 in all, a: 20
+        row("c", 1.0, False, impl="cake_cute+compile"),  # another impl: not a config of the fused op
+        row("d", 1.0, False, T=2048),  # a training-grid row: not timed against the candidates
+        row("a", 5.0, False, T=16384, H=8192),  # no candidates at this H
+    ]
+    assert fp8_bench.fastest_configs(rows) == [(16384, "a", 20.0)]
