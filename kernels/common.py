@@ -45,14 +45,15 @@ class RowKernel:
         self.residual = residual
         self.weight_offset = weight_offset
 
-    def launch_shape(self, ctas) -> dict:
-        """Launch keywords for ``ctas`` row programs times ``cluster_n`` CTAs along y. The shared
-        memory carveout is given explicitly so that compiling needs no GPU to look it up."""
+    def launch_shape(self, ctas, group: int = 1) -> dict:
+        """Launch keywords for ``ctas`` row programs times ``cluster_n`` CTAs along y, in clusters of
+        ``group`` programs along x (the backward's dW groups). The shared memory carveout is given
+        explicitly so that compiling needs no GPU to look it up."""
         t = self.tiling
         return dict(
             grid=[ctas, t.cluster_n, 1],
             block=[t.threads_per_cta, 1, 1],
-            cluster=[1, t.cluster_n, 1] if t.cluster_n > 1 else None,
+            cluster=[group, t.cluster_n, 1] if group * t.cluster_n > 1 else None,
             min_blocks_per_mp=self.config.min_ctas_per_sm,
             preferred_smem_carveout=100,
         )
@@ -102,6 +103,15 @@ def broadcast_rows(vector: cute.Tensor, rows: int) -> cute.Tensor:
     """View a length-H vector as (rows, H) with a zero row stride, so it tiles like a row block."""
     layout = cute.make_layout((rows, cute.size(vector.shape[0])), stride=(0, 1))
     return cute.make_tensor(vector.iterator, layout)
+
+
+def global_vector(m: cute.Tensor, row, col, width: int) -> cute.Tensor:
+    """Cells (row, col .. col + width - 1) of a row-major global tensor as a tensor of their own,
+    aligned to its whole width (the caller guarantees the alignment and that the cells exist)."""
+    dtype = m.element_type
+    start = (m.iterator + cute.crd2idx((row, col), m.layout)).toint()
+    pointer = cute.make_ptr(dtype, start, cute.AddressSpace.gmem, assumed_align=width * dtype.width // 8)
+    return cute.make_tensor(pointer, cute.make_layout(width))
 
 
 @cute.jit

@@ -56,6 +56,7 @@ from .common import (
     broadcast_rows,
     column_predicate,
     copy_atom,
+    global_vector,
     init_cluster_reduction,
     row_sum,
     row_tiled_copy,
@@ -87,6 +88,27 @@ class ThreadTiles:
 
 
 @cute.jit
+def load_from_peer(cell: cute.Pointer, member, width: cutlass.Constexpr[int]) -> cute.TensorSSA:
+    """``width`` (1 or 4) FP32 values at ``cell``'s offset in the shared memory of cluster CTA
+    ``member``."""
+    address = Int32(cute.arch.map_dsmem_ptr(cell, member).toint())
+    values = cute.make_rmem_tensor(cute.make_layout(width), Float32)
+    if const_expr(width == 4):
+        loaded = cute.arch.inline_ptx(
+            "ld.shared::cluster.v4.f32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
+            write_only_types=[Float32] * 4,
+            read_only_args=[address],
+        )
+        for v in cutlass.range_constexpr(4):
+            values[v] = loaded[v]
+    else:
+        values[0] = cute.arch.inline_ptx(
+            "ld.shared::cluster.f32 {$w0}, [{$r0}];", write_only_types=[Float32], read_only_args=[address]
+        )
+    return values.load()
+
+
+@cute.jit
 def issue_row_tile(tt: ThreadTiles, tile, ring_slot, mG, mH, sG, sH):
     """Issue the cp.async copies of row tile ``tile`` of g and h into slot ``ring_slot`` of the ring."""
     for m, sT in ((mG, sG), (mH, sH)):
@@ -111,7 +133,7 @@ class RMSNormBackward(RowKernel):
         stream,
     ):
         self.kernel(mG, mH, mW, mRstd, mGRes, mDX, mPartial).launch(
-            **self.launch_shape(num_programs), stream=stream
+            **self.launch_shape(num_programs, self.config.dw_group), stream=stream
         )
 
     @cute.kernel
@@ -198,7 +220,12 @@ class RMSNormBackward(RowKernel):
             )
             visit = visit + 1
 
-        self.write_dw_partial_row(tt, bidx, mPartial, tXrDW, tXDW, pred)
+        # The dW reduction may start launching (it waits for this grid's memory before reading).
+        cute.arch.griddepcontrol_launch_dependents()
+        if const_expr(self.config.dw_group > 1):
+            self.write_dw_group_row(tt, bidx, mPartial, tXrDW, sG)
+        else:
+            self.write_dw_partial_row(tt, bidx, mPartial, tXrDW, tXDW, pred)
 
     @cute.jit
     def prologue(self, smem, thr, tiler, rank, tXc0, mW, pred):
@@ -339,3 +366,37 @@ class RMSNormBackward(RowKernel):
         if const_expr(self.config.dw_in_smem):
             cute.autovec_copy(tXDW, tXrDW)
         cute.copy(copy_atom(Float32, self.tiling.vec), tXrDW, tXgP, pred=pred)
+
+    @cute.jit
+    def write_dw_group_row(self, tt: ThreadTiles, bidx, mPartial, tXrDW, sG):
+        """The ``dw_group`` CTAs of a cluster sum their dW accumulators into one partial row (group
+        b // dw_group owns row b // dw_group): each CTA lays its accumulator out in its ring (free
+        after the last tile), and after a cluster barrier member m adds column slice m of every
+        member's tile, in member order and row-group order, reading them through distributed shared
+        memory. A second cluster barrier keeps every tile alive until its readers are done."""
+        t = self.tiling
+        group = self.config.dw_group
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.barrier()  # every thread is done reading the ring
+        sDW = cute.make_tensor(
+            cute.recast_ptr(sG.iterator, dtype=Float32), cute.make_ordered_layout(tile_shape(t), order=(1, 0))
+        )
+        cute.autovec_copy(tXrDW, tt.thr.partition_D(sDW))
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
+        width = 4 if const_expr(t.cols_per_cta % 4 == 0) else 1
+        slice_vectors = -(-t.cols_per_cta // (width * group))
+        tidx, _, _ = cute.arch.thread_idx()
+        first = (bidx % group) * slice_vectors
+        total = cute.make_rmem_tensor(cute.make_layout(width), Float32)
+        for vector in cutlass.range(tidx, slice_vectors, t.threads_per_cta, unroll=1):
+            col = (first + vector) * width
+            if col < t.hidden:
+                total.fill(0.0)
+                for member in cutlass.range_constexpr(group):
+                    for row in cutlass.range_constexpr(t.rows_per_cta):
+                        cell = sDW.iterator + cute.crd2idx((row, col), sDW.layout)
+                        total.store(total.load() + load_from_peer(cell, member, width))
+                cute.autovec_copy(total, global_vector(mPartial, bidx // group, col, width))
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()

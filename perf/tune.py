@@ -3,6 +3,7 @@
     python perf/tune.py fwd H [TPR,VPT,ROWS ...]                 forward tilings
     python perf/tune.py bwd H [TPR,VPT,ROWS,BUDGET ...]          backward tilings / register budgets
     python perf/tune.py ring H[,H...] DEPTH:CTAS [DEPTH:CTAS ...]   backward ring depth, CTAs per SM
+    python perf/tune.py group H[,H...] --rows-list T[,T...] GROUP[:nopdl] ...   dW groups, PDL of dw_reduce
 
 Options: ``--dtype`` (bf16), ``--reps`` (8), ``--rows`` (default 2^27 / H). The first candidate is
 always the default config; ``0`` for BUDGET or CTAS keeps the default's value. Each candidate runs
@@ -10,8 +11,11 @@ inside ``kernels.config.overridden``, so it compiles into its own cache entry (t
 key) and nothing is patched. Device time comes from the profiler (the sum of the kernels a call
 launches, averaged over ``--reps`` calls); TB/s counts the bytes the kernels must move. ``ring`` also
 checks that every candidate with the default's program count returns bitwise the default's dx and dw.
-The scans these modes replaced, and their logs: perf/results/2026-11-30-h200-tiling-scans/,
-perf/results/2026-11-30-h200-stages-scan/.
+``group`` times whole backward calls the way the sweep does (CUDA events around the call behind a
+spin, inputs rotated so none is L2-resident: ``cake_cute.tools.bench.timing``), next to a device copy
+of the same bytes, and checks that every candidate's dx is bitwise the default's and its dw within
+FP32 rounding of an FP64 reference. The scans these modes replaced, and their logs:
+perf/results/2026-11-30-h200-tiling-scans/, perf/results/2026-11-30-h200-stages-scan/.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from dataclasses import replace
 from functools import partial
 
 import torch
-from cake_cute.kernels.config import backward_config, forward_config, overridden
+from cake_cute.kernels.config import backward_config, forward_config, overridden, reduce_config
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
@@ -136,20 +140,87 @@ def tune_ring(args, arch: str) -> None:
                 _report(label, us, T * H * dtype_bytes(act) * 3, same)
 
 
+def _group_choices(candidate: str) -> tuple[dict, dict]:
+    """``GROUP[:nopdl]`` -> (backward choices, dW-reduction choices)."""
+    group, _, pdl = candidate.partition(":")
+    return {"dw_group": int(group)}, {"after_backward": pdl != "nopdl"}
+
+
+def _rotated_backward(sets, w, workspace):
+    """A backward call that takes the next input set of ``sets`` on every call."""
+    from cake_cute.tools.bench.timing import Rotation
+
+    rotation = Rotation(len(sets))
+
+    def call(_=None):
+        g, x, rstd, gr = sets[rotation.next()]
+        return cake_cute.cake_rmsnorm_train_backward(g, x, w, rstd, g_residual=gr, workspace=workspace)
+
+    return call
+
+
+def _group_case(timer, arch: str, act: str, T: int, H: int, residual: bool, candidates, reps: int) -> None:
+    from cake_cute.tools.bench.timing import buffer_sets_for
+
+    device = timer.device
+    nbytes = T * H * dtype_bytes(act) * (4 if residual else 3)
+    w = torch.randn(H, device=device, dtype=torch_dtype(act))
+    sets = []
+    for _ in range(buffer_sets_for(nbytes, timer.l2_bytes)):
+        x = torch.randn(T, H, device=device, dtype=torch_dtype(act))
+        rstd = cake_cute.cake_rmsnorm_train_forward(x, w, 1e-6)[1]
+        sets.append((torch.randn_like(x), x, rstd, torch.randn_like(x) if residual else None))
+    g0, x0, rstd0, _ = sets[0]
+    dw_ref = (g0.double() * x0.double() * rstd0.double()[:, None]).sum(0)
+    copy_us = timer.copy_ceiling(nbytes, reps)["copy_gpu_us"]
+    reference_dx = None
+    for candidate in candidates:
+        bwd_choices, dw_choices = _group_choices(candidate) if candidate != "0" else ({}, {})
+        with overridden("bwd", arch, act, H, **bwd_choices), overridden("dw", arch, "fp32", H, **dw_choices):
+            workspace = cake_cute.cake_rmsnorm_train_backward_workspace(T, H, device, residual=residual)
+            dx, dw = _rotated_backward(sets[:1], w, workspace)()
+            reference_dx = dx.clone() if reference_dx is None else reference_dx
+            err = ((dw.double() - dw_ref).norm() / dw_ref.norm()).item()
+            us = timer.device_us(_rotated_backward(sets, w, workspace), reps)
+            config = backward_config(arch, act, act, H, residual)
+            programs, partial_rows = dispatch.backward_launch(T, H, act, act, residual, device_facts(device))
+            pdl = reduce_config(arch, "fp32", H).after_backward
+            label = (
+                f"group {act} T={T} H={H} res={residual} cand={candidate} dw_group={config.dw_group} "
+                f"pdl={pdl} programs={programs} partial_rows={partial_rows}"
+            )
+            checks = f"dx_bitwise={torch.equal(dx, reference_dx)} dw_rel_err={err:.2e}"
+            _report(label, us, nbytes, f"frac_copy={copy_us / us:.3f} {checks}")
+
+
+def tune_group(args, arch: str) -> None:
+    from cake_cute.tools.bench.timing import DeviceTimer
+
+    timer = DeviceTimer(torch, torch.device("cuda"))
+    timer.warm_clocks()
+    for H in args.hidden:
+        for T in _ints(args.rows_list):
+            for residual in (False, True):
+                _group_case(timer, arch, args.dtype, T, H, residual, ["0"] + args.candidates, args.reps)
+                torch.cuda.empty_cache()
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", choices=("fwd", "bwd", "ring"))
+    parser.add_argument("mode", choices=("fwd", "bwd", "ring", "group"))
     parser.add_argument("hidden", type=_ints, help="H (ring: a comma-separated list)")
     parser.add_argument("candidates", nargs="*")
     parser.add_argument("--dtype", default="bf16", choices=DTYPE_NAMES)
     parser.add_argument("--reps", type=int, default=8)
     parser.add_argument("--rows", type=int, default=0, help="T (default: 2^27 / H)")
+    parser.add_argument("--rows-list", default="2048,4096,8192,16384", help="group: the T values")
     args = parser.parse_args(argv)
     device = torch.device("cuda")
     if not cake_cute.is_cake_rmsnorm_train_supported(device):
         print("perf/tune.py needs a supported GPU", file=sys.stderr)
         return 2
-    {"fwd": tune_forward, "bwd": tune_backward, "ring": tune_ring}[args.mode](args, device_facts(device).arch)
+    modes = {"fwd": tune_forward, "bwd": tune_backward, "ring": tune_ring, "group": tune_group}
+    modes[args.mode](args, device_facts(device).arch)
     return 0
 
 
