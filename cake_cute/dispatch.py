@@ -35,39 +35,36 @@ PAIR_TILES_FROM = 64
 def backward_programs(
     rows: int, hidden: int, act_dtype: str, w_dtype: str, residual: bool, device: DeviceFacts
 ) -> int:
-    """Programs (row-splitting clusters, or CTAs in clusters of ``dw_group``) of the persistent
-    backward: as many as are resident at once, never more than there are row tiles (two tiles each
-    from ``PAIR_TILES_FROM`` tiles up to a full GPU), rounded up to whole dW groups. The partition of
-    rows -- and so dw's bits -- is fixed by this number, which depends only on T, the GPU model and the
-    variant (dtypes, H, mode)."""
+    """Programs (clusters) of the persistent backward: as many as are resident at once, never more
+    than there are row tiles (two tiles each from ``PAIR_TILES_FROM`` tiles up to a full GPU). The
+    partition of rows -- and so dw's bits -- is fixed by this number, which depends only on T, the GPU
+    model and the variant (dtypes, H, mode)."""
     config = backward_config(device.arch, act_dtype, w_dtype, hidden, residual)
-    tiling, group = config.tiling, config.dw_group
+    tiling = config.tiling
     tiles = -(-rows // tiling.rows_per_cta)
     if tiles <= 1:
-        return group
-    resident = group * resident_clusters(
+        return 1
+    resident = resident_clusters(
         device.index,
         device.capability,
         tiling.threads_per_cta,
-        tiling.cluster_n * group,
+        tiling.cluster_n,
         config.ctas_per_sm,
         device.sm_count,
     )
-    programs = -(-tiles // 2) if PAIR_TILES_FROM <= tiles <= resident else min(tiles, resident)
-    return -(-programs // group) * group
+    if PAIR_TILES_FROM <= tiles <= resident:
+        return -(-tiles // 2)
+    return min(tiles, resident)
 
 
 @lru_cache(maxsize=4096)
 def backward_launch(
     rows: int, hidden: int, act_dtype: str, w_dtype: str, residual: bool, device: DeviceFacts
 ) -> tuple[int, int]:
-    """(programs, FP32 partial rows of dW the backward writes: one per dW group, else one per row
-    group of each program)."""
+    """(programs, FP32 partial rows of dW the backward writes: one per row group of each program)."""
     programs = backward_programs(rows, hidden, act_dtype, w_dtype, residual, device)
-    config = backward_config(device.arch, act_dtype, w_dtype, hidden, residual)
-    if config.dw_group > 1:
-        return programs, programs // config.dw_group
-    return programs, programs * config.tiling.rows_per_cta
+    rows_per_cta = backward_config(device.arch, act_dtype, w_dtype, hidden, residual).tiling.rows_per_cta
+    return programs, programs * rows_per_cta
 
 
 def most_partial_rows(

@@ -45,15 +45,14 @@ class RowKernel:
         self.residual = residual
         self.weight_offset = weight_offset
 
-    def launch_shape(self, ctas, group: int = 1) -> dict:
-        """Launch keywords for ``ctas`` row programs times ``cluster_n`` CTAs along y, in clusters of
-        ``group`` programs along x (the backward's dW groups). The shared memory carveout is given
-        explicitly so that compiling needs no GPU to look it up."""
+    def launch_shape(self, ctas) -> dict:
+        """Launch keywords for ``ctas`` row programs times ``cluster_n`` CTAs along y. The shared
+        memory carveout is given explicitly so that compiling needs no GPU to look it up."""
         t = self.tiling
         return dict(
             grid=[ctas, t.cluster_n, 1],
             block=[t.threads_per_cta, 1, 1],
-            cluster=[group, t.cluster_n, 1] if group * t.cluster_n > 1 else None,
+            cluster=[1, t.cluster_n, 1] if t.cluster_n > 1 else None,
             min_blocks_per_mp=self.config.min_ctas_per_sm,
             preferred_smem_carveout=100,
         )
@@ -112,6 +111,19 @@ def global_vector(m: cute.Tensor, row, col, width: int) -> cute.Tensor:
     start = (m.iterator + cute.crd2idx((row, col), m.layout)).toint()
     pointer = cute.make_ptr(dtype, start, cute.AddressSpace.gmem, assumed_align=width * dtype.width // 8)
     return cute.make_tensor(pointer, cute.make_layout(width))
+
+
+@cute.jit
+def prefetch_to_l2(m: cute.Tensor, row, col, count: cutlass.Constexpr[int], hidden: cutlass.Constexpr[int]):
+    """Ask the L2 for ``count`` elements of row ``row`` of ``m`` from column ``col`` on (clipped to H),
+    with one bulk prefetch (no registers held, nothing to wait for)."""
+    if col < hidden:
+        elems = cutlass.min(Int32(count), Int32(hidden) - col)
+        start = (m.iterator + cute.crd2idx((row, col), m.layout)).toint()
+        cute.arch.inline_ptx(
+            "cp.async.bulk.prefetch.L2.global [{$r0}], {$r1};",
+            read_only_args=[cutlass.Int64(start), elems * (m.element_type.width // 8)],
+        )
 
 
 @cute.jit

@@ -45,7 +45,6 @@ from .tiling import (
 )
 
 HOPPER = "sm_90a"
-DW_GROUP = 4
 
 
 @dataclass(frozen=True)
@@ -69,9 +68,7 @@ class BackwardConfig:
     ring of ``ring_depth`` shared-memory row tiles. ``register_budget`` is held through
     ``min_ctas_per_sm`` (the ``min_blocks_per_mp`` hint); ``smem_bytes`` bounds one CTA's shared
     memory and ``ctas_per_sm`` is how many CTAs are resident on an SM (the persistent grid launches
-    exactly that many). ``dw_group``: CTAs of a cluster (along x) that sum their dW accumulators
-    through distributed shared memory at the end and write one partial row between them (1: each
-    CTA writes its own)."""
+    exactly that many)."""
 
     tiling: RowTiling
     dw_in_smem: bool
@@ -80,13 +77,12 @@ class BackwardConfig:
     min_ctas_per_sm: int
     smem_bytes: int
     ctas_per_sm: int
-    dw_group: int
 
     def describe(self) -> str:
         ring = "dW in smem, g/h re-read" if self.dw_in_smem else f"ring={self.ring_depth}"
         return (
             f"{self.tiling.describe()} {ring} regs<={self.register_budget} "
-            f"smem={self.smem_bytes}B ctas/SM={self.ctas_per_sm} dw_group={self.dw_group}"
+            f"smem={self.smem_bytes}B ctas/SM={self.ctas_per_sm}"
         )
 
 
@@ -118,7 +114,7 @@ class ReduceConfig:
 
 CHOICES = {
     "fwd": ("tiling", "min_ctas_per_sm"),
-    "bwd": ("tiling", "ring_depth", "register_budget", "ctas_per_sm", "dw_group"),
+    "bwd": ("tiling", "ring_depth", "register_budget", "ctas_per_sm"),
     "dw": ("col_lanes", "after_backward"),
 }
 _overrides: dict[tuple[str, str, str, int], dict] = {}
@@ -257,14 +253,6 @@ def backward_smem_bytes(
     return reduction + dtype_bytes(w_dtype) * tile + staging + SMEM_STATIC_PER_CTA + 256
 
 
-def backward_dw_group(tiling: RowTiling, dw_in_smem: bool) -> int:
-    """CTAs that combine their dW accumulators before writing a partial row: DW_GROUP for rows one
-    CTA holds (fewer FP32 partial rows to write and to reduce, the fixed cost that dominates a
-    backward of few rows per program), 1 for row-splitting clusters and for dW kept in shared memory.
-    Measurements: perf/results/2026-12-01-h200-dw-group-scan/."""
-    return DW_GROUP if tiling.cluster_n == 1 and not dw_in_smem else 1
-
-
 def resident_ctas_per_sm(tiling: RowTiling, smem_bytes: int, min_ctas_per_sm: int) -> int:
     """CTAs resident on one SM: registers, shared memory and thread slots all bound it."""
     by_smem = SMEM_PER_SM // (smem_bytes + SMEM_RESERVED_PER_CTA)
@@ -287,10 +275,7 @@ def backward_config(arch: str, act_dtype: str, w_dtype: str, hidden: int, residu
     min_ctas = max(1, REGISTERS_PER_SM // (budget * tiling.threads_per_cta))
     smem = backward_smem_bytes(tiling, act_dtype, w_dtype, residual, ring_depth, dw_in_smem)
     per_sm = choices.get("ctas_per_sm") or resident_ctas_per_sm(tiling, smem, min_ctas)
-    group = choices.get("dw_group") or backward_dw_group(tiling, dw_in_smem)  # 0 keeps the rule
-    if group > 1 and (tiling.cluster_n > 1 or dw_in_smem):
-        raise ValueError("dw_group > 1 needs a row one CTA holds and a ring to reuse as the dW tile")
-    return BackwardConfig(tiling, dw_in_smem, ring_depth, budget, min_ctas, smem, per_sm, group)
+    return BackwardConfig(tiling, dw_in_smem, ring_depth, budget, min_ctas, smem, per_sm)
 
 
 # ---------------------------------------------------------------------------------------- dW reduction
