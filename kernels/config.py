@@ -216,12 +216,14 @@ def backward_ring_depth(tiling: RowTiling, act_dtype: str, residual: bool) -> in
     """Row tiles of g and h a staged backward CTA cycles through: 4 (three in flight while one is
     reduced) for plain rows one CTA holds, else 2. Exceptions, all measured slower with more
     stages: residual mode (its g_residual group, committed behind a tile's g and h, would force that
-    tile early), cluster tilings (a CTA that has the SM to itself waits out every DSMEM row sum),
-    and 16 warps of one 2-byte vector each. Measurements: perf/results/2026-11-30-h200-stages-scan/."""
+    tile early), cluster tilings (a CTA that has the SM to itself waits out every DSMEM row sum), and
+    one-row CTAs whose lanes hold one 2-byte vector each (bf16/fp16 H = 1024-4096): 16 warps of them
+    lose 2% at T * H = 2^27, and narrower ones, which gain 1% there from 4 stages, lose 3-10% at
+    T = 256-16384, the training shapes. Measurements: perf/results/2026-11-30-h200-stages-scan/,
+    perf/results/2026-12-01-h200-backward-scans/."""
     if residual or tiling.cluster_n > 1:
         return 2
-    one_2byte_vector_per_lane = tiling.vecs_per_thread == 1 and dtype_bytes(act_dtype) == 2
-    if tiling.threads_per_cta == MAX_THREADS_PER_CTA and one_2byte_vector_per_lane:
+    if tiling.vecs_per_thread == 1 and tiling.rows_per_cta == 1 and dtype_bytes(act_dtype) == 2:
         return 2
     return 4
 

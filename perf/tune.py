@@ -180,6 +180,14 @@ def _rotated_backward(sets, w, workspace):
     return call
 
 
+def _kernel_label(name: str) -> str:
+    """The module a kernel comes from (``rmsnorm_bwd``, ``dw_reduce``, ...) or the name's start."""
+    for module in ("rmsnorm_fwd_quant", "rmsnorm_fwd", "rmsnorm_bwd", "dw_reduce"):
+        if module in name:
+            return module
+    return name[:30]
+
+
 def kernel_us(call, reps: int) -> dict[str, float]:
     """Median device time of each kernel ``call`` launches (by kernel name), from the profiler."""
     import statistics
@@ -193,7 +201,7 @@ def kernel_us(call, reps: int) -> dict[str, float]:
     times: dict[str, list[float]] = {}
     for event in prof.events():
         if event.device_type == DeviceType.CUDA:
-            times.setdefault(event.name.split("_sm_")[0][:40], []).append(event.time_range.elapsed_us())
+            times.setdefault(_kernel_label(event.name), []).append(event.time_range.elapsed_us())
     return {name: statistics.median(us) for name, us in times.items()}
 
 
