@@ -115,7 +115,7 @@ class ReduceConfig:
 CHOICES = {
     "fwd": ("tiling", "min_ctas_per_sm"),
     "bwd": ("tiling", "ring_depth", "register_budget", "ctas_per_sm"),
-    "dw": ("col_lanes", "after_backward"),
+    "dw": ("col_lanes", "after_backward", "threads"),
 }
 _overrides: dict[tuple[str, str, str, int], dict] = {}
 _listeners: list[Callable[[], None]] = []
@@ -290,12 +290,13 @@ def reduce_config(arch: str, out_dtype: str, hidden: int) -> ReduceConfig:
     vec = 4 if hidden % 4 == 0 else 1
     choices = override_choices("dw", arch, out_dtype, hidden)
     col_lanes = choices.get("col_lanes")
+    threads = choices.get("threads", ReduceConfig.threads)
     if col_lanes is None:
         col_vecs = -(-hidden // vec)
         col_lanes = 1
-        while col_lanes < 32 and col_lanes * 2 * ReduceConfig.threads <= col_vecs:
+        while col_lanes < 32 and col_lanes * 2 * threads <= col_vecs:
             col_lanes *= 2
-    return ReduceConfig(hidden, vec, col_lanes, choices.get("after_backward", True))
+    return ReduceConfig(hidden, vec, col_lanes, choices.get("after_backward", True), threads)
 
 
 # ------------------------------------------------------------------------- forward to block-scaled FP8
