@@ -58,7 +58,8 @@ def test_workspace_rows_cover_every_smaller_call(hidden):
         (8192, "bf16", True, 2, 2),  # residual mode keeps two stages
         (4096, "fp32", False, 4, 1),
         (4096, "bf16", False, 2, 2),  # 16 warps of one 2-byte vector: measured slower with four
-        (1024, "bf16", False, 4, 6),  # a small tile: more stages cost no residency
+        (1024, "bf16", False, 2, 6),  # one 2-byte vector per lane: two stages win at training shapes
+        (5120, "bf16", False, 4, 2),  # two vectors per lane: four stages
         (16384, "bf16", False, 2, 2),  # a cluster row
     ],
 )
