@@ -79,18 +79,18 @@ def test_backward_shared_memory_fits_one_cta(act, residual):
 
 
 def test_an_override_changes_one_entry_and_leaves_with_its_context():
-    default = backward_config("sm_90a", "bf16", "bf16", 1024, False)
+    default = backward_config("sm_90a", "bf16", "bf16", 5120, False)
     assert default.ring_depth == 4
-    with overridden("bwd", "sm_90a", "bf16", 1024, ring_depth=2, register_budget=128):
-        changed = backward_config("sm_90a", "bf16", "bf16", 1024, False)
+    with overridden("bwd", "sm_90a", "bf16", 5120, ring_depth=2, register_budget=128):
+        changed = backward_config("sm_90a", "bf16", "bf16", 5120, False)
         assert (changed.ring_depth, changed.register_budget) == (2, 128)
         assert changed.min_ctas_per_sm == 65536 // (128 * changed.tiling.threads_per_cta)  # derived
         assert changed.smem_bytes < default.smem_bytes  # follows the shallower ring
-        assert backward_config("sm_100a", "bf16", "bf16", 1024, False).ring_depth == 4  # other arch
-        assert backward_config("sm_90a", "bf16", "bf16", 2048, False).ring_depth == 4  # other H
-        assert override_choices("bwd", "sm_90a", "bf16", 1024) == {"ring_depth": 2, "register_budget": 128}
-    assert backward_config("sm_90a", "bf16", "bf16", 1024, False) == default
-    assert override_choices("bwd", "sm_90a", "bf16", 1024) == {}
+        assert backward_config("sm_100a", "bf16", "bf16", 5120, False).ring_depth == 4  # other arch
+        assert backward_config("sm_90a", "bf16", "bf16", 8192, False).ring_depth == 4  # other H
+        assert override_choices("bwd", "sm_90a", "bf16", 5120) == {"ring_depth": 2, "register_budget": 128}
+    assert backward_config("sm_90a", "bf16", "bf16", 5120, False) == default
+    assert override_choices("bwd", "sm_90a", "bf16", 5120) == {}
 
 
 def test_an_override_clears_the_launch_plans_built_from_the_config():
