@@ -8,7 +8,7 @@ of that signature with the plain layout the kernels read in place run in C++. Ev
 first one, bad arguments, views and copies, caller-owned outputs, DTensor, CPU, torch.compile — keeps
 taking the Python path, so the named errors and every other guarantee stay where they are tested.
 
-The extension is built once per (source, torch, TVM-FFI, Python) into ``cache_dir()/native/`` with the
+The extension is built once per (source, torch, TVM-FFI, Python) into torch's extension directory with the
 C++ compiler (``$CXX``, else ``c++``); it needs no CUDA headers, so ``cake-cute warmup`` builds it on a
 machine without a GPU. It is loaded when the Python path first registers a signature. Without a
 compiler, or when the build fails, one warning says so and everything takes the Python path;
@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from . import dispatch
-from .compile_cache import _file_lock, _write_atomic, cache_dir
+from .compile_cache import _file_lock, _write_atomic
 from .kernels.config import on_override_change
 from .views import vector_align_bytes
 
@@ -85,11 +85,15 @@ def _compile_command(output: str) -> list[str]:
 
 
 def library_path() -> Path:
-    """Where the extension for this source, torch, TVM-FFI and Python lives (built or not)."""
+    """Where the extension for this source, torch, TVM-FFI and Python lives (built or not): torch's
+    directory for built extensions (``$TORCH_EXTENSIONS_DIR``, else ``~/.cache/torch_extensions``)."""
+    from torch.utils import cpp_extension
+
     digest = hashlib.sha256(SOURCE.read_bytes())
     for part in (torch.__version__, torch.version.git_version, sys.version, *_compile_command("-")):
         digest.update(part.encode() + b"\0")
-    return cache_dir() / "native" / f"{MODULE_NAME}-{digest.hexdigest()[:16]}.so"
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    return Path(root) / f"{MODULE_NAME}-{digest.hexdigest()[:16]}.so"
 
 
 def build() -> Path:

@@ -209,6 +209,7 @@ def cmd_warmup(args) -> int:
             archs, args.dtype, args.hidden, residuals, args.fp8, weight_offset=args.weight_offset
         )
     result = warm(specs, args.jobs)
+    print(_native_line())
     for outcome in result.failed:
         print(f"FAILED {outcome.spec.name()}:\n  " + outcome.error.replace("\n", "\n  "), file=sys.stderr)
     spilling = atomic = []
@@ -228,6 +229,19 @@ def cmd_warmup(args) -> int:
             print(f"{len(atomic)} kernel(s) have global atomics: " + ", ".join(atomic), file=sys.stderr)
     print(result.summary())
     return EXIT_FAILED if result.failed or spilling or atomic else 0
+
+
+def _native_line() -> str:
+    """Build the native host path ahead of time too; a failure is reported, not fatal (eager calls then
+    take the Python path)."""
+    from .. import native
+
+    if native.python_path_forced():
+        return f"native host path: not built ({native.PYTHON_PATH_ENV}=1)"
+    try:
+        return f"native host path: {native.build()}"
+    except Exception as err:
+        return f"native host path: not built, eager calls take the Python path ({err})"
 
 
 def _cache_contents() -> str:
