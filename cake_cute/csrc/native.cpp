@@ -446,6 +446,13 @@ PyObject* rmsnorm(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (!check_count(nargs, 5, "rmsnorm")) return nullptr;
   const std::optional<ForwardCall> c = forward_call(args);
   if (!c) Py_RETURN_NONE;
+  const bool records = at::GradMode::is_enabled() && (c->x->requires_grad() || c->w->requires_grad() ||
+                                                      (c->residual != nullptr && c->residual->requires_grad()));
+  if (!records) {  // no graph to record: no node to build
+    ForwardOutputs out = launch_forward(*c->signature, *c->x, *c->w, c->residual, c->eps);
+    if (c->residual == nullptr) return THPVariable_Wrap(std::move(out.y));
+    return tuple_of({out.y, out.h_new});
+  }
   std::optional<at::Tensor> residual;
   if (c->residual != nullptr) residual = *c->residual;
   variable_list out = NormFunction::apply(*c->x, *c->w, residual, c->signature, c->eps);
@@ -559,20 +566,36 @@ PyMethodDef methods[] = {
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "cake_cute_native", "cake_cute's native host path", -1,
                           methods};
 
-}  // namespace
-
-PyMODINIT_FUNC PyInit_cake_cute_native() {
-  // torch's DLPack exchange API (on torch.Tensor): its current_work_stream is torch's current stream.
+// torch's DLPack exchange API: a capsule at torch.Tensor.__dlpack_c_exchange_api__ (the DLPack
+// convention), or an address or capsule at __c_dlpack_exchange_api__ (torch releases before it).
+const DLPackExchangeAPI* find_torch_dlpack() {
   PyObject* torch = PyImport_ImportModule("torch");
   if (torch == nullptr) return nullptr;
   PyObject* tensor_type = PyObject_GetAttrString(torch, "Tensor");
   Py_DECREF(torch);
   if (tensor_type == nullptr) return nullptr;
-  PyObject* capsule = PyObject_GetAttrString(tensor_type, "__dlpack_c_exchange_api__");
+  PyObject* api = nullptr;
+  for (const char* name : {"__dlpack_c_exchange_api__", "__c_dlpack_exchange_api__"}) {
+    api = PyObject_GetAttrString(tensor_type, name);
+    if (api != nullptr) break;
+    PyErr_Clear();
+  }
   Py_DECREF(tensor_type);
-  if (capsule == nullptr) return nullptr;
-  torch_dlpack = static_cast<const DLPackExchangeAPI*>(PyCapsule_GetPointer(capsule, "dlpack_exchange_api"));
-  Py_DECREF(capsule);  // the table is static in torch
+  if (api == nullptr) {
+    PyErr_SetString(PyExc_ImportError, "torch has no DLPack exchange API (torch.Tensor.__dlpack_c_exchange_api__)");
+    return nullptr;
+  }
+  // The table is static in torch: it outlives the capsule.
+  const void* table = PyCapsule_CheckExact(api) ? PyCapsule_GetPointer(api, "dlpack_exchange_api")
+                                                : PyLong_AsVoidPtr(api);
+  Py_DECREF(api);
+  return static_cast<const DLPackExchangeAPI*>(table);
+}
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit_cake_cute_native() {
+  torch_dlpack = find_torch_dlpack();
   if (torch_dlpack == nullptr) return nullptr;
   if (torch_dlpack->header.version.major != DLPACK_MAJOR_VERSION || torch_dlpack->current_work_stream == nullptr) {
     PyErr_SetString(PyExc_ImportError, "torch's DLPack exchange API has no usable current_work_stream");
