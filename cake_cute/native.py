@@ -183,7 +183,6 @@ def register(op, x, w, weight_offset: float, residual: bool, forward_kernel, pla
     key = (op, weight_offset, residual)
     if key in _registered:
         return
-    _registered.add(key)
     module = load()
     handle = kernel_handle(forward_kernel)
     if module is None or handle == 0:
@@ -191,6 +190,7 @@ def register(op, x, w, weight_offset: float, residual: bool, forward_kernel, pla
     vec = dispatch.vector_elems(op.hidden, op.act)
     act_align, w_align = vec * x.element_size(), vector_align_bytes(vec, w.element_size())
     module.register(x, w, weight_offset, residual, handle, act_align, w_align, planner)
+    _registered.add(key)
 
 
 def kernel_handle(kernel) -> int:
