@@ -244,6 +244,19 @@ def _native_line() -> str:
         return f"native host path: not built, eager calls take the Python path ({err})"
 
 
+def _native_status() -> str:
+    """Whether the native host path is built for this torch, TVM-FFI and Python (builds nothing)."""
+    from .. import native
+
+    if native.python_path_forced():
+        return f"off ({native.PYTHON_PATH_ENV}=1)"
+    try:
+        path = native.library_path()
+    except RuntimeError as err:  # no compiler
+        return f"cannot be built: {err}"
+    return f"{path} ({'built' if path.exists() else 'not built yet: cake-cute warmup builds it'})"
+
+
 def _cache_contents() -> str:
     """Cached kernel objects: those of this code version, and all versions together."""
     from ..compile_cache import cache_dir, fingerprint
@@ -336,6 +349,7 @@ def cmd_info(args) -> int:
         ("cache", f"{cache_dir()} (version {fingerprint()})"),
         ("cached kernels", _cache_contents()),
         ("cuobjdump", _cuobjdump_line()),
+        ("native host path", _native_status()),
     ]
     for key, value in rows:
         print(f"{key:<20}{value}")
