@@ -238,7 +238,7 @@ Plan backward_plan(const Signature& s, int64_t rows, bool residual, at::ScalarTy
   }
   Plan plan;
   {
-    pybind11::gil_scoped_acquire gil;
+    const PyGILState_STATE gil = PyGILState_Ensure();  // backwards run on autograd's threads
     PyObject* answer = PyObject_CallFunction(s.planner, "LOO", static_cast<long long>(rows),
                                              residual ? Py_True : Py_False, reinterpret_cast<PyObject*>(torch::getTHPDtype(dw)));
     unsigned long long bwd = 0, reduce = 0;
@@ -247,15 +247,18 @@ Plan backward_plan(const Signature& s, int64_t rows, bool residual, at::ScalarTy
                                                               &partial_rows, &row_stride);
     Py_XDECREF(answer);
     if (!parsed) {
-      python_error error;
+      python_error error;  // the planner's exception, re-raised where the backward was called
       error.persist();
+      PyGILState_Release(gil);
       throw error;
     }
     plan = {reinterpret_cast<TVMFFIObjectHandle>(bwd), reinterpret_cast<TVMFFIObjectHandle>(reduce), programs,
             partial_rows, row_stride};
-    // Held for the process: a cleared plan may still be in use by another thread's launch.
+    // Taken while the GIL keeps Python's kernel objects alive, and held for the process: a cleared plan
+    // may still be in use by another thread's launch.
     TVMFFIObjectIncRef(plan.bwd);
     TVMFFIObjectIncRef(plan.dw);
+    PyGILState_Release(gil);
   }
   std::lock_guard<std::mutex> lock(plans_mutex);
   if (plans.size() >= kMaxPlans) plans.clear();
