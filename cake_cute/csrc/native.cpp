@@ -431,7 +431,14 @@ PyObject* tuple_of(std::initializer_list<at::Tensor> tensors) {
   PyObject* tuple = PyTuple_New(Py_ssize_t(tensors.size()));
   if (tuple == nullptr) return nullptr;
   Py_ssize_t i = 0;
-  for (const at::Tensor& t : tensors) PyTuple_SET_ITEM(tuple, i++, THPVariable_Wrap(t));
+  for (const at::Tensor& t : tensors) {
+    PyObject* item = THPVariable_Wrap(t);
+    if (item == nullptr) {
+      Py_DECREF(tuple);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(tuple, i++, item);
+  }
   return tuple;
 }
 
