@@ -4,8 +4,8 @@ to torch, quack and Liger (those that import), all in one process, bf16, H = 409
 2048), eager and under ``torch.compile``, plain and residual (torch: ``x + r`` then ``F.rms_norm``).
 
 Each number is the wall time of ``--reps`` back-to-back calls with no synchronization inside
-(synchronize, ``time.perf_counter``, the calls, synchronize), divided by the count: when the GPU runs
-behind the host this is what a call costs the host. Ops:
+(synchronize, ``time.perf_counter``, the calls, synchronize), divided by the count, the median of
+five such rounds: when the GPU runs behind the host this is what a call costs the host. Ops:
 
 * ``step``: ``y = norm(x, w[, r])`` with autograd, then ``torch.autograd.grad(y, (x, w[, r]), g)``;
 * ``fwd``: the same call under ``torch.no_grad()``;
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -65,16 +66,23 @@ def factories() -> dict:
     return {**peers.FACTORIES, "cake_cute_python": CakePythonPath}
 
 
+ROUNDS = 5
+
+
 def per_call_us(fn, reps: int, sync) -> float:
-    """Mean host time of ``reps`` back-to-back calls, after 20 warm-up calls."""
+    """Host time per call: the median over ``ROUNDS`` rounds of the mean of ``reps`` back-to-back
+    calls, after 20 warm-up calls (one round alone moves by 10-20% on a busy host)."""
     for _ in range(20):
         fn()
     sync()
-    start = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    sync()
-    return (time.perf_counter() - start) / reps * 1e6
+    means = []
+    for _ in range(ROUNDS):
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        sync()
+        means.append((time.perf_counter() - start) / reps * 1e6)
+    return statistics.median(means)
 
 
 def op_callables(forward, x, w, r, g):
@@ -88,6 +96,9 @@ def op_callables(forward, x, w, r, g):
         with torch.no_grad():
             forward(x, w, r)
 
+    # A first call (a native path registers its signature on it), then the graph bwd re-runs: built
+    # by the path every later call takes.
+    forward(x, w, r)
     graph_output = forward(x, w, r)[0]
 
     def bwd():
