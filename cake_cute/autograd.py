@@ -1,6 +1,8 @@
 """Autograd: saves exactly (x or h_new, w, rstd) and calls the kernels.
 
-Eager calls on plain CUDA tensors launch the kernels directly (``ops``). Every other call goes through
+Eager calls on plain CUDA tensors take the native autograd node (``native``: C++, for the plain
+layouts of a signature the Python path has validated) or else launch the kernels directly from
+``CakeRMSNormFunction`` (``ops``). Every other call goes through
 the ``cake_cute::`` custom ops: while torch.compile traces (``torch.compiler.is_compiling()`` is True;
 dynamo folds it to a constant, in eager it is a flag read of ~0.2 µs), because dynamo cannot trace the
 launch code; for DTensor inputs, because the ops carry the sharding rules (``cake_cute.distributed``);
@@ -13,9 +15,10 @@ from __future__ import annotations
 
 import torch
 
+from . import native
 from . import validation as v
 from .custom_ops import cake_rmsnorm_traceable, check_forward_arguments, norm_backward, save_for_backward
-from .ops import cake_rmsnorm_train_forward
+from .ops import train_forward_python
 
 if torch.distributed.is_available():
     from torch.distributed.tensor import DTensor
@@ -38,7 +41,7 @@ def _launches_directly(x, w) -> bool:
 def _forward(x, w, eps, residual, weight_offset, deterministic, direct):
     """``(y, rstd, h_new)``, h_new None in plain mode."""
     if direct:
-        outs = cake_rmsnorm_train_forward(x, w, eps, residual=residual, weight_offset=weight_offset)
+        outs = train_forward_python(x, w, eps, residual, weight_offset=weight_offset)
         return outs if residual is not None else (*outs, None)
     # The op's schema would turn a bad argument into a RuntimeError that names no argument.
     check_forward_arguments(x, w, eps, residual)
@@ -132,8 +135,14 @@ def cake_rmsnorm(x, w, eps=1e-6, residual=None, deterministic=True, weight_offse
     Notes
     -----
     Under torch.compile this traces to the ``cake_cute::rmsnorm_fwd`` custom op with its registered
-    autograd; in eager it is ``CakeRMSNormFunction``.
+    autograd; in eager it is the native autograd node for plain calls of a signature seen before
+    (``cake_cute.native``), else ``CakeRMSNormFunction``.
     """
     if torch.compiler.is_compiling():
         return cake_rmsnorm_traceable(x, w, eps, residual, deterministic, weight_offset)
+    fast = native.fast
+    if fast is not None:
+        out = fast.rmsnorm(x, w, eps, residual, weight_offset)
+        if out is not None:
+            return out
     return CakeRMSNormFunction.apply(x, w, eps, residual, deterministic, weight_offset)

@@ -2,17 +2,18 @@
 
 The hot path is written for the host: (x, w) properties seen before are recognised with one dict lookup
 (``operands.known_operands``), outputs come from ``torch.empty_like``, and a 2-D contiguous input
-goes to the kernel as it is.
+goes to the kernel as it is. Plain calls of a signature this path has launched once are served by the
+native path (``native``) before any of this runs.
 """
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import NamedTuple
 
 import torch
 
-from . import dispatch
+from . import dispatch, native
 from . import validation as v
 from .compile_cache import kernel
 from .device import device_arch, device_facts, on_device
@@ -61,6 +62,17 @@ def cake_rmsnorm_train_forward(
         A wrong shape or device, x on the CPU or an unsupported GPU, ``residual_out`` without
         ``residual``, a negative or non-finite eps; raised before any launch, with no output written.
     """
+    fast = native.fast
+    if fast is not None and out is None and rstd is None and residual_out is None:
+        outs = fast.forward(x, w, eps, residual, weight_offset)
+        if outs is not None:
+            return outs
+    return train_forward_python(x, w, eps, residual, out, rstd, residual_out, weight_offset)
+
+
+def train_forward_python(x, w, eps, residual=None, out=None, rstd=None, residual_out=None, weight_offset=0.0):
+    """``cake_rmsnorm_train_forward`` on the Python path: validation, then the launch; a signature it
+    launched is registered with the native path, which serves its later plain calls."""
     op = known_operands(x, w)
     if op is None:
         v.check_activation(x)
@@ -95,6 +107,8 @@ def cake_rmsnorm_train_forward(
                 r,
                 eps,
             )
+        planner = partial(_native_backward_plan, op, weight_offset)
+        native.register(op, x, w, weight_offset, residual is not None, fn, planner)
     if residual is None:
         return finish(y, y_copy), finish(r, r_copy)
     return finish(y, y_copy), finish(r, r_copy), finish(h_new, h_copy)
@@ -235,6 +249,11 @@ def cake_rmsnorm_train_backward(
         A wrong shape or device, an unaligned or too small workspace, x on the CPU or an unsupported
         GPU; raised before any launch, with no output written.
     """
+    fast = native.fast
+    if fast is not None and workspace is None and dx is None and dw is None:
+        outs = fast.backward(g, x, w, rstd, g_residual, weight_offset, dw_dtype, deterministic)
+        if outs is not None:
+            return outs
     op = known_operands(x, w)
     if op is None:
         v.check_activation(x)
@@ -290,6 +309,24 @@ def _backward_plan(op, rows, residual) -> _BackwardPlan:
 on_override_change(_backward_plan.cache_clear)
 
 
+def _backward_kernels(op, residual: bool, weight_offset: float, dw_dtype):
+    """The backward's two kernels: dx with the FP32 partial rows of dW, and their reduction."""
+    return (
+        kernel("bwd", op.arch, op.act, op.w_name, op.hidden, residual, weight_offset),
+        kernel("dw", op.arch, dtype_name(dw_dtype), op.hidden),
+    )
+
+
+def _native_backward_plan(op, weight_offset: float, rows: int, residual: bool, dw_dtype):
+    """The native path's planner: the kernels (TVM-FFI handles) and launch plan of one backward shape,
+    the very ones ``_backward`` launches with."""
+    plan = _backward_plan(op, rows, residual)
+    handles = tuple(map(native.kernel_handle, _backward_kernels(op, residual, weight_offset, dw_dtype)))
+    if 0 in handles:
+        raise RuntimeError("cake_cute: a backward kernel has no TVM-FFI function handle")
+    return (*handles, plan.programs, plan.partial_rows, dispatch.partial_row_stride(op.hidden))
+
+
 def _backward(op, g, x, w, rstd, g_residual, workspace, dx, dw, weight_offset, dw_dtype):
     hidden = op.hidden
     rows = x.numel() // hidden
@@ -304,8 +341,7 @@ def _backward(op, g, x, w, rstd, g_residual, workspace, dx, dw, weight_offset, d
     if rows == 0:  # nothing to launch (and nothing to compile)
         dw_t.zero_()
     else:
-        bwd = kernel("bwd", op.arch, op.act, op.w_name, hidden, residual, weight_offset)
-        reduce = kernel("dw", op.arch, dtype_name(dw_dtype), hidden)
+        bwd, reduce = _backward_kernels(op, residual, weight_offset, dw_dtype)
         partials = _partials(workspace, plan.partial_rows, hidden, op.device)
         with on_device(op.device):
             bwd(

@@ -104,6 +104,28 @@ def broadcast_rows(vector: cute.Tensor, rows: int) -> cute.Tensor:
     return cute.make_tensor(vector.iterator, layout)
 
 
+def global_vector(m: cute.Tensor, row, col, width: int) -> cute.Tensor:
+    """Cells (row, col .. col + width - 1) of a row-major global tensor as a tensor of their own,
+    aligned to its whole width (the caller guarantees the alignment and that the cells exist)."""
+    dtype = m.element_type
+    start = (m.iterator + cute.crd2idx((row, col), m.layout)).toint()
+    pointer = cute.make_ptr(dtype, start, cute.AddressSpace.gmem, assumed_align=width * dtype.width // 8)
+    return cute.make_tensor(pointer, cute.make_layout(width))
+
+
+@cute.jit
+def prefetch_to_l2(m: cute.Tensor, row, col, count: cutlass.Constexpr[int], hidden: cutlass.Constexpr[int]):
+    """Ask the L2 for ``count`` elements of row ``row`` of ``m`` from column ``col`` on (clipped to H),
+    with one bulk prefetch (no registers held, nothing to wait for)."""
+    if col < hidden:
+        elems = cutlass.min(Int32(count), Int32(hidden) - col)
+        start = (m.iterator + cute.crd2idx((row, col), m.layout)).toint()
+        cute.arch.inline_ptx(
+            "cp.async.bulk.prefetch.L2.global [{$r0}], {$r1};",
+            read_only_args=[cutlass.Int64(start), elems * (m.element_type.width // 8)],
+        )
+
+
 @cute.jit
 def column_predicate(coords: cute.Tensor, hidden: Int32) -> cute.Tensor:
     """One flag per vector of a thread's fragment: does the vector start inside the row?

@@ -95,6 +95,7 @@ class ReduceConfig:
     hidden: int
     vec: int
     col_lanes: int
+    after_backward: bool  # launched with programmatic dependent launch behind the backward
     threads: int = 256
 
     @property
@@ -106,7 +107,8 @@ class ReduceConfig:
         return self.col_lanes * self.vec
 
     def describe(self) -> str:
-        return f"vec={self.vec} col_lanes={self.col_lanes} row_lanes={self.row_lanes}"
+        pdl = " pdl" if self.after_backward else ""
+        return f"vec={self.vec} col_lanes={self.col_lanes} row_lanes={self.row_lanes}{pdl}"
 
 
 # ------------------------------------------------------------------------------------ override table
@@ -114,7 +116,7 @@ class ReduceConfig:
 CHOICES = {
     "fwd": ("tiling", "min_ctas_per_sm"),
     "bwd": ("tiling", "ring_depth", "register_budget", "ctas_per_sm"),
-    "dw": ("col_lanes",),
+    "dw": ("col_lanes", "after_backward", "threads"),
     "quant": ("tiling", "min_ctas_per_sm"),
 }
 _overrides: dict[tuple[str, str, str, int], dict] = {}
@@ -217,12 +219,14 @@ def backward_ring_depth(tiling: RowTiling, act_dtype: str, residual: bool) -> in
     """Row tiles of g and h a staged backward CTA cycles through: 4 (three in flight while one is
     reduced) for plain rows one CTA holds, else 2. Exceptions, all measured slower with more
     stages: residual mode (its g_residual group, committed behind a tile's g and h, would force that
-    tile early), cluster tilings (a CTA that has the SM to itself waits out every DSMEM row sum),
-    and 16 warps of one 2-byte vector each. Measurements: perf/results/2026-11-30-h200-stages-scan/."""
+    tile early), cluster tilings (a CTA that has the SM to itself waits out every DSMEM row sum), and
+    one-row CTAs whose lanes hold one 2-byte vector each (bf16/fp16 H = 1024-4096): 16 warps of them
+    lose 2% at T * H = 2^27, and narrower ones, which gain 1% there from 4 stages, lose 3-10% at
+    T = 256-16384, the training shapes. Measurements: perf/results/2026-11-30-h200-stages-scan/,
+    perf/results/2026-12-01-h200-backward-scans/."""
     if residual or tiling.cluster_n > 1:
         return 2
-    one_2byte_vector_per_lane = tiling.vecs_per_thread == 1 and dtype_bytes(act_dtype) == 2
-    if tiling.threads_per_cta == MAX_THREADS_PER_CTA and one_2byte_vector_per_lane:
+    if tiling.vecs_per_thread == 1 and tiling.rows_per_cta == 1 and dtype_bytes(act_dtype) == 2:
         return 2
     return 4
 
@@ -287,13 +291,15 @@ def reduce_config(arch: str, out_dtype: str, hidden: int) -> ReduceConfig:
     """(vec, col_lanes) for a row of ``hidden`` FP32 partial sums: 4-column vectors when H allows, and
     column lanes halved for narrow rows so that even H = 1024 spreads over a few hundred CTAs."""
     vec = 4 if hidden % 4 == 0 else 1
-    col_lanes = override_choices("dw", arch, out_dtype, hidden).get("col_lanes")
+    choices = override_choices("dw", arch, out_dtype, hidden)
+    col_lanes = choices.get("col_lanes")
+    threads = choices.get("threads", ReduceConfig.threads)
     if col_lanes is None:
         col_vecs = -(-hidden // vec)
         col_lanes = 1
-        while col_lanes < 32 and col_lanes * 2 * ReduceConfig.threads <= col_vecs:
+        while col_lanes < 32 and col_lanes * 2 * threads <= col_vecs:
             col_lanes *= 2
-    return ReduceConfig(hidden, vec, col_lanes)
+    return ReduceConfig(hidden, vec, col_lanes, choices.get("after_backward", True), threads)
 
 
 # ------------------------------------------------------------------------- forward to block-scaled FP8
@@ -313,7 +319,7 @@ AMAX_BITS_E8M0_ZERO = 0x04600001  # the largest amax whose amax / 448 rounds to 
 
 @dataclass(frozen=True)
 class QuantForwardConfig:
-    """The quantizing forward: the forward's choices plus the recipe's block width and scale type."""
+    """The quantizing forward: its tiling and register hint plus the recipe's block width and scale type."""
 
     tiling: RowTiling
     min_ctas_per_sm: int

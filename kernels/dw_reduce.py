@@ -10,6 +10,11 @@ meet in shared memory through a binary tree with a fixed pairing. The order of e
 depends only on (P, H), so dw is bitwise reproducible. ``col_lanes`` shrinks for narrow rows so that
 even H = 1024 spreads over a few hundred CTAs.
 
+Launch (``ReduceConfig.after_backward``): with programmatic dependent launch, so that the grid is
+set up while the backward finishes (which allows it once its row loop is done) and its launch
+latency is hidden; each CTA waits at ``griddepcontrol.wait`` until the backward's grid has completed
+and its partial rows are visible (measured: perf/results/2026-12-01-h200-backward-scans/).
+
 Bytes moved: reads P * H * 4, writes H * out_bytes.
 """
 
@@ -18,6 +23,8 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
+
+from .common import global_vector
 
 
 class DWReduce:
@@ -36,6 +43,7 @@ class DWReduce:
             grid=[cute.ceil_div(self.hidden, self.config.cols_per_cta), 1, 1],
             block=[self.config.threads, 1, 1],
             stream=stream,
+            use_pdl=self.config.after_backward,
         )
 
     @cute.kernel
@@ -44,6 +52,10 @@ class DWReduce:
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         num_partials = mPartial.shape[0]
+        if cutlass.const_expr(self.config.after_backward):
+            # Launched early behind the backward (programmatic dependent launch): wait for its grid
+            # to finish and its partial rows to be visible.
+            cute.arch.griddepcontrol_wait()
         col_lane = tidx % col_lanes
         row_lane = tidx // col_lanes
         col0 = (bidx * col_lanes + col_lane) * vec
@@ -58,16 +70,7 @@ class DWReduce:
         # The partial rows are padded to a multiple of 4 columns, so a whole vector is always readable.
         if col0 < self.hidden:
             for p in cutlass.range(row_lane, num_partials, row_lanes, unroll=4):
-                src = cute.make_tensor(
-                    cute.make_ptr(
-                        Float32,
-                        (mPartial.iterator + cute.crd2idx((p, col0), mPartial.layout)).toint(),
-                        cute.AddressSpace.gmem,
-                        assumed_align=vec * 4,
-                    ),
-                    cute.make_layout(vec),
-                )
-                cute.autovec_copy(src, loaded)
+                cute.autovec_copy(global_vector(mPartial, p, col0, vec), loaded)
                 acc.store(acc.load() + loaded.load())
         for v in cutlass.range_constexpr(vec):
             sums[row_lane, col_lane * vec + v] = acc[v]

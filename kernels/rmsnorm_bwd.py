@@ -13,7 +13,8 @@ Persistent grid: ``num_programs`` CTAs (times ``cluster_n`` along y), as many as
 fixed partition for a given (T, num_programs). Each CTA copies w once into its own cells of shared
 memory and keeps one FP32 dW accumulator per element it owns; at the end every row group writes its
 accumulator as one FP32 row of the workspace ``partials[num_programs * rows_per_cta, H_pad]``, which
-``dw_reduce`` sums in a fixed order. No atomics anywhere.
+``dw_reduce`` sums in a fixed order (launched behind this kernel with programmatic dependent launch,
+allowed once a program's row loop is done). No atomics anywhere.
 
 Pipeline: g and h of the program's next row tiles stream with cp.async into a ring of ``ring_depth``
 shared-memory row tiles (``config.backward_ring_depth``: 4 for plain rows one CTA holds, so three
@@ -32,9 +33,11 @@ through ``min_blocks_per_mp``. For the widest rows (512-thread CTAs of several v
 re-read from global memory (an L2 hit) after the row sum, and the dW accumulator lives in shared
 memory, so 128 registers suffice.
 
-The kernel body reads as its steps: ``prologue`` (w and the dW accumulator), ``fill_ring`` (the
-first row tiles), then per row tile ``issue_g_residual``, ``load_rstd``, ``refill_ring``,
-``reduce_row`` (dW and the row sum) and ``write_dx``; at the end ``write_dw_partial_row``.
+The kernel body reads as its steps: ``fill_ring`` (the first row tiles), ``prologue`` (w and the dW
+accumulator, after the ring's copies are issued so that the round trips overlap), then per row tile
+``issue_g_residual``, ``load_rstd``, ``prefetch_next_row`` (without a ring: the next row into the L2),
+``refill_ring``, ``reduce_row`` (dW and the row sum) and ``write_dx``; at the end
+``write_dw_partial_row``.
 
 Bytes moved: reads g, h (+ g_residual) and writes dx once: T*H*(3 or 4)*act_bytes, plus 4*T of rstd,
 plus the partial rows (num_programs * rows_per_cta * H * 4, written here, read by dw_reduce).
@@ -57,6 +60,7 @@ from .common import (
     column_predicate,
     copy_atom,
     init_cluster_reduction,
+    prefetch_to_l2,
     row_sum,
     row_tiled_copy,
     staging_atom,
@@ -150,8 +154,6 @@ class RMSNormBackward(RowKernel):
             pred = column_predicate(tXc0, t.hidden)
         copy_act = partial(cute.copy, copy_atom(self.act_dtype, t.vec), pred=pred)
 
-        tXsW, tXrDW, tXDW = self.prologue(smem, thr, tiler, rank, tXc0, mW, pred)
-
         tXrG = cute.make_rmem_tensor_like(tXc0, self.act_dtype)
         tXrH = cute.make_rmem_tensor_like(tXc0, self.act_dtype)
         tXrDX = cute.make_rmem_tensor_like(tXc0, self.act_dtype)
@@ -165,6 +167,8 @@ class RMSNormBackward(RowKernel):
             sG = allocate_tile(smem, self.act_dtype, t, ring_depth)
             sH = allocate_tile(smem, self.act_dtype, t, ring_depth)
             self.fill_ring(tt, bidx, num_programs, rows, mG, mH, sG, sH)
+        # After the first row tiles are issued, so that w's round trip overlaps theirs.
+        tXsW, tXrDW, tXDW = self.prologue(smem, thr, tiler, rank, tXc0, mW, pred)
 
         init_cluster_reduction(mbars, t.cluster_n)
         # rstd is loaded one tile ahead too, so its latency never sits on a row's critical path.
@@ -186,6 +190,8 @@ class RMSNormBackward(RowKernel):
             rstd_next = self.load_rstd(mRstd, (tile + num_programs) * t.rows_per_cta + row_in_cta, rows)
             # g and h come from the ring, or with dW in shared memory straight from global memory.
             tXsrcG, tXsrcH = tXgG, tXgH
+            if const_expr(not uses_ring):
+                self.prefetch_next_row(tt, tile + num_programs, rank, lane_in_row, rows, mG, mH, mGRes)
             if const_expr(uses_ring):
                 self.refill_ring(tt, tile, visit, num_programs, rows, mG, mH, sG, sH)
                 tXsrcG, tXsrcH = [tt.in_smem(sT, ring_slot) for sT in (sG, sH)]
@@ -198,6 +204,8 @@ class RMSNormBackward(RowKernel):
             )
             visit = visit + 1
 
+        # The dW reduction may start launching (it waits for this grid's memory before reading).
+        cute.arch.griddepcontrol_launch_dependents()
         self.write_dw_partial_row(tt, bidx, mPartial, tXrDW, tXDW, pred)
 
     @cute.jit
@@ -240,6 +248,16 @@ class RMSNormBackward(RowKernel):
             tt.async_copy(tXgGR, tXsGR)
         cute.arch.cp_async_commit_group()
         return tXsGR
+
+    @cute.jit
+    def prefetch_next_row(self, tt: ThreadTiles, tile, rank, lane_in_row, rows, mG, mH, mGRes):
+        """Without a ring, the program's next row would start with a round trip to HBM: bring its
+        g and h (and g_residual) into the L2 now, one bulk prefetch per row slice and tensor."""
+        t = self.tiling
+        row = tile * t.rows_per_cta + tt.row_in_cta
+        if lane_in_row == 0 and row < rows:
+            for m in (mG, mH, mGRes) if const_expr(self.residual) else (mG, mH):
+                prefetch_to_l2(m, row, rank * t.cols_per_cta, t.cols_per_cta, t.hidden)
 
     @cute.jit
     def load_rstd(self, mRstd, row, rows) -> Float32:

@@ -4,28 +4,34 @@ to torch, quack and Liger (those that import), all in one process, bf16, H = 409
 2048), eager and under ``torch.compile``, plain and residual (torch: ``x + r`` then ``F.rms_norm``).
 
 Each number is the wall time of ``--reps`` back-to-back calls with no synchronization inside
-(synchronize, ``time.perf_counter``, the calls, synchronize), divided by the count: when the GPU runs
-behind the host this is what a call costs the host. Ops:
+(synchronize, ``time.perf_counter``, the calls, synchronize), divided by the count, the median of
+five such rounds: when the GPU runs behind the host this is what a call costs the host. Ops:
 
 * ``step``: ``y = norm(x, w[, r])`` with autograd, then ``torch.autograd.grad(y, (x, w[, r]), g)``;
 * ``fwd``: the same call under ``torch.no_grad()``;
 * ``bwd``: ``torch.autograd.grad(..., retain_graph=True)`` on a graph built once.
 
 The implementations are the adapters of ``cake_cute.tools.bench.peers`` (the ones the sweep
-measures). ``mode = compile`` wraps each adapter's call in ``torch.compile(dynamic=False)``, one
-graph per (T, residual).
+measures), plus ``cake_cute_python``: the same calls forced onto cake_cute's Python path
+(``CakeRMSNormFunction``), next to ``cake_cute``, which takes the native path (``cake_cute.native``) once
+the first call has registered the signature. ``mode = compile`` wraps each adapter's call in
+``torch.compile(dynamic=False)``, one graph per (T, residual).
 
 ``--cpu-layers`` (no CUDA needed): the cost of cake_cute's Python layers on the path every non-eager-CUDA
 call takes (``cake_rmsnorm`` -> autograd -> argument checks -> the ``cake_cute::`` custom ops), with the
 ops' CPU kernels replaced through ``torch.library.register_kernel`` by kernels that only allocate
 their outputs, next to torch's own CPU ``F.rms_norm`` step (which also computes). The eager CUDA path
-launches without the ops and needs a GPU for its device checks; the GPU mode measures it.
+launches without the ops and needs a GPU for its device checks; the GPU mode measures it. With the
+native extension built, each ``cake_cute`` call here first asks it, and it hands CPU tensors back
+(``path: "cpu-layers+native-route"``): that refusal is the routing cost every eager call pays before
+its launch; the native launch itself needs CUDA tensors.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -37,19 +43,46 @@ from results_doc import kept_rows, write_results  # noqa: E402
 from sweep import _use_source_tree  # noqa: E402
 
 EPS = 1e-6
-IMPLS = ("cake_cute", "torch", "quack", "liger")
+IMPLS = ("cake_cute", "cake_cute_python", "torch", "quack", "liger")
+
+
+class CakePythonPath:
+    """cake_cute's eager step on its Python path (``CakeRMSNormFunction``), for the side-by-side rows."""
+
+    def __init__(self, torch, eps):
+        from cake_cute import CakeRMSNormFunction
+
+        self._apply = CakeRMSNormFunction.apply
+        self._eps = eps
+
+    def forward(self, x, w, residual):
+        out = self._apply(x, w, self._eps, residual, True, 0.0)
+        return out if isinstance(out, tuple) else (out,)
+
+
+def factories() -> dict:
+    from cake_cute.tools.bench import peers
+
+    return {**peers.FACTORIES, "cake_cute_python": CakePythonPath}
+
+
+ROUNDS = 5
 
 
 def per_call_us(fn, reps: int, sync) -> float:
-    """Mean host time of ``reps`` back-to-back calls, after 20 warm-up calls."""
+    """Host time per call: the median over ``ROUNDS`` rounds of the mean of ``reps`` back-to-back
+    calls, after 20 warm-up calls (one round alone moves by 10-20% on a busy host)."""
     for _ in range(20):
         fn()
     sync()
-    start = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    sync()
-    return (time.perf_counter() - start) / reps * 1e6
+    means = []
+    for _ in range(ROUNDS):
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        sync()
+        means.append((time.perf_counter() - start) / reps * 1e6)
+    return statistics.median(means)
 
 
 def op_callables(forward, x, w, r, g):
@@ -63,6 +96,9 @@ def op_callables(forward, x, w, r, g):
         with torch.no_grad():
             forward(x, w, r)
 
+    # A first call (a native path registers its signature on it), then the graph bwd re-runs: built
+    # by the path every later call takes.
+    forward(x, w, r)
     graph_output = forward(x, w, r)[0]
 
     def bwd():
@@ -98,17 +134,17 @@ def measure(impl: str, forward, mode: str, rows: list, args, device, sync) -> No
 def gpu_main(args) -> list:
     import torch._functorch.config as functorch_config
 
-    from cake_cute.tools.bench import peers
-
     functorch_config.donated_buffer = False  # bwd re-runs a compiled backward on a retained graph
     rows: list = []
     for impl in args.impls:
         try:
-            adapter = peers.FACTORIES[impl](torch, EPS)
+            adapter = factories()[impl](torch, EPS)
         except ImportError as e:
             print(f"skip {impl}: {e}", file=sys.stderr)
             continue
         for mode in args.modes:
+            if impl == "cake_cute_python" and mode == "compile":
+                continue  # compiled, both run the same custom ops: the host paths differ in eager only
             try:
                 measure(impl, adapter.forward, mode, rows, args, "cuda", torch.cuda.synchronize)
             except Exception as e:  # a peer that fails under compile: note it, measure the rest
@@ -127,14 +163,16 @@ def _allocating_backward(g, x, w, rstd, g_residual=None, weight_offset=0.0, dete
 
 def cpu_layers_main(args) -> list:
     """cake_cute's layers with allocate-only CPU kernels vs torch's CPU F.rms_norm (see the module)."""
-    from cake_cute.tools.bench import peers
+    from cake_cute import native
 
     torch.library.register_kernel("cake_cute::rmsnorm_fwd", "cpu", _allocating_forward)
     torch.library.register_kernel("cake_cute::rmsnorm_bwd", "cpu", _allocating_backward)
+    native.load()
     rows: list = []
     for impl in ("cake_cute", "torch"):
-        adapter = peers.FACTORIES[impl](torch, EPS)
-        args.extra = {"path": "cpu-layers", "kernel": "allocate-only" if impl == "cake_cute" else "torch cpu"}
+        adapter = factories()[impl](torch, EPS)
+        path = "cpu-layers+native-route" if impl == "cake_cute" and native.fast else "cpu-layers"
+        args.extra = {"path": path, "kernel": "allocate-only" if impl == "cake_cute" else "torch cpu"}
         measure(impl, adapter.forward, "eager", rows, args, "cpu", lambda: None)
     return rows
 

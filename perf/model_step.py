@@ -19,6 +19,8 @@ cake_cute). Every implementation starts from the same seed. A step is timed with
 allocated memory over the timed steps. ``--device cpu --tiny`` runs a tiny model on CPU (host clock,
 no peak memory) to check the script end to end. ``--hidden 2048`` runs one of the shapes and
 ``--append`` keeps OUT's rows, so a long run can be split over several commands into one file.
+``--profile DIR`` writes, per run, every kernel of a step with its time (torch.profiler), longest
+first: where two implementations' steps differ.
 
 Rows: ``{impl, mode, layers, H, tokens, step_ms, peak_gib}``.
 """
@@ -218,6 +220,31 @@ def time_steps(model, loss, device, warmup: int, steps: int) -> tuple[float, flo
     return statistics.median(times), peak
 
 
+def kernel_profile(model, loss, steps: int = 3) -> list[tuple[str, float, float]]:
+    """(kernel name, µs per step, launches per step) of every GPU kernel of a step, longest first."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            model.zero_grad(set_to_none=True)
+            loss(model).backward()
+        torch.cuda.synchronize()
+    totals: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type == DeviceType.CUDA:
+            totals.setdefault(event.name, []).append(event.time_range.elapsed_us())
+    rows = [(name, sum(us) / steps, len(us) / steps) for name, us in totals.items()]
+    return sorted(rows, key=lambda row: -row[1])
+
+
+def write_profile(path: Path, rows: list[tuple[str, float, float]]) -> None:
+    total = sum(us for _, us, _ in rows)
+    lines = [f"# {total:.1f} us of kernels per step", "us_per_step  launches  kernel"]
+    lines += [f"{us:11.1f}  {n:8.1f}  {name[:160]}" for name, us, n in rows]
+    path.write_text("\n".join(lines) + "\n")
+
+
 def _available(impl: str) -> bool:
     if impl in ("torch", "cake_cute", "cake_cute_unfused"):
         return True
@@ -245,6 +272,10 @@ def run(args) -> list[dict]:
                 row = dict(impl=impl, mode=mode, layers=shape.layers, H=shape.hidden, tokens=shape.tokens)
                 rows.append({**row, "step_ms": round(step_ms, 3), "peak_gib": peak and round(peak, 3)})
                 print(json.dumps(rows[-1]), flush=True)
+                if args.profile is not None and device.type == "cuda":
+                    args.profile.mkdir(parents=True, exist_ok=True)
+                    profile_path = args.profile / f"{impl}-{mode}-H{shape.hidden}.txt"
+                    write_profile(profile_path, kernel_profile(stepped, loss))
                 del model, stepped, loss
                 gc.collect()
                 if device.type == "cuda":
@@ -273,6 +304,7 @@ def main(argv=None) -> int:
         help="the full shapes to run, by H (default 2048,4096); --append collects several runs in one file",
     )
     p.add_argument("--append", action="store_true", help="keep the rows already in OUT (other shapes)")
+    p.add_argument("--profile", type=Path, help="write each run's kernels and their time per step here")
     args = p.parse_args(argv)
     if unknown := set(args.impls) - set(ALL_IMPLS):
         p.error(f"--impls: unknown {sorted(unknown)}, expected a subset of {','.join(ALL_IMPLS)}")

@@ -87,7 +87,15 @@ def test_second_warmup_compiles_nothing(cold_and_warm):
 def test_info():
     proc, _ = run_cli("info")
     assert proc.returncode == 0, proc.stderr
-    for key in ("cake_cute", "nvidia-cutlass-dsl", "torch", "GPU", "cache", "cached kernels"):
+    for key in (
+        "cake_cute",
+        "nvidia-cutlass-dsl",
+        "torch",
+        "GPU",
+        "cache",
+        "cached kernels",
+        "native host path",
+    ):
         assert re.search(rf"^{key}\s", proc.stdout, re.M), proc.stdout
     if not torch.cuda.is_available():
         assert "no GPU" in proc.stdout
@@ -210,6 +218,21 @@ def test_fp8_adds_the_quantizing_forwards(tmp_path, monkeypatch, capsys):
         "cake_fwd_mxfp8_sm_90a_bf16_wbf16_h4096_off1",
         "cake_fwd_mxfp8_y_sm_90a_bf16_wbf16_h4096_off1",
     ]
+
+
+@pytest.mark.parametrize("python_path", [False, True], ids=["native", "python-path"])
+def test_warmup_builds_the_native_host_path(python_path, tmp_path, monkeypatch, capsys):
+    from cake_cute import native
+
+    if python_path:
+        monkeypatch.setenv(native.PYTHON_PATH_ENV, "1")
+    monkeypatch.setattr(warmup, "get_kernel_and_source", lambda spec: (None, "compiled"))
+    assert cli.main([*ONE_ARCH_PLAIN, "--cache-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    if python_path:
+        assert "native host path: not built (CAKE_CUTE_PYTHON_PATH=1)" in out
+    else:
+        assert f"native host path: {native.library_path()}" in out and native.library_path().exists()
 
 
 def test_version_and_help_say_what_a_bare_command_does():

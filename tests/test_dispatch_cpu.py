@@ -58,7 +58,8 @@ def test_workspace_rows_cover_every_smaller_call(hidden):
         (8192, "bf16", True, 2, 2),  # residual mode keeps two stages
         (4096, "fp32", False, 4, 1),
         (4096, "bf16", False, 2, 2),  # 16 warps of one 2-byte vector: measured slower with four
-        (1024, "bf16", False, 4, 6),  # a small tile: more stages cost no residency
+        (1024, "bf16", False, 2, 6),  # one 2-byte vector per lane: two stages win at training shapes
+        (5120, "bf16", False, 4, 2),  # two vectors per lane: four stages
         (16384, "bf16", False, 2, 2),  # a cluster row
     ],
 )
@@ -78,18 +79,18 @@ def test_backward_shared_memory_fits_one_cta(act, residual):
 
 
 def test_an_override_changes_one_entry_and_leaves_with_its_context():
-    default = backward_config("sm_90a", "bf16", "bf16", 1024, False)
+    default = backward_config("sm_90a", "bf16", "bf16", 5120, False)
     assert default.ring_depth == 4
-    with overridden("bwd", "sm_90a", "bf16", 1024, ring_depth=2, register_budget=128):
-        changed = backward_config("sm_90a", "bf16", "bf16", 1024, False)
+    with overridden("bwd", "sm_90a", "bf16", 5120, ring_depth=2, register_budget=128):
+        changed = backward_config("sm_90a", "bf16", "bf16", 5120, False)
         assert (changed.ring_depth, changed.register_budget) == (2, 128)
         assert changed.min_ctas_per_sm == 65536 // (128 * changed.tiling.threads_per_cta)  # derived
         assert changed.smem_bytes < default.smem_bytes  # follows the shallower ring
-        assert backward_config("sm_100a", "bf16", "bf16", 1024, False).ring_depth == 4  # other arch
-        assert backward_config("sm_90a", "bf16", "bf16", 2048, False).ring_depth == 4  # other H
-        assert override_choices("bwd", "sm_90a", "bf16", 1024) == {"ring_depth": 2, "register_budget": 128}
-    assert backward_config("sm_90a", "bf16", "bf16", 1024, False) == default
-    assert override_choices("bwd", "sm_90a", "bf16", 1024) == {}
+        assert backward_config("sm_100a", "bf16", "bf16", 5120, False).ring_depth == 4  # other arch
+        assert backward_config("sm_90a", "bf16", "bf16", 8192, False).ring_depth == 4  # other H
+        assert override_choices("bwd", "sm_90a", "bf16", 5120) == {"ring_depth": 2, "register_budget": 128}
+    assert backward_config("sm_90a", "bf16", "bf16", 5120, False) == default
+    assert override_choices("bwd", "sm_90a", "bf16", 5120) == {}
 
 
 def test_an_override_clears_the_launch_plans_built_from_the_config():

@@ -27,8 +27,8 @@ EPS = 1e-6
 _CPU_FORWARD, _CPU_BACKWARD = cpu.forward, cpu.backward
 
 
-def _direct_forward(x, w, eps, *, residual=None, weight_offset=0.0):
-    """``ops.cake_rmsnorm_train_forward``'s results (rstd ``[T]``) from the CPU math."""
+def _direct_forward(x, w, eps, residual=None, *, weight_offset=0.0):
+    """``ops.train_forward_python``'s results (rstd ``[T]``) from the CPU math."""
     y, rstd, h_new = _CPU_FORWARD(x, w, eps, residual, weight_offset)
     return (y, rstd.reshape(-1)) if residual is None else (y, rstd.reshape(-1), h_new)
 
@@ -49,7 +49,7 @@ def kernels(monkeypatch):
     monkeypatch.setattr(cpu, "forward", counted("op.fwd", _CPU_FORWARD))
     monkeypatch.setattr(cpu, "backward", counted("op.bwd", _CPU_BACKWARD))
     monkeypatch.setattr(autograd, "_launches_directly", lambda x, w: not torch.compiler.is_compiling())
-    monkeypatch.setattr(autograd, "cake_rmsnorm_train_forward", counted("eager.fwd", _direct_forward))
+    monkeypatch.setattr(autograd, "train_forward_python", counted("eager.fwd", _direct_forward))
     monkeypatch.setattr(custom_ops, "backward_from_saved", counted("eager.bwd", _CPU_BACKWARD))
     torch._dynamo.reset()
     yield calls

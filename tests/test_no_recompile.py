@@ -11,7 +11,7 @@ import textwrap
 import pytest
 import torch
 
-from cake_cute import compile_cache, device, ops
+from cake_cute import compile_cache, device, native, ops
 from cake_cute.specs import KernelSpec, ReduceSpec
 from cake_cute.vocab import dtype_name
 
@@ -27,9 +27,11 @@ def test_kernel_specs_have_no_row_count():
 
 
 def _isolate_memory_caches(monkeypatch):
-    """Empty in-memory kernel caches for this test only (the originals come back afterwards)."""
+    """Empty in-memory kernel caches for this test only (the originals come back afterwards), and the
+    calls on the Python path: the native path holds the kernels registered before this test."""
     monkeypatch.setattr(compile_cache, "_memory", {})
     monkeypatch.setattr(compile_cache, "_by_fields", {})
+    monkeypatch.setattr(native, "fast", None)
 
 
 @pytest.fixture

@@ -50,7 +50,10 @@ def test_hostbound_cpu_layers(tmp_path):
         for op in ("step", "fwd", "bwd")
         for residual in (False, True)
     }
-    assert all(r["us_per_call"] > 0 and r["mode"] == "eager" and r["path"] == "cpu-layers" for r in rows)
+    assert all(r["us_per_call"] > 0 and r["mode"] == "eager" for r in rows)
+    # cake_cute's calls first ask the native extension when it is built (it hands CPU tensors back).
+    assert {r["path"] for r in rows if r["impl"] == "torch"} == {"cpu-layers"}
+    assert {r["path"] for r in rows if r["impl"] == "cake_cute"} <= {"cpu-layers", "cpu-layers+native-route"}
 
 
 # ---- perf/fp8_bench.py: the pure parts, imported on CPU ---------------------------------------------

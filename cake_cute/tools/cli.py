@@ -209,6 +209,7 @@ def cmd_warmup(args) -> int:
             archs, args.dtype, args.hidden, residuals, args.fp8, weight_offset=args.weight_offset
         )
     result = warm(specs, args.jobs)
+    print(_native_line())
     for outcome in result.failed:
         print(f"FAILED {outcome.spec.name()}:\n  " + outcome.error.replace("\n", "\n  "), file=sys.stderr)
     spilling = atomic = []
@@ -228,6 +229,32 @@ def cmd_warmup(args) -> int:
             print(f"{len(atomic)} kernel(s) have global atomics: " + ", ".join(atomic), file=sys.stderr)
     print(result.summary())
     return EXIT_FAILED if result.failed or spilling or atomic else 0
+
+
+def _native_line() -> str:
+    """Build the native host path ahead of time too; a failure is reported, not fatal (eager calls then
+    take the Python path)."""
+    from .. import native
+
+    if native.python_path_forced():
+        return f"native host path: not built ({native.PYTHON_PATH_ENV}=1)"
+    try:
+        return f"native host path: {native.build()}"
+    except Exception as err:
+        return f"native host path: not built, eager calls take the Python path ({err})"
+
+
+def _native_status() -> str:
+    """Whether the native host path is built for this torch, TVM-FFI and Python (builds nothing)."""
+    from .. import native
+
+    if native.python_path_forced():
+        return f"off ({native.PYTHON_PATH_ENV}=1)"
+    try:
+        path = native.library_path()
+    except RuntimeError as err:  # no compiler
+        return f"cannot be built: {err}"
+    return f"{path} ({'built' if path.exists() else 'not built yet: cake-cute warmup builds it'})"
 
 
 def _cache_contents() -> str:
@@ -322,6 +349,7 @@ def cmd_info(args) -> int:
         ("cache", f"{cache_dir()} (version {fingerprint()})"),
         ("cached kernels", _cache_contents()),
         ("cuobjdump", _cuobjdump_line()),
+        ("native host path", _native_status()),
     ]
     for key, value in rows:
         print(f"{key:<20}{value}")

@@ -1,0 +1,615 @@
+// cake_cute's native host path: the eager autograd node and the functional forward and backward of
+// RMSNorm in C++, launching the compiled CuTe kernels through TVM-FFI's C ABI (TVMFFIFunctionCall)
+// with DLTensor arguments built on the stack.
+//
+// Python stays the authority on what is valid. A call is served here only when
+//   * its (x, w, weight_offset) signature was validated and registered by the Python path
+//     (cake_cute/native.py registers it after the Python path launched it once), and
+//   * it has the plain layout the kernels read in place: CUDA tensors that are contiguous and
+//     vector-aligned, with no tensor subclass, torch function or dispatch mode, functorch wrapper,
+//     conjugate / negative / zero view, and at least one row.
+// Anything else answers None and the caller takes the Python path, which raises the named
+// TypeError / ValueError before any launch and handles views, copies and caller-owned outputs. The
+// backward's launch plan (kernels, programs, FP32 partial rows of dW) also comes from Python, asked
+// once per (signature, T, residual, dw dtype) and cached here, so the kernels and the plan are
+// exactly those the Python path launches with.
+//
+// Outputs come from torch's caching allocator (CUDA-graph capture works) and every kernel runs on
+// torch's current stream, set as TVM-FFI's environment stream around the call (the kernels read it
+// from there). Building needs torch's and TVM-FFI's headers and libraries only: the stream comes
+// through torch's DLPack exchange API, so neither CUDA headers nor libc10_cuda are involved.
+
+// TVM-FFI first: its dlpack.h declares the exchange API, and torch's copy has the same guard.
+#include <tvm/ffi/c_api.h>
+#include <tvm/ffi/extra/c_env_api.h>
+
+#include <ATen/FuncTorchTLS.h>
+#include <ATen/PythonTorchFunctionTLS.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
+#include <torch/csrc/Dtype.h>
+#include <torch/csrc/DynamicTypes.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <cmath>
+#include <cstring>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <unordered_map>
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// ---- what Python registered ----------------------------------------------------------------------
+
+struct SignatureKey {  // every property of (x, w) the Python checks read, and the weight offset
+  at::ScalarType act, weight;
+  int64_t dims, hidden;
+  c10::DeviceIndex device;
+  uint64_t offset_bits;
+  bool operator==(const SignatureKey&) const = default;
+};
+
+struct SignatureKeyHash {
+  size_t operator()(const SignatureKey& k) const {
+    size_t h = std::hash<uint64_t>()(k.offset_bits);
+    for (int64_t part : {int64_t(k.act), int64_t(k.weight), k.dims, k.hidden, int64_t(k.device)}) {
+      h = h * 1000003u ^ std::hash<int64_t>()(part);
+    }
+    return h;
+  }
+};
+
+struct Signature {
+  int64_t hidden;
+  int64_t act_align, w_align;  // byte alignment the kernels assume for rows of x and for w
+  TVMFFIObjectHandle forward[2] = {nullptr, nullptr};  // plain, residual; null until registered
+  PyObject* planner;  // Python: (rows, residual, dw_dtype) -> (bwd, dw, programs, partial_rows, stride)
+};
+
+// Signatures are never freed: a clear (a config override in tests and tuning) only forgets them, so an
+// autograd graph recorded before it still runs its backward. Guarded by the GIL.
+std::unordered_map<SignatureKey, Signature*, SignatureKeyHash> signatures;
+
+struct Plan {  // one backward call shape, as the Python path plans it
+  TVMFFIObjectHandle bwd, dw;
+  int64_t programs, partial_rows, row_stride;
+};
+
+struct PlanKey {
+  const Signature* signature;
+  int64_t rows;
+  bool residual;
+  at::ScalarType dw;
+  bool operator==(const PlanKey&) const = default;
+};
+
+struct PlanKeyHash {
+  size_t operator()(const PlanKey& k) const {
+    return std::hash<const void*>()(k.signature) ^ (std::hash<int64_t>()(k.rows) * 31u) ^
+           (size_t(k.residual) << 7) ^ (size_t(k.dw) << 9);
+  }
+};
+
+// Backwards run on autograd's device threads without the GIL: the plans have their own lock. The cache
+// is bounded (a new T per step must not grow it forever); plans are copied out, so a clear is safe.
+constexpr size_t kMaxPlans = 4096;
+std::mutex plans_mutex;
+std::unordered_map<PlanKey, Plan, PlanKeyHash> plans;
+
+const DLPackExchangeAPI* torch_dlpack = nullptr;  // torch's, for its current stream
+
+// ---- TVM-FFI calls ----------------------------------------------------------------------------
+
+struct TensorArg {  // a DLTensor with its shape and strides, on the caller's stack
+  DLTensor dl;
+  int64_t shape[2];
+  int64_t strides[2];
+};
+
+DLDataType dl_dtype(at::ScalarType t) {
+  if (t == at::kBFloat16) return {kDLBfloat, 16, 1};
+  return {kDLFloat, uint8_t(t == at::kHalf ? 16 : 32), 1};  // fp16 or fp32: the only others admitted
+}
+
+TVMFFIAny tensor_arg(TensorArg& a, const at::Tensor& t, int32_t dims, int64_t rows, int64_t cols,
+                     int64_t row_stride) {
+  a.shape[0] = rows;
+  a.shape[1] = cols;
+  a.strides[0] = dims == 2 ? row_stride : 1;
+  a.strides[1] = 1;
+  a.dl.data = const_cast<void*>(t.const_data_ptr());
+  a.dl.device = {kDLCUDA, int32_t(t.device().index())};
+  a.dl.ndim = dims;
+  a.dl.dtype = dl_dtype(t.scalar_type());
+  a.dl.shape = a.shape;
+  a.dl.strides = a.strides;
+  a.dl.byte_offset = 0;
+  TVMFFIAny any{};
+  any.type_index = kTVMFFIDLTensorPtr;
+  any.v_ptr = &a.dl;
+  return any;
+}
+
+TVMFFIAny matrix(TensorArg& a, const at::Tensor& t, int64_t rows, int64_t cols) {
+  return tensor_arg(a, t, 2, rows, cols, cols);
+}
+
+TVMFFIAny vector(TensorArg& a, const at::Tensor& t, int64_t length) {
+  return tensor_arg(a, t, 1, length, 0, 1);
+}
+
+TVMFFIAny none() {
+  TVMFFIAny any{};
+  any.type_index = kTVMFFINone;
+  return any;
+}
+
+TVMFFIAny real(double value) {
+  TVMFFIAny any{};
+  any.type_index = kTVMFFIFloat;
+  any.v_float64 = value;
+  return any;
+}
+
+TVMFFIAny integer(int64_t value) {
+  TVMFFIAny any{};
+  any.type_index = kTVMFFIInt;
+  any.v_int64 = value;
+  return any;
+}
+
+[[noreturn]] void throw_ffi_error(const char* what) {
+  TVMFFIObjectHandle error = nullptr;
+  TVMFFIErrorMoveFromRaised(&error);
+  std::string message = std::string("cake_cute: ") + what + " failed";
+  if (error != nullptr) {  // the error object is {TVMFFIObject header, TVMFFIErrorCell}
+    auto* cell = reinterpret_cast<const TVMFFIErrorCell*>(static_cast<const char*>(error) + sizeof(TVMFFIObject));
+    message += ": " + std::string(cell->kind.data, cell->kind.size) + ": " +
+               std::string(cell->message.data, cell->message.size);
+    TVMFFIObjectDecRef(error);
+  }
+  throw std::runtime_error(message);
+}
+
+void call(TVMFFIObjectHandle kernel, TVMFFIAny* args, int32_t count, const char* what) {
+  TVMFFIAny result = none();
+  if (TVMFFIFunctionCall(kernel, args, count, &result) != 0) throw_ffi_error(what);
+}
+
+// The launch context: x's device current, and torch's current stream of it as TVM-FFI's environment
+// stream (restored afterwards), exactly as TVM-FFI's Python binding does around a call with torch tensors.
+class LaunchScope {
+ public:
+  explicit LaunchScope(const at::Device& device) : guard_(device), device_(device.index()) {
+    void* stream = nullptr;
+    if (torch_dlpack->current_work_stream(kDLCUDA, device_, &stream) != 0) {
+      throw std::runtime_error("cake_cute: torch gave no current CUDA stream");
+    }
+    if (TVMFFIEnvSetStream(kDLCUDA, device_, stream, &previous_) != 0) throw_ffi_error("TVMFFIEnvSetStream");
+  }
+  ~LaunchScope() { TVMFFIEnvSetStream(kDLCUDA, device_, previous_, nullptr); }
+  LaunchScope(const LaunchScope&) = delete;
+  LaunchScope& operator=(const LaunchScope&) = delete;
+
+ private:
+  c10::DeviceGuard guard_;
+  int32_t device_;
+  TVMFFIStreamHandle previous_ = nullptr;
+};
+
+// ---- the launches ------------------------------------------------------------------------------
+
+struct ForwardOutputs {
+  at::Tensor y, rstd, h_new;  // h_new undefined in plain mode
+};
+
+ForwardOutputs launch_forward(const Signature& s, const at::Tensor& x, const at::Tensor& w,
+                              const at::Tensor* residual, double eps) {
+  const int64_t rows = x.numel() / s.hidden;
+  ForwardOutputs out{at::empty(x.sizes(), x.options()), at::empty({rows}, x.options().dtype(at::kFloat)), {}};
+  if (residual != nullptr) out.h_new = at::empty(x.sizes(), x.options());
+  TensorArg xa, ra, wa, ya, ha, rstd;
+  TVMFFIAny args[] = {
+      matrix(xa, x, rows, s.hidden),
+      residual != nullptr ? matrix(ra, *residual, rows, s.hidden) : none(),
+      vector(wa, w, s.hidden),
+      matrix(ya, out.y, rows, s.hidden),
+      residual != nullptr ? matrix(ha, out.h_new, rows, s.hidden) : none(),
+      vector(rstd, out.rstd, rows),
+      real(eps),
+  };
+  LaunchScope scope(x.device());
+  call(s.forward[residual != nullptr], args, 7, "the forward kernel");
+  return out;
+}
+
+Plan backward_plan(const Signature& s, int64_t rows, bool residual, at::ScalarType dw) {
+  const PlanKey key{&s, rows, residual, dw};
+  {
+    std::lock_guard<std::mutex> lock(plans_mutex);
+    auto found = plans.find(key);
+    if (found != plans.end()) return found->second;
+  }
+  Plan plan;
+  {
+    const PyGILState_STATE gil = PyGILState_Ensure();  // backwards run on autograd's threads
+    PyObject* answer = PyObject_CallFunction(s.planner, "LOO", static_cast<long long>(rows),
+                                             residual ? Py_True : Py_False, reinterpret_cast<PyObject*>(torch::getTHPDtype(dw)));
+    unsigned long long bwd = 0, reduce = 0;
+    long long programs = 0, partial_rows = 0, row_stride = 0;
+    const bool parsed = answer != nullptr && PyArg_ParseTuple(answer, "KKLLL", &bwd, &reduce, &programs,
+                                                              &partial_rows, &row_stride);
+    Py_XDECREF(answer);
+    if (!parsed) {
+      python_error error;  // the planner's exception, re-raised where the backward was called
+      error.persist();
+      PyGILState_Release(gil);
+      throw error;
+    }
+    plan = {reinterpret_cast<TVMFFIObjectHandle>(bwd), reinterpret_cast<TVMFFIObjectHandle>(reduce), programs,
+            partial_rows, row_stride};
+    // Taken while the GIL keeps Python's kernel objects alive, and held for the process: a cleared plan
+    // may still be in use by another thread's launch.
+    TVMFFIObjectIncRef(plan.bwd);
+    TVMFFIObjectIncRef(plan.dw);
+    PyGILState_Release(gil);
+  }
+  std::lock_guard<std::mutex> lock(plans_mutex);
+  if (plans.size() >= kMaxPlans) plans.clear();
+  plans.emplace(key, plan);
+  return plan;
+}
+
+// dx (x's shape) and, when `want_dw`, dw in `dw_dtype`; g_residual undefined in plain mode.
+std::pair<at::Tensor, at::Tensor> launch_backward(const Signature& s, const at::Tensor& g, const at::Tensor& h,
+                                                  const at::Tensor& w, const at::Tensor& rstd,
+                                                  const at::Tensor& g_residual, at::ScalarType dw_dtype,
+                                                  bool want_dw) {
+  const int64_t rows = h.numel() / s.hidden;
+  const bool residual = g_residual.defined();
+  const Plan plan = backward_plan(s, rows, residual, dw_dtype);
+  at::Tensor dx = at::empty(h.sizes(), h.options());
+  at::Tensor partials = at::empty({plan.partial_rows * plan.row_stride}, h.options().dtype(at::kFloat));
+  at::Tensor dw = want_dw ? at::empty({s.hidden}, w.options().dtype(dw_dtype)) : at::Tensor();
+  TensorArg ga, ha, wa, ra, gra, dxa, pa, dwa;
+  const TVMFFIAny partials_arg = tensor_arg(pa, partials, 2, plan.partial_rows, s.hidden, plan.row_stride);
+  TVMFFIAny args[] = {
+      matrix(ga, g, rows, s.hidden),
+      matrix(ha, h, rows, s.hidden),
+      vector(wa, w, s.hidden),
+      vector(ra, rstd, rows),
+      residual ? matrix(gra, g_residual, rows, s.hidden) : none(),
+      matrix(dxa, dx, rows, s.hidden),
+      partials_arg,
+      integer(plan.programs),
+  };
+  LaunchScope scope(h.device());
+  call(plan.bwd, args, 8, "the backward kernel");
+  if (want_dw) {
+    TVMFFIAny reduce_args[] = {partials_arg, vector(dwa, dw, s.hidden)};
+    call(plan.dw, reduce_args, 2, "the dW reduction");
+  }
+  return {dx, dw};
+}
+
+// ---- the autograd node ---------------------------------------------------------------------------
+
+// Saves exactly (x or h_new, w, rstd), like CakeRMSNormFunction; unused gradients stay undefined.
+struct NormFunction : public torch::autograd::Function<NormFunction> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
+                               const std::optional<at::Tensor>& residual, const Signature* s, double eps) {
+    ForwardOutputs out = launch_forward(*s, x, w, residual ? &*residual : nullptr, eps);
+    ctx->set_materialize_grads(false);
+    ctx->saved_data["signature"] = reinterpret_cast<int64_t>(s);
+    ctx->save_for_backward({residual ? out.h_new : x, w, out.rstd});
+    if (residual) return {out.y, out.h_new};
+    return {out.y};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const bool residual = grads.size() == 2;
+    const at::Tensor g_residual = residual ? grads[1] : at::Tensor();
+    if (!grads[0].defined()) return {g_residual, {}, g_residual, {}, {}};  // only h_new was used
+    const auto* s = reinterpret_cast<const Signature*>(ctx->saved_data["signature"].toInt());
+    const variable_list saved = ctx->get_saved_variables();
+    const at::Tensor& w = saved[1];
+    auto [dx, dw] = launch_backward(*s, kernel_rows(grads[0], s->act_align), saved[0], w, saved[2],
+                                    g_residual.defined() ? kernel_rows(g_residual, s->act_align) : at::Tensor(),
+                                    w.scalar_type(), ctx->needs_input_grad(1));
+    return {dx, dw, residual ? dx : at::Tensor(), {}, {}};
+  }
+
+  // A gradient from autograd as the kernels read it (an expanded or offset one becomes a copy).
+  static at::Tensor kernel_rows(const at::Tensor& t, int64_t align) {
+    const bool direct = t.is_contiguous() && reinterpret_cast<uintptr_t>(t.const_data_ptr()) % align == 0;
+    return direct ? t : t.clone(at::MemoryFormat::Contiguous);
+  }
+};
+
+// ---- routing: what may take this path -------------------------------------------------------------
+
+const c10::DispatchKeySet kUnusualKeys({
+    c10::DispatchKey::Python,
+    c10::DispatchKey::PythonTLSSnapshot,
+    c10::DispatchKey::FuncTorchBatched,
+    c10::DispatchKey::FuncTorchGradWrapper,
+    c10::DispatchKey::Functionalize,
+    c10::DispatchKey::Conjugate,
+    c10::DispatchKey::Negative,
+    c10::DispatchKey::ZeroTensor,
+    c10::DispatchKey::NestedTensor,
+});
+
+// No functorch transform, torch function mode or dispatch mode is active.
+bool plain_context() {
+  return !at::functorch::functorchTLSAccessor() && !at::impl::torch_function_mode_enabled() &&
+         !c10::impl::dispatch_mode_enabled();
+}
+
+// The plain strided CUDA tensor `obj` is (a torch.Tensor or nn.Parameter, not a subclass), or nullptr
+// for None and for anything else.
+const at::Tensor* plain_cuda(PyObject* obj) {
+  if (!THPVariable_CheckExact(obj)) return nullptr;
+  const at::Tensor& t = THPVariable_Unpack(obj);
+  if (!t.is_cuda() || t.layout() != at::kStrided || t.key_set().has_any(kUnusualKeys)) return nullptr;
+  return &t;
+}
+
+bool aligned(const at::Tensor& t, int64_t bytes) {
+  return t.is_contiguous() && reinterpret_cast<uintptr_t>(t.const_data_ptr()) % bytes == 0;
+}
+
+// `t` has x's dtype, device and shape, and is contiguous and aligned.
+bool like(const at::Tensor& t, const at::Tensor& x, int64_t align) {
+  return t.scalar_type() == x.scalar_type() && t.device() == x.device() && t.sizes().equals(x.sizes()) &&
+         aligned(t, align);
+}
+
+std::optional<double> number(PyObject* obj) {  // an exact float or int; bools and others: none
+  if (PyFloat_CheckExact(obj)) return PyFloat_AS_DOUBLE(obj);
+  if (PyLong_CheckExact(obj)) {
+    const double value = PyLong_AsDouble(obj);
+    if (value == -1.0 && PyErr_Occurred()) {
+      PyErr_Clear();
+      return std::nullopt;
+    }
+    return value;
+  }
+  return std::nullopt;
+}
+
+SignatureKey signature_key(const at::Tensor& x, const at::Tensor& w, double weight_offset) {
+  SignatureKey key{x.scalar_type(), w.scalar_type(), x.dim(), x.size(-1), x.device().index(), 0};
+  std::memcpy(&key.offset_bits, &weight_offset, sizeof(double));
+  return key;
+}
+
+// The registered signature of (x, w, weight_offset) when x and w have the layout the kernels read in
+// place, else nullptr.
+const Signature* find_signature(const at::Tensor& x, const at::Tensor& w, PyObject* weight_offset) {
+  const std::optional<double> offset = number(weight_offset);
+  if (!offset || x.dim() < 2) return nullptr;
+  auto found = signatures.find(signature_key(x, w, *offset));
+  if (found == signatures.end()) return nullptr;
+  const Signature* s = found->second;
+  const bool usable = w.dim() == 1 && w.size(0) == s->hidden && w.device() == x.device() && x.numel() > 0 &&
+                      aligned(x, s->act_align) && aligned(w, s->w_align);
+  return usable ? s : nullptr;
+}
+
+struct ForwardCall {
+  const at::Tensor *x, *w, *residual;
+  const Signature* signature;
+  double eps;
+};
+
+// (x, w, eps, residual, weight_offset) when this path serves them; the forward kernel is registered.
+std::optional<ForwardCall> forward_call(PyObject* const* args) {
+  if (!plain_context()) return std::nullopt;
+  const at::Tensor* x = plain_cuda(args[0]);
+  const at::Tensor* w = plain_cuda(args[1]);
+  const std::optional<double> eps = number(args[2]);
+  const bool residual = args[3] != Py_None;
+  const at::Tensor* r = residual ? plain_cuda(args[3]) : nullptr;
+  if (x == nullptr || w == nullptr || (residual && r == nullptr) || !eps || !std::isfinite(*eps) || *eps < 0) {
+    return std::nullopt;
+  }
+  const Signature* s = find_signature(*x, *w, args[4]);
+  if (s == nullptr || s->forward[residual] == nullptr || (residual && !like(*r, *x, s->act_align))) {
+    return std::nullopt;
+  }
+  return ForwardCall{x, w, r, s, *eps};
+}
+
+PyObject* tuple_of(std::initializer_list<at::Tensor> tensors) {
+  PyObject* tuple = PyTuple_New(Py_ssize_t(tensors.size()));
+  if (tuple == nullptr) return nullptr;
+  Py_ssize_t i = 0;
+  for (const at::Tensor& t : tensors) {
+    PyObject* item = THPVariable_Wrap(t);
+    if (item == nullptr) {
+      Py_DECREF(tuple);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(tuple, i++, item);
+  }
+  return tuple;
+}
+
+bool check_count(Py_ssize_t given, Py_ssize_t expected, const char* name) {
+  if (given == expected) return true;
+  PyErr_Format(PyExc_TypeError, "%s takes %zd arguments, got %zd", name, expected, given);
+  return false;
+}
+
+// ---- the module's functions ----------------------------------------------------------------------
+
+// rmsnorm(x, w, eps, residual, weight_offset): y, (y, h_new), or None (take the Python path).
+PyObject* rmsnorm(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  if (!check_count(nargs, 5, "rmsnorm")) return nullptr;
+  const std::optional<ForwardCall> c = forward_call(args);
+  if (!c) Py_RETURN_NONE;
+  const bool records = at::GradMode::is_enabled() && (c->x->requires_grad() || c->w->requires_grad() ||
+                                                      (c->residual != nullptr && c->residual->requires_grad()));
+  if (!records) {  // no graph to record: no node to build
+    ForwardOutputs out = launch_forward(*c->signature, *c->x, *c->w, c->residual, c->eps);
+    if (c->residual == nullptr) return THPVariable_Wrap(std::move(out.y));
+    return tuple_of({out.y, out.h_new});
+  }
+  std::optional<at::Tensor> residual;
+  if (c->residual != nullptr) residual = *c->residual;
+  variable_list out = NormFunction::apply(*c->x, *c->w, residual, c->signature, c->eps);
+  if (c->residual == nullptr) return THPVariable_Wrap(std::move(out[0]));
+  return tuple_of({out[0], out[1]});
+  END_HANDLE_TH_ERRORS
+}
+
+// forward(x, w, eps, residual, weight_offset): (y, rstd), (y, rstd, h_new), or None.
+PyObject* forward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  if (!check_count(nargs, 5, "forward")) return nullptr;
+  const std::optional<ForwardCall> c = forward_call(args);
+  if (!c) Py_RETURN_NONE;
+  ForwardOutputs out = launch_forward(*c->signature, *c->x, *c->w, c->residual, c->eps);
+  if (c->residual == nullptr) return tuple_of({out.y, out.rstd});
+  return tuple_of({out.y, out.rstd, out.h_new});
+  END_HANDLE_TH_ERRORS
+}
+
+std::optional<at::ScalarType> gradient_dtype(PyObject* obj) {  // fp32, bf16 or fp16
+  if (!THPDtype_Check(obj)) return std::nullopt;
+  const at::ScalarType t = reinterpret_cast<THPDtype*>(obj)->scalar_type;
+  if (t != at::kFloat && t != at::kBFloat16 && t != at::kHalf) return std::nullopt;
+  return t;
+}
+
+// backward(g, x, w, rstd, g_residual, weight_offset, dw_dtype, deterministic): (dx, dw) or None.
+PyObject* backward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  if (!check_count(nargs, 8, "backward")) return nullptr;
+  const std::optional<at::ScalarType> dw_dtype = gradient_dtype(args[6]);
+  if (!plain_context() || !dw_dtype || (args[7] != Py_True && args[7] != Py_False)) Py_RETURN_NONE;
+  const at::Tensor* g = plain_cuda(args[0]);
+  const at::Tensor* x = plain_cuda(args[1]);
+  const at::Tensor* w = plain_cuda(args[2]);
+  const at::Tensor* rstd = plain_cuda(args[3]);
+  const bool residual = args[4] != Py_None;
+  const at::Tensor* g_residual = residual ? plain_cuda(args[4]) : nullptr;
+  if (g == nullptr || x == nullptr || w == nullptr || rstd == nullptr || (residual && g_residual == nullptr)) {
+    Py_RETURN_NONE;
+  }
+  const Signature* s = find_signature(*x, *w, args[5]);
+  if (s == nullptr || !like(*g, *x, s->act_align) || (residual && !like(*g_residual, *x, s->act_align)) ||
+      rstd->scalar_type() != at::kFloat || rstd->dim() != 1 || rstd->size(0) != x->numel() / s->hidden ||
+      rstd->device() != x->device() || !rstd->is_contiguous()) {
+    Py_RETURN_NONE;
+  }
+  auto [dx, dw] = launch_backward(*s, *g, *x, *w, *rstd, residual ? *g_residual : at::Tensor(), *dw_dtype, true);
+  return tuple_of({dx, dw});
+  END_HANDLE_TH_ERRORS
+}
+
+// register(x, w, weight_offset, residual, forward_kernel, act_align, w_align, planner): after the Python
+// path validated (x, w, weight_offset) and launched the forward kernel (a TVM-FFI function handle).
+PyObject* register_signature(PyObject*, PyObject* args) {
+  HANDLE_TH_ERRORS
+  PyObject *x_obj, *w_obj, *planner;
+  double weight_offset;
+  int residual;
+  unsigned long long kernel;
+  long long act_align, w_align;
+  if (!PyArg_ParseTuple(args, "OOdpKLLO", &x_obj, &w_obj, &weight_offset, &residual, &kernel, &act_align,
+                        &w_align, &planner)) {
+    return nullptr;
+  }
+  if (!THPVariable_Check(x_obj) || !THPVariable_Check(w_obj) || kernel == 0) {
+    PyErr_SetString(PyExc_TypeError, "register needs tensors x and w and a TVM-FFI function handle");
+    return nullptr;
+  }
+  const at::Tensor& x = THPVariable_Unpack(x_obj);
+  const at::Tensor& w = THPVariable_Unpack(w_obj);
+  Signature*& s = signatures[signature_key(x, w, weight_offset)];
+  if (s == nullptr) {
+    Py_INCREF(planner);
+    s = new Signature{x.size(-1), act_align, w_align, {nullptr, nullptr}, planner};
+  }
+  if (s->forward[residual] == nullptr) {
+    s->forward[residual] = reinterpret_cast<TVMFFIObjectHandle>(kernel);
+    TVMFFIObjectIncRef(s->forward[residual]);
+  }
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
+// clear(): forget every signature and plan (after a kernel config override).
+PyObject* clear(PyObject*, PyObject*) {
+  signatures.clear();
+  std::lock_guard<std::mutex> lock(plans_mutex);
+  plans.clear();
+  Py_RETURN_NONE;
+}
+
+// signature_count(): how many signatures are registered (for tests).
+PyObject* signature_count(PyObject*, PyObject*) { return PyLong_FromSize_t(signatures.size()); }
+
+PyMethodDef methods[] = {
+    {"rmsnorm", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(rmsnorm)), METH_FASTCALL,
+     "rmsnorm(x, w, eps, residual, weight_offset): the autograd call, or None for the Python path"},
+    {"forward", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(forward)), METH_FASTCALL,
+     "forward(x, w, eps, residual, weight_offset): (y, rstd[, h_new]) or None"},
+    {"backward", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(backward)), METH_FASTCALL,
+     "backward(g, x, w, rstd, g_residual, weight_offset, dw_dtype, deterministic): (dx, dw) or None"},
+    {"register", register_signature, METH_VARARGS,
+     "register(x, w, weight_offset, residual, forward_kernel, act_align, w_align, planner)"},
+    {"clear", clear, METH_NOARGS, "forget every registered signature and plan"},
+    {"signature_count", signature_count, METH_NOARGS, "the number of registered signatures"},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "cake_cute_native", "cake_cute's native host path", -1,
+                          methods};
+
+// torch's DLPack exchange API: a capsule at torch.Tensor.__dlpack_c_exchange_api__ (the DLPack
+// convention), or an address or capsule at __c_dlpack_exchange_api__ (torch releases before it).
+const DLPackExchangeAPI* find_torch_dlpack() {
+  PyObject* torch = PyImport_ImportModule("torch");
+  if (torch == nullptr) return nullptr;
+  PyObject* tensor_type = PyObject_GetAttrString(torch, "Tensor");
+  Py_DECREF(torch);
+  if (tensor_type == nullptr) return nullptr;
+  PyObject* api = nullptr;
+  for (const char* name : {"__dlpack_c_exchange_api__", "__c_dlpack_exchange_api__"}) {
+    api = PyObject_GetAttrString(tensor_type, name);
+    if (api != nullptr) break;
+    PyErr_Clear();
+  }
+  Py_DECREF(tensor_type);
+  if (api == nullptr) {
+    PyErr_SetString(PyExc_ImportError, "torch has no DLPack exchange API (torch.Tensor.__dlpack_c_exchange_api__)");
+    return nullptr;
+  }
+  // The table is static in torch: it outlives the capsule.
+  const void* table = PyCapsule_CheckExact(api) ? PyCapsule_GetPointer(api, "dlpack_exchange_api")
+                                                : PyLong_AsVoidPtr(api);
+  Py_DECREF(api);
+  return static_cast<const DLPackExchangeAPI*>(table);
+}
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit_cake_cute_native() {
+  torch_dlpack = find_torch_dlpack();
+  if (torch_dlpack == nullptr) return nullptr;
+  if (torch_dlpack->header.version.major != DLPACK_MAJOR_VERSION || torch_dlpack->current_work_stream == nullptr) {
+    PyErr_SetString(PyExc_ImportError, "torch's DLPack exchange API has no usable current_work_stream");
+    return nullptr;
+  }
+  return PyModule_Create(&module_def);
+}

@@ -1,0 +1,206 @@
+"""The native host path: ``csrc/native.cpp`` built and loaded, and the signatures the Python path hands it.
+
+A Python ``autograd.Function`` costs the host more than the step it wraps; the extension is a C++
+autograd node (and functional forward / backward) that launches the same compiled kernels through
+TVM-FFI's C ABI. The Python path stays the authority: after it has validated a (x, w, weight_offset)
+signature and launched its forward, it registers the signature (``register``), and from then on calls
+of that signature with the plain layout the kernels read in place run in C++. Every other call — the
+first one, bad arguments, views and copies, caller-owned outputs, DTensor, CPU, torch.compile — keeps
+taking the Python path, so the named errors and every other guarantee stay where they are tested.
+
+The extension is built once per (source, torch, TVM-FFI, Python) into torch's extension directory with the
+C++ compiler (``$CXX``, else ``c++``); it needs no CUDA headers, so ``cake-cute warmup`` builds it on a
+machine without a GPU. It is loaded when the Python path first registers a signature. Without a
+compiler, or when the build fails, one warning says so and everything takes the Python path;
+``CAKE_CUTE_PYTHON_PATH=1`` chooses the Python path without building anything.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import warnings
+from pathlib import Path
+
+import torch
+
+from . import dispatch
+from .compile_cache import _file_lock, _write_atomic
+from .kernels.config import on_override_change
+from .views import vector_align_bytes
+
+PYTHON_PATH_ENV = "CAKE_CUTE_PYTHON_PATH"
+SOURCE = Path(__file__).resolve().parent / "csrc" / "native.cpp"
+MODULE_NAME = "cake_cute_native"  # the name the source's PyInit_ function carries
+
+fast = None  # the loaded extension, or None while calls take the Python path
+_tried = False
+_registered: set = set()
+
+
+def python_path_forced() -> bool:
+    """``CAKE_CUTE_PYTHON_PATH=1``: every call takes the Python path."""
+    return os.environ.get(PYTHON_PATH_ENV) == "1"
+
+
+def _compile_command(output: str) -> list[str]:
+    """One compile-and-link of the source against this torch (its C++ ABI flag) and TVM-FFI."""
+    import tvm_ffi.libinfo
+    from torch.utils import cpp_extension
+
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        raise RuntimeError(f"no C++ compiler ({compiler!r} is not on PATH; set $CXX)")
+    tvm_lib = str(Path(tvm_ffi.libinfo.find_libtvm_ffi()).parent)
+    includes = [
+        tvm_ffi.libinfo.find_include_path(),
+        *cpp_extension.include_paths(),
+        sysconfig.get_paths()["include"],
+    ]
+    libraries = [*cpp_extension.library_paths(), tvm_lib]
+    return [
+        compiler,
+        "-O2",
+        "-std=c++20",
+        "-shared",
+        "-fPIC",
+        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+        *(f"-I{path}" for path in includes),
+        str(SOURCE),
+        "-o",
+        output,
+        *(f"-L{path}" for path in libraries),
+        *(f"-Wl,-rpath,{path}" for path in libraries),
+        "-lc10",
+        "-ltorch",
+        "-ltorch_cpu",
+        "-ltorch_python",
+        "-ltvm_ffi",
+    ]
+
+
+def library_path() -> Path:
+    """Where the extension for this source, torch, TVM-FFI and Python lives (built or not): torch's
+    directory for built extensions (``$TORCH_EXTENSIONS_DIR``, else ``~/.cache/torch_extensions``)."""
+    from torch.utils import cpp_extension
+
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    for part in (torch.__version__, torch.version.git_version, sys.version, *_compile_command("-")):
+        digest.update(part.encode() + b"\0")
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    return Path(root) / f"{MODULE_NAME}-{digest.hexdigest()[:16]}.so"
+
+
+def build() -> Path:
+    """Build the extension unless it is on disk already (other processes wait for one build).
+
+    Returns
+    -------
+    Path
+        The shared library.
+
+    Raises
+    ------
+    RuntimeError
+        No C++ compiler, or the build failed (the compiler's output is in ``<library>.log``).
+    """
+    path = library_path()
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(path):
+        if not path.exists():
+            _write_atomic(path, _compile)
+    return path
+
+
+def _compile(output: str) -> None:
+    log = Path(output).with_name(library_path().name + ".log")
+    done = subprocess.run(_compile_command(output), capture_output=True, text=True)
+    log.write_text(done.stdout + done.stderr)
+    if done.returncode != 0:
+        raise RuntimeError(f"the C++ build failed (exit {done.returncode}; compiler output in {log})")
+
+
+def _import(path: Path):
+    import tvm_ffi  # noqa: F401  (its libtvm_ffi first: the kernels and the extension share that one)
+
+    spec = importlib.util.spec_from_file_location(MODULE_NAME, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def load():
+    """The extension, built and loaded on the first call; None when calls take the Python path.
+
+    Returns
+    -------
+    module or None
+        None with ``CAKE_CUTE_PYTHON_PATH=1``, or when the build or the load failed (warned once, on
+        one line).
+    """
+    global fast, _tried
+    if not _tried:
+        _tried = True
+        if not python_path_forced():
+            try:
+                fast = _import(build())
+            except Exception as err:  # no compiler, a failed build or load: the Python path serves
+                reason = " ".join(f"{type(err).__name__}: {err}".split())[:300]
+                warnings.warn(
+                    f"cake_cute: native host path unavailable, eager calls take the Python path ({reason})",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+    return fast
+
+
+def register(op, x, w, weight_offset: float, residual: bool, forward_kernel, planner) -> None:
+    """Hand a signature the Python path has just validated and launched to the extension.
+
+    Parameters
+    ----------
+    op : Operands
+        The validated (x, w) facts.
+    x, w : torch.Tensor
+        The call's tensors (their dtypes, dims, H and device key the signature).
+    weight_offset : float
+        The validated offset.
+    residual : bool
+        The forward's mode.
+    forward_kernel : tvm_ffi.Function
+        The compiled forward of this signature and mode.
+    planner : callable
+        ``(rows, residual, dw_dtype) -> (bwd handle, dw handle, programs, partial_rows, row_stride)``:
+        the backward's kernels and launch plan of one call shape, asked once per shape.
+    """
+    key = (op, weight_offset, residual)
+    if key in _registered:
+        return
+    module = load()
+    handle = kernel_handle(forward_kernel)
+    if module is None or handle == 0:
+        return
+    vec = dispatch.vector_elems(op.hidden, op.act)
+    act_align, w_align = vec * x.element_size(), vector_align_bytes(vec, w.element_size())
+    module.register(x, w, weight_offset, residual, handle, act_align, w_align, planner)
+    _registered.add(key)
+
+
+def kernel_handle(kernel) -> int:
+    """The TVM-FFI function handle of a compiled kernel (what the extension calls), 0 for none."""
+    return getattr(kernel, "__chandle__", lambda: 0)()
+
+
+@on_override_change
+def clear() -> None:
+    """Forget every registered signature (a config override changes the kernels)."""
+    _registered.clear()
+    if fast is not None:
+        fast.clear()

@@ -1,0 +1,195 @@
+"""The native host path on a GPU: bit for bit the Python path's results (forward, backward, plain and
+residual, every dtype, odd H, a weight offset), CUDA-graph capture, the named errors, and the calls it
+hands back to the Python path (views, partial gradients). The Python path is ``CakeRMSNormFunction`` and
+``train_forward_python``; the native path serves ``cake_rmsnorm`` once the Python path registered the
+signature (its grad_fn then is the C++ node)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cake_cute import (
+    CakeRMSNormFunction,
+    cake_rmsnorm,
+    cake_rmsnorm_train_backward,
+    cake_rmsnorm_train_forward,
+    native,
+)
+from cake_cute.ops import train_forward_python
+
+from ._helpers import (  # noqa: F401 (fixed_seed, prewarm_kernels: fixtures)
+    DTYPE_IDS,
+    DTYPES,
+    EPS,
+    assert_bitwise_equal,
+    fixed_seed,
+    prewarm_kernels,
+    rand_weight,
+)
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("prewarm_kernels")]
+
+DEV = "cuda"
+SHAPES = [(1, 4096), (129, 4096), (17, 1001)]  # one row, a partial tile, an odd H
+
+
+@pytest.fixture(scope="module", autouse=True)
+def extension():
+    """The GPU machine has a compiler: the native path must be there (no silent fallback here)."""
+    module = native.load()
+    assert module is not None, "the native host path did not build or load (see the warning)"
+    return module
+
+
+def leaves(rows, hidden, dtype, residual):
+    x = torch.randn(rows, hidden, device=DEV).to(dtype).requires_grad_()
+    w = rand_weight(hidden, dtype).requires_grad_()
+    r = torch.randn(rows, hidden, device=DEV).to(dtype).requires_grad_() if residual else None
+    return x, w, r
+
+
+def step(norm, x, w, r, weight_offset, gy, gh):
+    """Outputs and gradients of one forward + backward through ``norm``, and the grad_fn's name."""
+    out = norm(x, w, EPS, r, True, weight_offset)
+    outs = out if isinstance(out, tuple) else (out,)
+    leaves_ = [t for t in (x, w, r) if t is not None]
+    grads = torch.autograd.grad(outs, leaves_, (gy, gh)[: len(outs)])
+    return [t.detach() for t in outs], list(grads), outs[0].grad_fn.name()
+
+
+def python_then_native(x, w, r, weight_offset=0.0):
+    """(Python path results, native path results) of the same step; the first call registers."""
+    gy = torch.randn_like(x)
+    gh = torch.randn_like(x) if r is not None else None
+    python = step(CakeRMSNormFunction.apply, x, w, r, weight_offset, gy, gh)
+    fast = step(cake_rmsnorm, x, w, r, weight_offset, gy, gh)
+    assert "CakeRMSNormFunction" in python[2] and "NormFunction" in fast[2], (python[2], fast[2])
+    assert "CakeRMSNormFunction" not in fast[2], "the native path did not serve the call"
+    return python, fast
+
+
+def assert_same(python, fast):
+    for name, a, b in zip(("outputs", "grads"), python[:2], fast[:2]):
+        for i, (pa, fa) in enumerate(zip(a, b)):
+            assert_bitwise_equal(fa, pa, f"{name}[{i}]")
+
+
+@pytest.mark.parametrize("rows,hidden", SHAPES, ids=lambda v: str(v))
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "res"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
+def test_autograd_native_matches_python_bitwise(dtype, residual, rows, hidden):
+    python, fast = python_then_native(*leaves(rows, hidden, dtype, residual))
+    assert_same(python, fast)
+    assert fast[1][1].dtype == dtype  # dw in w's dtype
+    if residual:
+        assert_bitwise_equal(fast[1][2], fast[1][0], "d_residual vs dx")
+
+
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "res"])
+def test_autograd_weight_offset_and_fp32_weight(residual):
+    x, _, r = leaves(64, 2048, torch.bfloat16, residual)
+    w = rand_weight(2048, torch.float32).requires_grad_()
+    python, fast = python_then_native(x, w, r, weight_offset=1.0)
+    assert_same(python, fast)
+    assert fast[1][1].dtype == torch.float32
+
+
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "res"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
+def test_functional_native_matches_python_bitwise(dtype, residual, monkeypatch):
+    x, w, r = (t.detach() if t is not None else None for t in leaves(129, 4096, dtype, residual))
+    python_fwd = train_forward_python(x, w, EPS, r)  # registers the signature
+    assert native.fast.forward(x, w, EPS, r, 0.0) is not None, "the native path did not serve the forward"
+    fast_fwd = cake_rmsnorm_train_forward(x, w, EPS, residual=r)
+    for a, b in zip(fast_fwd, python_fwd):
+        assert_bitwise_equal(a, b, "forward output")
+    g = torch.randn_like(x)
+    h = python_fwd[2] if residual else x
+    g_res = torch.randn_like(x) if residual else None
+    served = native.fast.backward(g, h, w, python_fwd[1], g_res, 0.0, torch.float32, True)
+    assert served is not None, "the native path did not serve the backward"
+    fast_bwd = cake_rmsnorm_train_backward(g, h, w, python_fwd[1], g_residual=g_res)
+    monkeypatch.setattr(native, "fast", None)  # the same call on the Python path
+    python_bwd = cake_rmsnorm_train_backward(g, h, w, python_fwd[1], g_residual=g_res)
+    for a, b in zip(fast_bwd, python_bwd):
+        assert_bitwise_equal(a, b, "backward output")
+    assert fast_bwd[1].dtype == torch.float32
+
+
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "res"])
+def test_native_step_captures_in_a_cuda_graph(residual):
+    x, w, r = leaves(256, 4096, torch.bfloat16, residual)
+    gy = torch.randn_like(x)
+    python_then_native(x, w, r)  # registered, kernels and plans loaded: nothing compiles in capture
+    eager = step(cake_rmsnorm, x, w, r, 0.0, gy, torch.zeros_like(x) if residual else None)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            step(cake_rmsnorm, x, w, r, 0.0, gy, torch.zeros_like(x) if residual else None)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    gh = torch.zeros_like(x) if residual else None
+    with torch.cuda.graph(graph):
+        captured = step(cake_rmsnorm, x, w, r, 0.0, gy, gh)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert "CakeRMSNormFunction" not in captured[2]
+    assert_same(eager, captured)
+
+
+def test_named_errors_after_registration():
+    x, w, r = leaves(16, 4096, torch.bfloat16, True)
+    python_then_native(x, w, r)
+    with pytest.raises(ValueError, match="eps"):
+        cake_rmsnorm(x, w, -1.0)
+    with pytest.raises(ValueError, match="eps"):
+        cake_rmsnorm(x, w, float("nan"))
+    with pytest.raises(TypeError, match="eps"):
+        cake_rmsnorm(x, w, "1e-6")
+    with pytest.raises(ValueError, match="w must have shape"):
+        cake_rmsnorm(x, w[:-1])
+    with pytest.raises(TypeError, match="residual"):
+        cake_rmsnorm(x, w, EPS, residual=r.float())
+    with pytest.raises(ValueError, match="residual"):
+        cake_rmsnorm(x, w, EPS, residual=r[:-1])
+    with pytest.raises(TypeError, match="weight_offset"):
+        cake_rmsnorm(x, w, EPS, None, True, "1")
+    with pytest.raises(TypeError, match="deterministic"):
+        cake_rmsnorm_train_backward(
+            x.detach(), x.detach(), w.detach(), torch.ones(16, device=DEV), deterministic=1
+        )
+
+
+def test_views_and_expanded_gradients(monkeypatch):
+    """A strided view of x takes the Python path; an expanded gradient (sum loss) is copied by the native
+    backward: both give the contiguous call's bits."""
+    x, w, _ = leaves(64, 4096, torch.bfloat16, False)
+    python_then_native(x, w, None)
+    wide = torch.randn(64, 8192, device=DEV).to(torch.bfloat16)
+    view = wide[:, :4096].requires_grad_()
+    y_view = cake_rmsnorm(view, w, EPS)
+    assert "CakeRMSNormFunction" in y_view.grad_fn.name()
+    same = view.detach().contiguous().requires_grad_()
+    y = cake_rmsnorm(same, w, EPS)
+    assert "CakeRMSNormFunction" not in y.grad_fn.name()
+    assert_bitwise_equal(y_view.detach(), y.detach(), "y of a view")
+    dx_native, dw_native = torch.autograd.grad(y.sum(), (same, w))
+    dx_python, dw_python = torch.autograd.grad(CakeRMSNormFunction.apply(same, w, EPS).sum(), (same, w))
+    assert_bitwise_equal(dx_native, dx_python, "dx of a sum loss")
+    assert_bitwise_equal(dw_native, dw_python, "dw of a sum loss")
+
+
+def test_unused_gradients_stay_unmaterialized():
+    x, w, r = leaves(32, 4096, torch.float32, True)
+    python_then_native(x, w, r)
+    w.requires_grad_(False)
+    y, h_new = cake_rmsnorm(x, w, EPS, r)
+    gh = torch.randn_like(x)
+    dx, dr = torch.autograd.grad(h_new, (x, r), gh)  # only h_new used: its gradient flows unchanged
+    assert_bitwise_equal(dx, gh, "dx")
+    assert_bitwise_equal(dr, gh, "d_residual")
+    y, _ = cake_rmsnorm(x, w, EPS, r)
+    y.backward(torch.randn_like(y))
+    assert w.grad is None and x.grad is not None

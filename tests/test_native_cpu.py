@@ -1,0 +1,194 @@
+"""The native host path without a GPU: it builds and loads here, a failed build falls back to the Python
+path with one one-line warning, ``CAKE_CUTE_PYTHON_PATH=1`` builds nothing, and its routing hands every
+call it must not serve (CPU tensors, unregistered signatures, bad arguments) back to the Python path.
+What it launches is compared bit for bit with the Python path on a GPU (tests/test_gpu_native.py)."""
+
+from __future__ import annotations
+
+import ctypes
+import warnings
+
+import pytest
+import torch
+import tvm_ffi
+
+import cake_cute
+from cake_cute import native
+
+
+@pytest.fixture
+def fresh_native(monkeypatch):
+    """The loader as in a new process (not tried yet, nothing registered); restored afterwards."""
+    monkeypatch.setattr(native, "fast", None)
+    monkeypatch.setattr(native, "_tried", False)
+    monkeypatch.setattr(native, "_registered", set())
+    monkeypatch.delenv(native.PYTHON_PATH_ENV, raising=False)
+
+
+@pytest.fixture(scope="module")
+def module():
+    """The extension, built here (CI builds it with this test) and loaded."""
+    return native._import(native.build())
+
+
+def test_extension_builds_and_loads(module):
+    assert native.library_path().exists()
+    assert {"rmsnorm", "forward", "backward", "register", "clear"} <= set(dir(module))
+    assert module.signature_count() >= 0
+
+
+@pytest.mark.parametrize("compiler", ["/nonexistent/c++", "false"], ids=["no-compiler", "build-fails"])
+def test_failed_build_warns_once_on_one_line(compiler, fresh_native, monkeypatch, tmp_path):
+    monkeypatch.setenv("CXX", compiler)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert native.load() is None
+        assert native.load() is None
+        y = cake_cute.cake_rmsnorm(torch.randn(3, 8), torch.ones(8))  # the Python path serves
+    messages = [str(w.message) for w in caught if "native host path" in str(w.message)]
+    assert len(messages) == 1 and "\n" not in messages[0], messages
+    assert "take the Python path" in messages[0]
+    assert y.shape == (3, 8) and native.fast is None
+
+
+def test_python_path_switch_builds_nothing(fresh_native, monkeypatch):
+    monkeypatch.setenv(native.PYTHON_PATH_ENV, "1")
+    monkeypatch.setattr(native, "build", lambda: pytest.fail("CAKE_CUTE_PYTHON_PATH=1 must not build"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert native.load() is None
+    assert native.python_path_forced()
+
+
+def _registered_cpu_signature(module, x, w, offset=0.0):
+    """Register (x, w, offset) with a stand-in handle: the routing must refuse CPU tensors before any
+    launch, so the handle is never called."""
+    stand_in = tvm_ffi.convert(lambda *args: pytest.fail("a refused call reached a kernel"))
+    module.register(x, w, offset, False, stand_in.__chandle__(), 2, 2, lambda *a: pytest.fail("planned"))
+    return stand_in
+
+
+def test_routing_refuses_what_it_must_not_serve(module, monkeypatch):
+    x, w, g = torch.randn(4, 8), torch.ones(8), torch.randn(4, 8)
+    rstd = torch.ones(4)
+    _keep = _registered_cpu_signature(module, x, w)
+    assert module.signature_count() >= 1
+    # CPU tensors (registered or not), None, numbers and odd arguments: None, i.e. the Python path.
+    assert module.rmsnorm(x, w, 1e-6, None, 0.0) is None
+    assert module.rmsnorm(x, w, 1e-6, x, 0.0) is None
+    assert module.rmsnorm(None, w, 1e-6, None, 0.0) is None
+    assert module.rmsnorm(x, w, "1e-6", None, 0.0) is None
+    assert module.rmsnorm(x, w, 1e-6, None, "0") is None
+    assert module.forward(x, w, 1e-6, None, 0.0) is None
+    assert module.backward(g, x, w, rstd, None, 0.0, torch.float32, True) is None
+    assert module.backward(g, x, w, rstd, None, 0.0, torch.int32, True) is None
+    assert module.backward(g, x, w, rstd, None, 0.0, torch.float32, 1) is None
+    with pytest.raises(TypeError, match="rmsnorm takes 5 arguments"):
+        module.rmsnorm(x, w)
+    with pytest.raises(TypeError, match="register needs tensors"):
+        module.register(1, w, 0.0, False, 1, 2, 2, print)
+    monkeypatch.setattr(native, "fast", module)
+    native.clear()  # as after a config override: both sides forget every signature
+    assert module.signature_count() == 0 and not native._registered
+
+
+def test_cpu_calls_keep_the_python_path_with_the_extension_loaded(module, fresh_native, monkeypatch):
+    monkeypatch.setattr(native, "fast", module)
+    x, w = torch.randn(5, 16, requires_grad=True), torch.rand(16, requires_grad=True)
+    y = cake_cute.cake_rmsnorm(x, w, 1e-6)
+    assert "CakeRMSNormFunction" in y.grad_fn.name()
+    with pytest.raises(ValueError, match="eps"):
+        cake_cute.cake_rmsnorm(x, w, -1.0)
+
+
+# --- the argument conventions native.cpp launches with, against the compiled kernels' own checks ---------
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("device", ctypes.c_int32 * 2),
+        ("ndim", ctypes.c_int32),
+        ("dtype", ctypes.c_uint8 * 2),  # DLDataType: code, bits, then lanes
+        ("lanes", ctypes.c_uint16),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)),
+        ("byte_offset", ctypes.c_uint64),
+    ]
+
+
+class _Any(ctypes.Structure):
+    _fields_ = [("type_index", ctypes.c_int32), ("padding", ctypes.c_uint32), ("value", ctypes.c_int64)]
+
+
+_DL_CODES = {torch.bfloat16: (4, 16), torch.float16: (2, 16), torch.float32: (2, 32)}  # kDLBfloat, kDLFloat
+
+
+def _tensor(keep, dtype, shape, strides):
+    """A DLTensor on CUDA device 0 at a fake aligned address, passed as kTVMFFIDLTensorPtr (7)."""
+    dims = (ctypes.c_int64 * len(shape))(*shape)
+    steps = (ctypes.c_int64 * len(shape))(*strides)
+    dl = _DLTensor(1 << 20, (2, 0), len(shape), (ctypes.c_uint8 * 2)(*_DL_CODES[dtype]), 1, dims, steps, 0)
+    keep.append((dims, steps, dl))
+    return _Any(7, 0, ctypes.addressof(dl))
+
+
+def _call(kernel, args) -> str:
+    """Call a compiled kernel through TVMFFIFunctionCall; its error as 'kind: message' ('' for none)."""
+    import tvm_ffi.libinfo
+
+    lib = ctypes.CDLL(tvm_ffi.libinfo.find_libtvm_ffi())
+    result = _Any(0, 0, 0)
+    packed = (_Any * len(args))(*args)
+    if (
+        lib.TVMFFIFunctionCall(ctypes.c_void_p(kernel.__chandle__()), packed, len(args), ctypes.byref(result))
+        == 0
+    ):
+        return ""
+    error = ctypes.c_void_p()
+    lib.TVMFFIErrorMoveFromRaised(ctypes.byref(error))
+    kind_ptr, kind_len, msg_ptr, msg_len = (ctypes.c_uint64 * 4).from_address(
+        error.value + 24
+    )  # after the header
+    text = f"{ctypes.string_at(kind_ptr, kind_len).decode()}: {ctypes.string_at(msg_ptr, msg_len).decode()}"
+    lib.TVMFFIObjectDecRef(error)
+    return text
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="fake device addresses must never reach a GPU")
+@pytest.mark.parametrize("hidden", [4096, 1001])
+def test_kernels_accept_the_native_argument_conventions(hidden):
+    """native.cpp passes (rows, H) tensors with explicit strides as DLTensor pointers, None for an unused
+    residual, eps as a float and the program count as an int. Called that way, each compiled kernel gets
+    past all its argument checks to the launch, which fails here for want of a GPU; a wrong H is refused
+    as an argument error (the control)."""
+    from cake_cute.compile_cache import kernel
+
+    bf16, f32, rows, padded = torch.bfloat16, torch.float32, 16, -(-hidden // 4) * 4
+    none, keep = _Any(0, 0, 0), []
+
+    def act(h=hidden):
+        return _tensor(keep, bf16, (rows, h), (h, 1))
+
+    def vec(dtype, n):
+        return _tensor(keep, dtype, (n,), (1,))
+
+    eps = _Any(3, 0, ctypes.c_int64.from_buffer_copy(ctypes.c_double(1e-6)).value)
+    partials = _tensor(keep, f32, (8, hidden), (padded, 1))
+    forward = kernel("fwd", "sm_90a", "bf16", "bf16", hidden, False, 0.0)
+    backward = kernel("bwd", "sm_90a", "bf16", "bf16", hidden, True, 0.0)
+    reduce = kernel("dw", "sm_90a", "bf16", hidden)
+    calls = {
+        "forward": (forward, [act(), none, vec(bf16, hidden), act(), none, vec(f32, rows), eps]),
+        "backward": (
+            backward,
+            [act(), act(), vec(bf16, hidden), vec(f32, rows), act(), act(), partials, _Any(1, 0, 8)],
+        ),
+        "dW reduction": (reduce, [partials, vec(bf16, hidden)]),
+    }
+    for name, (fn, args) in calls.items():
+        error = _call(fn, args)
+        assert error.startswith("RuntimeError") and "Cuda" in error, f"{name}: {error}"
+    wrong_h = [act(hidden + 8), none, vec(bf16, hidden), act(), none, vec(f32, rows), eps]
+    assert _call(forward, wrong_h).startswith("ValueError: Mismatched")
