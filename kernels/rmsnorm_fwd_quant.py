@@ -21,7 +21,7 @@ above infinity.
 
 Tiling (``config.quant_forward_config``): the forward's, held to 32 values per thread
 (``tiling.quant_forward_tiling``: the epilogue keeps a thread's FP32 values live across the amax
-shuffles), so bf16 rows wider than 8192 use twice the forward's cluster CTAs. Lane l of a row owns
+shuffles), so bf16 rows wider than 8192 are split further than the forward's. Lane l of a row owns
 vectors l, l + threads_per_row, ... of ``vec`` elements. A k-slice (``threads_per_row * vec`` columns)
 and a block of B columns nest (``config.blocks_nest``): either a block is ``B / vec`` consecutive
 lanes of one k-slice or it spans ``B / (threads_per_row * vec)`` consecutive k-slices of all the row's

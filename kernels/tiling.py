@@ -135,9 +135,10 @@ def forward_tiling(hidden: int, act_dtype: str) -> RowTiling:
 def quant_forward_tiling(hidden: int, act_dtype: str) -> RowTiling:
     """The forward's tiling, held to ``QUANT_VALUES_PER_THREAD`` values of a row per thread. The
     quantizing epilogue keeps every FP32 value of a thread's blocks live across the lanes' amax
-    reduction, so the forward's 64 bf16 values per thread (H > 8192) take 80-98 registers and leave
-    two or three 256-thread CTAs per SM where the plain forward has four; rows that wide are split
-    over twice the cluster CTAs instead (the plain rule of ``row_tiling`` at the smaller budget)."""
+    reduction, so the forward's 64 bf16 values per thread (H > 8192) cost registers enough to leave
+    fewer CTAs per SM than the plain forward has; rows that wide are split further instead, by
+    ``row_tiling``'s own rule at the smaller budget: twice the cluster CTAs, or past 16 of them
+    twice the lanes."""
     tiling = forward_tiling(hidden, act_dtype)
     if tiling.vec * tiling.vecs_per_thread <= QUANT_VALUES_PER_THREAD:
         return tiling
