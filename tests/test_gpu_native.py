@@ -86,6 +86,14 @@ def test_autograd_native_matches_python_bitwise(dtype, residual, rows, hidden):
         assert_bitwise_equal(fast[1][2], fast[1][0], "d_residual vs dx")
 
 
+def test_served_after_a_functorch_transform_has_run():
+    """torch.func (and AOTAutograd under torch.compile) leave functorch's thread state behind: with no
+    transform active the native path still serves."""
+    torch.func.vmap(torch.sin)(torch.ones(2, device=DEV))
+    python, fast = python_then_native(*leaves(33, 2048, torch.bfloat16, False))
+    assert_same(python, fast)
+
+
 @pytest.mark.parametrize("residual", [False, True], ids=["plain", "res"])
 def test_autograd_weight_offset_and_fp32_weight(residual):
     x, _, r = leaves(64, 2048, torch.bfloat16, residual)

@@ -23,7 +23,7 @@
 #include <tvm/ffi/c_api.h>
 #include <tvm/ffi/extra/c_env_api.h>
 
-#include <ATen/FuncTorchTLS.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
@@ -346,10 +346,13 @@ const c10::DispatchKeySet kUnusualKeys({
     c10::DispatchKey::NestedTensor,
 });
 
-// No functorch transform, torch function mode or dispatch mode is active.
+// No functorch transform, torch function mode or dispatch mode is active. functorch includes its
+// front-mode dispatch key exactly while a transform layer is on its stack (its thread-local object
+// outlives the transforms once torch.func or AOTAutograd under torch.compile has run, so that object's
+// presence says nothing).
 bool plain_context() {
-  return !at::functorch::functorchTLSAccessor() && !at::impl::torch_function_mode_enabled() &&
-         !c10::impl::dispatch_mode_enabled();
+  return !c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::FuncTorchDynamicLayerFrontMode) &&
+         !at::impl::torch_function_mode_enabled() && !c10::impl::dispatch_mode_enabled();
 }
 
 // The plain strided CUDA tensor `obj` is (a torch.Tensor or nn.Parameter, not a subclass), or nullptr
