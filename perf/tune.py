@@ -38,16 +38,20 @@ from cake_cute.device import device_facts
 from cake_cute.vocab import DTYPE_NAMES, dtype_bytes, torch_dtype
 
 
-def device_us(fn, reps: int) -> float:
-    """Microseconds of device time per call of ``fn`` (all the kernels it launches)."""
+def profiled_kernels(fn, reps: int) -> list:
+    """The profiler's GPU kernel events of ``reps`` calls of ``fn`` (after one call outside)."""
     fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             fn()
         torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
-    return sum(e.time_range.elapsed_us() for e in kernels) / reps
+    return [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+
+
+def device_us(fn, reps: int) -> float:
+    """Microseconds of device time per call of ``fn`` (all the kernels it launches)."""
+    return sum(e.time_range.elapsed_us() for e in profiled_kernels(fn, reps)) / reps
 
 
 def _ints(text: str, sep: str = ",") -> list[int]:
@@ -189,19 +193,12 @@ def _kernel_label(name: str) -> str:
 
 
 def kernel_us(call, reps: int) -> dict[str, float]:
-    """Median device time of each kernel ``call`` launches (by kernel name), from the profiler."""
+    """Median device time of each kernel ``call`` launches (by kernel module), from the profiler."""
     import statistics
 
-    call()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            call()
-        torch.cuda.synchronize()
     times: dict[str, list[float]] = {}
-    for event in prof.events():
-        if event.device_type == DeviceType.CUDA:
-            times.setdefault(_kernel_label(event.name), []).append(event.time_range.elapsed_us())
+    for event in profiled_kernels(call, reps):
+        times.setdefault(_kernel_label(event.name), []).append(event.time_range.elapsed_us())
     return {name: statistics.median(us) for name, us in times.items()}
 
 
