@@ -136,3 +136,50 @@ def test_fp8_bench_fastest_configs_sums_each_config_over_its_rows(fp8_bench):
         row("a", 5.0, False, T=16384, H=8192),  # no candidates at this H
     ]
     assert fp8_bench.fastest_configs(rows) == [(16384, "a", 20.0)]
+
+
+# ---- perf/tune.py and perf/model_step.py: the pure parts, imported on CPU -------------------------------
+
+
+@pytest.fixture
+def perf_module(monkeypatch):
+    import importlib
+
+    monkeypatch.syspath_prepend(str(PERF))
+    return importlib.import_module
+
+
+def test_tune_parse_candidate_splits_kinds_and_reads_values(perf_module):
+    tune = perf_module("tune")
+    assert tune.parse_candidate("default", "sm_90a", "bf16", 4096) == {}
+    parsed = tune.parse_candidate(
+        "bwd.ring_depth=4,dw.after_backward=false,dw.threads=128", "sm_90a", "bf16", 4096
+    )
+    assert parsed == {"bwd": {"ring_depth": 4}, "dw": {"after_backward": False, "threads": 128}}
+    tiling = tune.parse_candidate("bwd.tiling=256:2:1", "sm_90a", "bf16", 4096)["bwd"]["tiling"]
+    assert (tiling.hidden, tiling.threads_per_row, tiling.vecs_per_thread, tiling.rows_per_cta) == (
+        4096,
+        256,
+        2,
+        1,
+    )
+
+
+def test_tune_kernel_label_names_the_module(perf_module):
+    tune = perf_module("tune")
+    name = "kernel_cutlass_kernel_cake_cutekernelsdw_reduceDWReduce_object_at__tensorptrf32"
+    assert tune._kernel_label(name) == "dw_reduce"
+    assert (
+        tune._kernel_label("kernel_cake_cutekernelsrmsnorm_fwd_quantRMSNormForwardQuant")
+        == "rmsnorm_fwd_quant"
+    )
+    assert tune._kernel_label("void at::native::elementwise_kernel<128>") == "void at::native::elementwise_k"
+
+
+def test_model_step_profile_table_sorts_and_totals(perf_module, tmp_path):
+    model_step = perf_module("model_step")
+    path = tmp_path / "profile.txt"
+    model_step.write_profile(path, [("gemm", 30.0, 2.0), ("norm", 12.5, 1.0)])
+    lines = path.read_text().splitlines()
+    assert lines[0] == "# 42.5 us of kernels per step"
+    assert lines[2].split() == ["30.0", "2.0", "gemm"] and lines[3].split() == ["12.5", "1.0", "norm"]
