@@ -53,6 +53,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from .common import (
+    COPY_BITS,
     RowKernel,
     allocate_reduction_buffers,
     allocate_tile,
@@ -252,12 +253,15 @@ class RMSNormBackward(RowKernel):
     @cute.jit
     def prefetch_next_row(self, tt: ThreadTiles, tile, rank, lane_in_row, rows, mG, mH, mGRes):
         """Without a ring, the program's next row would start with a round trip to HBM: bring its
-        g and h (and g_residual) into the L2 now, one bulk prefetch per row slice and tensor."""
+        g and h (and g_residual) into the L2 now, one bulk prefetch per row slice and tensor. A bulk
+        prefetch needs 16-byte aligned addresses and sizes, which only 128-bit vector tilings
+        guarantee (every row start and H are then multiples of 16 bytes); other tilings skip it."""
         t = self.tiling
-        row = tile * t.rows_per_cta + tt.row_in_cta
-        if lane_in_row == 0 and row < rows:
-            for m in (mG, mH, mGRes) if const_expr(self.residual) else (mG, mH):
-                prefetch_to_l2(m, row, rank * t.cols_per_cta, t.cols_per_cta, t.hidden)
+        if const_expr(t.vec * self.act_dtype.width == COPY_BITS):
+            row = tile * t.rows_per_cta + tt.row_in_cta
+            if lane_in_row == 0 and row < rows:
+                for m in (mG, mH, mGRes) if const_expr(self.residual) else (mG, mH):
+                    prefetch_to_l2(m, row, rank * t.cols_per_cta, t.cols_per_cta, t.hidden)
 
     @cute.jit
     def load_rstd(self, mRstd, row, rows) -> Float32:

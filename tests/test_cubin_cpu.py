@@ -16,6 +16,7 @@ SASS = """
         /*0280*/                   LDL R5, [R1+0x4] ;
         /*0290*/                   LD.E R6, desc[UR4][R2.64] ;
         /*02a0*/                   LDGSTS.E.BYPASS.128 [R7], desc[UR6][R2.64] ;
+        /*02b0*/                   UBLKPF.L2 [UR18], UR4 ;
 """
 
 RES_USAGE = """
@@ -56,6 +57,21 @@ def test_parse_sass_counts_by_width():
     assert report["global_load_width_bits"] == 128
     assert report["global_store_width_bits"] == 64
     assert (report["local_loads"], report["local_stores"], report["generic_loads"]) == (1, 1, 1)
+    assert report["l2_bulk_prefetches"] == 1
+
+
+@pytest.mark.parametrize(
+    "act, hidden, prefetches",
+    [("fp32", 131072, 2), ("fp32", 65537, 0), ("bf16", 4096, 0)],
+)
+def test_only_128_bit_rows_without_a_ring_bulk_prefetch(tmp_path, monkeypatch, act, hidden, prefetches):
+    """The backward without a ring prefetches g and h of the next row into the L2 with
+    cp.async.bulk.prefetch, which needs 16-byte aligned addresses and sizes: 128-bit vector tilings
+    only (fp32 H = 65537 has no ring either, but one-element vectors); ring tilings never."""
+    monkeypatch.setenv("CAKE_CUTE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(compile_cache, "_memory", {})
+    spec = KernelSpec("bwd", "sm_90a", act, act, hidden)
+    assert cubin.kernel_report(spec)["l2_bulk_prefetches"] == prefetches
 
 
 def test_parse_resources_takes_the_worst_function():

@@ -104,7 +104,8 @@ def access_bits(opcode: str) -> int:
 def parse_sass(sass: str) -> dict:
     """Counts of global loads/stores by width, of local accesses (LDL/STL: spills), of generic
     loads (LD: distributed shared memory or global memory through a generic pointer) and of global
-    atomics (RED/ATOM), and of conversions to e4m3 (F2FP.*E4M3*: the FP8 epilogues)."""
+    atomics (RED/ATOM), of conversions to e4m3 (F2FP.*E4M3*: the FP8 epilogues) and of bulk L2
+    prefetches (UBLKPF: the widest backward rows' next-row prefetch)."""
     loads, stores, ops = Counter(), Counter(), Counter()
     e4m3_converts = 0
     for line in sass.splitlines():
@@ -131,6 +132,7 @@ def parse_sass(sass: str) -> dict:
         "generic_loads": ops["LD"],
         "global_atomics": ops["REDG"] + ops["ATOMG"] + ops["RED"] + ops["ATOM"],
         "e4m3_converts": e4m3_converts,
+        "l2_bulk_prefetches": ops["UBLKPF"],
     }
 
 
