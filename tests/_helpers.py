@@ -185,7 +185,11 @@ def assert_within_one_ulp(actual: torch.Tensor, expected64: torch.Tensor, dtype,
 
 # ------------------------------------------------------------------------------ kernel prewarm (GPU)
 
-SUITE_HIDDEN = (1, 7, 64, 512, 1000, 1024, 4096, 4097, 5120, 7168, 8192, 16384, 65536, 131072, 262144)
+# 65537 and 131073: odd rows too wide for one CTA (cluster rows; without a ring in fp32 / bf16 and fp16).
+SUITE_HIDDEN = (
+    *(1, 7, 64, 512, 1000, 1024, 4096, 4097, 5120, 7168, 8192, 16384),
+    *(65536, 65537, 131072, 131073, 262144),
+)
 
 
 def suite_specs(arch: str):
