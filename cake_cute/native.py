@@ -25,6 +25,7 @@ import subprocess
 import sys
 import sysconfig
 import warnings
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -161,8 +162,10 @@ def load():
     return fast
 
 
-def register(op, x, w, weight_offset: float, residual: bool, forward_kernel, planner) -> None:
-    """Hand a signature the Python path has just validated and launched to the extension.
+def register(op, x, w, weight_offset: float, residual: bool, forward_kernel, plan_backward) -> None:
+    """Hand a signature the Python path has just validated and launched to the extension (a set
+    lookup for one already handed over or when there is no extension: this runs on every Python-path
+    forward).
 
     Parameters
     ----------
@@ -176,19 +179,21 @@ def register(op, x, w, weight_offset: float, residual: bool, forward_kernel, pla
         The forward's mode.
     forward_kernel : tvm_ffi.Function
         The compiled forward of this signature and mode.
-    planner : callable
-        ``(rows, residual, dw_dtype) -> (bwd handle, dw handle, programs, partial_rows, row_stride)``:
-        the backward's kernels and launch plan of one call shape, asked once per shape.
+    plan_backward : callable
+        ``(op, weight_offset, rows, residual, dw_dtype) -> (bwd handle, dw handle, programs,
+        partial_rows, row_stride)``: the backward's kernels and launch plan of one call shape, which
+        the extension asks once per shape.
     """
-    key = (op, weight_offset, residual)
-    if key in _registered:
-        return
     module = load()
+    key = (op, weight_offset, residual)
+    if module is None or key in _registered:
+        return
     handle = kernel_handle(forward_kernel)
-    if module is None or handle == 0:
+    if handle == 0:
         return
     vec = dispatch.vector_elems(op.hidden, op.act)
     act_align, w_align = vec * x.element_size(), vector_align_bytes(vec, w.element_size())
+    planner = partial(plan_backward, op, weight_offset)
     module.register(x, w, weight_offset, residual, handle, act_align, w_align, planner)
     _registered.add(key)
 

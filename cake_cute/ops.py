@@ -8,7 +8,7 @@ native path (``native``) before any of this runs.
 
 from __future__ import annotations
 
-from functools import lru_cache, partial
+from functools import lru_cache
 from typing import NamedTuple
 
 import torch
@@ -107,8 +107,7 @@ def train_forward_python(x, w, eps, residual=None, out=None, rstd=None, residual
                 r,
                 eps,
             )
-        planner = partial(_native_backward_plan, op, weight_offset)
-        native.register(op, x, w, weight_offset, residual is not None, fn, planner)
+        native.register(op, x, w, weight_offset, residual is not None, fn, _native_backward_plan)
     if residual is None:
         return finish(y, y_copy), finish(r, r_copy)
     return finish(y, y_copy), finish(r, r_copy), finish(h_new, h_copy)

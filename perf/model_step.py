@@ -222,18 +222,15 @@ def time_steps(model, loss, device, warmup: int, steps: int) -> tuple[float, flo
 
 def kernel_profile(model, loss, steps: int = 3) -> list[tuple[str, float, float]]:
     """(kernel name, µs per step, launches per step) of every GPU kernel of a step, longest first."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
+    from tune import profiled_kernels  # after _use_source_tree: it imports cake_cute
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            model.zero_grad(set_to_none=True)
-            loss(model).backward()
-        torch.cuda.synchronize()
+    def step():
+        model.zero_grad(set_to_none=True)
+        loss(model).backward()
+
     totals: dict[str, list[float]] = {}
-    for event in prof.events():
-        if event.device_type == DeviceType.CUDA:
-            totals.setdefault(event.name, []).append(event.time_range.elapsed_us())
+    for event in profiled_kernels(step, steps):
+        totals.setdefault(event.name, []).append(event.time_range.elapsed_us())
     rows = [(name, sum(us) / steps, len(us) / steps) for name, us in totals.items()]
     return sorted(rows, key=lambda row: -row[1])
 
