@@ -117,7 +117,7 @@ CHOICES = {
     "fwd": ("tiling", "min_ctas_per_sm"),
     "bwd": ("tiling", "ring_depth", "register_budget", "ctas_per_sm"),
     "dw": ("col_lanes", "after_backward", "threads"),
-    "quant": ("tiling", "min_ctas_per_sm"),
+    "quant": ("tiling", "min_ctas_per_sm", "amax_scatter"),
 }
 _overrides: dict[tuple[str, str, str, int], dict] = {}
 _listeners: list[Callable[[], None]] = []
@@ -319,16 +319,32 @@ AMAX_BITS_E8M0_ZERO = 0x04600001  # the largest amax whose amax / 448 rounds to 
 
 @dataclass(frozen=True)
 class QuantForwardConfig:
-    """The quantizing forward: its tiling and register hint plus the recipe's block width and scale type."""
+    """The quantizing forward: its tiling and register hint, the recipe's block width and scale type,
+    and whether the lanes of a block split its groups' maxima between them (``amax_scatter``: see
+    ``scatter_steps``; off, every lane reduces every group's maximum over the block's lanes)."""
 
     tiling: RowTiling
     min_ctas_per_sm: int
     block: int
     fp32_scales: bool
+    amax_scatter: bool = True
 
     def describe(self) -> str:
         scales = "fp32" if self.fp32_scales else "e8m0"
-        return f"{self.tiling.describe()} min_ctas/SM={self.min_ctas_per_sm or '-'} 1x{self.block} {scales}"
+        scatter = " scatter" if self.amax_scatter else ""
+        hint = self.min_ctas_per_sm or "-"
+        return f"{self.tiling.describe()} min_ctas/SM={hint} 1x{self.block} {scales}{scatter}"
+
+
+def scatter_steps(amax_scatter: bool, groups: int, lanes_per_block: int) -> int:
+    """Reduce-scatter steps of the quantizing epilogue's block maxima: a lane holds the maxima of
+    ``groups`` blocks (one per group of its vectors) shared by ``lanes_per_block`` lanes; each step
+    halves the groups a lane keeps and the lanes that keep the same ones, so after log2(min(groups,
+    lanes)) steps every lane reduces (and writes the scale of) only its own share. Where the groups
+    are not a power of two or a block is wider than a warp, 0: every lane reduces every group."""
+    if not amax_scatter or groups & (groups - 1) or lanes_per_block > 32:
+        return 0
+    return min(groups, lanes_per_block).bit_length() - 1
 
 
 def blocks_nest(tiling: RowTiling, block: int) -> bool:
@@ -349,7 +365,7 @@ def quant_forward_config(arch: str, act_dtype: str, hidden: int, recipe: str) ->
     choices = override_choices("quant", arch, act_dtype, hidden)
     tiling = choices.get("tiling") or quant_forward_tiling(hidden, act_dtype)
     hint = choices.get("min_ctas_per_sm", forward_register_hint(tiling, arch))
-    return QuantForwardConfig(tiling, hint, block, fp32_scales)
+    return QuantForwardConfig(tiling, hint, block, fp32_scales, choices.get("amax_scatter", True))
 
 
 on_override_change(quant_forward_config.cache_clear)

@@ -25,9 +25,16 @@ shuffles), so bf16 rows wider than 8192 are split further than the forward's. La
 vectors l, l + threads_per_row, ... of ``vec`` elements. A k-slice (``threads_per_row * vec`` columns)
 and a block of B columns nest (``config.blocks_nest``): either a block is ``B / vec`` consecutive
 lanes of one k-slice or it spans ``B / (threads_per_row * vec)`` consecutive k-slices of all the row's
-lanes. Each lane takes the maximum over its own vectors of the block, then over the block's lanes with
-a butterfly shuffle (B / vec <= 32 lanes) or through shared memory and one CTA barrier (more lanes:
-1x128 with vec < 4). The block's first lane writes the scale.
+lanes. A lane's vectors fall in G blocks (groups), each shared by L lanes. Each lane takes the maximum
+over its own vectors of each group; then, with ``config.QuantForwardConfig.amax_scatter`` and L <= 32,
+the L lanes reduce-scatter the G maxima (``config.scatter_steps``: log2(min(G, L)) shuffle steps that
+each halve the groups a lane keeps), finish its share with a butterfly, and each lane computes the
+scale of only the groups it owns and writes it (one store per lane where there were G); the inverse
+scales travel back with the steps undone. 1x128 with vec 8 and G = 4 (L = 16): 5 amax shuffles and
+3 gather shuffles per lane instead of 16, and one scale computation instead of four. Without it
+(or with G not a power of two) every lane reduces every group over the block's lanes with a butterfly
+shuffle, or through shared memory and one CTA barrier where L > 32 (1x128 with vec < 4), and the
+block's first lane writes each scale.
 
 Bytes moved: reads x (+ residual) and w; writes T*H e4m3 bytes, T*ceil(H/B) scales (1 or 4 bytes),
 4*T bytes of rstd, and (optionally) y and h_new in the activation dtype.
@@ -49,6 +56,7 @@ from .config import (
     FP32_INF_BITS,
     FP32_NAN_BITS,
     blocks_nest,
+    scatter_steps,
 )
 from .rmsnorm_fwd import NormalizedTile, RMSNormForward
 
@@ -104,6 +112,8 @@ class RMSNormForwardQuant(RMSNormForward):
         self.lanes_per_block = min(self.block // tiling.vec, tiling.threads_per_row)
         self.slices_per_block = max(1, self.block // (tiling.threads_per_row * tiling.vec))
         self.groups = -(-tiling.vecs_per_thread // self.slices_per_block)
+        self.scatter_steps = scatter_steps(config.amax_scatter, self.groups, self.lanes_per_block)
+        self.owned = self.groups >> self.scatter_steps
 
     def group_vectors(self, g: int) -> tuple[int, int]:
         """The range of the thread's vectors (k) that lie in its g-th block."""
@@ -132,43 +142,87 @@ class RMSNormForwardQuant(RMSNormForward):
 
     @cute.jit
     def epilogue(self, smem, tile: NormalizedTile, mY: cute.Tensor, mQ: cute.Tensor, mScale: cute.Tensor):
-        """y (with ``emit_y``), then per block: amax, scale exponent, e4m3 data and the scale."""
+        """y (with ``emit_y``), then: the maxima of the blocks this lane owns, their scales (stored)
+        and inverse scales, every group's inverse scale gathered back, the e4m3 data."""
         if const_expr(self.emit_y):
             self.store_rows(tile, tile.y.to(self.act_dtype), mY)
         y = cute.make_rmem_tensor_like(tile.like, Float32)
         y.store(tile.y)
-        amax = self.block_amax(smem, tile, y)
+        owned_inv = []
+        for i, amax in enumerate(self.block_amax(smem, tile, y)):
+            e = self.scale_exponent(amax)
+            self.store_scale(tile, mScale, self.owned_group(tile, i), e)
+            owned_inv.append(float_bits(inverse_scale(e)))
+        inv = self.gather_groups(tile, owned_inv)
         q = cute.make_rmem_tensor_like(tile.like, cutlass.Float8E4M3FN)
         for g in cutlass.range_constexpr(self.groups):
-            e = self.scale_exponent(amax[g])
-            inv = inverse_scale(e)
             for k in cutlass.range_constexpr(*self.group_vectors(g)):
-                q[None, 0, k].store((y[None, 0, k].load() * inv).to(cutlass.Float8E4M3FN))
-            self.store_scale(tile, mScale, g, e)
+                q[None, 0, k].store((y[None, 0, k].load() * bits_float(inv[g])).to(cutlass.Float8E4M3FN))
         self.store_rows(tile, cute.recast_tensor(q, Uint8).load(), mQ)
 
     @cute.jit
-    def block_amax(self, smem, tile: NormalizedTile, y: cute.Tensor) -> cute.Tensor:
-        """Per group of the thread's vectors (one block), the block's max |y| as bits (see the module);
-        ``y`` is the tile's FP32 values in registers."""
-        t = self.tiling
-        amax = cute.make_rmem_tensor(cute.make_layout(self.groups), Int32)
-        for g in cutlass.range_constexpr(self.groups):
-            first, end = self.group_vectors(g)
-            m = cute.math.absf(y[0, 0, first])
-            for k in cutlass.range_constexpr(first, end):
-                for i in cutlass.range_constexpr(1 if k == first else 0, t.vec):
-                    m = cute.arch.fmax(m, cute.math.absf(y[i, 0, k]), nan=True)
-            amax[g] = cute.arch.warp_reduction_max(
-                float_bits(m), threads_in_group=min(self.lanes_per_block, 32)
-            )
+    def lane_max(self, y: cute.Tensor, g: int) -> Int32:
+        """max |y| over the thread's vectors of its g-th group, as bits."""
+        first, end = self.group_vectors(g)
+        m = cute.math.absf(y[0, 0, first])
+        for k in cutlass.range_constexpr(first, end):
+            for i in cutlass.range_constexpr(1 if k == first else 0, self.tiling.vec):
+                m = cute.arch.fmax(m, cute.math.absf(y[i, 0, k]), nan=True)
+        return float_bits(m)
+
+    @cute.jit
+    def block_amax(self, smem, tile: NormalizedTile, y: cute.Tensor) -> list:
+        """The maxima (bits) of the blocks this lane owns (``owned_group``); ``y`` is the tile's FP32
+        values in registers. Each scatter step halves a lane's list: across shuffle mask m, the lane
+        with bit m set keeps the upper half and sends the lower one, its partner the reverse, and
+        both take the maximum of what they kept and received (one shuffle per kept value, where a
+        butterfly over every group would take one per group). The remaining masks are a butterfly
+        over the owned maxima."""
+        amax = [self.lane_max(y, g) for g in range(self.groups)]
+        mask = self.lanes_per_block // 2
+        for _ in cutlass.range_constexpr(self.scatter_steps):
+            half = len(amax) // 2
+            upper = tile.lane_in_row & mask != 0
+            kept = []
+            for lo, hi in zip(amax[:half], amax[half:]):
+                sent = cutlass.select_(upper, lo, hi)
+                received = cute.arch.shuffle_sync_bfly(sent, offset=mask)
+                kept.append(cutlass.max(cutlass.select_(upper, hi, lo), received))
+            amax = kept
+            mask //= 2
+        lanes = min(mask * 2, 32)
+        amax = [cute.arch.warp_reduction_max(m, threads_in_group=lanes) for m in amax]
         if const_expr(self.lanes_per_block > 32):
             amax = self.combine_warps(smem, tile, amax)
         return amax
 
     @cute.jit
-    def combine_warps(self, smem, tile: NormalizedTile, amax: cute.Tensor) -> cute.Tensor:
-        """Blocks wider than a warp: each warp's maximum goes through shared memory (one barrier)."""
+    def owned_group(self, tile: NormalizedTile, i: int):
+        """The group of the lane's i-th owned maximum: the scatter steps' kept halves, read from the
+        lane's high bits within its block's lanes."""
+        if const_expr(self.scatter_steps == 0):
+            return i
+        shift = self.lanes_per_block.bit_length() - 1 - self.scatter_steps
+        return i + self.owned * ((tile.lane_in_row % self.lanes_per_block) >> shift)
+
+    @cute.jit
+    def gather_groups(self, tile: NormalizedTile, owned: list) -> list:
+        """Every group's value (Int32) from the lanes' owned ones: the scatter steps undone, each step
+        doubling the list with the partner's half, lower half first."""
+        values = list(owned)
+        mask = self.lanes_per_block >> self.scatter_steps
+        for _ in cutlass.range_constexpr(self.scatter_steps):
+            upper = tile.lane_in_row & mask != 0
+            other = [cute.arch.shuffle_sync_bfly(v, offset=mask) for v in values]
+            lower = [cutlass.select_(upper, o, v) for v, o in zip(values, other)]
+            values = lower + [cutlass.select_(upper, v, o) for v, o in zip(values, other)]
+            mask *= 2
+        return values
+
+    @cute.jit
+    def combine_warps(self, smem, tile: NormalizedTile, amax: list) -> list:
+        """Blocks wider than a warp (no scatter steps): each warp's maximum goes through shared memory
+        (one barrier)."""
         t = self.tiling
         warps = smem.allocate_tensor(
             Int32, cute.make_layout((t.rows_per_cta, self.groups, t.warps_per_row)), byte_alignment=16
@@ -197,15 +251,18 @@ class RMSNormForwardQuant(RMSNormForward):
         return e
 
     @cute.jit
-    def store_scale(self, tile: NormalizedTile, mScale: cute.Tensor, g: int, e: Int32):
-        """The block's first lane writes its scale: the E8M0 byte, or the FP32 power of two."""
+    def store_scale(self, tile: NormalizedTile, mScale: cute.Tensor, g, e: Int32):
+        """The first of the block's lanes that own its g-th group writes the group's scale: the E8M0
+        byte, or the FP32 power of two. That lane's column lies in the block, though not always at
+        its start, so the bound is on the block (a ragged row's last block may start before H and
+        hold no column of this lane)."""
         t = self.tiling
         vector = g * self.slices_per_block * t.threads_per_row + tile.lane_in_row
-        column = tile.rank * t.cols_per_cta + vector * t.vec
-        first_lane = tile.lane_in_row % self.lanes_per_block == 0
-        if tile.row < tile.rows and first_lane and column < t.hidden:
+        block = (tile.rank * t.cols_per_cta + vector * t.vec) // self.block
+        owner = tile.lane_in_row % (self.lanes_per_block >> self.scatter_steps) == 0
+        if tile.row < tile.rows and owner and block < -(-t.hidden // self.block):
             if const_expr(self.fp32_scales):
                 bits = cutlass.select_(e == E8M0_NAN, Int32(FP32_NAN_BITS), e << 23)
-                mScale[tile.row, column // self.block] = bits_float(bits)
+                mScale[tile.row, block] = bits_float(bits)
             else:
-                mScale[tile.row, column // self.block] = Uint8(e)
+                mScale[tile.row, block] = Uint8(e)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """``python perf/fp8_bench.py OUT.json [--grid standard,training] [--recipes mxfp8,1x128] [--dtype bf16]
 [--impls cake_cute,cake_cute+compile,cake_cute+torchao] [--check] [--tilings H=TPR,VPT,CLUSTER ...]
-[--reps N] [--append]``
+[--no-scatter] [--reps N] [--append]``
 
 The fused RMSNorm -> block-scaled e4m3 forward (impl ``cake_cute``) against cake's forward followed by
 a separate quantize of y: torchao's MX quantizer when importable (``cake_cute+torchao``, MXFP8 only)
@@ -15,7 +15,10 @@ infinity and a NaN. Any mismatch stops the run (exit 1) before anything is timed
 
 ``--tilings``: candidate tilings of the quantizing forward (rows_per_cta 1), timed at the standard
 grid's T = 2^27 / H next to the default through ``config.overridden("quant", ...)``; their rows carry
-``candidate: true``.
+``candidate: true``. ``--no-scatter``: every plain-mode shape is also timed with
+``amax_scatter=False`` (every lane reduces every block's maximum: the epilogue before the
+reduce-scatter), a candidate row whose config ends in ``no-scatter``; ``--check`` then also checks it
+(plain mode, the dtype's shapes). Candidates compile in this process, one after another.
 
 Timing (``cake_cute.tools.bench.timing``, the sweep's method): the device time of one call, a spin
 kernel holding the stream while the host queues it, median of ``--reps`` calls. The calls rotate
@@ -108,9 +111,19 @@ def parse_tiling(text: str, dtype: str, arch: str):
     return hidden, tiling
 
 
-def quant_tiling(arch: str, dtype: str, hidden: int, tiling):
-    """A context in which the quantizing forward of H uses ``tiling`` (None: its default config)."""
-    return nullcontext() if tiling is None else overridden("quant", arch, dtype, hidden, tiling=tiling)
+NO_SCATTER = {"amax_scatter": False}
+
+
+def quant_choices(arch: str, dtype: str, hidden: int, choices: dict | None):
+    """A context in which the quantizing forward of H uses ``choices`` (``config.overridden``'s, e.g.
+    ``tiling=``; None: its default config)."""
+    return nullcontext() if not choices else overridden("quant", arch, dtype, hidden, **choices)
+
+
+def config_text(arch: str, dtype: str, hidden: int, recipe: str) -> str:
+    """The quantizing forward's tiling, and ``no-scatter`` where its amax reduce-scatter is off."""
+    config = quant_forward_config(arch, dtype, hidden, recipe)
+    return config.tiling.describe() + ("" if config.amax_scatter else " no-scatter")
 
 
 # ---------------------------------------------------------------------------------------------- check
@@ -164,8 +177,9 @@ def check_case(dtype: str, recipe: str, residual: bool, emit_y: bool, rows: int,
 
 
 def check(recipes, tilings, args) -> int:
-    """Every check case, under the default configs, then under each candidate tiling of its H (in
-    ``args.dtype``); prints one line per failing case and a summary; returns the number of failures."""
+    """Every check case, under the default configs, then under each candidate tiling of its H and
+    (``--no-scatter``) without the amax reduce-scatter (in ``args.dtype``); prints one line per failing
+    case and a summary; returns the number of failures."""
     cases = [
         (dtype, recipe, residual, emit_y, rows, hidden, None)
         for dtype, shapes in CHECK_SHAPES.items()
@@ -175,16 +189,22 @@ def check(recipes, tilings, args) -> int:
         for emit_y in (False, True)
     ]
     cases += [
-        (args.dtype, recipe, residual, False, 33, hidden, tiling)
+        (args.dtype, recipe, residual, False, 33, hidden, {"tiling": tiling})
         for hidden, tiling in tilings
         for recipe in recipes
         for residual in (False, True)
     ]
+    if args.no_scatter:
+        cases += [
+            (args.dtype, recipe, False, False, rows, hidden, NO_SCATTER)
+            for rows, hidden in CHECK_SHAPES[args.dtype]
+            for recipe in recipes
+        ]
     failures = 0
-    for dtype, recipe, residual, emit_y, rows, hidden, tiling in cases:
-        with quant_tiling(args.arch, dtype, hidden, tiling):
+    for dtype, recipe, residual, emit_y, rows, hidden, choices in cases:
+        with quant_choices(args.arch, dtype, hidden, choices):
             wrong = check_case(dtype, recipe, residual, emit_y, rows, hidden)
-            config = quant_forward_config(args.arch, dtype, hidden, recipe).tiling.describe()
+            config = config_text(args.arch, dtype, hidden, recipe)
         if wrong:
             failures += 1
             print(
@@ -238,9 +258,9 @@ def impls(recipe: str, names) -> dict:
     return {name: fn for name, fn in found.items() if name in names}
 
 
-def bench_shape(timer, args, recipe, residual, rows, hidden, tilings) -> list[dict]:
+def bench_shape(timer, args, recipe, residual, rows, hidden, candidates) -> list[dict]:
     """The rows of one shape: every impl under the default config, then the fused op under each
-    candidate tiling of this H; one copy ceiling for all of them."""
+    candidate (``config.overridden`` choices of this H); one copy ceiling for all of them."""
     arch, dtype = args.arch, torch_dtype(args.dtype)
     nbytes = fused_bytes(rows, hidden, dtype.itemsize, recipe, residual)
     copy = timer.copy_ceiling(nbytes, args.reps)
@@ -255,11 +275,11 @@ def bench_shape(timer, args, recipe, residual, rows, hidden, tilings) -> list[di
     ]
     runs = [(name, fn, None) for name, fn in impls(recipe, args.impls).items()]
     if "cake_cute" in args.impls:
-        runs += [("cake_cute", impls(recipe, ("cake_cute",))["cake_cute"], t) for t in tilings]
+        runs += [("cake_cute", impls(recipe, ("cake_cute",))["cake_cute"], c) for c in candidates]
     out = []
-    for name, fn, tiling in runs:
-        with quant_tiling(arch, args.dtype, hidden, tiling):
-            config = quant_forward_config(arch, args.dtype, hidden, recipe).tiling.describe()
+    for name, fn, choices in runs:
+        with quant_choices(arch, args.dtype, hidden, choices):
+            config = config_text(arch, args.dtype, hidden, recipe)
             call = rotating_call(fn, sets)
             try:
                 for _ in range(len(sets) + 2):  # compiles, then every set once
@@ -273,7 +293,7 @@ def bench_shape(timer, args, recipe, residual, rows, hidden, tilings) -> list[di
         row.update(config=config if name == "cake_cute" else None, gpu_us=round(us, 3), bytes=nbytes)
         row.update(tbps=round(nbytes / us / 1e6, 4), frac_copy=round(copy["copy_gpu_us"] / us, 4))
         row.update(copy_gpu_us=copy["copy_gpu_us"], buffer_sets=len(sets))
-        if tiling is not None:
+        if choices is not None:
             row["candidate"] = True
         out.append(row)
     del sets
@@ -338,6 +358,7 @@ def main(argv=None) -> int:
     parser.add_argument("--impls", default=",".join(IMPLS), help=f"some of {', '.join(IMPLS)}")
     parser.add_argument("--check", action="store_true", help="bitwise check against the reference first")
     parser.add_argument("--tilings", nargs="*", default=[], help="candidate quant tilings, H=TPR,VPT,CLUSTER")
+    parser.add_argument("--no-scatter", action="store_true", help="also time amax_scatter=False (plain mode)")
     parser.add_argument("--reps", type=int, default=20, help="timed calls per row (median)")
     parser.add_argument("--append", action="store_true", help="keep the rows already in OUT (split runs)")
     args = parser.parse_args(argv)
@@ -366,7 +387,8 @@ def main(argv=None) -> int:
     for recipe in recipes:
         for residual in (False, True):
             for t, h in shapes:
-                mine = [tiling for hidden, tiling in tilings if hidden == h and (t, h) in STANDARD]
+                mine = [{"tiling": c} for hidden, c in tilings if hidden == h and (t, h) in STANDARD]
+                mine += [NO_SCATTER] if args.no_scatter and not residual else []
                 rows += bench_shape(timer, args, recipe, residual, t, h, mine)
     print_table(rows)
     rows = kept_rows(args.out, args.append) + rows

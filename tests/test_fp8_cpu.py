@@ -343,6 +343,28 @@ def test_every_quant_tiling_nests_with_the_blocks(act_dtype):
         assert tiling == plain or plain.vec * plain.vecs_per_thread > QUANT_VALUES_PER_THREAD, facts
 
 
+@pytest.mark.parametrize(
+    ("amax_scatter", "groups", "lanes", "steps"),
+    [(True, 4, 16, 2), (True, 4, 4, 2), (True, 8, 4, 2), (True, 2, 16, 1), (True, 1, 16, 0)]
+    + [(True, 3, 16, 0), (True, 4, 64, 0), (False, 4, 16, 0)],
+)
+def test_scatter_steps(amax_scatter, groups, lanes, steps):
+    """log2(min(groups, lanes)) reduce-scatter steps; none when off, for groups that are not a power
+    of two, or for blocks wider than a warp (those combine warps through shared memory)."""
+    from cake_cute.kernels.config import scatter_steps
+
+    assert scatter_steps(amax_scatter, groups, lanes) == steps
+
+
+def test_amax_scatter_is_a_quant_choice():
+    from cake_cute.kernels.config import overridden, quant_forward_config
+
+    assert quant_forward_config("sm_90a", "bf16", 4096, "1x128").amax_scatter
+    with overridden("quant", "sm_90a", "bf16", 4096, amax_scatter=False):
+        assert not quant_forward_config("sm_90a", "bf16", 4096, "1x128").amax_scatter
+    assert quant_forward_config("sm_90a", "bf16", 4096, "1x128").amax_scatter
+
+
 ARCHS = ("sm_90a", "sm_100a")
 DTYPES = ("bf16", "fp16", "fp32")
 HIDDEN = (7, 4096, 4097, 65536)
