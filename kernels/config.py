@@ -41,7 +41,6 @@ from .tiling import (
     RowTiling,
     backward_tiling,
     forward_tiling,
-    quant_forward_tiling,
     vector_width,
 )
 
@@ -356,14 +355,16 @@ def blocks_nest(tiling: RowTiling, block: int) -> bool:
 
 @cache
 def quant_forward_config(arch: str, act_dtype: str, hidden: int, recipe: str) -> QuantForwardConfig:
-    """The quantizing forward's tiling (``tiling.quant_forward_tiling``: the forward's, split further
-    for rows wider than 32 values per thread) and register hint (the forward's rule), plus the recipe's
-    block width and scale type. Both recipes share one override entry (kind ``"quant"``). Every such
-    tiling nests with both block widths (its k-slices are a power of two or, for the exact covers of a
+    """The quantizing forward's tiling and register hint: the forward's (up to 64 values per thread;
+    with the reduce-scatter of the block maxima they cost 80 registers, 3 CTAs of 256 threads per SM,
+    and on the H200 run plain-mode rows wider than 8192 3-7% faster than tilings held to 32 values,
+    residual ones 1-2% slower: perf/results/2026-12-01-h200-fp8-epilogue/), plus the recipe's block
+    width and scale type. Both recipes share one override entry (kind ``"quant"``). Every such tiling
+    nests with both block widths (its k-slices are a power of two or, for the exact covers of a
     non-power-of-two warp count, a multiple of 128 columns; tests/test_fp8_cpu.py checks every H)."""
     block, fp32_scales = QUANT_RECIPES[recipe]
     choices = override_choices("quant", arch, act_dtype, hidden)
-    tiling = choices.get("tiling") or quant_forward_tiling(hidden, act_dtype)
+    tiling = choices.get("tiling") or forward_tiling(hidden, act_dtype)
     hint = choices.get("min_ctas_per_sm", forward_register_hint(tiling, arch))
     return QuantForwardConfig(tiling, hint, block, fp32_scales, choices.get("amax_scatter", True))
 

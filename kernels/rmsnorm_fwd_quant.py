@@ -1,7 +1,7 @@
 """RMSNorm forward fused with rowwise block-scaled FP8 (e4m3) quantization of its output.
 
-Math, per row t (FP32; ``normalize`` is the plain forward's: h_new is bitwise the same, and so is rstd
-wherever the two tilings agree -- elsewhere its row sum adds in another fixed order):
+Math, per row t (FP32; ``normalize`` and the tiling are the plain forward's, so h_new and rstd are
+bitwise the same):
 
     y     = h * rstd * (w + weight_offset)                 (FP32, never rounded to the act dtype)
     amax  = max |y_j| over a block of B columns along H   (B = 32 or 128; columns past H count as 0;
@@ -19,9 +19,8 @@ code). amax is a NaN-propagating maximum (``max.NaN``) of |y|, one FMNMX per val
 travels as its bit pattern, whose integer order is the numeric order of non-negative floats with NaN
 above infinity.
 
-Tiling (``config.quant_forward_config``): the forward's, held to 32 values per thread
-(``tiling.quant_forward_tiling``: the epilogue keeps a thread's FP32 values live across the amax
-shuffles), so bf16 rows wider than 8192 are split further than the forward's. Lane l of a row owns
+Tiling (``config.quant_forward_config``): the forward's, so rstd is bitwise the plain forward's.
+Lane l of a row owns
 vectors l, l + threads_per_row, ... of ``vec`` elements. A k-slice (``threads_per_row * vec`` columns)
 and a block of B columns nest (``config.blocks_nest``): either a block is ``B / vec`` consecutive
 lanes of one k-slice or it spans ``B / (threads_per_row * vec)`` consecutive k-slices of all the row's

@@ -37,7 +37,6 @@ SMEM_RESERVED_PER_CTA = 1024  # the driver's per-CTA reserve
 SMEM_STATIC_PER_CTA = 1024  # static shared memory the DSL gives every kernel (cuobjdump: SHARED 1024)
 MAX_CTAS_PER_SM = 32
 MAX_THREADS_PER_SM = 2048
-QUANT_VALUES_PER_THREAD = 32  # row values per thread of the quantizing forward (quant_forward_tiling)
 
 
 @dataclass(frozen=True)
@@ -132,20 +131,6 @@ def forward_tiling(hidden: int, act_dtype: str) -> RowTiling:
 
 
 @cache
-def quant_forward_tiling(hidden: int, act_dtype: str) -> RowTiling:
-    """The forward's tiling, held to ``QUANT_VALUES_PER_THREAD`` values of a row per thread. The
-    quantizing epilogue keeps every FP32 value of a thread's blocks live across the lanes' amax
-    reduction, so the forward's 64 bf16 values per thread (H > 8192) cost registers enough to leave
-    fewer CTAs per SM than the plain forward has; rows that wide are split further instead, by
-    ``row_tiling``'s own rule at the smaller budget: twice the cluster CTAs, or past 16 of them
-    twice the lanes."""
-    tiling = forward_tiling(hidden, act_dtype)
-    if tiling.vec * tiling.vecs_per_thread <= QUANT_VALUES_PER_THREAD:
-        return tiling
-    act_bytes = dtype_bytes(act_dtype)
-    return row_tiling(hidden, act_bytes, bytes_per_thread=QUANT_VALUES_PER_THREAD * act_bytes, target_vecs=4)
-
-
 @cache
 def backward_tiling(hidden: int, act_dtype: str) -> RowTiling:
     """Backward: g and h are staged in shared memory, w sits there too, and each thread keeps an FP32

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# One evidence round on a lent GPU machine, section by section, everything written under $OUT/<section>/.
+# One evidence round on a lent GPU machine, section by section, everything written under
+# /tmp/round/<section>/ and packed into $OUT/round.tgz at the end (the device tool brings back only a few
+# files per call).
 #
 #   . /opt/cake/env.sh && bash perf/device_round.sh suite sanitizer sweeps ...
 #
@@ -14,9 +16,11 @@
 # $CAKE_CUTE_COMMIT labels every results file (the copied tree's .git may be stale).
 set -uo pipefail
 : "${OUT:?set OUT to the folder that comes back}"
+RES=/tmp/round
+mkdir -p "$RES"
 export CAKE_CUTE_CACHE_DIR=${CAKE_CUTE_CACHE_DIR:-/tmp/cake-cute-cache}
 export NCCL_NVLS_ENABLE=0 CUBLAS_WORKSPACE_CONFIG=:4096:8
-python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . > "$OUT/pip.log" 2>&1
+python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . > "$RES/pip.log" 2>&1
 day=$(date -u +%F)
 
 bounded() {  # bounded SECONDS LOG COMMAND...: run, log, and print one status line
@@ -29,19 +33,19 @@ bounded() {  # bounded SECONDS LOG COMMAND...: run, log, and print one status li
 }
 
 section_suite() {
-  local d=$OUT/suite && mkdir -p "$d"
+  local d=$RES/suite && mkdir -p "$d"
   { cake-cute info; nvidia-smi; } > "$d/env.txt" 2>&1
   bounded 420 "$d/gpu_tests.log" python3 -m pytest -q -rs -m gpu tests -p no:cacheprovider
   bounded 150 "$d/check.log" cake-cute check
 }
 
 section_sanitizer() {
-  local d=$OUT/sanitizer && mkdir -p "$d"
+  local d=$RES/sanitizer && mkdir -p "$d"
   bounded 400 "$d/run.log" bash tests/sanitizer/run.sh "$d"
 }
 
 section_sweeps() {
-  local d=$OUT/sweeps && mkdir -p "$d"
+  local d=$RES/sweeps && mkdir -p "$d"
   bounded 260 "$d/standard.log" python3 perf/sweep.py --json "$d/$day-nvidia-h200.json" --plot "$d/$day-nvidia-h200.png"
   bounded 240 "$d/training.log" python3 perf/sweep.py --grid training \
     --json "$d/$day-nvidia-h200-training-shapes.json" --plot "$d/$day-nvidia-h200-training-shapes.png"
@@ -49,7 +53,7 @@ section_sweeps() {
 }
 
 section_dtypes() {
-  local d=$OUT/dtypes && mkdir -p "$d"
+  local d=$RES/dtypes && mkdir -p "$d"
   for dt in fp16 fp32; do
     bounded 240 "$d/$dt.log" python3 perf/sweep.py --dtype "$dt" --vs quack \
       --json "$d/$day-nvidia-h200-$dt.json" --plot "$d/$day-nvidia-h200-$dt.png"
@@ -57,12 +61,12 @@ section_dtypes() {
 }
 
 section_fp8() {
-  local d=$OUT/fp8 && mkdir -p "$d"
+  local d=$RES/fp8 && mkdir -p "$d"
   bounded 300 "$d/fp8.log" python3 perf/fp8_bench.py "$d/$day-nvidia-h200-fp8.json" --check
 }
 
 section_model() {
-  local d=$OUT/model && mkdir -p "$d"
+  local d=$RES/model && mkdir -p "$d"
   local ms=$d/$day-nvidia-h200-model-step.json hb=$d/$day-nvidia-h200-hostbound.json
   bounded 240 "$d/model_step.log" python3 perf/model_step.py "$ms" --hidden 2048
   bounded 200 "$d/model_step_4096.log" python3 perf/model_step.py "$ms" --hidden 4096 --append
@@ -71,7 +75,7 @@ section_model() {
 }
 
 section_distributed() {
-  local d=$OUT/distributed && mkdir -p "$d"
+  local d=$RES/distributed && mkdir -p "$d"
   bounded 300 "$d/matrix-eager.log" torchrun --nproc_per_node=2 perf/distributed/matrix.py \
     --only 1-,2-,3-,4-,5-,6-,8-,9- --tag eager --out "$d"
   bounded 240 "$d/matrix-compile.log" torchrun --nproc_per_node=2 perf/distributed/matrix.py \
@@ -82,3 +86,4 @@ section_distributed() {
 for section in "$@"; do
   "section_$section"
 done
+tar -C "$RES" -czf "$OUT/round.tgz" .

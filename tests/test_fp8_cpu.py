@@ -323,24 +323,17 @@ def test_torch_compile_fullgraph_matches_eager(recipe, layout, backend):
 
 @pytest.mark.parametrize("act_dtype", ["bf16", "fp32"])
 def test_every_quant_tiling_nests_with_the_blocks(act_dtype):
-    """For every H (fp16 tiles like bf16) the quantizing forward's tiling nests with both block widths,
-    holds at most 32 values per thread, and is the plain forward's wherever that one already does."""
-    from cake_cute.kernels.config import blocks_nest
-    from cake_cute.kernels.tiling import (
-        MAX_HIDDEN,
-        QUANT_VALUES_PER_THREAD,
-        forward_tiling,
-        quant_forward_tiling,
-    )
+    """For every H (fp16 tiles like bf16) the quantizing forward's tiling is the plain forward's and
+    nests with both block widths."""
+    from cake_cute.kernels.config import blocks_nest, quant_forward_config
+    from cake_cute.kernels.tiling import MAX_HIDDEN, forward_tiling
 
     for hidden in range(1, MAX_HIDDEN + 1):
-        tiling = quant_forward_tiling(hidden, act_dtype)
+        tiling = quant_forward_config("sm_90a", act_dtype, hidden, "mxfp8").tiling
         facts = (hidden, tiling.describe())
+        assert tiling == forward_tiling(hidden, act_dtype), facts
         assert blocks_nest(tiling, 32) and blocks_nest(tiling, 128), facts
         assert tiling.cluster_n == 1 or tiling.cols_per_cta % 128 == 0, facts
-        assert tiling.vec * tiling.vecs_per_thread <= QUANT_VALUES_PER_THREAD, facts
-        plain = forward_tiling(hidden, act_dtype)
-        assert tiling == plain or plain.vec * plain.vecs_per_thread > QUANT_VALUES_PER_THREAD, facts
 
 
 @pytest.mark.parametrize(

@@ -510,3 +510,53 @@ def test_backward_batch_invariance_of_dx(dtype, hidden, residual):
         assert_bitwise_equal(
             dx_of(lo, n)[pos], dx_big[r], f"dx of row {r} in a batch of {n} at position {pos}"
         )
+
+
+def test_backward_on_concurrent_streams_is_bitwise_serial():
+    """Backwards queued on two streams at once (each with its own partial rows and its own dW launch
+    behind it) give every result bitwise the one the same call gives alone."""
+    problems = [Inputs((rows, 4096), torch.bfloat16, residual) for rows in (4096, 129) for residual in (0, 1)]
+    alone = [p.call() for p in problems]
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    for s in streams:
+        s.wait_stream(torch.cuda.current_stream())
+    results = []
+    for _ in range(8):
+        for i, p in enumerate(problems):
+            with torch.cuda.stream(streams[i % 2]):
+                results.append((i, p.call()))
+    torch.cuda.synchronize()
+    for i, (dx, dw) in results:
+        assert_bitwise_equal(dx, alone[i][0], f"dx of problem {i}")
+        assert_bitwise_equal(dw, alone[i][1], f"dw of problem {i}")
+
+
+@pytest.mark.parametrize("workspace", [False, True], ids=["own-partials", "workspace"])
+def test_backward_graph_replays_beside_eager_calls(workspace):
+    """A captured backward replayed on one stream while eager backwards run on another: both stay
+    bitwise right (the graph's partial rows are its own, or the caller's workspace)."""
+    captured, eager = Inputs((2048, 4096), torch.bfloat16, False), Inputs((4096, 4096), torch.bfloat16, True)
+    ws = cake_rmsnorm_train_backward_workspace(2048, 4096, DEV) if workspace else None
+    expected = captured.call(workspace=ws)
+    expected_eager = eager.call()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        captured.call(workspace=ws)  # warm, as torch.cuda.graph asks
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = captured.call(workspace=ws)
+    other = torch.cuda.Stream()
+    other.wait_stream(torch.cuda.current_stream())
+    eager_outs = []
+    for _ in range(4):
+        graph.replay()
+        with torch.cuda.stream(other):
+            eager_outs.append(eager.call())
+    torch.cuda.synchronize()
+    assert_bitwise_equal(outs[0], expected[0], "replayed dx")
+    assert_bitwise_equal(outs[1], expected[1], "replayed dw")
+    for dx, dw in eager_outs:
+        assert_bitwise_equal(dx, expected_eager[0], "eager dx beside replays")
+        assert_bitwise_equal(dw, expected_eager[1], "eager dw beside replays")
