@@ -319,8 +319,8 @@ def _residual_norm_calls(graph_module) -> tuple[int, int]:
 def test_compiled_fullgraph_traces_the_fused_op_and_matches_eager(backend):
     """torch.compile(fullgraph=True) of a patched model: every residual add goes into the residual-mode
     op (only the first layer's input norm is plain). With the aot_eager backend the step is bitwise the
-    eager fused step; with inductor the loss is bitwise and the grads agree to FP32 rounding (inductor
-    reorders the sums of the other ops' backward, e.g. the attention's)."""
+    eager fused step; with inductor the loss and the grads agree to FP32 rounding (inductor reorders the
+    sums of the other ops, e.g. the loss's and the attention's backward, by the CPU's vector width)."""
     model = _swapped(_tiny("llama"), fuse=True)
     graphs = []
 
@@ -333,5 +333,8 @@ def test_compiled_fullgraph_traces_the_fused_op_and_matches_eager(backend):
     eager_loss, _, eager_grads = _step(model)
     assert len(graphs) == 1
     assert _residual_norm_calls(graphs[0]) == (2 * LAYERS, 1)
-    assert torch.equal(loss, eager_loss)
+    if backend == "aot_eager":
+        assert torch.equal(loss, eager_loss)
+    else:
+        torch.testing.assert_close(loss, eager_loss, rtol=1e-6, atol=0.0)
     _assert_grads(grads, eager_grads, exact=backend == "aot_eager", rtol=1e-5, atol=1e-7)
