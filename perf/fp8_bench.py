@@ -339,14 +339,20 @@ def print_table(rows: list[dict]) -> None:
 
 def fastest_configs(rows: list[dict]) -> list[tuple[int, str, float]]:
     """Per H with candidate rows: the fused op's config of least total time over the standard-grid
-    rows (recipes, modes) it was timed in, and that total."""
-    totals: dict[int, dict[str, float]] = {}
+    (recipe, mode) cases every config of that H was timed in (``--no-scatter`` candidates have no
+    residual rows), and that total."""
+    times: dict[int, dict[str, dict[tuple, float]]] = {}
     candidates = {r["H"] for r in rows if "candidate" in r}
     for r in rows:
         if r["impl"] == "cake_cute" and r["H"] in candidates and (r["T"], r["H"]) in STANDARD:
-            per_config = totals.setdefault(r["H"], {})
-            per_config[r["config"]] = per_config.get(r["config"], 0.0) + r["gpu_us"]
-    return [(hidden, *min(t.items(), key=lambda kv: kv[1])) for hidden, t in sorted(totals.items())]
+            case = (r.get("recipe"), r.get("residual"))
+            times.setdefault(r["H"], {}).setdefault(r["config"], {})[case] = r["gpu_us"]
+    fastest = []
+    for hidden, per_config in sorted(times.items()):
+        common = set.intersection(*(set(cases) for cases in per_config.values()))
+        totals = {config: sum(cases[c] for c in common) for config, cases in per_config.items()}
+        fastest.append((hidden, *min(totals.items(), key=lambda kv: kv[1])))
+    return fastest
 
 
 def main(argv=None) -> int:

@@ -122,15 +122,18 @@ def test_fp8_bench_same_bits_matches_nans_only(fp8_bench):
 
 
 def test_fp8_bench_fastest_configs_sums_each_config_over_its_rows(fp8_bench):
-    def row(config, us, candidate, T=8192, H=16384, impl="cake_cute"):
-        r = {"impl": impl, "T": T, "H": H, "config": config, "gpu_us": us}
-        return r | ({"candidate": True} if candidate else {})
+    def row(config, us, candidate, T=8192, H=16384, impl="cake_cute", recipe="mxfp8", residual=False):
+        r = {"impl": impl, "T": T, "H": H, "config": config, "gpu_us": us, "recipe": recipe}
+        return r | {"residual": residual} | ({"candidate": True} if candidate else {})
 
     rows = [
         row("a", 10.0, False),
-        row("a", 10.0, False),
+        row("a", 10.0, False, recipe="1x128"),
+        row("a", 30.0, False, residual=True),
         row("b", 9.0, True),
-        row("b", 12.0, True),  # b: 21 in all, a: 20
+        row("b", 12.0, True, recipe="1x128"),  # b: 21 over the cases both have, a: 20
+        row("n", 8.0, True),  # no residual row: compared over what it shares with the others only
+        row("n", 13.0, True, recipe="1x128"),
         row("c", 1.0, False, impl="cake_cute+compile"),  # another impl: not a config of the fused op
         row("d", 1.0, False, T=2048),  # a training-grid row: not timed against the candidates
         row("a", 5.0, False, T=16384, H=8192),  # no candidates at this H
