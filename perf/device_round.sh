@@ -71,7 +71,7 @@ section_model() {
   bounded 240 "$d/model_step.log" python3 perf/model_step.py "$ms" --hidden 2048
   bounded 200 "$d/model_step_4096.log" python3 perf/model_step.py "$ms" --hidden 4096 --append
   bounded 150 "$d/hostbound.log" python3 perf/hostbound.py "$hb" --modes eager
-  bounded 200 "$d/hostbound_compile.log" python3 perf/hostbound.py "$hb" --modes compile --append
+  bounded 300 "$d/hostbound_compile.log" python3 perf/hostbound.py "$hb" --modes compile,compile-graphs --append
 }
 
 section_distributed() {

@@ -15,7 +15,10 @@ The implementations are the adapters of ``cake_cute.tools.bench.peers`` (the one
 measures), plus ``cake_cute_python``: the same calls forced onto cake_cute's Python path
 (``CakeRMSNormFunction``), next to ``cake_cute``, which takes the native path (``cake_cute.native``) once
 the first call has registered the signature. ``mode = compile`` wraps each adapter's call in
-``torch.compile(dynamic=False)``, one graph per (T, residual).
+``torch.compile(dynamic=False)``, one graph per (T, residual); ``mode = compile-graphs`` in
+``torch.compile(dynamic=False, mode="reduce-overhead")``, which replays the compiled graphs as CUDA
+graphs (each call marks a new step; ``bwd`` is not timed there: a replay overwrites the outputs a
+retained graph would read).
 
 ``--cpu-layers`` (no CUDA needed): the cost of cake_cute's Python layers on the path every non-eager-CUDA
 call takes (``cake_rmsnorm`` -> autograd -> argument checks -> the ``cake_cute::`` custom ops), with the
@@ -107,11 +110,28 @@ def op_callables(forward, x, w, r, g):
     return {"step": step, "fwd": fwd, "bwd": bwd}
 
 
+# torch.compile's mode for each compiled measurement mode.
+COMPILE_MODES = {"compile": "default", "compile-graphs": "reduce-overhead"}
+
+
+def graph_replays(calls: dict) -> dict:
+    """``step`` and ``fwd`` of ``op_callables`` for CUDA-graph replays: each call begins a new step."""
+
+    def marked(call):
+        def replay():
+            torch.compiler.cudagraph_mark_step_begin()
+            call()
+
+        return replay
+
+    return {op: marked(calls[op]) for op in ("step", "fwd")}
+
+
 def measure(impl: str, forward, mode: str, rows: list, args, device, sync) -> None:
     """Append the rows of one implementation in one mode over every (residual, T)."""
     for residual in (False, True):
         for tokens in args.tokens:
-            if mode == "compile":
+            if mode in COMPILE_MODES:
                 torch._dynamo.reset()
             gen = torch.Generator(device=device).manual_seed(tokens)
 
@@ -123,8 +143,13 @@ def measure(impl: str, forward, mode: str, rows: list, args, device, sync) -> No
             x, w = leaf(tokens, args.hidden), leaf(args.hidden)
             r = leaf(tokens, args.hidden) if residual else None
             g = torch.randn(tokens, args.hidden, generator=gen, device=device, dtype=torch.bfloat16)
-            fn = torch.compile(forward, dynamic=False) if mode == "compile" else forward
-            for op, call in op_callables(fn, x, w, r, g).items():
+            fn = forward
+            if mode in COMPILE_MODES:
+                fn = torch.compile(forward, dynamic=False, mode=COMPILE_MODES[mode])
+            calls = op_callables(fn, x, w, r, g)
+            if mode == "compile-graphs":
+                calls = graph_replays(calls)
+            for op, call in calls.items():
                 us = per_call_us(call, args.reps, sync)
                 row = dict(impl=impl, op=op, mode=mode, residual=residual, T=tokens, H=args.hidden)
                 rows.append({**row, "dtype": "bfloat16", "us_per_call": round(us, 2), **args.extra})
@@ -143,7 +168,7 @@ def gpu_main(args) -> list:
             print(f"skip {impl}: {e}", file=sys.stderr)
             continue
         for mode in args.modes:
-            if impl == "cake_cute_python" and mode == "compile":
+            if impl == "cake_cute_python" and mode in COMPILE_MODES:
                 continue  # compiled, both run the same custom ops: the host paths differ in eager only
             try:
                 measure(impl, adapter.forward, mode, rows, args, "cuda", torch.cuda.synchronize)
@@ -188,7 +213,12 @@ def main(argv=None) -> int:
     )
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--impls", type=lambda s: s.split(","), default=list(IMPLS))
-    p.add_argument("--modes", type=lambda s: s.split(","), default=["eager", "compile"])
+    p.add_argument(
+        "--modes",
+        type=lambda s: s.split(","),
+        default=["eager", "compile"],
+        help=f"eager, {', '.join(COMPILE_MODES)}",
+    )
     p.add_argument("--cpu-layers", action="store_true", help="CPU only: cake_cute's Python layers")
     p.add_argument("--append", action="store_true", help="keep the rows already in OUT (a split run)")
     args = p.parse_args(argv)

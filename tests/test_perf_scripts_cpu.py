@@ -56,6 +56,23 @@ def test_hostbound_cpu_layers(tmp_path):
     assert {r["path"] for r in rows if r["impl"] == "cake_cute"} <= {"cpu-layers", "cpu-layers+native-route"}
 
 
+def test_hostbound_graph_replays_mark_each_step_and_leave_out_bwd(monkeypatch):
+    import importlib
+
+    import torch
+
+    monkeypatch.syspath_prepend(str(PERF))
+    hostbound = importlib.import_module("hostbound")
+    events = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: events.append("mark"))
+    calls = {op: (lambda op=op: events.append(op)) for op in ("step", "fwd", "bwd")}
+    replays = hostbound.graph_replays(calls)
+    assert sorted(replays) == ["fwd", "step"]
+    replays["step"]()
+    replays["fwd"]()
+    assert events == ["mark", "step", "mark", "fwd"]
+
+
 # ---- perf/fp8_bench.py: the pure parts, imported on CPU ---------------------------------------------
 
 
