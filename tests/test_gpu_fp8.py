@@ -3,9 +3,10 @@
 Every output the kernel path allocates is NaN / 0xFF-poisoned first (``fp8._empty``), so an element it
 fails to write shows up. The reference quantizes the FP32 normalized value computed from the kernel's
 own h_new (residual mode) and rstd: a torch sum of squares does not reproduce the kernel's fixed
-reduction order, so rstd itself is checked against FP64 (1e-5 relative, per row), h_new bitwise
-against round(x + residual), and everything after rstd bitwise. NaN bytes compare equal whatever
-their sign bit (the CPU's and the GPU's default NaNs differ in sign).
+reduction order, so rstd itself is checked against FP64 (1e-5 relative, per row) and bitwise against
+the plain forward's (the two share tiling and row sum), h_new bitwise against round(x + residual), and
+everything after rstd bitwise. NaN bytes compare equal whatever their sign bit (the CPU's and the GPU's
+default NaNs differ in sign).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cake_cute import cake_rmsnorm_fp8, fp8, fp8_numerics
+from cake_cute import cake_rmsnorm_fp8, cake_rmsnorm_train_forward, fp8, fp8_numerics
 from cake_cute.reference import forward_reference
 
 from ._helpers import DTYPE_IDS, DTYPES, EPS, fixed_seed, poison, rand_weight  # noqa: F401 (fixture)
@@ -21,7 +22,7 @@ from ._helpers import DTYPE_IDS, DTYPES, EPS, fixed_seed, poison, rand_weight  #
 pytestmark = pytest.mark.gpu
 
 DEV = "cuda"
-HIDDEN = (1, 7, 31, 33, 127, 129, 4096, 4097, 16384, 32768, 65537)  # 16384+: the quant tiling's own split
+HIDDEN = (1, 7, 31, 33, 127, 129, 4096, 4097, 16384, 32768, 65537)  # the widest: rows over clusters
 ROWS = (0, 1, 2, 129)
 
 
@@ -57,6 +58,8 @@ def _assert_matches_reference(out, x, w, residual, recipe, emit_y, weight_offset
     _, rstd64, _ = forward_reference(h, w, EPS, weight_offset=weight_offset)
     finite = torch.isfinite(rstd64)
     assert torch.allclose(out.rstd[finite].double(), rstd64[finite], rtol=1e-5, atol=0)
+    plain_rstd = cake_rmsnorm_train_forward(x, w, EPS, residual=residual, weight_offset=weight_offset)[1]
+    assert torch.equal(out.rstd.view(torch.int32), plain_rstd.view(torch.int32)), "rstd: the plain forward's"
     data, scales, y, _, _ = fp8_numerics.rmsnorm_fp8_reference(
         h, w, EPS, None, recipe, emit_y, weight_offset, rstd=out.rstd
     )
