@@ -131,6 +131,10 @@ def norm_backward(ctx, g, g_h_new):
 def _setup_context(ctx, inputs, output):
     x, w, _eps, residual, weight_offset, deterministic = inputs
     _y, rstd, h_new = output
+    # As on both eager paths: an unused output's gradient is None, not a [T, H] zero tensor (under
+    # torch.compile a zeros kernel, and a residual-mode backward reading it, for a final norm whose
+    # h_new nothing uses).
+    ctx.set_materialize_grads(False)
     ctx.mark_non_differentiable(rstd)
     if residual is None:
         ctx.mark_non_differentiable(h_new)

@@ -338,3 +338,31 @@ def test_compiled_fullgraph_traces_the_fused_op_and_matches_eager(backend):
     else:
         torch.testing.assert_close(loss, eager_loss, rtol=1e-6, atol=0.0)
     _assert_grads(grads, eager_grads, exact=backend == "aot_eager", rtol=1e-5, atol=1e-7)
+
+
+def test_compiled_backward_passes_no_zero_gradient_for_an_unused_h_new():
+    """The final norm's h_new has no user: its gradient reaches the backward op as None (a plain-mode
+    backward, as on the eager paths), not as a zero tensor the compiled graph would build and read."""
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    backward_graphs = []
+
+    def keep_backward(gm, _):
+        backward_graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    def recording(graph_module, example_inputs):
+        forward = lambda gm, _: make_boxed_func(gm.forward)  # noqa: E731
+        return aot_module_simplified(
+            graph_module, example_inputs, fw_compiler=forward, bw_compiler=keep_backward
+        )
+
+    torch._dynamo.reset()
+    _step(torch.compile(_swapped(_tiny("llama"), fuse=True), fullgraph=True, backend=recording))
+    (graph,) = backward_graphs
+    calls = [n for n in graph.graph.nodes if "cake_cute.rmsnorm_bwd" in str(n.target)]
+    g_residuals = [n.args[4] if len(n.args) > 4 else n.kwargs.get("g_residual") for n in calls]
+    assert len(calls) == 2 * LAYERS + 1
+    assert not any(getattr(g, "target", None) in (torch.ops.aten.zeros.default,) for g in g_residuals)
+    assert sum(g is None for g in g_residuals) == 2  # the final norm's and the first layer's plain norm
