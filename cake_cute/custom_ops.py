@@ -38,7 +38,27 @@ _BWD_SCHEMA = (
 )
 
 
-@torch.library.custom_op("cake_cute::rmsnorm_fwd", mutates_args=(), schema=_FWD_SCHEMA)
+# Keeps the namespace's registrations alive.
+_LIB = torch.library.Library("cake_cute", "DEF")
+
+
+def define_op(name: str, schema: str, kernel, *, fake, cpu=None, backward=None, setup_context=None) -> None:
+    """Define ``cake_cute::<name>`` and register it with the dispatcher directly: ``kernel`` for every
+    backend (CompositeExplicitAutograd), ``cpu`` for CPU tensors, ``fake`` for tracing and meta tensors,
+    and ``backward`` / ``setup_context`` as its autograd formula. ``torch.library.custom_op`` registers
+    the same and also wraps every call in a Python layer that checks the outputs: under torch.compile,
+    where every call goes through the op, that layer was the largest own time of a compiled step's
+    host profile, twice our native launch (perf/results/2026-12-01-h200-compiled-host-profile/)."""
+    _LIB.define(name + schema)
+    _LIB.impl(name, kernel, "CompositeExplicitAutograd")
+    if cpu is not None:
+        _LIB.impl(name, cpu, "CPU")
+    qualified = f"cake_cute::{name}"
+    torch.library.register_fake(qualified, fake, lib=_LIB)
+    if backward is not None:
+        torch.library.register_autograd(qualified, backward, setup_context=setup_context, lib=_LIB)
+
+
 def rmsnorm_fwd(x, w, eps, residual=None, weight_offset=0.0, deterministic=True):
     """``(y, rstd, h_new)`` on CUDA. ``deterministic`` only travels to the backward through autograd."""
     outs = cake_rmsnorm_train_forward(x, w, eps, residual=residual, weight_offset=weight_offset)
@@ -46,7 +66,6 @@ def rmsnorm_fwd(x, w, eps, residual=None, weight_offset=0.0, deterministic=True)
     return outs[0], rstd, (x.new_empty(0) if residual is None else outs[2])
 
 
-@rmsnorm_fwd.register_kernel("cpu")
 def _rmsnorm_fwd_cpu(x, w, eps, residual=None, weight_offset=0.0, deterministic=True):
     check_forward_arguments(x, w, eps, residual)
     y, rstd, h_new = cpu.forward(x, w, eps, residual, v.check_weight_offset(weight_offset))
@@ -62,7 +81,6 @@ def check_forward_arguments(x, w, eps, residual) -> None:
         v.check_like("residual", residual, x)
 
 
-@rmsnorm_fwd.register_fake
 def _rmsnorm_fwd_fake(x, w, eps, residual=None, weight_offset=0.0, deterministic=True):
     """Contiguous outputs like the real op; argument errors surface while tracing, not at run time."""
     check_forward_arguments(x, w, eps, residual)
@@ -70,7 +88,6 @@ def _rmsnorm_fwd_fake(x, w, eps, residual=None, weight_offset=0.0, deterministic
     return x.new_empty(x.shape), x.new_empty(x.shape[:-1], dtype=torch.float32), h_new
 
 
-@torch.library.custom_op("cake_cute::rmsnorm_bwd", mutates_args=(), schema=_BWD_SCHEMA)
 def rmsnorm_bwd(g, x, w, rstd, g_residual=None, weight_offset=0.0, deterministic=True):
     """``(dx, dw)`` on CUDA, dw in w's dtype; ``rstd`` is shaped ``x.shape[:-1]``."""
     return cake_rmsnorm_train_backward(
@@ -85,12 +102,10 @@ def rmsnorm_bwd(g, x, w, rstd, g_residual=None, weight_offset=0.0, deterministic
     )
 
 
-@rmsnorm_bwd.register_kernel("cpu")
 def _rmsnorm_bwd_cpu(g, x, w, rstd, g_residual=None, weight_offset=0.0, deterministic=True):
     return cpu.backward(g, x, w, rstd, g_residual, weight_offset)
 
 
-@rmsnorm_bwd.register_fake
 def _rmsnorm_bwd_fake(g, x, w, rstd, g_residual=None, weight_offset=0.0, deterministic=True):
     return x.new_empty(x.shape), w.new_empty(w.shape)
 
@@ -146,7 +161,16 @@ def _backward(ctx, g, _g_rstd, g_h_new):
     return dx, dw, None, d_residual, None, None
 
 
-rmsnorm_fwd.register_autograd(_backward, setup_context=_setup_context)
+define_op(
+    "rmsnorm_fwd",
+    _FWD_SCHEMA,
+    rmsnorm_fwd,
+    cpu=_rmsnorm_fwd_cpu,
+    fake=_rmsnorm_fwd_fake,
+    backward=_backward,
+    setup_context=_setup_context,
+)
+define_op("rmsnorm_bwd", _BWD_SCHEMA, rmsnorm_bwd, cpu=_rmsnorm_bwd_cpu, fake=_rmsnorm_bwd_fake)
 
 
 def cake_rmsnorm_traceable(x, w, eps, residual=None, deterministic=True, weight_offset=0.0):

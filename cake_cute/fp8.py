@@ -25,7 +25,7 @@ from . import cpu, dispatch
 from . import validation as v
 from .build import quant_kind
 from .compile_cache import kernel
-from .custom_ops import check_forward_arguments
+from .custom_ops import check_forward_arguments, define_op
 from .device import on_device
 from .fp8_numerics import RECIPES, rmsnorm_fp8_reference, scale_blocks, to_scale_layout
 from .kernels.config import QUANT_RECIPES
@@ -206,7 +206,6 @@ _FP8_SCHEMA = (
 )
 
 
-@torch.library.custom_op("cake_cute::rmsnorm_fp8_fwd", mutates_args=(), schema=_FP8_SCHEMA)
 def rmsnorm_fp8_fwd(x, w, eps, residual, recipe, emit_y, weight_offset):
     """``(data, compact scales, y, rstd, h_new)``: y is the act-dtype output (emit_y) or the
     zero-memory placeholder, h_new an empty tensor in plain mode (a schema has a fixed number of
@@ -221,7 +220,6 @@ def rmsnorm_fp8_fwd(x, w, eps, residual, recipe, emit_y, weight_offset):
     )
 
 
-@rmsnorm_fp8_fwd.register_fake
 def _rmsnorm_fp8_fwd_fake(x, w, eps, residual, recipe, emit_y, weight_offset):
     check_arguments(x, w, eps, residual, recipe, emit_y, weight_offset)
     lead = x.shape[:-1]
@@ -240,6 +238,7 @@ def _rmsnorm_fp8_fwd_fake(x, w, eps, residual, recipe, emit_y, weight_offset):
 def _setup_context(ctx, inputs, output):
     x, w, _eps, residual, _recipe, _emit_y, weight_offset = inputs
     data, scales, _y, rstd, h_new = output
+    ctx.set_materialize_grads(False)  # an unused y or h_new: None, not a zero tensor
     ctx.mark_non_differentiable(data, scales, rstd)
     ctx.save_for_backward(x if residual is None else h_new, w, rstd)
     ctx.residual = residual is not None
@@ -255,7 +254,14 @@ def _op_backward(ctx, _g_data, _g_scales, g, _g_rstd, g_h_new):
     return dx, dw, None, (dx if ctx.residual else None), None, None, None
 
 
-rmsnorm_fp8_fwd.register_autograd(_op_backward, setup_context=_setup_context)
+define_op(
+    "rmsnorm_fp8_fwd",
+    _FP8_SCHEMA,
+    rmsnorm_fp8_fwd,
+    fake=_rmsnorm_fp8_fwd_fake,
+    backward=_op_backward,
+    setup_context=_setup_context,
+)
 
 
 def cake_rmsnorm_fp8(
