@@ -131,7 +131,6 @@ def forward_tiling(hidden: int, act_dtype: str) -> RowTiling:
 
 
 @cache
-@cache
 def backward_tiling(hidden: int, act_dtype: str) -> RowTiling:
     """Backward: g and h are staged in shared memory, w sits there too, and each thread keeps an FP32
     dW accumulator per element it owns in registers, so it holds half the forward's share of a row.
