@@ -345,7 +345,7 @@ def fastest_configs(rows: list[dict]) -> list[tuple[int, str, float]]:
     candidates = {r["H"] for r in rows if "candidate" in r}
     for r in rows:
         if r["impl"] == "cake_cute" and r["H"] in candidates and (r["T"], r["H"]) in STANDARD:
-            case = (r.get("recipe"), r.get("residual"))
+            case = (r["recipe"], r["residual"])
             times.setdefault(r["H"], {}).setdefault(r["config"], {})[case] = r["gpu_us"]
     fastest = []
     for hidden, per_config in sorted(times.items()):

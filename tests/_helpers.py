@@ -151,6 +151,18 @@ _MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10}
 _MIN_EXPONENT = {torch.bfloat16: -126, torch.float16: -14}
 
 
+def warm_up_before_capture(step, iters: int = 2) -> None:
+    """Run ``step`` on a side stream before capture, as torch.cuda.graph asks; the first call of a
+    kernel variant compiles or loads it, which must not happen inside the capture."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(iters):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+
+
 def ulp(values: torch.Tensor, dtype) -> torch.Tensor:
     """The spacing of ``dtype`` (bf16 / fp16) at each of ``values`` (float64), subnormals included."""
     v = values.double().abs()

@@ -43,6 +43,7 @@ from ._helpers import (  # noqa: F401 (fixed_seed, prewarm_kernels: fixtures)
     rand_weight,
     suite_grid,
     sum_rel_error,
+    warm_up_before_capture,
 )
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("prewarm_kernels")]
@@ -539,11 +540,7 @@ def test_backward_graph_replays_beside_eager_calls(workspace):
     ws = cake_rmsnorm_train_backward_workspace(2048, 4096, DEV) if workspace else None
     expected = captured.call(workspace=ws)
     expected_eager = eager.call()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        captured.call(workspace=ws)  # warm, as torch.cuda.graph asks
-    torch.cuda.current_stream().wait_stream(side)
+    warm_up_before_capture(lambda: captured.call(workspace=ws), iters=1)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         outs = captured.call(workspace=ws)

@@ -26,6 +26,8 @@ from cake_cute import (
     swap_rmsnorm,
 )
 
+from ._helpers import warm_up_before_capture
+
 
 def _supported(device: str = "cuda") -> bool:
     return torch.cuda.is_available() and cake_cute.is_cake_rmsnorm_train_supported(device)
@@ -140,18 +142,6 @@ def test_compile_dynamic_rows_traces_once():
 # --- CUDA graphs ---------------------------------------------------------------------------------
 
 
-def _warm_up(step, iters: int = 2) -> None:
-    """Run ``step`` on a side stream before capture, as torch.cuda.graph asks; the first call of a
-    kernel variant compiles or loads it, which must not happen inside the capture."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(iters):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-
-
 def _eager_train_step(x, w, res, g, g_res):
     """Forward then backward with freshly allocated outputs: what a replay must reproduce."""
     fwd = cake_rmsnorm_train_forward(x, w, EPS, residual=res)
@@ -174,7 +164,7 @@ def test_cuda_graph_replay_is_bitwise_eager(residual):
         h = h_new if residual else x
         cake_rmsnorm_train_backward(g, h, w, rstd, g_residual=g_res, workspace=workspace, dx=dx, dw=dw)
 
-    _warm_up(step)
+    warm_up_before_capture(step)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):  # a host synchronization inside would make the capture fail
         step()

@@ -26,6 +26,7 @@ from ._helpers import (  # noqa: F401 (fixed_seed, prewarm_kernels: fixtures)
     fixed_seed,
     prewarm_kernels,
     rand_weight,
+    warm_up_before_capture,
 )
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("prewarm_kernels")]
@@ -131,12 +132,9 @@ def test_native_step_captures_in_a_cuda_graph(residual):
     gy = torch.randn_like(x)
     python_then_native(x, w, r)  # registered, kernels and plans loaded: nothing compiles in capture
     eager = step(cake_rmsnorm, x, w, r, 0.0, gy, torch.zeros_like(x) if residual else None)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            step(cake_rmsnorm, x, w, r, 0.0, gy, torch.zeros_like(x) if residual else None)
-    torch.cuda.current_stream().wait_stream(stream)
+    warm_up_before_capture(
+        lambda: step(cake_rmsnorm, x, w, r, 0.0, gy, torch.zeros_like(x) if residual else None)
+    )
     graph = torch.cuda.CUDAGraph()
     gh = torch.zeros_like(x) if residual else None
     with torch.cuda.graph(graph):
