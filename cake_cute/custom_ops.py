@@ -17,7 +17,10 @@ Where the ops are used:
 
 Eager calls on plain CUDA tensors do not come here: a Python custom op pays the dispatcher tens of
 microseconds per call, so ``CakeRMSNormFunction`` launches the kernels directly (see ``autograd``).
-Caller-owned ``out=`` buffers are an eager feature and have no op form.
+Caller-owned ``out=`` buffers are an eager feature and have no op form. Once the native extension is
+loaded, the CUDA and AutogradCUDA keys of ``rmsnorm_fwd`` / ``rmsnorm_bwd`` have C++ kernels
+(``csrc/native.cpp``) that serve the signatures the eager path registered and call the Python bodies
+below for everything else; the registrations here stay for every other device and for tracing.
 """
 
 from __future__ import annotations

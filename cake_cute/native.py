@@ -5,8 +5,12 @@ autograd node (and functional forward / backward) that launches the same compile
 TVM-FFI's C ABI. The Python path stays the authority: after it has validated a (x, w, weight_offset)
 signature and launched its forward, it registers the signature (``register``), and from then on calls
 of that signature with the plain layout the kernels read in place run in C++. Every other call — the
-first one, bad arguments, views and copies, caller-owned outputs, DTensor, CPU, torch.compile — keeps
-taking the Python path, so the named errors and every other guarantee stay where they are tested.
+first one, bad arguments, views and copies, caller-owned outputs, DTensor, CPU — keeps taking the Python
+path, so the named errors and every other guarantee stay where they are tested.
+
+Loading it also gives the custom ops (``custom_ops``: what torch.compile's graphs and DTensor call) C++
+kernels for CUDA tensors: the same served signatures launch from C++, everything else goes to the ops'
+Python bodies, and their autograd formula is a C++ node when a graph is recorded (see the source).
 
 The extension is built once per (source, torch, TVM-FFI, Python) into torch's extension directory with the
 C++ compiler (``$CXX``, else ``c++``); it needs no CUDA headers, so ``cake-cute warmup`` builds it on a
@@ -152,6 +156,7 @@ def load():
         if not python_path_forced():
             try:
                 fast = _import(build())
+                _install_op_kernels(fast)
             except Exception as err:  # no compiler, a failed build or load: the Python path serves
                 reason = " ".join(f"{type(err).__name__}: {err}".split())[:300]
                 warnings.warn(
@@ -160,6 +165,14 @@ def load():
                     stacklevel=2,
                 )
     return fast
+
+
+def _install_op_kernels(module) -> None:
+    """The custom ops' C++ kernels for CUDA tensors (see ``csrc/native.cpp``), with the ops' Python
+    bodies for the calls they do not serve."""
+    from . import custom_ops  # imported here: it imports the modules that import this one
+
+    module.install_op_kernels(custom_ops.rmsnorm_fwd, custom_ops.rmsnorm_bwd)
 
 
 def register(op, x, w, weight_offset: float, residual: bool, forward_kernel, plan_backward) -> None:

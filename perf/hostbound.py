@@ -72,20 +72,24 @@ def factories() -> dict:
 ROUNDS = 5
 
 
-def per_call_us(fn, reps: int, sync) -> float:
-    """Host time per call: the median over ``ROUNDS`` rounds of the mean of ``reps`` back-to-back
-    calls, after 20 warm-up calls (one round alone moves by 10-20% on a busy host)."""
-    for _ in range(20):
-        fn()
-    sync()
-    means = []
-    for _ in range(ROUNDS):
-        start = time.perf_counter()
-        for _ in range(reps):
+def per_call_us(calls: dict, reps: int, sync) -> dict:
+    """Host time per call of each of ``calls`` ({name: zero-argument call}): the median over ``ROUNDS``
+    rounds of the mean of ``reps`` back-to-back calls, after 20 warm-up calls each. The implementations
+    take turns within every round, so a slow phase of a busy host (one round alone moves by 10-20%)
+    falls on all of them."""
+    for fn in calls.values():
+        for _ in range(20):
             fn()
-        sync()
-        means.append((time.perf_counter() - start) / reps * 1e6)
-    return statistics.median(means)
+    sync()
+    means: dict = {name: [] for name in calls}
+    for _ in range(ROUNDS):
+        for name, fn in calls.items():
+            start = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            sync()
+            means[name].append((time.perf_counter() - start) / reps * 1e6)
+    return {name: statistics.median(values) for name, values in means.items()}
 
 
 def op_callables(forward, x, w, r, g):
@@ -127,53 +131,59 @@ def graph_replays(calls: dict) -> dict:
     return {op: marked(calls[op]) for op in ("step", "fwd")}
 
 
-def measure(impl: str, forward, mode: str, rows: list, args, device, sync) -> None:
-    """Append the rows of one implementation in one mode over every (residual, T)."""
+def measure(adapters: dict, mode: str, rows: list, args, device, sync) -> None:
+    """Append the rows of every implementation ({name: forward}) in one mode over every (residual, T),
+    the implementations timed side by side at each point (``per_call_us``)."""
     for residual in (False, True):
         for tokens in args.tokens:
             if mode in COMPILE_MODES:
                 torch._dynamo.reset()
-            gen = torch.Generator(device=device).manual_seed(tokens)
+            calls = {}
+            for impl, forward in adapters.items():
+                try:
+                    calls[impl] = point_calls(forward, mode, residual, tokens, args.hidden, device)
+                except Exception as e:  # a peer that fails under compile: note it, measure the rest
+                    print(f"skip {impl} {mode}: {type(e).__name__}: {e}", file=sys.stderr)
+            for op in ("step", "fwd", "bwd"):
+                timed = {impl: ops[op] for impl, ops in calls.items() if op in ops}
+                for impl, us in per_call_us(timed, args.reps, sync).items():
+                    row = dict(impl=impl, op=op, mode=mode, residual=residual, T=tokens, H=args.hidden)
+                    rows.append({**row, "dtype": "bfloat16", "us_per_call": round(us, 2), **args.extra})
+                    print(json.dumps(rows[-1]), flush=True)
 
-            def leaf(*shape, gen=gen):
-                return torch.randn(
-                    *shape, generator=gen, device=device, dtype=torch.bfloat16
-                ).requires_grad_()
 
-            x, w = leaf(tokens, args.hidden), leaf(args.hidden)
-            r = leaf(tokens, args.hidden) if residual else None
-            g = torch.randn(tokens, args.hidden, generator=gen, device=device, dtype=torch.bfloat16)
-            fn = forward
-            if mode in COMPILE_MODES:
-                fn = torch.compile(forward, dynamic=False, mode=COMPILE_MODES[mode])
-            calls = op_callables(fn, x, w, r, g)
-            if mode == "compile-graphs":
-                calls = graph_replays(calls)
-            for op, call in calls.items():
-                us = per_call_us(call, args.reps, sync)
-                row = dict(impl=impl, op=op, mode=mode, residual=residual, T=tokens, H=args.hidden)
-                rows.append({**row, "dtype": "bfloat16", "us_per_call": round(us, 2), **args.extra})
-                print(json.dumps(rows[-1]), flush=True)
+def point_calls(forward, mode: str, residual: bool, tokens: int, hidden: int, device) -> dict:
+    """``op_callables`` of one implementation at one (mode, residual, T), on inputs seeded by T."""
+    gen = torch.Generator(device=device).manual_seed(tokens)
+
+    def leaf(*shape):
+        return torch.randn(*shape, generator=gen, device=device, dtype=torch.bfloat16).requires_grad_()
+
+    x, w = leaf(tokens, hidden), leaf(hidden)
+    r = leaf(tokens, hidden) if residual else None
+    g = torch.randn(tokens, hidden, generator=gen, device=device, dtype=torch.bfloat16)
+    fn = forward
+    if mode in COMPILE_MODES:
+        fn = torch.compile(forward, dynamic=False, mode=COMPILE_MODES[mode])
+    calls = op_callables(fn, x, w, r, g)
+    return graph_replays(calls) if mode == "compile-graphs" else calls
 
 
 def gpu_main(args) -> list:
     import torch._functorch.config as functorch_config
 
     functorch_config.donated_buffer = False  # bwd re-runs a compiled backward on a retained graph
-    rows: list = []
+    adapters = {}
     for impl in args.impls:
         try:
-            adapter = factories()[impl](torch, EPS)
+            adapters[impl] = factories()[impl](torch, EPS).forward
         except ImportError as e:
             print(f"skip {impl}: {e}", file=sys.stderr)
-            continue
-        for mode in args.modes:
-            if impl == "cake_cute_python" and mode in COMPILE_MODES:
-                continue  # compiled, both run the same custom ops: the host paths differ in eager only
-            try:
-                measure(impl, adapter.forward, mode, rows, args, "cuda", torch.cuda.synchronize)
-            except Exception as e:  # a peer that fails under compile: note it, measure the rest
-                print(f"skip {impl} {mode}: {type(e).__name__}: {e}", file=sys.stderr)
+    rows: list = []
+    for mode in args.modes:
+        # Compiled, both cake_cute rows would run the same custom ops: the host paths differ in eager only.
+        chosen = {k: f for k, f in adapters.items() if mode not in COMPILE_MODES or k != "cake_cute_python"}
+        measure(chosen, mode, rows, args, "cuda", torch.cuda.synchronize)
     return rows
 
 
@@ -193,12 +203,13 @@ def cpu_layers_main(args) -> list:
     torch.library.register_kernel("cake_cute::rmsnorm_fwd", "cpu", _allocating_forward)
     torch.library.register_kernel("cake_cute::rmsnorm_bwd", "cpu", _allocating_backward)
     native.load()
+    adapters = {impl: factories()[impl](torch, EPS).forward for impl in ("cake_cute", "torch")}
     rows: list = []
-    for impl in ("cake_cute", "torch"):
-        adapter = factories()[impl](torch, EPS)
-        path = "cpu-layers+native-route" if impl == "cake_cute" and native.fast else "cpu-layers"
-        args.extra = {"path": path, "kernel": "allocate-only" if impl == "cake_cute" else "torch cpu"}
-        measure(impl, adapter.forward, "eager", rows, args, "cpu", lambda: None)
+    measure(adapters, "eager", rows, args, "cpu", lambda: None)
+    for row in rows:  # the path each row's calls take, and what their kernels do
+        cake = row["impl"] == "cake_cute"
+        row["path"] = "cpu-layers+native-route" if cake and native.fast else "cpu-layers"
+        row["kernel"] = "allocate-only" if cake else "torch cpu"
     return rows
 
 

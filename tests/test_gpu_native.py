@@ -2,7 +2,8 @@
 residual, every dtype, odd H, a weight offset), CUDA-graph capture, the named errors, and the calls it
 hands back to the Python path (views, partial gradients). The Python path is ``CakeRMSNormFunction`` and
 ``train_forward_python``; the native path serves ``cake_rmsnorm`` once the Python path registered the
-signature (its grad_fn then is the C++ node)."""
+signature (its grad_fn then is the C++ node). The custom ops' C++ kernels (CUDA and AutogradCUDA keys,
+what torch.compile's graphs call) against the ops' Python bodies and the eager path."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from cake_cute import (
     cake_rmsnorm,
     cake_rmsnorm_train_backward,
     cake_rmsnorm_train_forward,
+    custom_ops,
     native,
 )
 from cake_cute.ops import train_forward_python
@@ -199,3 +201,115 @@ def test_unused_gradients_stay_unmaterialized():
     y, _ = cake_rmsnorm(x, w, EPS, r)
     y.backward(torch.randn_like(y))
     assert w.grad is None and x.grad is not None
+
+
+# --- the custom ops' C++ kernels ------------------------------------------------------------------
+
+
+@pytest.fixture
+def python_bodies(monkeypatch):
+    """Counts the calls that reach the ops' Python bodies' launch functions (the C++ kernels' fallback)."""
+    calls = {"fwd": 0, "bwd": 0}
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    for name, attribute, fn in (
+        ("fwd", "cake_rmsnorm_train_forward", cake_rmsnorm_train_forward),
+        ("bwd", "cake_rmsnorm_train_backward", cake_rmsnorm_train_backward),
+    ):
+        monkeypatch.setattr(custom_ops, attribute, counted(name, fn))
+    return calls
+
+
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "res"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
+def test_op_kernels_serve_registered_signatures_bitwise(dtype, residual, python_bodies):
+    """3-D rows (rstd shaped x.shape[:-1]), a weight offset: the C++ kernels' outputs are the Python
+    bodies' bit for bit, and the served calls never reach Python."""
+    x, w, r = leaves(129, 4096, dtype, residual)
+    x, w = x.detach().view(3, 43, 4096), w.detach()
+    r = r.detach().view(3, 43, 4096) if residual else None
+    expected = custom_ops.rmsnorm_fwd(x, w, EPS, r, 1.0, True)  # registers the signature
+    python_bodies.update(fwd=0, bwd=0)
+    actual = torch.ops.cake_cute.rmsnorm_fwd(x, w, EPS, r, 1.0, True)
+    assert actual[1].shape == x.shape[:-1] and actual[2].numel() == (x.numel() if residual else 0)
+    for i, (a, b) in enumerate(zip(actual, expected)):
+        assert_bitwise_equal(a, b, f"forward output {i}")
+    g = torch.randn_like(x)
+    g_res = torch.randn_like(x) if residual else None
+    h = actual[2] if residual else x
+    got = torch.ops.cake_cute.rmsnorm_bwd(g, h, w, actual[1], g_res, 1.0, True)
+    assert python_bodies == {"fwd": 0, "bwd": 0}, "a served signature reached the Python body"
+    want = custom_ops.rmsnorm_bwd(g, h, w, actual[1], g_res, 1.0, True)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert_bitwise_equal(a, b, f"backward output {i}")
+
+
+def test_op_kernels_hand_other_calls_to_python(python_bodies):
+    """A strided view and an unregistered H reach the Python bodies; bad arguments raise their named
+    errors through the dispatcher."""
+    x, w, _ = (t.detach() if t is not None else None for t in leaves(64, 4096, torch.bfloat16, False))
+    custom_ops.rmsnorm_fwd(x, w, EPS)
+    wide = torch.randn(64, 8192, device=DEV).to(torch.bfloat16)
+    y_view = torch.ops.cake_cute.rmsnorm_fwd(wide[:, :4096], w, EPS)[0]
+    assert python_bodies["fwd"] == 1
+    assert_bitwise_equal(y_view, torch.ops.cake_cute.rmsnorm_fwd(wide[:, :4096].contiguous(), w, EPS)[0], "y")
+    odd = torch.randn(5, 4093, device=DEV).to(torch.bfloat16)
+    torch.ops.cake_cute.rmsnorm_fwd(odd, rand_weight(4093, torch.bfloat16), EPS)
+    assert python_bodies["fwd"] == 3
+    with pytest.raises(ValueError, match="w must have shape"):
+        torch.ops.cake_cute.rmsnorm_fwd(x, w[:-1], EPS)
+    with pytest.raises(ValueError, match="eps"):
+        torch.ops.cake_cute.rmsnorm_fwd(x, w, -1.0)
+    with pytest.raises(TypeError, match="residual"):
+        torch.ops.cake_cute.rmsnorm_fwd(x, w, EPS, x.float())
+
+
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "res"])
+def test_op_autograd_node_matches_the_eager_path_bitwise(residual):
+    x, w, r = leaves(129, 4096, torch.bfloat16, residual)
+    gy, gh = torch.randn_like(x), torch.randn_like(x)
+    python_then_native(x, w, r)
+    outs = torch.ops.cake_cute.rmsnorm_fwd(x, w, EPS, r, 0.0, True)
+    assert "OpNormFunction" in outs[0].grad_fn.name(), outs[0].grad_fn.name()
+    assert not outs[1].requires_grad and outs[2].requires_grad == residual
+    used = (outs[0], outs[2]) if residual else (outs[0],)
+    leaves_ = [t for t in (x, w, r) if t is not None]
+    grads = torch.autograd.grad(used, leaves_, (gy, gh)[: len(used)])
+    eager = step(cake_rmsnorm, x, w, r, 0.0, gy, gh)
+    for i, (a, b) in enumerate(zip(grads, eager[1])):
+        assert_bitwise_equal(a, b, f"grad {i}")
+    if residual:  # only h_new used: its gradient reaches x and residual unchanged, w gets none
+        h_only = torch.autograd.grad(
+            torch.ops.cake_cute.rmsnorm_fwd(x, w, EPS, r, 0.0, True)[2], (x, w, r), gh, allow_unused=True
+        )
+        assert h_only[1] is None
+        assert_bitwise_equal(h_only[0], gh, "dx")
+        assert_bitwise_equal(h_only[2], gh, "d_residual")
+
+
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "res"])
+def test_compiled_steps_launch_from_cpp(residual, python_bodies):
+    """After the first compiled call, a compiled step's ops run without entering Python."""
+    x, w, r = leaves(256, 4096, torch.bfloat16, residual)
+    gy = torch.randn_like(x)
+
+    def norm(x, w, r):
+        out = cake_rmsnorm(x, w, EPS, r)
+        return out[0] if residual else out
+
+    compiled = torch.compile(norm, fullgraph=True)
+    leaves_ = [t for t in (x, w, r) if t is not None]
+    expected = torch.autograd.grad(norm(x, w, r), leaves_, gy)
+    torch.autograd.grad(compiled(x, w, r), leaves_, gy)
+    python_bodies.update(fwd=0, bwd=0)
+    for _ in range(3):
+        actual = torch.autograd.grad(compiled(x, w, r), leaves_, gy)
+    assert python_bodies == {"fwd": 0, "bwd": 0}
+    for i, (a, b) in enumerate(zip(actual, expected)):
+        assert_bitwise_equal(a, b, f"grad {i}")

@@ -37,6 +37,21 @@ def test_extension_builds_and_loads(module):
     assert module.signature_count() >= 0
 
 
+def test_loading_installs_the_op_kernels(fresh_native):
+    """The custom ops' CUDA and AutogradCUDA kernels come from the extension once it is loaded (what they
+    compute is compared with the ops' Python bodies on a GPU); other devices keep the Python ones."""
+    assert native.load() is not None
+    for op, keys in (("rmsnorm_fwd", ("CUDA", "AutogradCUDA")), ("rmsnorm_bwd", ("CUDA",))):
+        table = dict(
+            line.split(": ", 1)
+            for line in torch._C._dispatch_dump(f"cake_cute::{op}").splitlines()
+            if ": registered at" in line
+        )
+        for key in keys:
+            assert "native.cpp" in table[key], (op, key, table[key])
+        assert "custom_ops.py" in table["CompositeExplicitAutograd[alias]"]
+
+
 @pytest.mark.parametrize("compiler", ["/nonexistent/c++", "false"], ids=["no-compiler", "build-fails"])
 def test_failed_build_warns_once_on_one_line(compiler, fresh_native, monkeypatch, tmp_path):
     monkeypatch.setenv("CXX", compiler)

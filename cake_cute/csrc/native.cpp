@@ -23,8 +23,9 @@
 #include <tvm/ffi/c_api.h>
 #include <tvm/ffi/extra/c_env_api.h>
 
-#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <ATen/PythonTorchFunctionTLS.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/csrc/Dtype.h>
@@ -32,13 +33,16 @@
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/library.h>
 
 #include <cmath>
 #include <cstring>
 #include <mutex>
 #include <optional>
+#include <shared_mutex>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 namespace {
 
@@ -73,8 +77,10 @@ struct Signature {
 };
 
 // Signatures are never freed: a clear (a config override in tests and tuning) only forgets them, so an
-// autograd graph recorded before it still runs its backward. Guarded by the GIL.
+// autograd graph recorded before it still runs its backward. Written under the GIL; the custom ops'
+// kernels read it without the GIL (the dispatcher is entered with it released), hence the lock.
 std::unordered_map<SignatureKey, Signature*, SignatureKeyHash> signatures;
+std::shared_mutex signatures_mutex;
 
 struct Plan {  // one backward call shape, as the Python path plans it
   TVMFFIObjectHandle bwd, dw;
@@ -209,10 +215,13 @@ struct ForwardOutputs {
   at::Tensor y, rstd, h_new;  // h_new undefined in plain mode
 };
 
+// rstd is `[rows]`, or x's shape without its last dimension when `row_shaped_rstd` (the custom op's form).
 ForwardOutputs launch_forward(const Signature& s, const at::Tensor& x, const at::Tensor& w,
-                              const at::Tensor* residual, double eps) {
+                              const at::Tensor* residual, double eps, bool row_shaped_rstd = false) {
   const int64_t rows = x.numel() / s.hidden;
-  ForwardOutputs out{at::empty(x.sizes(), x.options()), at::empty({rows}, x.options().dtype(at::kFloat)), {}};
+  const at::Tensor rstd_storage = row_shaped_rstd ? at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kFloat))
+                                                  : at::empty({rows}, x.options().dtype(at::kFloat));
+  ForwardOutputs out{at::empty(x.sizes(), x.options()), rstd_storage, {}};
   if (residual != nullptr) out.h_new = at::empty(x.sizes(), x.options());
   TensorArg xa, ra, wa, ya, ha, rstd;
   TVMFFIAny args[] = {
@@ -395,15 +404,23 @@ SignatureKey signature_key(const at::Tensor& x, const at::Tensor& w, double weig
 
 // The registered signature of (x, w, weight_offset) when x and w have the layout the kernels read in
 // place, else nullptr.
-const Signature* find_signature(const at::Tensor& x, const at::Tensor& w, PyObject* weight_offset) {
-  const std::optional<double> offset = number(weight_offset);
-  if (!offset || x.dim() < 2) return nullptr;
-  auto found = signatures.find(signature_key(x, w, *offset));
-  if (found == signatures.end()) return nullptr;
-  const Signature* s = found->second;
+const Signature* find_signature(const at::Tensor& x, const at::Tensor& w, double weight_offset) {
+  if (x.dim() < 2) return nullptr;
+  const Signature* s = nullptr;
+  {
+    std::shared_lock lock(signatures_mutex);
+    auto found = signatures.find(signature_key(x, w, weight_offset));
+    if (found == signatures.end()) return nullptr;
+    s = found->second;
+  }
   const bool usable = w.dim() == 1 && w.size(0) == s->hidden && w.device() == x.device() && x.numel() > 0 &&
                       aligned(x, s->act_align) && aligned(w, s->w_align);
   return usable ? s : nullptr;
+}
+
+const Signature* find_signature(const at::Tensor& x, const at::Tensor& w, PyObject* weight_offset) {
+  const std::optional<double> offset = number(weight_offset);
+  return offset ? find_signature(x, w, *offset) : nullptr;
 }
 
 struct ForwardCall {
@@ -450,6 +467,176 @@ bool check_count(Py_ssize_t given, Py_ssize_t expected, const char* name) {
   PyErr_Format(PyExc_TypeError, "%s takes %zd arguments, got %zd", name, expected, given);
   return false;
 }
+
+// ---- the custom ops' kernels ---------------------------------------------------------------------
+//
+// Under torch.compile (and wherever else `cake_cute::rmsnorm_fwd` / `rmsnorm_bwd` are called) every call
+// goes through the dispatcher. With Python kernels there, each call pays torch.library's Python autograd
+// layer and a Python backend kernel (about 28 us per forward and 8 us per backward on the H200's host,
+// perf/results/2026-12-01-h200-compiled-host-profile/). Once the extension is loaded these C++ kernels
+// take the CUDA keys: the CUDA kernel launches served signatures directly and hands every other call to
+// the op's Python body; the AutogradCUDA kernel redispatches below autograd when there is no graph to
+// record (a compiled graph's case) and otherwise records a C++ node whose backward calls `rmsnorm_bwd`,
+// as the Python registration does for the other devices (`custom_ops._setup_context` / `_backward`).
+
+using ForwardResult = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+using ForwardSchema = ForwardResult(const at::Tensor&, const at::Tensor&, double, const std::optional<at::Tensor>&,
+                                    double, bool);
+using BackwardResult = std::tuple<at::Tensor, at::Tensor>;
+using BackwardSchema = BackwardResult(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                      const std::optional<at::Tensor>&, double, bool);
+
+PyObject* python_forward_op = nullptr;   // custom_ops.rmsnorm_fwd: every call these kernels do not serve
+PyObject* python_backward_op = nullptr;  // custom_ops.rmsnorm_bwd
+
+const c10::TypedOperatorHandle<ForwardSchema>& forward_op() {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("cake_cute::rmsnorm_fwd", "").typed<ForwardSchema>();
+  return op;
+}
+
+const c10::TypedOperatorHandle<BackwardSchema>& backward_op() {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("cake_cute::rmsnorm_bwd", "").typed<BackwardSchema>();
+  return op;
+}
+
+PyObject* wrap_optional(const std::optional<at::Tensor>& t) {
+  if (t && t->defined()) return THPVariable_Wrap(*t);
+  Py_RETURN_NONE;
+}
+
+// Calls a Python op body with (tensors..., optional tensor, weight_offset, deterministic) in the schema's
+// order and returns its tuple of tensors; its exception (a named TypeError / ValueError) is re-raised
+// at the op's caller.
+std::vector<at::Tensor> call_python_op(PyObject* body, std::initializer_list<PyObject*> args, size_t outputs) {
+  std::vector<at::Tensor> result;
+  PyObject* tuple = PyTuple_New(Py_ssize_t(args.size()));
+  Py_ssize_t i = 0;
+  for (PyObject* arg : args) PyTuple_SET_ITEM(tuple, i++, arg);  // steals each reference
+  PyObject* answer = PyObject_CallObject(body, tuple);
+  Py_DECREF(tuple);
+  if (answer != nullptr && PyTuple_Check(answer) && size_t(PyTuple_GET_SIZE(answer)) == outputs) {
+    for (size_t k = 0; k < outputs; ++k) result.push_back(THPVariable_Unpack(PyTuple_GET_ITEM(answer, k)));
+  } else if (answer != nullptr) {
+    PyErr_SetString(PyExc_RuntimeError, "cake_cute: a custom op's Python body returned an unexpected value");
+  }
+  Py_XDECREF(answer);
+  if (result.size() != outputs) {
+    python_error error;
+    error.persist();
+    throw error;
+  }
+  return result;
+}
+
+ForwardResult forward_cuda(const at::Tensor& x, const at::Tensor& w, double eps,
+                           const std::optional<at::Tensor>& residual, double weight_offset, bool deterministic) {
+  const bool with_residual = residual.has_value() && residual->defined();
+  const Signature* s = std::isfinite(eps) && eps >= 0 && x.layout() == at::kStrided ? find_signature(x, w, weight_offset)
+                                                                                     : nullptr;
+  if (s != nullptr && s->forward[with_residual] != nullptr && (!with_residual || like(*residual, x, s->act_align))) {
+    ForwardOutputs out = launch_forward(*s, x, w, with_residual ? &*residual : nullptr, eps, true);
+    if (!with_residual) out.h_new = at::empty({0}, x.options());
+    return {std::move(out.y), std::move(out.rstd), std::move(out.h_new)};
+  }
+  const PyGILState_STATE gil = PyGILState_Ensure();
+  try {
+    auto outs = call_python_op(python_forward_op,
+                               {THPVariable_Wrap(x), THPVariable_Wrap(w), PyFloat_FromDouble(eps), wrap_optional(residual),
+                                PyFloat_FromDouble(weight_offset), PyBool_FromLong(deterministic)},
+                               3);
+    PyGILState_Release(gil);
+    return {outs[0], outs[1], outs[2]};
+  } catch (...) {
+    PyGILState_Release(gil);
+    throw;
+  }
+}
+
+BackwardResult backward_cuda(const at::Tensor& g, const at::Tensor& x, const at::Tensor& w, const at::Tensor& rstd,
+                             const std::optional<at::Tensor>& g_residual, double weight_offset, bool deterministic) {
+  const bool with_residual = g_residual.has_value() && g_residual->defined();
+  const Signature* s = x.layout() == at::kStrided ? find_signature(x, w, weight_offset) : nullptr;
+  const bool served = s != nullptr && like(g, x, s->act_align) && (!with_residual || like(*g_residual, x, s->act_align)) &&
+                      rstd.scalar_type() == at::kFloat && rstd.numel() == x.numel() / s->hidden &&
+                      rstd.device() == x.device() && rstd.is_contiguous();
+  if (served) {
+    auto [dx, dw] = launch_backward(*s, g, x, w, rstd, with_residual ? *g_residual : at::Tensor(), w.scalar_type(), true);
+    return {std::move(dx), std::move(dw)};
+  }
+  const PyGILState_STATE gil = PyGILState_Ensure();
+  try {
+    auto outs = call_python_op(python_backward_op,
+                               {THPVariable_Wrap(g), THPVariable_Wrap(x), THPVariable_Wrap(w), THPVariable_Wrap(rstd),
+                                wrap_optional(g_residual), PyFloat_FromDouble(weight_offset),
+                                PyBool_FromLong(deterministic)},
+                               2);
+    PyGILState_Release(gil);
+    return {outs[0], outs[1]};
+  } catch (...) {
+    PyGILState_Release(gil);
+    throw;
+  }
+}
+
+// The op's autograd formula: saves (x or h_new, w, rstd); rstd, and h_new in plain mode, are not
+// differentiable; an unused output's gradient stays undefined; one dx is the gradient of x and residual.
+struct OpNormFunction : public torch::autograd::Function<OpNormFunction> {
+  static variable_list forward(AutogradContext* ctx, c10::DispatchKeySet keys, const at::Tensor& x, const at::Tensor& w,
+                               double eps, const std::optional<at::Tensor>& residual, double weight_offset,
+                               bool deterministic) {
+    auto [y, rstd, h_new] = below_autograd(keys, x, w, eps, residual, weight_offset, deterministic);
+    const bool with_residual = residual.has_value() && residual->defined();
+    ctx->set_materialize_grads(false);
+    if (with_residual) {
+      ctx->mark_non_differentiable({rstd});
+    } else {
+      ctx->mark_non_differentiable({rstd, h_new});
+    }
+    ctx->save_for_backward({with_residual ? h_new : x, w, rstd});
+    ctx->saved_data["residual"] = with_residual;
+    ctx->saved_data["weight_offset"] = weight_offset;
+    ctx->saved_data["deterministic"] = deterministic;
+    return {y, rstd, h_new};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const bool residual = ctx->saved_data["residual"].toBool();
+    const at::Tensor g_residual = residual ? grads[2] : at::Tensor();
+    // One gradient per forward argument: (keys, x, w, eps, residual, weight_offset, deterministic).
+    if (!grads[0].defined()) return {{}, g_residual, {}, {}, g_residual, {}, {}};
+    const variable_list saved = ctx->get_saved_variables();
+    std::optional<at::Tensor> g_res;
+    if (residual) g_res = g_residual;
+    auto [dx, dw] = backward_op().call(grads[0], saved[0], saved[1], saved[2], g_res,
+                                       ctx->saved_data["weight_offset"].toDouble(),
+                                       ctx->saved_data["deterministic"].toBool());
+    return {{}, dx, dw, {}, residual ? dx : at::Tensor(), {}, {}};
+  }
+
+  static ForwardResult below_autograd(c10::DispatchKeySet keys, const at::Tensor& x, const at::Tensor& w, double eps,
+                                      const std::optional<at::Tensor>& residual, double weight_offset,
+                                      bool deterministic) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return forward_op().redispatch(keys & c10::after_ADInplaceOrView_keyset, x, w, eps, residual, weight_offset,
+                                   deterministic);
+  }
+};
+
+ForwardResult forward_autograd_cuda(c10::DispatchKeySet keys, const at::Tensor& x, const at::Tensor& w, double eps,
+                                    const std::optional<at::Tensor>& residual, double weight_offset,
+                                    bool deterministic) {
+  const bool records = at::GradMode::is_enabled() && (x.requires_grad() || w.requires_grad() ||
+                                                      (residual.has_value() && residual->requires_grad()));
+  if (!records) return OpNormFunction::below_autograd(keys, x, w, eps, residual, weight_offset, deterministic);
+  variable_list out = OpNormFunction::apply(keys, x, w, eps, residual, weight_offset, deterministic);
+  return {out[0], out[1], out[2]};
+}
+
+// Registered once per process; the libraries stay for its lifetime (their destruction would deregister).
+torch::Library* op_cuda_kernels = nullptr;
+torch::Library* op_autograd_kernels = nullptr;
 
 // ---- the module's functions ----------------------------------------------------------------------
 
@@ -538,6 +725,7 @@ PyObject* register_signature(PyObject*, PyObject* args) {
   }
   const at::Tensor& x = THPVariable_Unpack(x_obj);
   const at::Tensor& w = THPVariable_Unpack(w_obj);
+  std::unique_lock lock(signatures_mutex);
   Signature*& s = signatures[signature_key(x, w, weight_offset)];
   if (s == nullptr) {
     Py_INCREF(planner);
@@ -553,14 +741,42 @@ PyObject* register_signature(PyObject*, PyObject* args) {
 
 // clear(): forget every signature and plan (after a kernel config override).
 PyObject* clear(PyObject*, PyObject*) {
-  signatures.clear();
+  {
+    std::unique_lock lock(signatures_mutex);
+    signatures.clear();
+  }
   std::lock_guard<std::mutex> lock(plans_mutex);
   plans.clear();
   Py_RETURN_NONE;
 }
 
+// install_op_kernels(forward_body, backward_body): register the kernels above for the CUDA and AutogradCUDA
+// keys of cake_cute::rmsnorm_fwd / rmsnorm_bwd (once), with the ops' Python bodies for what they do not serve.
+PyObject* install_op_kernels(PyObject*, PyObject* args) {
+  HANDLE_TH_ERRORS
+  PyObject *forward_body, *backward_body;
+  if (!PyArg_ParseTuple(args, "OO", &forward_body, &backward_body)) return nullptr;
+  if (op_cuda_kernels == nullptr) {
+    Py_INCREF(forward_body);
+    Py_INCREF(backward_body);
+    python_forward_op = forward_body;
+    python_backward_op = backward_body;
+    op_cuda_kernels = new torch::Library(torch::Library::IMPL, "cake_cute", c10::DispatchKey::CUDA, __FILE__, __LINE__);
+    op_cuda_kernels->impl("rmsnorm_fwd", TORCH_FN(forward_cuda));
+    op_cuda_kernels->impl("rmsnorm_bwd", TORCH_FN(backward_cuda));
+    op_autograd_kernels =
+        new torch::Library(torch::Library::IMPL, "cake_cute", c10::DispatchKey::AutogradCUDA, __FILE__, __LINE__);
+    op_autograd_kernels->impl("rmsnorm_fwd", TORCH_FN(forward_autograd_cuda));
+  }
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
 // signature_count(): how many signatures are registered (for tests).
-PyObject* signature_count(PyObject*, PyObject*) { return PyLong_FromSize_t(signatures.size()); }
+PyObject* signature_count(PyObject*, PyObject*) {
+  std::shared_lock lock(signatures_mutex);
+  return PyLong_FromSize_t(signatures.size());
+}
 
 PyMethodDef methods[] = {
     {"rmsnorm", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(rmsnorm)), METH_FASTCALL,
@@ -572,6 +788,8 @@ PyMethodDef methods[] = {
     {"register", register_signature, METH_VARARGS,
      "register(x, w, weight_offset, residual, forward_kernel, act_align, w_align, planner)"},
     {"clear", clear, METH_NOARGS, "forget every registered signature and plan"},
+    {"install_op_kernels", install_op_kernels, METH_VARARGS,
+     "install_op_kernels(forward_body, backward_body): the custom ops' CUDA and AutogradCUDA kernels"},
     {"signature_count", signature_count, METH_NOARGS, "the number of registered signatures"},
     {nullptr, nullptr, 0, nullptr},
 };
