@@ -313,3 +313,16 @@ def test_compiled_steps_launch_from_cpp(residual, python_bodies):
     assert python_bodies == {"fwd": 0, "bwd": 0}
     for i, (a, b) in enumerate(zip(actual, expected)):
         assert_bitwise_equal(a, b, f"grad {i}")
+
+
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "res"])
+def test_opcheck_with_the_cpp_kernels(residual):
+    """torch.library.opcheck on CUDA tensors (schema, fake tensors, autograd registration, AOT dispatch)
+    with a served signature, so the C++ kernels answer."""
+    x, w, r = leaves(64, 2048, torch.bfloat16, residual)
+    python_then_native(x, w, r)
+    torch.library.opcheck(torch.ops.cake_cute.rmsnorm_fwd.default, (x, w, EPS, r, 0.0, True))
+    rstd = torch.rand(64, device=DEV) + 0.5
+    g_res = torch.randn_like(x) if residual else None
+    bwd_args = (torch.randn_like(x), x.detach(), w.detach(), rstd, g_res, 0.0, True)
+    torch.library.opcheck(torch.ops.cake_cute.rmsnorm_bwd.default, bwd_args)
