@@ -31,6 +31,9 @@ TIMING_METHOD = {
     "outlasts the spin is measured again with a longer spin); the calls rotate through buffer_sets "
     "input sets whose bytes exceed twice the L2, so no input is L2-resident (except --grid small)",
     "host_us": "us - gpu_us",
+    "kernel_us": "--grid small only: mean over --prof-reps calls of the summed profiler (CUPTI) durations "
+    "of the kernels and copies one call launches, without the gaps between gpu_us's events and the "
+    "first and last kernel; copy_kernel_us: the same for the faster copy of the ceiling",
     "bytes": "fwd: read x (+residual) and w, write y (+h_new) and rstd (4 bytes/row); "
     "bwd: read g and x (+g_residual), write dx (w, rstd and dw are not counted)",
     "tbps": "bytes / gpu_us / 1e6 (TB/s)",

@@ -23,7 +23,7 @@ from .results import (
 )
 from .timing import DeviceTimer, Rotation, buffer_sets_for, tbps
 
-MEASURED_FIELDS = ("us", "gpu_us", "host_us", "tbps", "frac_copy", "first_call_s", "bwd_method")
+MEASURED_FIELDS = ("us", "gpu_us", "host_us", "tbps", "frac_copy", "first_call_s", "bwd_method", "kernel_us")
 
 
 def _short(exc: BaseException, limit: int = 400) -> str:
@@ -140,6 +140,8 @@ class Sweep:
         gpu_us = self.timer.device_us(call, args.prof_reps, setup)
         row.update(us=round(us, 3), gpu_us=round(gpu_us, 3), host_us=round(us - gpu_us, 3))
         row["tbps"] = tbps(row["bytes"], gpu_us)
+        if not self.rotate:  # calls of a few microseconds: their kernels' own time too
+            row["kernel_us"] = round(self.timer.kernel_us(call, args.prof_reps, setup), 3)
         if op == "bwd":
             row["bwd_method"] = method
 
@@ -227,7 +229,10 @@ def _copy_ceilings(sweep: Sweep, dtype: str, shape, residual: bool) -> dict:
     T, H = shape
     return {
         op: sweep.timer.copy_ceiling(
-            model_bytes(op, residual, T, H, dtype), sweep.args.prof_reps, sweep.rotate
+            model_bytes(op, residual, T, H, dtype),
+            sweep.args.prof_reps,
+            sweep.rotate,
+            kernel_time=not sweep.rotate,
         )
         for op in sweep.args.ops
     }

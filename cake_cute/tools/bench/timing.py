@@ -8,6 +8,10 @@
   the L2 (``torch.cuda.get_device_properties().L2_cache_size``), so each call finds its inputs evicted
   by the calls in between and every figure is an HBM figure.
 * ``copy_tbps``: the same bytes copied device to device, timed the same way with the same rotation.
+* ``kernel_us`` (small grid): the profiler's durations of the kernels (and copies) one call launches,
+  summed: the time the GPU spends executing them, without the gaps that ``gpu_us`` keeps between its
+  events and the first and last kernel (about 3 us for a copy of a few KB on the H200), which dominate
+  calls of a few microseconds.
 
 torch is passed in (imported by the caller), so this module imports on a machine without torch.
 """
@@ -147,7 +151,21 @@ class DeviceTimer:
             times.append(self._device_once(call, setup() if setup is not None else None))
         return statistics.median(times)
 
-    def copy_ceiling(self, nbytes: int, reps: int, rotate: bool = True) -> dict:
+    def kernel_us(self, call: Callable, reps: int, setup: Callable | None = None) -> float:
+        """Mean device time of the kernels (and copies) of one call, µs, from the profiler's GPU
+        activity (see the module docstring); ``call`` and ``setup`` as in ``device_us``, every ``setup``
+        run before profiling starts."""
+        profiler = self.torch.profiler
+        args = [setup() if setup is not None else None for _ in range(reps)]
+        self.torch.cuda.synchronize()
+        with profiler.profile(activities=[profiler.ProfilerActivity.CUDA]) as prof:
+            for arg in args:
+                call(arg)
+            self.torch.cuda.synchronize()
+        gpu = self.torch.autograd.DeviceType.CUDA
+        return sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type == gpu) / reps
+
+    def copy_ceiling(self, nbytes: int, reps: int, rotate: bool = True, kernel_time: bool = False) -> dict:
         """The device-copy ceiling for ``nbytes`` moved: ``nbytes / 2`` copied device to device (read +
         write = ``nbytes``), rotated like the inputs.
 
@@ -156,7 +174,8 @@ class DeviceTimer:
         dict
             Row fields: ``copy_tbps`` (the faster of cudaMemcpyAsync and an elementwise copy kernel),
             ``copy_memcpy_tbps``, ``copy_kernel_tbps``, ``copy_gpu_us``, ``copy_bytes``,
-            ``copy_buffer_sets``.
+            ``copy_buffer_sets``; with ``kernel_time``, ``copy_kernel_us``: the profiler's time of
+            the faster copy (``kernel_us``).
         """
         torch = self.torch
         half = max(16, (nbytes // 2) // 16 * 16)
@@ -180,12 +199,16 @@ class DeviceTimer:
             return torch.neg(src, out=dst)
 
         result = {"copy_bytes": 2 * half, "copy_buffer_sets": sets}
-        for label, call in (("memcpy", memcpy), ("kernel", kernel)):
+        calls = {"memcpy": memcpy, "kernel": kernel}
+        for label, call in calls.items():
             for _ in range(sets):
                 call(None)
             us = self.device_us(call, reps)
             result[f"copy_{label}_tbps"] = tbps(2 * half, us)
         best = max(result["copy_memcpy_tbps"], result["copy_kernel_tbps"])
+        if kernel_time:
+            faster = "memcpy" if best == result["copy_memcpy_tbps"] else "kernel"
+            result["copy_kernel_us"] = round(self.kernel_us(calls[faster], reps), 3)
         result["copy_gpu_us"] = round(2 * half / best / 1e6, 3)
         result["copy_tbps"] = best
         return result
