@@ -125,6 +125,19 @@ def test_compiled_module_is_bitwise_eager(residual, weight_offset):
     _assert_bitwise(results[1], results[0])
 
 
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+def test_compiled_cuda_graphs_replay_bitwise_eager(residual):
+    """torch.compile(mode="reduce-overhead"): the compiled graphs, with the custom ops' C++ kernels in
+    them, captured as CUDA graphs and replayed with new inputs, give the eager bits."""
+    x, w, res, g_y, g_h = _problem(residual)
+    compiled = torch.compile(_via_function, mode="reduce-overhead", fullgraph=True)
+    for scale in (1.0, 0.5, 2.0, -1.0):  # the first calls record, the later ones replay
+        inputs = (x * scale, w, None if res is None else res * scale)
+        torch.compiler.cudagraph_mark_step_begin()
+        actual = _forward_backward(compiled, inputs, (g_y, g_h))
+        _assert_bitwise(actual, _forward_backward(_via_function, inputs, (g_y, g_h)))
+
+
 def test_compile_dynamic_rows_traces_once():
     """With dynamic shapes the fake implementations propagate symbolic row counts: the first trace
     serves every T, and each result still equals eager bitwise."""

@@ -262,7 +262,7 @@ def test_op_kernels_hand_other_calls_to_python(python_bodies):
     assert_bitwise_equal(y_view, torch.ops.cake_cute.rmsnorm_fwd(wide[:, :4096].contiguous(), w, EPS)[0], "y")
     odd = torch.randn(5, 4093, device=DEV).to(torch.bfloat16)
     torch.ops.cake_cute.rmsnorm_fwd(odd, rand_weight(4093, torch.bfloat16), EPS)
-    assert python_bodies["fwd"] == 3
+    assert python_bodies["fwd"] == 2  # the contiguous copy was served
     with pytest.raises(ValueError, match="w must have shape"):
         torch.ops.cake_cute.rmsnorm_fwd(x, w[:-1], EPS)
     with pytest.raises(ValueError, match="eps"):
