@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from . import cpu
+from . import cpu, native
 from . import validation as v
 from .ops import backward_from_saved, cake_rmsnorm_train_backward, cake_rmsnorm_train_forward
 
@@ -174,6 +174,7 @@ define_op(
     setup_context=_setup_context,
 )
 define_op("rmsnorm_bwd", _BWD_SCHEMA, rmsnorm_bwd, cpu=_rmsnorm_bwd_cpu, fake=_rmsnorm_bwd_fake)
+native.provide_op_bodies(rmsnorm_fwd, rmsnorm_bwd)
 
 
 def cake_rmsnorm_traceable(x, w, eps, residual=None, deterministic=True, weight_offset=0.0):

@@ -167,12 +167,22 @@ def load():
     return fast
 
 
-def _install_op_kernels(module) -> None:
-    """The custom ops' C++ kernels for CUDA tensors (see ``csrc/native.cpp``), with the ops' Python
-    bodies for the calls they do not serve."""
-    from . import custom_ops  # imported here: it imports the modules that import this one
+_op_bodies: tuple | None = None  # the custom ops' Python bodies (``custom_ops`` hands them over)
 
-    module.install_op_kernels(custom_ops.rmsnorm_fwd, custom_ops.rmsnorm_bwd)
+
+def provide_op_bodies(forward_body, backward_body) -> None:
+    """Called by ``custom_ops`` once it has defined the ops: their Python bodies, which the C++ kernels
+    call for what they do not serve. Installs the kernels now if the extension is already loaded."""
+    global _op_bodies
+    _op_bodies = (forward_body, backward_body)
+    if fast is not None:
+        _install_op_kernels(fast)
+
+
+def _install_op_kernels(module) -> None:
+    """The custom ops' C++ kernels for CUDA tensors (see ``csrc/native.cpp``), once the ops exist."""
+    if _op_bodies is not None:
+        module.install_op_kernels(*_op_bodies)
 
 
 def register(op, x, w, weight_offset: float, residual: bool, forward_kernel, plan_backward) -> None:
