@@ -5,7 +5,8 @@ to torch, quack and Liger (those that import), all in one process, bf16, H = 409
 
 Each number is the wall time of ``--reps`` back-to-back calls with no synchronization inside
 (synchronize, ``time.perf_counter``, the calls, synchronize), divided by the count, the median of
-five such rounds: when the GPU runs behind the host this is what a call costs the host. Ops:
+five such rounds, the implementations taking turns within each round (``per_call_us``): when the GPU
+runs behind the host this is what a call costs the host. Ops:
 
 * ``step``: ``y = norm(x, w[, r])`` with autograd, then ``torch.autograd.grad(y, (x, w[, r]), g)``;
 * ``fwd``: the same call under ``torch.no_grad()``;
