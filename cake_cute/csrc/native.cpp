@@ -238,6 +238,19 @@ ForwardOutputs launch_forward(const Signature& s, const at::Tensor& x, const at:
   return out;
 }
 
+// Holds the GIL for its scope: backwards run on autograd's threads and the dispatcher calls the op
+// kernels with the GIL released, so Python is entered through one of these.
+class GilScope {
+ public:
+  GilScope() : state_(PyGILState_Ensure()) {}
+  ~GilScope() { PyGILState_Release(state_); }
+  GilScope(const GilScope&) = delete;
+  GilScope& operator=(const GilScope&) = delete;
+
+ private:
+  PyGILState_STATE state_;
+};
+
 Plan backward_plan(const Signature& s, int64_t rows, bool residual, at::ScalarType dw) {
   const PlanKey key{&s, rows, residual, dw};
   {
@@ -247,7 +260,7 @@ Plan backward_plan(const Signature& s, int64_t rows, bool residual, at::ScalarTy
   }
   Plan plan;
   {
-    const PyGILState_STATE gil = PyGILState_Ensure();  // backwards run on autograd's threads
+    GilScope gil;
     PyObject* answer = PyObject_CallFunction(s.planner, "LOO", static_cast<long long>(rows),
                                              residual ? Py_True : Py_False, reinterpret_cast<PyObject*>(torch::getTHPDtype(dw)));
     unsigned long long bwd = 0, reduce = 0;
@@ -258,7 +271,6 @@ Plan backward_plan(const Signature& s, int64_t rows, bool residual, at::ScalarTy
     if (!parsed) {
       python_error error;  // the planner's exception, re-raised where the backward was called
       error.persist();
-      PyGILState_Release(gil);
       throw error;
     }
     plan = {reinterpret_cast<TVMFFIObjectHandle>(bwd), reinterpret_cast<TVMFFIObjectHandle>(reduce), programs,
@@ -267,7 +279,6 @@ Plan backward_plan(const Signature& s, int64_t rows, bool residual, at::ScalarTy
     // may still be in use by another thread's launch.
     TVMFFIObjectIncRef(plan.bwd);
     TVMFFIObjectIncRef(plan.dw);
-    PyGILState_Release(gil);
   }
   std::lock_guard<std::mutex> lock(plans_mutex);
   if (plans.size() >= kMaxPlans) plans.clear();
@@ -508,7 +519,7 @@ PyObject* wrap_optional(const std::optional<at::Tensor>& t) {
 
 // Calls a Python op body with (tensors..., optional tensor, weight_offset, deterministic) in the schema's
 // order and returns its tuple of tensors; its exception (a named TypeError / ValueError) is re-raised
-// at the op's caller.
+// at the op's caller. The caller holds the GIL (a GilScope).
 std::vector<at::Tensor> call_python_op(PyObject* body, std::initializer_list<PyObject*> args, size_t outputs) {
   std::vector<at::Tensor> result;
   PyObject* tuple = PyTuple_New(Py_ssize_t(args.size()));
@@ -540,18 +551,12 @@ ForwardResult forward_cuda(const at::Tensor& x, const at::Tensor& w, double eps,
     if (!with_residual) out.h_new = at::empty({0}, x.options());
     return {std::move(out.y), std::move(out.rstd), std::move(out.h_new)};
   }
-  const PyGILState_STATE gil = PyGILState_Ensure();
-  try {
-    auto outs = call_python_op(python_forward_op,
-                               {THPVariable_Wrap(x), THPVariable_Wrap(w), PyFloat_FromDouble(eps), wrap_optional(residual),
-                                PyFloat_FromDouble(weight_offset), PyBool_FromLong(deterministic)},
-                               3);
-    PyGILState_Release(gil);
-    return {outs[0], outs[1], outs[2]};
-  } catch (...) {
-    PyGILState_Release(gil);
-    throw;
-  }
+  GilScope gil;
+  auto outs = call_python_op(python_forward_op,
+                             {THPVariable_Wrap(x), THPVariable_Wrap(w), PyFloat_FromDouble(eps), wrap_optional(residual),
+                              PyFloat_FromDouble(weight_offset), PyBool_FromLong(deterministic)},
+                             3);
+  return {outs[0], outs[1], outs[2]};
 }
 
 BackwardResult backward_cuda(const at::Tensor& g, const at::Tensor& x, const at::Tensor& w, const at::Tensor& rstd,
@@ -565,19 +570,12 @@ BackwardResult backward_cuda(const at::Tensor& g, const at::Tensor& x, const at:
     auto [dx, dw] = launch_backward(*s, g, x, w, rstd, with_residual ? *g_residual : at::Tensor(), w.scalar_type(), true);
     return {std::move(dx), std::move(dw)};
   }
-  const PyGILState_STATE gil = PyGILState_Ensure();
-  try {
-    auto outs = call_python_op(python_backward_op,
-                               {THPVariable_Wrap(g), THPVariable_Wrap(x), THPVariable_Wrap(w), THPVariable_Wrap(rstd),
-                                wrap_optional(g_residual), PyFloat_FromDouble(weight_offset),
-                                PyBool_FromLong(deterministic)},
-                               2);
-    PyGILState_Release(gil);
-    return {outs[0], outs[1]};
-  } catch (...) {
-    PyGILState_Release(gil);
-    throw;
-  }
+  GilScope gil;
+  auto outs = call_python_op(python_backward_op,
+                             {THPVariable_Wrap(g), THPVariable_Wrap(x), THPVariable_Wrap(w), THPVariable_Wrap(rstd),
+                              wrap_optional(g_residual), PyFloat_FromDouble(weight_offset), PyBool_FromLong(deterministic)},
+                             2);
+  return {outs[0], outs[1]};
 }
 
 // The op's autograd formula: saves (x or h_new, w, rstd); rstd, and h_new in plain mode, are not
