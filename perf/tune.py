@@ -29,12 +29,11 @@ from functools import partial
 
 import torch
 from cake_cute.kernels.config import backward_config, forward_config, overridden
-from torch.autograd import DeviceType
-from torch.profiler import ProfilerActivity, profile
 
 import cake_cute
 from cake_cute import dispatch
 from cake_cute.device import device_facts
+from cake_cute.tools.bench.timing import gpu_events
 from cake_cute.vocab import DTYPE_NAMES, dtype_bytes, torch_dtype
 
 
@@ -42,11 +41,12 @@ def profiled_kernels(fn, reps: int) -> list:
     """The profiler's GPU kernel events of ``reps`` calls of ``fn`` (after one call outside)."""
     fn()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+
+    def calls():
         for _ in range(reps):
             fn()
-        torch.cuda.synchronize()
-    return [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+
+    return gpu_events(torch, calls)
 
 
 def device_us(fn, reps: int) -> float:

@@ -59,6 +59,16 @@ def buffer_sets_for(set_bytes: int, l2_bytes: int, rotate: bool = True) -> int:
     return min(MAX_BUFFER_SETS, max(1, math.ceil(L2_FACTOR * l2_bytes / set_bytes)))
 
 
+def gpu_events(torch, run: Callable[[], object]) -> list:
+    """The profiler's GPU events (kernels and copies) of ``run()``, the device synchronized before the
+    profile ends."""
+    profiler = torch.profiler
+    with profiler.profile(activities=[profiler.ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
 class Rotation:
     """Hands out set indices 0, 1, ..., n - 1, 0, ... across every call, timed or not, so a set is always
     used again exactly ``n - 1`` calls after its last use, whatever the number of reps in between."""
@@ -155,15 +165,14 @@ class DeviceTimer:
         """Mean device time of the kernels (and copies) of one call, µs, from the profiler's GPU
         activity (see the module docstring); ``call`` and ``setup`` as in ``device_us``, every ``setup``
         run before profiling starts."""
-        profiler = self.torch.profiler
         args = [setup() if setup is not None else None for _ in range(reps)]
         self.torch.cuda.synchronize()
-        with profiler.profile(activities=[profiler.ProfilerActivity.CUDA]) as prof:
+
+        def calls():
             for arg in args:
                 call(arg)
-            self.torch.cuda.synchronize()
-        gpu = self.torch.autograd.DeviceType.CUDA
-        return sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type == gpu) / reps
+
+        return sum(e.time_range.elapsed_us() for e in gpu_events(self.torch, calls)) / reps
 
     def copy_ceiling(self, nbytes: int, reps: int, rotate: bool = True, kernel_time: bool = False) -> dict:
         """The device-copy ceiling for ``nbytes`` moved: ``nbytes / 2`` copied device to device (read +
