@@ -30,7 +30,7 @@ from .vocab import cutlass_dtype
 class KernelKind:
     spec: Callable[..., Any]  # the hot path's fields after the kind -> the spec
     config: Callable[[Any], Any]  # spec -> its config value
-    kernel: Callable[[Any, Any], Any]  # (spec, config) -> the kernel object cute.compile traces
+    kernel: Callable[[Any, Any], Any]  # (spec, config) -> the kernel object or jit method cute.compile traces
     arguments: Callable[[Any, Any], tuple]  # (spec, config) -> its arguments, before the stream
 
 
@@ -77,6 +77,8 @@ def _forward_arguments(spec: KernelSpec, config) -> tuple:
 
 
 def _backward_arguments(spec: KernelSpec, config) -> tuple:
+    """g, h, w, rstd, g_residual (or None), dx, the partial rows, the number of programs, then the
+    parts of g after the first (``rmsnorm_bwd.RMSNormBackward.entry_point``)."""
     import cutlass
     import cutlass.cute as cute
 
@@ -85,7 +87,8 @@ def _backward_arguments(spec: KernelSpec, config) -> tuple:
     rstd = _vector(cutlass.Float32, rows, 1)
     g, h, dx = (_rows_tensor(act, rows, H, vec) for _ in range(3))
     g_res = _rows_tensor(act, rows, H, vec) if spec.residual else None
-    return g, h, w, rstd, g_res, dx, _partials(H), cutlass.Int32(1)
+    g_parts = (_rows_tensor(act, rows, H, vec) for _ in range(spec.g_parts - 1))
+    return g, h, w, rstd, g_res, dx, _partials(H), cutlass.Int32(1), *g_parts
 
 
 def _reduce_arguments(spec: ReduceSpec, config) -> tuple:
@@ -138,7 +141,7 @@ def _backward_kernel(spec: KernelSpec, config):
     from .kernels.rmsnorm_bwd import RMSNormBackward
 
     dtypes = cutlass_dtype(spec.act_dtype), cutlass_dtype(spec.w_dtype)
-    return RMSNormBackward(config, *dtypes, spec.residual, spec.weight_offset)
+    return RMSNormBackward(config, *dtypes, spec.residual, spec.weight_offset, spec.g_parts).entry_point()
 
 
 def _reduce_kernel(spec: ReduceSpec, config):
@@ -156,7 +159,7 @@ KINDS: dict[str, KernelKind] = {
     ),
     "bwd": KernelKind(
         partial(KernelSpec, "bwd"),
-        lambda s: backward_config(s.arch, s.act_dtype, s.w_dtype, s.hidden, s.residual),
+        lambda s: backward_config(s.arch, s.act_dtype, s.w_dtype, s.hidden, s.residual, s.g_parts),
         _backward_kernel,
         _backward_arguments,
     ),
@@ -169,7 +172,7 @@ KINDS: dict[str, KernelKind] = {
 
 def make_spec(kind: str, *fields):
     """The spec of ``kind`` from the fields after the kind (``("fwd", arch, act, w, H, residual,
-    offset)``, ``("dw", arch, out_dtype, H)``)."""
+    offset)``, ``("bwd", arch, act, w, H, residual, offset[, g_parts])``, ``("dw", arch, out_dtype, H)``)."""
     return KINDS[kind].spec(*fields)
 
 

@@ -32,5 +32,6 @@ def backward(g, h, w, rstd, g_residual, weight_offset):
     if g_residual is not None:
         dx = dx + g_residual.reshape(-1, hidden).float()
     products = g32 * xhat
-    dw = products.cumsum(dim=0)[-1] if products.shape[0] else products.new_zeros(hidden)
+    # The last running sum, copied out of the cumsum's storage: an output must not be a view into it.
+    dw = products.cumsum(dim=0)[-1].clone() if products.shape[0] else products.new_zeros(hidden)
     return dx.to(h.dtype).view(h.shape), dw.to(w.dtype)

@@ -1,7 +1,8 @@
 """The kernels as ``torch.library`` custom ops, and the save/backward logic both autograd paths share.
 
 ``cake_cute::rmsnorm_fwd`` returns ``(y, rstd, h_new)`` and ``cake_cute::rmsnorm_bwd`` returns
-``(dx, dw)``. rstd is shaped ``x.shape[:-1]`` at the op boundary (the functional kernels use one row
+``(dx, dw)``; ``cake_cute::rmsnorm_bwd_parts`` is ``rmsnorm_bwd`` of a gradient given as its summands
+(``graph_passes``). rstd is shaped ``x.shape[:-1]`` at the op boundary (the functional kernels use one row
 per value, ``[T]``; the ops view it), so an N-D input stays N-D and a DTensor sharded on any
 non-hidden dimension needs no redistribution. dw comes back in w's dtype, as autograd wants it. A
 schema has a fixed number of outputs, so in plain mode (no residual) ``h_new`` is an empty tensor.
@@ -30,15 +31,18 @@ import torch
 from . import cpu, native
 from . import validation as v
 from .ops import backward_from_saved, cake_rmsnorm_train_backward, cake_rmsnorm_train_forward
+from .reference import summed_gradient
 
 _FWD_SCHEMA = (
     "(Tensor x, Tensor w, float eps, Tensor? residual=None, float weight_offset=0.0, "
     "bool deterministic=True) -> (Tensor, Tensor, Tensor)"
 )
-_BWD_SCHEMA = (
-    "(Tensor g, Tensor x, Tensor w, Tensor rstd, Tensor? g_residual=None, float weight_offset=0.0, "
+_BWD_ARGUMENTS = (
+    "Tensor x, Tensor w, Tensor rstd, Tensor? g_residual=None, float weight_offset=0.0, "
     "bool deterministic=True) -> (Tensor, Tensor)"
 )
+_BWD_SCHEMA = "(Tensor g, " + _BWD_ARGUMENTS
+_BWD_PARTS_SCHEMA = "(Tensor[] g, " + _BWD_ARGUMENTS
 
 
 # Keeps the namespace's registrations alive.
@@ -113,6 +117,21 @@ def _rmsnorm_bwd_fake(g, x, w, rstd, g_residual=None, weight_offset=0.0, determi
     return x.new_empty(x.shape), w.new_empty(w.shape)
 
 
+def rmsnorm_bwd_parts(g, x, w, rstd, g_residual=None, weight_offset=0.0, deterministic=True):
+    """``rmsnorm_bwd`` of the gradient whose summands are the list ``g`` (2 or 3 tensors, x's shape and
+    dtype), summed in the kernel (FP32, left to right, rounded once): what ``graph_passes`` puts in
+    place of an add of dgrads feeding ``rmsnorm_bwd`` in a compiled graph."""
+    return rmsnorm_bwd(tuple(g), x, w, rstd, g_residual, weight_offset, deterministic)
+
+
+def _rmsnorm_bwd_parts_cpu(g, x, w, rstd, g_residual=None, weight_offset=0.0, deterministic=True):
+    return cpu.backward(summed_gradient(g), x, w, rstd, g_residual, weight_offset)
+
+
+def _rmsnorm_bwd_parts_fake(g, x, w, rstd, g_residual=None, weight_offset=0.0, deterministic=True):
+    return _rmsnorm_bwd_fake(g[0], x, w, rstd)
+
+
 # --- the save/backward logic of both autograd paths ------------------------------------------------
 
 
@@ -174,6 +193,13 @@ define_op(
     setup_context=_setup_context,
 )
 define_op("rmsnorm_bwd", _BWD_SCHEMA, rmsnorm_bwd, cpu=_rmsnorm_bwd_cpu, fake=_rmsnorm_bwd_fake)
+define_op(
+    "rmsnorm_bwd_parts",
+    _BWD_PARTS_SCHEMA,
+    rmsnorm_bwd_parts,
+    cpu=_rmsnorm_bwd_parts_cpu,
+    fake=_rmsnorm_bwd_parts_fake,
+)
 native.provide_op_bodies(rmsnorm_fwd, rmsnorm_bwd)
 
 

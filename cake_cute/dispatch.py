@@ -2,7 +2,9 @@
 writes (what a workspace must hold), and the vector width every kernel of an H assumes.
 
 Configs depend on (arch, dtypes, H) only (``kernels.config``); T decides just the number of backward
-programs, which never changes a row's arithmetic.
+programs, which never changes a row's arithmetic. A backward of g in parts (``g_parts``) has a config
+of its own, whose shared memory can fit more or fewer CTAs on an SM than the one-g backward's: its
+launch plan and the workspace it needs follow that config.
 """
 
 from __future__ import annotations
@@ -33,13 +35,19 @@ PAIR_TILES_FROM = 64
 
 @lru_cache(maxsize=4096)
 def backward_programs(
-    rows: int, hidden: int, act_dtype: str, w_dtype: str, residual: bool, device: DeviceFacts
+    rows: int,
+    hidden: int,
+    act_dtype: str,
+    w_dtype: str,
+    residual: bool,
+    device: DeviceFacts,
+    g_parts: int = 1,
 ) -> int:
     """Programs (clusters) of the persistent backward: as many as are resident at once, never more
     than there are row tiles (two tiles each from ``PAIR_TILES_FROM`` tiles up to a full GPU). The
     partition of rows -- and so dw's bits -- is fixed by this number, which depends only on T, the GPU
-    model and the variant (dtypes, H, mode)."""
-    config = backward_config(device.arch, act_dtype, w_dtype, hidden, residual)
+    model and the variant (dtypes, H, mode, parts of g)."""
+    config = backward_config(device.arch, act_dtype, w_dtype, hidden, residual, g_parts)
     tiling = config.tiling
     tiles = -(-rows // tiling.rows_per_cta)
     if tiles <= 1:
@@ -59,24 +67,40 @@ def backward_programs(
 
 @lru_cache(maxsize=4096)
 def backward_launch(
-    rows: int, hidden: int, act_dtype: str, w_dtype: str, residual: bool, device: DeviceFacts
+    rows: int,
+    hidden: int,
+    act_dtype: str,
+    w_dtype: str,
+    residual: bool,
+    device: DeviceFacts,
+    g_parts: int = 1,
 ) -> tuple[int, int]:
     """(programs, FP32 partial rows of dW the backward writes: one per row group of each program)."""
-    programs = backward_programs(rows, hidden, act_dtype, w_dtype, residual, device)
-    rows_per_cta = backward_config(device.arch, act_dtype, w_dtype, hidden, residual).tiling.rows_per_cta
+    programs = backward_programs(rows, hidden, act_dtype, w_dtype, residual, device, g_parts)
+    rows_per_cta = backward_config(
+        device.arch, act_dtype, w_dtype, hidden, residual, g_parts
+    ).tiling.rows_per_cta
     return programs, programs * rows_per_cta
 
 
 def most_partial_rows(
-    rows: int, hidden: int, act_dtype: str, w_dtype: str, residual: bool, device: DeviceFacts
+    rows: int,
+    hidden: int,
+    act_dtype: str,
+    w_dtype: str,
+    residual: bool,
+    device: DeviceFacts,
+    g_parts: int = 1,
 ) -> int:
     """The most partial rows any backward of up to ``rows`` rows writes (what a workspace for ``rows``
     must hold): the program count grows with T except where pairing starts, so the largest count is
     at ``rows`` or just below ``PAIR_TILES_FROM`` tiles."""
-    rows_per_cta = backward_config(device.arch, act_dtype, w_dtype, hidden, residual).tiling.rows_per_cta
+    rows_per_cta = backward_config(
+        device.arch, act_dtype, w_dtype, hidden, residual, g_parts
+    ).tiling.rows_per_cta
     below_pairing = (PAIR_TILES_FROM - 1) * rows_per_cta
     return max(
-        backward_launch(r, hidden, act_dtype, w_dtype, residual, device)[1]
+        backward_launch(r, hidden, act_dtype, w_dtype, residual, device, g_parts)[1]
         for r in {max(rows, 1), max(min(rows, below_pairing), 1)}
     )
 

@@ -149,9 +149,10 @@ def cake_rmsnorm_train_backward_workspace_bytes(rows, hidden, device, *, residua
     device_arch(device)
     facts = device_facts(device)
     most = max(
-        dispatch.most_partial_rows(rows, hidden, act, w, residual, facts)
+        dispatch.most_partial_rows(rows, hidden, act, w, residual, facts, g_parts)
         for act in DTYPE_NAMES
         for w in {act, "fp32"}
+        for g_parts in range(1, v.MAX_GRADIENT_PARTS + 1)
     )
     return dispatch.partial_rows_bytes(most, hidden)
 
@@ -210,8 +211,10 @@ def cake_rmsnorm_train_backward(
 
     Parameters
     ----------
-    g : torch.Tensor
-        dL/dy, x's shape, dtype and device.
+    g : torch.Tensor or sequence of torch.Tensor
+        dL/dy, x's shape, dtype and device; or 2 to 3 such tensors whose sum is dL/dy (the dgrads of
+        the layers that read y): the kernel sums them in FP32, left to right, and rounds the sum once
+        to x's dtype -- what torch.compile's fused add of them stores -- instead of a separate add.
     x : torch.Tensor
         What the forward normalized: x, or h_new in residual mode (``[..., H]``, bf16 / fp16 / fp32).
     w : torch.Tensor
@@ -256,7 +259,7 @@ def cake_rmsnorm_train_backward(
     op = known_operands(x, w)
     if op is None:
         v.check_activation(x)
-    v.check_like("g", g, x)
+    g_parts = v.check_gradient_parts(g, x)
     if op is None:
         v.check_weight(w, x)
     hidden = x.shape[-1]
@@ -273,7 +276,7 @@ def cake_rmsnorm_train_backward(
         v.check_workspace(workspace, x.device)
     if op is None:
         op = operands(x, w)
-    return _backward(op, g, x, w, rstd, g_residual, workspace, dx, dw, weight_offset, dw_dtype)
+    return _backward(op, g_parts, x, w, rstd, g_residual, workspace, dx, dw, weight_offset, dw_dtype)
 
 
 def backward_from_saved(g, h, w, rstd, g_residual, weight_offset: float):
@@ -281,7 +284,7 @@ def backward_from_saved(g, h, w, rstd, g_residual, weight_offset: float):
     has already matched g (and g_residual) to the outputs' shape, dtype and device, so only the
     (x, w) facts are looked up again. dw comes back in w's dtype."""
     op = known_operands(h, w) or operands(h, w)
-    return _backward(op, g, h, w, rstd, g_residual, None, None, None, weight_offset, w.dtype)
+    return _backward(op, (g,), h, w, rstd, g_residual, None, None, None, weight_offset, w.dtype)
 
 
 class _BackwardPlan(NamedTuple):
@@ -292,10 +295,11 @@ class _BackwardPlan(NamedTuple):
 
 
 @lru_cache(maxsize=4096)
-def _backward_plan(op, rows, residual) -> _BackwardPlan:
-    """The launch shape of a backward call, looked up once per distinct (operands, T, residual)."""
+def _backward_plan(op, rows, residual, g_parts: int = 1) -> _BackwardPlan:
+    """The launch shape of a backward call, looked up once per distinct (operands, T, residual, number
+    of g's summands)."""
     programs, partial_rows = dispatch.backward_launch(
-        max(rows, 1), op.hidden, op.act, op.w_name, residual, op.facts
+        max(rows, 1), op.hidden, op.act, op.w_name, residual, op.facts, g_parts
     )
     return _BackwardPlan(
         programs,
@@ -308,10 +312,12 @@ def _backward_plan(op, rows, residual) -> _BackwardPlan:
 on_override_change(_backward_plan.cache_clear)
 
 
-def _backward_kernels(op, residual: bool, weight_offset: float, dw_dtype):
-    """The backward's two kernels: dx with the FP32 partial rows of dW, and their reduction."""
+def _backward_kernels(op, residual: bool, weight_offset: float, dw_dtype, g_parts: int = 1):
+    """The backward's two kernels: dx with the FP32 partial rows of dW (from ``g_parts`` summands of
+    g), and their reduction."""
+    parts = (g_parts,) if g_parts > 1 else ()  # the one-summand variant keeps its field tuple
     return (
-        kernel("bwd", op.arch, op.act, op.w_name, op.hidden, residual, weight_offset),
+        kernel("bwd", op.arch, op.act, op.w_name, op.hidden, residual, weight_offset, *parts),
         kernel("dw", op.arch, dtype_name(dw_dtype), op.hidden),
     )
 
@@ -326,11 +332,12 @@ def _native_backward_plan(op, weight_offset: float, rows: int, residual: bool, d
     return (*handles, plan.programs, plan.partial_rows, dispatch.partial_row_stride(op.hidden))
 
 
-def _backward(op, g, x, w, rstd, g_residual, workspace, dx, dw, weight_offset, dw_dtype):
+def _backward(op, g_parts, x, w, rstd, g_residual, workspace, dx, dw, weight_offset, dw_dtype):
+    """The launch of a validated backward; ``g_parts``: the tuple of g's summands (usually one)."""
     hidden = op.hidden
     rows = x.numel() // hidden
     residual = g_residual is not None
-    plan = _backward_plan(op, rows, residual)
+    plan = _backward_plan(op, rows, residual, len(g_parts))
     vec = plan.vec
     if workspace is not None:
         v.check_workspace_size(workspace, plan.workspace_bytes)
@@ -340,11 +347,11 @@ def _backward(op, g, x, w, rstd, g_residual, workspace, dx, dw, weight_offset, d
     if rows == 0:  # nothing to launch (and nothing to compile)
         dw_t.zero_()
     else:
-        bwd, reduce = _backward_kernels(op, residual, weight_offset, dw_dtype)
+        bwd, reduce = _backward_kernels(op, residual, weight_offset, dw_dtype, len(g_parts))
         partials = _partials(workspace, plan.partial_rows, hidden, op.device)
         with on_device(op.device):
             bwd(
-                kernel_view(g, vec),
+                kernel_view(g_parts[0], vec),
                 kernel_view(x, vec),
                 aligned_vector(w, vec),
                 rstd if rstd.is_contiguous() else rstd.contiguous(),
@@ -352,6 +359,7 @@ def _backward(op, g, x, w, rstd, g_residual, workspace, dx, dw, weight_offset, d
                 rows_view(dx_t, hidden),
                 partials,
                 plan.programs,
+                *(kernel_view(part, vec) for part in g_parts[1:]),
             )
             reduce(partials, dw_t)
     return finish(dx_t, dx_copy), finish(dw_t, dw_copy)

@@ -16,6 +16,15 @@ def forward_reference(x, w, eps, residual=None, weight_offset=0.0, compute_dtype
     return y, rstd.squeeze(-1).reshape(-1), h
 
 
+def summed_gradient(parts) -> torch.Tensor:
+    """The gradient a backward of summands ``parts`` (1 to 3 tensors of one dtype) uses: their sum in
+    FP32, left to right, rounded once to their dtype -- what torch.compile's fused add of them stores."""
+    total = parts[0].float()
+    for part in parts[1:]:
+        total = total + part.float()
+    return total.to(parts[0].dtype)
+
+
 def backward_reference(g, h, w, rstd, g_residual=None, weight_offset=0.0, compute_dtype=torch.float64):
     """(dx, dw) unrounded in ``compute_dtype``; ``h`` is the saved (rounded) normalized input."""
     hidden = h.shape[-1]

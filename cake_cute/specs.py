@@ -14,7 +14,8 @@ from typing import ClassVar
 class KernelSpec:
     """A forward (``"fwd"``) or backward (``"bwd"``) kernel: rows of ``act_dtype``, a weight of
     ``w_dtype``, hidden size ``hidden``, optionally fused with the residual add, with the Gemma-style
-    ``weight_offset`` compiled in."""
+    ``weight_offset`` compiled in. A backward reads its upstream gradient as ``g_parts`` summands (1-3:
+    see ``kernels.rmsnorm_bwd``); the name says so only from two on, so a one-g backward keeps its name."""
 
     kind: str  # "fwd" or "bwd"
     arch: str  # vocab.SUPPORTED_ARCHS
@@ -23,11 +24,14 @@ class KernelSpec:
     hidden: int
     residual: bool = False
     weight_offset: float = 0.0
+    g_parts: int = 1  # "bwd" only
 
     def name(self) -> str:
         offset = f"_off{self.weight_offset:g}".replace(".", "p").replace("-", "m")
         res = "_res" if self.residual else ""
-        return f"cake_{self.kind}_{self.arch}_{self.act_dtype}_w{self.w_dtype}_h{self.hidden}{res}{offset}"
+        parts = f"_g{self.g_parts}" if self.g_parts > 1 else ""
+        variant = f"{self.arch}_{self.act_dtype}_w{self.w_dtype}_h{self.hidden}"
+        return f"cake_{self.kind}_{variant}{res}{offset}{parts}"
 
 
 @dataclass(frozen=True)

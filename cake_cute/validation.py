@@ -96,6 +96,25 @@ def check_like(name: str, t, x) -> None:
     check_output(name, t, x.shape, x.dtype, x.device)
 
 
+MAX_GRADIENT_PARTS = 3
+
+
+def check_gradient_parts(g, x) -> tuple:
+    """``g`` as the tuple of its summands: one tensor, or a list / tuple of 1 to
+    ``MAX_GRADIENT_PARTS`` tensors, each with x's dtype, device and shape."""
+    if isinstance(g, torch.Tensor):
+        check_like("g", g, x)
+        return (g,)
+    if not isinstance(g, (list, tuple)) or not 1 <= len(g) <= MAX_GRADIENT_PARTS:
+        raise TypeError(
+            f"g must be a tensor or a list / tuple of 1 to {MAX_GRADIENT_PARTS} tensors (its summands), "
+            f"got {type(g).__name__}" + (f" of length {len(g)}" if isinstance(g, (list, tuple)) else "")
+        )
+    for i, part in enumerate(g):
+        check_like(f"g[{i}]", part, x)
+    return tuple(g)
+
+
 def check_forward_outputs(x, rows: int, residual, out, rstd, residual_out) -> None:
     """The forward's caller-owned outputs (each may be None): y and h_new shaped like x, FP32 rstd
     with one value per row; h_new only in residual mode."""

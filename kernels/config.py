@@ -2,7 +2,8 @@
 an override table for tuning.
 
 - ``forward_config(arch, act_dtype, hidden)`` -> ``ForwardConfig`` (``rmsnorm_fwd``),
-- ``backward_config(arch, act_dtype, w_dtype, hidden, residual)`` -> ``BackwardConfig`` (``rmsnorm_bwd``),
+- ``backward_config(arch, act_dtype, w_dtype, hidden, residual, g_parts=1)`` -> ``BackwardConfig``
+  (``rmsnorm_bwd``),
 - ``reduce_config(arch, out_dtype, hidden)`` -> ``ReduceConfig`` (``dw_reduce``),
 - ``quant_forward_config(arch, act_dtype, hidden, recipe)`` -> ``QuantForwardConfig`` (``rmsnorm_fwd_quant``).
 
@@ -45,6 +46,9 @@ from .tiling import (
 )
 
 HOPPER = "sm_90a"
+MAX_HINTED_REGISTERS = 255  # what a thread may hold when the register hint allows one CTA per SM
+# The backward reads its upstream gradient as up to this many summands (``rmsnorm_bwd``: q/k/v dgrads).
+MAX_G_PARTS = 3
 
 
 @dataclass(frozen=True)
@@ -63,12 +67,12 @@ class BackwardConfig:
     """The backward kernel.
 
     ``dw_in_smem``: 512-thread CTAs (128 registers per thread) whose lanes own more than one vector
-    each keep the FP32 dW accumulator in shared memory and read g and h straight from global memory,
-    again after the row sum (an L2 hit), instead of staging them; otherwise g and h stream through a
-    ring of ``ring_depth`` shared-memory row tiles. ``register_budget`` is held through
-    ``min_ctas_per_sm`` (the ``min_blocks_per_mp`` hint); ``smem_bytes`` bounds one CTA's shared
-    memory and ``ctas_per_sm`` is how many CTAs are resident on an SM (the persistent grid launches
-    exactly that many)."""
+    each keep the FP32 dW accumulator in shared memory and read g (every part of it) and h straight
+    from global memory, again after the row sum (an L2 hit), instead of staging them; otherwise g and
+    h stream through a ring of ``ring_depth`` slots, each one shared-memory row tile per part of g
+    and one of h. ``register_budget`` is held through ``min_ctas_per_sm`` (the ``min_blocks_per_mp``
+    hint); ``smem_bytes`` bounds one CTA's shared memory and ``ctas_per_sm`` is how many CTAs are
+    resident on an SM (the persistent grid launches exactly that many)."""
 
     tiling: RowTiling
     dw_in_smem: bool
@@ -230,6 +234,18 @@ def backward_ring_depth(tiling: RowTiling, act_dtype: str, residual: bool) -> in
     return 4
 
 
+def parts_ring_depth(ring_depth: int, g_parts: int) -> int:
+    """Slots of the ring when g arrives as ``g_parts`` summands: a slot then stages g_parts + 1 row
+    tiles instead of two. The ring keeps the one-g ring's number of tiles in whole slots, because
+    shared memory bounds how many CTAs share an SM: 4 slots x 2 tiles become 2 x 3 or 2 x 4, so a
+    four-slot variant stages no more than before. Never fewer than two slots (one tile in flight while
+    one is reduced), so two-slot rings (residual mode, clusters, one-vector lanes) stage g_parts - 1
+    more tiles per slot; where that crosses half an SM's shared memory -- 16 KB row tiles: bf16 rows
+    split over clusters or of H = 8192 in residual mode, most FP32 rows from 4096 on -- one CTA per SM
+    remains instead of two. One g keeps its ring as it is. Not yet measured against deeper rings."""
+    return max(2, ring_depth * 2 // (g_parts + 1))
+
+
 def backward_register_budget(tiling: RowTiling, arch: str) -> int:
     """Registers per backward thread: 128, or a lean budget when each thread owns at most two vectors,
     needs no column predicates and shares its CTA with at most one other row, so more CTAs fit on an
@@ -242,18 +258,35 @@ def backward_register_budget(tiling: RowTiling, arch: str) -> int:
     return 64 if tiling.threads_per_cta >= MAX_THREADS_PER_CTA else 80
 
 
+def parts_register_budget(tiling: RowTiling, budget: int, smem_bytes: int) -> int:
+    """Registers per thread of a backward of g in parts: every part is one more register fragment in
+    the row sum and in dx. Where shared memory lets fewer CTAs onto an SM than ``budget``'s register
+    hint asks for, the hint would only squeeze registers: the budget grows to those CTAs' share of the
+    register file, at most ``MAX_HINTED_REGISTERS`` (sm_100a bf16 H = 8192 with three parts spills
+    under 128 and takes 130). Residency is unchanged: shared memory already decided it."""
+    fit = resident_ctas_per_sm(tiling, smem_bytes, MAX_CTAS_PER_SM)
+    share = REGISTERS_PER_SM // (fit * tiling.threads_per_cta)
+    return max(budget, min(MAX_HINTED_REGISTERS, share))
+
+
 def backward_smem_bytes(
-    tiling: RowTiling, act_dtype: str, w_dtype: str, residual: bool, ring_depth: int, dw_in_smem: bool
+    tiling: RowTiling,
+    act_dtype: str,
+    w_dtype: str,
+    residual: bool,
+    g_parts: int,
+    ring_depth: int,
+    dw_in_smem: bool,
 ) -> int:
     """Shared memory of one backward CTA (``rmsnorm_bwd``), an upper bound: reduction slots, the w tile,
-    one tile of g_residual, either the ring of g and h tiles or the FP32 dW tile, and the DSL's
-    static kilobyte. w's own dtype counts: under autocast w is FP32 next to bf16 rows, and its tile
-    can decide whether two CTAs fit on an SM (bf16 H = 8192, residual)."""
+    one tile of g_residual, either the ring (per slot a tile of each part of g and one of h) or the
+    FP32 dW tile, and the DSL's static kilobyte. w's own dtype counts: under autocast w is FP32 next
+    to bf16 rows, and its tile can decide whether two CTAs fit on an SM (bf16 H = 8192, residual)."""
     tile = tiling.rows_per_cta * tiling.cols_per_cta
     reduction = 4 * 2 * tiling.rows_per_cta * (tiling.warps_per_row + 1) + 64
     act_bytes = dtype_bytes(act_dtype)
     staging = (1 if residual else 0) * tile * act_bytes
-    staging += 4 * tile if dw_in_smem else ring_depth * 2 * tile * act_bytes
+    staging += 4 * tile if dw_in_smem else ring_depth * (g_parts + 1) * tile * act_bytes
     return reduction + dtype_bytes(w_dtype) * tile + staging + SMEM_STATIC_PER_CTA + 256
 
 
@@ -265,7 +298,19 @@ def resident_ctas_per_sm(tiling: RowTiling, smem_bytes: int, min_ctas_per_sm: in
 
 
 @cache
-def backward_config(arch: str, act_dtype: str, w_dtype: str, hidden: int, residual: bool) -> BackwardConfig:
+def backward_config(
+    arch: str, act_dtype: str, w_dtype: str, hidden: int, residual: bool, g_parts: int = 1
+) -> BackwardConfig:
+    """The backward's config; ``g_parts`` (1 to ``MAX_G_PARTS``) is how many summands g arrives as. An
+    overridden ``ring_depth`` is the one-g ring's; a parts variant cuts it like the rule's.
+
+    Raises
+    ------
+    ValueError
+        ``g_parts`` out of range, or an overridden ring deeper than 2 in residual mode.
+    """
+    if not 1 <= g_parts <= MAX_G_PARTS:
+        raise ValueError(f"g arrives as 1 to {MAX_G_PARTS} parts, got g_parts={g_parts}")
     choices = override_choices("bwd", arch, act_dtype, hidden)
     tiling = choices.get("tiling") or backward_tiling(hidden, act_dtype)
     dw_in_smem = tiling.threads_per_cta >= MAX_THREADS_PER_CTA and tiling.vecs_per_thread > 1
@@ -275,9 +320,13 @@ def backward_config(arch: str, act_dtype: str, w_dtype: str, hidden: int, residu
     if residual and ring_depth > 2:
         # A g_residual group committed behind a tile's g and h would force that tile's arrival early.
         raise ValueError(f"residual mode keeps a ring of 2 row tiles, got ring_depth={ring_depth}")
+    if not dw_in_smem:
+        ring_depth = parts_ring_depth(ring_depth, g_parts)
+    smem = backward_smem_bytes(tiling, act_dtype, w_dtype, residual, g_parts, ring_depth, dw_in_smem)
     budget = choices.get("register_budget") or backward_register_budget(tiling, arch)
+    if g_parts > 1 and "register_budget" not in choices:
+        budget = parts_register_budget(tiling, budget, smem)
     min_ctas = max(1, REGISTERS_PER_SM // (budget * tiling.threads_per_cta))
-    smem = backward_smem_bytes(tiling, act_dtype, w_dtype, residual, ring_depth, dw_in_smem)
     per_sm = choices.get("ctas_per_sm") or resident_ctas_per_sm(tiling, smem, min_ctas)
     return BackwardConfig(tiling, dw_in_smem, ring_depth, budget, min_ctas, smem, per_sm)
 

@@ -2,6 +2,8 @@
 
 Math, per row t (FP32 arithmetic, one rounding at the end):
 
+    g    = g0, or with g_parts = n > 1 summands (the q/k/v or gate/up dgrads under torch.compile):
+    g    = round(((g0 + g1) [+ g2]) in FP32, from the left)   (one rounding to the activation dtype)
     a    = g * (w + weight_offset)
     xhat = h * rstd                        (h: the saved x, or h_new in residual mode)
     c    = sum_j a_j * xhat_j / H
@@ -16,12 +18,19 @@ accumulator as one FP32 row of the workspace ``partials[num_programs * rows_per_
 ``dw_reduce`` sums in a fixed order (launched behind this kernel with programmatic dependent launch,
 allowed once a program's row loop is done). No atomics anywhere.
 
-Pipeline: g and h of the program's next row tiles stream with cp.async into a ring of ``ring_depth``
-shared-memory row tiles (``config.backward_ring_depth``: 4 for plain rows one CTA holds, so three
-tiles are in flight while one is reduced; otherwise 2), and rstd of the next tile into a register;
-g_residual, needed only after the row sum, is issued at the top of its own iteration. The row sum
-(``common.row_sum``) is the only synchronisation per row: a CTA barrier, plus for clusters an
-``st.async`` push of each CTA's partial into every peer's shared memory.
+Parts of g: the sum is what torch inductor's fused elementwise add of the parts stores, so dx and dW
+are bitwise those of the unfused compiled graph, without its add kernel. Runtime arguments (TVM-FFI;
+the stream is the environment's): g, h, w, rstd, g_residual or None, dx, partials, num_programs, then
+g1 [, g2] (``RMSNormBackward.entry_point``); each part is (T, H) in the activation dtype, with g's
+layout. One g compiles to the same machine code as before the parts existed.
+
+Pipeline: g (each of its parts) and h of the program's next row tiles stream with cp.async into a
+ring of ``ring_depth`` slots of shared-memory row tiles, one commit group per slot
+(``config.backward_ring_depth``: 4 for plain rows one CTA holds, so three tiles are in flight while
+one is reduced; otherwise 2; ``config.parts_ring_depth`` cuts it for parts), and rstd of the next tile
+into a register; g_residual, needed only after the row sum, is issued at the top of its own
+iteration. The row sum (``common.row_sum``) is the only synchronisation per row: a CTA barrier, plus
+for clusters an ``st.async`` push of each CTA's partial into every peer's shared memory.
 
 Tiling (``config.backward_config``, ``tiling.backward_tiling``): ``threads_per_row`` lanes per row,
 ``vecs_per_thread`` vectors of ``vec`` elements (128-bit accesses when H allows), at most 64 bytes of
@@ -29,8 +38,8 @@ each of g and h per thread; a row one CTA holds goes to as many whole warps as c
 one or two vectors each (H = 1024: 4 warps x 1, 7168: 14 warps x 2); wide rows are split over a
 cluster of up to 16 CTAs. Registers are held to a budget (``config.backward_register_budget``)
 through ``min_blocks_per_mp``. For the widest rows (512-thread CTAs of several vectors per lane,
-``BackwardConfig.dw_in_smem``) there is no ring: g and h are loaded straight into registers and
-re-read from global memory (an L2 hit) after the row sum, and the dW accumulator lives in shared
+``BackwardConfig.dw_in_smem``) there is no ring: g's parts and h are loaded straight into registers
+and re-read from global memory (an L2 hit) after the row sum, and the dW accumulator lives in shared
 memory, so 128 registers suffice.
 
 The kernel body reads as its steps: ``fill_ring`` (the first row tiles), ``prologue`` (w and the dW
@@ -39,8 +48,10 @@ accumulator, after the ring's copies are issued so that the round trips overlap)
 ``refill_ring``, ``reduce_row`` (dW and the row sum) and ``write_dx``; at the end
 ``write_dw_partial_row``.
 
-Bytes moved: reads g, h (+ g_residual) and writes dx once: T*H*(3 or 4)*act_bytes, plus 4*T of rstd,
-plus the partial rows (num_programs * rows_per_cta * H * 4, written here, read by dw_reduce).
+Bytes moved: reads g's n parts, h (+ g_residual) and writes dx once: T*H*(n + 2 [+ 1])*act_bytes,
+plus 4*T of rstd, plus the partial rows (num_programs * rows_per_cta * H * 4, written here, read by
+dw_reduce). With n parts that is (n - 1)*T*H*act_bytes more than one g, and 2*T*H*act_bytes less than
+an add kernel (reads n, writes g) in front of a one-g backward.
 """
 
 from __future__ import annotations
@@ -90,17 +101,33 @@ class ThreadTiles:
         """This thread's cells of one slot of a shared-memory tile."""
         return self.thr.partition_D(s[None, None, ring_slot])
 
+    def read(self, sources, fragments):
+        """Copy this thread's cells of each source (the ring, or global memory) into its registers."""
+        for source, fragment in zip(sources, fragments):
+            self.copy_act(source, fragment)
+
 
 @cute.jit
-def issue_row_tile(tt: ThreadTiles, tile, ring_slot, mG, mH, sG, sH):
-    """Issue the cp.async copies of row tile ``tile`` of g and h into slot ``ring_slot`` of the ring."""
-    for m, sT in ((mG, sG), (mH, sH)):
+def issue_row_tile(tt: ThreadTiles, tile, ring_slot, sources, ring_tiles):
+    """Issue the cp.async copies of row tile ``tile`` of each source (g's parts, then h) into slot
+    ``ring_slot`` of its ring tile: one commit group holds them all."""
+    for m, sT in zip(sources, ring_tiles):
         tt.async_copy(tt.of(m, tile), tt.in_smem(sT, ring_slot))
 
 
 class RMSNormBackward(RowKernel):
-    """One compiled backward per (arch, dtypes, H, residual, weight_offset) and its
+    """One compiled backward per (arch, dtypes, H, residual, weight_offset, g_parts) and its
     ``config.BackwardConfig``; T and the number of programs are runtime values."""
+
+    def __init__(self, config, act_dtype, w_dtype, residual: bool, weight_offset: float, g_parts: int = 1):
+        super().__init__(config, act_dtype, w_dtype, residual, weight_offset)
+        self.g_parts = g_parts
+
+    def entry_point(self):
+        """What ``cute.compile`` traces: ``__call__`` for one g, else the launcher of ``g_parts`` parts.
+        Their runtime arguments: (g, h, w, rstd, g_residual or None, dx, partials, num_programs), then
+        g's other parts (g1, g2) in summation order; the stream is TVM-FFI's environment stream."""
+        return (self, self.launch_two_parts, self.launch_three_parts)[self.g_parts - 1]
 
     @cute.jit
     def __call__(
@@ -115,7 +142,22 @@ class RMSNormBackward(RowKernel):
         num_programs: Int32,
         stream,
     ):
-        self.kernel(mG, mH, mW, mRstd, mGRes, mDX, mPartial).launch(
+        self.launch(num_programs, stream, mG, mH, mW, mRstd, mGRes, mDX, mPartial)
+
+    # The launchers of g in parts take the same arguments as ``__call__`` and then the other parts.
+    @cute.jit
+    def launch_two_parts(self, mG, mH, mW, mRstd, mGRes, mDX, mPartial, num_programs: Int32, mG1, stream):
+        self.launch(num_programs, stream, mG, mH, mW, mRstd, mGRes, mDX, mPartial, mG1)
+
+    @cute.jit
+    def launch_three_parts(
+        self, mG, mH, mW, mRstd, mGRes, mDX, mPartial, num_programs: Int32, mG1, mG2, stream
+    ):
+        self.launch(num_programs, stream, mG, mH, mW, mRstd, mGRes, mDX, mPartial, mG1, mG2)
+
+    def launch(self, num_programs, stream, mG, mH, mW, mRstd, mGRes, mDX, mPartial, mG1=None, mG2=None):
+        """Launch the kernel; the parts of g a launcher does not take are None."""
+        self.kernel(mG, mH, mW, mRstd, mGRes, mDX, mPartial, mG1, mG2).launch(
             **self.launch_shape(num_programs), stream=stream
         )
 
@@ -129,8 +171,11 @@ class RMSNormBackward(RowKernel):
         mGRes: cute.Tensor,
         mDX: cute.Tensor,
         mPartial: cute.Tensor,
+        mG1: cute.Tensor,
+        mG2: cute.Tensor,
     ):
         t = self.tiling
+        mGs = (mG, mG1, mG2)[: self.g_parts]  # g's parts, in summation order
         uses_ring = not self.config.dw_in_smem
         ring_depth = self.config.ring_depth
         tidx, _, _ = cute.arch.thread_idx()
@@ -155,7 +200,7 @@ class RMSNormBackward(RowKernel):
             pred = column_predicate(tXc0, t.hidden)
         copy_act = partial(cute.copy, copy_atom(self.act_dtype, t.vec), pred=pred)
 
-        tXrG = cute.make_rmem_tensor_like(tXc0, self.act_dtype)
+        tXrGs = [cute.make_rmem_tensor_like(tXc0, self.act_dtype) for _ in mGs]
         tXrH = cute.make_rmem_tensor_like(tXc0, self.act_dtype)
         tXrDX = cute.make_rmem_tensor_like(tXc0, self.act_dtype)
         tXrGR = cute.make_rmem_tensor_like(tXc0, self.act_dtype)
@@ -165,9 +210,9 @@ class RMSNormBackward(RowKernel):
         # g_residual is needed only after the row sum: one tile, issued at the top of its iteration.
         sGR = allocate_tile(smem, self.act_dtype, t) if const_expr(self.residual) else None
         if const_expr(uses_ring):
-            sG = allocate_tile(smem, self.act_dtype, t, ring_depth)
+            sGs = [allocate_tile(smem, self.act_dtype, t, ring_depth) for _ in mGs]
             sH = allocate_tile(smem, self.act_dtype, t, ring_depth)
-            self.fill_ring(tt, bidx, num_programs, rows, mG, mH, sG, sH)
+            self.fill_ring(tt, bidx, num_programs, rows, (*mGs, mH), (*sGs, sH))
         # After the first row tiles are issued, so that w's round trip overlaps theirs.
         tXsW, tXrDW, tXDW = self.prologue(smem, thr, tiler, rank, tXc0, mW, pred)
 
@@ -183,25 +228,27 @@ class RMSNormBackward(RowKernel):
             phase = (visit >> 1) & 1
             if const_expr(uses_ring):
                 ring_slot = visit % ring_depth
-            tXgG, tXgH, tXgDX = [tt.of(m, tile) for m in (mG, mH, mDX)]
+            tXgGs = [tt.of(m, tile) for m in mGs]
+            tXgH, tXgDX = [tt.of(m, tile) for m in (mH, mDX)]
             tXsGR = None  # this tile's g_residual cells, in residual mode
             if const_expr(self.residual):
                 tXsGR = self.issue_g_residual(tt, tile, row, rows, mGRes, sGR)
             rstd = rstd_next
             rstd_next = self.load_rstd(mRstd, (tile + num_programs) * t.rows_per_cta + row_in_cta, rows)
-            # g and h come from the ring, or with dW in shared memory straight from global memory.
-            tXsrcG, tXsrcH = tXgG, tXgH
+            # g's parts and h come from the ring, or with dW in shared memory straight from global memory.
+            tXsrcGs, tXsrcH = tXgGs, tXgH
             if const_expr(not uses_ring):
-                self.prefetch_next_row(tt, tile + num_programs, rank, lane_in_row, rows, mG, mH, mGRes)
+                self.prefetch_next_row(tt, tile + num_programs, rank, lane_in_row, rows, mGs, mH, mGRes)
             if const_expr(uses_ring):
-                self.refill_ring(tt, tile, visit, num_programs, rows, mG, mH, sG, sH)
-                tXsrcG, tXsrcH = [tt.in_smem(sT, ring_slot) for sT in (sG, sH)]
+                self.refill_ring(tt, tile, visit, num_programs, rows, (*mGs, mH), (*sGs, sH))
+                tXsrcGs = [tt.in_smem(sT, ring_slot) for sT in sGs]
+                tXsrcH = tt.in_smem(sH, ring_slot)
             c = self.reduce_row(
-                tt, row, rows, rstd, reduction_slot, phase, lane_in_row, tXsrcG, tXsrcH, tXrG, tXrH, tXDW,
+                tt, row, rows, rstd, reduction_slot, phase, lane_in_row, tXsrcGs, tXsrcH, tXrGs, tXrH, tXDW,
                 tXsW, warp_sums, cta_sums, mbars,
             )  # fmt: skip
             self.write_dx(
-                tt, row, rows, rstd, c, tXsrcG, tXsrcH, tXsGR, tXrG, tXrH, tXrGR, tXrDX, tXsW, tXgDX
+                tt, row, rows, rstd, c, tXsrcGs, tXsrcH, tXsGR, tXrGs, tXrH, tXrGR, tXrDX, tXsW, tXgDX
             )
             visit = visit + 1
 
@@ -232,12 +279,13 @@ class RMSNormBackward(RowKernel):
         return tXsW, tXrDW, tXDW
 
     @cute.jit
-    def fill_ring(self, tt: ThreadTiles, bidx, num_programs, rows, mG, mH, sG, sH):
-        """Issue the program's first ``ring_depth - 1`` row tiles, one cp.async group each. Each
-        thread later reads back only the cells it issued itself, so no barrier is needed."""
+    def fill_ring(self, tt: ThreadTiles, bidx, num_programs, rows, sources, ring_tiles):
+        """Issue the program's first ``ring_depth - 1`` row tiles of ``sources`` (g's parts, h), one
+        cp.async group each. Each thread later reads back only the cells it issued itself, so no
+        barrier is needed."""
         for ahead in cutlass.range_constexpr(self.config.ring_depth - 1):
             if (bidx + ahead * num_programs) * self.tiling.rows_per_cta + tt.row_in_cta < rows:
-                issue_row_tile(tt, bidx + ahead * num_programs, ahead, mG, mH, sG, sH)
+                issue_row_tile(tt, bidx + ahead * num_programs, ahead, sources, ring_tiles)
             cute.arch.cp_async_commit_group()
 
     @cute.jit
@@ -251,16 +299,17 @@ class RMSNormBackward(RowKernel):
         return tXsGR
 
     @cute.jit
-    def prefetch_next_row(self, tt: ThreadTiles, tile, rank, lane_in_row, rows, mG, mH, mGRes):
+    def prefetch_next_row(self, tt: ThreadTiles, tile, rank, lane_in_row, rows, mGs, mH, mGRes):
         """Without a ring, the program's next row would start with a round trip to HBM: bring its
-        g and h (and g_residual) into the L2 now, one bulk prefetch per row slice and tensor. A bulk
-        prefetch needs 16-byte aligned addresses and sizes, which only 128-bit vector tilings
-        guarantee (every row start and H are then multiples of 16 bytes); other tilings skip it."""
+        g (every part) and h (and g_residual) into the L2 now, one bulk prefetch per row slice and
+        tensor. A bulk prefetch needs 16-byte aligned addresses and sizes, which only 128-bit vector
+        tilings guarantee (every row start and H are then multiples of 16 bytes); other tilings skip
+        it."""
         t = self.tiling
         if const_expr(t.vec * self.act_dtype.width == COPY_BITS):
             row = tile * t.rows_per_cta + tt.row_in_cta
             if lane_in_row == 0 and row < rows:
-                for m in (mG, mH, mGRes) if const_expr(self.residual) else (mG, mH):
+                for m in (*mGs, mH, mGRes) if const_expr(self.residual) else (*mGs, mH):
                     prefetch_to_l2(m, row, rank * t.cols_per_cta, t.cols_per_cta, t.hidden)
 
     @cute.jit
@@ -272,22 +321,22 @@ class RMSNormBackward(RowKernel):
         return rstd
 
     @cute.jit
-    def refill_ring(self, tt: ThreadTiles, tile, visit, num_programs, rows, mG, mH, sG, sH):
-        """Issue the tile ``ring_depth - 1`` visits ahead into the slot the previous tile freed, then
-        wait for this tile's g and h."""
+    def refill_ring(self, tt: ThreadTiles, tile, visit, num_programs, rows, sources, ring_tiles):
+        """Issue the tile ``ring_depth - 1`` visits ahead of ``sources`` (g's parts, h) into the slot
+        the previous tile freed, then wait for this tile's."""
         ring_depth = self.config.ring_depth
         last_tile = tile + (ring_depth - 1) * num_programs
         if last_tile * self.tiling.rows_per_cta + tt.row_in_cta < rows:
-            issue_row_tile(tt, last_tile, (visit + ring_depth - 1) % ring_depth, mG, mH, sG, sH)
+            issue_row_tile(tt, last_tile, (visit + ring_depth - 1) % ring_depth, sources, ring_tiles)
         cute.arch.cp_async_commit_group()
-        # Pending, oldest first: this tile's g and h, the next ring_depth - 2 tiles' (each one group),
-        # this tile's g_residual, the g and h of the tile just issued.
+        # Pending, oldest first: this tile's g (all parts) and h, the next ring_depth - 2 tiles' (each
+        # one group), this tile's g_residual, the g and h of the tile just issued.
         cute.arch.cp_async_wait_group(ring_depth - 1 + (1 if const_expr(self.residual) else 0))
 
     @cute.jit
     def reduce_row(
-        self, tt: ThreadTiles, row, rows, rstd, reduction_slot, phase, lane_in_row, tXsrcG, tXsrcH, tXrG,
-        tXrH, tXDW, tXsW, warp_sums, cta_sums, mbars,
+        self, tt: ThreadTiles, row, rows, rstd, reduction_slot, phase, lane_in_row, tXsrcGs, tXsrcH,
+        tXrGs, tXrH, tXDW, tXsW, warp_sums, cta_sums, mbars,
     ) -> Float32:  # fmt: skip
         """Add this row's g * xhat into the dW accumulator and return c = sum(a * xhat) / H.
 
@@ -296,12 +345,12 @@ class RMSNormBackward(RowKernel):
         registers across the barrier."""
         t = self.tiling
         # Rows past T contribute zeros, never stale values.
-        tXrG.fill(0)
+        for tXrG in tXrGs:
+            tXrG.fill(0)
         tXrH.fill(0)
         if row < rows:
-            tt.copy_act(tXsrcG, tXrG)
-            tt.copy_act(tXsrcH, tXrH)
-        g = tXrG.load().to(Float32)
+            tt.read((*tXsrcGs, tXsrcH), (*tXrGs, tXrH))
+        g = self.gradient(tXrGs)
         xhat = tXrH.load().to(Float32) * rstd
         tXDW.store(tXDW.load() + g * xhat)
         dot = row_sum(
@@ -326,33 +375,46 @@ class RMSNormBackward(RowKernel):
         rows,
         rstd,
         c,
-        tXsrcG,
+        tXsrcGs,
         tXsrcH,
         tXsGR,
-        tXrG,
+        tXrGs,
         tXrH,
         tXrGR,
         tXrDX,
         tXsW,
         tXgDX,
     ):
-        """Re-read g and h (from the ring, or from global memory), compute dx (+ g_residual), store it."""
+        """Re-read g's parts and h (from the ring, or from global memory), compute dx (+ g_residual),
+        store it."""
         tXrGR.fill(0)
         if const_expr(self.residual):
             # This tile's g_residual; the tile issued by refill_ring may stay in flight.
             cute.arch.cp_async_wait_group(1 if const_expr(not self.config.dw_in_smem) else 0)
         if row < rows:
-            tt.copy_act(tXsrcG, tXrG)
-            tt.copy_act(tXsrcH, tXrH)
+            tt.read((*tXsrcGs, tXsrcH), (*tXrGs, tXrH))
             if const_expr(self.residual):
                 tt.copy_act(tXsGR, tXrGR)
         xhat = tXrH.load().to(Float32) * rstd
-        dx = (tXrG.load().to(Float32) * self.widen_weight(tXsW.load()) - xhat * c) * rstd
+        dx = (self.gradient(tXrGs) * self.widen_weight(tXsW.load()) - xhat * c) * rstd
         if const_expr(self.residual):
             dx = dx + tXrGR.load().to(Float32)
         tXrDX.store(dx.to(self.act_dtype))
         if row < rows:
             tt.copy_act(tXrDX, tXgDX)
+
+    @cute.jit
+    def gradient(self, tXrGs) -> cute.TensorSSA:
+        """g in FP32 from this thread's registers of its parts: one part is g, widened. Several are
+        summed in FP32 from the left and rounded once to the activation dtype -- what torch
+        inductor's fused add of the parts stores, so dx and dW are bitwise those of the unfused
+        compiled graph -- then widened again (a no-op rounding for FP32 rows)."""
+        g = tXrGs[0].load().to(Float32)
+        for tXrG in tXrGs[1:]:
+            g = g + tXrG.load().to(Float32)
+        if const_expr(len(tXrGs) > 1):
+            g = g.to(self.act_dtype).to(Float32)
+        return g
 
     @cute.jit
     def write_dw_partial_row(self, tt: ThreadTiles, bidx, mPartial, tXrDW, tXDW, pred):

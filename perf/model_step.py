@@ -7,7 +7,9 @@ Shapes: 4 layers at H = 2048 and at H = 4096, 8192 tokens (batch 4 x sequence 20
 
 * ``torch``: every RMSNorm is ``torch.nn.RMSNorm`` (the residual adds are the model's own);
 * ``cake_cute``: ``fuse_residual_rmsnorm(model)``, every residual add done by the norm
-  that follows it (``cake_cute_unfused``, on request: ``swap_rmsnorm(model)`` alone);
+  that follows it (``cake_cute_unfused``, on request: ``swap_rmsnorm(model)`` alone); compiled with
+  ``cake_cute.graph_passes.gradient_sum_pass`` (the q/k/v and gate/up dgrads summed by the norm's
+  backward) unless ``--no-gradient-sums``;
 * ``liger`` / ``quack``: every RMSNorm calls that library's RMSNorm (the adapters of
   ``cake_cute.tools.bench.peers``, patched on the instances so nothing global changes between
   implementations).
@@ -255,6 +257,15 @@ def _available(impl: str) -> bool:
     return True
 
 
+def compiled(model, impl: str, gradient_sums: bool):
+    """``torch.compile(model)``; cake_cute's with its gradient-sum pass when ``gradient_sums``."""
+    if impl.startswith("cake_cute") and gradient_sums:
+        from cake_cute.graph_passes import gradient_sum_pass
+
+        return torch.compile(model, options={"post_grad_custom_post_pass": gradient_sum_pass})
+    return torch.compile(model)
+
+
 def run(args) -> list[dict]:
     device = torch.device(args.device)
     rows = []
@@ -264,7 +275,7 @@ def run(args) -> list[dict]:
             for mode in args.modes:
                 torch._dynamo.reset()
                 model, loss = build_model(shape, impl, device)
-                stepped = torch.compile(model) if mode == "compile" else model
+                stepped = compiled(model, impl, args.gradient_sums) if mode == "compile" else model
                 step_ms, peak = time_steps(stepped, loss, device, args.warmup, args.steps)
                 row = dict(impl=impl, mode=mode, layers=shape.layers, H=shape.hidden, tokens=shape.tokens)
                 rows.append({**row, "step_ms": round(step_ms, 3), "peak_gib": peak and round(peak, 3)})
@@ -302,13 +313,27 @@ def main(argv=None) -> int:
     )
     p.add_argument("--append", action="store_true", help="keep the rows already in OUT (other shapes)")
     p.add_argument("--profile", type=Path, help="write each run's kernels and their time per step here")
+    p.add_argument(
+        "--no-gradient-sums",
+        dest="gradient_sums",
+        action="store_false",
+        help="compile cake_cute's models without cake_cute.graph_passes.gradient_sum_pass",
+    )
     args = p.parse_args(argv)
     if unknown := set(args.impls) - set(ALL_IMPLS):
         p.error(f"--impls: unknown {sorted(unknown)}, expected a subset of {','.join(ALL_IMPLS)}")
     _use_source_tree()
     rows = kept_rows(args.out, args.append) + run(args)
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device
-    write_results(args.out, "perf/model_step.py", device, rows, warmup=args.warmup, steps=args.steps)
+    write_results(
+        args.out,
+        "perf/model_step.py",
+        device,
+        rows,
+        warmup=args.warmup,
+        steps=args.steps,
+        gradient_sums=args.gradient_sums,
+    )
     return 0
 
 

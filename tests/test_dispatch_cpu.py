@@ -4,12 +4,20 @@ sized for T rows holds exactly the most partial rows any call of up to T rows wr
 from __future__ import annotations
 
 from dataclasses import replace
+from itertools import product
 
 import pytest
-from cake_cute.kernels.config import backward_config, overridden, override_choices, reduce_config
+from cake_cute.kernels.config import (
+    backward_config,
+    backward_ring_depth,
+    overridden,
+    override_choices,
+    reduce_config,
+)
 from cake_cute.kernels.tiling import backward_tiling, forward_tiling
 
 from cake_cute import dispatch
+from cake_cute.build import config_for, make_spec
 from cake_cute.device import DeviceFacts
 
 H200 = DeviceFacts(0, "stand-in H200", (9, 0), "sm_90a", 132)
@@ -120,6 +128,81 @@ def test_residual_mode_refuses_a_deeper_ring():
         assert backward_config("sm_90a", "bf16", "bf16", 1024, False).ring_depth == 4
         with pytest.raises(ValueError, match="residual mode keeps a ring of 2"):
             backward_config("sm_90a", "bf16", "bf16", 1024, True)
+
+
+def test_one_g_part_is_the_backward_as_before():
+    """g_parts = 1, the default, names and configures the backward as before g could come in parts
+    (the ring depth of the rule; the shared memory of one g: the g_parts = 1 column below)."""
+    fields = ("sm_90a", "bf16", "bf16", 4096, True, 0.0)
+    spec = make_spec("bwd", *fields)
+    assert spec == make_spec("bwd", *fields, 1) and spec.g_parts == 1
+    assert spec.name() == "cake_bwd_sm_90a_bf16_wbf16_h4096_res_off0"
+    assert make_spec("bwd", *fields, 3).name() == "cake_bwd_sm_90a_bf16_wbf16_h4096_res_off0_g3"
+    for arch, act, hidden, residual in product(
+        ("sm_90a", "sm_100a"), ("bf16", "fp32"), (7, 1024, 4096, 5120, 8192, 65536, 131072), (False, True)
+    ):
+        config = backward_config(arch, act, "fp32", hidden, residual)
+        assert config_for(make_spec("bwd", arch, act, "fp32", hidden, residual, 0.0, 1)) == config
+        rule = backward_ring_depth(config.tiling, act, residual)
+        assert config.ring_depth == (0 if config.dw_in_smem else rule)
+
+
+@pytest.mark.parametrize(
+    "hidden, act, residual, ring_depths, smem_bytes, per_sm",
+    [
+        # 4 x 2 tiles of 16 KB become 2 x 3 and 2 x 4: the staging stays at or below one g's.
+        (8192, "bf16", False, (4, 2, 2), (148872, 116104, 148872), (1, 1, 1)),
+        (5120, "bf16", False, (4, 2, 2), (93592, 73112, 93592), (2, 2, 2)),
+        # Two slots stay two and stage one 8 KB tile more per part: two CTAs still fit.
+        (4096, "bf16", False, (2, 2, 2), (42440, 58824, 75208), (2, 2, 2)),
+        # Residual mode keeps two slots; 16 KB tiles then leave one CTA per SM instead of two.
+        (8192, "bf16", True, (2, 2, 2), (99720, 132488, 165256), (2, 1, 1)),
+        # Without a ring the parts are read from global memory: nothing more is staged.
+        (131072, "fp32", False, (0, 0, 0), (67016, 67016, 67016), (1, 1, 1)),
+    ],
+)
+def test_parts_ring_keeps_the_staged_tiles(hidden, act, residual, ring_depths, smem_bytes, per_sm):
+    configs = [backward_config("sm_90a", act, act, hidden, residual, parts) for parts in (1, 2, 3)]
+    assert [c.ring_depth for c in configs] == list(ring_depths)
+    assert [c.smem_bytes for c in configs] == list(smem_bytes)
+    assert [c.ctas_per_sm for c in configs] == list(per_sm)
+
+
+@pytest.mark.parametrize(
+    "arch, hidden, budgets, min_ctas, per_sm",
+    [
+        # Shared memory leaves one CTA per SM with one g already: the parts' hint lets go of 128.
+        ("sm_100a", 8192, (128, 255, 255), (2, 1, 1), (1, 1, 1)),
+        # Two CTAs still fit: the lean budget holds.
+        ("sm_90a", 4096, (64, 64, 64), (2, 2, 2), (2, 2, 2)),
+    ],
+)
+def test_parts_registers_follow_the_residency(arch, hidden, budgets, min_ctas, per_sm):
+    configs = [backward_config(arch, "bf16", "bf16", hidden, False, parts) for parts in (1, 2, 3)]
+    assert [c.register_budget for c in configs] == list(budgets)
+    assert [c.min_ctas_per_sm for c in configs] == list(min_ctas)
+    assert [c.ctas_per_sm for c in configs] == list(per_sm)
+
+
+def test_an_overridden_ring_is_cut_for_parts():
+    with overridden("bwd", "sm_90a", "bf16", 5120, ring_depth=6):
+        depths = [
+            backward_config("sm_90a", "bf16", "bf16", 5120, False, parts).ring_depth for parts in (1, 2, 3)
+        ]
+    assert depths == [6, 4, 3]
+
+
+@pytest.mark.parametrize("g_parts", [0, 4])
+def test_g_comes_in_one_to_three_parts(g_parts):
+    with pytest.raises(ValueError, match="g arrives as 1 to 3 parts"):
+        backward_config("sm_90a", "bf16", "bf16", 4096, False, g_parts)
+
+
+def test_a_parts_launch_follows_its_config():
+    """bf16 H = 8192 in residual mode: two CTAs per SM with one g, one with g in two parts."""
+    assert dispatch.backward_launch(10**6, 8192, "bf16", "bf16", True, H200) == (264, 264)
+    assert dispatch.backward_launch(10**6, 8192, "bf16", "bf16", True, H200, 2) == (132, 132)
+    assert dispatch.most_partial_rows(10**6, 8192, "bf16", "bf16", True, H200, 2) == 132
 
 
 def test_reduce_config_spreads_narrow_rows():

@@ -557,3 +557,32 @@ def test_backward_graph_replays_beside_eager_calls(workspace):
     for dx, dw in eager_outs:
         assert_bitwise_equal(dx, expected_eager[0], "eager dx beside replays")
         assert_bitwise_equal(dw, expected_eager[1], "eager dw beside replays")
+
+
+# --- g given as its summands (cake_cute.graph_passes folds compiled gradient sums into this) ------
+
+
+@pytest.mark.parametrize("parts", [2, 3])
+@pytest.mark.parametrize(
+    "dtype, hidden",
+    [(torch.bfloat16, 4096), (torch.bfloat16, 1), (torch.float16, 4097), (F32, 7), (torch.bfloat16, 65536),
+     (torch.bfloat16, 131072), (F32, 131072)],
+    ids=lambda v: DTYPE_IDS.get(v, str(v)),
+)  # fmt: skip
+@pytest.mark.parametrize("rows", [0, 1, 129, 4096])
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "res"])
+def test_backward_of_summands_is_the_backward_of_their_rounded_sum(parts, dtype, hidden, rows, residual):
+    """dx and dw from the summands are, bit for bit, those of one g = round(FP32 sum, left to right)
+    (the sum torch.compile's fused add stores); outputs are poisoned first."""
+    from cake_cute.reference import summed_gradient
+
+    x = torch.randn(rows, hidden, device=DEV).to(dtype)
+    w = rand_weight(hidden, dtype)
+    rstd = torch.rand(rows, device=DEV) + 0.5
+    summands = [torch.randn(rows, hidden, device=DEV).to(dtype) for _ in range(parts)]
+    g_res = torch.randn(rows, hidden, device=DEV).to(dtype) if residual else None
+    dx, dw = poison(x.shape, dtype), poison((hidden,), F32)
+    cake_rmsnorm_train_backward(summands, x, w, rstd, g_residual=g_res, dx=dx, dw=dw)
+    expected = cake_rmsnorm_train_backward(summed_gradient(summands), x, w, rstd, g_residual=g_res)
+    assert_bitwise_equal(dx, expected[0], "dx")
+    assert_bitwise_equal(dw, expected[1], "dw")

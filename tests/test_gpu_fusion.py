@@ -54,3 +54,19 @@ def test_compiled_fused_model_matches_eager(backend):
     else:
         torch.testing.assert_close(compiled_loss, loss, rtol=1e-5, atol=1e-5)
     _assert_grads(compiled_grads, grads, exact=exact, rtol=1e-4, atol=1e-6)
+
+
+def test_compiled_model_with_the_gradient_sum_pass_keeps_its_bits():
+    """bf16 Llama compiled by inductor on the GPU, with and without cake_cute.graph_passes: the pass
+    folds each layer's q/k/v and gate/up gradient sums into the norms' backward, and the loss and every
+    gradient keep their bits (the kernel sums like inductor's fused add)."""
+    from .test_fusion_cpu import LAYERS
+    from .test_graph_passes_cpu import compiled_with_and_without_the_pass
+
+    results, counts = compiled_with_and_without_the_pass(
+        lambda: _swapped(_on_gpu("llama", torch.bfloat16), fuse=True)
+    )
+    assert sum(counts) == 2 * LAYERS, counts
+    (loss, _, grads), (loss_folded, _, grads_folded) = results
+    assert torch.equal(loss, loss_folded)
+    _assert_grads(grads_folded, grads, exact=True)

@@ -22,7 +22,16 @@ def test_kernel_specs_have_no_row_count():
     """A spec and its config are the whole compile key (object_path hashes them with the code
     fingerprint)."""
     fields = {f.name for f in dataclasses.fields(KernelSpec)}
-    assert fields == {"kind", "arch", "act_dtype", "w_dtype", "hidden", "residual", "weight_offset"}
+    assert fields == {
+        "kind",
+        "arch",
+        "act_dtype",
+        "w_dtype",
+        "hidden",
+        "residual",
+        "weight_offset",
+        "g_parts",
+    }
     assert {f.name for f in dataclasses.fields(ReduceSpec)} == {"arch", "out_dtype", "hidden"}
 
 

@@ -459,7 +459,27 @@ CPU_CASES = [
         r"^g must have shape \(2, 3, 8\)",
         build=dict(shape=(2, 3, H)),
     ),
-    Case("bwd-g-list", "bwd", arg(0, lambda c, d: [[1.0] * H] * T), TypeError, r"^g must be a torch\.Tensor"),
+    Case(
+        "bwd-g-list",
+        "bwd",
+        arg(0, lambda c, d: [[1.0] * H] * T),
+        TypeError,
+        r"^g must be a tensor or a list / tuple of 1 to 3 tensors \(its summands\), got list of length 4",
+    ),
+    Case(
+        "bwd-g-parts-lists",
+        "bwd",
+        arg(0, lambda c, d: [[1.0] * H] * 2),
+        TypeError,
+        r"^g\[0\] must be a torch\.Tensor",
+    ),
+    Case(
+        "bwd-g-parts-shape",
+        "bwd",
+        arg(0, lambda c, d: (_rand((T, H), F32, d), _rand((T + 1, H), F32, d))),
+        ValueError,
+        r"^g\[1\] must have shape \(4, 8\)",
+    ),
     Case(
         "bwd-w-int", "bwd", arg(2, lambda c, d: _rand((H,), torch.int64, d)), TypeError, r"^w must have dtype"
     ),

@@ -1,0 +1,127 @@
+"""A torch.compile pass: the gradient adds in front of the norm's backward folded into its kernel.
+
+In a decoder the normalized output feeds two or three projections (q, k, v; gate, up), so the
+gradient of the norm's output is the sum of their input gradients. In the compiled backward graph
+that is ``add(add(dq, dk), dv)`` feeding ``cake_cute::rmsnorm_bwd``: inductor turns the adds into
+one elementwise kernel (it reads the summands and writes their sum, which the norm's backward then
+reads again), where with torch's own norm it folds them into its norm-backward kernel.
+``fold_gradient_sums`` rewrites ``rmsnorm_bwd(add(add(a, b), c), ...)`` into
+``rmsnorm_bwd_parts([a, b, c], ...)``, whose kernel reads the summands itself: per norm, the sum's
+write and read (2 x T x H elements) and one launch less.
+
+Bits: inductor's fused add sums in FP32 and rounds once when it stores (its default; with
+``emulate_precision_casts`` it rounds each add and this pass folds nothing); the kernel sums in
+FP32 left to right and rounds once, so the rewritten graph computes what the original one does.
+That holds when each summand is a value inductor materializes anyway: only left-nested chains of
+plain adds (no alpha, each add used once, every operand x's shape, dtype and device) of up to three
+summands are folded, and each summand must be a graph input or the output of a matrix product
+(possibly viewed): an elementwise summand would otherwise be rounded on its own, where the fused add
+kept it in FP32.
+
+Use: ``torch.compile(model, options={"post_grad_custom_post_pass": gradient_sum_pass})`` (or set
+``torch._inductor.config.post_grad_custom_post_pass``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+from .validation import MAX_GRADIENT_PARTS
+
+_aten = torch.ops.aten
+_ADD = _aten.add.Tensor
+_MATRIX_PRODUCTS = (_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default)
+_VIEWS = (_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default)
+
+
+def _value(arg):
+    return arg.meta.get("val") if isinstance(arg, torch.fx.Node) else None
+
+
+def _like(arg, x) -> bool:
+    """``arg`` is a node whose value has x's shape, dtype and device."""
+    val = _value(arg)
+    facts = (x.shape, x.dtype, x.device)
+    return isinstance(val, torch.Tensor) and (val.shape, val.dtype, val.device) == facts
+
+
+def _foldable_add(node, x) -> bool:
+    return (
+        isinstance(node, torch.fx.Node)
+        and node.op == "call_function"
+        and node.target is _ADD
+        and not node.kwargs
+        and len(node.args) == 2
+        and len(node.users) == 1
+        and all(_like(arg, x) for arg in node.args)
+    )
+
+
+def _materialized(node) -> bool:
+    """A graph input or a matrix product's output, possibly viewed: a value stored in x's dtype
+    whatever inductor fuses around it."""
+    while node.op == "call_function" and node.target in _VIEWS:
+        node = node.args[0]
+    return node.op == "placeholder" or (node.op == "call_function" and node.target in _MATRIX_PRODUCTS)
+
+
+def _summands(g, x) -> list:
+    """The summands of the left-nested add chain ``g``, in order (``[g]`` when it is no such chain)."""
+    if not _foldable_add(g, x):
+        return [g]
+    left, right = g.args
+    return [*_summands(left, x), right]
+
+
+def fold_gradient_sums(graph: torch.fx.Graph) -> int:
+    """Rewrite each ``rmsnorm_bwd`` whose gradient is a foldable sum (see the module docstring) into
+    ``rmsnorm_bwd_parts`` of its summands.
+
+    Parameters
+    ----------
+    graph : torch.fx.Graph
+        A post-grad graph (inductor's ``post_grad_custom_post_pass`` hands one in); changed in place.
+
+    Returns
+    -------
+    int
+        How many backward calls were rewritten.
+    """
+    if torch._inductor.config.emulate_precision_casts:
+        return 0
+    folded = 0
+    for node in list(graph.find_nodes(op="call_function", target=torch.ops.cake_cute.rmsnorm_bwd.default)):
+        g, x = node.args[0], _value(node.args[1])
+        parts = _summands(g, x)
+        if not 2 <= len(parts) <= MAX_GRADIENT_PARTS or not all(map(_materialized, parts)):
+            continue
+        with graph.inserting_before(node):
+            folded_call = graph.call_function(
+                torch.ops.cake_cute.rmsnorm_bwd_parts.default, (parts, *node.args[1:]), dict(node.kwargs)
+            )
+        folded_call.meta.update(node.meta)
+        if "eager_input_vals" in node.meta:  # the traced argument values inductor lays outputs out by
+            args, kwargs = node.meta["eager_input_vals"]
+            folded_call.meta["eager_input_vals"] = (([_value(p) for p in parts], *args[1:]), kwargs)
+        node.replace_all_uses_with(folded_call)
+        graph.erase_node(node)
+        while g.op == "call_function" and g.target is _ADD and not g.users:  # the chain, now unused
+            left = g.args[0]
+            graph.erase_node(g)
+            g = left
+        folded += 1
+    return folded
+
+
+class GradientSumPass(CustomGraphPass):
+    """``fold_gradient_sums`` as an inductor post-grad pass (its uuid keys inductor's caches)."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        fold_gradient_sums(graph)
+
+    def uuid(self):
+        return get_hash_for_files((__file__,))
+
+
+gradient_sum_pass = GradientSumPass()
