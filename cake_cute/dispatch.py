@@ -3,8 +3,9 @@ writes (what a workspace must hold), and the vector width every kernel of an H a
 
 Configs depend on (arch, dtypes, H) only (``kernels.config``); T decides just the number of backward
 programs, which never changes a row's arithmetic. A backward of g in parts (``g_parts``) has a config
-of its own, whose shared memory can fit more or fewer CTAs on an SM than the one-g backward's: its
-launch plan and the workspace it needs follow that config.
+of its own, whose shared memory can fit fewer CTAs on an SM than the one-g backward's; it still
+launches the one-g program count (so its dw is bitwise the one-g dw of the summands' rounded sum),
+and so needs the same workspace.
 """
 
 from __future__ import annotations
@@ -41,13 +42,14 @@ def backward_programs(
     w_dtype: str,
     residual: bool,
     device: DeviceFacts,
-    g_parts: int = 1,
 ) -> int:
     """Programs (clusters) of the persistent backward: as many as are resident at once, never more
     than there are row tiles (two tiles each from ``PAIR_TILES_FROM`` tiles up to a full GPU). The
     partition of rows -- and so dw's bits -- is fixed by this number, which depends only on T, the GPU
-    model and the variant (dtypes, H, mode, parts of g)."""
-    config = backward_config(device.arch, act_dtype, w_dtype, hidden, residual, g_parts)
+    model and the variant (dtypes, H, mode). A backward of g in summands launches the one-g variant's
+    count (its own residency may be lower: those programs run in a second wave), so that its dw is
+    bitwise the dw of their rounded sum."""
+    config = backward_config(device.arch, act_dtype, w_dtype, hidden, residual)
     tiling = config.tiling
     tiles = -(-rows // tiling.rows_per_cta)
     if tiles <= 1:
@@ -73,13 +75,11 @@ def backward_launch(
     w_dtype: str,
     residual: bool,
     device: DeviceFacts,
-    g_parts: int = 1,
 ) -> tuple[int, int]:
-    """(programs, FP32 partial rows of dW the backward writes: one per row group of each program)."""
-    programs = backward_programs(rows, hidden, act_dtype, w_dtype, residual, device, g_parts)
-    rows_per_cta = backward_config(
-        device.arch, act_dtype, w_dtype, hidden, residual, g_parts
-    ).tiling.rows_per_cta
+    """(programs, FP32 partial rows of dW the backward writes: one per row group of each program),
+    the same for g in summands (their variants keep the one-g tiling)."""
+    programs = backward_programs(rows, hidden, act_dtype, w_dtype, residual, device)
+    rows_per_cta = backward_config(device.arch, act_dtype, w_dtype, hidden, residual).tiling.rows_per_cta
     return programs, programs * rows_per_cta
 
 
@@ -90,17 +90,14 @@ def most_partial_rows(
     w_dtype: str,
     residual: bool,
     device: DeviceFacts,
-    g_parts: int = 1,
 ) -> int:
     """The most partial rows any backward of up to ``rows`` rows writes (what a workspace for ``rows``
     must hold): the program count grows with T except where pairing starts, so the largest count is
     at ``rows`` or just below ``PAIR_TILES_FROM`` tiles."""
-    rows_per_cta = backward_config(
-        device.arch, act_dtype, w_dtype, hidden, residual, g_parts
-    ).tiling.rows_per_cta
+    rows_per_cta = backward_config(device.arch, act_dtype, w_dtype, hidden, residual).tiling.rows_per_cta
     below_pairing = (PAIR_TILES_FROM - 1) * rows_per_cta
     return max(
-        backward_launch(r, hidden, act_dtype, w_dtype, residual, device, g_parts)[1]
+        backward_launch(r, hidden, act_dtype, w_dtype, residual, device)[1]
         for r in {max(rows, 1), max(min(rows, below_pairing), 1)}
     )
 

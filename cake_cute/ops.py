@@ -149,10 +149,9 @@ def cake_rmsnorm_train_backward_workspace_bytes(rows, hidden, device, *, residua
     device_arch(device)
     facts = device_facts(device)
     most = max(
-        dispatch.most_partial_rows(rows, hidden, act, w, residual, facts, g_parts)
+        dispatch.most_partial_rows(rows, hidden, act, w, residual, facts)
         for act in DTYPE_NAMES
         for w in {act, "fp32"}
-        for g_parts in range(1, v.MAX_GRADIENT_PARTS + 1)
     )
     return dispatch.partial_rows_bytes(most, hidden)
 
@@ -295,11 +294,11 @@ class _BackwardPlan(NamedTuple):
 
 
 @lru_cache(maxsize=4096)
-def _backward_plan(op, rows, residual, g_parts: int = 1) -> _BackwardPlan:
-    """The launch shape of a backward call, looked up once per distinct (operands, T, residual, number
-    of g's summands)."""
+def _backward_plan(op, rows, residual) -> _BackwardPlan:
+    """The launch shape of a backward call (g in summands or not), looked up once per distinct
+    (operands, T, residual)."""
     programs, partial_rows = dispatch.backward_launch(
-        max(rows, 1), op.hidden, op.act, op.w_name, residual, op.facts, g_parts
+        max(rows, 1), op.hidden, op.act, op.w_name, residual, op.facts
     )
     return _BackwardPlan(
         programs,
@@ -337,7 +336,7 @@ def _backward(op, g_parts, x, w, rstd, g_residual, workspace, dx, dw, weight_off
     hidden = op.hidden
     rows = x.numel() // hidden
     residual = g_residual is not None
-    plan = _backward_plan(op, rows, residual, len(g_parts))
+    plan = _backward_plan(op, rows, residual)
     vec = plan.vec
     if workspace is not None:
         v.check_workspace_size(workspace, plan.workspace_bytes)

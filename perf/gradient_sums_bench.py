@@ -4,8 +4,9 @@
 against what a compiled graph runs without the pass: inductor's fused add of the summands, then the
 one-g backward. bf16, T in (2048, 8192), H in (2048, 4096, 8192), plain and residual, one process.
 
-Device time per call by ``triton.testing.do_bench`` (median; it clears the L2 before every call, so
-the inputs come from HBM), with the same bytes checked bitwise first: dx and dw of both ways must be
+Device time per call as the sweep measures it (``DeviceTimer.device_us``: events around the call behind
+a spin kernel, so no host time; the median; inputs rotated through enough sets that none is
+L2-resident), with the same bytes checked bitwise first: dx and dw of both ways must be
 equal. Rows: ``{impl: "parts" | "add+bwd", parts, residual, T, H, gpu_us, bytes, tbps}``; bytes count
 what each way must move at least (parts: n summands + h (+ g_residual) read, dx written; add+bwd: the
 add reads n and writes one, the backward reads g and h (+ g_residual) and writes dx).
@@ -24,35 +25,46 @@ from results_doc import write_results  # noqa: E402
 from sweep import _use_source_tree  # noqa: E402
 
 
-def measure(tokens: int, hidden: int, parts: int, residual: bool, compiled_sum) -> list[dict]:
-    from triton.testing import do_bench
-
+def measure(tokens: int, hidden: int, parts: int, residual: bool, compiled_sum, reps: int) -> list[dict]:
     from cake_cute import cake_rmsnorm_train_backward
+    from cake_cute.tools.bench.timing import DeviceTimer, Rotation, buffer_sets_for
 
     def rand(*shape):
         return torch.randn(*shape, device="cuda").to(torch.bfloat16)
 
-    summands, h, w = [rand(tokens, hidden) for _ in range(parts)], rand(tokens, hidden), rand(hidden)
-    rstd = torch.rand(tokens, device="cuda") + 0.5
-    g_res = rand(tokens, hidden) if residual else None
-
-    def folded():
-        return cake_rmsnorm_train_backward(summands, h, w, rstd, g_residual=g_res)
-
-    def unfolded():
-        return cake_rmsnorm_train_backward(compiled_sum(summands), h, w, rstd, g_residual=g_res)
-
-    for a, b in zip(folded(), unfolded()):
-        if not torch.equal(a, b):
-            raise AssertionError(f"T={tokens} H={hidden} parts={parts} residual={residual}: results differ")
     element = 2 * tokens * hidden
     extra = element if residual else 0
+    timer = DeviceTimer(torch, torch.device("cuda"))
+    sets = buffer_sets_for((parts + 2) * element + extra, timer.l2_bytes)
+    inputs = [
+        (
+            [rand(tokens, hidden) for _ in range(parts)],
+            rand(tokens, hidden),
+            rand(tokens, hidden) if residual else None,
+        )
+        for _ in range(sets)
+    ]
+    w, rstd = rand(hidden), torch.rand(tokens, device="cuda") + 0.5
+
+    def folded(index):
+        summands, h, g_res = inputs[index]
+        return cake_rmsnorm_train_backward(summands, h, w, rstd, g_residual=g_res)
+
+    def unfolded(index):
+        summands, h, g_res = inputs[index]
+        return cake_rmsnorm_train_backward(compiled_sum(summands), h, w, rstd, g_residual=g_res)
+
+    for a, b in zip(folded(0), unfolded(0)):
+        if not torch.equal(a, b):
+            raise AssertionError(f"T={tokens} H={hidden} parts={parts} residual={residual}: results differ")
     rows = []
     for impl, fn, nbytes in (
         ("parts", folded, (parts + 2) * element + extra),
         ("add+bwd", unfolded, (parts + 1) * element + 3 * element + extra),
     ):
-        us = do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3
+        rotation = Rotation(sets)
+        timer.device_us(fn, 3, rotation.next)  # warm-up
+        us = timer.device_us(fn, reps, rotation.next)
         row = dict(impl=impl, parts=parts, residual=residual, T=tokens, H=hidden)
         rows.append({**row, "gpu_us": round(us, 2), "bytes": nbytes, "tbps": round(nbytes / us / 1e6, 3)})
         print(rows[-1], flush=True)
@@ -64,6 +76,7 @@ def main(argv=None) -> int:
     p.add_argument("out", type=Path, help="JSON file to write")
     p.add_argument("--tokens", type=lambda s: [int(t) for t in s.split(",")], default=[2048, 8192])
     p.add_argument("--hidden", type=lambda s: [int(h) for h in s.split(",")], default=[2048, 4096, 8192])
+    p.add_argument("--reps", type=int, default=30)
     args = p.parse_args(argv)
     _use_source_tree()
     from cake_cute.reference import summed_gradient
@@ -76,7 +89,7 @@ def main(argv=None) -> int:
         for hidden in args.hidden
         for parts in (2, 3)
         for residual in (False, True)
-        for row in measure(tokens, hidden, parts, residual, compiled_sum)
+        for row in measure(tokens, hidden, parts, residual, compiled_sum, args.reps)
     ]
     write_results(args.out, "perf/gradient_sums_bench.py", torch.cuda.get_device_name(), rows)
     return 0

@@ -117,14 +117,14 @@ def test_sums_that_would_change_bits_or_outputs_are_left_alone(case):
     _assert_bitwise(actual, expected)
 
 
-def test_nothing_is_folded_when_inductor_rounds_each_add(monkeypatch):
-    monkeypatch.setattr(torch._inductor.config, "emulate_precision_casts", True)
+def test_nothing_is_folded_when_inductor_rounds_each_add():
     x, w, rstd, acts, mats = _inputs(parts=2)
 
     def step(x, w, rstd, acts, mats):
         return BWD(acts[0] @ mats[0] + acts[1] @ mats[1], x, w, rstd)
 
-    assert _fold(step, x, w, rstd, acts, mats)[3] == 0
+    with torch._inductor.config.patch(emulate_precision_casts=True):
+        assert _fold(step, x, w, rstd, acts, mats)[3] == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
