@@ -12,6 +12,11 @@ runs behind the host this is what a call costs the host. Ops:
 * ``fwd``: the same call under ``torch.no_grad()``;
 * ``bwd``: ``torch.autograd.grad(..., retain_graph=True)`` on a graph built once.
 
+``cake_cute_functional`` (eager only) has ``fwd`` and ``bwd`` rows of cake_cute's functional API, the
+calls a framework with its own autograd makes: ``cake_rmsnorm_train_forward`` and
+``cake_rmsnorm_train_backward`` (on the saved x or h_new and rstd of one forward), to be read against
+torch's ``fwd`` and autograd ``bwd`` rows.
+
 The implementations are the adapters of ``cake_cute.tools.bench.peers`` (the ones the sweep
 measures), plus ``cake_cute_python``: the same calls forced onto cake_cute's Python path
 (``CakeRMSNormFunction``), next to ``cake_cute``, which takes the native path (``cake_cute.native``) once
@@ -47,7 +52,8 @@ from results_doc import kept_rows, write_results  # noqa: E402
 from sweep import _use_source_tree  # noqa: E402
 
 EPS = 1e-6
-IMPLS = ("cake_cute", "cake_cute_python", "torch", "quack", "liger")
+IMPLS = ("cake_cute", "cake_cute_functional", "cake_cute_python", "torch", "quack", "liger")
+EAGER_ONLY = ("cake_cute_python", "cake_cute_functional")  # compiled, they run cake_cute's custom ops
 
 
 class CakePythonPath:
@@ -64,10 +70,34 @@ class CakePythonPath:
         return out if isinstance(out, tuple) else (out,)
 
 
+class CakeFunctional:
+    """cake_cute's functional API: ``op_calls`` gives its ``fwd`` and ``bwd`` calls (no autograd)."""
+
+    def __init__(self, torch, eps):
+        from cake_cute import cake_rmsnorm_train_backward, cake_rmsnorm_train_forward
+
+        self._forward, self._backward = cake_rmsnorm_train_forward, cake_rmsnorm_train_backward
+        self._eps = eps
+
+    def op_calls(self, x, w, r, g):
+        x, w = x.detach(), w.detach()
+        r = None if r is None else r.detach()
+        _, rstd, *h_new = self._forward(x, w, self._eps, residual=r)
+        saved, g_residual = (h_new[0], g) if r is not None else (x, None)
+
+        def fwd():
+            self._forward(x, w, self._eps, residual=r)
+
+        def bwd():
+            self._backward(g, saved, w, rstd, g_residual=g_residual)
+
+        return {"fwd": fwd, "bwd": bwd}
+
+
 def factories() -> dict:
     from cake_cute.tools.bench import peers
 
-    return {**peers.FACTORIES, "cake_cute_python": CakePythonPath}
+    return {**peers.FACTORIES, "cake_cute_python": CakePythonPath, "cake_cute_functional": CakeFunctional}
 
 
 ROUNDS = 5
@@ -133,16 +163,16 @@ def graph_replays(calls: dict) -> dict:
 
 
 def measure(adapters: dict, mode: str, rows: list, args, device, sync) -> None:
-    """Append the rows of every implementation ({name: forward}) in one mode over every (residual, T),
+    """Append the rows of every implementation ({name: adapter}) in one mode over every (residual, T),
     the implementations timed side by side at each point (``per_call_us``)."""
     for residual in (False, True):
         for tokens in args.tokens:
             if mode in COMPILE_MODES:
                 torch._dynamo.reset()
             calls = {}
-            for impl, forward in adapters.items():
+            for impl, adapter in adapters.items():
                 try:
-                    calls[impl] = point_calls(forward, mode, residual, tokens, args.hidden, device)
+                    calls[impl] = point_calls(adapter, mode, residual, tokens, args.hidden, device)
                 except Exception as e:  # a peer that fails under compile: note it, measure the rest
                     print(f"skip {impl} {mode}: {type(e).__name__}: {e}", file=sys.stderr)
             for op in ("step", "fwd", "bwd"):
@@ -153,8 +183,9 @@ def measure(adapters: dict, mode: str, rows: list, args, device, sync) -> None:
                     print(json.dumps(rows[-1]), flush=True)
 
 
-def point_calls(forward, mode: str, residual: bool, tokens: int, hidden: int, device) -> dict:
-    """``op_callables`` of one implementation at one (mode, residual, T), on inputs seeded by T."""
+def point_calls(adapter, mode: str, residual: bool, tokens: int, hidden: int, device) -> dict:
+    """``op_callables`` of one implementation (its own ``op_calls`` where it has them) at one (mode,
+    residual, T), on inputs seeded by T."""
     gen = torch.Generator(device=device).manual_seed(tokens)
 
     def leaf(*shape):
@@ -163,9 +194,11 @@ def point_calls(forward, mode: str, residual: bool, tokens: int, hidden: int, de
     x, w = leaf(tokens, hidden), leaf(hidden)
     r = leaf(tokens, hidden) if residual else None
     g = torch.randn(tokens, hidden, generator=gen, device=device, dtype=torch.bfloat16)
-    fn = forward
+    if hasattr(adapter, "op_calls"):
+        return adapter.op_calls(x, w, r, g)
+    fn = adapter.forward
     if mode in COMPILE_MODES:
-        fn = torch.compile(forward, dynamic=False, mode=COMPILE_MODES[mode])
+        fn = torch.compile(fn, dynamic=False, mode=COMPILE_MODES[mode])
     calls = op_callables(fn, x, w, r, g)
     return graph_replays(calls) if mode == "compile-graphs" else calls
 
@@ -177,13 +210,12 @@ def gpu_main(args) -> list:
     adapters = {}
     for impl in args.impls:
         try:
-            adapters[impl] = factories()[impl](torch, EPS).forward
+            adapters[impl] = factories()[impl](torch, EPS)
         except ImportError as e:
             print(f"skip {impl}: {e}", file=sys.stderr)
     rows: list = []
     for mode in args.modes:
-        # Compiled, both cake_cute rows would run the same custom ops: the host paths differ in eager only.
-        chosen = {k: f for k, f in adapters.items() if mode not in COMPILE_MODES or k != "cake_cute_python"}
+        chosen = {k: a for k, a in adapters.items() if mode not in COMPILE_MODES or k not in EAGER_ONLY}
         measure(chosen, mode, rows, args, "cuda", torch.cuda.synchronize)
     return rows
 
@@ -204,7 +236,7 @@ def cpu_layers_main(args) -> list:
     torch.library.register_kernel("cake_cute::rmsnorm_fwd", "cpu", _allocating_forward)
     torch.library.register_kernel("cake_cute::rmsnorm_bwd", "cpu", _allocating_backward)
     native.load()
-    adapters = {impl: factories()[impl](torch, EPS).forward for impl in ("cake_cute", "torch")}
+    adapters = {impl: factories()[impl](torch, EPS) for impl in ("cake_cute", "torch")}
     rows: list = []
     measure(adapters, "eager", rows, args, "cpu", lambda: None)
     for row in rows:  # the path each row's calls take, and what their kernels do
