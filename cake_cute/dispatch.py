@@ -36,12 +36,7 @@ PAIR_TILES_FROM = 64
 
 @lru_cache(maxsize=4096)
 def backward_programs(
-    rows: int,
-    hidden: int,
-    act_dtype: str,
-    w_dtype: str,
-    residual: bool,
-    device: DeviceFacts,
+    rows: int, hidden: int, act_dtype: str, w_dtype: str, residual: bool, device: DeviceFacts
 ) -> int:
     """Programs (clusters) of the persistent backward: as many as are resident at once, never more
     than there are row tiles (two tiles each from ``PAIR_TILES_FROM`` tiles up to a full GPU). The
@@ -69,12 +64,7 @@ def backward_programs(
 
 @lru_cache(maxsize=4096)
 def backward_launch(
-    rows: int,
-    hidden: int,
-    act_dtype: str,
-    w_dtype: str,
-    residual: bool,
-    device: DeviceFacts,
+    rows: int, hidden: int, act_dtype: str, w_dtype: str, residual: bool, device: DeviceFacts
 ) -> tuple[int, int]:
     """(programs, FP32 partial rows of dW the backward writes: one per row group of each program),
     the same for g in summands (their variants keep the one-g tiling)."""
@@ -84,12 +74,7 @@ def backward_launch(
 
 
 def most_partial_rows(
-    rows: int,
-    hidden: int,
-    act_dtype: str,
-    w_dtype: str,
-    residual: bool,
-    device: DeviceFacts,
+    rows: int, hidden: int, act_dtype: str, w_dtype: str, residual: bool, device: DeviceFacts
 ) -> int:
     """The most partial rows any backward of up to ``rows`` rows writes (what a workspace for ``rows``
     must hold): the program count grows with T except where pairing starts, so the largest count is
