@@ -24,7 +24,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
-from .common import global_vector
+from .common import global_vector, sum_over_row_lanes
 
 
 class DWReduce:
@@ -72,17 +72,7 @@ class DWReduce:
             for p in cutlass.range(row_lane, num_partials, row_lanes, unroll=4):
                 cute.autovec_copy(global_vector(mPartial, p, col0, vec), loaded)
                 acc.store(acc.load() + loaded.load())
-        for v in cutlass.range_constexpr(vec):
-            sums[row_lane, col_lane * vec + v] = acc[v]
-        cute.arch.barrier()
-        for level in cutlass.range_constexpr(row_lanes.bit_length() - 1):
-            stride = row_lanes >> (level + 1)
-            if row_lane < stride:
-                for v in cutlass.range_constexpr(vec):
-                    sums[row_lane, col_lane * vec + v] = (
-                        sums[row_lane, col_lane * vec + v] + sums[row_lane + stride, col_lane * vec + v]
-                    )
-            cute.arch.barrier()
+        sum_over_row_lanes(sums, acc, row_lane, col_lane, vec, row_lanes)
         if row_lane == 0:
             for v in cutlass.range_constexpr(vec):
                 if col0 + v < self.hidden:

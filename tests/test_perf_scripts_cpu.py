@@ -203,3 +203,20 @@ def test_model_step_profile_table_sorts_and_totals(perf_module, tmp_path):
     lines = path.read_text().splitlines()
     assert lines[0] == "# 42.5 us of kernels per step"
     assert lines[2].split() == ["30.0", "2.0", "gemm"] and lines[3].split() == ["12.5", "1.0", "norm"]
+
+
+# ---- perf/dw_columns_experiment.py: its kernel compiles without a GPU ---------------------------------
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_dw_columns_kernel_compiles_spill_free_with_wide_loads(perf_module, arch, tmp_path):
+    cutlass = pytest.importorskip("cutlass")
+    from cake_cute.tools.cubin import fatbin_from_object, inspect_fatbin, spill_free
+
+    experiment = perf_module("dw_columns_experiment")
+    compiled = experiment.compile_column_dw(arch, cutlass.BFloat16, 4096)
+    obj = tmp_path / "dw_columns.o"
+    compiled.export_to_c(str(obj), function_name="dw_columns")
+    report = inspect_fatbin(fatbin_from_object(obj.read_bytes()))
+    assert spill_free(report) and report["global_atomics"] == 0
+    assert report["global_load_width_bits"] == 128

@@ -1,0 +1,196 @@
+#!/usr/bin/env python
+"""``python perf/dw_columns_experiment.py OUT.json``: would a weight gradient summed by columns, on SMs
+of its own, concurrently with the row kernel, remove the backward's fixed dW cost? (Issue #13.)
+
+Today the backward writes FP32 partial rows of dW (one per program) and a second kernel,
+``dw_reduce``, sums them once the row kernel's grid has finished: 2-3 us of device time and a launch
+that the copy of the same bytes does not pay, which keeps T·H = 2^22-2^23 at 0.64-0.8 of the copy. The
+alternative measured here needs no partial rows and no dependency on the row kernel: ``ColumnDW``
+computes ``dw[j] = sum_t g[t, j] * (h[t, j] * rstd[t])`` from g, h and rstd directly (all known before
+the backward starts), each CTA owning ``col_lanes * vec`` columns for every row (row lane l adds rows
+l, l + row_lanes, ... in order, then a fixed binary tree over the row lanes: deterministic, whatever
+the row kernel's program count). Run concurrently with the row kernel on a second stream, it reads g
+and h while the row kernel reads them too, so one of the two reads is an L2 hit if they keep pace.
+
+Per (T, H), bf16, plain mode, inputs rotated past the L2, device time as the sweep measures it
+(``DeviceTimer.device_us``): ``backward_us`` (today's call: row kernel + dw_reduce), ``row_kernel_us``
+and ``dw_reduce_us`` (the profiler's durations of those kernels in the same call), ``columns_us``
+(ColumnDW alone), ``concurrent_us`` (today's call with ColumnDW beside it on a second stream: the row
+kernel still writes partial rows and dw_reduce still runs, so this bounds a backward that drops them
+from above), ``copy_us`` (a device copy of the backward's bytes), and ``columns_rel_err`` (ColumnDW's
+dw against an FP64 reference, relative norm error). The decision it informs: a backward whose row
+kernel skips dW, launched beside ColumnDW, is worth building if ``concurrent_us`` is close to
+``row_kernel_us`` (the columns fit under the rows) and well below ``backward_us``.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results_doc import write_results  # noqa: E402
+from sweep import _use_source_tree  # noqa: E402
+
+SHAPES = [(256, 4096), (2048, 2048), (2048, 4096), (4096, 4096), (8192, 4096), (16384, 4096), (2048, 8192)]
+
+
+def column_dw_kernel(act_dtype, hidden: int, col_lanes: int, threads: int = 256):
+    """The ColumnDW kernel object for (act dtype, H); ``col_lanes`` vectors of 16 bytes per row side by
+    side (8: one 128-byte line per row and tensor), ``threads // col_lanes`` row lanes."""
+    import cutlass
+    import cutlass.cute as cute
+    from cake_cute.kernels.common import global_vector, sum_over_row_lanes
+    from cutlass import Float32
+
+    vec = 128 // act_dtype.width
+    row_lanes = threads // col_lanes
+    cols_per_cta = col_lanes * vec
+
+    class ColumnDW:
+        @cute.jit
+        def __call__(self, mG: cute.Tensor, mH: cute.Tensor, mRstd: cute.Tensor, mDW: cute.Tensor, stream):
+            self.kernel(mG, mH, mRstd, mDW).launch(
+                grid=[cute.ceil_div(hidden, cols_per_cta), 1, 1], block=[threads, 1, 1], stream=stream
+            )
+
+        @cute.kernel
+        def kernel(self, mG: cute.Tensor, mH: cute.Tensor, mRstd: cute.Tensor, mDW: cute.Tensor):
+            tidx, _, _ = cute.arch.thread_idx()
+            bidx, _, _ = cute.arch.block_idx()
+            col_lane = tidx % col_lanes
+            row_lane = tidx // col_lanes
+            col0 = (bidx * col_lanes + col_lane) * vec
+            rows = mG.shape[0]
+            smem = cutlass.memory.SmemAllocator()
+            sums = smem.allocate_tensor(
+                Float32, cute.make_ordered_layout((row_lanes, cols_per_cta), order=(1, 0)), byte_alignment=16
+            )
+            acc = cute.make_rmem_tensor(cute.make_layout(vec), Float32)
+            acc.fill(0.0)
+            g = cute.make_rmem_tensor(cute.make_layout(vec), act_dtype)
+            h = cute.make_rmem_tensor(cute.make_layout(vec), act_dtype)
+            if col0 < hidden:
+                for t in cutlass.range(row_lane, rows, row_lanes, unroll=4):
+                    cute.autovec_copy(global_vector(mG, t, col0, vec), g)
+                    cute.autovec_copy(global_vector(mH, t, col0, vec), h)
+                    xhat = h.load().to(Float32) * mRstd[t]
+                    acc.store(acc.load() + g.load().to(Float32) * xhat)
+            sum_over_row_lanes(sums, acc, row_lane, col_lane, vec, row_lanes)
+            if row_lane == 0 and col0 < hidden:
+                for v in cutlass.range_constexpr(vec):
+                    mDW[col0 + v] = sums[0, col_lane * vec + v]
+
+    return ColumnDW(), vec
+
+
+def compile_column_dw(arch: str, act_dtype, hidden: int, col_lanes: int = 8):
+    """ColumnDW compiled for ``arch`` against fake tensors (a symbolic T); runs without a GPU."""
+    import cutlass
+    import cutlass.cute as cute
+
+    kernel, vec = column_dw_kernel(act_dtype, hidden, col_lanes)
+    rows = cute.sym_int()
+
+    def matrix():
+        stride = (cute.sym_int64(divisibility=vec), 1)
+        return cute.runtime.make_fake_tensor(act_dtype, (rows, hidden), stride=stride, assumed_align=16)
+
+    rstd = cute.runtime.make_fake_tensor(cutlass.Float32, (rows,), stride=(1,), assumed_align=4)
+    dw = cute.runtime.make_fake_tensor(cutlass.Float32, (hidden,), stride=(1,), assumed_align=16)
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return cute.compile(
+        kernel, matrix(), matrix(), rstd, dw, stream, options=f"--enable-tvm-ffi --gpu-arch {arch}"
+    )
+
+
+def kernel_times(calls) -> dict:
+    """{kernel name: mean profiler duration (us)} over ``calls`` (a list of zero-argument calls)."""
+    from cake_cute.tools.bench.timing import gpu_events
+
+    def run():
+        for call in calls:
+            call()
+
+    durations: dict = {}
+    for event in gpu_events(torch, run):
+        durations.setdefault(event.name, []).append(event.time_range.elapsed_us())
+    return {name: sum(values) / len(values) for name, values in durations.items()}
+
+
+def measure(tokens: int, hidden: int, columns, reps: int) -> dict:
+    from cake_cute import cake_rmsnorm_train_backward, cake_rmsnorm_train_forward
+    from cake_cute.tools.bench.timing import DeviceTimer, Rotation, buffer_sets_for
+
+    timer = DeviceTimer(torch, torch.device("cuda"))
+    element = 2 * tokens * hidden
+    sets = buffer_sets_for(3 * element, timer.l2_bytes)
+    w = torch.randn(hidden, device="cuda", dtype=torch.bfloat16)
+    inputs = []
+    for _ in range(sets):
+        x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+        _, rstd = cake_rmsnorm_train_forward(x, w, 1e-6)
+        inputs.append((torch.randn_like(x), x, rstd))
+    dw_columns = torch.empty(hidden, device="cuda", dtype=torch.float32)
+    side = torch.cuda.Stream()
+
+    def backward(index):
+        g, x, rstd = inputs[index]
+        return cake_rmsnorm_train_backward(g, x, w, rstd)
+
+    def column_dw(index):
+        g, x, rstd = inputs[index]
+        columns(g, x, rstd, dw_columns)
+
+    def concurrent(index):
+        main = torch.cuda.current_stream()
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            column_dw(index)
+        out = backward(index)
+        main.wait_stream(side)
+        return out
+
+    g, x, rstd = inputs[0]
+    column_dw(0)
+    expected = (g.double() * (x.double() * rstd.double()[:, None])).sum(0)
+    rel_err = float((dw_columns.double() - expected).norm() / expected.norm())
+    row = {"T": tokens, "H": hidden, "columns_rel_err": rel_err}
+    for name, call in (("backward_us", backward), ("columns_us", column_dw), ("concurrent_us", concurrent)):
+        rotation = Rotation(sets)
+        timer.device_us(call, 3, rotation.next)
+        row[name] = round(timer.device_us(call, reps, rotation.next), 2)
+    rotation = Rotation(sets)
+    kernels = kernel_times([lambda: backward(rotation.next()) for _ in range(reps)])
+    row["row_kernel_us"] = round(sum(us for name, us in kernels.items() if "bwd" in name), 2)
+    row["dw_reduce_us"] = round(sum(us for name, us in kernels.items() if "reduce" in name.lower()), 2)
+    row["kernels"] = {name: round(us, 2) for name, us in kernels.items()}
+    row["copy_us"] = timer.copy_ceiling(3 * element, reps)["copy_gpu_us"]
+    print(row, flush=True)
+    return row
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("out", type=Path, help="JSON file to write")
+    p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--col-lanes", type=int, default=8, help="16-byte vectors side by side per row in a CTA")
+    args = p.parse_args(argv)
+    _use_source_tree()
+    import cutlass
+
+    from cake_cute.device import device_arch
+
+    rows = []
+    for hidden in sorted({h for _, h in SHAPES}):
+        columns = compile_column_dw(
+            device_arch(torch.device("cuda")), cutlass.BFloat16, hidden, args.col_lanes
+        )
+        rows += [measure(t, h, columns, args.reps) for t, h in SHAPES if h == hidden]
+    write_results(args.out, "perf/dw_columns_experiment.py", torch.cuda.get_device_name(), rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
