@@ -17,7 +17,9 @@ Per (T, H), bf16, plain mode, inputs rotated past the L2, device time as the swe
 and ``dw_reduce_us`` (the profiler's durations of those kernels in the same call), ``columns_us``
 (ColumnDW alone), ``concurrent_us`` (today's call with ColumnDW beside it on a second stream: the row
 kernel still writes partial rows and dw_reduce still runs, so this bounds a backward that drops them
-from above), ``copy_us`` (a device copy of the backward's bytes), and ``columns_rel_err`` (ColumnDW's
+from above), ``backward_fewer_us`` / ``concurrent_fewer_us`` (the same two with the row kernel's CTAs
+per SM one below its rule, so fewer programs and room for ColumnDW's CTAs, where the rule has two or
+more), ``copy_us`` (a device copy of the backward's bytes), and ``columns_rel_err`` (ColumnDW's
 dw against an FP64 reference, relative norm error). The decision it informs: a backward whose row
 kernel skips dW, launched beside ColumnDW, is worth building if ``concurrent_us`` is close to
 ``row_kernel_us`` (the columns fit under the rows) and well below ``backward_us``.
@@ -120,7 +122,10 @@ def kernel_times(calls) -> dict:
 
 
 def measure(tokens: int, hidden: int, columns, reps: int) -> dict:
+    from cake_cute.kernels.config import backward_config, overridden
+
     from cake_cute import cake_rmsnorm_train_backward, cake_rmsnorm_train_forward
+    from cake_cute.device import device_arch
     from cake_cute.tools.bench.timing import DeviceTimer, Rotation, buffer_sets_for
 
     timer = DeviceTimer(torch, torch.device("cuda"))
@@ -157,10 +162,20 @@ def measure(tokens: int, hidden: int, columns, reps: int) -> dict:
     expected = (g.double() * (x.double() * rstd.double()[:, None])).sum(0)
     rel_err = float((dw_columns.double() - expected).norm() / expected.norm())
     row = {"T": tokens, "H": hidden, "columns_rel_err": rel_err}
-    for name, call in (("backward_us", backward), ("columns_us", column_dw), ("concurrent_us", concurrent)):
+
+    def time(call) -> float:
         rotation = Rotation(sets)
         timer.device_us(call, 3, rotation.next)
-        row[name] = round(timer.device_us(call, reps, rotation.next), 2)
+        return round(timer.device_us(call, reps, rotation.next), 2)
+
+    for name, call in (("backward_us", backward), ("columns_us", column_dw), ("concurrent_us", concurrent)):
+        row[name] = time(call)
+    # The row kernel with one CTA per SM fewer than its rule (fewer programs), leaving ColumnDW room.
+    arch = device_arch(torch.device("cuda"))
+    ctas = backward_config(arch, "bf16", "bf16", hidden, False).ctas_per_sm
+    if ctas >= 2:
+        with overridden("bwd", arch, "bf16", hidden, ctas_per_sm=ctas - 1):
+            row["backward_fewer_us"], row["concurrent_fewer_us"] = time(backward), time(concurrent)
     rotation = Rotation(sets)
     kernels = kernel_times([lambda: backward(rotation.next()) for _ in range(reps)])
     row["row_kernel_us"] = round(sum(us for name, us in kernels.items() if "bwd" in name), 2)
