@@ -51,7 +51,9 @@ accumulator, after the ring's copies are issued so that the round trips overlap)
 Bytes moved: reads g's n parts, h (+ g_residual) and writes dx once: T*H*(n + 2 [+ 1])*act_bytes,
 plus 4*T of rstd, plus the partial rows (num_programs * rows_per_cta * H * 4, written here, read by
 dw_reduce). With n parts that is (n - 1)*T*H*act_bytes more than one g, and 2*T*H*act_bytes less than
-an add kernel (reads n, writes g) in front of a one-g backward.
+an add kernel (reads n, writes g) in front of a one-g backward. The ``with_dw=False`` variant (no
+shipped path launches it; perf/dw_columns_experiment.py measures it beside a kernel that sums dW by
+columns) keeps no dW accumulator and writes no partial row.
 """
 
 from __future__ import annotations
@@ -119,9 +121,14 @@ class RMSNormBackward(RowKernel):
     """One compiled backward per (arch, dtypes, H, residual, weight_offset, g_parts) and its
     ``config.BackwardConfig``; T and the number of programs are runtime values."""
 
-    def __init__(self, config, act_dtype, w_dtype, residual: bool, weight_offset: float, g_parts: int = 1):
+    def __init__(
+        self, config, act_dtype, w_dtype, residual: bool, weight_offset: float, g_parts: int = 1, with_dw=True
+    ):
         super().__init__(config, act_dtype, w_dtype, residual, weight_offset)
         self.g_parts = g_parts
+        # False: dx only, no dW accumulator and no partial row (perf/dw_columns_experiment.py sums dW
+        # by columns beside it); every shipped variant has it.
+        self.with_dw = with_dw
 
     def entry_point(self):
         """What ``cute.compile`` traces: ``__call__`` for one g, else the launcher of ``g_parts`` parts.
@@ -252,9 +259,10 @@ class RMSNormBackward(RowKernel):
             )
             visit = visit + 1
 
-        # The dW reduction may start launching (it waits for this grid's memory before reading).
-        cute.arch.griddepcontrol_launch_dependents()
-        self.write_dw_partial_row(tt, bidx, mPartial, tXrDW, tXDW, pred)
+        if const_expr(self.with_dw):
+            # The dW reduction may start launching (it waits for this grid's memory before reading).
+            cute.arch.griddepcontrol_launch_dependents()
+            self.write_dw_partial_row(tt, bidx, mPartial, tXrDW, tXDW, pred)
 
     @cute.jit
     def prologue(self, smem, thr, tiler, rank, tXc0, mW, pred):
@@ -352,7 +360,8 @@ class RMSNormBackward(RowKernel):
             tt.read((*tXsrcGs, tXsrcH), (*tXrGs, tXrH))
         g = self.gradient(tXrGs)
         xhat = tXrH.load().to(Float32) * rstd
-        tXDW.store(tXDW.load() + g * xhat)
+        if const_expr(self.with_dw):
+            tXDW.store(tXDW.load() + g * xhat)
         dot = row_sum(
             (g * self.widen_weight(tXsW.load()) * xhat).reduce(cute.ReductionOp.ADD, Float32(0.0), 0),
             warp_sums,

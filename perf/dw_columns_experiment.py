@@ -13,16 +13,23 @@ the row kernel's program count). Run concurrently with the row kernel on a secon
 and h while the row kernel reads them too, so one of the two reads is an L2 hit if they keep pace.
 
 Per (T, H), bf16, plain mode, inputs rotated past the L2, device time as the sweep measures it
-(``DeviceTimer.device_us``): ``backward_us`` (today's call: row kernel + dw_reduce), ``row_kernel_us``
-and ``dw_reduce_us`` (the profiler's durations of those kernels in the same call), ``columns_us``
-(ColumnDW alone), ``concurrent_us`` (today's call with ColumnDW beside it on a second stream: the row
-kernel still writes partial rows and dw_reduce still runs, so this bounds a backward that drops them
-from above), ``backward_fewer_us`` / ``concurrent_fewer_us`` (the same two with the row kernel's CTAs
-per SM one below its rule, so fewer programs and room for ColumnDW's CTAs, where the rule has two or
-more), ``copy_us`` (a device copy of the backward's bytes), and ``columns_rel_err`` (ColumnDW's
-dw against an FP64 reference, relative norm error). The decision it informs: a backward whose row
-kernel skips dW, launched beside ColumnDW, is worth building if ``concurrent_us`` is close to
-``row_kernel_us`` (the columns fit under the rows) and well below ``backward_us``.
+(``DeviceTimer.device_us``), one row with:
+
+* ``backward_us``: today's call (row kernel + dw_reduce); ``row_kernel_us``, ``dw_reduce_us``: the
+  profiler's durations of those two kernels in it; ``copy_us``: a device copy of the backward's bytes;
+* ``columns_us``: ColumnDW alone; ``columns_rel_err``: its dw against an FP64 reference (relative norm);
+* ``concurrent_us``: today's call with ColumnDW beside it on a second stream;
+* ``rows_only_us``: the row kernel compiled without dW (``RMSNormBackward(with_dw=False)``: no
+  accumulator, no partial row), alone, with today's program count; ``rows_only_dx_bitwise``: its dx
+  against today's;
+* ``target_us``: that row kernel with ColumnDW beside it -- the design's time;
+* where the backward's rule puts two or more CTAs on an SM, ``concurrent_fewer_us`` and
+  ``target_fewer_us``: the same with the row programs of one CTA per SM fewer (``fewer_programs``),
+  leaving ColumnDW's CTAs room.
+
+Build the design (the variant, the split of SMs per (H, T) in ``kernels/config.py``, one launch
+sequence in ``ops`` and the native path) if ``target_us`` (or ``target_fewer_us``) is close to
+``rows_only_us`` and well below ``backward_us``.
 """
 
 import argparse
@@ -107,6 +114,24 @@ def compile_column_dw(arch: str, act_dtype, hidden: int, col_lanes: int = 8):
     )
 
 
+def compile_rows_without_dw(arch: str, hidden: int):
+    """The shipped bf16 plain backward of H (its config and arguments) compiled with ``with_dw=False``:
+    dx only, no dW accumulator, no partial row. Runs without a GPU."""
+    import cutlass
+    import cutlass.cute as cute
+    from cake_cute.kernels.rmsnorm_bwd import RMSNormBackward
+
+    from cake_cute.build import _backward_arguments, config_for, make_spec
+
+    spec = make_spec("bwd", arch, "bf16", "bf16", hidden, False, 0.0)
+    config = config_for(spec)
+    kernel = RMSNormBackward(config, cutlass.BFloat16, cutlass.BFloat16, False, 0.0, with_dw=False)
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return cute.compile(
+        kernel, *_backward_arguments(spec, config), stream, options=f"--enable-tvm-ffi --gpu-arch {arch}"
+    )
+
+
 def kernel_times(calls) -> dict:
     """{kernel name: mean profiler duration (us)} over ``calls`` (a list of zero-argument calls)."""
     from cake_cute.tools.bench.timing import gpu_events
@@ -121,66 +146,100 @@ def kernel_times(calls) -> dict:
     return {name: sum(values) / len(values) for name, values in durations.items()}
 
 
-def measure(tokens: int, hidden: int, columns, reps: int) -> dict:
+def beside(side_stream, main_call, side_call):
+    """A call that runs ``side_call`` on ``side_stream`` and ``main_call`` on the current stream, both
+    after what the current stream has queued, and joins them."""
+
+    def call(index):
+        main = torch.cuda.current_stream()
+        side_stream.wait_stream(main)
+        with torch.cuda.stream(side_stream):
+            side_call(index)
+        main_call(index)
+        main.wait_stream(side_stream)
+
+    return call
+
+
+def measure(tokens: int, hidden: int, columns, rows_without_dw, reps: int) -> dict:
     from cake_cute.kernels.config import backward_config, overridden
 
-    from cake_cute import cake_rmsnorm_train_backward, cake_rmsnorm_train_forward
-    from cake_cute.device import device_arch
+    from cake_cute import cake_rmsnorm_train_backward, cake_rmsnorm_train_forward, dispatch
+    from cake_cute.device import device_arch, device_facts
     from cake_cute.tools.bench.timing import DeviceTimer, Rotation, buffer_sets_for
 
-    timer = DeviceTimer(torch, torch.device("cuda"))
+    device = torch.device("cuda")
+    timer = DeviceTimer(torch, device)
     element = 2 * tokens * hidden
     sets = buffer_sets_for(3 * element, timer.l2_bytes)
-    w = torch.randn(hidden, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(hidden, device=device, dtype=torch.bfloat16)
     inputs = []
     for _ in range(sets):
-        x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16)
         _, rstd = cake_rmsnorm_train_forward(x, w, 1e-6)
-        inputs.append((torch.randn_like(x), x, rstd))
-    dw_columns = torch.empty(hidden, device="cuda", dtype=torch.float32)
-    side = torch.cuda.Stream()
+        inputs.append((torch.randn_like(x), x, rstd, torch.empty_like(x)))
+    dw_columns = torch.empty(hidden, device=device, dtype=torch.float32)
+    unused_partials = torch.empty(1, dispatch.partial_row_stride(hidden), device=device)[:, :hidden]
+    arch, facts = device_arch(device), device_facts(device)
+
+    def programs() -> int:
+        return dispatch.backward_launch(tokens, hidden, "bf16", "bf16", False, facts)[0]
 
     def backward(index):
-        g, x, rstd = inputs[index]
-        return cake_rmsnorm_train_backward(g, x, w, rstd)
+        g, x, rstd, _ = inputs[index]
+        cake_rmsnorm_train_backward(g, x, w, rstd)
 
     def column_dw(index):
-        g, x, rstd = inputs[index]
+        g, x, rstd, _ = inputs[index]
         columns(g, x, rstd, dw_columns)
 
-    def concurrent(index):
-        main = torch.cuda.current_stream()
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            column_dw(index)
-        out = backward(index)
-        main.wait_stream(side)
-        return out
+    def rows_only(count):
+        def call(index):
+            g, x, rstd, dx = inputs[index]
+            rows_without_dw(g, x, w, rstd, None, dx, unused_partials, count)
 
-    g, x, rstd = inputs[0]
+        return call
+
+    g, x, rstd, dx = inputs[0]
     column_dw(0)
     expected = (g.double() * (x.double() * rstd.double()[:, None])).sum(0)
     rel_err = float((dw_columns.double() - expected).norm() / expected.norm())
-    row = {"T": tokens, "H": hidden, "columns_rel_err": rel_err}
+    reference_dx = cake_rmsnorm_train_backward(g, x, w, rstd)[0]
+    rows_only(programs())(0)
+    row = {
+        "T": tokens,
+        "H": hidden,
+        "columns_rel_err": rel_err,
+        "rows_only_dx_bitwise": torch.equal(dx, reference_dx),
+    }
 
     def time(call) -> float:
+        call(0)  # outside the timer: a first call may compile a variant
+        torch.cuda.synchronize()
         rotation = Rotation(sets)
         timer.device_us(call, 3, rotation.next)
         return round(timer.device_us(call, reps, rotation.next), 2)
 
-    for name, call in (("backward_us", backward), ("columns_us", column_dw), ("concurrent_us", concurrent)):
-        row[name] = time(call)
-    # The row kernel with one CTA per SM fewer than its rule (fewer programs), leaving ColumnDW room.
-    arch = device_arch(torch.device("cuda"))
+    side = torch.cuda.Stream()
+    default_programs = programs()
+    row["programs"] = default_programs
+    row["backward_us"] = time(backward)
+    row["columns_us"] = time(column_dw)
+    row["concurrent_us"] = time(beside(side, backward, column_dw))
+    row["rows_only_us"] = time(rows_only(default_programs))
+    row["target_us"] = time(beside(side, rows_only(default_programs), column_dw))
+    # Fewer row programs (one CTA per SM below the rule), leaving ColumnDW's CTAs room beside them.
     ctas = backward_config(arch, "bf16", "bf16", hidden, False).ctas_per_sm
     if ctas >= 2:
         with overridden("bwd", arch, "bf16", hidden, ctas_per_sm=ctas - 1):
-            row["backward_fewer_us"], row["concurrent_fewer_us"] = time(backward), time(concurrent)
+            fewer = programs()
+            row["fewer_programs"] = fewer
+            row["concurrent_fewer_us"] = time(beside(side, backward, column_dw))
+        row["target_fewer_us"] = time(beside(side, rows_only(fewer), column_dw))
     rotation = Rotation(sets)
     kernels = kernel_times([lambda: backward(rotation.next()) for _ in range(reps)])
     row["row_kernel_us"] = round(sum(us for name, us in kernels.items() if "bwd" in name), 2)
     row["dw_reduce_us"] = round(sum(us for name, us in kernels.items() if "reduce" in name.lower()), 2)
-    row["kernels"] = {name: round(us, 2) for name, us in kernels.items()}
     row["copy_us"] = timer.copy_ceiling(3 * element, reps)["copy_gpu_us"]
     print(row, flush=True)
     return row

@@ -205,18 +205,38 @@ def test_model_step_profile_table_sorts_and_totals(perf_module, tmp_path):
     assert lines[2].split() == ["30.0", "2.0", "gemm"] and lines[3].split() == ["12.5", "1.0", "norm"]
 
 
-# ---- perf/dw_columns_experiment.py: its kernel compiles without a GPU ---------------------------------
+# ---- perf/dw_columns_experiment.py: its kernels compile without a GPU ---------------------------------
+
+
+def _cubin_report(compiled, path):
+    from cake_cute.tools.cubin import fatbin_from_object, inspect_fatbin
+
+    compiled.export_to_c(str(path), function_name="experiment")
+    return inspect_fatbin(fatbin_from_object(path.read_bytes()))
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 def test_dw_columns_kernel_compiles_spill_free_with_wide_loads(perf_module, arch, tmp_path):
     cutlass = pytest.importorskip("cutlass")
-    from cake_cute.tools.cubin import fatbin_from_object, inspect_fatbin, spill_free
+    from cake_cute.tools.cubin import spill_free
 
     experiment = perf_module("dw_columns_experiment")
-    compiled = experiment.compile_column_dw(arch, cutlass.BFloat16, 4096)
-    obj = tmp_path / "dw_columns.o"
-    compiled.export_to_c(str(obj), function_name="dw_columns")
-    report = inspect_fatbin(fatbin_from_object(obj.read_bytes()))
+    report = _cubin_report(experiment.compile_column_dw(arch, cutlass.BFloat16, 4096), tmp_path / "c.o")
     assert spill_free(report) and report["global_atomics"] == 0
     assert report["global_load_width_bits"] == 128
+
+
+def test_rows_without_dw_write_no_partial_rows(perf_module, tmp_path, monkeypatch):
+    """The row kernel without dW stores only dx (bf16, 128-bit), where the shipped one also stores its
+    FP32 partial row."""
+    pytest.importorskip("cutlass")
+    from cake_cute.build import make_spec
+    from cake_cute.tools.cubin import kernel_report, spill_free
+
+    monkeypatch.setenv("CAKE_CUTE_CACHE_DIR", str(tmp_path / "cache"))
+    experiment = perf_module("dw_columns_experiment")
+    report = _cubin_report(experiment.compile_rows_without_dw("sm_90a", 4096), tmp_path / "r.o")
+    shipped = kernel_report(make_spec("bwd", "sm_90a", "bf16", "bf16", 4096, False, 0.0))
+    assert spill_free(report) and report["global_atomics"] == 0
+    assert report["stg_count"] < shipped["stg_count"]
+    assert report["global_store_width_bits"] == 128
