@@ -12,6 +12,7 @@
 #   dtypes       standard sweep for fp16 and fp32
 #   fp8          perf/fp8_bench.py (standard and training grids)
 #   model        perf/model_step.py (H = 2048 and 4096) and perf/hostbound.py (eager and compile)
+#   dwcolumns    perf/dw_columns_experiment.py (issue #13: dW summed by columns beside the row kernel)
 #   distributed  the two-GPU matrix and training benchmark (torchrun, NCCL; needs 2 GPUs)
 # $CAKE_CUTE_COMMIT labels every results file (the copied tree's .git may be stale).
 set -uo pipefail
@@ -72,6 +73,11 @@ section_model() {
   bounded 200 "$d/model_step_4096.log" python3 perf/model_step.py "$ms" --hidden 4096 --append
   bounded 150 "$d/hostbound.log" python3 perf/hostbound.py "$hb" --modes eager
   bounded 300 "$d/hostbound_compile.log" python3 perf/hostbound.py "$hb" --modes compile,compile-graphs --append
+}
+
+section_dwcolumns() {
+  local d=$RES/dwcolumns && mkdir -p "$d"
+  bounded 300 "$d/dw_columns.log" python3 perf/dw_columns_experiment.py "$d/$day-nvidia-h200-dw-columns.json"
 }
 
 section_distributed() {
