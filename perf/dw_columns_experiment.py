@@ -249,19 +249,28 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out", type=Path, help="JSON file to write")
     p.add_argument("--reps", type=int, default=30)
-    p.add_argument("--col-lanes", type=int, default=8, help="16-byte vectors side by side per row in a CTA")
+    p.add_argument(
+        "--col-lanes",
+        type=lambda text: [int(c) for c in text.split(",")],
+        default=[4, 8],
+        help="ColumnDW's 16-byte vectors side by side per row, one row of results each (default 4,8)",
+    )
     args = p.parse_args(argv)
     _use_source_tree()
     import cutlass
 
     from cake_cute.device import device_arch
 
+    arch = device_arch(torch.device("cuda"))
     rows = []
     for hidden in sorted({h for _, h in SHAPES}):
-        columns = compile_column_dw(
-            device_arch(torch.device("cuda")), cutlass.BFloat16, hidden, args.col_lanes
-        )
-        rows += [measure(t, h, columns, args.reps) for t, h in SHAPES if h == hidden]
+        rows_without_dw = compile_rows_without_dw(arch, hidden)
+        for col_lanes in args.col_lanes:
+            columns = compile_column_dw(arch, cutlass.BFloat16, hidden, col_lanes)
+            for tokens in (t for t, h in SHAPES if h == hidden):
+                rows.append(
+                    {"col_lanes": col_lanes, **measure(tokens, hidden, columns, rows_without_dw, args.reps)}
+                )
     write_results(args.out, "perf/dw_columns_experiment.py", torch.cuda.get_device_name(), rows)
     return 0
 
