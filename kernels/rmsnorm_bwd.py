@@ -53,7 +53,8 @@ plus 4*T of rstd, plus the partial rows (num_programs * rows_per_cta * H * 4, wr
 dw_reduce). With n parts that is (n - 1)*T*H*act_bytes more than one g, and 2*T*H*act_bytes less than
 an add kernel (reads n, writes g) in front of a one-g backward. The ``with_dw=False`` variant (no
 shipped path launches it; perf/dw_columns_experiment.py measures it beside a kernel that sums dW by
-columns) keeps no dW accumulator and writes no partial row.
+columns) keeps no dW accumulator and writes no partial row; it is launched with programmatic
+dependent launch and waits for the kernel before it only at its end.
 """
 
 from __future__ import annotations
@@ -163,9 +164,11 @@ class RMSNormBackward(RowKernel):
         self.launch(num_programs, stream, mG, mH, mW, mRstd, mGRes, mDX, mPartial, mG1, mG2)
 
     def launch(self, num_programs, stream, mG, mH, mW, mRstd, mGRes, mDX, mPartial, mG1=None, mG2=None):
-        """Launch the kernel; the parts of g a launcher does not take are None."""
+        """Launch the kernel; the parts of g a launcher does not take are None. Without dW it may start
+        while the kernel before it runs (programmatic dependent launch)."""
+        pdl = {} if self.with_dw else {"use_pdl": True}
         self.kernel(mG, mH, mW, mRstd, mGRes, mDX, mPartial, mG1, mG2).launch(
-            **self.launch_shape(num_programs), stream=stream
+            **self.launch_shape(num_programs), **pdl, stream=stream
         )
 
     @cute.kernel
@@ -263,6 +266,10 @@ class RMSNormBackward(RowKernel):
             # The dW reduction may start launching (it waits for this grid's memory before reading).
             cute.arch.griddepcontrol_launch_dependents()
             self.write_dw_partial_row(tt, bidx, mPartial, tXrDW, tXDW, pred)
+        else:
+            # Started early beside the kernel before it (which sums dW by columns): end only after it,
+            # so that what follows in the stream finds that kernel's output too.
+            cute.arch.griddepcontrol_wait()
 
     @cute.jit
     def prologue(self, smem, thr, tiler, rank, tXc0, mW, pred):

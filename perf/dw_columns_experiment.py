@@ -22,7 +22,10 @@ Per (T, H), bf16, plain mode, inputs rotated past the L2, device time as the swe
 * ``rows_only_us``: the row kernel compiled without dW (``RMSNormBackward(with_dw=False)``: no
   accumulator, no partial row), alone, with today's program count; ``rows_only_dx_bitwise``: its dx
   against today's;
-* ``target_us``: that row kernel with ColumnDW beside it -- the design's time;
+* ``target_us``: that row kernel with ColumnDW beside it on a second stream -- the design's time;
+  ``target_pdl_us``: the same pair on one stream, ColumnDW first (it allows the dependent launch at its
+  start) and the row kernel behind it with programmatic dependent launch (it waits for ColumnDW only at
+  its end) -- the launch a shipped design would use (no second stream, CUDA-graph capturable);
 * where the backward's rule puts two or more CTAs on an SM, ``concurrent_fewer_us`` and
   ``target_fewer_us``: the same with the row programs of one CTA per SM fewer (``fewer_programs``),
   leaving ColumnDW's CTAs room.
@@ -66,6 +69,8 @@ def column_dw_kernel(act_dtype, hidden: int, col_lanes: int, threads: int = 256)
 
         @cute.kernel
         def kernel(self, mG: cute.Tensor, mH: cute.Tensor, mRstd: cute.Tensor, mDW: cute.Tensor):
+            # A row kernel launched behind this one with programmatic dependent launch may start now.
+            cute.arch.griddepcontrol_launch_dependents()
             tidx, _, _ = cute.arch.thread_idx()
             bidx, _, _ = cute.arch.block_idx()
             col_lane = tidx % col_lanes
@@ -228,6 +233,12 @@ def measure(tokens: int, hidden: int, columns, rows_without_dw, reps: int) -> di
     row["concurrent_us"] = time(beside(side, backward, column_dw))
     row["rows_only_us"] = time(rows_only(default_programs))
     row["target_us"] = time(beside(side, rows_only(default_programs), column_dw))
+
+    def in_sequence(index):  # one stream: ColumnDW, then the row kernel with programmatic launch
+        column_dw(index)
+        rows_only(default_programs)(index)
+
+    row["target_pdl_us"] = time(in_sequence)
     # Fewer row programs (one CTA per SM below the rule), leaving ColumnDW's CTAs room beside them.
     ctas = backward_config(arch, "bf16", "bf16", hidden, False).ctas_per_sm
     if ctas >= 2:
