@@ -13,6 +13,8 @@
 #   fp8          perf/fp8_bench.py (standard and training grids)
 #   model        perf/model_step.py (H = 2048 and 4096) and perf/hostbound.py (eager and compile)
 #   dwcolumns    perf/dw_columns_experiment.py (issue #13: dW summed by columns beside the row kernel)
+#   fp32tilings  perf/tune.py scans of fp32 backward tilings with other cluster sizes (issue #13: H = 131072
+#                runs on 7 clusters of 16 CTAs, 112 of 132 SMs; H = 16384 is slower than quack's)
 #   distributed  the two-GPU matrix and training benchmark (torchrun, NCCL; needs 2 GPUs)
 # $CAKE_CUTE_COMMIT labels every results file (the copied tree's .git may be stale).
 set -uo pipefail
@@ -78,6 +80,14 @@ section_model() {
 section_dwcolumns() {
   local d=$RES/dwcolumns && mkdir -p "$d"
   bounded 300 "$d/dw_columns.log" python3 perf/dw_columns_experiment.py "$d/$day-nvidia-h200-dw-columns.json"
+}
+
+section_fp32tilings() {
+  local d=$RES/fp32tilings && mkdir -p "$d"
+  bounded 200 "$d/scan_131072.log" python3 perf/tune.py scan 131072 default bwd.tiling=512:8:1:8 \
+    bwd.tiling=256:8:1:16 --dtype fp32 --rows-list 512,1024 --kernels
+  bounded 200 "$d/scan_16384.log" python3 perf/tune.py scan 16384 default bwd.tiling=512:8:1:1 \
+    bwd.tiling=256:8:1:2 bwd.tiling=512:4:1:2 bwd.tiling=128:8:1:4 --dtype fp32 --rows-list 2048,4096 --kernels
 }
 
 section_distributed() {

@@ -12,7 +12,7 @@ key) and nothing is patched. Device time comes from the profiler (the sum of the
 launches, averaged over ``--reps`` calls); TB/s counts the bytes the kernels must move. ``ring`` also
 checks that every candidate with the default's program count returns bitwise the default's dx and dw.
 ``scan`` times whole backward calls, for each candidate set of override choices (e.g.
-``bwd.ring_depth=4,dw.after_backward=false``; ``bwd.tiling=TPR:VPT:ROWS``), the way the sweep does
+``bwd.ring_depth=4,dw.after_backward=false``; ``bwd.tiling=TPR:VPT:ROWS[:CLUSTER]``), the way the sweep does
 (CUDA events around the call behind a spin, inputs rotated so none is L2-resident:
 ``cake_cute.tools.bench.timing``), next to a device copy of the same bytes, and checks that every
 candidate's dx is bitwise the default's and its dw within FP32 rounding of an FP64 reference;
@@ -148,7 +148,8 @@ def tune_ring(args, arch: str) -> None:
 
 def parse_candidate(candidate: str, arch: str, act: str, hidden: int) -> dict[str, dict]:
     """``kind.choice=value[,kind.choice=value ...]`` -> {kind: choices}; ``default`` -> {}. Values are
-    integers, ``true``/``false``, or for ``tiling`` ``TPR:VPT:ROWS`` (the rest of the default's)."""
+    integers, ``true``/``false``, or for ``tiling`` ``TPR:VPT:ROWS[:CLUSTER]`` (the rest, and without
+    CLUSTER the cluster size, of the default's)."""
     found: dict[str, dict] = {}
     if candidate == "default":
         return found
@@ -156,13 +157,15 @@ def parse_candidate(candidate: str, arch: str, act: str, hidden: int) -> dict[st
         name, _, text = item.partition("=")
         kind, _, choice = name.partition(".")
         if choice == "tiling":
-            tpr, vpt, rows = _ints(text, ":")
+            tpr, vpt, rows, *cluster = _ints(text, ":")
             base = (
                 forward_config(arch, act, hidden)
                 if kind == "fwd"
                 else backward_config(arch, act, act, hidden, False)
             )
             value = replace(base.tiling, threads_per_row=tpr, vecs_per_thread=vpt, rows_per_cta=rows)
+            if cluster:
+                value = replace(value, cluster_n=cluster[0])
         elif text in ("true", "false"):
             value = text == "true"
         else:

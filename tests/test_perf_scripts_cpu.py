@@ -183,6 +183,9 @@ def test_tune_parse_candidate_splits_kinds_and_reads_values(perf_module):
         2,
         1,
     )
+    wide = tune.parse_candidate("bwd.tiling=512:8:1:8", "sm_90a", "fp32", 131072)["bwd"]["tiling"]
+    assert (wide.threads_per_row, wide.vecs_per_thread, wide.cluster_n) == (512, 8, 8)
+    assert wide.cols_per_cta * wide.cluster_n == 131072
 
 
 def test_tune_kernel_label_names_the_module(perf_module):
