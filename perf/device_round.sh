@@ -15,6 +15,8 @@
 #   dwcolumns    perf/dw_columns_experiment.py (issue #13: dW summed by columns beside the row kernel)
 #   fp32tilings  perf/tune.py scans of fp32 backward tilings with other cluster sizes (issue #13: H = 131072
 #                runs on 7 clusters of 16 CTAs, 112 of 132 SMs; H = 16384 is slower than quack's)
+#   fp8tilings   perf/fp8_bench.py at the training shapes with quant tilings and register hints of more
+#                resident threads (issue #15: plain mode at T·H <= 2^25 below 0.9 of the copy)
 #   distributed  the two-GPU matrix and training benchmark (torchrun, NCCL; needs 2 GPUs)
 # $CAKE_CUTE_COMMIT labels every results file (the copied tree's .git may be stale).
 set -uo pipefail
@@ -88,6 +90,13 @@ section_fp32tilings() {
     bwd.tiling=256:8:1:16 --dtype fp32 --rows-list 512,1024 --kernels
   bounded 200 "$d/scan_16384.log" python3 perf/tune.py scan 16384 default bwd.tiling=512:8:1:1 \
     bwd.tiling=256:8:1:2 bwd.tiling=512:4:1:2 bwd.tiling=128:8:1:4 --dtype fp32 --rows-list 2048,4096 --kernels
+}
+
+section_fp8tilings() {
+  local d=$RES/fp8tilings && mkdir -p "$d"
+  bounded 450 "$d/fp8_tilings.log" python3 perf/fp8_bench.py "$d/$day-nvidia-h200-fp8-tilings.json" \
+    --grid training --impls cake_cute --check --tilings 2048=128,2,1,2 2048=64,4,1,4 4096=256,2,1,1 \
+    4096=512,1,1,1 4096=128,4,1,2 8192=512,2,1,1 8192=256,4,1,2 --min-ctas 2048=12 4096=12
 }
 
 section_distributed() {

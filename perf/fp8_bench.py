@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """``python perf/fp8_bench.py OUT.json [--grid standard,training] [--recipes mxfp8,1x128] [--dtype bf16]
-[--impls cake_cute,cake_cute+compile,cake_cute+torchao] [--check] [--tilings H=TPR,VPT,CLUSTER ...]
-[--no-scatter] [--reps N] [--append]``
+[--impls cake_cute,cake_cute+compile,cake_cute+torchao] [--check] [--tilings H=TPR,VPT,CLUSTER[,ROWS] ...]
+[--min-ctas H=N ...] [--no-scatter] [--reps N] [--append]``
 
 The fused RMSNorm -> block-scaled e4m3 forward (impl ``cake_cute``) against cake's forward followed by
 a separate quantize of y: torchao's MX quantizer when importable (``cake_cute+torchao``, MXFP8 only)
@@ -13,8 +13,9 @@ wide rows and every ``--tilings`` candidate included, on weights spanning 2^-130
 2^-24 .. 2^15) so that the scales cover the E8M0 range, with an all-zero row and rows holding an
 infinity and a NaN. Any mismatch stops the run (exit 1) before anything is timed.
 
-``--tilings``: candidate tilings of the quantizing forward (rows_per_cta 1), timed at the standard
-grid's T = 2^27 / H next to the default through ``config.overridden("quant", ...)``; their rows carry
+``--tilings``: candidate tilings of the quantizing forward (rows per CTA 1 unless given), and
+``--min-ctas``: candidate register hints (``min_ctas_per_sm``), each timed at every shape of its H in the
+selected grids next to the default through ``config.overridden("quant", ...)``; their rows carry
 ``candidate: true``. ``--no-scatter``: every plain-mode shape is also timed with
 ``amax_scatter=False`` (every lane reduces every block's maximum: the epilogue before the
 reduce-scatter), a candidate row whose config ends in ``no-scatter``; ``--check`` then also checks it
@@ -97,21 +98,39 @@ def rotating_call(fn, sets: list[tuple]):
 
 
 def parse_tiling(text: str, dtype: str, arch: str):
-    """``H=TPR,VPT,CLUSTER`` -> (H, a RowTiling): the default quant tiling of H with those choices."""
+    """``H=TPR,VPT,CLUSTER[,ROWS]`` -> (H, a RowTiling): the default quant tiling of H with those
+    choices (ROWS: rows per CTA, 1 if not given)."""
     hidden, _, choices = text.partition("=")
     try:
-        tpr, vpt, cluster = (int(v) for v in choices.split(","))
+        tpr, vpt, cluster, *rows = (int(v) for v in choices.split(","))
         hidden = int(hidden)
+        if len(rows) > 1:
+            raise ValueError
     except ValueError:
-        raise ValueError(f"a tiling is H=TPR,VPT,CLUSTER (e.g. 16384=512,4,1), got {text!r}") from None
+        raise ValueError(f"a tiling is H=TPR,VPT,CLUSTER[,ROWS] (e.g. 16384=512,4,1), got {text!r}") from None
     default = quant_forward_config(arch, dtype, hidden, "mxfp8").tiling
-    tiling = replace(default, threads_per_row=tpr, vecs_per_thread=vpt, cluster_n=cluster, rows_per_cta=1)
+    tiling = replace(
+        default,
+        threads_per_row=tpr,
+        vecs_per_thread=vpt,
+        cluster_n=cluster,
+        rows_per_cta=rows[0] if rows else 1,
+    )
     if tpr * vpt * cluster * tiling.vec < hidden:
         raise ValueError(f"{text}: {tpr} x {vpt} x {cluster} vectors of {tiling.vec} do not cover H")
     return hidden, tiling
 
 
 NO_SCATTER = {"amax_scatter": False}
+
+
+def parse_min_ctas(text: str) -> tuple[int, dict]:
+    """``H=N`` -> (H, the override choices of a register hint of N resident CTAs per SM)."""
+    hidden, _, count = text.partition("=")
+    try:
+        return int(hidden), {"min_ctas_per_sm": int(count)}
+    except ValueError:
+        raise ValueError(f"a register hint is H=N (e.g. 4096=12), got {text!r}") from None
 
 
 def quant_choices(arch: str, dtype: str, hidden: int, choices: dict | None):
@@ -121,9 +140,11 @@ def quant_choices(arch: str, dtype: str, hidden: int, choices: dict | None):
 
 
 def config_text(arch: str, dtype: str, hidden: int, recipe: str) -> str:
-    """The quantizing forward's tiling, and ``no-scatter`` where its amax reduce-scatter is off."""
+    """The quantizing forward's tiling, its register hint where one is set, and ``no-scatter`` where
+    its amax reduce-scatter is off."""
     config = quant_forward_config(arch, dtype, hidden, recipe)
-    return config.tiling.describe() + ("" if config.amax_scatter else " no-scatter")
+    hint = f" min_ctas/SM={config.min_ctas_per_sm}" if config.min_ctas_per_sm else ""
+    return config.tiling.describe() + hint + ("" if config.amax_scatter else " no-scatter")
 
 
 # ---------------------------------------------------------------------------------------------- check
@@ -333,25 +354,27 @@ def print_table(rows: list[dict]) -> None:
     fused = [r for r in rows if r["impl"] == "cake_cute" and "candidate" not in r]
     reached = sum(r["frac_copy"] >= 0.9 for r in fused)
     print(f"cake_cute at >= 0.9 of the copy: {reached} of {len(fused)} rows", flush=True)
-    for hidden, config, us in fastest_configs(rows):
-        print(f"H={hidden}: fastest config over every recipe and mode: {config} ({us:.1f} us in all)")
+    for tokens, hidden, config, us in fastest_configs(rows):
+        print(
+            f"T={tokens} H={hidden}: fastest config over every recipe and mode: {config} ({us:.1f} us in all)"
+        )
 
 
-def fastest_configs(rows: list[dict]) -> list[tuple[int, str, float]]:
-    """Per H with candidate rows: the fused op's config of least total time over the standard-grid
-    (recipe, mode) cases every config of that H was timed in (``--no-scatter`` candidates have no
+def fastest_configs(rows: list[dict]) -> list[tuple[int, int, str, float]]:
+    """Per shape (T, H) with candidate rows: the fused op's config of least total time over the
+    (recipe, mode) cases every config of that shape was timed in (``--no-scatter`` candidates have no
     residual rows), and that total."""
-    times: dict[int, dict[str, dict[tuple, float]]] = {}
-    candidates = {r["H"] for r in rows if "candidate" in r}
+    times: dict[tuple, dict[str, dict[tuple, float]]] = {}
+    candidates = {(r["T"], r["H"]) for r in rows if "candidate" in r}
     for r in rows:
-        if r["impl"] == "cake_cute" and r["H"] in candidates and (r["T"], r["H"]) in STANDARD:
+        if r["impl"] == "cake_cute" and (r["T"], r["H"]) in candidates:
             case = (r["recipe"], r["residual"])
-            times.setdefault(r["H"], {}).setdefault(r["config"], {})[case] = r["gpu_us"]
+            times.setdefault((r["T"], r["H"]), {}).setdefault(r["config"], {})[case] = r["gpu_us"]
     fastest = []
-    for hidden, per_config in sorted(times.items()):
+    for (tokens, hidden), per_config in sorted(times.items()):
         common = set.intersection(*(set(cases) for cases in per_config.values()))
         totals = {config: sum(cases[c] for c in common) for config, cases in per_config.items()}
-        fastest.append((hidden, *min(totals.items(), key=lambda kv: kv[1])))
+        fastest.append((tokens, hidden, *min(totals.items(), key=lambda kv: kv[1])))
     return fastest
 
 
@@ -363,7 +386,10 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="bf16", choices=DTYPE_NAMES)
     parser.add_argument("--impls", default=",".join(IMPLS), help=f"some of {', '.join(IMPLS)}")
     parser.add_argument("--check", action="store_true", help="bitwise check against the reference first")
-    parser.add_argument("--tilings", nargs="*", default=[], help="candidate quant tilings, H=TPR,VPT,CLUSTER")
+    parser.add_argument(
+        "--tilings", nargs="*", default=[], help="candidate quant tilings, H=TPR,VPT,CLUSTER[,ROWS]"
+    )
+    parser.add_argument("--min-ctas", nargs="*", default=[], help="candidate register hints, H=N")
     parser.add_argument("--no-scatter", action="store_true", help="also time amax_scatter=False (plain mode)")
     parser.add_argument("--reps", type=int, default=20, help="timed calls per row (median)")
     parser.add_argument("--append", action="store_true", help="keep the rows already in OUT (split runs)")
@@ -380,6 +406,7 @@ def main(argv=None) -> int:
     args.arch = device_arch(torch.device("cuda"))
     try:
         tilings = [parse_tiling(t, args.dtype, args.arch) for t in args.tilings]
+        hints = [parse_min_ctas(t) for t in args.min_ctas]
     except ValueError as exc:
         parser.error(str(exc))
     grids = {"standard": STANDARD, "training": TRAINING}
@@ -393,7 +420,8 @@ def main(argv=None) -> int:
     for recipe in recipes:
         for residual in (False, True):
             for t, h in shapes:
-                mine = [{"tiling": c} for hidden, c in tilings if hidden == h and (t, h) in STANDARD]
+                mine = [{"tiling": c} for hidden, c in tilings if hidden == h]
+                mine += [choices for hidden, choices in hints if hidden == h]
                 mine += [NO_SCATTER] if args.no_scatter and not residual else []
                 rows += bench_shape(timer, args, recipe, residual, t, h, mine)
     print_table(rows)

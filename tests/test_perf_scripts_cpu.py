@@ -121,8 +121,13 @@ def test_fp8_bench_parse_tiling(fp8_bench):
     assert hidden == 16384
     assert (tiling.vec, tiling.threads_per_row, tiling.vecs_per_thread, tiling.cluster_n) == (8, 512, 4, 1)
     assert tiling.rows_per_cta == 1 and tiling.covers_row_exactly
+    two_rows = fp8_bench.parse_tiling("4096=128,4,1,2", "bf16", "sm_90a")[1]
+    assert (two_rows.threads_per_row, two_rows.rows_per_cta) == (128, 2)
     with pytest.raises(ValueError, match="H=TPR,VPT,CLUSTER"):
         fp8_bench.parse_tiling("16384:512,4,1", "bf16", "sm_90a")
+    assert fp8_bench.parse_min_ctas("4096=12") == (4096, {"min_ctas_per_sm": 12})
+    with pytest.raises(ValueError, match="H=N"):
+        fp8_bench.parse_min_ctas("4096")
     with pytest.raises(ValueError, match="do not cover H"):
         fp8_bench.parse_tiling("16384=256,4,1", "bf16", "sm_90a")
 
@@ -152,10 +157,11 @@ def test_fp8_bench_fastest_configs_sums_each_config_over_its_rows(fp8_bench):
         row("n", 8.0, True),  # no residual row: compared over what it shares with the others only
         row("n", 13.0, True, recipe="1x128"),
         row("c", 1.0, False, impl="cake_cute+compile"),  # another impl: not a config of the fused op
-        row("d", 1.0, False, T=2048),  # a training-grid row: not timed against the candidates
-        row("a", 5.0, False, T=16384, H=8192),  # no candidates at this H
+        row("a", 5.0, False, T=16384, H=8192),  # no candidates at this shape
+        row("a", 4.0, False, T=2048),  # another shape of the same H, with a candidate of its own
+        row("e", 3.0, True, T=2048),
     ]
-    assert fp8_bench.fastest_configs(rows) == [(16384, "a", 20.0)]
+    assert fp8_bench.fastest_configs(rows) == [(2048, 16384, "e", 3.0), (8192, 16384, "a", 20.0)]
 
 
 # ---- perf/tune.py and perf/model_step.py: the pure parts, imported on CPU -------------------------------
