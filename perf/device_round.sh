@@ -17,6 +17,8 @@
 #                runs on 7 clusters of 16 CTAs, 112 of 132 SMs; H = 16384 is slower than quack's)
 #   fp8tilings   perf/fp8_bench.py at the training shapes with quant tilings and register hints of more
 #                resident threads (issue #15: plain mode at T·H <= 2^25 below 0.9 of the copy)
+#   smallt       perf/tune.py forward / backward tilings of more lanes per row at T = 16 and 256, H = 4096
+#                (issue #13: forward <= 2 us, backward <= 4 / 5 us of kernel time)
 #   distributed  the two-GPU matrix and training benchmark (torchrun, NCCL; needs 2 GPUs)
 # $CAKE_CUTE_COMMIT labels every results file (the copied tree's .git may be stale).
 set -uo pipefail
@@ -97,6 +99,14 @@ section_fp8tilings() {
   bounded 450 "$d/fp8_tilings.log" python3 perf/fp8_bench.py "$d/$day-nvidia-h200-fp8-tilings.json" \
     --grid training --impls cake_cute --check --tilings 2048=128,2,1,2 2048=64,4,1,4 4096=256,2,1,1 \
     4096=512,1,1,1 4096=128,4,1,2 8192=512,2,1,1 8192=256,4,1,2 --min-ctas 2048=12 4096=12
+}
+
+section_smallt() {
+  local d=$RES/smallt && mkdir -p "$d"
+  for T in 16 256; do
+    bounded 100 "$d/fwd_T$T.log" python3 perf/tune.py fwd 4096 256,2,1 512,1,1 --rows "$T" --reps 50
+    bounded 100 "$d/bwd_T$T.log" python3 perf/tune.py bwd 4096 256,2,1,0 128,4,1,0 --rows "$T" --reps 50
+  done
 }
 
 section_distributed() {
