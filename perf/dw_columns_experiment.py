@@ -16,7 +16,8 @@ Per (T, H), bf16, plain mode, inputs rotated past the L2, device time as the swe
 (``DeviceTimer.device_us``), one row with:
 
 * ``backward_us``: today's call (row kernel + dw_reduce); ``row_kernel_us``, ``dw_reduce_us``: the
-  profiler's durations of those two kernels in it; ``copy_us``: a device copy of the backward's bytes;
+  profiler's median durations of those two kernels in it (``tune.kernel_us``); ``copy_us``: a device
+  copy of the backward's bytes;
 * ``columns_us``: ColumnDW alone; ``columns_rel_err``: its dw against an FP64 reference (relative norm);
 * ``concurrent_us``: today's call with ColumnDW beside it on a second stream;
 * ``rows_only_us``: the row kernel compiled without dW (``RMSNormBackward(with_dw=False)``: no
@@ -100,23 +101,19 @@ def column_dw_kernel(act_dtype, hidden: int, col_lanes: int, threads: int = 256)
 
 
 def compile_column_dw(arch: str, act_dtype, hidden: int, col_lanes: int = 8):
-    """ColumnDW compiled for ``arch`` against fake tensors (a symbolic T); runs without a GPU."""
+    """ColumnDW compiled for ``arch`` against the package's fake tensors (a symbolic T, the backward's
+    row strides and alignment); runs without a GPU."""
     import cutlass
     import cutlass.cute as cute
 
+    from cake_cute.build import _rows_tensor, _vector
+
     kernel, vec = column_dw_kernel(act_dtype, hidden, col_lanes)
     rows = cute.sym_int()
-
-    def matrix():
-        stride = (cute.sym_int64(divisibility=vec), 1)
-        return cute.runtime.make_fake_tensor(act_dtype, (rows, hidden), stride=stride, assumed_align=16)
-
-    rstd = cute.runtime.make_fake_tensor(cutlass.Float32, (rows,), stride=(1,), assumed_align=4)
-    dw = cute.runtime.make_fake_tensor(cutlass.Float32, (hidden,), stride=(1,), assumed_align=16)
+    g, h = (_rows_tensor(act_dtype, rows, hidden, vec) for _ in range(2))
+    rstd, dw = _vector(cutlass.Float32, rows, 1), _vector(cutlass.Float32, hidden, 1)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return cute.compile(
-        kernel, matrix(), matrix(), rstd, dw, stream, options=f"--enable-tvm-ffi --gpu-arch {arch}"
-    )
+    return cute.compile(kernel, g, h, rstd, dw, stream, options=f"--enable-tvm-ffi --gpu-arch {arch}")
 
 
 def compile_rows_without_dw(arch: str, hidden: int):
@@ -137,20 +134,6 @@ def compile_rows_without_dw(arch: str, hidden: int):
     )
 
 
-def kernel_times(calls) -> dict:
-    """{kernel name: mean profiler duration (us)} over ``calls`` (a list of zero-argument calls)."""
-    from cake_cute.tools.bench.timing import gpu_events
-
-    def run():
-        for call in calls:
-            call()
-
-    durations: dict = {}
-    for event in gpu_events(torch, run):
-        durations.setdefault(event.name, []).append(event.time_range.elapsed_us())
-    return {name: sum(values) / len(values) for name, values in durations.items()}
-
-
 def beside(side_stream, main_call, side_call):
     """A call that runs ``side_call`` on ``side_stream`` and ``main_call`` on the current stream, both
     after what the current stream has queued, and joins them."""
@@ -168,6 +151,7 @@ def beside(side_stream, main_call, side_call):
 
 def measure(tokens: int, hidden: int, columns, rows_without_dw, reps: int) -> dict:
     from cake_cute.kernels.config import backward_config, overridden
+    from tune import kernel_us
 
     from cake_cute import cake_rmsnorm_train_backward, cake_rmsnorm_train_forward, dispatch
     from cake_cute.device import device_arch, device_facts
@@ -248,9 +232,9 @@ def measure(tokens: int, hidden: int, columns, rows_without_dw, reps: int) -> di
             row["concurrent_fewer_us"] = time(beside(side, backward, column_dw))
         row["target_fewer_us"] = time(beside(side, rows_only(fewer), column_dw))
     rotation = Rotation(sets)
-    kernels = kernel_times([lambda: backward(rotation.next()) for _ in range(reps)])
-    row["row_kernel_us"] = round(sum(us for name, us in kernels.items() if "bwd" in name), 2)
-    row["dw_reduce_us"] = round(sum(us for name, us in kernels.items() if "reduce" in name.lower()), 2)
+    kernels = kernel_us(lambda: backward(rotation.next()), reps)
+    row["row_kernel_us"] = round(kernels["rmsnorm_bwd"], 2)
+    row["dw_reduce_us"] = round(kernels["dw_reduce"], 2)
     row["copy_us"] = timer.copy_ceiling(3 * element, reps)["copy_gpu_us"]
     print(row, flush=True)
     return row
