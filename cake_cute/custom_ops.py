@@ -19,7 +19,8 @@ Where the ops are used:
 Eager calls on plain CUDA tensors do not come here: a Python custom op pays the dispatcher tens of
 microseconds per call, so ``CakeRMSNormFunction`` launches the kernels directly (see ``autograd``).
 Caller-owned ``out=`` buffers are an eager feature and have no op form. Once the native extension is
-loaded, the CUDA and AutogradCUDA keys of ``rmsnorm_fwd`` / ``rmsnorm_bwd`` have C++ kernels
+loaded, the CUDA and AutogradCUDA keys of ``rmsnorm_fwd`` and the CUDA keys of ``rmsnorm_bwd`` /
+``rmsnorm_bwd_parts`` have C++ kernels
 (``csrc/native.cpp``) that serve the signatures the eager path registered and call the Python bodies
 below for everything else; the registrations here stay for every other device and for tracing.
 """
@@ -200,7 +201,7 @@ define_op(
     cpu=_rmsnorm_bwd_parts_cpu,
     fake=_rmsnorm_bwd_parts_fake,
 )
-native.provide_op_bodies(rmsnorm_fwd, rmsnorm_bwd)
+native.provide_op_bodies(rmsnorm_fwd, rmsnorm_bwd, rmsnorm_bwd_parts)
 
 
 def cake_rmsnorm_traceable(x, w, eps, residual=None, deterministic=True, weight_offset=0.0):

@@ -170,11 +170,12 @@ def load():
 _op_bodies: tuple | None = None  # the custom ops' Python bodies (``custom_ops`` hands them over)
 
 
-def provide_op_bodies(forward_body, backward_body) -> None:
-    """Called by ``custom_ops`` once it has defined the ops: their Python bodies, which the C++ kernels
-    call for what they do not serve. Installs the kernels now if the extension is already loaded."""
+def provide_op_bodies(forward_body, backward_body, backward_parts_body) -> None:
+    """Called by ``custom_ops`` once it has defined the ops: their Python bodies (``rmsnorm_fwd``,
+    ``rmsnorm_bwd``, ``rmsnorm_bwd_parts``), which the C++ kernels call for what they do not serve.
+    Installs the kernels now if the extension is already loaded."""
     global _op_bodies
-    _op_bodies = (forward_body, backward_body)
+    _op_bodies = (forward_body, backward_body, backward_parts_body)
     if fast is not None:
         _install_op_kernels(fast)
 

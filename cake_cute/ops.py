@@ -321,11 +321,12 @@ def _backward_kernels(op, residual: bool, weight_offset: float, dw_dtype, g_part
     )
 
 
-def _native_backward_plan(op, weight_offset: float, rows: int, residual: bool, dw_dtype):
-    """The native path's planner: the kernels (TVM-FFI handles) and launch plan of one backward shape,
-    the very ones ``_backward`` launches with."""
+def _native_backward_plan(op, weight_offset: float, rows: int, residual: bool, dw_dtype, g_parts: int = 1):
+    """The native path's planner: the kernels (TVM-FFI handles) and launch plan of one backward shape
+    (of g in ``g_parts`` summands), the very ones ``_backward`` launches with."""
     plan = _backward_plan(op, rows, residual)
-    handles = tuple(map(native.kernel_handle, _backward_kernels(op, residual, weight_offset, dw_dtype)))
+    kernels = _backward_kernels(op, residual, weight_offset, dw_dtype, g_parts)
+    handles = tuple(map(native.kernel_handle, kernels))
     if 0 in handles:
         raise RuntimeError("cake_cute: a backward kernel has no TVM-FFI function handle")
     return (*handles, plan.programs, plan.partial_rows, dispatch.partial_row_stride(op.hidden))

@@ -327,3 +327,30 @@ def test_opcheck_with_the_cpp_kernels(residual):
     g_res = torch.randn_like(x) if residual else None
     bwd_args = (torch.randn_like(x), x.detach(), w.detach(), rstd, g_res, 0.0, True)
     torch.library.opcheck(torch.ops.cake_cute.rmsnorm_bwd.default, bwd_args)
+
+
+@pytest.mark.parametrize("parts", [2, 3])
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "res"])
+def test_parts_op_kernel_serves_registered_signatures_bitwise(parts, residual, python_bodies):
+    """rmsnorm_bwd_parts (g as its summands) on a registered signature: its Python body's bits, without
+    entering it; a strided summand is handed to the Python body; opcheck with the C++ kernel answering."""
+    x, w, _ = leaves(129, 4096, torch.bfloat16, False)
+    x, w = x.detach(), w.detach()
+    custom_ops.rmsnorm_fwd(x, w, EPS)  # registers the signature
+    rstd = torch.rand(129, device=DEV) + 0.5
+    gs = [torch.randn_like(x) for _ in range(parts)]
+    g_res = torch.randn_like(x) if residual else None
+    python_bodies.update(bwd=0)
+    got = torch.ops.cake_cute.rmsnorm_bwd_parts(gs, x, w, rstd, g_res, 0.0, True)
+    assert python_bodies["bwd"] == 0, "a served signature reached the Python body"
+    want = custom_ops.rmsnorm_bwd_parts(gs, x, w, rstd, g_res, 0.0, True)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert_bitwise_equal(a, b, f"backward output {i}")
+    strided = torch.randn(129, 8192, device=DEV).to(torch.bfloat16)[:, :4096]
+    strided.copy_(gs[0])
+    python_bodies.update(bwd=0)
+    handed = torch.ops.cake_cute.rmsnorm_bwd_parts([strided, *gs[1:]], x, w, rstd, g_res, 0.0, True)
+    assert python_bodies["bwd"] == 1
+    for i, (a, b) in enumerate(zip(handed, want)):
+        assert_bitwise_equal(a, b, f"strided backward output {i}")
+    torch.library.opcheck(torch.ops.cake_cute.rmsnorm_bwd_parts.default, (gs, x, w, rstd, g_res, 0.0, True))

@@ -41,7 +41,11 @@ def test_loading_installs_the_op_kernels(fresh_native):
     """The custom ops' CUDA and AutogradCUDA kernels come from the extension once it is loaded (what they
     compute is compared with the ops' Python bodies on a GPU); other devices keep the Python ones."""
     assert native.load() is not None
-    for op, keys in (("rmsnorm_fwd", ("CUDA", "AutogradCUDA")), ("rmsnorm_bwd", ("CUDA",))):
+    for op, keys in (
+        ("rmsnorm_fwd", ("CUDA", "AutogradCUDA")),
+        ("rmsnorm_bwd", ("CUDA",)),
+        ("rmsnorm_bwd_parts", ("CUDA",)),
+    ):
         table = dict(
             line.split(": ", 1)
             for line in torch._C._dispatch_dump(f"cake_cute::{op}").splitlines()
@@ -175,7 +179,8 @@ def _call(kernel, args) -> str:
 @pytest.mark.parametrize("hidden", [4096, 1001])
 def test_kernels_accept_the_native_argument_conventions(hidden):
     """native.cpp passes (rows, H) tensors with explicit strides as DLTensor pointers, None for an unused
-    residual, eps as a float and the program count as an int. Called that way, each compiled kernel gets
+    residual, eps as a float, the program count as an int, and g's other summands after it. Called that
+    way, each compiled kernel gets
     past all its argument checks to the launch, which fails here for want of a GPU; a wrong H is refused
     as an argument error (the control)."""
     from cake_cute.compile_cache import kernel
@@ -193,12 +198,28 @@ def test_kernels_accept_the_native_argument_conventions(hidden):
     partials = _tensor(keep, f32, (8, hidden), (padded, 1))
     forward = kernel("fwd", "sm_90a", "bf16", "bf16", hidden, False, 0.0)
     backward = kernel("bwd", "sm_90a", "bf16", "bf16", hidden, True, 0.0)
+    backward_parts = kernel("bwd", "sm_90a", "bf16", "bf16", hidden, True, 0.0, 3)
     reduce = kernel("dw", "sm_90a", "bf16", hidden)
     calls = {
         "forward": (forward, [act(), none, vec(bf16, hidden), act(), none, vec(f32, rows), eps]),
         "backward": (
             backward,
             [act(), act(), vec(bf16, hidden), vec(f32, rows), act(), act(), partials, _Any(1, 0, 8)],
+        ),
+        "backward of 3 summands": (
+            backward_parts,
+            [
+                act(),
+                act(),
+                vec(bf16, hidden),
+                vec(f32, rows),
+                act(),
+                act(),
+                partials,
+                _Any(1, 0, 8),
+                act(),
+                act(),
+            ],
         ),
         "dW reduction": (reduce, [partials, vec(bf16, hidden)]),
     }

@@ -73,7 +73,7 @@ struct Signature {
   int64_t hidden;
   int64_t act_align, w_align;  // byte alignment the kernels assume for rows of x and for w
   TVMFFIObjectHandle forward[2] = {nullptr, nullptr};  // plain, residual; null until registered
-  PyObject* planner;  // Python: (rows, residual, dw_dtype) -> (bwd, dw, programs, partial_rows, stride)
+  PyObject* planner;  // Python: (rows, residual, dw_dtype, g_parts) -> (bwd, dw, programs, partial_rows, stride)
 };
 
 // Signatures are never freed: a clear (a config override in tests and tuning) only forgets them, so an
@@ -92,19 +92,21 @@ struct PlanKey {
   int64_t rows;
   bool residual;
   at::ScalarType dw;
+  int64_t g_parts;  // g's summands: 1, or 2-3 for rmsnorm_bwd_parts
   bool operator==(const PlanKey&) const = default;
 };
 
 struct PlanKeyHash {
   size_t operator()(const PlanKey& k) const {
     return std::hash<const void*>()(k.signature) ^ (std::hash<int64_t>()(k.rows) * 31u) ^
-           (size_t(k.residual) << 7) ^ (size_t(k.dw) << 9);
+           (size_t(k.residual) << 7) ^ (size_t(k.dw) << 9) ^ (size_t(k.g_parts) << 17);
   }
 };
 
 // Backwards run on autograd's device threads without the GIL: the plans have their own lock. The cache
 // is bounded (a new T per step must not grow it forever); plans are copied out, so a clear is safe.
 constexpr size_t kMaxPlans = 4096;
+constexpr int64_t kMaxGParts = 3;  // g's summands at most (validation.MAX_GRADIENT_PARTS)
 std::mutex plans_mutex;
 std::unordered_map<PlanKey, Plan, PlanKeyHash> plans;
 
@@ -251,8 +253,8 @@ class GilScope {
   PyGILState_STATE state_;
 };
 
-Plan backward_plan(const Signature& s, int64_t rows, bool residual, at::ScalarType dw) {
-  const PlanKey key{&s, rows, residual, dw};
+Plan backward_plan(const Signature& s, int64_t rows, bool residual, at::ScalarType dw, int64_t g_parts) {
+  const PlanKey key{&s, rows, residual, dw, g_parts};
   {
     std::lock_guard<std::mutex> lock(plans_mutex);
     auto found = plans.find(key);
@@ -261,8 +263,9 @@ Plan backward_plan(const Signature& s, int64_t rows, bool residual, at::ScalarTy
   Plan plan;
   {
     GilScope gil;
-    PyObject* answer = PyObject_CallFunction(s.planner, "LOO", static_cast<long long>(rows),
-                                             residual ? Py_True : Py_False, reinterpret_cast<PyObject*>(torch::getTHPDtype(dw)));
+    PyObject* answer = PyObject_CallFunction(s.planner, "LOOL", static_cast<long long>(rows),
+                                             residual ? Py_True : Py_False, reinterpret_cast<PyObject*>(torch::getTHPDtype(dw)),
+                                             static_cast<long long>(g_parts));
     unsigned long long bwd = 0, reduce = 0;
     long long programs = 0, partial_rows = 0, row_stride = 0;
     const bool parsed = answer != nullptr && PyArg_ParseTuple(answer, "KKLLL", &bwd, &reduce, &programs,
@@ -286,20 +289,21 @@ Plan backward_plan(const Signature& s, int64_t rows, bool residual, at::ScalarTy
   return plan;
 }
 
-// dx (x's shape) and, when `want_dw`, dw in `dw_dtype`; g_residual undefined in plain mode.
+// dx (x's shape) and, when `want_dw`, dw in `dw_dtype`; g_residual undefined in plain mode. `more_g`: g's
+// other summands (rmsnorm_bwd_parts), in summation order after `g`.
 std::pair<at::Tensor, at::Tensor> launch_backward(const Signature& s, const at::Tensor& g, const at::Tensor& h,
                                                   const at::Tensor& w, const at::Tensor& rstd,
                                                   const at::Tensor& g_residual, at::ScalarType dw_dtype,
-                                                  bool want_dw) {
+                                                  bool want_dw, at::TensorList more_g = {}) {
   const int64_t rows = h.numel() / s.hidden;
   const bool residual = g_residual.defined();
-  const Plan plan = backward_plan(s, rows, residual, dw_dtype);
+  const Plan plan = backward_plan(s, rows, residual, dw_dtype, 1 + int64_t(more_g.size()));
   at::Tensor dx = at::empty(h.sizes(), h.options());
   at::Tensor partials = at::empty({plan.partial_rows * plan.row_stride}, h.options().dtype(at::kFloat));
   at::Tensor dw = want_dw ? at::empty({s.hidden}, w.options().dtype(dw_dtype)) : at::Tensor();
-  TensorArg ga, ha, wa, ra, gra, dxa, pa, dwa;
+  TensorArg ga, ha, wa, ra, gra, dxa, pa, dwa, more[kMaxGParts - 1];
   const TVMFFIAny partials_arg = tensor_arg(pa, partials, 2, plan.partial_rows, s.hidden, plan.row_stride);
-  TVMFFIAny args[] = {
+  TVMFFIAny args[8 + kMaxGParts - 1] = {
       matrix(ga, g, rows, s.hidden),
       matrix(ha, h, rows, s.hidden),
       vector(wa, w, s.hidden),
@@ -309,8 +313,9 @@ std::pair<at::Tensor, at::Tensor> launch_backward(const Signature& s, const at::
       partials_arg,
       integer(plan.programs),
   };
+  for (size_t i = 0; i < more_g.size(); ++i) args[8 + i] = matrix(more[i], more_g[i], rows, s.hidden);
   LaunchScope scope(h.device());
-  call(plan.bwd, args, 8, "the backward kernel");
+  call(plan.bwd, args, int32_t(8 + more_g.size()), "the backward kernel");
   if (want_dw) {
     TVMFFIAny reduce_args[] = {partials_arg, vector(dwa, dw, s.hidden)};
     call(plan.dw, reduce_args, 2, "the dW reduction");
@@ -481,11 +486,11 @@ bool check_count(Py_ssize_t given, Py_ssize_t expected, const char* name) {
 
 // ---- the custom ops' kernels ---------------------------------------------------------------------
 //
-// Under torch.compile (and wherever else `cake_cute::rmsnorm_fwd` / `rmsnorm_bwd` are called) every call
-// goes through the dispatcher. With Python kernels there, each call pays torch.library's Python autograd
-// layer and a Python backend kernel (about 28 us per forward and 8 us per backward on the H200's host,
+// Under torch.compile (and wherever else `cake_cute::rmsnorm_fwd` / `rmsnorm_bwd` / `rmsnorm_bwd_parts` are
+// called) every call goes through the dispatcher. With Python kernels there, each call pays torch.library's
+// Python autograd layer and a Python backend kernel (about 28 us per forward and 8 us per backward on the H200's host,
 // perf/results/2026-12-01-h200-compiled-host-profile/). Once the extension is loaded these C++ kernels
-// take the CUDA keys: the CUDA kernel launches served signatures directly and hands every other call to
+// take the CUDA keys: the CUDA kernels launch served signatures directly and hand every other call to
 // the op's Python body; the AutogradCUDA kernel redispatches below autograd when there is no graph to
 // record (a compiled graph's case) and otherwise records a C++ node whose backward calls `rmsnorm_bwd`,
 // as the Python registration does for the other devices (`custom_ops._setup_context` / `_backward`).
@@ -499,6 +504,7 @@ using BackwardSchema = BackwardResult(const at::Tensor&, const at::Tensor&, cons
 
 PyObject* python_forward_op = nullptr;   // custom_ops.rmsnorm_fwd: every call these kernels do not serve
 PyObject* python_backward_op = nullptr;  // custom_ops.rmsnorm_bwd
+PyObject* python_backward_parts_op = nullptr;  // custom_ops.rmsnorm_bwd_parts
 
 const c10::TypedOperatorHandle<ForwardSchema>& forward_op() {
   static const auto op =
@@ -559,20 +565,54 @@ ForwardResult forward_cuda(const at::Tensor& x, const at::Tensor& w, double eps,
   return {outs[0], outs[1], outs[2]};
 }
 
+// Whether the launch path takes this backward: a registered signature, every g like x, rstd one FP32 value
+// per row. Otherwise the op's Python body validates and launches (or raises the named error).
+const Signature* served_backward(at::TensorList gs, const at::Tensor& x, const at::Tensor& w, const at::Tensor& rstd,
+                                 const std::optional<at::Tensor>& g_residual, double weight_offset) {
+  const Signature* s = x.layout() == at::kStrided ? find_signature(x, w, weight_offset) : nullptr;
+  if (s == nullptr) return nullptr;
+  for (const at::Tensor& g : gs) {
+    if (!like(g, x, s->act_align)) return nullptr;
+  }
+  const bool with_residual = g_residual.has_value() && g_residual->defined();
+  const bool served = (!with_residual || like(*g_residual, x, s->act_align)) && rstd.scalar_type() == at::kFloat &&
+                      rstd.numel() == x.numel() / s->hidden && rstd.device() == x.device() && rstd.is_contiguous();
+  return served ? s : nullptr;
+}
+
+at::Tensor optional_or_undefined(const std::optional<at::Tensor>& t) {
+  return t.has_value() ? *t : at::Tensor();
+}
+
 BackwardResult backward_cuda(const at::Tensor& g, const at::Tensor& x, const at::Tensor& w, const at::Tensor& rstd,
                              const std::optional<at::Tensor>& g_residual, double weight_offset, bool deterministic) {
-  const bool with_residual = g_residual.has_value() && g_residual->defined();
-  const Signature* s = x.layout() == at::kStrided ? find_signature(x, w, weight_offset) : nullptr;
-  const bool served = s != nullptr && like(g, x, s->act_align) && (!with_residual || like(*g_residual, x, s->act_align)) &&
-                      rstd.scalar_type() == at::kFloat && rstd.numel() == x.numel() / s->hidden &&
-                      rstd.device() == x.device() && rstd.is_contiguous();
-  if (served) {
-    auto [dx, dw] = launch_backward(*s, g, x, w, rstd, with_residual ? *g_residual : at::Tensor(), w.scalar_type(), true);
+  if (const Signature* s = served_backward({g}, x, w, rstd, g_residual, weight_offset)) {
+    auto [dx, dw] = launch_backward(*s, g, x, w, rstd, optional_or_undefined(g_residual), w.scalar_type(), true);
     return {std::move(dx), std::move(dw)};
   }
   GilScope gil;
   auto outs = call_python_op(python_backward_op,
                              {THPVariable_Wrap(g), THPVariable_Wrap(x), THPVariable_Wrap(w), THPVariable_Wrap(rstd),
+                              wrap_optional(g_residual), PyFloat_FromDouble(weight_offset), PyBool_FromLong(deterministic)},
+                             2);
+  return {outs[0], outs[1]};
+}
+
+// rmsnorm_bwd_parts: g given as its 2-3 summands (cake_cute.graph_passes puts it in compiled graphs).
+BackwardResult backward_parts_cuda(at::TensorList g, const at::Tensor& x, const at::Tensor& w, const at::Tensor& rstd,
+                                   const std::optional<at::Tensor>& g_residual, double weight_offset,
+                                   bool deterministic) {
+  const bool parts_ok = g.size() >= 2 && int64_t(g.size()) <= kMaxGParts;
+  if (const Signature* s = parts_ok ? served_backward(g, x, w, rstd, g_residual, weight_offset) : nullptr) {
+    auto [dx, dw] = launch_backward(*s, g[0], x, w, rstd, optional_or_undefined(g_residual), w.scalar_type(), true,
+                                    g.slice(1));
+    return {std::move(dx), std::move(dw)};
+  }
+  GilScope gil;
+  PyObject* parts = PyList_New(Py_ssize_t(g.size()));
+  for (size_t i = 0; i < g.size(); ++i) PyList_SET_ITEM(parts, Py_ssize_t(i), THPVariable_Wrap(g[i]));
+  auto outs = call_python_op(python_backward_parts_op,
+                             {parts, THPVariable_Wrap(x), THPVariable_Wrap(w), THPVariable_Wrap(rstd),
                               wrap_optional(g_residual), PyFloat_FromDouble(weight_offset), PyBool_FromLong(deterministic)},
                              2);
   return {outs[0], outs[1]};
@@ -748,20 +788,22 @@ PyObject* clear(PyObject*, PyObject*) {
   Py_RETURN_NONE;
 }
 
-// install_op_kernels(forward_body, backward_body): register the kernels above for the CUDA and AutogradCUDA
-// keys of cake_cute::rmsnorm_fwd / rmsnorm_bwd (once), with the ops' Python bodies for what they do not serve.
+// install_op_kernels(forward_body, backward_body, backward_parts_body): register the kernels above for the
+// CUDA and AutogradCUDA keys of cake_cute::rmsnorm_fwd / rmsnorm_bwd / rmsnorm_bwd_parts (once), with the
+// ops' Python bodies for what they do not serve.
 PyObject* install_op_kernels(PyObject*, PyObject* args) {
   HANDLE_TH_ERRORS
-  PyObject *forward_body, *backward_body;
-  if (!PyArg_ParseTuple(args, "OO", &forward_body, &backward_body)) return nullptr;
+  PyObject *forward_body, *backward_body, *backward_parts_body;
+  if (!PyArg_ParseTuple(args, "OOO", &forward_body, &backward_body, &backward_parts_body)) return nullptr;
   if (op_cuda_kernels == nullptr) {
-    Py_INCREF(forward_body);
-    Py_INCREF(backward_body);
+    for (PyObject* body : {forward_body, backward_body, backward_parts_body}) Py_INCREF(body);
     python_forward_op = forward_body;
     python_backward_op = backward_body;
+    python_backward_parts_op = backward_parts_body;
     op_cuda_kernels = new torch::Library(torch::Library::IMPL, "cake_cute", c10::DispatchKey::CUDA, __FILE__, __LINE__);
     op_cuda_kernels->impl("rmsnorm_fwd", TORCH_FN(forward_cuda));
     op_cuda_kernels->impl("rmsnorm_bwd", TORCH_FN(backward_cuda));
+    op_cuda_kernels->impl("rmsnorm_bwd_parts", TORCH_FN(backward_parts_cuda));
     op_autograd_kernels =
         new torch::Library(torch::Library::IMPL, "cake_cute", c10::DispatchKey::AutogradCUDA, __FILE__, __LINE__);
     op_autograd_kernels->impl("rmsnorm_fwd", TORCH_FN(forward_autograd_cuda));
