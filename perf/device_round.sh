@@ -13,8 +13,8 @@
 #   fp8          perf/fp8_bench.py (standard and training grids)
 #   model        perf/model_step.py (H = 2048 and 4096) and perf/hostbound.py (eager and compile)
 #   dwcolumns    perf/dw_columns_experiment.py (issue #13: dW summed by columns beside the row kernel)
-#   fp32tilings  perf/tune.py scans of fp32 backward tilings with other cluster sizes (issue #13: H = 131072
-#                runs on 7 clusters of 16 CTAs, 112 of 132 SMs; H = 16384 is slower than quack's)
+#   fp32tilings  perf/tune.py scans of the fp32 cluster backward tilings (8 vectors per lane) against the
+#                4-vector tilings they replaced (issue #13)
 #   fp8tilings   perf/fp8_bench.py at the training shapes with quant tilings and register hints of more
 #                resident threads (issue #15: plain mode at T·H <= 2^25 below 0.9 of the copy)
 #   smallt       perf/tune.py forward / backward tilings of more lanes per row at T = 16 and 256, H = 4096
@@ -86,12 +86,14 @@ section_dwcolumns() {
   bounded 300 "$d/dw_columns.log" python3 perf/dw_columns_experiment.py "$d/$day-nvidia-h200-dw-columns.json"
 }
 
-section_fp32tilings() {
+section_fp32tilings() {  # the FP32 cluster tilings' rule (8 vectors per lane) against the 4-vector one it replaced
   local d=$RES/fp32tilings && mkdir -p "$d"
-  bounded 200 "$d/scan_131072.log" python3 perf/tune.py scan 131072 default bwd.tiling=512:8:1:8 \
-    bwd.tiling=256:8:1:16 --dtype fp32 --rows-list 512,1024 --kernels
-  bounded 200 "$d/scan_16384.log" python3 perf/tune.py scan 16384 default bwd.tiling=512:8:1:1 \
-    bwd.tiling=256:8:1:2 bwd.tiling=512:4:1:2 bwd.tiling=128:8:1:4 --dtype fp32 --rows-list 2048,4096 --kernels
+  local H T old
+  for H in 8192:2048,8192 16384:2048,4096 32768:1024,2048 65536:512,1024; do
+    T=${H#*:} H=${H%%:*} old=256:4:1:$((H / 4096))
+    bounded 150 "$d/scan_$H.log" python3 perf/tune.py scan "$H" default "bwd.tiling=$old" --dtype fp32 \
+      --rows-list "$T" --kernels
+  done
 }
 
 section_fp8tilings() {

@@ -8,6 +8,7 @@ from itertools import product
 
 import pytest
 from cake_cute.kernels.config import (
+    MAX_G_PARTS,
     backward_config,
     backward_ring_depth,
     overridden,
@@ -79,11 +80,13 @@ def test_backward_ring_depth_and_residency(hidden, act, residual, ring_depth, pe
 @pytest.mark.parametrize("act", ["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("residual", [False, True])
 def test_backward_shared_memory_fits_one_cta(act, residual):
-    """Every backward tiling's shared memory fits the 227 KB one CTA may use (else the launch fails)."""
-    for hidden in [1, 7, 1000, 1024, 4096, 4097, 5120, 7168, 8192, 12288, 16384, 65537, 131072, 262144]:
-        for arch in ("sm_90a", "sm_100a"):
-            config = backward_config(arch, act, "fp32", hidden, residual)
-            assert config.smem_bytes <= 227 * 1024, (hidden, config.describe())
+    """Every backward tiling's shared memory fits the 227 KB one CTA may use (else the launch fails),
+    with g in one part or in as many as a backward takes."""
+    hiddens = (1, 7, 1000, 1024, 4096, 4097, 5120, 7168, 8192, 12288, 16384, 32768)
+    hiddens += (65536, 65537, 131072, 262144)
+    for hidden, arch, g_parts in product(hiddens, ("sm_90a", "sm_100a"), range(1, MAX_G_PARTS + 1)):
+        config = backward_config(arch, act, "fp32", hidden, residual, g_parts)
+        assert config.smem_bytes <= 227 * 1024, (hidden, g_parts, config.describe())
 
 
 def test_an_override_changes_one_entry_and_leaves_with_its_context():
