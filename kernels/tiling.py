@@ -141,15 +141,15 @@ def backward_tiling(hidden: int, act_dtype: str) -> RowTiling:
     it exactly with one or two vectors each (up to 16 warps; H = 1024 -> 4 warps x 1, 7168 -> 14
     warps x 2): short per-thread work and many loads in flight per row hide the row-sum latency
     best. Cluster tilings keep 256 lanes of 4 vectors (the scans behind these choices:
-    perf/results/2026-11-30-h200-tiling-scans/), except FP32 ones, whose lanes hold 8 vectors (128
-    bytes) in half as many lanes: on the H200 that took H = 16384 from 0.88-0.92 of a device copy to
-    0.95-0.98 in plain mode (the scans: perf/results/2026-12-01-h200-fp32-tilings/). Not where the
-    tiles cover the row raggedly (with their column predicates, 8 vectors need more than 128
-    registers) nor where lanes are 512 (H = 131072: 256 lanes of 8 are faster with one g, but their
-    ring of 32 KB tiles leaves no room for g in parts)."""
+    perf/results/2026-11-30-h200-tiling-scans/), except FP32 rows split over 4 or 8 CTAs (H = 16384,
+    32768), whose lanes hold 8 vectors (128 bytes) in half as many lanes: on the H200 that took plain
+    mode from 0.86-0.91 of a device copy to 0.94-0.97 (residual mode within 1%), where clusters of 2
+    and 16 (H = 8192, 65536) lost 0-3% (perf/results/2026-12-01-h200-fp32-tilings/). Not where the
+    tiles cover the row raggedly: with their column predicates, 8 vectors need more than 128
+    registers (the residual variant spills)."""
     tiling = row_tiling(hidden, dtype_bytes(act_dtype), bytes_per_thread=64, target_vecs=2)
-    fp32_cluster = tiling.cluster_n > 1 and act_dtype == "fp32" and tiling.vecs_per_thread == 4
-    if fp32_cluster and tiling.covers_row_exactly and tiling.threads_per_cta < MAX_THREADS_PER_CTA:
+    fp32_cluster = act_dtype == "fp32" and tiling.cluster_n in (4, 8) and tiling.vecs_per_thread == 4
+    if fp32_cluster and tiling.covers_row_exactly:
         return replace(tiling, threads_per_row=tiling.threads_per_row // 2, vecs_per_thread=8)
     if (
         tiling.threads_per_cta >= MAX_THREADS_PER_CTA
