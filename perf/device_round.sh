@@ -17,6 +17,8 @@
 #                4-vector tilings they replaced (issue #13)
 #   fp8tilings   perf/fp8_bench.py at the training shapes with quant tilings and register hints of more
 #                resident threads (issue #15: plain mode at T·H <= 2^25 below 0.9 of the copy)
+#   timeline     perf/backward_timeline.py (issue #13: each backward kernel's start and end, the row kernel
+#                without dW, a copy kernel of the same bytes)
 #   smallt       perf/tune.py forward / backward tilings of more lanes per row at T = 16 and 256, H = 4096
 #                (issue #13: forward <= 2 us, backward <= 4 / 5 us of kernel time)
 #   distributed  the two-GPU matrix and training benchmark (torchrun, NCCL; needs 2 GPUs)
@@ -101,6 +103,11 @@ section_fp8tilings() {
   bounded 450 "$d/fp8_tilings.log" python3 perf/fp8_bench.py "$d/$day-nvidia-h200-fp8-tilings.json" \
     --grid training --impls cake_cute --check --tilings 2048=128,2,1,2 2048=64,4,1,4 4096=256,2,1,1 \
     4096=512,1,1,1 4096=128,4,1,2 8192=512,2,1,1 8192=256,4,1,2 --min-ctas 2048=12 4096=12
+}
+
+section_timeline() {
+  local d=$RES/timeline && mkdir -p "$d"
+  bounded 120 "$d/backward_timeline.log" python3 perf/backward_timeline.py "$d/backward-timeline.json"
 }
 
 section_smallt() {

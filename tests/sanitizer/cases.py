@@ -1,13 +1,17 @@
 """The workload compute-sanitizer runs: forward and backward over the dtypes x H in {7, 1024, 4096, 4097,
-7168, 65536} x residual off/on at T = 3, T = 100 at H = 4096 (persistent programs with two row tiles
-each), and plain rows with a 4-stage ring that wraps around several times (bf16 H = 8192 and fp32
-H = 4096 at T = 700, bf16 H = 1024 at T = 4000), each output checked against the FP64 reference so a silent
-corruption would also show; and the quantizing forward (both FP8 recipes, bf16, H in {33, 4096, 4097,
-65536}, residual off/on, y emitted) at T = 3 and T = 100, its e4m3 bytes and scales compared bitwise with
-the torch reference of ``cake_cute.fp8_numerics``. Run by ``tests/sanitizer/run.sh`` under memcheck, racecheck
-and synccheck (a GPU is needed); it prints one line per case and exits non-zero on any mismatch."""
+7168, 16384, 32768, 65536} x residual off/on at T = 3 (FP32 H = 16384 and 32768, rows split over clusters
+of 4 and 8 CTAs with lanes of 8 vectors, also at T = 300), T = 100 at H = 4096 (persistent programs with
+two row tiles each), and plain rows with a 4-stage ring that wraps around several times (bf16 H = 8192
+and fp32 H = 4096 at T = 700, bf16 H = 1024 at T = 4000), each output checked against the FP64 reference
+so a silent corruption would also show; and the quantizing forward (both FP8 recipes, bf16, H in {33,
+4096, 4097, 65536}, residual off/on, y emitted) at T = 3 and T = 100, its e4m3 bytes and scales compared
+bitwise with the torch reference of ``cake_cute.fp8_numerics``. Run by ``tests/sanitizer/run.sh`` under
+memcheck, racecheck and synccheck (a GPU is needed); it prints one line per case and exits non-zero on
+any mismatch. ``python3 cases.py PREFIX`` runs only the cases of the first group whose label
+(``float32 H=16384``) starts with PREFIX."""
 
 import sys
+from functools import partial
 
 import torch
 
@@ -61,31 +65,33 @@ def run_fp8_case(recipe, hidden, residual, rows=3):
     return ok
 
 
-def main():
-    results = [
-        run_case(dtype, hidden, residual)
+def main(only: str = ""):
+    cases = [
+        (f"{str(dtype)[6:]} H={hidden}", partial(run_case, dtype, hidden, residual, rows))
         for dtype in (torch.bfloat16, torch.float16, torch.float32)
-        for hidden in (7, 1024, 4096, 4097, 7168, 65536)
+        for hidden in (7, 1024, 4096, 4097, 7168, 16384, 32768, 65536)
         for residual in (False, True)
+        for rows in ((3, 300) if dtype == torch.float32 and hidden in (16384, 32768) else (3,))
     ]
-    results += [run_case(torch.bfloat16, 4096, residual, rows=100) for residual in (False, True)]
-    results += [
-        run_case(dtype, hidden, False, rows=rows)
+    cases += [("", partial(run_case, torch.bfloat16, 4096, residual, rows=100)) for residual in (False, True)]
+    cases += [
+        ("", partial(run_case, dtype, hidden, False, rows=rows))
         for dtype, hidden, rows in (
             (torch.bfloat16, 8192, 700),
             (torch.float32, 4096, 700),
             (torch.bfloat16, 1024, 4000),
         )
     ]
-    results += [
-        run_fp8_case(recipe, hidden, residual, rows)
+    cases += [
+        ("", partial(run_fp8_case, recipe, hidden, residual, rows))
         for recipe in fp8_numerics.RECIPES
         for hidden in (33, 4096, 4097, 65536)
         for residual in (False, True)
         for rows in (3, 100)
     ]
-    return 0 if all(results) else 1
+    results = [case() for label, case in cases if label.startswith(only) and (label or not only)]
+    return 0 if results and all(results) else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(*sys.argv[1:2]))
