@@ -150,16 +150,9 @@ class RMSNormForward(RowKernel):
         warp_sums, cta_sums, mbars = allocate_reduction_buffers(smem, t)
         sX = allocate_tile(smem, self.act_dtype, t)[None, None, 0]
 
-        tiler = tile_shape(t)
-        coords = cute.local_tile(cute.make_identity_tensor(mX.shape), tiler, (bidx, rank))
-        thr = row_tiled_copy(self.act_dtype, t).get_slice(tidx)
-        tXc = thr.partition_S(coords)
-        row = tXc[0][0]
+        tiler, thr, row, pred = self.row_tile(mX, tidx, bidx, rank)
         row_in_cta = tidx // t.threads_per_row
         lane_in_row = tidx % t.threads_per_row
-        pred = None
-        if const_expr(not t.covers_row_exactly):
-            pred = column_predicate(tXc, t.hidden)
         # Bound outside the dynamic branches: a None captured into a branch would become an IR value.
         copy_act = partial(cute.copy, copy_atom(self.act_dtype, t.vec), pred=pred)
         async_copy = partial(cute.copy, staging_atom(self.act_dtype, t.vec), pred=pred)
@@ -178,10 +171,7 @@ class RMSNormForward(RowKernel):
         init_cluster_reduction(mbars, t.cluster_n)
 
         # w's load overlaps the staging copies.
-        tXgW = thr.partition_S(cute.local_tile(broadcast_rows(mW, t.rows_per_cta), tiler, (0, rank)))
-        tXrW = cute.make_rmem_tensor_like(tXgW)
-        tXrW.fill(0)
-        cute.copy(copy_atom(self.w_dtype, t.vec), tXgW, tXrW, pred=pred)
+        tXrW = self.load_weight(mW, thr, tiler, rank, pred)
 
         cute.arch.cp_async_wait_group(0)
         # Columns past H stay zero in registers (they were never staged).
@@ -197,21 +187,8 @@ class RMSNormForward(RowKernel):
             copy_act(tXrX, tXsX)
             if row < rows:
                 copy_act(tXrX, tXgH)
-        h = self.widen(tXrX)
-
-        sum_sq = row_sum(
-            (h * h).reduce(cute.ReductionOp.ADD, Float32(0.0), 0),
-            warp_sums,
-            cta_sums,
-            mbars,
-            row_in_cta,
-            lane_in_row,
-            Int32(0),
-            Int32(0),
-            t.threads_per_row,
-            t.cluster_n,
-        )
-        rstd = cute.math.rsqrt(sum_sq / t.hidden + eps)
+        buffers = (warp_sums, cta_sums, mbars)
+        rstd = self.row_rstd(self.widen(tXrX), buffers, row_in_cta, lane_in_row, Int32(0), eps)
         if row < rows and lane_in_row == 0 and rank == 0:
             mRstd[row] = rstd
 
@@ -221,3 +198,44 @@ class RMSNormForward(RowKernel):
         w = self.widen_weight(self.widen(tXrW))
         y = self.widen(tXrX) * rstd * w
         return NormalizedTile(y, tXgX, thr, tiler, bidx, rank, row, rows, pred, row_in_cta, lane_in_row)
+
+    @cute.jit
+    def row_tile(self, mX: cute.Tensor, tidx, bidx, rank):
+        """Where row tile ``bidx`` (cluster CTA ``rank``) lies: the tiler, the thread's slice of the
+        tiled copy, the thread's row and its column predicate (None where the tiles cover H)."""
+        t = self.tiling
+        tiler = tile_shape(t)
+        coords = cute.local_tile(cute.make_identity_tensor(mX.shape), tiler, (bidx, rank))
+        thr = row_tiled_copy(self.act_dtype, t).get_slice(tidx)
+        tXc = thr.partition_S(coords)
+        pred = None
+        if const_expr(not t.covers_row_exactly):
+            pred = column_predicate(tXc, t.hidden)
+        return tiler, thr, tXc[0][0], pred
+
+    @cute.jit
+    def load_weight(self, mW: cute.Tensor, thr, tiler, rank, pred) -> cute.Tensor:
+        """The thread's slice of w in registers (zero past H)."""
+        t = self.tiling
+        tXgW = thr.partition_S(cute.local_tile(broadcast_rows(mW, t.rows_per_cta), tiler, (0, rank)))
+        tXrW = cute.make_rmem_tensor_like(tXgW)
+        tXrW.fill(0)
+        cute.copy(copy_atom(self.w_dtype, t.vec), tXgW, tXrW, pred=pred)
+        return tXrW
+
+    @cute.jit
+    def row_rstd(self, h: cute.TensorSSA, buffers, row_in_cta, lane_in_row, slot, eps) -> Float32:
+        """1 / sqrt(mean(h^2) + eps) of the thread's row, ``buffers`` the reduction's (warp sums, CTA
+        sums, mbarriers) and ``slot`` the one this row uses (``row_sum``)."""
+        t = self.tiling
+        sum_sq = row_sum(
+            (h * h).reduce(cute.ReductionOp.ADD, Float32(0.0), 0),
+            *buffers,
+            row_in_cta,
+            lane_in_row,
+            slot,
+            Int32(0),
+            t.threads_per_row,
+            t.cluster_n,
+        )
+        return cute.math.rsqrt(sum_sq / t.hidden + eps)

@@ -3,8 +3,9 @@
     python perf/sass_hashes.py dump OUT.json [--jobs N]   # compile the matrix into a temporary cache
     python perf/sass_hashes.py compare BEFORE.json AFTER.json
 
-The matrix: forward and backward x {sm_90a, sm_100a} x {bf16, fp32} x H x residual off/on, and the dW
-reduction x arch x output dtype x H. Each variant is compiled through the package's own cache, its
+The matrix: forward and backward x {sm_90a, sm_100a} x {bf16, fp32} x H x residual off/on, the dW
+reduction x arch x output dtype x H, and the forwards to FP8 (both recipes, bf16) x arch x a few H x
+residual off/on. Each variant is compiled through the package's own cache, its
 cubin cut out of the exported object (``cake_cute.tools.cubin.fatbin_from_object``) and disassembled with
 ``cuobjdump -sass``. The hash covers the instruction stream (addresses, opcodes, operands, encodings)
 with the kernel symbol names replaced by a placeholder, so a renamed Python class or method does not
@@ -32,6 +33,8 @@ from pathlib import Path
 ARCHS = ("sm_90a", "sm_100a")
 DTYPES = ("bf16", "fp32")
 HIDDEN = (1, 7, 1024, 4096, 5120, 7168, 8192, 16384, 65536, 131072)
+QUANT_KINDS = ("fwd_mxfp8", "fwd_1x128")
+QUANT_HIDDEN = (4096, 5120, 7168, 65536)
 _FUNCTION = re.compile(r"^\s*Function : (\S+)", re.M)
 
 
@@ -44,6 +47,13 @@ def matrix() -> list[tuple[str, str, str, int, bool]]:
                 for hidden in HIDDEN:
                     rows += [(kind, arch, dtype, hidden, residual) for residual in (False, True)]
     rows += [("dw", arch, dtype, hidden, False) for arch in ARCHS for dtype in DTYPES for hidden in HIDDEN]
+    rows += [
+        (kind, arch, "bf16", hidden, residual)
+        for kind in QUANT_KINDS
+        for arch in ARCHS
+        for hidden in QUANT_HIDDEN
+        for residual in (False, True)
+    ]
     return rows
 
 

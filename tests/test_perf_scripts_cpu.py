@@ -249,3 +249,86 @@ def test_rows_without_dw_write_no_partial_rows(perf_module, tmp_path, monkeypatc
     assert spill_free(report) and report["global_atomics"] == 0
     assert report["stg_count"] < shipped["stg_count"]
     assert report["global_store_width_bits"] == 128
+
+
+# ---- perf/persistent_forward_experiment.py: its kernels compile without a GPU -------------------------
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+@pytest.mark.parametrize("op", ["fwd", "mxfp8"])
+def test_persistent_forward_compiles_spill_free(perf_module, arch, op, tmp_path, monkeypatch):
+    """The persistent forward (two staged tiles, a dynamic loop over row tiles) compiles for both
+    archs with no spills and the shipped kernel's 128-bit loads and store widths."""
+    pytest.importorskip("cutlass")
+    from cake_cute.build import make_spec, quant_kind
+    from cake_cute.tools.cubin import kernel_report, spill_free
+
+    monkeypatch.setenv("CAKE_CUTE_CACHE_DIR", str(tmp_path / "cache"))
+    experiment = perf_module("persistent_forward_experiment")
+    report = _cubin_report(experiment.compile_persistent(arch, op, 4096, 4 * 132), tmp_path / "p.o")
+    kind = "fwd" if op == "fwd" else quant_kind(op, False)
+    shipped = kernel_report(make_spec(kind, arch, "bf16", "bf16", 4096, False, 0.0))
+    assert spill_free(report) and report["global_atomics"] == 0
+    assert report["global_load_width_bits"] == shipped["global_load_width_bits"] == 128
+    assert report["global_store_width_bits"] == shipped["global_store_width_bits"]
+
+
+def test_persistent_forward_refuses_residual_and_cluster_rows(perf_module):
+    pytest.importorskip("cutlass")
+    import cutlass
+    from cake_cute.kernels.config import forward_config
+    from cake_cute.kernels.rmsnorm_fwd import RMSNormForward
+
+    experiment = perf_module("persistent_forward_experiment")
+    kernel = experiment.persistent(RMSNormForward, 264)
+    dtypes = (cutlass.BFloat16, cutlass.BFloat16)
+    with pytest.raises(ValueError, match="plain rows one CTA holds"):
+        kernel(forward_config("sm_90a", "bf16", 4096), *dtypes, True, 0.0)
+    with pytest.raises(ValueError, match="plain rows one CTA holds"):
+        kernel(forward_config("sm_90a", "bf16", 65536), *dtypes, False, 0.0)
+    assert kernel(forward_config("sm_90a", "bf16", 4096), *dtypes, False, 0.0).programs == 264
+
+
+class _CallOnceTimer:
+    """The DeviceTimer surface ``measure`` uses, on the CPU: each call runs once and takes 1 us."""
+
+    l2_bytes = 1 << 16
+
+    def __init__(self):
+        import torch
+
+        self.device = torch.device("cpu")
+
+    def device_us(self, call, reps, setup):
+        call(setup())
+        return 1.0
+
+    def copy_ceiling(self, nbytes, reps):
+        return {"copy_gpu_us": 1.0}
+
+
+def _shipped_on_cpu(op, corrupt=False):
+    """A stand-in for a compiled persistent FP8 kernel: the shipped op's CPU result, written into the
+    kernel's output arguments in its argument order (one byte changed with ``corrupt``)."""
+    import torch
+
+    import cake_cute
+
+    def fn(x, _res, w, _y, _h, rstd, data, scales, eps):
+        out = cake_cute.cake_rmsnorm_fp8(x, w, eps, recipe=op)
+        data.copy_(out.data.view(torch.uint8)), rstd.copy_(out.rstd)
+        scales.copy_(out.scales.view(scales.dtype))
+        if corrupt:
+            data.view(-1)[0] ^= 1
+
+    return fn
+
+
+@pytest.mark.parametrize("op", ["mxfp8", "1x128"])  # the functional bf16 forward has no CPU path
+def test_persistent_forward_measure_compares_every_output(perf_module, op):
+    experiment = perf_module("persistent_forward_experiment")
+    good = experiment.measure(_CallOnceTimer(), 5, 256, op, {2: _shipped_on_cpu(op)}, reps=1)
+    assert good["bitwise"] and good["persistent_2_us"] == good["shipped_us"] == 1.0
+    assert good["bytes"] == experiment.op_bytes(op, 5, 256)
+    bad = experiment.measure(_CallOnceTimer(), 5, 256, op, {2: _shipped_on_cpu(op, corrupt=True)}, reps=1)
+    assert not bad["bitwise"]
