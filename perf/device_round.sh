@@ -15,6 +15,8 @@
 #   dwcolumns    perf/dw_columns_experiment.py (issue #13: dW summed by columns beside the row kernel)
 #   fp32tilings  perf/tune.py scans of the fp32 cluster backward tilings (8 vectors per lane) against the
 #                4-vector tilings they replaced (issue #13)
+#   fp32rows     perf/tune.py scans of fp32 backward tilings where quack is faster or the copy far (issue #13:
+#                residual H = 1024, 5120 2-5% behind quack; H = 5120 tiles its row raggedly, plain 0.85)
 #   fp8tilings   perf/fp8_bench.py at the training shapes with quant tilings and register hints of more
 #                resident threads (issue #15: plain mode at T·H <= 2^25 below 0.9 of the copy)
 #   timeline     perf/backward_timeline.py (issue #13: each backward kernel's start and end, the row kernel
@@ -98,6 +100,14 @@ section_fp32tilings() {  # the FP32 cluster tilings' rule (8 vectors per lane) a
     bounded 150 "$d/scan_$H.log" python3 perf/tune.py scan "$H" default "bwd.tiling=$old" --dtype fp32 \
       --rows-list "$T" --kernels
   done
+}
+
+section_fp32rows() {  # every candidate compiles spill-free for sm_90a (checked on CPU, session 15)
+  local d=$RES/fp32rows && mkdir -p "$d"
+  bounded 150 "$d/scan_1024.log" python3 perf/tune.py scan 1024 default bwd.tiling=128:2:1:1 \
+    bwd.tiling=128:2:2:1 bwd.register_budget=64 bwd.tiling=64:4:2:1 --dtype fp32 --rows-list 16384,65536 --kernels
+  bounded 150 "$d/scan_5120.log" python3 perf/tune.py scan 5120 default bwd.tiling=160:4:1:2 \
+    bwd.tiling=320:4:1:1 bwd.tiling=128:5:1:2 bwd.tiling=320:2:1:2 --dtype fp32 --rows-list 4096,13107 --kernels
 }
 
 section_fp8tilings() {
