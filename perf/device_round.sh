@@ -12,6 +12,8 @@
 #   dtypes       standard sweep for fp16 and fp32
 #   fp8          perf/fp8_bench.py (standard and training grids)
 #   model        perf/model_step.py (H = 2048 and 4096) and perf/hostbound.py (eager and compile)
+#   passhost     perf/model_step.py compiled at 256 tokens (host-bound) with and without the gradient-sum
+#                pass (its op has a C++ kernel since session 15: the pass's host cost in a compiled step)
 #   dwcolumns    perf/dw_columns_experiment.py (issue #13: dW summed by columns beside the row kernel)
 #   fp32tilings  perf/tune.py scans of the fp32 cluster backward tilings (8 vectors per lane) against the
 #                4-vector tilings they replaced (issue #13)
@@ -85,6 +87,15 @@ section_model() {
   bounded 200 "$d/model_step_4096.log" python3 perf/model_step.py "$ms" --hidden 4096 --append
   bounded 150 "$d/hostbound.log" python3 perf/hostbound.py "$hb" --modes eager
   bounded 300 "$d/hostbound_compile.log" python3 perf/hostbound.py "$hb" --modes compile,compile-graphs --append
+}
+
+section_passhost() {
+  local d=$RES/passhost && mkdir -p "$d"
+  local out=$d/$day-nvidia-h200-model-step-256-tokens.json
+  bounded 200 "$d/with_pass.log" python3 perf/model_step.py "${out%.json}-pass.json" --hidden 2048 --seq 64 \
+    --impls torch,cake_cute --modes compile
+  bounded 200 "$d/without_pass.log" python3 perf/model_step.py "${out%.json}-no-pass.json" --hidden 2048 \
+    --seq 64 --impls torch,cake_cute --modes compile --no-gradient-sums
 }
 
 section_dwcolumns() {

@@ -21,6 +21,8 @@ cake_cute). Every implementation starts from the same seed. A step is timed with
 allocated memory over the timed steps. ``--device cpu --tiny`` runs a tiny model on CPU (host clock,
 no peak memory) to check the script end to end. ``--hidden 2048`` runs one of the shapes and
 ``--append`` keeps OUT's rows, so a long run can be split over several commands into one file.
+``--seq N`` shortens the sequences (batch 4 x N tokens): at a few hundred tokens a step is host-bound,
+which is where the gradient-sum pass's host cost shows (``--no-gradient-sums`` for the A/B).
 ``--profile DIR`` writes, per run, every kernel of a step with its time (torch.profiler), longest
 first: where two implementations' steps differ.
 
@@ -35,7 +37,7 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -269,7 +271,8 @@ def compiled(model, impl: str, gradient_sums: bool):
 def run(args) -> list[dict]:
     device = torch.device(args.device)
     rows = []
-    shapes = TINY_SHAPES if args.tiny else [s for s in FULL_SHAPES if s.hidden in args.hidden]
+    full = [replace(s, seq=args.seq) for s in FULL_SHAPES if s.hidden in args.hidden]
+    shapes = TINY_SHAPES if args.tiny else full
     for shape in shapes:
         for impl in [i for i in args.impls if _available(i)]:
             for mode in args.modes:
@@ -312,6 +315,7 @@ def main(argv=None) -> int:
         help="the full shapes to run, by H (default 2048,4096); --append collects several runs in one file",
     )
     p.add_argument("--append", action="store_true", help="keep the rows already in OUT (other shapes)")
+    p.add_argument("--seq", type=int, default=FULL_SHAPES[0].seq, help="tokens per sequence (batch 4)")
     p.add_argument("--profile", type=Path, help="write each run's kernels and their time per step here")
     p.add_argument(
         "--no-gradient-sums",
