@@ -39,21 +39,17 @@ def _median_us(values) -> float:
 
 
 def measure(timer, rows_kernel, tokens: int, hidden: int, reps: int) -> dict:
+    from dw_columns_experiment import backward_inputs, rows_only_launcher
     from tune import _kernel_label, profiled_kernels
 
-    from cake_cute import cake_rmsnorm_train_backward, cake_rmsnorm_train_forward, dispatch
+    from cake_cute import cake_rmsnorm_train_backward, dispatch
     from cake_cute.device import device_facts
     from cake_cute.tools.bench.timing import Rotation, buffer_sets_for
 
     device = timer.device
     nbytes = 3 * 2 * tokens * hidden
     sets = buffer_sets_for(nbytes, timer.l2_bytes)
-    w = torch.randn(hidden, device=device, dtype=torch.bfloat16)
-    inputs = []
-    for _ in range(sets):
-        x = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16)
-        rstd = cake_rmsnorm_train_forward(x, w, 1e-6)[1]
-        inputs.append((torch.randn_like(x), x, rstd, torch.empty_like(x)))
+    w, inputs = backward_inputs(device, tokens, hidden, sets)
     rotation = Rotation(sets)
 
     def backward(index):
@@ -73,13 +69,8 @@ def measure(timer, rows_kernel, tokens: int, hidden: int, reps: int) -> dict:
         "row_start_to_dw_end": _median_us([d.end - r.start for r, d in zip(rows, dws)]),
     }
     programs = dispatch.backward_launch(tokens, hidden, "bf16", "bf16", False, device_facts(device))[0]
-    unused_partials = torch.empty(1, dispatch.partial_row_stride(hidden), device=device)[:, :hidden]
-
-    def rows_only():
-        g, x, rstd, dx = inputs[rotation.next()]
-        rows_kernel(g, x, w, rstd, None, dx, unused_partials, programs)
-
-    rows_only_events = profiled_kernels(rows_only, reps)
+    rows_only = rows_only_launcher(rows_kernel, w, inputs, hidden)(programs)
+    rows_only_events = profiled_kernels(lambda: rows_only(rotation.next()), reps)
     record["rows_only_us"] = _median_us([e.time_range.elapsed_us() for e in rows_only_events])
     copy = timer.copy_ceiling(nbytes, reps, kernel_time=True)
     record["copy_kernel_us"] = round(copy["copy_kernel_us"], 2)

@@ -149,11 +149,41 @@ def beside(side_stream, main_call, side_call):
     return call
 
 
+def backward_inputs(device, tokens: int, hidden: int, sets: int):
+    """w and ``sets`` input sets (g, x, rstd, dx) of a bf16 plain backward, rstd from the forward."""
+    from cake_cute import cake_rmsnorm_train_forward
+
+    w = torch.randn(hidden, device=device, dtype=torch.bfloat16)
+    inputs = []
+    for _ in range(sets):
+        x = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16)
+        _, rstd = cake_rmsnorm_train_forward(x, w, 1e-6)
+        inputs.append((torch.randn_like(x), x, rstd, torch.empty_like(x)))
+    return w, inputs
+
+
+def rows_only_launcher(rows_without_dw, w, inputs: list, hidden: int):
+    """``launch(count)``: a call of set ``index`` through the row kernel without dW (``count`` programs),
+    writing dx into the set's dx."""
+    from cake_cute import dispatch
+
+    unused_partials = torch.empty(1, dispatch.partial_row_stride(hidden), device=w.device)[:, :hidden]
+
+    def launch(count):
+        def call(index):
+            g, x, rstd, dx = inputs[index]
+            rows_without_dw(g, x, w, rstd, None, dx, unused_partials, count)
+
+        return call
+
+    return launch
+
+
 def measure(tokens: int, hidden: int, columns, rows_without_dw, reps: int) -> dict:
     from cake_cute.kernels.config import backward_config, overridden
     from tune import kernel_us
 
-    from cake_cute import cake_rmsnorm_train_backward, cake_rmsnorm_train_forward, dispatch
+    from cake_cute import cake_rmsnorm_train_backward, dispatch
     from cake_cute.device import device_arch, device_facts
     from cake_cute.tools.bench.timing import DeviceTimer, Rotation, buffer_sets_for
 
@@ -161,14 +191,9 @@ def measure(tokens: int, hidden: int, columns, rows_without_dw, reps: int) -> di
     timer = DeviceTimer(torch, device)
     element = 2 * tokens * hidden
     sets = buffer_sets_for(3 * element, timer.l2_bytes)
-    w = torch.randn(hidden, device=device, dtype=torch.bfloat16)
-    inputs = []
-    for _ in range(sets):
-        x = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16)
-        _, rstd = cake_rmsnorm_train_forward(x, w, 1e-6)
-        inputs.append((torch.randn_like(x), x, rstd, torch.empty_like(x)))
+    w, inputs = backward_inputs(device, tokens, hidden, sets)
     dw_columns = torch.empty(hidden, device=device, dtype=torch.float32)
-    unused_partials = torch.empty(1, dispatch.partial_row_stride(hidden), device=device)[:, :hidden]
+    rows_only = rows_only_launcher(rows_without_dw, w, inputs, hidden)
     arch, facts = device_arch(device), device_facts(device)
 
     def programs() -> int:
@@ -181,13 +206,6 @@ def measure(tokens: int, hidden: int, columns, rows_without_dw, reps: int) -> di
     def column_dw(index):
         g, x, rstd, _ = inputs[index]
         columns(g, x, rstd, dw_columns)
-
-    def rows_only(count):
-        def call(index):
-            g, x, rstd, dx = inputs[index]
-            rows_without_dw(g, x, w, rstd, None, dx, unused_partials, count)
-
-        return call
 
     g, x, rstd, dx = inputs[0]
     column_dw(0)

@@ -194,18 +194,18 @@ def measure(timer, tokens: int, hidden: int, op: str, compiled: dict, reps: int)
             fn(xs[index], None, w, None, None, out[2], out[0], out[1], 1e-6)
         return out
 
-    def same(index, out) -> bool:
-        reference = [t.contiguous().view(-1).view(torch.uint8) for t in shipped(index)]
-        return all(torch.equal(r, o.contiguous().view(-1).view(torch.uint8)) for r, o in zip(reference, out))
+    def as_bytes(t):
+        return t.contiguous().view(-1).view(torch.uint8)
 
-    shipped(0)  # outside the timer: a first call may compile the shipped variant
+    # Outside the timer (a first call may compile the shipped variant): what every variant must match.
+    reference = [as_bytes(t) for t in shipped(0)]
     rotation = Rotation(sets)
     row = {"T": tokens, "H": hidden, "op": op, "bytes": nbytes}
     row["shipped_us"] = round(timer.device_us(shipped, reps, rotation.next), 2)
     bitwise = True
     for per_sm, fn in compiled.items():
         outs = [outputs() for _ in range(sets)]
-        bitwise &= same(0, run(fn, 0, outs[0]))
+        bitwise &= all(torch.equal(r, as_bytes(o)) for r, o in zip(reference, run(fn, 0, outs[0])))
         row[f"persistent_{per_sm}_us"] = round(
             timer.device_us(lambda index, fn=fn, outs=outs: run(fn, index, outs[index]), reps, rotation.next),
             2,
