@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import cpu, dispatch
+from . import cpu, dispatch, native
 from . import validation as v
 from .build import quant_kind
 from .compile_cache import kernel
@@ -30,6 +30,7 @@ from .device import on_device
 from .fp8_numerics import RECIPES, rmsnorm_fp8_reference, scale_blocks, to_scale_layout
 from .kernels.config import QUANT_RECIPES
 from .operands import known_operands, operands
+from .ops import _native_backward_plan
 from .specs import KernelSpec
 from .views import aligned_vector, kernel_view
 
@@ -131,6 +132,9 @@ def _forward_cuda(x, w, eps, residual, recipe, emit_y, weight_offset):
                 scales,
                 eps,
             )
+        native.register_fp8(
+            op, x, w, weight_offset, residual is not None, recipe, emit_y, fn, _native_backward_plan
+        )
     lead = x.shape[:-1]
     data = data.view(torch.float8_e4m3fn).view(x.shape)
     scales = scales.view(*lead, scales.shape[-1])
@@ -262,6 +266,7 @@ define_op(
     backward=_op_backward,
     setup_context=_setup_context,
 )
+native.provide_fp8_op_body(rmsnorm_fp8_fwd)
 
 
 def cake_rmsnorm_fp8(

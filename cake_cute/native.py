@@ -8,9 +8,11 @@ of that signature with the plain layout the kernels read in place run in C++. Ev
 first one, bad arguments, views and copies, caller-owned outputs, DTensor, CPU — keeps taking the Python
 path, so the named errors and every other guarantee stay where they are tested.
 
-Loading it also gives the custom ops (``custom_ops``: what torch.compile's graphs and DTensor call) C++
-kernels for CUDA tensors: the same served signatures launch from C++, everything else goes to the ops'
-Python bodies, and their autograd formula is a C++ node when a graph is recorded (see the source).
+Loading it also gives the custom ops (``custom_ops``, and ``fp8``'s forward to FP8: what torch.compile's
+graphs and DTensor call) C++ kernels for CUDA tensors: the same served signatures launch from C++ (an FP8
+forward once the Python path has launched that recipe, emit_y and mode: ``register_fp8``), everything
+else goes to the ops' Python bodies, and the forwards' autograd formula is a C++ node when a graph is
+recorded (see the source).
 
 The extension is built once per (source, torch, TVM-FFI, Python) into torch's extension directory with the
 C++ compiler (``$CXX``, else ``c++``); it needs no CUDA headers, so ``cake-cute warmup`` builds it on a
@@ -168,6 +170,7 @@ def load():
 
 
 _op_bodies: tuple | None = None  # the custom ops' Python bodies (``custom_ops`` hands them over)
+_fp8_op_body = None  # ``fp8.rmsnorm_fp8_fwd`` (``fp8`` hands it over)
 
 
 def provide_op_bodies(forward_body, backward_body, backward_parts_body) -> None:
@@ -180,10 +183,21 @@ def provide_op_bodies(forward_body, backward_body, backward_parts_body) -> None:
         _install_op_kernels(fast)
 
 
+def provide_fp8_op_body(body) -> None:
+    """Called by ``fp8`` once it has defined ``cake_cute::rmsnorm_fp8_fwd``: the op's Python body, which
+    its C++ kernels call for what they do not serve. Installs them now if the extension is loaded."""
+    global _fp8_op_body
+    _fp8_op_body = body
+    if fast is not None:
+        _install_op_kernels(fast)
+
+
 def _install_op_kernels(module) -> None:
     """The custom ops' C++ kernels for CUDA tensors (see ``csrc/native.cpp``), once the ops exist."""
     if _op_bodies is not None:
         module.install_op_kernels(*_op_bodies)
+    if _fp8_op_body is not None:
+        module.install_fp8_op_kernels(_fp8_op_body)
 
 
 def register(op, x, w, weight_offset: float, residual: bool, forward_kernel, plan_backward) -> None:
@@ -208,17 +222,40 @@ def register(op, x, w, weight_offset: float, residual: bool, forward_kernel, pla
         partial_rows, row_stride)``: the backward's kernels and launch plan of one call shape, which
         the extension asks once per shape.
     """
+
+    def send(module, handle, act_align, w_align, planner):
+        module.register(x, w, weight_offset, residual, handle, act_align, w_align, planner)
+
+    _hand_over((residual,), op, x, w, weight_offset, forward_kernel, plan_backward, send)
+
+
+def register_fp8(
+    op, x, w, weight_offset: float, residual: bool, recipe: str, emit_y: bool, kernel, plan_backward
+) -> None:
+    """``register`` for the forward to FP8 of ``recipe`` (with y: ``emit_y``): the op
+    ``cake_cute::rmsnorm_fp8_fwd``'s C++ kernel then launches ``kernel`` for this signature, recipe,
+    emit_y and mode. Parameters as ``register``'s."""
+
+    def send(module, handle, act_align, w_align, planner):
+        fields = (x, w, weight_offset, residual, recipe, emit_y)
+        module.register_fp8(*fields, handle, act_align, w_align, planner)
+
+    _hand_over((residual, recipe, emit_y), op, x, w, weight_offset, kernel, plan_backward, send)
+
+
+def _hand_over(variant: tuple, op, x, w, weight_offset: float, kernel, plan_backward, send) -> None:
+    """``send(module, handle, act_align, w_align, planner)`` once per (signature, ``variant``), when the
+    extension is loaded and ``kernel`` has a TVM-FFI handle."""
     module = load()
-    key = (op, weight_offset, residual)
+    key = (op, weight_offset, *variant)
     if module is None or key in _registered:
         return
-    handle = kernel_handle(forward_kernel)
+    handle = kernel_handle(kernel)
     if handle == 0:
         return
     vec = dispatch.vector_elems(op.hidden, op.act)
     act_align, w_align = vec * x.element_size(), vector_align_bytes(vec, w.element_size())
-    planner = partial(plan_backward, op, weight_offset)
-    module.register(x, w, weight_offset, residual, handle, act_align, w_align, planner)
+    send(module, handle, act_align, w_align, partial(plan_backward, op, weight_offset))
     _registered.add(key)
 
 

@@ -3,7 +3,8 @@ residual, every dtype, odd H, a weight offset), CUDA-graph capture, the named er
 hands back to the Python path (views, partial gradients). The Python path is ``CakeRMSNormFunction`` and
 ``train_forward_python``; the native path serves ``cake_rmsnorm`` once the Python path registered the
 signature (its grad_fn then is the C++ node). The custom ops' C++ kernels (CUDA and AutogradCUDA keys,
-what torch.compile's graphs call) against the ops' Python bodies and the eager path."""
+what torch.compile's graphs call), the FP8 forward's included, against the ops' Python bodies and the
+eager path."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ import torch
 from cake_cute import (
     CakeRMSNormFunction,
     cake_rmsnorm,
+    cake_rmsnorm_fp8,
     cake_rmsnorm_train_backward,
     cake_rmsnorm_train_forward,
     custom_ops,
+    fp8,
     native,
 )
 from cake_cute.ops import train_forward_python
@@ -354,3 +357,68 @@ def test_parts_op_kernel_serves_registered_signatures_bitwise(parts, residual, p
     for i, (a, b) in enumerate(zip(handed, want)):
         assert_bitwise_equal(a, b, f"strided backward output {i}")
     torch.library.opcheck(torch.ops.cake_cute.rmsnorm_bwd_parts.default, (gs, x, w, rstd, g_res, 0.0, True))
+
+
+# --- cake_cute::rmsnorm_fp8_fwd's C++ kernels ------------------------------------------------------
+
+
+@pytest.fixture
+def fp8_bodies(monkeypatch):
+    """Counts the FP8 op's launches from Python (``fp8._forward_cuda``: the C++ kernel's fallback)."""
+    calls = {"fp8": 0}
+    launch = fp8._forward_cuda
+
+    def counted(*args):
+        calls["fp8"] += 1
+        return launch(*args)
+
+    monkeypatch.setattr(fp8, "_forward_cuda", counted)
+    return calls
+
+
+def assert_same_outputs(got, want, what):
+    """Every output: dtype, shape, strides (the zero-memory y placeholder included) and bytes."""
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a.stride() == b.stride(), f"{what} output {i}: strides {a.stride()} != {b.stride()}"
+        assert_bitwise_equal(a, b, f"{what} output {i}")
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "1x128"])
+@pytest.mark.parametrize("emit_y", [False, True], ids=["data", "with-y"])
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "res"])
+def test_fp8_op_kernel_serves_registered_signatures_bitwise(recipe, emit_y, residual, fp8_bodies):
+    """3-D rows on a registered signature: the C++ kernel's five outputs are the Python body's, without
+    entering it; a strided x is handed to the Python body; opcheck with the C++ kernels answering."""
+    x, w, r = leaves(129, 4096, torch.bfloat16, residual)
+    x, w = x.detach().view(3, 43, 4096), w.detach()
+    r = r.detach().view(3, 43, 4096) if residual else None
+    args = (x, w, EPS, r, recipe, emit_y, 0.0)
+    want = fp8.rmsnorm_fp8_fwd(*args)  # the Python body: launches and registers
+    fp8_bodies.update(fp8=0)
+    got = torch.ops.cake_cute.rmsnorm_fp8_fwd(*args)
+    assert fp8_bodies["fp8"] == 0, "a served signature reached the Python body"
+    assert_same_outputs(got, want, "served")
+    wide = torch.randn(3, 43, 8192, device=DEV).to(torch.bfloat16)
+    wide[..., :4096].copy_(x)
+    handed = torch.ops.cake_cute.rmsnorm_fp8_fwd(wide[..., :4096], *args[1:])
+    assert fp8_bodies["fp8"] == 1
+    assert_same_outputs(handed, want, "strided")
+    torch.library.opcheck(torch.ops.cake_cute.rmsnorm_fp8_fwd.default, args)
+
+
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "res"])
+def test_fp8_op_autograd_node_matches_the_eager_path_bitwise(residual):
+    """With a graph to record, the AutogradCUDA kernel's C++ node gives cake_rmsnorm_fp8's gradients."""
+    x, w, r = leaves(129, 4096, torch.bfloat16, residual)
+    gy, gh = torch.randn_like(x), torch.randn_like(x)
+    cake_rmsnorm_fp8(x.detach(), w.detach(), EPS, residual=None if r is None else r.detach())  # registers
+    outs = torch.ops.cake_cute.rmsnorm_fp8_fwd(x, w, EPS, r, "mxfp8", False, 0.0)
+    assert "OpFp8Function" in outs[2].grad_fn.name(), outs[2].grad_fn.name()
+    assert not (outs[0].requires_grad or outs[1].requires_grad or outs[3].requires_grad)
+    leaves_ = [t for t in (x, w, r) if t is not None]
+    used, grads_in = ((outs[2], outs[4]), (gy, gh)) if residual else ((outs[2],), (gy,))
+    got = torch.autograd.grad(used, leaves_, grads_in)
+    eager = cake_rmsnorm_fp8(x, w, EPS, residual=r)
+    want = torch.autograd.grad((eager.y, eager.h_new) if residual else (eager.y,), leaves_, grads_in)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert_bitwise_equal(a, b, f"grad {i}")

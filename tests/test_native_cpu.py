@@ -45,6 +45,7 @@ def test_loading_installs_the_op_kernels(fresh_native):
         ("rmsnorm_fwd", ("CUDA", "AutogradCUDA")),
         ("rmsnorm_bwd", ("CUDA",)),
         ("rmsnorm_bwd_parts", ("CUDA",)),
+        ("rmsnorm_fp8_fwd", ("CUDA", "AutogradCUDA")),
     ):
         table = dict(
             line.split(": ", 1)
@@ -112,6 +113,22 @@ def test_routing_refuses_what_it_must_not_serve(module, monkeypatch):
     assert module.signature_count() == 0 and not native._registered
 
 
+def test_fp8_registration_checks_its_arguments(module):
+    """register_fp8 adds a signature (or a kernel to one); it refuses an unknown recipe, a missing handle."""
+    x, w = torch.randn(4, 32), torch.ones(32)
+    stand_in = tvm_ffi.convert(lambda *args: pytest.fail("registering must not call the kernel"))
+    planner = lambda *args: pytest.fail("planned")  # noqa: E731
+    before = module.signature_count()
+    module.register_fp8(x, w, 0.625, True, "1x128", True, stand_in.__chandle__(), 2, 2, planner)
+    assert module.signature_count() == before + 1
+    module.register_fp8(x, w, 0.625, False, "mxfp8", False, stand_in.__chandle__(), 2, 2, planner)
+    assert module.signature_count() == before + 1  # the same signature, another of its kernels
+    with pytest.raises(ValueError, match="unknown recipe nvfp4"):
+        module.register_fp8(x, w, 0.625, False, "nvfp4", False, stand_in.__chandle__(), 2, 2, planner)
+    with pytest.raises(TypeError, match="register needs tensors"):
+        module.register_fp8(x, w, 0.625, False, "mxfp8", False, 0, 2, 2, planner)
+
+
 def test_cpu_calls_keep_the_python_path_with_the_extension_loaded(module, fresh_native, monkeypatch):
     monkeypatch.setattr(native, "fast", module)
     x, w = torch.randn(5, 16, requires_grad=True), torch.rand(16, requires_grad=True)
@@ -141,7 +158,8 @@ class _Any(ctypes.Structure):
     _fields_ = [("type_index", ctypes.c_int32), ("padding", ctypes.c_uint32), ("value", ctypes.c_int64)]
 
 
-_DL_CODES = {torch.bfloat16: (4, 16), torch.float16: (2, 16), torch.float32: (2, 32)}  # kDLBfloat, kDLFloat
+# kDLBfloat, kDLFloat, kDLUInt (the e4m3 data and E8M0 scales, passed as bytes)
+_DL_CODES = {torch.bfloat16: (4, 16), torch.float16: (2, 16), torch.float32: (2, 32), torch.uint8: (1, 8)}
 
 
 def _tensor(keep, dtype, shape, strides):
@@ -179,10 +197,11 @@ def _call(kernel, args) -> str:
 @pytest.mark.parametrize("hidden", [4096, 1001])
 def test_kernels_accept_the_native_argument_conventions(hidden):
     """native.cpp passes (rows, H) tensors with explicit strides as DLTensor pointers, None for an unused
-    residual, eps as a float, the program count as an int, and g's other summands after it. Called that
-    way, each compiled kernel gets
+    residual (or y), eps as a float, the program count as an int, g's other summands after it, and the
+    FP8 forward's e4m3 data and E8M0 scales as bytes. Called that way, each compiled kernel gets
     past all its argument checks to the launch, which fails here for want of a GPU; a wrong H is refused
     as an argument error (the control)."""
+    from cake_cute.build import quant_kind
     from cake_cute.compile_cache import kernel
 
     bf16, f32, rows, padded = torch.bfloat16, torch.float32, 16, -(-hidden // 4) * 4
@@ -200,6 +219,14 @@ def test_kernels_accept_the_native_argument_conventions(hidden):
     backward = kernel("bwd", "sm_90a", "bf16", "bf16", hidden, True, 0.0)
     backward_parts = kernel("bwd", "sm_90a", "bf16", "bf16", hidden, True, 0.0, 3)
     reduce = kernel("dw", "sm_90a", "bf16", hidden)
+    mxfp8 = kernel(quant_kind("mxfp8", False), "sm_90a", "bf16", "bf16", hidden, False, 0.0)
+    blockwise_y = kernel(quant_kind("1x128", True), "sm_90a", "bf16", "bf16", hidden, True, 0.0)
+    data = _tensor(keep, torch.uint8, (rows, hidden), (hidden, 1))
+
+    def scales(dtype, block):
+        blocks = -(-hidden // block)
+        return _tensor(keep, dtype, (rows, blocks), (blocks, 1))
+
     calls = {
         "forward": (forward, [act(), none, vec(bf16, hidden), act(), none, vec(f32, rows), eps]),
         "backward": (
@@ -222,6 +249,14 @@ def test_kernels_accept_the_native_argument_conventions(hidden):
             ],
         ),
         "dW reduction": (reduce, [partials, vec(bf16, hidden)]),
+        "MXFP8 forward": (
+            mxfp8,
+            [act(), none, vec(bf16, hidden), none, none, vec(f32, rows), data, scales(torch.uint8, 32), eps],
+        ),
+        "1x128 forward with y and h_new": (
+            blockwise_y,
+            [act(), act(), vec(bf16, hidden), act(), act(), vec(f32, rows), data, scales(f32, 128), eps],
+        ),
     }
     for name, (fn, args) in calls.items():
         error = _call(fn, args)

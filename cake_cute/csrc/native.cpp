@@ -73,6 +73,7 @@ struct Signature {
   int64_t hidden;
   int64_t act_align, w_align;  // byte alignment the kernels assume for rows of x and for w
   TVMFFIObjectHandle forward[2] = {nullptr, nullptr};  // plain, residual; null until registered
+  TVMFFIObjectHandle fp8[2][2][2] = {};                 // [recipe: mxfp8, 1x128][emit_y][residual]
   PyObject* planner;  // Python: (rows, residual, dw_dtype, g_parts) -> (bwd, dw, programs, partial_rows, stride)
 };
 
@@ -122,6 +123,7 @@ struct TensorArg {  // a DLTensor with its shape and strides, on the caller's st
 
 DLDataType dl_dtype(at::ScalarType t) {
   if (t == at::kBFloat16) return {kDLBfloat, 16, 1};
+  if (t == at::kByte) return {kDLUInt, 8, 1};  // e4m3 data and E8M0 scales, passed as their bytes
   return {kDLFloat, uint8_t(t == at::kHalf ? 16 : 32), 1};  // fp16 or fp32: the only others admitted
 }
 
@@ -238,6 +240,55 @@ ForwardOutputs launch_forward(const Signature& s, const at::Tensor& x, const at:
   LaunchScope scope(x.device());
   call(s.forward[residual != nullptr], args, 7, "the forward kernel");
   return out;
+}
+
+// The recipes of the FP8 forward (fp8.QUANT_RECIPES' order) and their block widths along H.
+constexpr const char* kFp8Recipes[2] = {"mxfp8", "1x128"};
+constexpr int64_t kFp8Blocks[2] = {32, 128};
+
+std::optional<int> fp8_recipe(c10::string_view recipe) {
+  for (int i = 0; i < 2; ++i) {
+    if (recipe == kFp8Recipes[i]) return i;
+  }
+  return std::nullopt;
+}
+
+using Fp8Result = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+// The op's outputs, as fp8.rmsnorm_fp8_fwd returns them: e4m3 data in x's shape, compact scales
+// (x's leading dims, blocks; E8M0 or FP32), y or a zero-memory placeholder, rstd [rows], h_new or empty.
+Fp8Result launch_fp8(const at::Tensor& x, const at::Tensor& w, const at::Tensor* residual, double eps, int recipe,
+                     bool emit_y, int64_t hidden, TVMFFIObjectHandle kernel) {
+  const int64_t rows = x.numel() / hidden;
+  const int64_t blocks = (hidden + kFp8Blocks[recipe] - 1) / kFp8Blocks[recipe];
+  const bool fp32_scales = recipe == 1;
+  at::Tensor data = at::empty(x.sizes(), x.options().dtype(at::kFloat8_e4m3fn));
+  at::Tensor scales = at::empty({rows, blocks}, x.options().dtype(fp32_scales ? at::kFloat : at::kByte));
+  at::Tensor rstd = at::empty({rows}, x.options().dtype(at::kFloat));
+  at::Tensor y = emit_y ? at::empty(x.sizes(), x.options()) : at::zeros({}, x.options()).expand(x.sizes());
+  at::Tensor h_new = residual != nullptr ? at::empty(x.sizes(), x.options()) : at::empty({0}, x.options());
+  const at::Tensor data_bytes = data.view(at::kByte);
+  TensorArg xa, ra, wa, ya, ha, rstd_arg, qa, sa;
+  TVMFFIAny args[] = {
+      matrix(xa, x, rows, hidden),
+      residual != nullptr ? matrix(ra, *residual, rows, hidden) : none(),
+      vector(wa, w, hidden),
+      emit_y ? matrix(ya, y, rows, hidden) : none(),
+      residual != nullptr ? matrix(ha, h_new, rows, hidden) : none(),
+      vector(rstd_arg, rstd, rows),
+      matrix(qa, data_bytes, rows, hidden),
+      matrix(sa, scales, rows, blocks),
+      real(eps),
+  };
+  {
+    LaunchScope scope(x.device());
+    call(kernel, args, 9, "the FP8 forward kernel");
+  }
+  std::vector<int64_t> scale_shape(x.sizes().begin(), x.sizes().end() - 1);
+  scale_shape.push_back(blocks);
+  scales = scales.view(scale_shape);
+  if (!fp32_scales) scales = scales.view(at::kFloat8_e8m0fnu);
+  return {std::move(data), std::move(scales), std::move(y), std::move(rstd), std::move(h_new)};
 }
 
 // Holds the GIL for its scope: backwards run on autograd's threads and the dispatcher calls the op
@@ -486,8 +537,8 @@ bool check_count(Py_ssize_t given, Py_ssize_t expected, const char* name) {
 
 // ---- the custom ops' kernels ---------------------------------------------------------------------
 //
-// Under torch.compile (and wherever else `cake_cute::rmsnorm_fwd` / `rmsnorm_bwd` / `rmsnorm_bwd_parts` are
-// called) every call goes through the dispatcher. With Python kernels there, each call pays torch.library's
+// Under torch.compile (and wherever else `cake_cute::rmsnorm_fwd` / `rmsnorm_bwd` / `rmsnorm_bwd_parts` /
+// `rmsnorm_fp8_fwd` are called) every call goes through the dispatcher. With Python kernels there, each call pays torch.library's
 // Python autograd layer and a Python backend kernel (about 28 us per forward and 8 us per backward on the H200's host,
 // perf/results/2026-12-01-h200-compiled-host-profile/). Once the extension is loaded these C++ kernels
 // take the CUDA keys: the CUDA kernels launch served signatures directly and hand every other call to
@@ -505,6 +556,7 @@ using BackwardSchema = BackwardResult(const at::Tensor&, const at::Tensor&, cons
 PyObject* python_forward_op = nullptr;   // custom_ops.rmsnorm_fwd: every call these kernels do not serve
 PyObject* python_backward_op = nullptr;  // custom_ops.rmsnorm_bwd
 PyObject* python_backward_parts_op = nullptr;  // custom_ops.rmsnorm_bwd_parts
+PyObject* python_fp8_op = nullptr;             // fp8.rmsnorm_fp8_fwd
 
 const c10::TypedOperatorHandle<ForwardSchema>& forward_op() {
   static const auto op =
@@ -672,9 +724,106 @@ ForwardResult forward_autograd_cuda(c10::DispatchKeySet keys, const at::Tensor& 
   return {out[0], out[1], out[2]};
 }
 
+// ---- cake_cute::rmsnorm_fp8_fwd -------------------------------------------------------------------
+
+using Fp8Schema = Fp8Result(const at::Tensor&, const at::Tensor&, double, const std::optional<at::Tensor>&,
+                            c10::string_view, bool, double);
+
+const c10::TypedOperatorHandle<Fp8Schema>& fp8_op() {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("cake_cute::rmsnorm_fp8_fwd", "").typed<Fp8Schema>();
+  return op;
+}
+
+// The registered FP8 forward of this call when the launch path takes it (the forward's conditions, and
+// the recipe's kernel of this emit_y and mode registered), else nullptr: the op's Python body validates
+// and launches (or raises the named error).
+TVMFFIObjectHandle served_fp8(const at::Tensor& x, const at::Tensor& w, double eps,
+                              const std::optional<at::Tensor>& residual, std::optional<int> recipe, bool emit_y,
+                              double weight_offset, const Signature** signature) {
+  const bool with_residual = residual.has_value() && residual->defined();
+  if (!recipe || !std::isfinite(eps) || eps < 0 || x.layout() != at::kStrided) return nullptr;
+  const Signature* s = find_signature(x, w, weight_offset);
+  if (s == nullptr || (with_residual && !like(*residual, x, s->act_align))) return nullptr;
+  *signature = s;
+  return s->fp8[*recipe][emit_y][with_residual];
+}
+
+Fp8Result fp8_forward_cuda(const at::Tensor& x, const at::Tensor& w, double eps,
+                           const std::optional<at::Tensor>& residual, c10::string_view recipe, bool emit_y,
+                           double weight_offset) {
+  const std::optional<int> index = fp8_recipe(recipe);
+  const Signature* s = nullptr;
+  if (TVMFFIObjectHandle kernel = served_fp8(x, w, eps, residual, index, emit_y, weight_offset, &s)) {
+    const bool with_residual = residual.has_value() && residual->defined();
+    return launch_fp8(x, w, with_residual ? &*residual : nullptr, eps, *index, emit_y, s->hidden, kernel);
+  }
+  GilScope gil;
+  auto outs = call_python_op(python_fp8_op,
+                             {THPVariable_Wrap(x), THPVariable_Wrap(w), PyFloat_FromDouble(eps), wrap_optional(residual),
+                              PyUnicode_FromStringAndSize(recipe.data(), Py_ssize_t(recipe.size())),
+                              PyBool_FromLong(emit_y), PyFloat_FromDouble(weight_offset)},
+                             5);
+  return {outs[0], outs[1], outs[2], outs[3], outs[4]};
+}
+
+// The FP8 op's autograd formula (fp8._setup_context / _op_backward): saves (x or h_new, w, rstd); data,
+// scales and rstd are not differentiable, nor h_new in plain mode; y's gradient is the norm's.
+struct OpFp8Function : public torch::autograd::Function<OpFp8Function> {
+  static variable_list forward(AutogradContext* ctx, c10::DispatchKeySet keys, const at::Tensor& x, const at::Tensor& w,
+                               double eps, const std::optional<at::Tensor>& residual, c10::string_view recipe,
+                               bool emit_y, double weight_offset) {
+    auto [data, scales, y, rstd, h_new] = below_autograd(keys, x, w, eps, residual, recipe, emit_y, weight_offset);
+    const bool with_residual = residual.has_value() && residual->defined();
+    ctx->set_materialize_grads(false);
+    if (with_residual) {
+      ctx->mark_non_differentiable({data, scales, rstd});
+    } else {
+      ctx->mark_non_differentiable({data, scales, rstd, h_new});
+    }
+    ctx->save_for_backward({with_residual ? h_new : x, w, rstd});
+    ctx->saved_data["residual"] = with_residual;
+    ctx->saved_data["weight_offset"] = weight_offset;
+    return {data, scales, y, rstd, h_new};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const bool residual = ctx->saved_data["residual"].toBool();
+    const at::Tensor g_residual = residual ? grads[4] : at::Tensor();
+    // One gradient per forward argument: (keys, x, w, eps, residual, recipe, emit_y, weight_offset).
+    if (!grads[2].defined()) return {{}, g_residual, {}, {}, g_residual, {}, {}, {}};
+    const variable_list saved = ctx->get_saved_variables();
+    std::optional<at::Tensor> g_res;
+    if (residual) g_res = g_residual;
+    auto [dx, dw] = backward_op().call(grads[2], saved[0], saved[1], saved[2], g_res,
+                                       ctx->saved_data["weight_offset"].toDouble(), true);
+    return {{}, dx, dw, {}, residual ? dx : at::Tensor(), {}, {}, {}};
+  }
+
+  static Fp8Result below_autograd(c10::DispatchKeySet keys, const at::Tensor& x, const at::Tensor& w, double eps,
+                                  const std::optional<at::Tensor>& residual, c10::string_view recipe, bool emit_y,
+                                  double weight_offset) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return fp8_op().redispatch(keys & c10::after_ADInplaceOrView_keyset, x, w, eps, residual, recipe, emit_y,
+                               weight_offset);
+  }
+};
+
+Fp8Result fp8_forward_autograd_cuda(c10::DispatchKeySet keys, const at::Tensor& x, const at::Tensor& w, double eps,
+                                    const std::optional<at::Tensor>& residual, c10::string_view recipe, bool emit_y,
+                                    double weight_offset) {
+  const bool records = at::GradMode::is_enabled() && (x.requires_grad() || w.requires_grad() ||
+                                                      (residual.has_value() && residual->requires_grad()));
+  if (!records) return OpFp8Function::below_autograd(keys, x, w, eps, residual, recipe, emit_y, weight_offset);
+  variable_list out = OpFp8Function::apply(keys, x, w, eps, residual, recipe, emit_y, weight_offset);
+  return {out[0], out[1], out[2], out[3], out[4]};
+}
+
 // Registered once per process; the libraries stay for its lifetime (their destruction would deregister).
 torch::Library* op_cuda_kernels = nullptr;
 torch::Library* op_autograd_kernels = nullptr;
+torch::Library* fp8_cuda_kernels = nullptr;
+torch::Library* fp8_autograd_kernels = nullptr;
 
 // ---- the module's functions ----------------------------------------------------------------------
 
@@ -744,6 +893,32 @@ PyObject* backward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   END_HANDLE_TH_ERRORS
 }
 
+// The signature of (x, w, weight_offset), created with its alignments and planner on first sight. The
+// caller holds signatures_mutex exclusively.
+Signature& signature_for(const at::Tensor& x, const at::Tensor& w, double weight_offset, long long act_align,
+                         long long w_align, PyObject* planner) {
+  Signature*& s = signatures[signature_key(x, w, weight_offset)];
+  if (s == nullptr) {
+    Py_INCREF(planner);
+    s = new Signature{x.size(-1), act_align, w_align, {nullptr, nullptr}, {}, planner};
+  }
+  return *s;
+}
+
+// Fills an empty kernel slot (a registered kernel stays: a signature's kernels never change).
+void hold(TVMFFIObjectHandle& slot, unsigned long long kernel) {
+  if (slot == nullptr) {
+    slot = reinterpret_cast<TVMFFIObjectHandle>(kernel);
+    TVMFFIObjectIncRef(slot);
+  }
+}
+
+bool registration_arguments_ok(PyObject* x_obj, PyObject* w_obj, unsigned long long kernel) {
+  if (THPVariable_Check(x_obj) && THPVariable_Check(w_obj) && kernel != 0) return true;
+  PyErr_SetString(PyExc_TypeError, "register needs tensors x and w and a TVM-FFI function handle");
+  return false;
+}
+
 // register(x, w, weight_offset, residual, forward_kernel, act_align, w_align, planner): after the Python
 // path validated (x, w, weight_offset) and launched the forward kernel (a TVM-FFI function handle).
 PyObject* register_signature(PyObject*, PyObject* args) {
@@ -754,25 +929,42 @@ PyObject* register_signature(PyObject*, PyObject* args) {
   unsigned long long kernel;
   long long act_align, w_align;
   if (!PyArg_ParseTuple(args, "OOdpKLLO", &x_obj, &w_obj, &weight_offset, &residual, &kernel, &act_align,
-                        &w_align, &planner)) {
+                        &w_align, &planner) ||
+      !registration_arguments_ok(x_obj, w_obj, kernel)) {
     return nullptr;
   }
-  if (!THPVariable_Check(x_obj) || !THPVariable_Check(w_obj) || kernel == 0) {
-    PyErr_SetString(PyExc_TypeError, "register needs tensors x and w and a TVM-FFI function handle");
-    return nullptr;
-  }
-  const at::Tensor& x = THPVariable_Unpack(x_obj);
-  const at::Tensor& w = THPVariable_Unpack(w_obj);
   std::unique_lock lock(signatures_mutex);
-  Signature*& s = signatures[signature_key(x, w, weight_offset)];
-  if (s == nullptr) {
-    Py_INCREF(planner);
-    s = new Signature{x.size(-1), act_align, w_align, {nullptr, nullptr}, planner};
+  Signature& s = signature_for(THPVariable_Unpack(x_obj), THPVariable_Unpack(w_obj), weight_offset, act_align,
+                               w_align, planner);
+  hold(s.forward[residual], kernel);
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
+// register_fp8(x, w, weight_offset, residual, recipe, emit_y, kernel, act_align, w_align, planner): after
+// the Python path validated and launched the FP8 forward of this recipe, emit_y and mode.
+PyObject* register_fp8(PyObject*, PyObject* args) {
+  HANDLE_TH_ERRORS
+  PyObject *x_obj, *w_obj, *planner;
+  double weight_offset;
+  int residual, emit_y;
+  const char* recipe;
+  unsigned long long kernel;
+  long long act_align, w_align;
+  if (!PyArg_ParseTuple(args, "OOdpspKLLO", &x_obj, &w_obj, &weight_offset, &residual, &recipe, &emit_y, &kernel,
+                        &act_align, &w_align, &planner) ||
+      !registration_arguments_ok(x_obj, w_obj, kernel)) {
+    return nullptr;
   }
-  if (s->forward[residual] == nullptr) {
-    s->forward[residual] = reinterpret_cast<TVMFFIObjectHandle>(kernel);
-    TVMFFIObjectIncRef(s->forward[residual]);
+  const std::optional<int> index = fp8_recipe(recipe);
+  if (!index) {
+    PyErr_Format(PyExc_ValueError, "register_fp8: unknown recipe %s", recipe);
+    return nullptr;
   }
+  std::unique_lock lock(signatures_mutex);
+  Signature& s = signature_for(THPVariable_Unpack(x_obj), THPVariable_Unpack(w_obj), weight_offset, act_align,
+                               w_align, planner);
+  hold(s.fp8[*index][emit_y][residual], kernel);
   Py_RETURN_NONE;
   END_HANDLE_TH_ERRORS
 }
@@ -812,6 +1004,25 @@ PyObject* install_op_kernels(PyObject*, PyObject* args) {
   END_HANDLE_TH_ERRORS
 }
 
+// install_fp8_op_kernels(body): the CUDA and AutogradCUDA kernels of cake_cute::rmsnorm_fp8_fwd (once),
+// with the op's Python body for what they do not serve.
+PyObject* install_fp8_op_kernels(PyObject*, PyObject* args) {
+  HANDLE_TH_ERRORS
+  PyObject* body;
+  if (!PyArg_ParseTuple(args, "O", &body)) return nullptr;
+  if (fp8_cuda_kernels == nullptr) {
+    Py_INCREF(body);
+    python_fp8_op = body;
+    fp8_cuda_kernels = new torch::Library(torch::Library::IMPL, "cake_cute", c10::DispatchKey::CUDA, __FILE__, __LINE__);
+    fp8_cuda_kernels->impl("rmsnorm_fp8_fwd", TORCH_FN(fp8_forward_cuda));
+    fp8_autograd_kernels =
+        new torch::Library(torch::Library::IMPL, "cake_cute", c10::DispatchKey::AutogradCUDA, __FILE__, __LINE__);
+    fp8_autograd_kernels->impl("rmsnorm_fp8_fwd", TORCH_FN(fp8_forward_autograd_cuda));
+  }
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
 // signature_count(): how many signatures are registered (for tests).
 PyObject* signature_count(PyObject*, PyObject*) {
   std::shared_lock lock(signatures_mutex);
@@ -827,6 +1038,10 @@ PyMethodDef methods[] = {
      "backward(g, x, w, rstd, g_residual, weight_offset, dw_dtype, deterministic): (dx, dw) or None"},
     {"register", register_signature, METH_VARARGS,
      "register(x, w, weight_offset, residual, forward_kernel, act_align, w_align, planner)"},
+    {"register_fp8", register_fp8, METH_VARARGS,
+     "register_fp8(x, w, weight_offset, residual, recipe, emit_y, kernel, act_align, w_align, planner)"},
+    {"install_fp8_op_kernels", install_fp8_op_kernels, METH_VARARGS,
+     "install_fp8_op_kernels(body): C++ kernels for cake_cute::rmsnorm_fp8_fwd, the Python body for the rest"},
     {"clear", clear, METH_NOARGS, "forget every registered signature and plan"},
     {"install_op_kernels", install_op_kernels, METH_VARARGS,
      "install_op_kernels(forward_body, backward_body): the custom ops' CUDA and AutogradCUDA kernels"},
