@@ -97,7 +97,8 @@ def _reduce_arguments(spec: ReduceSpec, config) -> tuple:
 
 def _quant_arguments(spec: KernelSpec, config, emit_y: bool) -> tuple:
     """The forward's arguments (y only with ``emit_y``), then the e4m3 bytes (T, H) and the compact
-    scales (T, ceil(H / block)), E8M0 bytes or FP32, before eps."""
+    scales (T, ceil(H / block)), E8M0 bytes or FP32, before eps; the persistent kernel takes the
+    number of programs after eps."""
     import cutlass
     import cutlass.cute as cute
 
@@ -106,25 +107,29 @@ def _quant_arguments(spec: KernelSpec, config, emit_y: bool) -> tuple:
     q = _rows_tensor(cutlass.Uint8, rows, spec.hidden, config.tiling.vec)
     scale_dtype = cutlass.Float32 if config.fp32_scales else cutlass.Uint8
     scales = cute.runtime.make_fake_tensor(scale_dtype, (rows, blocks), stride=(blocks, 1), assumed_align=4)
-    return x, res, w, y if emit_y else None, h_out, rstd, q, scales, eps
+    programs = (cutlass.Int32(1),) if config.programs_per_sm else ()
+    return x, res, w, y if emit_y else None, h_out, rstd, q, scales, eps, *programs
 
 
 def _quant_kernel(spec: KernelSpec, config, emit_y: bool):
     from .kernels.rmsnorm_fwd_quant import RMSNormForwardQuant
+    from .kernels.rmsnorm_fwd_quant_persistent import RMSNormForwardQuantPersistent
 
+    kernel_class = RMSNormForwardQuantPersistent if config.programs_per_sm else RMSNormForwardQuant
     dtypes = cutlass_dtype(spec.act_dtype), cutlass_dtype(spec.w_dtype)
-    return RMSNormForwardQuant(config, *dtypes, spec.residual, spec.weight_offset, emit_y)
+    return kernel_class(config, *dtypes, spec.residual, spec.weight_offset, emit_y)
 
 
-def quant_kind(recipe: str, emit_y: bool) -> str:
-    """The kind of the forward to block-scaled FP8 with ``recipe`` (and the act-dtype y: ``emit_y``)."""
-    return f"fwd_{recipe}" + ("_y" if emit_y else "")
+def quant_kind(recipe: str, emit_y: bool, persistent: bool = False) -> str:
+    """The kind of the forward to block-scaled FP8 with ``recipe`` (and the act-dtype y: ``emit_y``),
+    run by one CTA per row tile or (``persistent``) by persistent programs."""
+    return f"fwd_{recipe}" + ("_y" if emit_y else "") + ("_persistent" if persistent else "")
 
 
-def _quant_entry(recipe: str, emit_y: bool) -> KernelKind:
+def _quant_entry(recipe: str, emit_y: bool, persistent: bool) -> KernelKind:
     return KernelKind(
-        partial(KernelSpec, quant_kind(recipe, emit_y)),
-        lambda s: quant_forward_config(s.arch, s.act_dtype, s.hidden, recipe),
+        partial(KernelSpec, quant_kind(recipe, emit_y, persistent)),
+        lambda s: quant_forward_config(s.arch, s.act_dtype, s.hidden, recipe, persistent),
         partial(_quant_kernel, emit_y=emit_y),
         partial(_quant_arguments, emit_y=emit_y),
     )
@@ -166,7 +171,12 @@ KINDS: dict[str, KernelKind] = {
     "dw": KernelKind(
         ReduceSpec, lambda s: reduce_config(s.arch, s.out_dtype, s.hidden), _reduce_kernel, _reduce_arguments
     ),
-    **{quant_kind(r, y): _quant_entry(r, y) for r in QUANT_RECIPES for y in (False, True)},
+    **{
+        quant_kind(r, y, p): _quant_entry(r, y, p)
+        for r in QUANT_RECIPES
+        for y in (False, True)
+        for p in (False, True)
+    },
 }
 
 

@@ -1,5 +1,6 @@
 """Launch planning: how many programs a backward of T rows runs, how many FP32 partial rows of dW it
-writes (what a workspace must hold), and the vector width every kernel of an H assumes.
+writes (what a workspace must hold), whether a forward to FP8 of T rows runs persistent programs and
+how many, and the vector width every kernel of an H assumes.
 
 Configs depend on (arch, dtypes, H) only (``kernels.config``); T decides just the number of backward
 programs, which never changes a row's arithmetic. A backward of g in parts (``g_parts``) has a config
@@ -13,7 +14,12 @@ from __future__ import annotations
 from functools import cache, lru_cache
 
 from .device import DeviceFacts, resident_clusters
-from .kernels.config import backward_config, on_override_change
+from .kernels.config import (
+    backward_config,
+    on_override_change,
+    persistent_programs_per_sm,
+    quant_forward_config,
+)
 from .kernels.tiling import vector_width
 from .vocab import dtype_bytes
 
@@ -87,6 +93,43 @@ def most_partial_rows(
     )
 
 
+# Up to this many elements per call (T * H) the forward to FP8 runs persistent programs; above it the
+# one-tile grid keeps more bytes in flight (perf/results/2026-12-01-persistent-forward/).
+PERSISTENT_FP8_MAX_ELEMENTS = 1 << 26
+
+
+@lru_cache(maxsize=4096)
+def fp8_persistent_programs(hidden: int, act_dtype: str, residual: bool, device: DeviceFacts) -> int:
+    """The most programs of the persistent forward to FP8 on this GPU (the kernel runs no more than
+    there are row tiles), 0 where that kernel does not apply (residual mode, rows split over a
+    cluster, 4-byte activations: ``config.persistent_programs_per_sm``)."""
+    if not has_persistent_fp8_kernel(device.arch, act_dtype, hidden, residual):
+        return 0
+    per_sm = quant_forward_config(device.arch, act_dtype, hidden, "mxfp8", persistent=True).programs_per_sm
+    return per_sm * device.sm_count
+
+
+def has_persistent_fp8_kernel(arch: str, act_dtype: str, hidden: int, residual: bool) -> bool:
+    """Whether forwards to FP8 of this variant run persistent programs at some T (both recipes share
+    the tiling and the rule)."""
+    tiling = quant_forward_config(arch, act_dtype, hidden, "mxfp8").tiling
+    return not residual and persistent_programs_per_sm(tiling, act_dtype) > 0
+
+
+def fp8_persistent_rows(hidden: int) -> int:
+    """The most rows of H = ``hidden`` a forward to FP8 runs with persistent programs."""
+    return PERSISTENT_FP8_MAX_ELEMENTS // hidden
+
+
+def fp8_forward_programs(rows: int, hidden: int, act_dtype: str, residual: bool, device: DeviceFacts) -> int:
+    """Programs of a forward to FP8 of ``rows`` rows: ``fp8_persistent_programs`` up to
+    ``fp8_persistent_rows``, else 0 (one CTA per row tile). Which kernel runs never changes a row's
+    bits (both run the same per-row arithmetic), so batch invariance holds across the switch."""
+    if rows > fp8_persistent_rows(hidden):
+        return 0
+    return fp8_persistent_programs(hidden, act_dtype, residual, device)
+
+
 @cache
 def vector_elems(hidden: int, act_dtype: str) -> int:
     """Elements per vector access for this H: the alignment, in elements, every kernel assumes (an
@@ -98,3 +141,4 @@ def vector_elems(hidden: int, act_dtype: str) -> int:
 def _clear_launch_plans() -> None:
     backward_programs.cache_clear()
     backward_launch.cache_clear()
+    fp8_persistent_programs.cache_clear()

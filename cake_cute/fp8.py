@@ -61,17 +61,27 @@ class Fp8NormOutput(NamedTuple):
 
 
 def fp8_variant_specs(
-    archs, dtypes, hiddens, residuals=(False, True), recipes=RECIPES, emit_ys=(False, True), weight_offset=0.0
+    archs,
+    dtypes,
+    hiddens,
+    residuals=(False, True),
+    recipes=RECIPES,
+    emit_ys=(False, True),
+    weight_offset=0.0,
+    persistents=(False, True),
 ):
     """The quantizing-forward kernels (``KernelSpec``) for these settings, w in x's dtype (for warmup,
-    CLI reports and the compile tests); the backward is the plain one (``warmup.variant_specs``)."""
+    CLI reports and the compile tests): one CTA per row tile and (``persistents``) persistent
+    programs, the latter where they apply (``dispatch.has_persistent_fp8_kernel``); the backward is
+    the plain one (``warmup.variant_specs``)."""
     from itertools import product
 
     return [
-        KernelSpec(quant_kind(recipe, emit_y), arch, act, act, hidden, residual, weight_offset)
-        for arch, act, hidden, residual, recipe, emit_y in product(
-            archs, dtypes, hiddens, residuals, recipes, emit_ys
+        KernelSpec(quant_kind(recipe, emit_y, persistent), arch, act, act, hidden, residual, weight_offset)
+        for arch, act, hidden, residual, recipe, emit_y, persistent in product(
+            archs, dtypes, hiddens, residuals, recipes, emit_ys, persistents
         )
+        if not persistent or dispatch.has_persistent_fp8_kernel(arch, act, hidden, residual)
     ]
 
 
@@ -111,15 +121,9 @@ def _forward_cuda(x, w, eps, residual, recipe, emit_y, weight_offset):
     y = _empty((rows, hidden), x.dtype, op.device) if emit_y else None
     h_new = _empty((rows, hidden), x.dtype, op.device) if residual is not None else None
     if rows > 0:
-        fn = kernel(
-            quant_kind(recipe, emit_y),
-            op.arch,
-            op.act,
-            op.w_name,
-            hidden,
-            residual is not None,
-            weight_offset,
-        )
+        programs = dispatch.fp8_forward_programs(rows, hidden, op.act, residual is not None, op.facts)
+        kind = quant_kind(recipe, emit_y, persistent=programs > 0)
+        fn = kernel(kind, op.arch, op.act, op.w_name, hidden, residual is not None, weight_offset)
         with on_device(op.device):
             fn(
                 kernel_view(x, vec),
@@ -131,9 +135,10 @@ def _forward_cuda(x, w, eps, residual, recipe, emit_y, weight_offset):
                 data,
                 scales,
                 eps,
+                *((programs,) if programs else ()),
             )
         native.register_fp8(
-            op, x, w, weight_offset, residual is not None, recipe, emit_y, fn, _native_backward_plan
+            op, x, w, weight_offset, residual is not None, recipe, emit_y, programs, fn, _native_backward_plan
         )
     lead = x.shape[:-1]
     data = data.view(torch.float8_e4m3fn).view(x.shape)

@@ -230,17 +230,31 @@ def register(op, x, w, weight_offset: float, residual: bool, forward_kernel, pla
 
 
 def register_fp8(
-    op, x, w, weight_offset: float, residual: bool, recipe: str, emit_y: bool, kernel, plan_backward
+    op,
+    x,
+    w,
+    weight_offset: float,
+    residual: bool,
+    recipe: str,
+    emit_y: bool,
+    programs: int,
+    kernel,
+    plan_backward,
 ) -> None:
-    """``register`` for the forward to FP8 of ``recipe`` (with y: ``emit_y``): the op
+    """``register`` for the forward to FP8 of ``recipe`` (with y: ``emit_y``), launched with
+    ``programs`` (``dispatch.fp8_forward_programs``; 0: the one-tile kernel): the op
     ``cake_cute::rmsnorm_fp8_fwd``'s C++ kernel then launches ``kernel`` for this signature, recipe,
-    emit_y and mode. Parameters as ``register``'s."""
+    emit_y, mode and kernel, choosing between the one-tile and the persistent kernel by the launch
+    rule handed over with it. Other parameters as ``register``'s."""
+    persistent = programs > 0
+    most_programs = dispatch.fp8_persistent_programs(op.hidden, op.act, residual, op.facts)
+    persistent_rows = dispatch.fp8_persistent_rows(op.hidden)
 
     def send(module, handle, act_align, w_align, planner):
-        fields = (x, w, weight_offset, residual, recipe, emit_y)
+        fields = (x, w, weight_offset, residual, recipe, emit_y, persistent, most_programs, persistent_rows)
         module.register_fp8(*fields, handle, act_align, w_align, planner)
 
-    _hand_over((residual, recipe, emit_y), op, x, w, weight_offset, kernel, plan_backward, send)
+    _hand_over((residual, recipe, emit_y, persistent), op, x, w, weight_offset, kernel, plan_backward, send)
 
 
 def _hand_over(variant: tuple, op, x, w, weight_offset: float, kernel, plan_backward, send) -> None:

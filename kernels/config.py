@@ -5,7 +5,8 @@ an override table for tuning.
 - ``backward_config(arch, act_dtype, w_dtype, hidden, residual, g_parts=1)`` -> ``BackwardConfig``
   (``rmsnorm_bwd``),
 - ``reduce_config(arch, out_dtype, hidden)`` -> ``ReduceConfig`` (``dw_reduce``),
-- ``quant_forward_config(arch, act_dtype, hidden, recipe)`` -> ``QuantForwardConfig`` (``rmsnorm_fwd_quant``).
+- ``quant_forward_config(arch, act_dtype, hidden, recipe, persistent=False)`` -> ``QuantForwardConfig``
+  (``rmsnorm_fwd_quant``, or ``rmsnorm_fwd_quant_persistent`` with ``persistent``).
 
 A kernel class takes its whole config value; the value is part of the compile-cache key, so a changed
 config can never load an object compiled for another. None depends on the number of rows T (batch
@@ -120,7 +121,7 @@ CHOICES = {
     "fwd": ("tiling", "min_ctas_per_sm"),
     "bwd": ("tiling", "ring_depth", "register_budget", "ctas_per_sm"),
     "dw": ("col_lanes", "after_backward", "threads"),
-    "quant": ("tiling", "min_ctas_per_sm", "amax_scatter"),
+    "quant": ("tiling", "min_ctas_per_sm", "amax_scatter", "programs_per_sm"),
 }
 _overrides: dict[tuple[str, str, str, int], dict] = {}
 _listeners: list[Callable[[], None]] = []
@@ -368,20 +369,23 @@ AMAX_BITS_E8M0_ZERO = 0x04600001  # the largest amax whose amax / 448 rounds to 
 @dataclass(frozen=True)
 class QuantForwardConfig:
     """The quantizing forward: its tiling and register hint, the recipe's block width and scale type,
-    and whether the lanes of a block split its groups' maxima between them (``amax_scatter``: see
-    ``scatter_steps``; off, every lane reduces every group's maximum over the block's lanes)."""
+    whether the lanes of a block split its groups' maxima between them (``amax_scatter``: see
+    ``scatter_steps``; off, every lane reduces every group's maximum over the block's lanes), and for
+    the persistent kernel its programs per SM (``programs_per_sm``; 0: one CTA per row tile)."""
 
     tiling: RowTiling
     min_ctas_per_sm: int
     block: int
     fp32_scales: bool
     amax_scatter: bool = True
+    programs_per_sm: int = 0
 
     def describe(self) -> str:
         scales = "fp32" if self.fp32_scales else "e8m0"
         scatter = " scatter" if self.amax_scatter else ""
         hint = self.min_ctas_per_sm or "-"
-        return f"{self.tiling.describe()} min_ctas/SM={hint} 1x{self.block} {scales}{scatter}"
+        programs = f" persistent {self.programs_per_sm}/SM" if self.programs_per_sm else ""
+        return f"{self.tiling.describe()} min_ctas/SM={hint} 1x{self.block} {scales}{scatter}{programs}"
 
 
 def scatter_steps(amax_scatter: bool, groups: int, lanes_per_block: int) -> int:
@@ -402,20 +406,66 @@ def blocks_nest(tiling: RowTiling, block: int) -> bool:
     return span % block == 0 or block % span == 0
 
 
+# The persistent forward to FP8 keeps two row tiles of x per program and holds more registers than
+# the one-tile kernel: four programs per SM while a CTA's tile is at most FOUR_PER_SM_MAX_TILE elements
+# of 16-byte vectors, two up to TWO_PER_SM_MAX_TILE, one above (perf/results/2026-12-01-persistent-forward/;
+# rows of narrower vectors, odd H, hold a register per element and spill when held to four per SM).
+PERSISTENT_FOUR_PER_SM_MAX_TILE = 5120
+PERSISTENT_TWO_PER_SM_MAX_TILE = 8192
+
+
+def persistent_programs_per_sm(tiling: RowTiling, act_dtype: str) -> int:
+    """Programs per SM of the persistent forward to FP8 (``rmsnorm_fwd_quant_persistent``), 0 where it
+    does not apply: rows split over a cluster (a program would hold a cluster per tile) and 4-byte
+    activations (not measured)."""
+    if tiling.cluster_n > 1 or dtype_bytes(act_dtype) != 2:
+        return 0
+    tile = tiling.rows_per_cta * tiling.cols_per_cta
+    if tile <= PERSISTENT_FOUR_PER_SM_MAX_TILE and tiling.vec * dtype_bytes(act_dtype) == 16:
+        return 4
+    return 2 if tile <= PERSISTENT_TWO_PER_SM_MAX_TILE else 1
+
+
+def persistent_register_hint(tiling: RowTiling, programs_per_sm: int) -> int:
+    """The persistent forward's ``min_blocks_per_mp`` hint: every program must be resident from the
+    start (one waiting for a slot would run its tiles after the others finished theirs), so where
+    that needs fewer than 128 registers per thread the hint holds the kernel to them; elsewhere no
+    hint, as measured."""
+    fits = REGISTERS_PER_SM // (programs_per_sm * tiling.threads_per_cta) >= MAX_REGISTERS_PER_THREAD
+    return 0 if fits else programs_per_sm
+
+
 @cache
-def quant_forward_config(arch: str, act_dtype: str, hidden: int, recipe: str) -> QuantForwardConfig:
+def quant_forward_config(
+    arch: str, act_dtype: str, hidden: int, recipe: str, persistent: bool = False
+) -> QuantForwardConfig:
     """The quantizing forward's tiling and register hint: the forward's (up to 64 values per thread;
     with the reduce-scatter of the block maxima they cost 80 registers, 3 CTAs of 256 threads per SM,
     and on the H200 run plain-mode rows wider than 8192 3-7% faster than tilings held to 32 values,
     residual ones 1-2% slower: perf/results/2026-12-01-h200-fp8-epilogue/), plus the recipe's block
     width and scale type. Both recipes share one override entry (kind ``"quant"``). Every such tiling
     nests with both block widths (its k-slices are a power of two or, for the exact covers of a
-    non-power-of-two warp count, a multiple of 128 columns; tests/test_fp8_cpu.py checks every H)."""
+    non-power-of-two warp count, a multiple of 128 columns; tests/test_fp8_cpu.py checks every H).
+    ``persistent``: the persistent kernel's config, with its ``persistent_programs_per_sm``.
+
+    Raises
+    ------
+    ValueError
+        ``persistent`` for a tiling or dtype the persistent kernel does not cover.
+    """
     block, fp32_scales = QUANT_RECIPES[recipe]
     choices = override_choices("quant", arch, act_dtype, hidden)
     tiling = choices.get("tiling") or forward_tiling(hidden, act_dtype)
     hint = choices.get("min_ctas_per_sm", forward_register_hint(tiling, arch))
-    return QuantForwardConfig(tiling, hint, block, fp32_scales, choices.get("amax_scatter", True))
+    programs = 0
+    if persistent:
+        rule = persistent_programs_per_sm(tiling, act_dtype)
+        if not rule:
+            raise ValueError(f"no persistent forward to FP8 for {act_dtype} rows of {tiling.describe()}")
+        programs = choices.get("programs_per_sm") or rule
+        hint = choices.get("min_ctas_per_sm", persistent_register_hint(tiling, programs))
+    scatter = choices.get("amax_scatter", True)
+    return QuantForwardConfig(tiling, hint, block, fp32_scales, scatter, programs)
 
 
 on_override_change(quant_forward_config.cache_clear)

@@ -23,8 +23,6 @@
 #                resident threads (issue #15: plain mode at T·H <= 2^25 below 0.9 of the copy)
 #   timeline     perf/backward_timeline.py (issue #13: each backward kernel's start and end, the row kernel
 #                without dW, a copy kernel of the same bytes)
-#   persistent   perf/persistent_forward_experiment.py (issues #15, #13: a persistent forward staging its next
-#                row tile, plain bf16 and FP8, against the shipped one-tile CTAs)
 #   smallt       perf/tune.py forward / backward tilings of more lanes per row at T = 16 and 256, H = 4096
 #                (issue #13: forward <= 2 us, backward <= 4 / 5 us of kernel time)
 #   distributed  the two-GPU matrix and training benchmark (torchrun, NCCL; needs 2 GPUs)
@@ -131,12 +129,6 @@ section_fp8tilings() {
 section_timeline() {
   local d=$RES/timeline && mkdir -p "$d"
   bounded 120 "$d/backward_timeline.log" python3 perf/backward_timeline.py "$d/backward-timeline.json"
-}
-
-section_persistent() {
-  local d=$RES/persistent && mkdir -p "$d"
-  bounded 400 "$d/persistent_forward.log" python3 perf/persistent_forward_experiment.py \
-    "$d/$day-nvidia-h200-persistent-forward.json"
 }
 
 section_smallt() {

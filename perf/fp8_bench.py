@@ -50,8 +50,8 @@ import torch
 from cake_cute.kernels.config import QUANT_RECIPES, overridden, quant_forward_config
 from results_doc import kept_rows, write_results
 
-from cake_cute import cake_rmsnorm_fp8, cake_rmsnorm_train_forward, fp8, fp8_numerics, validation
-from cake_cute.device import device_arch
+from cake_cute import cake_rmsnorm_fp8, cake_rmsnorm_train_forward, dispatch, fp8, fp8_numerics, validation
+from cake_cute.device import device_arch, device_facts
 from cake_cute.reference import forward_reference
 from cake_cute.tools.bench.timing import DeviceTimer, Rotation, buffer_sets_for
 from cake_cute.vocab import DTYPE_NAMES, torch_dtype
@@ -139,12 +139,16 @@ def quant_choices(arch: str, dtype: str, hidden: int, choices: dict | None):
     return nullcontext() if not choices else overridden("quant", arch, dtype, hidden, **choices)
 
 
-def config_text(arch: str, dtype: str, hidden: int, recipe: str) -> str:
-    """The quantizing forward's tiling, its register hint where one is set, and ``no-scatter`` where
-    its amax reduce-scatter is off."""
-    config = quant_forward_config(arch, dtype, hidden, recipe)
+def config_text(arch: str, dtype: str, hidden: int, recipe: str, rows: int, residual: bool) -> str:
+    """The config of the quantizing forward that runs ``rows`` rows on this GPU: its tiling, its
+    register hint where one is set, ``no-scatter`` where its amax reduce-scatter is off, and
+    ``persistent N/SM`` where persistent programs run it (``dispatch.fp8_forward_programs``)."""
+    facts = device_facts(torch.device("cuda"))
+    persistent = dispatch.fp8_forward_programs(rows, hidden, dtype, residual, facts) > 0
+    config = quant_forward_config(arch, dtype, hidden, recipe, persistent)
     hint = f" min_ctas/SM={config.min_ctas_per_sm}" if config.min_ctas_per_sm else ""
-    return config.tiling.describe() + hint + ("" if config.amax_scatter else " no-scatter")
+    programs = f" persistent {config.programs_per_sm}/SM" if persistent else ""
+    return config.tiling.describe() + hint + ("" if config.amax_scatter else " no-scatter") + programs
 
 
 # ---------------------------------------------------------------------------------------------- check
@@ -225,7 +229,7 @@ def check(recipes, tilings, args) -> int:
     for dtype, recipe, residual, emit_y, rows, hidden, choices in cases:
         with quant_choices(args.arch, dtype, hidden, choices):
             wrong = check_case(dtype, recipe, residual, emit_y, rows, hidden)
-            config = config_text(args.arch, dtype, hidden, recipe)
+            config = config_text(args.arch, dtype, hidden, recipe, rows, residual)
         if wrong:
             failures += 1
             print(
@@ -300,7 +304,7 @@ def bench_shape(timer, args, recipe, residual, rows, hidden, candidates) -> list
     out = []
     for name, fn, choices in runs:
         with quant_choices(arch, args.dtype, hidden, choices):
-            config = config_text(arch, args.dtype, hidden, recipe)
+            config = config_text(arch, args.dtype, hidden, recipe, rows, residual)
             call = rotating_call(fn, sets)
             try:
                 for _ in range(len(sets) + 2):  # compiles, then every set once

@@ -216,7 +216,9 @@ def test_fp8_adds_the_quantizing_forwards(tmp_path, monkeypatch, capsys):
     assert code == 0, capsys.readouterr().err
     assert [s.name() for s in asked if "mxfp8" in s.kind] == [
         "cake_fwd_mxfp8_sm_90a_bf16_wbf16_h4096_off1",
+        "cake_fwd_mxfp8_persistent_sm_90a_bf16_wbf16_h4096_off1",
         "cake_fwd_mxfp8_y_sm_90a_bf16_wbf16_h4096_off1",
+        "cake_fwd_mxfp8_y_persistent_sm_90a_bf16_wbf16_h4096_off1",
     ]
 
 

@@ -361,9 +361,14 @@ def test_amax_scatter_is_a_quant_choice():
 ARCHS = ("sm_90a", "sm_100a")
 DTYPES = ("bf16", "fp16", "fp32")
 HIDDEN = (7, 4096, 4097, 65536)
-SPECS = fp8.fp8_variant_specs(ARCHS, DTYPES, HIDDEN)
-SPECS += fp8.fp8_variant_specs(ARCHS, ("bf16",), (1, 33, 129, 7168, 65537), emit_ys=(False,))
+ONE_TILE = {"persistents": (False,)}
+SPECS = fp8.fp8_variant_specs(ARCHS, DTYPES, HIDDEN, **ONE_TILE)
+SPECS += fp8.fp8_variant_specs(ARCHS, ("bf16",), (1, 33, 129, 7168, 65537), emit_ys=(False,), **ONE_TILE)
 SPECS += fp8.fp8_variant_specs(("sm_103a",), ("bf16",), (4096, 65536), (True,), emit_ys=(False,))
+# The persistent kernels (plain mode, 2-byte rows one CTA holds): odd, ragged and the widest H.
+PERSISTENT = {"residuals": (False,), "persistents": (True,)}
+SPECS += fp8.fp8_variant_specs(ARCHS, ("bf16",), (7, 4097, 7168, 16384), emit_ys=(False,), **PERSISTENT)
+SPECS += fp8.fp8_variant_specs(ARCHS, ("fp16",), (4096,), emit_ys=(True,), **PERSISTENT)
 
 
 @pytest.fixture(scope="module")
@@ -385,3 +390,78 @@ def test_kernel_compiles_without_spills_and_converts_in_hardware(fp8_reports, sp
     act_bytes = dtype_bytes(spec.act_dtype)
     if spec.hidden * act_bytes % 16 == 0:
         assert report["global_load_width_bits"] == 128
+
+
+@pytest.mark.parametrize("spec", [s for s in SPECS if "persistent" in s.kind], ids=lambda s: s.name())
+def test_persistent_programs_fit_on_an_sm_at_once(fp8_reports, spec):
+    """The registers the compiler gave each persistent kernel let all its programs of an SM be resident
+    together (shared memory, two row tiles per program, never bounds them first)."""
+    from cake_cute.kernels.tiling import REGISTERS_PER_SM
+
+    from cake_cute.build import config_for
+
+    config = config_for(spec)
+    threads = config.programs_per_sm * config.tiling.threads_per_cta
+    assert fp8_reports[spec]["registers"] * threads <= REGISTERS_PER_SM, fp8_reports[spec]["registers"]
+
+
+# ---- which kernel runs: the persistent forward's rule and launch plan ------------------------------
+
+
+def test_persistent_programs_per_sm_rule():
+    """Four programs per SM for tiles of up to 5120 elements in 16-byte vectors, two up to 8192 (and
+    for odd H), one above; none for rows split over a cluster or 4-byte rows; a persistent config
+    where none applies is refused, naming why. The register hint appears where residency needs fewer
+    than 128 registers per thread."""
+    from cake_cute.kernels.config import overridden, quant_forward_config
+
+    def config(dtype, hidden):
+        return quant_forward_config("sm_90a", dtype, hidden, "mxfp8", persistent=True)
+
+    def per_sm(dtype, hidden):
+        return config(dtype, hidden).programs_per_sm
+
+    assert [per_sm("bf16", h) for h in (1024, 2048, 4096, 5120)] == [4] * 4
+    assert [per_sm("fp16", h) for h in (1, 33, 4097, 6144, 7168, 8192)] == [2] * 6
+    assert [per_sm("bf16", h) for h in (12288, 16384)] == [1] * 2
+    hints = {h: config("bf16", h).min_ctas_per_sm for h in (4096, 4097, 5120, 8192, 16384)}
+    assert hints == {4096: 0, 4097: 0, 5120: 4, 8192: 0, 16384: 0}  # 128 / 256 / 320 / 256 / 256 threads
+    assert quant_forward_config("sm_90a", "bf16", 4096, "1x128").programs_per_sm == 0  # the one-tile config
+    for dtype, hidden in (("bf16", 32768), ("fp32", 4096)):
+        with pytest.raises(ValueError, match="no persistent forward to FP8"):
+            per_sm(dtype, hidden)
+    with overridden("quant", "sm_90a", "bf16", 4096, programs_per_sm=3):
+        assert per_sm("bf16", 4096) == 3
+    assert per_sm("bf16", 4096) == 4
+
+
+def test_fp8_forward_programs_switch_at_the_element_limit():
+    """Persistent programs (per SM x SMs) up to 2^26 elements per call, one CTA per tile above; never
+    in residual mode, for cluster rows or for FP32 rows."""
+    from cake_cute import dispatch
+    from cake_cute.device import DeviceFacts
+
+    h200 = DeviceFacts(0, "NVIDIA H200", (9, 0), "sm_90a", 132)
+    assert dispatch.fp8_persistent_rows(4096) == 16384
+    assert dispatch.fp8_forward_programs(1, 4096, "bf16", False, h200) == 4 * 132
+    assert dispatch.fp8_forward_programs(16384, 4096, "bf16", False, h200) == 4 * 132
+    assert dispatch.fp8_forward_programs(16385, 4096, "bf16", False, h200) == 0
+    assert dispatch.fp8_forward_programs(4096, 16384, "bf16", False, h200) == 132
+    assert dispatch.fp8_forward_programs(16, 4096, "bf16", True, h200) == 0
+    assert dispatch.fp8_forward_programs(16, 65536, "bf16", False, h200) == 0
+    assert dispatch.fp8_forward_programs(16, 4096, "fp32", False, h200) == 0
+
+
+def test_persistent_kernel_refuses_residual_and_cluster_rows():
+    pytest.importorskip("cutlass")
+    import cutlass
+    from cake_cute.kernels.config import quant_forward_config
+    from cake_cute.kernels.rmsnorm_fwd_quant_persistent import RMSNormForwardQuantPersistent
+
+    dtypes = (cutlass.BFloat16, cutlass.BFloat16)
+    config = quant_forward_config("sm_90a", "bf16", 4096, "mxfp8", persistent=True)
+    with pytest.raises(ValueError, match="plain rows one CTA holds"):
+        RMSNormForwardQuantPersistent(config, *dtypes, True, 0.0, False)
+    cluster = quant_forward_config("sm_90a", "bf16", 65536, "mxfp8")
+    with pytest.raises(ValueError, match="plain rows one CTA holds"):
+        RMSNormForwardQuantPersistent(cluster, *dtypes, False, 0.0, False)

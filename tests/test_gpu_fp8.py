@@ -14,7 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cake_cute import cake_rmsnorm_fp8, cake_rmsnorm_train_forward, fp8, fp8_numerics
+from cake_cute import cake_rmsnorm_fp8, cake_rmsnorm_train_forward, dispatch, fp8, fp8_numerics, native
+from cake_cute.device import device_facts
 from cake_cute.reference import forward_reference
 
 from ._helpers import DTYPE_IDS, DTYPES, EPS, fixed_seed, poison, rand_weight  # noqa: F401 (fixture)
@@ -94,6 +95,34 @@ def test_bitwise_equal_to_reference(dtype, hidden, residual, emit_y, recipe):
             fp8_numerics.scale_blocks(hidden, recipe),
         )
         _assert_matches_reference(out, x, w, r, recipe, emit_y)
+
+
+@pytest.mark.parametrize("recipe", fp8_numerics.RECIPES)
+@pytest.mark.parametrize("emit_y", [False, True], ids=["q", "q+y"])
+@pytest.mark.parametrize("w_dtype", ["act", "fp32"])
+@pytest.mark.parametrize("hidden", [1, 7, 1001, 4096, 4097, 7168, 16384])
+@pytest.mark.parametrize("dtype", DTYPES[:2], ids=DTYPE_IDS.get)
+def test_persistent_and_one_tile_kernels_agree_bitwise(dtype, hidden, w_dtype, emit_y, recipe, monkeypatch):
+    """Up to ``dispatch.fp8_persistent_rows`` rows (2-byte rows one CTA holds) persistent programs run
+    the forward, each over several row tiles here; one CTA per tile runs it above. Every output of
+    every row is the same bytes either way (batch invariance across the switch), and the reference's."""
+    monkeypatch.setattr(native, "register_fp8", lambda *args: None)  # keep the C++ rule untouched
+    rows = 2000 if hidden < 16384 else 700
+    facts = device_facts(torch.device(DEV))
+    programs = dispatch.fp8_forward_programs(rows, hidden, DTYPE_IDS[dtype], False, facts)
+    assert programs > 0, "the persistent kernel must be the one under test"
+    x, _ = _activations(rows, hidden, dtype, False)
+    w = rand_weight(hidden, dtype if w_dtype == "act" else torch.float32)
+    persistent = cake_rmsnorm_fp8(x, w, EPS, recipe=recipe, emit_y=emit_y)
+    _assert_matches_reference(persistent, x, w, None, recipe, emit_y)
+    monkeypatch.setattr(dispatch, "PERSISTENT_FP8_MAX_ELEMENTS", 0)
+    assert dispatch.fp8_forward_programs(rows, hidden, DTYPE_IDS[dtype], False, facts) == 0
+    one_tile = cake_rmsnorm_fp8(x, w, EPS, recipe=recipe, emit_y=emit_y)
+    for name in ("data", "scales", "rstd") + (("y",) if emit_y else ()):
+        got, want = (
+            getattr(out, name).contiguous().view(-1).view(torch.uint8) for out in (one_tile, persistent)
+        )
+        assert torch.equal(got, want), name
 
 
 @pytest.mark.parametrize("recipe", fp8_numerics.RECIPES)

@@ -18,9 +18,11 @@ from cake_cute import (
     cake_rmsnorm_train_backward,
     cake_rmsnorm_train_forward,
     custom_ops,
+    dispatch,
     fp8,
     native,
 )
+from cake_cute.device import device_facts
 from cake_cute.ops import train_forward_python
 
 from ._helpers import (  # noqa: F401 (fixed_seed, prewarm_kernels: fixtures)
@@ -404,6 +406,30 @@ def test_fp8_op_kernel_serves_registered_signatures_bitwise(recipe, emit_y, resi
     assert fp8_bodies["fp8"] == 1
     assert_same_outputs(handed, want, "strided")
     torch.library.opcheck(torch.ops.cake_cute.rmsnorm_fp8_fwd.default, args)
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "1x128"])
+def test_fp8_op_kernel_switches_kernels_at_the_persistent_row_limit(recipe, fp8_bodies):
+    """Up to ``dispatch.fp8_persistent_rows`` rows the C++ kernel launches the persistent forward, above
+    it the one-tile one, each once the Python body has registered it; a row's bytes are the same
+    either way, and each served call is the Python body's."""
+    hidden = 4096
+    limit = dispatch.fp8_persistent_rows(hidden)
+    x = torch.randn(limit + 1, hidden, device=DEV).to(torch.bfloat16)
+    w = torch.randn(hidden, device=DEV).to(torch.bfloat16)
+    facts = device_facts(x.device)
+    assert dispatch.fp8_forward_programs(limit, hidden, "bf16", False, facts) > 0
+    assert dispatch.fp8_forward_programs(limit + 1, hidden, "bf16", False, facts) == 0
+    outs = {}
+    for rows in (limit, limit + 1):
+        args = (x[:rows], w, EPS, None, recipe, False, 0.0)
+        want = fp8.rmsnorm_fp8_fwd(*args)  # launches and registers this row count's kernel
+        fp8_bodies.update(fp8=0)
+        outs[rows] = torch.ops.cake_cute.rmsnorm_fp8_fwd(*args)
+        assert fp8_bodies["fp8"] == 0, f"{rows} rows reached the Python body"
+        assert_same_outputs(outs[rows], want, f"served, {rows} rows")
+    for i in (0, 1, 3):  # data, scales, rstd: the shared rows
+        assert_bitwise_equal(outs[limit + 1][i][:limit], outs[limit][i], f"output {i} across the switch")
 
 
 @pytest.mark.parametrize("residual", [False, True], ids=["plain", "res"])

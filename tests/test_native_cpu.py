@@ -114,19 +114,21 @@ def test_routing_refuses_what_it_must_not_serve(module, monkeypatch):
 
 
 def test_fp8_registration_checks_its_arguments(module):
-    """register_fp8 adds a signature (or a kernel to one); it refuses an unknown recipe, a missing handle."""
+    """register_fp8 adds a signature (or a kernel to one: one-tile or persistent); it refuses an unknown
+    recipe, a missing handle."""
     x, w = torch.randn(4, 32), torch.ones(32)
     stand_in = tvm_ffi.convert(lambda *args: pytest.fail("registering must not call the kernel"))
+    handle = stand_in.__chandle__()
     planner = lambda *args: pytest.fail("planned")  # noqa: E731
     before = module.signature_count()
-    module.register_fp8(x, w, 0.625, True, "1x128", True, stand_in.__chandle__(), 2, 2, planner)
+    module.register_fp8(x, w, 0.625, True, "1x128", True, False, 0, 2048, handle, 2, 2, planner)
     assert module.signature_count() == before + 1
-    module.register_fp8(x, w, 0.625, False, "mxfp8", False, stand_in.__chandle__(), 2, 2, planner)
+    module.register_fp8(x, w, 0.625, False, "mxfp8", False, True, 528, 2048, handle, 2, 2, planner)
     assert module.signature_count() == before + 1  # the same signature, another of its kernels
     with pytest.raises(ValueError, match="unknown recipe nvfp4"):
-        module.register_fp8(x, w, 0.625, False, "nvfp4", False, stand_in.__chandle__(), 2, 2, planner)
+        module.register_fp8(x, w, 0.625, False, "nvfp4", False, False, 0, 2048, handle, 2, 2, planner)
     with pytest.raises(TypeError, match="register needs tensors"):
-        module.register_fp8(x, w, 0.625, False, "mxfp8", False, 0, 2, 2, planner)
+        module.register_fp8(x, w, 0.625, False, "mxfp8", False, False, 0, 2048, 0, 2, 2, planner)
 
 
 def test_cpu_calls_keep_the_python_path_with_the_extension_loaded(module, fresh_native, monkeypatch):
@@ -198,9 +200,9 @@ def _call(kernel, args) -> str:
 def test_kernels_accept_the_native_argument_conventions(hidden):
     """native.cpp passes (rows, H) tensors with explicit strides as DLTensor pointers, None for an unused
     residual (or y), eps as a float, the program count as an int, g's other summands after it, and the
-    FP8 forward's e4m3 data and E8M0 scales as bytes. Called that way, each compiled kernel gets
-    past all its argument checks to the launch, which fails here for want of a GPU; a wrong H is refused
-    as an argument error (the control)."""
+    FP8 forward's e4m3 data and E8M0 scales as bytes (the persistent one's program count after eps).
+    Called that way, each compiled kernel gets past all its argument checks to the launch, which fails
+    here for want of a GPU; a wrong H is refused as an argument error (the control)."""
     from cake_cute.build import quant_kind
     from cake_cute.compile_cache import kernel
 
@@ -220,6 +222,7 @@ def test_kernels_accept_the_native_argument_conventions(hidden):
     backward_parts = kernel("bwd", "sm_90a", "bf16", "bf16", hidden, True, 0.0, 3)
     reduce = kernel("dw", "sm_90a", "bf16", hidden)
     mxfp8 = kernel(quant_kind("mxfp8", False), "sm_90a", "bf16", "bf16", hidden, False, 0.0)
+    mxfp8_persistent = kernel(quant_kind("mxfp8", False, True), "sm_90a", "bf16", "bf16", hidden, False, 0.0)
     blockwise_y = kernel(quant_kind("1x128", True), "sm_90a", "bf16", "bf16", hidden, True, 0.0)
     data = _tensor(keep, torch.uint8, (rows, hidden), (hidden, 1))
 
@@ -252,6 +255,21 @@ def test_kernels_accept_the_native_argument_conventions(hidden):
         "MXFP8 forward": (
             mxfp8,
             [act(), none, vec(bf16, hidden), none, none, vec(f32, rows), data, scales(torch.uint8, 32), eps],
+        ),
+        "persistent MXFP8 forward": (
+            mxfp8_persistent,
+            [
+                act(),
+                none,
+                vec(bf16, hidden),
+                none,
+                none,
+                vec(f32, rows),
+                data,
+                scales(torch.uint8, 32),
+                eps,
+                _Any(1, 0, 528),
+            ],
         ),
         "1x128 forward with y and h_new": (
             blockwise_y,

@@ -73,8 +73,12 @@ struct Signature {
   int64_t hidden;
   int64_t act_align, w_align;  // byte alignment the kernels assume for rows of x and for w
   TVMFFIObjectHandle forward[2] = {nullptr, nullptr};  // plain, residual; null until registered
-  TVMFFIObjectHandle fp8[2][2][2] = {};                 // [recipe: mxfp8, 1x128][emit_y][residual]
+  TVMFFIObjectHandle fp8[2][2][2][2] = {};  // [recipe: mxfp8, 1x128][emit_y][residual][persistent]
   PyObject* planner;  // Python: (rows, residual, dw_dtype, g_parts) -> (bwd, dw, programs, partial_rows, stride)
+  // The FP8 forward's launch rule (dispatch.fp8_forward_programs), as numbers: up to fp8_persistent_rows
+  // rows the persistent kernel runs at most fp8_programs[residual] programs (0: never persistent).
+  int64_t fp8_programs[2] = {0, 0};
+  int64_t fp8_persistent_rows = 0;
 };
 
 // Signatures are never freed: a clear (a config override in tests and tuning) only forgets them, so an
@@ -257,8 +261,9 @@ using Fp8Result = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at:
 
 // The op's outputs, as fp8.rmsnorm_fp8_fwd returns them: e4m3 data in x's shape, compact scales
 // (x's leading dims, blocks; E8M0 or FP32), y or a zero-memory placeholder, rstd [rows], h_new or empty.
+// ``programs`` > 0: the persistent kernel, which takes the most programs to run after eps.
 Fp8Result launch_fp8(const at::Tensor& x, const at::Tensor& w, const at::Tensor* residual, double eps, int recipe,
-                     bool emit_y, int64_t hidden, TVMFFIObjectHandle kernel) {
+                     bool emit_y, int64_t hidden, TVMFFIObjectHandle kernel, int64_t programs) {
   const int64_t rows = x.numel() / hidden;
   const int64_t blocks = (hidden + kFp8Blocks[recipe] - 1) / kFp8Blocks[recipe];
   const bool fp32_scales = recipe == 1;
@@ -279,10 +284,11 @@ Fp8Result launch_fp8(const at::Tensor& x, const at::Tensor& w, const at::Tensor*
       matrix(qa, data_bytes, rows, hidden),
       matrix(sa, scales, rows, blocks),
       real(eps),
+      integer(programs),
   };
   {
     LaunchScope scope(x.device());
-    call(kernel, args, 9, "the FP8 forward kernel");
+    call(kernel, args, programs > 0 ? 10 : 9, "the FP8 forward kernel");
   }
   std::vector<int64_t> scale_shape(x.sizes().begin(), x.sizes().end() - 1);
   scale_shape.push_back(blocks);
@@ -736,17 +742,20 @@ const c10::TypedOperatorHandle<Fp8Schema>& fp8_op() {
 }
 
 // The registered FP8 forward of this call when the launch path takes it (the forward's conditions, and
-// the recipe's kernel of this emit_y and mode registered), else nullptr: the op's Python body validates
-// and launches (or raises the named error).
+// the recipe's kernel of this emit_y, mode and row count registered), else nullptr: the op's Python body
+// validates and launches (or raises the named error). ``programs``: what launch_fp8 takes.
 TVMFFIObjectHandle served_fp8(const at::Tensor& x, const at::Tensor& w, double eps,
                               const std::optional<at::Tensor>& residual, std::optional<int> recipe, bool emit_y,
-                              double weight_offset, const Signature** signature) {
+                              double weight_offset, const Signature** signature, int64_t* programs) {
   const bool with_residual = residual.has_value() && residual->defined();
   if (!recipe || !std::isfinite(eps) || eps < 0 || x.layout() != at::kStrided) return nullptr;
   const Signature* s = find_signature(x, w, weight_offset);
   if (s == nullptr || (with_residual && !like(*residual, x, s->act_align))) return nullptr;
   *signature = s;
-  return s->fp8[*recipe][emit_y][with_residual];
+  const int64_t cap = s->fp8_programs[with_residual];
+  const bool persistent = cap > 0 && x.numel() / s->hidden <= s->fp8_persistent_rows;
+  *programs = persistent ? cap : 0;
+  return s->fp8[*recipe][emit_y][with_residual][persistent];
 }
 
 Fp8Result fp8_forward_cuda(const at::Tensor& x, const at::Tensor& w, double eps,
@@ -754,9 +763,11 @@ Fp8Result fp8_forward_cuda(const at::Tensor& x, const at::Tensor& w, double eps,
                            double weight_offset) {
   const std::optional<int> index = fp8_recipe(recipe);
   const Signature* s = nullptr;
-  if (TVMFFIObjectHandle kernel = served_fp8(x, w, eps, residual, index, emit_y, weight_offset, &s)) {
+  int64_t programs = 0;
+  if (TVMFFIObjectHandle kernel = served_fp8(x, w, eps, residual, index, emit_y, weight_offset, &s, &programs)) {
     const bool with_residual = residual.has_value() && residual->defined();
-    return launch_fp8(x, w, with_residual ? &*residual : nullptr, eps, *index, emit_y, s->hidden, kernel);
+    return launch_fp8(x, w, with_residual ? &*residual : nullptr, eps, *index, emit_y, s->hidden, kernel,
+                      programs);
   }
   GilScope gil;
   auto outs = call_python_op(python_fp8_op,
@@ -941,18 +952,19 @@ PyObject* register_signature(PyObject*, PyObject* args) {
   END_HANDLE_TH_ERRORS
 }
 
-// register_fp8(x, w, weight_offset, residual, recipe, emit_y, kernel, act_align, w_align, planner): after
-// the Python path validated and launched the FP8 forward of this recipe, emit_y and mode.
+// register_fp8(x, w, weight_offset, residual, recipe, emit_y, persistent, programs, persistent_rows, kernel,
+// act_align, w_align, planner): after the Python path validated and launched the FP8 forward of this recipe,
+// emit_y and mode, one-tile or persistent; programs and persistent_rows are the mode's launch rule.
 PyObject* register_fp8(PyObject*, PyObject* args) {
   HANDLE_TH_ERRORS
   PyObject *x_obj, *w_obj, *planner;
   double weight_offset;
-  int residual, emit_y;
+  int residual, emit_y, persistent;
   const char* recipe;
   unsigned long long kernel;
-  long long act_align, w_align;
-  if (!PyArg_ParseTuple(args, "OOdpspKLLO", &x_obj, &w_obj, &weight_offset, &residual, &recipe, &emit_y, &kernel,
-                        &act_align, &w_align, &planner) ||
+  long long programs, persistent_rows, act_align, w_align;
+  if (!PyArg_ParseTuple(args, "OOdpsppLLKLLO", &x_obj, &w_obj, &weight_offset, &residual, &recipe, &emit_y,
+                        &persistent, &programs, &persistent_rows, &kernel, &act_align, &w_align, &planner) ||
       !registration_arguments_ok(x_obj, w_obj, kernel)) {
     return nullptr;
   }
@@ -964,7 +976,9 @@ PyObject* register_fp8(PyObject*, PyObject* args) {
   std::unique_lock lock(signatures_mutex);
   Signature& s = signature_for(THPVariable_Unpack(x_obj), THPVariable_Unpack(w_obj), weight_offset, act_align,
                                w_align, planner);
-  hold(s.fp8[*index][emit_y][residual], kernel);
+  hold(s.fp8[*index][emit_y][residual][persistent], kernel);
+  s.fp8_programs[residual] = programs;
+  s.fp8_persistent_rows = persistent_rows;
   Py_RETURN_NONE;
   END_HANDLE_TH_ERRORS
 }
@@ -1039,7 +1053,8 @@ PyMethodDef methods[] = {
     {"register", register_signature, METH_VARARGS,
      "register(x, w, weight_offset, residual, forward_kernel, act_align, w_align, planner)"},
     {"register_fp8", register_fp8, METH_VARARGS,
-     "register_fp8(x, w, weight_offset, residual, recipe, emit_y, kernel, act_align, w_align, planner)"},
+     "register_fp8(x, w, weight_offset, residual, recipe, emit_y, persistent, programs, persistent_rows, kernel, "
+     "act_align, w_align, planner)"},
     {"install_fp8_op_kernels", install_fp8_op_kernels, METH_VARARGS,
      "install_fp8_op_kernels(body): C++ kernels for cake_cute::rmsnorm_fp8_fwd, the Python body for the rest"},
     {"clear", clear, METH_NOARGS, "forget every registered signature and plan"},

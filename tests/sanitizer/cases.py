@@ -4,11 +4,12 @@ of 4 and 8 CTAs with lanes of 8 vectors, also at T = 300), T = 100 at H = 4096 (
 two row tiles each), and plain rows with a 4-stage ring that wraps around several times (bf16 H = 8192
 and fp32 H = 4096 at T = 700, bf16 H = 1024 at T = 4000), each output checked against the FP64 reference
 so a silent corruption would also show; and the quantizing forward (both FP8 recipes, bf16, H in {33,
-4096, 4097, 65536}, residual off/on, y emitted) at T = 3 and T = 100, its e4m3 bytes and scales compared
-bitwise with the torch reference of ``cake_cute.fp8_numerics``. Run by ``tests/sanitizer/run.sh`` under
-memcheck, racecheck and synccheck (a GPU is needed); it prints one line per case and exits non-zero on
-any mismatch. ``python3 cases.py PREFIX`` runs only the cases of the first group whose label
-(``float32 H=16384``) starts with PREFIX."""
+4096, 4097, 65536}, residual off/on, y emitted) at T = 3 and T = 100, and in plain mode at T where its
+persistent programs each quantize several row tiles (H in {33, 4096, 4097, 7168}), its e4m3 bytes and
+scales compared bitwise with the torch reference of ``cake_cute.fp8_numerics``. Run by
+``tests/sanitizer/run.sh`` under memcheck, racecheck and synccheck (a GPU is needed); it prints one
+line per case and exits non-zero on any mismatch. ``python3 cases.py PREFIX`` runs only the cases
+whose label (``float32 H=16384``, ``fp8 persistent H=4096``) starts with PREFIX."""
 
 import sys
 from functools import partial
@@ -88,6 +89,12 @@ def main(only: str = ""):
         for hidden in (33, 4096, 4097, 65536)
         for residual in (False, True)
         for rows in (3, 100)
+    ]
+    # Persistent programs that each quantize several row tiles (two staged slots reused in turn).
+    cases += [
+        (f"fp8 persistent H={hidden}", partial(run_fp8_case, recipe, hidden, False, rows))
+        for recipe in fp8_numerics.RECIPES
+        for hidden, rows in ((33, 40000), (4096, 1200), (4097, 1200), (7168, 700))
     ]
     results = [case() for label, case in cases if label.startswith(only)]
     return 0 if results and all(results) else 1
