@@ -241,11 +241,11 @@ def register_fp8(
     kernel,
     plan_backward,
 ) -> None:
-    """``register`` for the forward to FP8 of ``recipe`` (with y: ``emit_y``), launched with
-    ``programs`` (``dispatch.fp8_forward_programs``; 0: the one-tile kernel): the op
-    ``cake_cute::rmsnorm_fp8_fwd``'s C++ kernel then launches ``kernel`` for this signature, recipe,
-    emit_y, mode and kernel, choosing between the one-tile and the persistent kernel by the launch
-    rule handed over with it. Other parameters as ``register``'s."""
+    """``register`` for the forward to FP8 of ``recipe`` (with y: ``emit_y``), just launched with
+    ``programs`` (``dispatch.fp8_forward_programs``; 0: the one-tile kernel, else the persistent one):
+    the op ``cake_cute::rmsnorm_fp8_fwd``'s C++ kernel then launches ``kernel`` for calls of this
+    signature, recipe, emit_y and mode whose row count picks that kernel, by the launch rule
+    (``dispatch``'s numbers) handed over with it. Other parameters as ``register``'s."""
     persistent = programs > 0
     most_programs = dispatch.fp8_persistent_programs(op.hidden, op.act, residual, op.facts)
     persistent_rows = dispatch.fp8_persistent_rows(op.hidden)
