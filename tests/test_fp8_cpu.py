@@ -365,9 +365,12 @@ ONE_TILE = {"persistents": (False,)}
 SPECS = fp8.fp8_variant_specs(ARCHS, DTYPES, HIDDEN, **ONE_TILE)
 SPECS += fp8.fp8_variant_specs(ARCHS, ("bf16",), (1, 33, 129, 7168, 65537), emit_ys=(False,), **ONE_TILE)
 SPECS += fp8.fp8_variant_specs(("sm_103a",), ("bf16",), (4096, 65536), (True,), emit_ys=(False,))
-# The persistent kernels (plain mode, 2-byte rows one CTA holds): odd, ragged and the widest H.
+# The persistent kernels (plain mode, 2-byte rows one CTA holds): odd, ragged and the widest H, and
+# with y the two whose registers come closest to what their programs per SM allow (four 128-thread
+# programs of H = 1024, two 256-thread ones of H = 8192: 128 registers per thread).
 PERSISTENT = {"residuals": (False,), "persistents": (True,)}
 SPECS += fp8.fp8_variant_specs(ARCHS, ("bf16",), (7, 4097, 7168, 16384), emit_ys=(False,), **PERSISTENT)
+SPECS += fp8.fp8_variant_specs(ARCHS, ("bf16",), (1024, 8192), emit_ys=(True,), **PERSISTENT)
 SPECS += fp8.fp8_variant_specs(ARCHS, ("fp16",), (4096,), emit_ys=(True,), **PERSISTENT)
 
 

@@ -16,16 +16,21 @@ from cake_cute.kernels import config  # noqa: E402
 from cake_cute.tools.bench.timing import DeviceTimer, Rotation, buffer_sets_for  # noqa: E402
 
 SHAPES = [(1024, 32768), (4096, 32768), (512, 65536), (2048, 65536), (256, 131072), (1024, 131072)]
-RULE = config.persistent_programs_per_sm
+RULE, HINT = config.persistent_programs_per_sm, config.persistent_register_hint
 
 
 def use(per_sm: int) -> None:
-    """Cluster rows run by ``per_sm`` persistent CTAs per SM at any T (0: the shipped one-tile grid)."""
+    """Cluster rows run by ``per_sm`` persistent CTAs per SM at any T (0: the shipped one-tile grid),
+    held resident by a register hint."""
 
     def rule(tiling, act_dtype):
         return per_sm if tiling.cluster_n > 1 else RULE(tiling, act_dtype)
 
+    def hint(tiling, programs):
+        return programs if tiling.cluster_n > 1 else HINT(tiling, programs)
+
     config.persistent_programs_per_sm = dispatch.persistent_programs_per_sm = rule
+    config.persistent_register_hint = hint
     config.quant_forward_config.cache_clear()
     dispatch.fp8_persistent_programs.cache_clear()
     dispatch.PERSISTENT_FP8_MAX_ELEMENTS = (1 << 40) if per_sm else 0
