@@ -14,6 +14,10 @@
 #   model        perf/model_step.py (H = 2048 and 4096) and perf/hostbound.py (eager and compile)
 #   passhost     perf/model_step.py compiled at 256 tokens (host-bound) with and without the gradient-sum
 #                pass (its op has a C++ kernel since session 15: the pass's host cost in a compiled step)
+#   fp8host      perf/hostbound.py for the forward to MXFP8 (eager through its autograd.Function and through
+#                its custom op, compiled) next to cake's bf16 step and torch's (issue #15: host cost)
+#   clusterrows  the persistent FP8 forward for rows split over clusters (a patch and probe in
+#                perf/results/2026-12-01-persistent-forward/cluster-rows/; patches the copied tree: run last)
 #   dwcolumns    perf/dw_columns_experiment.py (issue #13: dW summed by columns beside the row kernel)
 #   fp32tilings  perf/tune.py scans of the fp32 cluster backward tilings (8 vectors per lane) against the
 #                4-vector tilings they replaced (issue #13)
@@ -94,6 +98,20 @@ section_passhost() {
     --impls torch,cake_cute --modes compile
   bounded 200 "$d/without_pass.log" python3 perf/model_step.py "${out%.json}-no-pass.json" --hidden 2048 \
     --seq 64 --impls torch,cake_cute --modes compile --no-gradient-sums
+}
+
+section_fp8host() {
+  local d=$RES/fp8host && mkdir -p "$d"
+  bounded 240 "$d/fp8_host.log" python3 perf/hostbound.py "$d/$day-nvidia-h200-fp8-hostbound.json" \
+    --impls cake_cute,cake_cute_mxfp8,cake_cute_mxfp8_op,torch --modes eager,compile
+}
+
+section_clusterrows() {  # last in a call: it patches the copied tree
+  local d=$RES/clusterrows && mkdir -p "$d"
+  local notes=perf/results/2026-12-01-persistent-forward/cluster-rows
+  git apply "$notes/cluster-persistent.patch" && cp "$notes/cluster_probe.py" perf/ &&
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >> "$RES/pip.log" 2>&1
+  bounded 300 "$d/cluster_probe.log" python3 perf/cluster_probe.py "$d/$day-nvidia-h200-cluster-probe.json"
 }
 
 section_dwcolumns() {

@@ -15,7 +15,9 @@ runs behind the host this is what a call costs the host. Ops:
 ``cake_cute_functional`` (eager only) has ``fwd`` and ``bwd`` rows of cake_cute's functional API, the
 calls a framework with its own autograd makes: ``cake_rmsnorm_train_forward`` and
 ``cake_rmsnorm_train_backward`` (on the saved x or h_new and rstd of one forward), to be read against
-torch's ``fwd`` and autograd ``bwd`` rows.
+torch's ``fwd`` and autograd ``bwd`` rows. ``cake_cute_mxfp8`` is the forward straight to MXFP8
+(``cake_rmsnorm_fp8``; its step differentiates the handle ``y``), and ``cake_cute_mxfp8_op`` (eager only)
+the same through its custom op, whose C++ kernels serve registered signatures.
 
 The implementations are the adapters of ``cake_cute.tools.bench.peers`` (the ones the sweep
 measures), plus ``cake_cute_python``: the same calls forced onto cake_cute's Python path
@@ -52,8 +54,18 @@ from results_doc import kept_rows, write_results  # noqa: E402
 from sweep import _use_source_tree  # noqa: E402
 
 EPS = 1e-6
-IMPLS = ("cake_cute", "cake_cute_functional", "cake_cute_python", "torch", "quack", "liger")
-EAGER_ONLY = ("cake_cute_python", "cake_cute_functional")  # compiled, they run cake_cute's custom ops
+IMPLS = (
+    "cake_cute",
+    "cake_cute_functional",
+    "cake_cute_python",
+    "cake_cute_mxfp8",
+    "cake_cute_mxfp8_op",
+    "torch",
+    "quack",
+    "liger",
+)
+# Compiled, these run cake_cute's custom ops, as cake_cute and cake_cute_mxfp8 do.
+EAGER_ONLY = ("cake_cute_python", "cake_cute_functional", "cake_cute_mxfp8_op")
 
 
 class CakePythonPath:
@@ -94,10 +106,45 @@ class CakeFunctional:
         return {"fwd": fwd, "bwd": bwd}
 
 
+class CakeMxfp8:
+    """cake_cute's forward straight to MXFP8 (``cake_rmsnorm_fp8``, eager: its ``autograd.Function``);
+    the differentiable handle ``y`` first, so a step is the quantizing forward and the RMSNorm backward."""
+
+    def __init__(self, torch, eps):
+        from cake_cute import cake_rmsnorm_fp8
+
+        self._fp8, self._eps = cake_rmsnorm_fp8, eps
+
+    def forward(self, x, w, residual):
+        out = self._fp8(x, w, self._eps, residual=residual, recipe="mxfp8")
+        return out.y, out.data, out.scales
+
+
+class CakeMxfp8Op:
+    """The same forward through its custom op ``cake_cute::rmsnorm_fp8_fwd`` (what torch.compile's graphs
+    call; C++ kernels once the Python path has registered the signature), called eagerly: what routing
+    eager calls through the op would cost."""
+
+    def __init__(self, torch, eps):
+        import cake_cute  # noqa: F401 (defines the op)
+
+        self._op, self._eps = torch.ops.cake_cute.rmsnorm_fp8_fwd, eps
+
+    def forward(self, x, w, residual):
+        data, scales, y, _, _ = self._op(x, w, self._eps, residual, "mxfp8", False, 0.0)
+        return y, data, scales
+
+
 def factories() -> dict:
     from cake_cute.tools.bench import peers
 
-    return {**peers.FACTORIES, "cake_cute_python": CakePythonPath, "cake_cute_functional": CakeFunctional}
+    return {
+        **peers.FACTORIES,
+        "cake_cute_python": CakePythonPath,
+        "cake_cute_functional": CakeFunctional,
+        "cake_cute_mxfp8": CakeMxfp8,
+        "cake_cute_mxfp8_op": CakeMxfp8Op,
+    }
 
 
 ROUNDS = 5

@@ -56,6 +56,32 @@ def test_hostbound_cpu_layers(tmp_path):
     assert {r["path"] for r in rows if r["impl"] == "cake_cute"} <= {"cpu-layers", "cpu-layers+native-route"}
 
 
+@pytest.mark.parametrize("impl", ["cake_cute_mxfp8", "cake_cute_mxfp8_op"])
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "res"])
+def test_hostbound_fp8_adapters_step_through_the_rmsnorm_backward(monkeypatch, impl, residual):
+    """Both FP8 adapters' steps (on CPU: the reference) give the gradients of cake_rmsnorm's step, and
+    their other outputs are the e4m3 data and scales."""
+    import importlib
+
+    import torch
+
+    import cake_cute
+
+    monkeypatch.syspath_prepend(str(PERF))
+    hostbound = importlib.import_module("hostbound")
+    adapter = hostbound.factories()[impl](torch, hostbound.EPS)
+    x, w = torch.randn(5, 64, requires_grad=True), torch.rand(64, requires_grad=True)
+    r = torch.randn(5, 64, requires_grad=True) if residual else None
+    leaves, g = [t for t in (x, w, r) if t is not None], torch.randn(5, 64)
+    y, data, scales = adapter.forward(x, w, r)
+    assert data.dtype == torch.float8_e4m3fn and scales.shape == (5, 2)
+    got = torch.autograd.grad(y, leaves, g)
+    out = cake_cute.cake_rmsnorm(x, w, hostbound.EPS, residual=r)
+    want = torch.autograd.grad(out[0] if residual else out, leaves, g)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
 def test_hostbound_graph_replays_mark_each_step_and_leave_out_bwd(monkeypatch):
     import importlib
 
