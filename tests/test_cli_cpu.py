@@ -280,6 +280,7 @@ CLEAN_REPORT = dict(
     global_load_width_bits=128,
     global_store_width_bits=128,
     config="-",
+    programs_fit=True,
 )
 
 
@@ -348,8 +349,13 @@ def test_failed_compile_exits_1_and_names_the_kernel(tmp_path, monkeypatch, caps
         (dict(stack_bytes=16), "1 kernel(s) spill registers: cake_bwd_sm_90a_bf16_wbf16_h4096_off0"),
         (dict(local_loads=1), "1 kernel(s) spill registers: cake_bwd_sm_90a_bf16_wbf16_h4096_off0"),
         (dict(global_atomics=2), "1 kernel(s) have global atomics: cake_bwd_sm_90a_bf16_wbf16_h4096_off0"),
+        (
+            dict(programs_fit=False),
+            "1 persistent kernel(s) hold too many registers for their programs per SM: "
+            "cake_bwd_sm_90a_bf16_wbf16_h4096_off0",
+        ),
     ],
-    ids=["stack", "local-loads", "atomics"],
+    ids=["stack", "local-loads", "atomics", "crowded"],
 )
 def test_report_exits_1_when_a_kernel_spills_or_has_atomics(tmp_path, monkeypatch, capsys, bad, message):
     def fake_reports(specs, jobs=None):

@@ -12,7 +12,7 @@ from cake_cute.kernels.config import E4M3_MAX, QUANT_RECIPES
 
 from cake_cute import cake_rmsnorm_fp8, fp8, fp8_numerics
 from cake_cute.tools.cubin import spill_free
-from cake_cute.tools.warmup import collect_reports, warm
+from cake_cute.tools.warmup import collect_reports, programs_fit, warm
 from cake_cute.vocab import dtype_bytes
 
 F32 = torch.float32
@@ -398,14 +398,14 @@ def test_kernel_compiles_without_spills_and_converts_in_hardware(fp8_reports, sp
 @pytest.mark.parametrize("spec", [s for s in SPECS if "persistent" in s.kind], ids=lambda s: s.name())
 def test_persistent_programs_fit_on_an_sm_at_once(fp8_reports, spec):
     """The registers the compiler gave each persistent kernel let all its programs of an SM be resident
-    together (shared memory, two row tiles per program, never bounds them first)."""
-    from cake_cute.kernels.tiling import REGISTERS_PER_SM
-
+    together (shared memory, two row tiles per program, never bounds them first); the control: the
+    registers that would leave room for one program fewer per SM do not pass."""
     from cake_cute.build import config_for
 
+    registers = fp8_reports[spec]["registers"]
+    assert fp8_reports[spec]["programs_fit"], registers
     config = config_for(spec)
-    threads = config.programs_per_sm * config.tiling.threads_per_cta
-    assert fp8_reports[spec]["registers"] * threads <= REGISTERS_PER_SM, fp8_reports[spec]["registers"]
+    assert not programs_fit(spec, 65536 // (config.programs_per_sm * config.tiling.threads_per_cta) + 1)
 
 
 # ---- which kernel runs: the persistent forward's rule and launch plan ------------------------------

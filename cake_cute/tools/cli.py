@@ -182,8 +182,8 @@ def _use_cache_dir(explicit: str | None) -> str | None:
 
 
 def cmd_warmup(args) -> int:
-    """Exit 1 if a variant fails to compile or, with --report, if a kernel spills or has a global atomic
-    (CI gates on these);
+    """Exit 1 if a variant fails to compile or, with --report, if a kernel spills, has a global atomic
+    or is a persistent kernel whose programs cannot share an SM at once (CI gates on these);
     exit 2 before compiling anything when the cache directory cannot be used."""
     from .cubin import spill_free
     from .warmup import collect_reports, format_report, local_archs, variant_specs, warm
@@ -212,7 +212,7 @@ def cmd_warmup(args) -> int:
     print(_native_line())
     for outcome in result.failed:
         print(f"FAILED {outcome.spec.name()}:\n  " + outcome.error.replace("\n", "\n  "), file=sys.stderr)
-    spilling = atomic = []
+    spilling = atomic = crowded = []
     if args.report:
         failed = {o.spec for o in result.failed}
         try:
@@ -223,12 +223,18 @@ def cmd_warmup(args) -> int:
         print(format_report(reports))
         spilling = [r["name"] for r in reports if not spill_free(r) or r["local_loads"] or r["local_stores"]]
         atomic = [r["name"] for r in reports if r["global_atomics"]]
+        crowded = [r["name"] for r in reports if not r["programs_fit"]]
         if spilling:
             print(f"{len(spilling)} kernel(s) spill registers: " + ", ".join(spilling), file=sys.stderr)
         if atomic:
             print(f"{len(atomic)} kernel(s) have global atomics: " + ", ".join(atomic), file=sys.stderr)
+        if crowded:
+            message = (
+                f"{len(crowded)} persistent kernel(s) hold too many registers for their programs per SM: "
+            )
+            print(message + ", ".join(crowded), file=sys.stderr)
     print(result.summary())
-    return EXIT_FAILED if result.failed or spilling or atomic else 0
+    return EXIT_FAILED if result.failed or spilling or atomic or crowded else 0
 
 
 def _native_line() -> str:

@@ -252,6 +252,18 @@ def describe_config(spec: KernelSpec | ReduceSpec) -> str:
     return config_for(spec).describe()
 
 
+def programs_fit(spec: KernelSpec | ReduceSpec, registers: int) -> bool:
+    """Whether a persistent kernel whose config sets ``programs_per_sm`` (the forward to FP8's) can hold
+    all of an SM's programs at once with the ``registers`` per thread its compile took (a program
+    waiting for a slot would run its row tiles after the others finished theirs); True for others."""
+    from ..build import config_for
+    from ..kernels.tiling import REGISTERS_PER_SM
+
+    config = config_for(spec)
+    programs = getattr(config, "programs_per_sm", 0)
+    return not programs or registers * programs * config.tiling.threads_per_cta <= REGISTERS_PER_SM
+
+
 def collect_reports(specs: list[KernelSpec], jobs: int | None = None, *, sass: bool = True) -> list[dict]:
     """Cubin reports of variants (compiled first where missing) with their configuration.
 
@@ -266,12 +278,18 @@ def collect_reports(specs: list[KernelSpec], jobs: int | None = None, *, sass: b
     Returns
     -------
     list of dict
-        ``cubin.kernel_report`` of each spec plus ``config`` (``describe_config``), in order.
+        ``cubin.kernel_report`` of each spec plus ``config`` (``describe_config``) and ``programs_fit``
+        (``programs_fit``), in order.
     """
     from .cubin import kernel_report
 
     def report(spec: KernelSpec) -> dict:
-        return {**kernel_report(spec, sass=sass), "config": describe_config(spec)}
+        found = kernel_report(spec, sass=sass)
+        return {
+            **found,
+            "config": describe_config(spec),
+            "programs_fit": programs_fit(spec, found["registers"]),
+        }
 
     with ThreadPoolExecutor(max_workers=jobs or default_jobs()) as pool:
         return list(pool.map(report, specs))
