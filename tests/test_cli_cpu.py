@@ -259,11 +259,17 @@ def test_importing_cake_cute_imports_no_tool():
 def test_info_shows_the_config_per_kind(capsys):
     assert cli.main(["info", "--hidden", "4096,65536", "--arch", "sm_90a", "--dtype", "bf16"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("sm_90a ")]
-    assert len(lines) == 10  # 2 H x ((fwd, bwd) x (plain, residual) + dw)
+    # Per H: (fwd, bwd) x (plain, residual), dw, the FP8 forwards of 2 recipes x (plain, residual), and
+    # the 2 persistent ones at H = 4096 (rows split over clusters have none).
+    assert len(lines) == 2 * 9 + 2
+    width = cli.CONFIG_LABEL_WIDTH
     expected = warmup.describe_config(KernelSpec("bwd", "sm_90a", "bf16", "bf16", 65536, True))
-    assert f"{'sm_90a bf16 H=65536 bwd residual':<34}{expected}" in lines
+    assert f"{'sm_90a bf16 H=65536 bwd residual':<{width}}{expected}" in lines
     reduce = warmup.describe_config(ReduceSpec("sm_90a", "fp32", 4096))
-    assert f"{'sm_90a bf16 H=4096 dw':<34}{reduce}" in lines
+    assert f"{'sm_90a bf16 H=4096 dw':<{width}}{reduce}" in lines
+    persistent = warmup.describe_config(KernelSpec("fwd_1x128_persistent", "sm_90a", "bf16", "bf16", 4096))
+    assert f"{'sm_90a bf16 H=4096 fwd 1x128 persistent':<{width}}{persistent}" in lines
+    assert "persistent 4/SM" in persistent
     assert all("vec=" in line for line in lines)
 
 

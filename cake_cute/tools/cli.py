@@ -315,26 +315,29 @@ def _cuobjdump_line() -> str:
 
 
 def config_lines(archs, dtypes, hiddens) -> list[str]:
-    """One line per kernel of (arch, dtype, H): forward and backward, plain and residual, and the dW
-    reduction into FP32; each with the config it compiles with."""
+    """One line per kernel of (arch, dtype, H): forward and backward, plain and residual, the dW
+    reduction into FP32, and the forwards to FP8 of both recipes (one CTA per row tile, and the
+    persistent one where it applies); each with the config it compiles with."""
+    from ..fp8 import fp8_variant_specs
     from ..specs import KernelSpec, ReduceSpec
     from .warmup import describe_config
 
     lines = []
     for arch, dtype, hidden in itertools.product(archs, dtypes, hiddens):
-        labelled = [
-            (
-                f"{kind}{' residual' if residual else ''}",
-                KernelSpec(kind, arch, dtype, dtype, hidden, residual),
+        specs = [
+            KernelSpec(kind, arch, dtype, dtype, hidden, res) for kind in ("fwd", "bwd") for res in (0, 1)
+        ]
+        specs.append(ReduceSpec(arch, "fp32", hidden))
+        specs += fp8_variant_specs([arch], [dtype], [hidden], emit_ys=(False,))
+        for spec in specs:
+            label = spec.kind.replace("_", " ") + (" residual" if getattr(spec, "residual", False) else "")
+            lines.append(
+                f"{f'{arch} {dtype} H={hidden} {label}':<{CONFIG_LABEL_WIDTH}}{describe_config(spec)}"
             )
-            for kind in ("fwd", "bwd")
-            for residual in (False, True)
-        ]
-        labelled.append(("dw", ReduceSpec(arch, "fp32", hidden)))
-        lines += [
-            f"{f'{arch} {dtype} H={hidden} {label}':<34}{describe_config(spec)}" for label, spec in labelled
-        ]
     return lines
+
+
+CONFIG_LABEL_WIDTH = 46  # "sm_100a fp16 H=262144 fwd mxfp8 persistent" and a gap
 
 
 def cmd_info(args) -> int:
