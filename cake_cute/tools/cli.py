@@ -325,7 +325,9 @@ def config_lines(archs, dtypes, hiddens) -> list[str]:
     lines = []
     for arch, dtype, hidden in itertools.product(archs, dtypes, hiddens):
         specs = [
-            KernelSpec(kind, arch, dtype, dtype, hidden, res) for kind in ("fwd", "bwd") for res in (0, 1)
+            KernelSpec(kind, arch, dtype, dtype, hidden, res)
+            for kind in ("fwd", "bwd")
+            for res in (False, True)
         ]
         specs.append(ReduceSpec(arch, "fp32", hidden))
         specs += fp8_variant_specs([arch], [dtype], [hidden], emit_ys=(False,))
