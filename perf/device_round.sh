@@ -14,6 +14,8 @@
 #   model        perf/model_step.py (H = 2048 and 4096) and perf/hostbound.py (eager and compile)
 #   passhost     perf/model_step.py compiled at 256 tokens (host-bound) with and without the gradient-sum
 #                pass (its op has a C++ kernel since session 15: the pass's host cost in a compiled step)
+#   fp8dtypes    perf/fp8_bench.py at the training shapes for fp16 (the persistent FP8 forward's other dtype)
+#                and fp32 rows (one CTA per tile; persistence not measured for 4-byte rows)
 #   fp8host      perf/hostbound.py for the forward to MXFP8 (eager through its autograd.Function and through
 #                its custom op, compiled) next to cake's bf16 step and torch's (issue #15: host cost)
 #   clusterrows  the persistent FP8 forward for rows split over clusters (a patch and probe in
@@ -98,6 +100,14 @@ section_passhost() {
     --impls torch,cake_cute --modes compile
   bounded 200 "$d/without_pass.log" python3 perf/model_step.py "${out%.json}-no-pass.json" --hidden 2048 \
     --seq 64 --impls torch,cake_cute --modes compile --no-gradient-sums
+}
+
+section_fp8dtypes() {
+  local d=$RES/fp8dtypes && mkdir -p "$d"
+  for dt in fp16 fp32; do
+    bounded 200 "$d/$dt.log" python3 perf/fp8_bench.py "$d/$day-nvidia-h200-fp8-$dt.json" --dtype "$dt" \
+      --grid training --impls cake_cute
+  done
 }
 
 section_fp8host() {
