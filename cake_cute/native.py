@@ -247,11 +247,11 @@ def register_fp8(
     signature, recipe, emit_y and mode whose row count picks that kernel, by the launch rule
     (``dispatch``'s numbers) handed over with it. Other parameters as ``register``'s."""
     persistent = programs > 0
-    most_programs = dispatch.fp8_persistent_programs(op.hidden, op.act, residual, op.facts)
-    persistent_rows = dispatch.fp8_persistent_rows(op.hidden)
 
     def send(module, handle, act_align, w_align, planner):
-        fields = (x, w, weight_offset, residual, recipe, emit_y, persistent, most_programs, persistent_rows)
+        most_programs = dispatch.fp8_persistent_programs(op.hidden, op.act, residual, op.facts)
+        rule = (most_programs, dispatch.fp8_persistent_rows(op.hidden))
+        fields = (x, w, weight_offset, residual, recipe, emit_y, persistent, *rule)
         module.register_fp8(*fields, handle, act_align, w_align, planner)
 
     _hand_over((residual, recipe, emit_y, persistent), op, x, w, weight_offset, kernel, plan_backward, send)

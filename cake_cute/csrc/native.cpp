@@ -676,23 +676,48 @@ BackwardResult backward_parts_cuda(at::TensorList g, const at::Tensor& x, const 
   return {outs[0], outs[1]};
 }
 
-// The op's autograd formula: saves (x or h_new, w, rstd); rstd, and h_new in plain mode, are not
-// differentiable; an unused output's gradient stays undefined; one dx is the gradient of x and residual.
+// Whether autograd records a node for a call: grad mode on and an input that requires a gradient.
+bool records_graph(const at::Tensor& x, const at::Tensor& w, const at::Tensor* residual) {
+  return at::GradMode::is_enabled() &&
+         (x.requires_grad() || w.requires_grad() || (residual != nullptr && residual->requires_grad()));
+}
+
+bool records_graph(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& residual) {
+  return records_graph(x, w, residual.has_value() ? &*residual : nullptr);
+}
+
+// What both forward ops' autograd nodes save: (x or h_new, w, rstd), the mode and the offset; the outputs
+// in `non_differentiable`, and h_new in plain mode, get no gradient; an unused output's stays undefined.
+void save_norm_inputs(AutogradContext* ctx, std::vector<at::Tensor> non_differentiable, const at::Tensor& x,
+                      const at::Tensor& w, const at::Tensor& rstd, const at::Tensor& h_new,
+                      const std::optional<at::Tensor>& residual, double weight_offset) {
+  const bool with_residual = residual.has_value() && residual->defined();
+  ctx->set_materialize_grads(false);
+  if (!with_residual) non_differentiable.push_back(h_new);
+  ctx->mark_non_differentiable(non_differentiable);
+  ctx->save_for_backward({with_residual ? h_new : x, w, rstd});
+  ctx->saved_data["residual"] = with_residual;
+  ctx->saved_data["weight_offset"] = weight_offset;
+}
+
+// (dx, dw) of a node saved by save_norm_inputs, from y's gradient `g` (defined) and, in residual mode,
+// h_new's (undefined when h_new was unused): rmsnorm_bwd on the saved tensors.
+std::tuple<at::Tensor, at::Tensor> norm_gradients(AutogradContext* ctx, const at::Tensor& g,
+                                                  const at::Tensor& g_residual, bool deterministic) {
+  const variable_list saved = ctx->get_saved_variables();
+  std::optional<at::Tensor> g_res;
+  if (ctx->saved_data["residual"].toBool()) g_res = g_residual;
+  return backward_op().call(g, saved[0], saved[1], saved[2], g_res, ctx->saved_data["weight_offset"].toDouble(),
+                            deterministic);
+}
+
+// The op's autograd formula: one dx is the gradient of x and residual.
 struct OpNormFunction : public torch::autograd::Function<OpNormFunction> {
   static variable_list forward(AutogradContext* ctx, c10::DispatchKeySet keys, const at::Tensor& x, const at::Tensor& w,
                                double eps, const std::optional<at::Tensor>& residual, double weight_offset,
                                bool deterministic) {
     auto [y, rstd, h_new] = below_autograd(keys, x, w, eps, residual, weight_offset, deterministic);
-    const bool with_residual = residual.has_value() && residual->defined();
-    ctx->set_materialize_grads(false);
-    if (with_residual) {
-      ctx->mark_non_differentiable({rstd});
-    } else {
-      ctx->mark_non_differentiable({rstd, h_new});
-    }
-    ctx->save_for_backward({with_residual ? h_new : x, w, rstd});
-    ctx->saved_data["residual"] = with_residual;
-    ctx->saved_data["weight_offset"] = weight_offset;
+    save_norm_inputs(ctx, {rstd}, x, w, rstd, h_new, residual, weight_offset);
     ctx->saved_data["deterministic"] = deterministic;
     return {y, rstd, h_new};
   }
@@ -702,12 +727,7 @@ struct OpNormFunction : public torch::autograd::Function<OpNormFunction> {
     const at::Tensor g_residual = residual ? grads[2] : at::Tensor();
     // One gradient per forward argument: (keys, x, w, eps, residual, weight_offset, deterministic).
     if (!grads[0].defined()) return {{}, g_residual, {}, {}, g_residual, {}, {}};
-    const variable_list saved = ctx->get_saved_variables();
-    std::optional<at::Tensor> g_res;
-    if (residual) g_res = g_residual;
-    auto [dx, dw] = backward_op().call(grads[0], saved[0], saved[1], saved[2], g_res,
-                                       ctx->saved_data["weight_offset"].toDouble(),
-                                       ctx->saved_data["deterministic"].toBool());
+    auto [dx, dw] = norm_gradients(ctx, grads[0], g_residual, ctx->saved_data["deterministic"].toBool());
     return {{}, dx, dw, {}, residual ? dx : at::Tensor(), {}, {}};
   }
 
@@ -723,9 +743,9 @@ struct OpNormFunction : public torch::autograd::Function<OpNormFunction> {
 ForwardResult forward_autograd_cuda(c10::DispatchKeySet keys, const at::Tensor& x, const at::Tensor& w, double eps,
                                     const std::optional<at::Tensor>& residual, double weight_offset,
                                     bool deterministic) {
-  const bool records = at::GradMode::is_enabled() && (x.requires_grad() || w.requires_grad() ||
-                                                      (residual.has_value() && residual->requires_grad()));
-  if (!records) return OpNormFunction::below_autograd(keys, x, w, eps, residual, weight_offset, deterministic);
+  if (!records_graph(x, w, residual)) {
+    return OpNormFunction::below_autograd(keys, x, w, eps, residual, weight_offset, deterministic);
+  }
   variable_list out = OpNormFunction::apply(keys, x, w, eps, residual, weight_offset, deterministic);
   return {out[0], out[1], out[2]};
 }
@@ -778,23 +798,14 @@ Fp8Result fp8_forward_cuda(const at::Tensor& x, const at::Tensor& w, double eps,
   return {outs[0], outs[1], outs[2], outs[3], outs[4]};
 }
 
-// The FP8 op's autograd formula (fp8._setup_context / _op_backward): saves (x or h_new, w, rstd); data,
-// scales and rstd are not differentiable, nor h_new in plain mode; y's gradient is the norm's.
+// The FP8 op's autograd formula (fp8._setup_context / _op_backward): data and scales get no gradient
+// either; y's gradient is the norm's.
 struct OpFp8Function : public torch::autograd::Function<OpFp8Function> {
   static variable_list forward(AutogradContext* ctx, c10::DispatchKeySet keys, const at::Tensor& x, const at::Tensor& w,
                                double eps, const std::optional<at::Tensor>& residual, c10::string_view recipe,
                                bool emit_y, double weight_offset) {
     auto [data, scales, y, rstd, h_new] = below_autograd(keys, x, w, eps, residual, recipe, emit_y, weight_offset);
-    const bool with_residual = residual.has_value() && residual->defined();
-    ctx->set_materialize_grads(false);
-    if (with_residual) {
-      ctx->mark_non_differentiable({data, scales, rstd});
-    } else {
-      ctx->mark_non_differentiable({data, scales, rstd, h_new});
-    }
-    ctx->save_for_backward({with_residual ? h_new : x, w, rstd});
-    ctx->saved_data["residual"] = with_residual;
-    ctx->saved_data["weight_offset"] = weight_offset;
+    save_norm_inputs(ctx, {data, scales, rstd}, x, w, rstd, h_new, residual, weight_offset);
     return {data, scales, y, rstd, h_new};
   }
 
@@ -803,11 +814,7 @@ struct OpFp8Function : public torch::autograd::Function<OpFp8Function> {
     const at::Tensor g_residual = residual ? grads[4] : at::Tensor();
     // One gradient per forward argument: (keys, x, w, eps, residual, recipe, emit_y, weight_offset).
     if (!grads[2].defined()) return {{}, g_residual, {}, {}, g_residual, {}, {}, {}};
-    const variable_list saved = ctx->get_saved_variables();
-    std::optional<at::Tensor> g_res;
-    if (residual) g_res = g_residual;
-    auto [dx, dw] = backward_op().call(grads[2], saved[0], saved[1], saved[2], g_res,
-                                       ctx->saved_data["weight_offset"].toDouble(), true);
+    auto [dx, dw] = norm_gradients(ctx, grads[2], g_residual, true);
     return {{}, dx, dw, {}, residual ? dx : at::Tensor(), {}, {}, {}};
   }
 
@@ -823,9 +830,9 @@ struct OpFp8Function : public torch::autograd::Function<OpFp8Function> {
 Fp8Result fp8_forward_autograd_cuda(c10::DispatchKeySet keys, const at::Tensor& x, const at::Tensor& w, double eps,
                                     const std::optional<at::Tensor>& residual, c10::string_view recipe, bool emit_y,
                                     double weight_offset) {
-  const bool records = at::GradMode::is_enabled() && (x.requires_grad() || w.requires_grad() ||
-                                                      (residual.has_value() && residual->requires_grad()));
-  if (!records) return OpFp8Function::below_autograd(keys, x, w, eps, residual, recipe, emit_y, weight_offset);
+  if (!records_graph(x, w, residual)) {
+    return OpFp8Function::below_autograd(keys, x, w, eps, residual, recipe, emit_y, weight_offset);
+  }
   variable_list out = OpFp8Function::apply(keys, x, w, eps, residual, recipe, emit_y, weight_offset);
   return {out[0], out[1], out[2], out[3], out[4]};
 }
@@ -844,9 +851,7 @@ PyObject* rmsnorm(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (!check_count(nargs, 5, "rmsnorm")) return nullptr;
   const std::optional<ForwardCall> c = forward_call(args);
   if (!c) Py_RETURN_NONE;
-  const bool records = at::GradMode::is_enabled() && (c->x->requires_grad() || c->w->requires_grad() ||
-                                                      (c->residual != nullptr && c->residual->requires_grad()));
-  if (!records) {  // no graph to record: no node to build
+  if (!records_graph(*c->x, *c->w, c->residual)) {  // no graph to record: no node to build
     ForwardOutputs out = launch_forward(*c->signature, *c->x, *c->w, c->residual, c->eps);
     if (c->residual == nullptr) return THPVariable_Wrap(std::move(out.y));
     return tuple_of({out.y, out.h_new});
