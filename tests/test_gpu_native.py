@@ -432,9 +432,31 @@ def test_fp8_op_kernel_switches_kernels_at_the_persistent_row_limit(recipe, fp8_
         assert_bitwise_equal(outs[limit + 1][i][:limit], outs[limit][i], f"output {i} across the switch")
 
 
+@pytest.mark.parametrize("emit_y", [False, True], ids=["data", "with-y"])
+def test_eager_fp8_calls_take_the_op_kernels_once_registered(emit_y, fp8_bodies):
+    """With the extension loaded, eager cake_rmsnorm_fp8 calls go through the custom op: the first launches
+    from Python and registers, later ones launch from C++ with a C++ autograd node, and their outputs
+    and gradients are the Python path's bitwise."""
+    x, w, _ = leaves(129, 2560, torch.bfloat16, False)  # an H no other test registers
+    g = torch.randn_like(x)
+    first = cake_rmsnorm_fp8(x, w, EPS, emit_y=emit_y)
+    assert fp8_bodies["fp8"] == 1
+    fp8_bodies.update(fp8=0)
+    served = cake_rmsnorm_fp8(x, w, EPS, emit_y=emit_y)
+    assert fp8_bodies["fp8"] == 0, "a registered eager call reached the Python body"
+    assert "OpFp8Function" in served.y.grad_fn.name(), served.y.grad_fn.name()
+    for name in ("data", "scales", "rstd") + (("y",) if emit_y else ()):
+        assert_bitwise_equal(getattr(served, name), getattr(first, name), name)
+    got = torch.autograd.grad(served.y, (x, w), g)
+    _, _, y, _, _ = fp8.CakeRMSNormFp8Function.apply(x, w, EPS, None, "mxfp8", emit_y, 0.0)
+    for i, (a, b) in enumerate(zip(got, torch.autograd.grad(y, (x, w), g))):
+        assert_bitwise_equal(a, b, f"grad {i}")
+
+
 @pytest.mark.parametrize("residual", [False, True], ids=["plain", "res"])
 def test_fp8_op_autograd_node_matches_the_eager_path_bitwise(residual):
-    """With a graph to record, the AutogradCUDA kernel's C++ node gives cake_rmsnorm_fp8's gradients."""
+    """With a graph to record, the AutogradCUDA kernel's C++ node gives the Python autograd.Function's
+    gradients."""
     x, w, r = leaves(129, 4096, torch.bfloat16, residual)
     gy, gh = torch.randn_like(x), torch.randn_like(x)
     cake_rmsnorm_fp8(x.detach(), w.detach(), EPS, residual=None if r is None else r.detach())  # registers
@@ -444,7 +466,7 @@ def test_fp8_op_autograd_node_matches_the_eager_path_bitwise(residual):
     leaves_ = [t for t in (x, w, r) if t is not None]
     used, grads_in = ((outs[2], outs[4]), (gy, gh)) if residual else ((outs[2],), (gy,))
     got = torch.autograd.grad(used, leaves_, grads_in)
-    eager = cake_rmsnorm_fp8(x, w, EPS, residual=r)
-    want = torch.autograd.grad((eager.y, eager.h_new) if residual else (eager.y,), leaves_, grads_in)
+    _, _, y, _, h_new = fp8.CakeRMSNormFp8Function.apply(x, w, EPS, r, "mxfp8", False, 0.0)
+    want = torch.autograd.grad((y, h_new) if residual else (y,), leaves_, grads_in)
     for i, (a, b) in enumerate(zip(got, want)):
         assert_bitwise_equal(a, b, f"grad {i}")

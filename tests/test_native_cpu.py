@@ -131,6 +131,13 @@ def test_fp8_registration_checks_its_arguments(module):
         module.register_fp8(x, w, 0.625, False, "mxfp8", False, False, 0, 2048, 0, 2, 2, planner)
 
 
+def test_eager_fp8_calls_on_cpu_keep_the_autograd_function_with_the_extension_loaded(module, monkeypatch):
+    monkeypatch.setattr(native, "fast", module)
+    x, w = torch.randn(5, 64, requires_grad=True), torch.rand(64, requires_grad=True)
+    out = cake_cute.cake_rmsnorm_fp8(x, w, 1e-6)
+    assert out.y.grad_fn.name() == "CakeRMSNormFp8FunctionBackward"
+
+
 def test_cpu_calls_keep_the_python_path_with_the_extension_loaded(module, fresh_native, monkeypatch):
     monkeypatch.setattr(native, "fast", module)
     x, w = torch.randn(5, 16, requires_grad=True), torch.rand(16, requires_grad=True)
