@@ -18,8 +18,10 @@
 #                and fp32 rows (one CTA per tile; persistence not measured for 4-byte rows)
 #   fp8host      perf/hostbound.py for the forward to MXFP8 (eager through its autograd.Function and through
 #                its custom op, compiled) next to cake's bf16 step and torch's (issue #15: host cost)
-#   clusterrows  the persistent FP8 forward for rows split over clusters (a patch and probe in
-#                perf/results/2026-12-01-persistent-forward/cluster-rows/; patches the copied tree: run last)
+#   persistent   perf/persistent_probe.py: the persistent FP8 forward where its rule does not run it (fp32 rows,
+#                6 or 8 programs per SM at H = 2048), then with cluster-persistent.patch (perf/results/
+#                2026-12-01-persistent-forward/cluster-rows/) for rows split over clusters; patches the
+#                copied tree: run last
 #   dwcolumns    perf/dw_columns_experiment.py (issue #13: dW summed by columns beside the row kernel)
 #   fp32tilings  perf/tune.py scans of the fp32 cluster backward tilings (8 vectors per lane) against the
 #                4-vector tilings they replaced (issue #13)
@@ -116,12 +118,13 @@ section_fp8host() {
     --impls cake_cute,cake_cute_mxfp8,cake_cute_mxfp8_op,torch --modes eager,compile
 }
 
-section_clusterrows() {  # last in a call: it patches the copied tree
-  local d=$RES/clusterrows && mkdir -p "$d"
-  local notes=perf/results/2026-12-01-persistent-forward/cluster-rows
-  git apply "$notes/cluster-persistent.patch" && cp "$notes/cluster_probe.py" perf/ &&
+section_persistent() {  # last in a call: it patches the copied tree
+  local d=$RES/persistent && mkdir -p "$d"
+  bounded 260 "$d/probe_fp32_narrow.log" python3 perf/persistent_probe.py "$d/$day-nvidia-h200-persistent-probe.json" \
+    fp32 narrow
+  git apply perf/results/2026-12-01-persistent-forward/cluster-rows/cluster-persistent.patch &&
     python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >> "$RES/pip.log" 2>&1
-  bounded 300 "$d/cluster_probe.log" python3 perf/cluster_probe.py "$d/$day-nvidia-h200-cluster-probe.json"
+  bounded 150 "$d/probe_cluster.log" python3 perf/persistent_probe.py "$d/$day-nvidia-h200-cluster-probe.json" cluster
 }
 
 section_dwcolumns() {
