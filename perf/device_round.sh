@@ -120,11 +120,11 @@ section_fp8host() {
 
 section_persistent() {  # last in a call: it patches the copied tree
   local d=$RES/persistent && mkdir -p "$d"
-  bounded 260 "$d/probe_fp32_narrow.log" python3 perf/persistent_probe.py "$d/$day-nvidia-h200-persistent-probe.json" \
+  bounded 220 "$d/probe_fp32_narrow.log" python3 perf/persistent_probe.py "$d/$day-nvidia-h200-persistent-probe.json" \
     fp32 narrow
   git apply perf/results/2026-12-01-persistent-forward/cluster-rows/cluster-persistent.patch &&
     python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >> "$RES/pip.log" 2>&1
-  bounded 150 "$d/probe_cluster.log" python3 perf/persistent_probe.py "$d/$day-nvidia-h200-cluster-probe.json" cluster
+  bounded 120 "$d/probe_cluster.log" python3 perf/persistent_probe.py "$d/$day-nvidia-h200-cluster-probe.json" cluster
 }
 
 section_dwcolumns() {
