@@ -93,16 +93,17 @@ def most_partial_rows(
     )
 
 
-# Up to this many elements per call (T * H) the forward to FP8 runs persistent programs; above it the
-# one-tile grid keeps more bytes in flight (perf/results/2026-12-01-persistent-forward/).
-PERSISTENT_FP8_MAX_ELEMENTS = 1 << 26
+# Up to this many bytes of x per call the forward to FP8 runs persistent programs (2^26 2-byte or 2^25
+# FP32 elements); above it the one-tile grid keeps more bytes in flight
+# (perf/results/2026-12-01-persistent-forward/).
+PERSISTENT_FP8_MAX_BYTES = 1 << 27
 
 
 @lru_cache(maxsize=4096)
 def fp8_persistent_programs(hidden: int, act_dtype: str, residual: bool, device: DeviceFacts) -> int:
     """The most programs of the persistent forward to FP8 on this GPU (the kernel runs no more than
     there are row tiles), 0 where that kernel does not apply (residual mode, rows split over a
-    cluster, 4-byte activations: ``config.persistent_programs_per_sm``)."""
+    cluster, some FP32 rows: ``config.persistent_programs_per_sm``)."""
     if not has_persistent_fp8_kernel(device.arch, act_dtype, hidden, residual):
         return 0
     per_sm = quant_forward_config(device.arch, act_dtype, hidden, "mxfp8", persistent=True).programs_per_sm
@@ -116,16 +117,16 @@ def has_persistent_fp8_kernel(arch: str, act_dtype: str, hidden: int, residual: 
     return not residual and persistent_programs_per_sm(tiling, act_dtype) > 0
 
 
-def fp8_persistent_rows(hidden: int) -> int:
-    """The most rows of H = ``hidden`` a forward to FP8 runs with persistent programs."""
-    return PERSISTENT_FP8_MAX_ELEMENTS // hidden
+def fp8_persistent_rows(hidden: int, act_dtype: str) -> int:
+    """The most rows of H = ``hidden`` in ``act_dtype`` a forward to FP8 runs with persistent programs."""
+    return PERSISTENT_FP8_MAX_BYTES // (hidden * dtype_bytes(act_dtype))
 
 
 def fp8_forward_programs(rows: int, hidden: int, act_dtype: str, residual: bool, device: DeviceFacts) -> int:
     """Programs of a forward to FP8 of ``rows`` rows: ``fp8_persistent_programs`` up to
     ``fp8_persistent_rows``, else 0 (one CTA per row tile). Which kernel runs never changes a row's
     bits (both run the same per-row arithmetic), so batch invariance holds across the switch."""
-    if rows > fp8_persistent_rows(hidden):
+    if rows > fp8_persistent_rows(hidden, act_dtype):
         return 0
     return fp8_persistent_programs(hidden, act_dtype, residual, device)
 

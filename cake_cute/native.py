@@ -250,7 +250,7 @@ def register_fp8(
 
     def send(module, handle, act_align, w_align, planner):
         most_programs = dispatch.fp8_persistent_programs(op.hidden, op.act, residual, op.facts)
-        rule = (most_programs, dispatch.fp8_persistent_rows(op.hidden))
+        rule = (most_programs, dispatch.fp8_persistent_rows(op.hidden, op.act))
         fields = (x, w, weight_offset, residual, recipe, emit_y, persistent, *rule)
         module.register_fp8(*fields, handle, act_align, w_align, planner)
 

@@ -407,21 +407,32 @@ def blocks_nest(tiling: RowTiling, block: int) -> bool:
 
 
 # The persistent forward to FP8 keeps two row tiles of x per program and holds more registers than
-# the one-tile kernel: four programs per SM while a CTA's tile is at most FOUR_PER_SM_MAX_TILE elements
-# of 16-byte vectors, two up to TWO_PER_SM_MAX_TILE, one above (perf/results/2026-12-01-persistent-forward/;
-# rows of narrower vectors, odd H, hold a register per element and spill when held to four per SM).
+# the one-tile kernel. 2-byte rows: four programs per SM while a CTA's tile is at most FOUR_PER_SM_MAX_TILE
+# elements of 16-byte vectors, two up to TWO_PER_SM_MAX_TILE, one above (rows of narrower vectors, odd H,
+# hold a register per element and spill when held to four per SM). FP32 rows of 16-byte vectors: four
+# up to FP32_FOUR_PER_SM_MAX_TILE, two up to FP32_TWO_PER_SM_MAX_TILE (at 8192 elements four would not
+# fit the SM's shared memory; at 4096 two ran 1-2% faster than four), none above or for narrower
+# vectors (not measured).
+# Measurements: perf/results/2026-12-01-persistent-forward/.
 PERSISTENT_FOUR_PER_SM_MAX_TILE = 5120
 PERSISTENT_TWO_PER_SM_MAX_TILE = 8192
+PERSISTENT_FP32_FOUR_PER_SM_MAX_TILE = 2048
+PERSISTENT_FP32_TWO_PER_SM_MAX_TILE = 8192
 
 
 def persistent_programs_per_sm(tiling: RowTiling, act_dtype: str) -> int:
     """Programs per SM of the persistent forward to FP8 (``rmsnorm_fwd_quant_persistent``), 0 where it
-    does not apply: rows split over a cluster (a program would hold a cluster per tile) and 4-byte
-    activations (not measured)."""
-    if tiling.cluster_n > 1 or dtype_bytes(act_dtype) != 2:
+    does not apply: rows split over a cluster (a program would hold a cluster per tile; measured
+    slower) and FP32 rows outside the measured tiles."""
+    if tiling.cluster_n > 1:
         return 0
     tile = tiling.rows_per_cta * tiling.cols_per_cta
-    if tile <= PERSISTENT_FOUR_PER_SM_MAX_TILE and tiling.vec * dtype_bytes(act_dtype) == 16:
+    whole_vectors = tiling.vec * dtype_bytes(act_dtype) == 16
+    if dtype_bytes(act_dtype) == 4:
+        if not whole_vectors or tile > PERSISTENT_FP32_TWO_PER_SM_MAX_TILE:
+            return 0
+        return 4 if tile <= PERSISTENT_FP32_FOUR_PER_SM_MAX_TILE else 2
+    if tile <= PERSISTENT_FOUR_PER_SM_MAX_TILE and whole_vectors:
         return 4
     return 2 if tile <= PERSISTENT_TWO_PER_SM_MAX_TILE else 1
 

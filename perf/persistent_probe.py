@@ -43,7 +43,7 @@ def use(per_sm: int) -> None:
     config.persistent_programs_per_sm = dispatch.persistent_programs_per_sm = lambda tiling, act: per_sm
     config.persistent_register_hint = HINT
     config._overrides_changed()  # what an override change clears: configs, launch plans, loaded kernels
-    dispatch.PERSISTENT_FP8_MAX_ELEMENTS = (1 << 40) if per_sm else 0
+    dispatch.PERSISTENT_FP8_MAX_BYTES = (1 << 40) if per_sm else 0
 
 
 def compile_case(dtype: str, tokens: int, hidden: int, recipe: str, choices) -> None:

@@ -365,13 +365,14 @@ ONE_TILE = {"persistents": (False,)}
 SPECS = fp8.fp8_variant_specs(ARCHS, DTYPES, HIDDEN, **ONE_TILE)
 SPECS += fp8.fp8_variant_specs(ARCHS, ("bf16",), (1, 33, 129, 7168, 65537), emit_ys=(False,), **ONE_TILE)
 SPECS += fp8.fp8_variant_specs(("sm_103a",), ("bf16",), (4096, 65536), (True,), emit_ys=(False,))
-# The persistent kernels (plain mode, 2-byte rows one CTA holds): odd, ragged and the widest H, and
-# with y the two whose registers come closest to what their programs per SM allow (four 128-thread
-# programs of H = 1024, two 256-thread ones of H = 8192: 128 registers per thread).
+# The persistent kernels (plain mode, rows one CTA holds): odd, ragged and the widest H, and with y
+# the two whose registers come closest to what their programs per SM allow (four 128-thread programs
+# of H = 1024, two 256-thread ones of H = 8192: 128 registers per thread); FP32 rows at both rules.
 PERSISTENT = {"residuals": (False,), "persistents": (True,)}
 SPECS += fp8.fp8_variant_specs(ARCHS, ("bf16",), (7, 4097, 7168, 16384), emit_ys=(False,), **PERSISTENT)
 SPECS += fp8.fp8_variant_specs(ARCHS, ("bf16",), (1024, 8192), emit_ys=(True,), **PERSISTENT)
 SPECS += fp8.fp8_variant_specs(ARCHS, ("fp16",), (4096,), emit_ys=(True,), **PERSISTENT)
+SPECS += fp8.fp8_variant_specs(ARCHS, ("fp32",), (2048, 8192), emit_ys=(True,), **PERSISTENT)
 
 
 @pytest.fixture(scope="module")
@@ -412,10 +413,11 @@ def test_persistent_programs_fit_on_an_sm_at_once(fp8_reports, spec):
 
 
 def test_persistent_programs_per_sm_rule():
-    """Four programs per SM for tiles of up to 5120 elements in 16-byte vectors, two up to 8192 (and
-    for odd H), one above; none for rows split over a cluster or 4-byte rows; a persistent config
-    where none applies is refused, naming why. The register hint appears where residency needs fewer
-    than 128 registers per thread."""
+    """2-byte rows: four programs per SM for tiles of up to 5120 elements in 16-byte vectors, two up to
+    8192 (and for odd H), one above. FP32 rows: four up to 2048 elements, two up to 8192, none above or
+    for narrower vectors. None for rows split over a cluster; a persistent config where none applies is
+    refused, naming why. The register hint appears where residency needs fewer than 128 registers per
+    thread."""
     from cake_cute.kernels.config import overridden, quant_forward_config
 
     def config(dtype, hidden):
@@ -427,10 +429,11 @@ def test_persistent_programs_per_sm_rule():
     assert [per_sm("bf16", h) for h in (1024, 2048, 4096, 5120)] == [4] * 4
     assert [per_sm("fp16", h) for h in (1, 33, 4097, 6144, 7168, 8192)] == [2] * 6
     assert [per_sm("bf16", h) for h in (12288, 16384)] == [1] * 2
+    assert [per_sm("fp32", h) for h in (256, 1024, 2048, 2560, 4096, 8192)] == [4, 4, 4, 2, 2, 2]
     hints = {h: config("bf16", h).min_ctas_per_sm for h in (4096, 4097, 5120, 8192, 16384)}
     assert hints == {4096: 0, 4097: 0, 5120: 4, 8192: 0, 16384: 0}  # 128 / 256 / 320 / 256 / 256 threads
     assert quant_forward_config("sm_90a", "bf16", 4096, "1x128").programs_per_sm == 0  # the one-tile config
-    for dtype, hidden in (("bf16", 32768), ("fp32", 4096)):
+    for dtype, hidden in (("bf16", 32768), ("fp32", 4097), ("fp32", 16384)):
         with pytest.raises(ValueError, match="no persistent forward to FP8"):
             per_sm(dtype, hidden)
     with overridden("quant", "sm_90a", "bf16", 4096, programs_per_sm=3):
@@ -439,20 +442,23 @@ def test_persistent_programs_per_sm_rule():
 
 
 def test_fp8_forward_programs_switch_at_the_element_limit():
-    """Persistent programs (per SM x SMs) up to 2^26 elements per call, one CTA per tile above; never
-    in residual mode, for cluster rows or for FP32 rows."""
+    """Persistent programs (per SM x SMs) up to 2^27 bytes of x per call (2^26 2-byte, 2^25 FP32
+    elements), one CTA per tile above; never in residual mode or for cluster rows."""
     from cake_cute import dispatch
     from cake_cute.device import DeviceFacts
 
     h200 = DeviceFacts(0, "NVIDIA H200", (9, 0), "sm_90a", 132)
-    assert dispatch.fp8_persistent_rows(4096) == 16384
+    assert dispatch.fp8_persistent_rows(4096, "bf16") == 16384
+    assert dispatch.fp8_persistent_rows(4096, "fp32") == 8192
     assert dispatch.fp8_forward_programs(1, 4096, "bf16", False, h200) == 4 * 132
     assert dispatch.fp8_forward_programs(16384, 4096, "bf16", False, h200) == 4 * 132
     assert dispatch.fp8_forward_programs(16385, 4096, "bf16", False, h200) == 0
     assert dispatch.fp8_forward_programs(4096, 16384, "bf16", False, h200) == 132
     assert dispatch.fp8_forward_programs(16, 4096, "bf16", True, h200) == 0
     assert dispatch.fp8_forward_programs(16, 65536, "bf16", False, h200) == 0
-    assert dispatch.fp8_forward_programs(16, 4096, "fp32", False, h200) == 0
+    assert dispatch.fp8_forward_programs(8192, 4096, "fp32", False, h200) == 2 * 132
+    assert dispatch.fp8_forward_programs(8193, 4096, "fp32", False, h200) == 0
+    assert dispatch.fp8_forward_programs(16, 4097, "fp32", False, h200) == 0
 
 
 def test_persistent_kernel_refuses_residual_and_cluster_rows():

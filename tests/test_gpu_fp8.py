@@ -100,12 +100,17 @@ def test_bitwise_equal_to_reference(dtype, hidden, residual, emit_y, recipe):
 @pytest.mark.parametrize("recipe", fp8_numerics.RECIPES)
 @pytest.mark.parametrize("emit_y", [False, True], ids=["q", "q+y"])
 @pytest.mark.parametrize("w_dtype", ["act", "fp32"])
-@pytest.mark.parametrize("hidden", [1, 7, 1001, 4096, 4097, 7168, 16384])
-@pytest.mark.parametrize("dtype", DTYPES[:2], ids=DTYPE_IDS.get)
+@pytest.mark.parametrize(
+    "dtype, hidden",
+    [(d, h) for d in DTYPES[:2] for h in (1, 7, 1001, 4096, 4097, 7168, 16384)]
+    + [(DTYPES[2], h) for h in (256, 1024, 2048, 2560, 4096, 8192)],
+    ids=lambda v: DTYPE_IDS.get(v, str(v)),
+)
 def test_persistent_and_one_tile_kernels_agree_bitwise(dtype, hidden, w_dtype, emit_y, recipe, monkeypatch):
-    """Up to ``dispatch.fp8_persistent_rows`` rows (2-byte rows one CTA holds) persistent programs run
-    the forward, each over several row tiles here; one CTA per tile runs it above. Every output of
-    every row is the same bytes either way (batch invariance across the switch), and the reference's."""
+    """Up to ``dispatch.fp8_persistent_rows`` rows (rows one CTA holds; FP32 ones in 16-byte vectors up
+    to 8192 elements) persistent programs run the forward, each over several row tiles here; one CTA
+    per tile runs it above. Every output of every row is the same bytes either way (batch invariance
+    across the switch), and the reference's."""
     monkeypatch.setattr(native, "register_fp8", lambda *args: None)  # keep the C++ rule untouched
     rows = 2000 if hidden < 16384 else 700
     facts = device_facts(torch.device(DEV))
@@ -115,7 +120,7 @@ def test_persistent_and_one_tile_kernels_agree_bitwise(dtype, hidden, w_dtype, e
     w = rand_weight(hidden, dtype if w_dtype == "act" else torch.float32)
     persistent = cake_rmsnorm_fp8(x, w, EPS, recipe=recipe, emit_y=emit_y)
     _assert_matches_reference(persistent, x, w, None, recipe, emit_y)
-    monkeypatch.setattr(dispatch, "PERSISTENT_FP8_MAX_ELEMENTS", 0)
+    monkeypatch.setattr(dispatch, "PERSISTENT_FP8_MAX_BYTES", 0)
     assert dispatch.fp8_forward_programs(rows, hidden, DTYPE_IDS[dtype], False, facts) == 0
     one_tile = cake_rmsnorm_fp8(x, w, EPS, recipe=recipe, emit_y=emit_y)
     for name in ("data", "scales", "rstd") + (("y",) if emit_y else ()):

@@ -408,18 +408,20 @@ def test_fp8_op_kernel_serves_registered_signatures_bitwise(recipe, emit_y, resi
     torch.library.opcheck(torch.ops.cake_cute.rmsnorm_fp8_fwd.default, args)
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 @pytest.mark.parametrize("recipe", ["mxfp8", "1x128"])
-def test_fp8_op_kernel_switches_kernels_at_the_persistent_row_limit(recipe, fp8_bodies):
-    """Up to ``dispatch.fp8_persistent_rows`` rows the C++ kernel launches the persistent forward, above
-    it the one-tile one, each once the Python body has registered it; a row's bytes are the same
-    either way, and each served call is the Python body's."""
+def test_fp8_op_kernel_switches_kernels_at_the_persistent_row_limit(recipe, dtype, fp8_bodies):
+    """Up to ``dispatch.fp8_persistent_rows`` rows (of this dtype) the C++ kernel launches the
+    persistent forward, above it the one-tile one, each once the Python body has registered it; a
+    row's bytes are the same either way, and each served call is the Python body's."""
     hidden = 4096
-    limit = dispatch.fp8_persistent_rows(hidden)
-    x = torch.randn(limit + 1, hidden, device=DEV).to(torch.bfloat16)
-    w = torch.randn(hidden, device=DEV).to(torch.bfloat16)
+    limit = dispatch.fp8_persistent_rows(hidden, dtype)
+    act = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    x = torch.randn(limit + 1, hidden, device=DEV).to(act)
+    w = torch.randn(hidden, device=DEV).to(act)
     facts = device_facts(x.device)
-    assert dispatch.fp8_forward_programs(limit, hidden, "bf16", False, facts) > 0
-    assert dispatch.fp8_forward_programs(limit + 1, hidden, "bf16", False, facts) == 0
+    assert dispatch.fp8_forward_programs(limit, hidden, dtype, False, facts) > 0
+    assert dispatch.fp8_forward_programs(limit + 1, hidden, dtype, False, facts) == 0
     outs = {}
     for rows in (limit, limit + 1):
         args = (x[:rows], w, EPS, None, recipe, False, 0.0)
