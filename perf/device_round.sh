@@ -18,10 +18,6 @@
 #                and fp32 rows (one CTA per tile; persistence not measured for 4-byte rows)
 #   fp8host      perf/hostbound.py for the forward to MXFP8 (eager through its autograd.Function and through
 #                its custom op, compiled) next to cake's bf16 step and torch's (issue #15: host cost)
-#   persistent   perf/persistent_probe.py: the persistent FP8 forward where its rule does not run it (fp32 rows,
-#                6 or 8 programs per SM at H = 2048), then with cluster-persistent.patch (perf/results/
-#                2026-12-01-persistent-forward/cluster-rows/) for rows split over clusters; patches the
-#                copied tree: run last
 #   dwcolumns    perf/dw_columns_experiment.py (issue #13: dW summed by columns beside the row kernel)
 #   fp32tilings  perf/tune.py scans of the fp32 cluster backward tilings (8 vectors per lane) against the
 #                4-vector tilings they replaced (issue #13)
@@ -116,15 +112,6 @@ section_fp8host() {
   local d=$RES/fp8host && mkdir -p "$d"
   bounded 240 "$d/fp8_host.log" python3 perf/hostbound.py "$d/$day-nvidia-h200-fp8-hostbound.json" \
     --impls cake_cute,cake_cute_mxfp8,cake_cute_mxfp8_op,torch --modes eager,compile
-}
-
-section_persistent() {  # last in a call: it patches the copied tree
-  local d=$RES/persistent && mkdir -p "$d"
-  bounded 220 "$d/probe_fp32_narrow.log" python3 perf/persistent_probe.py "$d/$day-nvidia-h200-persistent-probe.json" \
-    fp32 narrow
-  git apply perf/results/2026-12-01-persistent-forward/cluster-rows/cluster-persistent.patch &&
-    python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >> "$RES/pip.log" 2>&1
-  bounded 120 "$d/probe_cluster.log" python3 perf/persistent_probe.py "$d/$day-nvidia-h200-cluster-probe.json" cluster
 }
 
 section_dwcolumns() {
