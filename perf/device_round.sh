@@ -18,6 +18,9 @@
 #                and fp32 rows (one CTA per tile; persistence not measured for 4-byte rows)
 #   fp8host      perf/hostbound.py for the forward to MXFP8 (eager through its autograd.Function and through
 #                its custom op, compiled) next to cake's bf16 step and torch's (issue #15: host cost)
+#   fp32persistent  the GPU tests and sanitizer cases of the FP32 persistent forward to FP8 (52ca8c9: its
+#                rule's kernels were bitwise-checked only by the session-17 probe; the test order reaches
+#                the FP32 cases last, so they run first here)
 #   dwcolumns    perf/dw_columns_experiment.py (issue #13: dW summed by columns beside the row kernel)
 #   fp32tilings  perf/tune.py scans of the fp32 cluster backward tilings (8 vectors per lane) against the
 #                4-vector tilings they replaced (issue #13)
@@ -112,6 +115,14 @@ section_fp8host() {
   local d=$RES/fp8host && mkdir -p "$d"
   bounded 240 "$d/fp8_host.log" python3 perf/hostbound.py "$d/$day-nvidia-h200-fp8-hostbound.json" \
     --impls cake_cute,cake_cute_mxfp8,cake_cute_mxfp8_op,torch --modes eager,compile
+}
+
+section_fp32persistent() {
+  local d=$RES/fp32persistent && mkdir -p "$d"
+  local fp32_rows="fp32-256 or fp32-1024 or fp32-2048 or fp32-2560 or fp32-4096 or fp32-8192"
+  bounded 240 "$d/gpu_tests.log" python3 -m pytest -q -rs -m gpu tests/test_gpu_fp8.py tests/test_gpu_native.py \
+    -p no:cacheprovider -k "persistent and ($fp32_rows or row_limit)"
+  bounded 240 "$d/sanitizer.log" bash tests/sanitizer/run.sh "$d" "fp8 persistent fp32"
 }
 
 section_dwcolumns() {

@@ -5,8 +5,9 @@ two row tiles each), and plain rows with a 4-stage ring that wraps around severa
 and fp32 H = 4096 at T = 700, bf16 H = 1024 at T = 4000), each output checked against the FP64 reference
 so a silent corruption would also show; and the quantizing forward (both FP8 recipes, bf16, H in {33,
 4096, 4097, 65536}, residual off/on, y emitted) at T = 3 and T = 100, and in plain mode at T where its
-persistent programs each quantize several row tiles (H in {33, 4096, 4097, 7168}), its e4m3 bytes and
-scales compared bitwise with the torch reference of ``cake_cute.fp8_numerics``. Run by
+persistent programs each quantize several row tiles (bf16 H in {33, 4096, 4097, 7168}, fp32 H in
+{2048, 8192}), its e4m3 bytes and scales compared bitwise with the torch reference of
+``cake_cute.fp8_numerics``. Run by
 ``tests/sanitizer/run.sh`` under memcheck, racecheck and synccheck (a GPU is needed); it prints one
 line per case and exits non-zero on any mismatch. ``python3 cases.py PREFIX`` runs only the cases
 whose label (``float32 H=16384``, ``fp8 persistent H=4096``) starts with PREFIX."""
@@ -45,11 +46,11 @@ def run_case(dtype, hidden, residual, rows=3):
     return ok
 
 
-def run_fp8_case(recipe, hidden, residual, rows=3):
+def run_fp8_case(recipe, hidden, residual, rows=3, dtype=torch.bfloat16):
     torch.manual_seed(hidden + rows)
     dev = torch.device("cuda")
-    x = torch.randn(rows, hidden, device=dev, dtype=torch.bfloat16)
-    w = torch.randn(hidden, device=dev, dtype=torch.bfloat16)
+    x = torch.randn(rows, hidden, device=dev, dtype=dtype)
+    w = torch.randn(hidden, device=dev, dtype=dtype)
     res = torch.randn_like(x) if residual else None
     out = cake_cute.cake_rmsnorm_fp8(x, w, 1e-6, residual=res, recipe=recipe, emit_y=True)
     torch.cuda.synchronize()
@@ -60,7 +61,8 @@ def run_fp8_case(recipe, hidden, residual, rows=3):
         and torch.equal(out.y, y)
     )
     print(
-        f"{'ok ' if ok else 'BAD'} fp8 {recipe:6s} H={hidden:6d} T={rows:4d} residual={residual!s:5s}",
+        f"{'ok ' if ok else 'BAD'} fp8 {recipe:6s} {str(dtype)[6:]:9s} H={hidden:6d} T={rows:4d} "
+        f"residual={residual!s:5s}",
         flush=True,
     )
     return ok
@@ -95,6 +97,11 @@ def main(only: str = ""):
         (f"fp8 persistent H={hidden}", partial(run_fp8_case, recipe, hidden, False, rows))
         for recipe in fp8_numerics.RECIPES
         for hidden, rows in ((33, 40000), (4096, 1200), (4097, 1200), (7168, 700))
+    ]
+    cases += [
+        (f"fp8 persistent fp32 H={hidden}", partial(run_fp8_case, recipe, hidden, False, rows, torch.float32))
+        for recipe in fp8_numerics.RECIPES
+        for hidden, rows in ((2048, 1200), (8192, 700))
     ]
     results = [case() for label, case in cases if label.startswith(only)]
     return 0 if results and all(results) else 1
