@@ -4,7 +4,8 @@
 The rules mirror aten's for ``_fused_rms_norm``. For every dimension d but the last (the hidden one,
 which the norm reduces over): x, residual, g, g_residual, y, h_new, rstd and dx are ``Shard(d)``, w is
 ``Replicate()`` and dw is ``Partial()`` (each rank holds the sum over its own rows; FSDP2 or the
-optimizer's DTensor ops reduce it). Everything ``Replicate()`` works too. A hidden dimension that is
+optimizer's DTensor ops reduce it); the forward to FP8 places its e4m3 data, its (…, blocks) scales
+and its y like x. Everything ``Replicate()`` works too. A hidden dimension that is
 sharded is refused: the norm would need every element of a row, and a silent all-gather would undo
 the sharding the caller chose. None of these strategies needs a collective in the norm itself.
 
@@ -61,6 +62,19 @@ def _backward_sharding(g, x, w, rstd, g_residual=None, weight_offset=0.0, determ
         dw = Replicate() if isinstance(rows, Replicate) else Partial()
         g_res = None if g_residual is None else rows
         strategies.append(([rows, dw], [rows, rows, Replicate(), rows, g_res, None, None]))
+    return strategies
+
+
+@register_sharding(torch.ops.cake_cute.rmsnorm_fp8_fwd.default)
+def _fp8_forward_sharding(x, w, eps, residual, recipe, emit_y, weight_offset):
+    """Outputs (data, scales, y, rstd, h_new), inputs (x, w, eps, residual, recipe, emit_y,
+    weight_offset): the scales are (…, blocks), so they shard like the rows; y is the emitted y or a
+    placeholder of x's shape, placed like x either way."""
+    _refuse_a_sharded_hidden_dim(x)
+    strategies = []
+    for rows in _row_placements(x):
+        h_new, res = (Replicate(), None) if residual is None else (rows, rows)
+        strategies.append(([rows, rows, rows, rows, h_new], [rows, Replicate(), None, res, None, None, None]))
     return strategies
 
 

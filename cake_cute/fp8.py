@@ -16,13 +16,13 @@ autograd and torch.compile work without a GPU.
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch
 
 from . import cpu, dispatch, native
 from . import validation as v
+from .autograd import DTensor
 from .build import quant_kind
 from .compile_cache import kernel
 from .custom_ops import check_forward_arguments, define_op
@@ -48,7 +48,7 @@ class Fp8NormOutput(NamedTuple):
         Differentiable: the act-dtype y (``emit_y=True``) or a placeholder that holds no memory; its
         gradient (the consuming GEMM's dgrad) flows through the RMSNorm backward.
     rstd : torch.Tensor
-        FP32, one value per row of x, flat (``[T]`` for T rows).
+        FP32, one value per row of x, in x's leading shape (``x.shape[:-1]``, as DTensor shards it).
     h_new : torch.Tensor or None
         ``x + residual`` in residual mode (differentiable), else None.
     """
@@ -149,7 +149,7 @@ def _forward_cuda(x, w, eps, residual, recipe, emit_y, weight_offset):
         data,
         scales,
         None if y is None else y.view(x.shape),
-        rstd,
+        rstd.view(lead),
         None if h_new is None else h_new.view(x.shape),
     )
 
@@ -160,14 +160,20 @@ def fp8_forward(x, w, eps, residual, recipe, emit_y, weight_offset):
     if x.device.type == "cuda":
         return _forward_cuda(x, w, eps, residual, recipe, emit_y, weight_offset)
     data, scales, y, rstd, h_new = rmsnorm_fp8_reference(x, w, eps, residual, recipe, emit_y, weight_offset)
-    return data, scales.reshape(*x.shape[:-1], scales.shape[-1]), y, rstd, h_new
+    lead = x.shape[:-1]
+    return data, scales.reshape(*lead, scales.shape[-1]), y, rstd.reshape(lead), h_new
 
 
-def _op_has_host_kernels(x) -> bool:
-    """Eager calls on plain CUDA tensors take the custom op once the native extension is loaded: its C++
-    kernels launch a registered signature's kernel and record a C++ autograd node, where the
-    ``autograd.Function`` below costs the host Python at every step (the op's C++ kernel hands any other
-    call to the same Python body, ``rmsnorm_fp8_fwd``). The arguments are checked before either."""
+def _takes_the_op(x, w) -> bool:
+    """Whether a call goes through the custom op ``cake_cute::rmsnorm_fp8_fwd`` rather than the
+    ``autograd.Function`` below: while torch.compile traces (dynamo cannot trace the launch code), for
+    DTensor inputs (the op carries the sharding rule, ``cake_cute.distributed``), and for eager calls on
+    plain CUDA tensors once the native extension is loaded (its C++ kernels launch a registered
+    signature's kernel and record a C++ autograd node, where the Function costs the host Python at
+    every step; the op's C++ kernel hands any other call to the same Python body). The arguments are
+    checked before either."""
+    if torch.compiler.is_compiling() or isinstance(x, DTensor) or isinstance(w, DTensor):
+        return True
     return native.fast is not None and type(x) is torch.Tensor and x.is_cuda
 
 
@@ -180,7 +186,7 @@ def _backward_eager(h, w, rstd, g, g_residual, weight_offset):
     from .ops import backward_from_saved
 
     if h.device.type == "cuda":
-        return backward_from_saved(g, h, w, rstd, g_residual, weight_offset)
+        return backward_from_saved(g, h, w, rstd.reshape(-1), g_residual, weight_offset)
     return cpu.backward(g, h, w, rstd, g_residual, weight_offset)
 
 
@@ -240,14 +246,13 @@ def rmsnorm_fp8_fwd(x, w, eps, residual, recipe, emit_y, weight_offset):
 def _rmsnorm_fp8_fwd_fake(x, w, eps, residual, recipe, emit_y, weight_offset):
     check_arguments(x, w, eps, residual, recipe, emit_y, weight_offset)
     lead = x.shape[:-1]
-    rows = math.prod(lead)
     blocks = scale_blocks(x.shape[-1], recipe)
     scale_dtype = torch.float32 if QUANT_RECIPES[recipe][1] else torch.float8_e8m0fnu
     return (
         x.new_empty(x.shape, dtype=torch.float8_e4m3fn),
         x.new_empty((*lead, blocks), dtype=scale_dtype),
         x.new_empty(x.shape) if emit_y else _placeholder(x),
-        x.new_empty((rows,), dtype=torch.float32),
+        x.new_empty(lead, dtype=torch.float32),
         x.new_empty(x.shape) if residual is not None else x.new_empty(0),
     )
 
@@ -298,9 +303,10 @@ def cake_rmsnorm_fp8(
     Parameters
     ----------
     x : torch.Tensor
-        (…, H) activations, bf16/fp16/fp32.
+        (…, H) activations, bf16/fp16/fp32; or a DTensor sharded on any dimension but the last (sequence
+        parallel), or replicated.
     w : torch.Tensor
-        (H,) weight, x's dtype or FP32.
+        (H,) weight, x's dtype or FP32 (a ``Replicate()`` DTensor when x is a DTensor).
     eps : float
         Added to the mean square.
     residual : torch.Tensor, optional
@@ -318,16 +324,25 @@ def cake_rmsnorm_fp8(
     -------
     Fp8NormOutput
         ``data`` (float8_e4m3fn, x's shape), ``scales``, ``y`` (differentiable: y or a zero-memory
-        placeholder that carries the gradient of the norm's output), ``rstd`` (FP32 per row), ``h_new``
-        (residual mode, differentiable) or None.
+        placeholder that carries the gradient of the norm's output), ``rstd`` (FP32 per row, shaped
+        ``x.shape[:-1]``), ``h_new`` (residual mode, differentiable) or None. For DTensor inputs (sharded
+        on any dimension but the last, or replicated) each is a DTensor placed like x (``scales`` too;
+        w's gradient ``Partial()``), and no collective runs.
 
     Raises
     ------
     TypeError, ValueError
-        For a bad argument, naming it, before anything runs.
+        For a bad argument, naming it, before anything runs; a scale layout other than ``"compact"``
+        for a DTensor x.
     """
     eps, weight_offset = check_arguments(x, w, eps, residual, recipe, emit_y, weight_offset, scale_layout)
-    if torch.compiler.is_compiling() or _op_has_host_kernels(x):
+    if scale_layout != "compact" and isinstance(x, DTensor):
+        raise ValueError(
+            f"scale_layout={scale_layout!r} arranges the scales of all rows for one GEMM; a DTensor x "
+            "takes scale_layout='compact' (convert each rank's local scales with "
+            "cake_cute.fp8_numerics.to_scale_layout)"
+        )
+    if _takes_the_op(x, w):
         data, scales, y, rstd, h_new = torch.ops.cake_cute.rmsnorm_fp8_fwd(
             x, w, eps, residual, recipe, emit_y, weight_offset
         )

@@ -5,7 +5,8 @@ Two layers:
 * in this process, a one-rank gloo group: the sharding rules' placements, the refusals and the
   sequence-parallel style, each a precise test;
 * two processes (``torch.distributed.run``): ``perf/distributed/matrix.py --device cpu --small``, the
-  same matrix the two-GPU run executes (op level, SequenceParallel + AdamW with weights bitwise equal
+  same matrix the two-GPU run executes (op level, the forward to FP8 at op level, SequenceParallel +
+  AdamW with weights bitwise equal
   across ranks, TP + SP, FSDP2, FSDP2 + TP meshes, DDP, compile per block, checkpointing,
   determinism), each case one test here. Each case compares with torch.nn.RMSNorm under the same plan
   and with one process on the global batch, and raises on any mismatch.
@@ -30,7 +31,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 
-from cake_cute import CakeRMSNorm, SequenceParallelResidual, cake_rmsnorm, swap_rmsnorm
+from cake_cute import CakeRMSNorm, SequenceParallelResidual, cake_rmsnorm, cake_rmsnorm_fp8, swap_rmsnorm
 
 REPO = Path(__file__).resolve().parents[1]
 MATRIX = REPO / "perf" / "distributed" / "matrix.py"
@@ -85,6 +86,45 @@ def test_op_placements_and_no_collectives(mesh, placement, residual):
         out[0].full_tensor() if residual else out.full_tensor(),
         torch.nn.functional.rms_norm(x + r if residual else x, (32,), w, EPS),
     )
+
+
+@pytest.mark.parametrize("placement", [Shard(0), Shard(1), Replicate()], ids=str)
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("emit_y", [False, True], ids=["data", "with-y"])
+def test_fp8_forward_placements_and_no_collectives(mesh, placement, residual, emit_y):
+    """The forward to FP8 on DTensors: every output placed like x (the scales too), w's gradient
+    Partial, no collective, and each value the plain-tensor call's."""
+    x, r, w, g, g_h = _inputs(shape=(2, 6, 64))
+    xd, rd = (distribute_tensor(t, mesh, [placement]).requires_grad_() for t in (x, r))
+    wd = distribute_tensor(w, mesh, [Replicate()]).requires_grad_()
+    gd, g_hd = (distribute_tensor(t, mesh, [placement]) for t in (g, g_h))
+    with CommDebugMode() as comm:
+        out = cake_rmsnorm_fp8(xd, wd, EPS, rd if residual else None, emit_y=emit_y)
+        pairs = [(out.y, gd)] + ([(out.h_new, g_hd)] if residual else [])
+        torch.autograd.backward(*zip(*pairs))
+    assert comm.get_total_counts() == 0
+    for t in (out.data, out.scales, out.y, out.rstd, xd.grad) + ((out.h_new, rd.grad) if residual else ()):
+        assert t.placements == (placement,)
+    assert wd.grad.placements == ((Replicate(),) if placement == Replicate() else (Partial(),))
+    assert out.rstd.shape == x.shape[:-1] and out.scales.shape == (*x.shape[:-1], 2)
+
+    xl, rl, wl = (t.detach().clone().requires_grad_() for t in (x, r, w))
+    want = cake_rmsnorm_fp8(xl, wl, EPS, rl if residual else None, emit_y=emit_y)
+    pairs = [(want.y, g)] + ([(want.h_new, g_h)] if residual else [])
+    torch.autograd.backward(*zip(*pairs))
+    for name in ("data", "scales", "rstd") + (("y",) if emit_y else ()) + (("h_new",) if residual else ()):
+        got = getattr(out, name).full_tensor()
+        assert torch.equal(got.view(torch.uint8), getattr(want, name).view(torch.uint8)), name
+    leaf_grads = [(xd.grad, xl.grad), (wd.grad, wl.grad)] + ([(rd.grad, rl.grad)] if residual else [])
+    for got, expected in leaf_grads:
+        assert torch.equal(got.full_tensor(), expected)
+
+
+def test_fp8_gemm_scale_layouts_are_refused_for_dtensors(mesh):
+    x, _, w, _, _ = _inputs(shape=(2, 6, 64))
+    xd, wd = distribute_tensor(x, mesh, [Shard(1)]), distribute_tensor(w, mesh, [Replicate()])
+    with pytest.raises(ValueError, match="scale_layout='cublas'.*compact"):
+        cake_rmsnorm_fp8(xd, wd, EPS, scale_layout="cublas")
 
 
 def test_a_sharded_hidden_dimension_is_refused(mesh):

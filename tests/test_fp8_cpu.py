@@ -286,6 +286,23 @@ def test_only_h_new_used_passes_its_gradient_through():
     assert torch.equal(gx, torch.ones_like(x)) and torch.equal(gr, torch.ones_like(r))
 
 
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("recipe", fp8_numerics.RECIPES)
+def test_op_keeps_the_leading_dims_and_passes_opcheck(recipe, residual):
+    """On (2, 3, H) rows every per-row output keeps x's leading dims (rstd (2, 3), scales (2, 3,
+    blocks): what DTensor shards), and opcheck's schema, fake-tensor and autograd-registration checks
+    pass (its AOT check sums the outputs, which torch's CPU kernels cannot do for FP8 dtypes; the GPU
+    tests run it whole)."""
+    x = torch.randn(2, 3, 160, requires_grad=True)
+    w = torch.randn(160, requires_grad=True)
+    r = torch.randn(2, 3, 160) if residual else None
+    out = cake_rmsnorm_fp8(x, w, 1e-6, residual=r, recipe=recipe)
+    assert out.rstd.shape == (2, 3) and out.scales.shape == (2, 3, fp8_numerics.scale_blocks(160, recipe))
+    args = (x, w, 1e-6, r, recipe, True, 0.0)
+    checks = ("test_schema", "test_autograd_registration", "test_faketensor")
+    torch.library.opcheck(torch.ops.cake_cute.rmsnorm_fp8_fwd.default, args, test_utils=checks)
+
+
 @pytest.mark.parametrize(
     "recipe, layout, backend",
     [("mxfp8", "compact", "aot_eager"), ("1x128", "compact", "aot_eager"), ("1x128", "deepgemm", "inductor")],

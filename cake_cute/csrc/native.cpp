@@ -260,7 +260,8 @@ std::optional<int> fp8_recipe(c10::string_view recipe) {
 using Fp8Result = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
 // The op's outputs, as fp8.rmsnorm_fp8_fwd returns them: e4m3 data in x's shape, compact scales
-// (x's leading dims, blocks; E8M0 or FP32), y or a zero-memory placeholder, rstd [rows], h_new or empty.
+// (x's leading dims, blocks; E8M0 or FP32), y or a zero-memory placeholder, rstd (x's leading dims),
+// h_new or empty.
 // ``programs`` > 0: the persistent kernel, which takes the most programs to run after eps.
 Fp8Result launch_fp8(const at::Tensor& x, const at::Tensor& w, const at::Tensor* residual, double eps, int recipe,
                      bool emit_y, int64_t hidden, TVMFFIObjectHandle kernel, int64_t programs) {
@@ -269,7 +270,7 @@ Fp8Result launch_fp8(const at::Tensor& x, const at::Tensor& w, const at::Tensor*
   const bool fp32_scales = recipe == 1;
   at::Tensor data = at::empty(x.sizes(), x.options().dtype(at::kFloat8_e4m3fn));
   at::Tensor scales = at::empty({rows, blocks}, x.options().dtype(fp32_scales ? at::kFloat : at::kByte));
-  at::Tensor rstd = at::empty({rows}, x.options().dtype(at::kFloat));
+  at::Tensor rstd = at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kFloat));
   at::Tensor y = emit_y ? at::empty(x.sizes(), x.options()) : at::zeros({}, x.options()).expand(x.sizes());
   at::Tensor h_new = residual != nullptr ? at::empty(x.sizes(), x.options()) : at::empty({0}, x.options());
   const at::Tensor data_bytes = data.view(at::kByte);

@@ -32,7 +32,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import launch  # noqa: E402
 import model as llama  # noqa: E402
 
-from cake_cute import CakeRMSNorm, SequenceParallelResidual, cake_rmsnorm, swap_rmsnorm  # noqa: E402
+from cake_cute import (  # noqa: E402
+    CakeRMSNorm,
+    SequenceParallelResidual,
+    cake_rmsnorm,
+    cake_rmsnorm_fp8,
+    swap_rmsnorm,
+)
 from cake_cute.reference import rel_error  # noqa: E402
 
 EPS = 1e-5
@@ -74,6 +80,17 @@ def _full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def _full_bytes(t) -> torch.Tensor:
+    """A DTensor's (or tensor's) global value as bytes; 1-byte (FP8) dtypes are gathered as uint8,
+    since gloo cannot move them."""
+    if isinstance(t, DTensor):
+        if t.dtype.itemsize == 1:
+            local = t.to_local().view(torch.uint8)
+            t = DTensor.from_local(local, t.device_mesh, t.placements, shape=t.shape, stride=t.stride())
+        t = t.full_tensor()
+    return t.view(torch.uint8)
+
+
 def _clean_name(name: str) -> str:
     """Parameter names without the wrappers' prefixes (checkpointing, compile, DDP)."""
     for token in ("_checkpoint_wrapped_module.", "_orig_mod.", "module."):
@@ -91,14 +108,25 @@ def _same_on_every_rank(t: torch.Tensor) -> bool:
 # --- 1. op level ------------------------------------------------------------------------------------
 
 
-def case_op_level(s: Setup) -> str:
+# Every op-level case shards rows on each non-hidden dimension, or replicates them.
+ROW_PLACEMENTS = (Shard(0), Shard(1), Replicate())
+
+
+def _op_level_inputs(s: Setup, seed: int):
+    """A 1-D mesh over the ranks and global (x, r, w, g_y, g_h): [2 * world, 4 * world, H] rows (each
+    rank gets whole rows under either shard) and a weight near 1."""
     mesh = init_device_mesh(s.device, (s.world,))
-    gen = torch.Generator().manual_seed(7)
+    gen = torch.Generator().manual_seed(seed)
     shape = (2 * s.world, 4 * s.world, s.cfg.hidden)
     x, r, g_y, g_h = (torch.randn(shape, generator=gen).to(s.device) for _ in range(4))
     w = (torch.rand(shape[-1], generator=gen) + 0.5).to(s.device)
+    return mesh, (x, r, w, g_y, g_h)
+
+
+def case_op_level(s: Setup) -> str:
+    mesh, (x, r, w, g_y, g_h) = _op_level_inputs(s, seed=7)
     details = []
-    for placement in (Shard(0), Shard(1), Replicate()):
+    for placement in ROW_PLACEMENTS:
         for residual in (False, True):
             details.append(_op_level_one(mesh, placement, residual, x, r, w, g_y, g_h))
     _check_hidden_shard_refused(mesh, x, w)
@@ -137,6 +165,50 @@ def _single_device_op(x, r, w, g_y, g_h):
     outs = out if r is not None else (out,)
     torch.autograd.backward(outs, [g_y, g_h][: len(outs)])
     return [*(o.detach() for o in outs), leaves[0].grad, leaves[1].grad]
+
+
+def case_fp8_op_level(s: Setup) -> str:
+    """The forward to FP8 on DTensors (both recipes, y emitted or not, plain and residual, rows sharded
+    on each dimension or replicated): no collective, every output placed like x, data / scales / rstd /
+    y / h_new and dx bitwise one device's on the global batch, dw within 1e-5 (the ranks' partial sums
+    add in another order)."""
+    mesh, tensors = _op_level_inputs(s, seed=11)
+    labels = []
+    for placement in ROW_PLACEMENTS:
+        for residual in (False, True):
+            for recipe, emit_y in (("mxfp8", False), ("1x128", True)):
+                labels.append(_fp8_op_level_one(mesh, placement, residual, recipe, emit_y, *tensors))
+    return "; ".join(labels)
+
+
+def _fp8_run(x, w, r, recipe, emit_y, g_y, g_h):
+    """Outputs (data, scales, rstd, y or None, h_new or None) and gradients (dx, dw) of one call."""
+    out = cake_rmsnorm_fp8(x, w, EPS, r, recipe=recipe, emit_y=emit_y)
+    pairs = [(out.y, g_y)] + ([(out.h_new, g_h)] if r is not None else [])
+    torch.autograd.backward(*zip(*pairs))
+    outputs = (out.data, out.scales, out.rstd, out.y if emit_y else None, out.h_new)
+    return outputs, (x.grad, w.grad)
+
+
+def _fp8_op_level_one(mesh, placement, residual, recipe, emit_y, x, r, w, g_y, g_h) -> str:
+    label = f"fp8 {recipe}{'+y' if emit_y else ''} {placement}/{'residual' if residual else 'plain'}"
+    xd, rd = (distribute_tensor(t, mesh, [placement]).requires_grad_() for t in (x, r))
+    wd = distribute_tensor(w, mesh, [Replicate()]).requires_grad_()
+    gd, g_hd = (distribute_tensor(t, mesh, [placement]) for t in (g_y, g_h))
+    with CommDebugMode() as comm:
+        outputs, grads = _fp8_run(xd, wd, rd if residual else None, recipe, emit_y, gd, g_hd)
+    _check(comm.get_total_counts() == 0, f"{label}: {comm.get_comm_counts()} collectives in the norm")
+    placed = [t for t in (*outputs, grads[0]) if t is not None]
+    _check(all(tuple(t.placements) == (placement,) for t in placed), f"{label}: an output placed otherwise")
+    leaves = [t.clone().requires_grad_() for t in (x, w)]
+    want, want_grads = _fp8_run(leaves[0], leaves[1], r if residual else None, recipe, emit_y, g_y, g_h)
+    for name, got, expected in zip(("data", "scales", "rstd", "y", "h_new"), outputs, want):
+        if expected is not None:
+            same = torch.equal(_full_bytes(got), _full_bytes(expected))
+            _check(same, f"{label}: {name} differs from one device")
+    _check(torch.equal(_full(grads[0]), want_grads[0]), f"{label}: dx differs from one device")
+    _close(f"{label} dw", _full(grads[1]), want_grads[1], 1e-5)
+    return label
 
 
 def _check_hidden_shard_refused(mesh, x, w) -> None:
@@ -306,7 +378,7 @@ def case_determinism(s: Setup) -> str:
 
 def cases(world: int) -> dict:
     """Case name -> function(Setup) -> detail; every name in the JSON."""
-    table = {"1-op-level": case_op_level, "2-sp-adamw": case_sp_adamw}
+    table = {"1-op-level": case_op_level, "1-fp8-op-level": case_fp8_op_level, "2-sp-adamw": case_sp_adamw}
     plans = {
         "3-tp-sp": llama.Plan(tp=True),
         "3-tp-sp-fused-residual": llama.Plan(tp=True, fused_residual=True),
