@@ -96,6 +96,12 @@ def check_arguments(x, w, eps, residual, recipe, emit_y, weight_offset, scale_la
     v.check_recipe(recipe)
     v.check_bool("emit_y", emit_y)
     v.check_scale_layout(scale_layout, recipe)
+    if scale_layout != "compact" and isinstance(x, DTensor):
+        raise ValueError(
+            f"scale_layout={scale_layout!r} arranges the scales of all rows for one GEMM; a DTensor x "
+            "takes scale_layout='compact' (convert each rank's local scales with "
+            "cake_cute.fp8_numerics.to_scale_layout)"
+        )
     return v.check_eps(eps), weight_offset
 
 
@@ -185,7 +191,7 @@ def _placeholder(x: torch.Tensor) -> torch.Tensor:
 def _backward_eager(h, w, rstd, g, g_residual, weight_offset):
     from .ops import backward_from_saved
 
-    if h.device.type == "cuda":
+    if h.device.type == "cuda":  # the backward kernel takes rstd as one value per row, flat
         return backward_from_saved(g, h, w, rstd.reshape(-1), g_residual, weight_offset)
     return cpu.backward(g, h, w, rstd, g_residual, weight_offset)
 
@@ -336,12 +342,6 @@ def cake_rmsnorm_fp8(
         for a DTensor x.
     """
     eps, weight_offset = check_arguments(x, w, eps, residual, recipe, emit_y, weight_offset, scale_layout)
-    if scale_layout != "compact" and isinstance(x, DTensor):
-        raise ValueError(
-            f"scale_layout={scale_layout!r} arranges the scales of all rows for one GEMM; a DTensor x "
-            "takes scale_layout='compact' (convert each rank's local scales with "
-            "cake_cute.fp8_numerics.to_scale_layout)"
-        )
     if _takes_the_op(x, w):
         data, scales, y, rstd, h_new = torch.ops.cake_cute.rmsnorm_fp8_fwd(
             x, w, eps, residual, recipe, emit_y, weight_offset

@@ -7,8 +7,8 @@ Two layers:
 * two processes (``torch.distributed.run``): ``perf/distributed/matrix.py --device cpu --small``, the
   same matrix the two-GPU run executes (op level, the forward to FP8 at op level, SequenceParallel +
   AdamW with weights bitwise equal across ranks, TP + SP, FSDP2, FSDP2 + TP meshes, DDP, compile per
-  block, checkpointing, determinism), each case one test here. Each case compares with torch.nn.RMSNorm under the same plan
-  and with one process on the global batch, and raises on any mismatch.
+  block, checkpointing, determinism), each case one test here. Each case compares with torch.nn.RMSNorm
+  under the same plan and with one process on the global batch, and raises on any mismatch.
 """
 
 from __future__ import annotations
