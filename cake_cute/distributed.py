@@ -41,16 +41,22 @@ def _row_placements(x):
     return [Replicate(), *(Shard(d) for d in range(x.ndim - 1))]
 
 
-@register_sharding(torch.ops.cake_cute.rmsnorm_fwd.default)
-def _forward_sharding(x, w, eps, residual=None, weight_offset=0.0, deterministic=True):
-    """Outputs (y, rstd, h_new), inputs (x, w, eps, residual, weight_offset, deterministic)."""
+def _forward_strategies(x, residual, row_outputs: int, options: int):
+    """A forward op's strategies: per row placement, ``row_outputs`` outputs placed like the rows, then
+    h_new; inputs (x, w, eps, residual) and ``options`` non-tensor arguments after them."""
     _refuse_a_sharded_hidden_dim(x)
     strategies = []
     for rows in _row_placements(x):
         # In plain mode h_new is an empty tensor: replicated, whatever x is.
         h_new, res = (Replicate(), None) if residual is None else (rows, rows)
-        strategies.append(([rows, rows, h_new], [rows, Replicate(), None, res, None, None]))
+        strategies.append(([*[rows] * row_outputs, h_new], [rows, Replicate(), None, res, *[None] * options]))
     return strategies
+
+
+@register_sharding(torch.ops.cake_cute.rmsnorm_fwd.default)
+def _forward_sharding(x, w, eps, residual=None, weight_offset=0.0, deterministic=True):
+    """Outputs (y, rstd, h_new), inputs (x, w, eps, residual, weight_offset, deterministic)."""
+    return _forward_strategies(x, residual, row_outputs=2, options=2)
 
 
 @register_sharding(torch.ops.cake_cute.rmsnorm_bwd.default)
@@ -70,12 +76,7 @@ def _fp8_forward_sharding(x, w, eps, residual, recipe, emit_y, weight_offset):
     """Outputs (data, scales, y, rstd, h_new), inputs (x, w, eps, residual, recipe, emit_y,
     weight_offset): the scales are (…, blocks), so they shard like the rows; y is the emitted y or a
     placeholder of x's shape, placed like x either way."""
-    _refuse_a_sharded_hidden_dim(x)
-    strategies = []
-    for rows in _row_placements(x):
-        h_new, res = (Replicate(), None) if residual is None else (rows, rows)
-        strategies.append(([rows, rows, rows, rows, h_new], [rows, Replicate(), None, res, None, None, None]))
-    return strategies
+    return _forward_strategies(x, residual, row_outputs=4, options=3)
 
 
 class SequenceParallelResidual(SequenceParallel):

@@ -14,8 +14,8 @@
 #   model        perf/model_step.py (H = 2048 and 4096) and perf/hostbound.py (eager and compile)
 #   passhost     perf/model_step.py compiled at 256 tokens (host-bound) with and without the gradient-sum
 #                pass (its op has a C++ kernel since session 15: the pass's host cost in a compiled step)
-#   fp8dtypes    perf/fp8_bench.py at the training shapes for fp16 (the persistent FP8 forward's other dtype)
-#                and fp32 rows (one CTA per tile; persistence not measured for 4-byte rows)
+#   fp8dtypes    perf/fp8_bench.py at the training shapes for fp16 and fp32 rows (the bf16-only sweep's
+#                other input dtypes)
 #   fp8host      perf/hostbound.py for the forward to MXFP8 (eager through its autograd.Function and through
 #                its custom op, compiled) next to cake's bf16 step and torch's (issue #15: host cost)
 #   fp32persistent  the GPU tests and sanitizer cases of the FP32 persistent forward to FP8 (52ca8c9: its

@@ -83,12 +83,10 @@ def _full(t):
 def _full_bytes(t) -> torch.Tensor:
     """A DTensor's (or tensor's) global value as bytes; 1-byte (FP8) dtypes are gathered as uint8,
     since gloo cannot move them."""
-    if isinstance(t, DTensor):
-        if t.dtype.itemsize == 1:
-            local = t.to_local().view(torch.uint8)
-            t = DTensor.from_local(local, t.device_mesh, t.placements, shape=t.shape, stride=t.stride())
-        t = t.full_tensor()
-    return t.view(torch.uint8)
+    if isinstance(t, DTensor) and t.dtype.itemsize == 1:
+        local = t.to_local().view(torch.uint8)
+        t = DTensor.from_local(local, t.device_mesh, t.placements, shape=t.shape, stride=t.stride())
+    return _full(t).view(torch.uint8)
 
 
 def _clean_name(name: str) -> str:

@@ -7,10 +7,10 @@ so a silent corruption would also show; and the quantizing forward (both FP8 rec
 4096, 4097, 65536}, residual off/on, y emitted) at T = 3 and T = 100, and in plain mode at T where its
 persistent programs each quantize several row tiles (bf16 H in {33, 4096, 4097, 7168}, fp32 H in
 {2048, 8192}), its e4m3 bytes and scales compared bitwise with the torch reference of
-``cake_cute.fp8_numerics``. Run by
-``tests/sanitizer/run.sh`` under memcheck, racecheck and synccheck (a GPU is needed); it prints one
-line per case and exits non-zero on any mismatch. ``python3 cases.py PREFIX`` runs only the cases
-whose label (``float32 H=16384``, ``fp8 persistent H=4096``) starts with PREFIX."""
+``cake_cute.fp8_numerics``. Run by ``tests/sanitizer/run.sh`` under memcheck, racecheck and synccheck
+(a GPU is needed); it prints one line per case and exits non-zero on any mismatch. ``python3 cases.py
+PREFIX`` runs only the cases whose label (``float32 H=16384``, ``fp8 persistent H=4096``) starts with
+PREFIX."""
 
 import sys
 from functools import partial
