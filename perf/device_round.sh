@@ -26,8 +26,9 @@
 #                4-vector tilings they replaced (issue #13)
 #   fp32rows     perf/tune.py scans of fp32 backward tilings where quack is faster or the copy far (issue #13:
 #                residual H = 1024, 5120 2-5% behind quack; H = 5120 tiles its row raggedly, plain 0.85)
-#   fp8tilings   perf/fp8_bench.py at the training shapes with quant tilings and register hints of more
-#                resident threads (issue #15: plain mode at T·H <= 2^25 below 0.9 of the copy)
+#   fp8reread    perf/fp8_bench.py at the standard and training grids with the epilogue re-reading h
+#                (reread_h: 64 registers where the FP32 tile took 80) and 4-CTA register hints at the
+#                widest rows (issue #15: plain mode at H = 65536 and 131072 below 0.9 of the copy)
 #   timeline     perf/backward_timeline.py (issue #13: each backward kernel's start and end, the row kernel
 #                without dW, a copy kernel of the same bytes)
 #   smallt       perf/tune.py forward / backward tilings of more lanes per row at T = 16 and 256, H = 4096
@@ -148,11 +149,11 @@ section_fp32rows() {  # every candidate compiles spill-free for sm_90a (checked 
     bwd.tiling=320:4:1:1 bwd.tiling=128:5:1:2 bwd.tiling=320:2:1:2 --dtype fp32 --rows-list 4096,13107 --kernels
 }
 
-section_fp8tilings() {
-  local d=$RES/fp8tilings && mkdir -p "$d"
-  bounded 450 "$d/fp8_tilings.log" python3 perf/fp8_bench.py "$d/$day-nvidia-h200-fp8-tilings.json" \
-    --grid training --impls cake_cute --check --tilings 2048=128,2,1,2 2048=64,4,1,4 4096=256,2,1,1 \
-    4096=512,1,1,1 4096=128,4,1,2 8192=512,2,1,1 8192=256,4,1,2 --min-ctas 2048=12 4096=12
+section_fp8reread() {
+  local d=$RES/fp8reread && mkdir -p "$d"
+  bounded 480 "$d/fp8_reread.log" python3 perf/fp8_bench.py "$d/$day-nvidia-h200-fp8-reread.json" \
+    --grid standard,training --impls cake_cute --check --choices reread_h=true 65536:min_ctas_per_sm=4 \
+    131072:min_ctas_per_sm=4 65536:reread_h=true,min_ctas_per_sm=4 131072:reread_h=true,min_ctas_per_sm=4
 }
 
 section_timeline() {

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """``python perf/fp8_bench.py OUT.json [--grid standard,training] [--recipes mxfp8,1x128] [--dtype bf16]
 [--impls cake_cute,cake_cute+compile,cake_cute+torchao] [--check] [--tilings H=TPR,VPT,CLUSTER[,ROWS] ...]
-[--min-ctas H=N ...] [--no-scatter] [--reps N] [--append]``
+[--choices [H:]CHOICE=VALUE[,CHOICE=VALUE] ...] [--reps N] [--append]``
 
 The fused RMSNorm -> block-scaled e4m3 forward (impl ``cake_cute``) against cake's forward followed by
 a separate quantize of y: torchao's MX quantizer when importable (``cake_cute+torchao``, MXFP8 only)
@@ -14,12 +14,13 @@ wide rows and every ``--tilings`` candidate included, on weights spanning 2^-130
 infinity and a NaN. Any mismatch stops the run (exit 1) before anything is timed.
 
 ``--tilings``: candidate tilings of the quantizing forward (rows per CTA 1 unless given), and
-``--min-ctas``: candidate register hints (``min_ctas_per_sm``), each timed at every shape of its H in the
-selected grids next to the default through ``config.overridden("quant", ...)``; their rows carry
-``candidate: true``. ``--no-scatter``: every plain-mode shape is also timed with
-``amax_scatter=False`` (every lane reduces every block's maximum: the epilogue before the
-reduce-scatter), a candidate row whose config ends in ``no-scatter``; ``--check`` then also checks it
-(plain mode, the dtype's shapes). Candidates compile in this process, one after another.
+``--choices``: candidate values of its other config choices (``config.CHOICES["quant"]``:
+``min_ctas_per_sm`` (a register hint), ``amax_scatter``, ``reread_h``; integers or true/false), for the
+shapes of one H or, without ``H:``, every shape; each candidate is timed at its shapes in the selected
+grids, in both modes, next to the default through ``config.overridden("quant", ...)``, and with
+``--check`` checked at the check shapes of its H (every H of the dtype without one). Candidate rows
+carry ``candidate: true``; their config text names what differs. Candidates compile in this process,
+one after another.
 
 Timing (``cake_cute.tools.bench.timing``, the sweep's method): the device time of one call, a spin
 kernel holding the stream while the host queues it, median of ``--reps`` calls. The calls rotate
@@ -47,7 +48,7 @@ from functools import cache
 from pathlib import Path
 
 import torch
-from cake_cute.kernels.config import QUANT_RECIPES, overridden, quant_forward_config
+from cake_cute.kernels.config import CHOICES, QUANT_RECIPES, overridden, quant_forward_config
 from results_doc import kept_rows, write_results
 
 from cake_cute import cake_rmsnorm_fp8, cake_rmsnorm_train_forward, dispatch, fp8, fp8_numerics, validation
@@ -121,16 +122,28 @@ def parse_tiling(text: str, dtype: str, arch: str):
     return hidden, tiling
 
 
-NO_SCATTER = {"amax_scatter": False}
-
-
-def parse_min_ctas(text: str) -> tuple[int, dict]:
-    """``H=N`` -> (H, the override choices of a register hint of N resident CTAs per SM)."""
-    hidden, _, count = text.partition("=")
+def parse_choices(text: str) -> tuple[int | None, dict]:
+    """``[H:]CHOICE=VALUE[,CHOICE=VALUE ...]`` -> (H or None for every H, the override choices); values
+    are integers or true/false, choices those of ``config.CHOICES["quant"]`` but the tiling."""
+    where, _, items = text.rpartition(":")
+    choices = {}
     try:
-        return int(hidden), {"min_ctas_per_sm": int(count)}
+        hidden = int(where) if where else None
+        for item in items.split(","):
+            name, _, value = item.partition("=")
+            if name not in CHOICES["quant"] or name == "tiling":
+                raise ValueError
+            choices[name] = value == "true" if value in ("true", "false") else int(value)
     except ValueError:
-        raise ValueError(f"a register hint is H=N (e.g. 4096=12), got {text!r}") from None
+        raise ValueError(
+            f"choices are [H:]CHOICE=VALUE[,...] (e.g. 65536:reread_h=true,min_ctas_per_sm=4) of "
+            f"{', '.join(c for c in CHOICES['quant'] if c != 'tiling')}, got {text!r}"
+        ) from None
+    return hidden, choices
+
+
+def applies(hidden: int | None, shape_hidden: int) -> bool:
+    return hidden is None or hidden == shape_hidden
 
 
 def quant_choices(arch: str, dtype: str, hidden: int, choices: dict | None):
@@ -141,14 +154,16 @@ def quant_choices(arch: str, dtype: str, hidden: int, choices: dict | None):
 
 def config_text(arch: str, dtype: str, hidden: int, recipe: str, rows: int, residual: bool) -> str:
     """The config of the quantizing forward that runs ``rows`` rows on this GPU: its tiling, its
-    register hint where one is set, ``no-scatter`` where its amax reduce-scatter is off, and
-    ``persistent N/SM`` where persistent programs run it (``dispatch.fp8_forward_programs``)."""
+    register hint where one is set, ``no-scatter`` where its amax reduce-scatter is off, ``reread-h``
+    where its epilogue re-reads h, and ``persistent N/SM`` where persistent programs run it
+    (``dispatch.fp8_forward_programs``)."""
     facts = device_facts(torch.device("cuda"))
     persistent = dispatch.fp8_forward_programs(rows, hidden, dtype, residual, facts) > 0
     config = quant_forward_config(arch, dtype, hidden, recipe, persistent)
     hint = f" min_ctas/SM={config.min_ctas_per_sm}" if config.min_ctas_per_sm else ""
+    epilogue = ("" if config.amax_scatter else " no-scatter") + (" reread-h" if config.reread_h else "")
     programs = f" persistent {config.programs_per_sm}/SM" if persistent else ""
-    return config.tiling.describe() + hint + ("" if config.amax_scatter else " no-scatter") + programs
+    return config.tiling.describe() + hint + epilogue + programs
 
 
 # ---------------------------------------------------------------------------------------------- check
@@ -201,10 +216,10 @@ def check_case(dtype: str, recipe: str, residual: bool, emit_y: bool, rows: int,
     return wrong
 
 
-def check(recipes, tilings, args) -> int:
-    """Every check case, under the default configs, then under each candidate tiling of its H and
-    (``--no-scatter``) without the amax reduce-scatter (in ``args.dtype``); prints one line per failing
-    case and a summary; returns the number of failures."""
+def check(recipes, tilings, choices, args) -> int:
+    """Every check case, under the default configs, then under each candidate tiling and each
+    candidate of ``--choices`` at the check shapes of its H (in ``args.dtype``); prints one line per
+    failing case and a summary; returns the number of failures."""
     cases = [
         (dtype, recipe, residual, emit_y, rows, hidden, None)
         for dtype, shapes in CHECK_SHAPES.items()
@@ -219,12 +234,14 @@ def check(recipes, tilings, args) -> int:
         for recipe in recipes
         for residual in (False, True)
     ]
-    if args.no_scatter:
-        cases += [
-            (args.dtype, recipe, False, False, rows, hidden, NO_SCATTER)
-            for rows, hidden in CHECK_SHAPES[args.dtype]
-            for recipe in recipes
-        ]
+    cases += [
+        (args.dtype, recipe, residual, False, rows, hidden, candidate)
+        for only, candidate in choices
+        for rows, hidden in CHECK_SHAPES[args.dtype]
+        if applies(only, hidden)
+        for recipe in recipes
+        for residual in (False, True)
+    ]
     failures = 0
     for dtype, recipe, residual, emit_y, rows, hidden, choices in cases:
         with quant_choices(args.arch, dtype, hidden, choices):
@@ -366,8 +383,7 @@ def print_table(rows: list[dict]) -> None:
 
 def fastest_configs(rows: list[dict]) -> list[tuple[int, int, str, float]]:
     """Per shape (T, H) with candidate rows: the fused op's config of least total time over the
-    (recipe, mode) cases every config of that shape was timed in (``--no-scatter`` candidates have no
-    residual rows), and that total."""
+    (recipe, mode) cases every config of that shape was timed in, and that total."""
     times: dict[tuple, dict[str, dict[tuple, float]]] = {}
     candidates = {(r["T"], r["H"]) for r in rows if "candidate" in r}
     for r in rows:
@@ -393,8 +409,9 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--tilings", nargs="*", default=[], help="candidate quant tilings, H=TPR,VPT,CLUSTER[,ROWS]"
     )
-    parser.add_argument("--min-ctas", nargs="*", default=[], help="candidate register hints, H=N")
-    parser.add_argument("--no-scatter", action="store_true", help="also time amax_scatter=False (plain mode)")
+    parser.add_argument(
+        "--choices", nargs="*", default=[], help="candidate quant config choices, [H:]CHOICE=VALUE[,...]"
+    )
     parser.add_argument("--reps", type=int, default=20, help="timed calls per row (median)")
     parser.add_argument("--append", action="store_true", help="keep the rows already in OUT (split runs)")
     args = parser.parse_args(argv)
@@ -410,13 +427,13 @@ def main(argv=None) -> int:
     args.arch = device_arch(torch.device("cuda"))
     try:
         tilings = [parse_tiling(t, args.dtype, args.arch) for t in args.tilings]
-        hints = [parse_min_ctas(t) for t in args.min_ctas]
+        choices = [parse_choices(t) for t in args.choices]
     except ValueError as exc:
         parser.error(str(exc))
     grids = {"standard": STANDARD, "training": TRAINING}
     shapes = dict.fromkeys(s for g in args.grid.split(",") for s in grids[g])
     prewarm(args, recipes, shapes)
-    if args.check and check(recipes, tilings, args):
+    if args.check and check(recipes, tilings, choices, args):
         return 1
     timer = DeviceTimer(torch, torch.device("cuda"))
     timer.warm_clocks()
@@ -425,8 +442,7 @@ def main(argv=None) -> int:
         for residual in (False, True):
             for t, h in shapes:
                 mine = [{"tiling": c} for hidden, c in tilings if hidden == h]
-                mine += [choices for hidden, choices in hints if hidden == h]
-                mine += [NO_SCATTER] if args.no_scatter and not residual else []
+                mine += [candidate for only, candidate in choices if applies(only, h)]
                 rows += bench_shape(timer, args, recipe, residual, t, h, mine)
     print_table(rows)
     rows = kept_rows(args.out, args.append) + rows

@@ -4,12 +4,13 @@
     python perf/sass_hashes.py compare BEFORE.json AFTER.json
 
 The matrix: forward and backward x {sm_90a, sm_100a} x {bf16, fp32} x H x residual off/on, the dW
-reduction x arch x output dtype x H, and the forwards to FP8 (both recipes, bf16) x arch x a few H x
-residual off/on. Each variant is compiled through the package's own cache, its
-cubin cut out of the exported object (``cake_cute.tools.cubin.fatbin_from_object``) and disassembled with
-``cuobjdump -sass``. The hash covers the instruction stream (addresses, opcodes, operands, encodings)
-with the kernel symbol names replaced by a placeholder, so a renamed Python class or method does not
-count as a change while any changed instruction does. ``compare`` prints every label whose hash
+reduction x arch x output dtype x H, the forwards to FP8 (both recipes, bf16) x arch x a few H x
+residual off/on, and their persistent kernels (bf16 and fp32, plain mode, two H). Each variant is
+compiled through the package's own cache, its cubin cut out of the exported object
+(``cake_cute.tools.cubin.fatbin_from_object``) and disassembled with ``cuobjdump -sass``. The hash
+covers the instruction stream (addresses, opcodes, operands, encodings) with the kernel symbol names
+replaced by a placeholder, so a renamed Python class or method does not count as a change while any
+changed instruction does. ``compare`` prints every label whose hash
 differs and exits 1 if any does.
 
 The script runs against whichever ``cake_cute`` the interpreter imports, so the same file measures an
@@ -35,6 +36,7 @@ DTYPES = ("bf16", "fp32")
 HIDDEN = (1, 7, 1024, 4096, 5120, 7168, 8192, 16384, 65536, 131072)
 QUANT_KINDS = ("fwd_mxfp8", "fwd_1x128")
 QUANT_HIDDEN = (4096, 5120, 7168, 65536)
+PERSISTENT_QUANT_HIDDEN = (2048, 4096)  # plain mode only
 _FUNCTION = re.compile(r"^\s*Function : (\S+)", re.M)
 
 
@@ -53,6 +55,13 @@ def matrix() -> list[tuple[str, str, str, int, bool]]:
         for arch in ARCHS
         for hidden in QUANT_HIDDEN
         for residual in (False, True)
+    ]
+    rows += [
+        (f"{kind}_persistent", arch, dtype, hidden, False)
+        for kind in QUANT_KINDS
+        for arch in ARCHS
+        for dtype in DTYPES
+        for hidden in PERSISTENT_QUANT_HIDDEN
     ]
     return rows
 

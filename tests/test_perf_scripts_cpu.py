@@ -151,9 +151,14 @@ def test_fp8_bench_parse_tiling(fp8_bench):
     assert (two_rows.threads_per_row, two_rows.rows_per_cta) == (128, 2)
     with pytest.raises(ValueError, match="H=TPR,VPT,CLUSTER"):
         fp8_bench.parse_tiling("16384:512,4,1", "bf16", "sm_90a")
-    assert fp8_bench.parse_min_ctas("4096=12") == (4096, {"min_ctas_per_sm": 12})
-    with pytest.raises(ValueError, match="H=N"):
-        fp8_bench.parse_min_ctas("4096")
+    assert fp8_bench.parse_choices("4096:min_ctas_per_sm=12") == (4096, {"min_ctas_per_sm": 12})
+    assert fp8_bench.parse_choices("reread_h=true,amax_scatter=false") == (
+        None,
+        {"reread_h": True, "amax_scatter": False},
+    )
+    for wrong in ("4096=12", "4096:tiling=1", "4096:min_ctas_per_sm=many"):
+        with pytest.raises(ValueError, match=r"\[H:\]CHOICE=VALUE"):
+            fp8_bench.parse_choices(wrong)
     with pytest.raises(ValueError, match="do not cover H"):
         fp8_bench.parse_tiling("16384=256,4,1", "bf16", "sm_90a")
 
