@@ -81,22 +81,6 @@ def staging_atom(dtype, vec: int):
     return copy_atom(dtype, vec)
 
 
-@cute.jit
-def opaque_copy(frag: cute.Tensor) -> cute.Tensor:
-    """A copy of a register fragment through one opaque move per 32-bit word (per element where the
-    fragment is no whole number of words): values computed from the copy are computed again, where
-    the compiler would otherwise reuse (and keep alive) those it computed from the original."""
-    copy = cute.make_rmem_tensor_like(frag)
-    whole_words = cute.size(frag) * frag.element_type.width % 32 == 0
-    word, move = (Int32, "mov.b32") if const_expr(whole_words) else (cutlass.Int16, "mov.b16")
-    words, copied = cute.recast_tensor(frag, word), cute.recast_tensor(copy, word)
-    for i in cutlass.range_constexpr(cute.size(words)):
-        copied[i] = cute.arch.inline_ptx(
-            move + " {$w0}, {$r0};", write_only_types=[word], read_only_args=[words[i]]
-        )
-    return copy
-
-
 def allocate_tile(smem, dtype, tiling, slots: int = 1):
     """A (rows_per_cta, cols_per_cta, slots) shared-memory tile, row-major within a slot."""
     shape = (tiling.rows_per_cta, tiling.cols_per_cta, slots)

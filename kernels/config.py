@@ -121,7 +121,7 @@ CHOICES = {
     "fwd": ("tiling", "min_ctas_per_sm"),
     "bwd": ("tiling", "ring_depth", "register_budget", "ctas_per_sm"),
     "dw": ("col_lanes", "after_backward", "threads"),
-    "quant": ("tiling", "min_ctas_per_sm", "amax_scatter", "reread_h", "programs_per_sm"),
+    "quant": ("tiling", "min_ctas_per_sm", "amax_scatter", "programs_per_sm"),
 }
 _overrides: dict[tuple[str, str, str, int], dict] = {}
 _listeners: list[Callable[[], None]] = []
@@ -370,25 +370,22 @@ AMAX_BITS_E8M0_ZERO = 0x04600001  # the largest amax whose amax / 448 rounds to 
 class QuantForwardConfig:
     """The quantizing forward: its tiling and register hint, the recipe's block width and scale type,
     whether the lanes of a block split its groups' maxima between them (``amax_scatter``: see
-    ``scatter_steps``; off, every lane reduces every group's maximum over the block's lanes), whether
-    the epilogue computes the normalized values a second time from h re-read from shared memory
-    rather than holding them across the block maxima (``reread_h``), and for the
-    persistent kernel its programs per SM (``programs_per_sm``; 0: one CTA per row tile)."""
+    ``scatter_steps``; off, every lane reduces every group's maximum over the block's lanes), and for
+    the persistent kernel its programs per SM (``programs_per_sm``; 0: one CTA per row tile)."""
 
     tiling: RowTiling
     min_ctas_per_sm: int
     block: int
     fp32_scales: bool
     amax_scatter: bool = True
-    reread_h: bool = False
     programs_per_sm: int = 0
 
     def describe(self) -> str:
         scales = "fp32" if self.fp32_scales else "e8m0"
-        epilogue = (" scatter" if self.amax_scatter else "") + (" reread-h" if self.reread_h else "")
+        scatter = " scatter" if self.amax_scatter else ""
         hint = self.min_ctas_per_sm or "-"
         programs = f" persistent {self.programs_per_sm}/SM" if self.programs_per_sm else ""
-        return f"{self.tiling.describe()} min_ctas/SM={hint} 1x{self.block} {scales}{epilogue}{programs}"
+        return f"{self.tiling.describe()} min_ctas/SM={hint} 1x{self.block} {scales}{scatter}{programs}"
 
 
 def scatter_steps(amax_scatter: bool, groups: int, lanes_per_block: int) -> int:
@@ -479,8 +476,7 @@ def quant_forward_config(
         programs = choices.get("programs_per_sm") or rule
         hint = choices.get("min_ctas_per_sm", persistent_register_hint(tiling, programs))
     scatter = choices.get("amax_scatter", True)
-    reread = choices.get("reread_h", False)
-    return QuantForwardConfig(tiling, hint, block, fp32_scales, scatter, reread, programs)
+    return QuantForwardConfig(tiling, hint, block, fp32_scales, scatter, programs)
 
 
 on_override_change(quant_forward_config.cache_clear)

@@ -39,7 +39,6 @@ from .common import (
     column_predicate,
     copy_atom,
     init_cluster_reduction,
-    opaque_copy,
     row_sum,
     row_tiled_copy,
     staging_atom,
@@ -49,14 +48,10 @@ from .common import (
 
 class NormalizedTile(NamedTuple):
     """What ``RMSNormForward.normalize`` leaves for an epilogue: the thread's FP32 normalized values,
-    shaped like its slice of x (``like``), what they are computed from (for ``renormalized``), how to
-    store a fragment of that shape, and where it is."""
+    shaped like its slice of x (``like``), how to store a fragment of that shape, and where it is."""
 
     y: cute.TensorSSA  # FP32 values
     like: cute.Tensor  # the thread's slice of x in global memory (its fragment layout)
-    h_smem: cute.Tensor  # the thread's slice of the staged h (x in plain mode) in shared memory
-    w: cute.Tensor  # the thread's slice of w in registers, in w's dtype
-    rstd: Float32
     thr: object  # the thread's slice of the tiled copy
     tiler: tuple
     bidx: Int32
@@ -202,22 +197,7 @@ class RMSNormForward(RowKernel):
         copy_act(tXsX, tXrX)
         w = self.widen_weight(self.widen(tXrW))
         y = self.widen(tXrX) * rstd * w
-        return NormalizedTile(
-            y, tXgX, tXsX, tXrW, rstd, thr, tiler, bidx, rank, row, rows, pred, row_in_cta, lane_in_row
-        )
-
-    @cute.jit
-    def renormalized(self, tile: NormalizedTile) -> cute.TensorSSA:
-        """``tile.y`` computed again, from h read again from shared memory and w's bits passed through
-        ``opaque_copy``: an epilogue that needs the values twice, with work between, holds neither
-        them nor (with the read of h merged into the first) h in registers meanwhile."""
-        # A memory barrier to the compiler: the read of h below is not merged with the first.
-        cute.arch.sync_warp()
-        h = cute.make_rmem_tensor_like(tile.like)
-        h.fill(0)  # columns past H stay zero (they were never staged)
-        cute.copy(copy_atom(self.act_dtype, self.tiling.vec), tile.h_smem, h, pred=tile.pred)
-        w = self.widen_weight(self.widen(opaque_copy(tile.w)))
-        return self.widen(h) * tile.rstd * w
+        return NormalizedTile(y, tXgX, thr, tiler, bidx, rank, row, rows, pred, row_in_cta, lane_in_row)
 
     @cute.jit
     def row_tile(self, mX: cute.Tensor, tidx, bidx, rank):

@@ -33,10 +33,7 @@ scales travel back with the steps undone. 1x128 with vec 8 and G = 4 (L = 16): 5
 3 gather shuffles per lane instead of 16, and one scale computation instead of four. Without it
 (or with G not a power of two) every lane reduces every group over the block's lanes with a butterfly
 shuffle, or through shared memory and one CTA barrier where L > 32 (1x128 with vec < 4), and the
-block's first lane writes each scale. The e4m3 data are the normalized values times the gathered
-inverse scales; with ``config.QuantForwardConfig.reread_h`` those values are
-computed a second time, from h read again from shared memory (``RMSNormForward.renormalized``), so a
-lane never holds its FP32 tile across the block maxima (fewer registers, more CTAs per SM).
+block's first lane writes each scale.
 
 Bytes moved: reads x (+ residual) and w; writes T*H e4m3 bytes, T*ceil(H/B) scales (1 or 4 bytes),
 4*T bytes of rstd, and (optionally) y and h_new in the activation dtype.
@@ -116,8 +113,6 @@ class RMSNormForwardQuant(RMSNormForward):
         self.groups = -(-tiling.vecs_per_thread // self.slices_per_block)
         self.scatter_steps = scatter_steps(config.amax_scatter, self.groups, self.lanes_per_block)
         self.owned = self.groups >> self.scatter_steps
-        # Writing y holds the FP32 values anyway: re-reading h would only add work.
-        self.reread_h = config.reread_h and not emit_y
 
     def group_vectors(self, g: int) -> tuple[int, int]:
         """The range of the thread's vectors (k) that lie in its g-th block."""
@@ -158,8 +153,6 @@ class RMSNormForwardQuant(RMSNormForward):
             self.store_scale(tile, mScale, self.owned_group(tile, i), e)
             owned_inv.append(float_bits(inverse_scale(e)))
         inv = self.gather_groups(tile, owned_inv)
-        if const_expr(self.reread_h):
-            y.store(self.renormalized(tile))
         q = cute.make_rmem_tensor_like(tile.like, cutlass.Float8E4M3FN)
         for g in cutlass.range_constexpr(self.groups):
             for k in cutlass.range_constexpr(*self.group_vectors(g)):

@@ -104,20 +104,7 @@ class RMSNormForwardQuantPersistent(RMSNormForwardQuant):
             copy_act(tXsX, tXrX)
             y = self.widen(tXrX) * rstd * self.widen_weight(self.widen(tXrW))
             normalized = NormalizedTile(
-                y,
-                tXgX,
-                tXsX,
-                tXrW,
-                rstd,
-                thr,
-                tiler,
-                tile,
-                Int32(0),
-                row,
-                rows,
-                pred,
-                row_in_cta,
-                lane_in_row,
+                y, tXgX, thr, tiler, tile, Int32(0), row, rows, pred, row_in_cta, lane_in_row
             )
             self.epilogue(smem, normalized, mY, mQ, mScale)
             cute.arch.barrier()

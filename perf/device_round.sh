@@ -26,9 +26,6 @@
 #                4-vector tilings they replaced (issue #13)
 #   fp32rows     perf/tune.py scans of fp32 backward tilings where quack is faster or the copy far (issue #13:
 #                residual H = 1024, 5120 2-5% behind quack; H = 5120 tiles its row raggedly, plain 0.85)
-#   fp8reread    perf/fp8_bench.py at the standard and training grids with the epilogue re-reading h
-#                (reread_h: 64 registers where the FP32 tile took 80) and 4-CTA register hints at the
-#                widest rows (issue #15: plain mode at H = 65536 and 131072 below 0.9 of the copy)
 #   timeline     perf/backward_timeline.py (issue #13: each backward kernel's start and end, the row kernel
 #                without dW, a copy kernel of the same bytes)
 #   smallt       perf/tune.py forward / backward tilings of more lanes per row at T = 16 and 256, H = 4096
@@ -147,13 +144,6 @@ section_fp32rows() {  # every candidate compiles spill-free for sm_90a (checked 
     bwd.tiling=128:2:2:1 bwd.register_budget=64 bwd.tiling=64:4:2:1 --dtype fp32 --rows-list 16384,65536 --kernels
   bounded 150 "$d/scan_5120.log" python3 perf/tune.py scan 5120 default bwd.tiling=160:4:1:2 \
     bwd.tiling=320:4:1:1 bwd.tiling=128:5:1:2 bwd.tiling=320:2:1:2 --dtype fp32 --rows-list 4096,13107 --kernels
-}
-
-section_fp8reread() {
-  local d=$RES/fp8reread && mkdir -p "$d"
-  bounded 480 "$d/fp8_reread.log" python3 perf/fp8_bench.py "$d/$day-nvidia-h200-fp8-reread.json" \
-    --grid standard,training --impls cake_cute --check --choices reread_h=true 65536:min_ctas_per_sm=4 \
-    131072:min_ctas_per_sm=4 65536:reread_h=true,min_ctas_per_sm=4 131072:reread_h=true,min_ctas_per_sm=4
 }
 
 section_timeline() {

@@ -15,7 +15,7 @@ infinity and a NaN. Any mismatch stops the run (exit 1) before anything is timed
 
 ``--tilings``: candidate tilings of the quantizing forward (rows per CTA 1 unless given), and
 ``--choices``: candidate values of its other config choices (``config.CHOICES["quant"]``:
-``min_ctas_per_sm`` (a register hint), ``amax_scatter``, ``reread_h``; integers or true/false), for the
+``min_ctas_per_sm`` (a register hint), ``amax_scatter``; integers or true/false), for the
 shapes of one H or, without ``H:``, every shape; each candidate is timed at its shapes in the selected
 grids, in both modes, next to the default through ``config.overridden("quant", ...)``, and with
 ``--check`` checked at the check shapes of its H (every H of the dtype without one). Candidate rows
@@ -136,7 +136,7 @@ def parse_choices(text: str) -> tuple[int | None, dict]:
             choices[name] = value == "true" if value in ("true", "false") else int(value)
     except ValueError:
         raise ValueError(
-            f"choices are [H:]CHOICE=VALUE[,...] (e.g. 65536:reread_h=true,min_ctas_per_sm=4) of "
+            f"choices are [H:]CHOICE=VALUE[,...] (e.g. 65536:amax_scatter=false,min_ctas_per_sm=4) of "
             f"{', '.join(c for c in CHOICES['quant'] if c != 'tiling')}, got {text!r}"
         ) from None
     return hidden, choices
@@ -154,14 +154,13 @@ def quant_choices(arch: str, dtype: str, hidden: int, choices: dict | None):
 
 def config_text(arch: str, dtype: str, hidden: int, recipe: str, rows: int, residual: bool) -> str:
     """The config of the quantizing forward that runs ``rows`` rows on this GPU: its tiling, its
-    register hint where one is set, ``no-scatter`` where its amax reduce-scatter is off, ``reread-h``
-    where its epilogue re-reads h, and ``persistent N/SM`` where persistent programs run it
-    (``dispatch.fp8_forward_programs``)."""
+    register hint where one is set, ``no-scatter`` where its amax reduce-scatter is off, and
+    ``persistent N/SM`` where persistent programs run it (``dispatch.fp8_forward_programs``)."""
     facts = device_facts(torch.device("cuda"))
     persistent = dispatch.fp8_forward_programs(rows, hidden, dtype, residual, facts) > 0
     config = quant_forward_config(arch, dtype, hidden, recipe, persistent)
     hint = f" min_ctas/SM={config.min_ctas_per_sm}" if config.min_ctas_per_sm else ""
-    epilogue = ("" if config.amax_scatter else " no-scatter") + (" reread-h" if config.reread_h else "")
+    epilogue = "" if config.amax_scatter else " no-scatter"
     programs = f" persistent {config.programs_per_sm}/SM" if persistent else ""
     return config.tiling.describe() + hint + epilogue + programs
 

@@ -152,9 +152,9 @@ def test_fp8_bench_parse_tiling(fp8_bench):
     with pytest.raises(ValueError, match="H=TPR,VPT,CLUSTER"):
         fp8_bench.parse_tiling("16384:512,4,1", "bf16", "sm_90a")
     assert fp8_bench.parse_choices("4096:min_ctas_per_sm=12") == (4096, {"min_ctas_per_sm": 12})
-    assert fp8_bench.parse_choices("reread_h=true,amax_scatter=false") == (
+    assert fp8_bench.parse_choices("amax_scatter=false,min_ctas_per_sm=4") == (
         None,
-        {"reread_h": True, "amax_scatter": False},
+        {"amax_scatter": False, "min_ctas_per_sm": 4},
     )
     for wrong in ("4096=12", "4096:tiling=1", "4096:min_ctas_per_sm=many"):
         with pytest.raises(ValueError, match=r"\[H:\]CHOICE=VALUE"):
