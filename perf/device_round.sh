@@ -18,9 +18,9 @@
 #                other input dtypes)
 #   fp8host      perf/hostbound.py for the forward to MXFP8 (eager through its autograd.Function and through
 #                its custom op, compiled) next to cake's bf16 step and torch's (issue #15: host cost)
-#   fp32persistent  the GPU tests and sanitizer cases of the FP32 persistent forward to FP8 (52ca8c9: its
-#                rule's kernels were bitwise-checked only by the session-17 probe; the test order reaches
-#                the FP32 cases last, so they run first here)
+#   fp32persistent  the GPU tests and sanitizer cases of the FP32 persistent forward to FP8 alone (the
+#                suite's order reaches them last; both ran clean at af41b79:
+#                perf/results/2026-12-02-h200-gpu-suite-af41b79/)
 #   dwcolumns    perf/dw_columns_experiment.py (issue #13: dW summed by columns beside the row kernel)
 #   fp32tilings  perf/tune.py scans of the fp32 cluster backward tilings (8 vectors per lane) against the
 #                4-vector tilings they replaced (issue #13)
