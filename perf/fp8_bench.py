@@ -160,9 +160,8 @@ def config_text(arch: str, dtype: str, hidden: int, recipe: str, rows: int, resi
     persistent = dispatch.fp8_forward_programs(rows, hidden, dtype, residual, facts) > 0
     config = quant_forward_config(arch, dtype, hidden, recipe, persistent)
     hint = f" min_ctas/SM={config.min_ctas_per_sm}" if config.min_ctas_per_sm else ""
-    epilogue = "" if config.amax_scatter else " no-scatter"
     programs = f" persistent {config.programs_per_sm}/SM" if persistent else ""
-    return config.tiling.describe() + hint + epilogue + programs
+    return config.tiling.describe() + hint + ("" if config.amax_scatter else " no-scatter") + programs
 
 
 # ---------------------------------------------------------------------------------------------- check
