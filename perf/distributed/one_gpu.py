@@ -19,6 +19,7 @@ world size, backend, device, versions and commit) and a ``.log`` beside it, and 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import subprocess
 import sys
@@ -55,14 +56,33 @@ def _enter_device(device: str) -> None:
 # --- threads ------------------------------------------------------------------------------------------
 
 
-def _install_threaded_group():
+def _install_threaded_group(device: str):
     """torch's threaded process group, with one group registry per thread (without the isolation the
-    second thread's ``init_process_group`` finds the first's group under the same name)."""
-    from torch.testing._internal.distributed.multi_threaded_pg import ProcessLocalGroup, _install_threaded_pg
+    second thread's ``init_process_group`` finds the first's group under the same name); on CUDA its
+    collectives synchronize the device on the way in and out."""
+    from torch.testing._internal.distributed import multi_threaded_pg as threaded
 
-    _install_threaded_pg()
+    threaded._install_threaded_pg()
     torch._C._distributed_c10d._set_thread_isolation_mode(True)
-    return ProcessLocalGroup
+    if device == "cuda":
+        threaded.Collective.join = _device_synchronous(threaded.Collective.join)
+    return threaded.ProcessLocalGroup
+
+
+def _device_synchronous(join):
+    """A threaded collective is a set of copies that one thread issues on its own current stream for
+    every rank's tensors; that stream is not ordered after the streams the other thread wrote its inputs
+    on, nor before those it reads the outputs on (FSDP2 keeps streams of its own). Each rank synchronizes
+    the device before it joins (its inputs are written) and after (the copies are done)."""
+
+    @functools.wraps(join)
+    def synchronized(self, rank, data):
+        torch.cuda.synchronize()
+        result = join(self, rank, data)
+        torch.cuda.synchronize()
+        return result
+
+    return synchronized
 
 
 def _threaded_case(args, group, fn) -> tuple[bool, str]:
@@ -154,6 +174,9 @@ def _parser():
     matrix.add_case_arguments(parser)
     parser.add_argument("--backend", choices=("threaded", "gloo"), default="threaded")
     parser.add_argument("--worker", default="", help=argparse.SUPPRESS)  # "rank,folder,case": one gloo rank
+    parser.add_argument(
+        "--budget", type=float, default=0, help="seconds after which no further case starts (0: none)"
+    )
     parser.set_defaults(timeout=600)
     return parser
 
@@ -166,11 +189,19 @@ def main(argv=None) -> int:
     if args.backend == "gloo":
         chosen = {name: fn for name, fn in chosen.items() if name in GLOO_CASES}
     else:
-        group = _install_threaded_group()
+        group = _install_threaded_group(args.device)
+    # The compiled cases (the slowest) last, so that a budget leaves out the fewest cases.
+    order = sorted(chosen, key=lambda name: name.startswith("7-compile"))
     rows, lines = [], []
-    for name, fn in chosen.items():
+    began = time.perf_counter()
+    for name in order:
         start = time.perf_counter()
-        ok, detail = _gloo_case(args, name) if args.backend == "gloo" else _threaded_case(args, group, fn)
+        if args.budget and start - began > args.budget:
+            ok, detail = False, f"not run: the {args.budget:.0f} s budget was spent"
+        elif args.backend == "gloo":
+            ok, detail = _gloo_case(args, name)
+        else:
+            ok, detail = _threaded_case(args, group, chosen[name])
         seconds = time.perf_counter() - start
         rows.append({"case": name, "ok": ok, "detail": detail, "seconds": round(seconds, 1)})
         lines.append(matrix.report_line(name, ok, seconds, detail))
