@@ -360,21 +360,24 @@ def _full_weights(model) -> dict[str, torch.Tensor]:
     return {_clean_name(n): _full(p.detach()).float() for n, p in model.named_parameters()}
 
 
-def _plan_model(s: Setup, plan: llama.Plan, cake: bool, seed: int = 0):
-    """The model (weights from ``seed``), its norms swapped for cake_cute's if ``cake``, under the plan."""
-    cfg = replace(s.cfg, fused_residual=plan.fused_residual)
-    model = llama.build(cfg, seed=seed, device=s.device)
+def _model(s: Setup, plan: llama.Plan, cake: bool, seed: int = 0):
+    """The plan's model (weights from ``seed``), its norms swapped for cake_cute's if ``cake``."""
+    model = llama.build(replace(s.cfg, fused_residual=plan.fused_residual), seed=seed, device=s.device)
     if cake:
         swap_rmsnorm(model)
+    return model
+
+
+def _plan_model(s: Setup, plan: llama.Plan, cake: bool, seed: int = 0):
+    """``_model`` under the plan."""
+    model = _model(s, plan, cake, seed)
     return llama.parallelize(model, s.device, s.world, replace(plan, compile_backend=s.compile_backend))
 
 
 def _run_plan(s: Setup, plan: llama.Plan, cake: bool, distributed: bool = True):
     _reset_compiler(s)  # each run compiles afresh, so the recompile checks see this run only
     if not distributed:
-        model = llama.build(replace(s.cfg, fused_residual=plan.fused_residual), seed=0, device=s.device)
-        if cake:
-            swap_rmsnorm(model)
+        model = _model(s, plan, cake)
         if plan.param_dtype is not None:
             model = model.to(plan.param_dtype)
         return _train(model, s, llama.Plan(fused_residual=plan.fused_residual), 1, 0)
