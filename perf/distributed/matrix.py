@@ -676,12 +676,12 @@ def add_case_arguments(parser) -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--compile-backend", default="inductor")
     parser.add_argument("--only", default="", help="comma-separated case-name prefixes")
+    parser.add_argument("--tag", default="", help="appended to the output file names")
 
 
 def main(argv=None) -> int:
     parser = launch.parser(__doc__)
     add_case_arguments(parser)
-    parser.add_argument("--tag", default="", help="appended to the output file names")
     args = parser.parse_args(argv)
     s = _setup(args)
     rows, lines = [], []

@@ -12,8 +12,10 @@ processes of its own: gloo moves CUDA tensors for all-reduce, broadcast and the 
 all that SequenceParallel + AdamW and DDP need; DTensor's all-gather for TP, FSDP2 and compiled plans
 reaches gloo's ``allgather_coalesced``, which crashes on CUDA tensors, so only those two cases run there.
 
-Writes ``<out>/<date>-<device>-distributed-one-gpu[-gloo].json`` (rows ``{case, ok, detail}``, with the
-world size, backend, device, versions and commit) and a ``.log`` beside it, and prints a table last.
+Writes ``<out>/<date>-<device>-distributed-one-gpu[-gloo][-<tag>].json`` (rows ``{case, ok, detail}``,
+with the world size, backend, device, versions and commit) and a ``.log`` beside it, and prints a table
+last. ``--budget`` starts no case after that many seconds (those rows fail, saying so); the compiled
+cases run last.
 """
 
 from __future__ import annotations
@@ -223,7 +225,11 @@ def _table(rows, args) -> list[str]:
 def _write(args, rows, lines) -> None:
     cfg, batch, seq = matrix.model_config(args.small)
     config = {**cfg.__dict__, "global_batch": batch, "seq": seq, "steps": args.steps}
-    suffix = "distributed-one-gpu" + ("-gloo" if args.backend == "gloo" else "")
+    suffix = (
+        "distributed-one-gpu"
+        + ("-gloo" if args.backend == "gloo" else "")
+        + (f"-{args.tag}" if args.tag else "")
+    )
     path = launch.output_path(args, suffix)
     doc = {**launch.header(args.device, WORLD, config), "backend": args.backend, "rows": rows}
     path.write_text(json.dumps(doc, indent=1) + "\n")
