@@ -21,6 +21,7 @@ cases run last.
 from __future__ import annotations
 
 import argparse
+import datetime
 import functools
 import json
 import subprocess
@@ -137,23 +138,33 @@ def _agreed(results) -> tuple[bool, str]:
 
 def _gloo_case(args, name: str) -> tuple[bool, str]:
     """One case on two processes of this script (``--worker``) with gloo; a process that dies (gloo
-    crashes on some CUDA collectives) fails the case with its exit code and the end of its output."""
+    crashes on some CUDA collectives) or outlives the timeout fails the case with its exit code and the
+    end of its output."""
     with tempfile.TemporaryDirectory(prefix="cake-cute-gloo-") as tmp:
         base = [sys.executable, __file__, f"--device={args.device}", f"--steps={args.steps}"]
         base += [f"--compile-backend={args.compile_backend}", f"--timeout={args.timeout}", "--backend=gloo"]
         base += ["--small"] if args.small else []
+        logs = [Path(tmp, f"rank{rank}.log") for rank in range(WORLD)]
         procs = []
-        for rank in range(WORLD):
-            cmd = base + [f"--worker={rank},{tmp},{name}"]
-            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-        outputs = [p.communicate(timeout=args.timeout + 60)[0] for p in procs]
+        for rank, log in enumerate(logs):
+            with log.open("w") as out:  # a file, not a pipe: a full pipe would stall a rank mid-case
+                cmd = base + [f"--worker={rank},{tmp},{name}"]
+                procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + args.timeout + 60
+        for proc in procs:
+            try:
+                proc.wait(timeout=max(deadline - time.monotonic(), 1))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
         results = []
-        for rank, (proc, output) in enumerate(zip(procs, outputs)):
+        for rank, (proc, log) in enumerate(zip(procs, logs)):
             result = Path(tmp, f"rank{rank}.json")
             if result.exists():
                 results.append(tuple(json.loads(result.read_text())))
             else:
-                results.append((False, f"rank {rank} exited {proc.returncode}: {output[-600:]}"))
+                tail = log.read_text(errors="replace")[-600:]
+                results.append((False, f"rank {rank} exited {proc.returncode}: {tail}"))
     return _agreed(results)
 
 
@@ -161,7 +172,13 @@ def _gloo_worker(args) -> int:
     rank_text, tmp, name = args.worker.split(",", 2)
     rank = int(rank_text)
     _enter_device(args.device)
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=WORLD)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{tmp}/store",
+        rank=rank,
+        world_size=WORLD,
+        timeout=datetime.timedelta(seconds=args.timeout),
+    )
     ok, detail = matrix.run_case(_setup(args, threads=False), matrix.cases(WORLD)[name])
     Path(tmp, f"rank{rank}.json").write_text(json.dumps([ok, detail]))
     dist.destroy_process_group()
