@@ -200,7 +200,7 @@ def matrix_rows(tmp_path_factory):
     fused-residual model in the same process, compiling the fused-residual block failed in AOTAutograd
     ("Node tangents_3 was invalid"); in a fresh process it passes (open, see docs/distributed.md)."""
     out = tmp_path_factory.mktemp("distributed")
-    return _run_matrix(out, "1-,2-,3-,4-,5-,6-,8-,9-", "eager") | _run_matrix(out, "7-", "compile")
+    return _run_matrix(out, "1-,2-,3-,4-,5-,6-,8-,9-,10-,11-", "eager") | _run_matrix(out, "7-", "compile")
 
 
 @pytest.mark.parametrize("case", list(_load_matrix().cases(2)))

@@ -7,6 +7,7 @@ import argparse
 import datetime
 import json
 import os
+import subprocess
 from pathlib import Path
 
 import torch
@@ -28,10 +29,15 @@ def init(args) -> None:
     """One process per device (torchrun's LOCAL_RANK); FP32 matmuls without TF32 on CUDA."""
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
+        exact_fp32_matmuls()
     backend = "nccl" if args.device == "cuda" else "gloo"
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout))
+
+
+def exact_fp32_matmuls() -> None:
+    """FP32 matmuls and convolutions without TF32, so that FP32 plans compare at FP32 precision."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
 
 
 def device_label(device: str) -> str:
@@ -41,17 +47,38 @@ def device_label(device: str) -> str:
     return torch.cuda.get_device_name().lower().replace(" ", "-")
 
 
-def write_json(args, suffix: str, config: dict, rows: list) -> Path:
-    """``<out>/<date>-<device>-<suffix>.json`` with a header (versions, commit, world size, config)."""
-    args.out.mkdir(parents=True, exist_ok=True)
-    meta = {
+def header(device: str, world_size: int, config: dict) -> dict:
+    """Versions, commit (``CAKE_CUTE_COMMIT``, else the checkout's HEAD), device, world size, config."""
+    return {
         "torch": torch.__version__,
         "cake_cute": cake_cute.__version__,
-        "commit": os.environ.get("CAKE_CUTE_COMMIT", ""),
-        "device": args.device,
-        "world_size": dist.get_world_size(),
+        "commit": os.environ.get("CAKE_CUTE_COMMIT") or _checkout_commit(),
+        "device": device,
+        "world_size": world_size,
         "config": config,
     }
-    path = args.out / f"{datetime.date.today().isoformat()}-{device_label(args.device)}-{suffix}.json"
+
+
+def _checkout_commit() -> str:
+    """The commit of the checkout this file is in, or "" where there is no git repository."""
+    try:
+        run = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True
+        )
+    except OSError:
+        return ""
+    return run.stdout.strip() if run.returncode == 0 else ""
+
+
+def output_path(args, suffix: str) -> Path:
+    """``<out>/<date>-<device>-<suffix>.json``, its folder made."""
+    args.out.mkdir(parents=True, exist_ok=True)
+    return args.out / f"{datetime.date.today().isoformat()}-{device_label(args.device)}-{suffix}.json"
+
+
+def write_json(args, suffix: str, config: dict, rows: list) -> Path:
+    """``<out>/<date>-<device>-<suffix>.json`` with a header (versions, commit, world size, config)."""
+    path = output_path(args, suffix)
+    meta = header(args.device, dist.get_world_size(), config)
     path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     return path

@@ -136,15 +136,27 @@ class Llama(nn.Module):
 
 
 def build(cfg: Config, seed: int, device, dtype=torch.float32) -> Llama:
-    """The same weights for the same seed on every rank; norm weights are random (not ones) so that a
-    wrong weight gradient shows."""
-    torch.manual_seed(seed)
-    model = Llama(cfg).to(device=device, dtype=dtype)
+    """The same weights for the same seed on every rank, drawn from a generator of their own (ranks
+    that are threads of one process share torch's global generator); norm weights are random (not
+    ones) so that a wrong weight gradient shows."""
+    model = Llama(cfg)
+    gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-    return model
+            p.copy_(_initial_value(name, p, gen))
+    return model.to(device=device, dtype=dtype)
+
+
+def _initial_value(name: str, p: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """torch's default distributions (N(0, 1) embeddings, U(+-1/sqrt(fan_in)) linear weights), norm
+    weights U(0.5, 1.5)."""
+    value = torch.empty(p.shape, dtype=torch.float32)
+    if name.endswith("norm.weight"):
+        return value.uniform_(0.5, 1.5, generator=gen)
+    if name.startswith("tok_embeddings"):
+        return value.normal_(generator=gen)
+    bound = p.shape[1] ** -0.5
+    return value.uniform_(-bound, bound, generator=gen)
 
 
 def batch(cfg: Config, seed: int, batch_size: int, seq: int, device):
