@@ -18,9 +18,10 @@ from cake_cute import (
     cake_rmsnorm_train_backward,
     cake_rmsnorm_train_forward,
     custom_ops,
-    dispatch,
     fp8,
+    launch_plan,
     native,
+    ops_fp8,
 )
 from cake_cute.device import device_facts
 from cake_cute.ops import train_forward_python
@@ -116,14 +117,16 @@ def test_autograd_weight_offset_and_fp32_weight(residual):
 def test_functional_native_matches_python_bitwise(dtype, residual, monkeypatch):
     x, w, r = (t.detach() if t is not None else None for t in leaves(129, 4096, dtype, residual))
     python_fwd = train_forward_python(x, w, EPS, r)  # registers the signature
-    assert native.fast.forward(x, w, EPS, r, 0.0) is not None, "the native path did not serve the forward"
+    assert native.extension.forward(x, w, EPS, r, 0.0) is not None, (
+        "the native path did not serve the forward"
+    )
     fast_fwd = cake_rmsnorm_train_forward(x, w, EPS, residual=r)
     for a, b in zip(fast_fwd, python_fwd):
         assert_bitwise_equal(a, b, "forward output")
     g = torch.randn_like(x)
     h = python_fwd[2] if residual else x
     g_res = torch.randn_like(x) if residual else None
-    served = native.fast.backward(g, h, w, python_fwd[1], g_res, 0.0, torch.float32, True)
+    served = native.extension.backward(g, h, w, python_fwd[1], g_res, 0.0, torch.float32, True)
     assert served is not None, "the native path did not serve the backward"
     fast_bwd = cake_rmsnorm_train_backward(g, h, w, python_fwd[1], g_residual=g_res)
     monkeypatch.setattr(native, "fast", None)  # the same call on the Python path
@@ -366,15 +369,15 @@ def test_parts_op_kernel_serves_registered_signatures_bitwise(parts, residual, p
 
 @pytest.fixture
 def fp8_bodies(monkeypatch):
-    """Counts the FP8 op's launches from Python (``fp8._forward_cuda``: the C++ kernel's fallback)."""
+    """Counts the FP8 op's launches from Python (``ops_fp8._forward_cuda``: the C++ kernel's fallback)."""
     calls = {"fp8": 0}
-    launch = fp8._forward_cuda
+    launch = ops_fp8._forward_cuda
 
     def counted(*args):
         calls["fp8"] += 1
         return launch(*args)
 
-    monkeypatch.setattr(fp8, "_forward_cuda", counted)
+    monkeypatch.setattr(ops_fp8, "_forward_cuda", counted)
     return calls
 
 
@@ -411,17 +414,17 @@ def test_fp8_op_kernel_serves_registered_signatures_bitwise(recipe, emit_y, resi
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 @pytest.mark.parametrize("recipe", ["mxfp8", "1x128"])
 def test_fp8_op_kernel_switches_kernels_at_the_persistent_row_limit(recipe, dtype, fp8_bodies):
-    """Up to ``dispatch.fp8_persistent_rows`` rows (of this dtype) the C++ kernel launches the
+    """Up to ``launch_plan.fp8_persistent_rows`` rows (of this dtype) the C++ kernel launches the
     persistent forward, above it the one-tile one, each once the Python body has registered it; a
     row's bytes are the same either way, and each served call is the Python body's."""
     hidden = 4096
-    limit = dispatch.fp8_persistent_rows(hidden, dtype)
+    limit = launch_plan.fp8_persistent_rows(hidden, dtype)
     act = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
     x = torch.randn(limit + 1, hidden, device=DEV).to(act)
     w = torch.randn(hidden, device=DEV).to(act)
     facts = device_facts(x.device)
-    assert dispatch.fp8_forward_programs(limit, hidden, dtype, False, facts) > 0
-    assert dispatch.fp8_forward_programs(limit + 1, hidden, dtype, False, facts) == 0
+    assert launch_plan.fp8_forward_programs(limit, hidden, dtype, False, facts) > 0
+    assert launch_plan.fp8_forward_programs(limit + 1, hidden, dtype, False, facts) == 0
     outs = {}
     for rows in (limit, limit + 1):
         args = (x[:rows], w, EPS, None, recipe, False, 0.0)

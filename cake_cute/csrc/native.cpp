@@ -75,7 +75,7 @@ struct Signature {
   TVMFFIObjectHandle forward[2] = {nullptr, nullptr};  // plain, residual; null until registered
   TVMFFIObjectHandle fp8[2][2][2][2] = {};  // [recipe: mxfp8, 1x128][emit_y][residual][persistent]
   PyObject* planner;  // Python: (rows, residual, dw_dtype, g_parts) -> (bwd, dw, programs, partial_rows, stride)
-  // The FP8 forward's launch rule (dispatch.fp8_forward_programs), as numbers: up to fp8_persistent_rows
+  // The FP8 forward's launch rule as Python hands it over (launch_plan.fp8_forward_rule): up to fp8_persistent_rows
   // rows the persistent kernel runs at most fp8_programs[residual] programs (0: never persistent).
   int64_t fp8_programs[2] = {0, 0};
   int64_t fp8_persistent_rows = 0;
@@ -259,7 +259,7 @@ std::optional<int> fp8_recipe(c10::string_view recipe) {
 
 using Fp8Result = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
-// The op's outputs, as fp8.rmsnorm_fp8_fwd returns them: e4m3 data in x's shape, compact scales
+// The op's outputs, as custom_ops.rmsnorm_fp8_fwd returns them: e4m3 data in x's shape, compact scales
 // (x's leading dims, blocks; E8M0 or FP32), y or a zero-memory placeholder, rstd (x's leading dims),
 // h_new or empty.
 // ``programs`` > 0: the persistent kernel, which takes the most programs to run after eps.
@@ -563,7 +563,7 @@ using BackwardSchema = BackwardResult(const at::Tensor&, const at::Tensor&, cons
 PyObject* python_forward_op = nullptr;   // custom_ops.rmsnorm_fwd: every call these kernels do not serve
 PyObject* python_backward_op = nullptr;  // custom_ops.rmsnorm_bwd
 PyObject* python_backward_parts_op = nullptr;  // custom_ops.rmsnorm_bwd_parts
-PyObject* python_fp8_op = nullptr;             // fp8.rmsnorm_fp8_fwd
+PyObject* python_fp8_op = nullptr;             // custom_ops.rmsnorm_fp8_fwd
 
 const c10::TypedOperatorHandle<ForwardSchema>& forward_op() {
   static const auto op =
@@ -799,7 +799,7 @@ Fp8Result fp8_forward_cuda(const at::Tensor& x, const at::Tensor& w, double eps,
   return {outs[0], outs[1], outs[2], outs[3], outs[4]};
 }
 
-// The FP8 op's autograd formula (fp8._setup_context / _op_backward): data and scales get no gradient
+// The FP8 op's autograd formula (custom_ops._setup_fp8_context / _fp8_backward): data and scales get no gradient
 // either; y's gradient is the norm's.
 struct OpFp8Function : public torch::autograd::Function<OpFp8Function> {
   static variable_list forward(AutogradContext* ctx, c10::DispatchKeySet keys, const at::Tensor& x, const at::Tensor& w,
@@ -841,8 +841,6 @@ Fp8Result fp8_forward_autograd_cuda(c10::DispatchKeySet keys, const at::Tensor& 
 // Registered once per process; the libraries stay for its lifetime (their destruction would deregister).
 torch::Library* op_cuda_kernels = nullptr;
 torch::Library* op_autograd_kernels = nullptr;
-torch::Library* fp8_cuda_kernels = nullptr;
-torch::Library* fp8_autograd_kernels = nullptr;
 
 // ---- the module's functions ----------------------------------------------------------------------
 
@@ -1000,44 +998,30 @@ PyObject* clear(PyObject*, PyObject*) {
   Py_RETURN_NONE;
 }
 
-// install_op_kernels(forward_body, backward_body, backward_parts_body): register the kernels above for the
-// CUDA and AutogradCUDA keys of cake_cute::rmsnorm_fwd / rmsnorm_bwd / rmsnorm_bwd_parts (once), with the
-// ops' Python bodies for what they do not serve.
+// install_op_kernels(forward_body, backward_body, backward_parts_body, fp8_forward_body): register the
+// kernels above for the CUDA and AutogradCUDA keys of cake_cute::rmsnorm_fwd / rmsnorm_fp8_fwd and the CUDA
+// keys of rmsnorm_bwd / rmsnorm_bwd_parts (once), with the ops' Python bodies for what they do not serve.
 PyObject* install_op_kernels(PyObject*, PyObject* args) {
   HANDLE_TH_ERRORS
-  PyObject *forward_body, *backward_body, *backward_parts_body;
-  if (!PyArg_ParseTuple(args, "OOO", &forward_body, &backward_body, &backward_parts_body)) return nullptr;
+  PyObject *forward_body, *backward_body, *backward_parts_body, *fp8_forward_body;
+  if (!PyArg_ParseTuple(args, "OOOO", &forward_body, &backward_body, &backward_parts_body, &fp8_forward_body)) {
+    return nullptr;
+  }
   if (op_cuda_kernels == nullptr) {
-    for (PyObject* body : {forward_body, backward_body, backward_parts_body}) Py_INCREF(body);
+    for (PyObject* body : {forward_body, backward_body, backward_parts_body, fp8_forward_body}) Py_INCREF(body);
     python_forward_op = forward_body;
     python_backward_op = backward_body;
     python_backward_parts_op = backward_parts_body;
+    python_fp8_op = fp8_forward_body;
     op_cuda_kernels = new torch::Library(torch::Library::IMPL, "cake_cute", c10::DispatchKey::CUDA, __FILE__, __LINE__);
     op_cuda_kernels->impl("rmsnorm_fwd", TORCH_FN(forward_cuda));
     op_cuda_kernels->impl("rmsnorm_bwd", TORCH_FN(backward_cuda));
     op_cuda_kernels->impl("rmsnorm_bwd_parts", TORCH_FN(backward_parts_cuda));
+    op_cuda_kernels->impl("rmsnorm_fp8_fwd", TORCH_FN(fp8_forward_cuda));
     op_autograd_kernels =
         new torch::Library(torch::Library::IMPL, "cake_cute", c10::DispatchKey::AutogradCUDA, __FILE__, __LINE__);
     op_autograd_kernels->impl("rmsnorm_fwd", TORCH_FN(forward_autograd_cuda));
-  }
-  Py_RETURN_NONE;
-  END_HANDLE_TH_ERRORS
-}
-
-// install_fp8_op_kernels(body): the CUDA and AutogradCUDA kernels of cake_cute::rmsnorm_fp8_fwd (once),
-// with the op's Python body for what they do not serve.
-PyObject* install_fp8_op_kernels(PyObject*, PyObject* args) {
-  HANDLE_TH_ERRORS
-  PyObject* body;
-  if (!PyArg_ParseTuple(args, "O", &body)) return nullptr;
-  if (fp8_cuda_kernels == nullptr) {
-    Py_INCREF(body);
-    python_fp8_op = body;
-    fp8_cuda_kernels = new torch::Library(torch::Library::IMPL, "cake_cute", c10::DispatchKey::CUDA, __FILE__, __LINE__);
-    fp8_cuda_kernels->impl("rmsnorm_fp8_fwd", TORCH_FN(fp8_forward_cuda));
-    fp8_autograd_kernels =
-        new torch::Library(torch::Library::IMPL, "cake_cute", c10::DispatchKey::AutogradCUDA, __FILE__, __LINE__);
-    fp8_autograd_kernels->impl("rmsnorm_fp8_fwd", TORCH_FN(fp8_forward_autograd_cuda));
+    op_autograd_kernels->impl("rmsnorm_fp8_fwd", TORCH_FN(fp8_forward_autograd_cuda));
   }
   Py_RETURN_NONE;
   END_HANDLE_TH_ERRORS
@@ -1061,11 +1045,10 @@ PyMethodDef methods[] = {
     {"register_fp8", register_fp8, METH_VARARGS,
      "register_fp8(x, w, weight_offset, residual, recipe, emit_y, persistent, programs, persistent_rows, kernel, "
      "act_align, w_align, planner)"},
-    {"install_fp8_op_kernels", install_fp8_op_kernels, METH_VARARGS,
-     "install_fp8_op_kernels(body): C++ kernels for cake_cute::rmsnorm_fp8_fwd, the Python body for the rest"},
     {"clear", clear, METH_NOARGS, "forget every registered signature and plan"},
     {"install_op_kernels", install_op_kernels, METH_VARARGS,
-     "install_op_kernels(forward_body, backward_body): the custom ops' CUDA and AutogradCUDA kernels"},
+     "install_op_kernels(forward_body, backward_body, backward_parts_body, fp8_forward_body): the custom ops' "
+     "CUDA and AutogradCUDA kernels"},
     {"signature_count", signature_count, METH_NOARGS, "the number of registered signatures"},
     {nullptr, nullptr, 0, nullptr},
 };

@@ -1,0 +1,75 @@
+"""Which path a call takes: the one routing rule every entry follows, and the argument-kind check that
+comes with it.
+
+``route(x, w, residual)`` answers, in this order:
+
+========  =======================================================  ===========================================
+route     when                                                     what the entries do
+========  =======================================================  ===========================================
+``OP``    torch.compile is tracing (dynamo cannot trace the        the ``cake_cute::`` custom ops: their fake
+          launch code); x or w is a DTensor (the ops carry the     kernels, sharding rules
+          sharding rules, ``cake_cute.distributed``); x is not     (``distributed``) and CPU kernels
+          on a CUDA device (the ops' CPU kernels)                  (``cpu``, ``fp8_numerics``)
+``NATIVE`` plain CUDA tensors in eager and the C++ extension is    the extension first (``native``): it serves
+          loaded                                                   the signatures the Python path registered,
+                                                                   in the plain layout, and answers None for
+                                                                   anything else, which then takes ``PYTHON``
+``PYTHON`` plain CUDA tensors in eager, no extension               the Python launch (``ops``, ``ops_fp8``)
+                                                                   under the ``autograd.Function``
+========  =======================================================  ===========================================
+
+Per entry: ``cake_rmsnorm`` and ``CakeRMSNormFunction.apply`` take the C++ autograd node on ``NATIVE``
+and ``CakeRMSNormFunction`` otherwise (its forward calls the op on ``OP``; under tracing
+``cake_rmsnorm`` calls the op directly); ``cake_rmsnorm_fp8`` calls ``cake_cute::rmsnorm_fp8_fwd`` on
+``OP`` and ``NATIVE`` (whose CUDA kernel is C++ once the extension is loaded) and
+``CakeRMSNormFp8Function`` on ``PYTHON``; the functional ``cake_rmsnorm_train_forward`` /
+``_backward`` are CUDA-only and ask the extension first unless the caller owns an output buffer.
+
+The C++ side does not route: it serves what Python registered, with the launch plan Python handed it
+(``native.register`` / ``register_fp8``), and declines the rest.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import native
+
+if torch.distributed.is_available():
+    from torch.distributed.tensor import DTensor
+else:  # a torch built without distributed has no DTensor, so no input is one
+
+    class DTensor:  # noqa: D101
+        pass
+
+
+OP = "op"
+NATIVE = "native"
+PYTHON = "python"
+
+_Tensor = torch.Tensor
+
+
+def check_tensors(**tensors) -> None:
+    """``TypeError`` naming the first argument that is not a ``torch.Tensor`` (None is refused too:
+    pass only the arguments that must be tensors)."""
+    for name, value in tensors.items():
+        if not isinstance(value, _Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+
+
+def route(x, w, residual=None) -> str:
+    """The path of a call on (x, w[, residual]): ``OP``, ``NATIVE`` or ``PYTHON`` (see the module).
+
+    Raises
+    ------
+    TypeError
+        x or w is not a tensor, or residual is neither None nor a tensor; raised before anything runs.
+    """
+    if not (isinstance(x, _Tensor) and isinstance(w, _Tensor)) or not (
+        residual is None or isinstance(residual, _Tensor)
+    ):
+        check_tensors(x=x, w=w, **({} if residual is None else {"residual": residual}))
+    if torch.compiler.is_compiling() or isinstance(x, DTensor) or isinstance(w, DTensor) or not x.is_cuda:
+        return OP
+    return PYTHON if native.extension is None else NATIVE
