@@ -1,4 +1,4 @@
-"""The native host path: ``csrc/native.cpp`` built and loaded, and the signatures the Python path hands it.
+"""The native host path: ``csrc/`` built and loaded, and the signatures the Python path hands it.
 
 A Python ``autograd.Function`` costs the host more than the step it wraps; the extension is a C++
 autograd node (and functional forward / backward) that launches the same compiled kernels through
@@ -42,7 +42,10 @@ from .kernels.config import on_override_change
 from .views import vector_align_bytes
 
 PYTHON_PATH_ENV = "CAKE_CUTE_PYTHON_PATH"
-SOURCE = Path(__file__).resolve().parent / "csrc" / "native.cpp"
+SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
+# The translation units, compiled together into one extension; the build hash covers every file of
+# ``SOURCE_DIR`` (the shared header ``native.h`` too).
+SOURCES = tuple(sorted(SOURCE_DIR.glob("*.cpp")))
 MODULE_NAME = "cake_cute_native"  # the name the source's PyInit_ function carries
 
 extension = None  # the loaded extension module, or None while calls take the Python path
@@ -55,8 +58,8 @@ def python_path_forced() -> bool:
     return os.environ.get(PYTHON_PATH_ENV) == "1"
 
 
-def _compile_command(output: str) -> list[str]:
-    """One compile-and-link of the source against this torch (its C++ ABI flag) and TVM-FFI."""
+def _toolchain() -> tuple[str, list[str], list[str]]:
+    """(compiler, compile flags, link flags) for this torch (its C++ ABI flag) and TVM-FFI."""
     import tvm_ffi.libinfo
     from torch.utils import cpp_extension
 
@@ -70,17 +73,14 @@ def _compile_command(output: str) -> list[str]:
         sysconfig.get_paths()["include"],
     ]
     libraries = [*cpp_extension.library_paths(), tvm_lib]
-    return [
-        compiler,
+    compile_flags = [
         "-O2",
         "-std=c++20",
-        "-shared",
         "-fPIC",
         f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
         *(f"-I{path}" for path in includes),
-        str(SOURCE),
-        "-o",
-        output,
+    ]
+    link_flags = [
         *(f"-L{path}" for path in libraries),
         *(f"-Wl,-rpath,{path}" for path in libraries),
         "-lc10",
@@ -89,15 +89,26 @@ def _compile_command(output: str) -> list[str]:
         "-ltorch_python",
         "-ltvm_ffi",
     ]
+    return compiler, compile_flags, link_flags
 
 
 def library_path() -> Path:
-    """Where the extension for this source, torch, TVM-FFI and Python lives (built or not): torch's
+    """Where the extension for these sources, torch, TVM-FFI and Python lives (built or not): torch's
     directory for built extensions (``$TORCH_EXTENSIONS_DIR``, else ``~/.cache/torch_extensions``)."""
     from torch.utils import cpp_extension
 
-    digest = hashlib.sha256(SOURCE.read_bytes())
-    for part in (torch.__version__, torch.version.git_version, sys.version, *_compile_command("-")):
+    digest = hashlib.sha256()
+    for path in sorted(SOURCE_DIR.iterdir()):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    compiler, compile_flags, link_flags = _toolchain()
+    for part in (
+        torch.__version__,
+        torch.version.git_version,
+        sys.version,
+        compiler,
+        *compile_flags,
+        *link_flags,
+    ):
         digest.update(part.encode() + b"\0")
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
     return Path(root) / f"{MODULE_NAME}-{digest.hexdigest()[:16]}.so"
@@ -127,11 +138,35 @@ def build() -> Path:
 
 
 def _compile(output: str) -> None:
+    """Each source compiled to an object side by side (each parses torch's headers, the bulk of the
+    time), then one link into ``output``; the compiler's output goes to ``<library>.log``."""
+    compiler, compile_flags, link_flags = _toolchain()
+    objects = [f"{output}.{source.stem}.o" for source in SOURCES]
     log = Path(output).with_name(library_path().name + ".log")
-    done = subprocess.run(_compile_command(output), capture_output=True, text=True)
-    log.write_text(done.stdout + done.stderr)
-    if done.returncode != 0:
-        raise RuntimeError(f"the C++ build failed (exit {done.returncode}; compiler output in {log})")
+    try:
+        compiles = [
+            subprocess.Popen(
+                [compiler, *compile_flags, "-c", str(source), "-o", obj],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for source, obj in zip(SOURCES, objects)
+        ]
+        messages = [job.communicate()[0] for job in compiles]
+        failed = next((job.returncode for job in compiles if job.returncode != 0), 0)
+        if not failed:
+            link = subprocess.run(
+                [compiler, "-shared", *objects, "-o", output, *link_flags], capture_output=True, text=True
+            )
+            messages.append(link.stdout + link.stderr)
+            failed = link.returncode
+        log.write_text("".join(messages))
+    finally:
+        for obj in objects:
+            Path(obj).unlink(missing_ok=True)
+    if failed:
+        raise RuntimeError(f"the C++ build failed (exit {failed}; compiler output in {log})")
 
 
 def _import(path: Path):

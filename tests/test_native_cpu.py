@@ -53,7 +53,7 @@ def test_loading_installs_the_op_kernels(fresh_native):
             if ": registered at" in line
         )
         for key in keys:
-            assert "native.cpp" in table[key], (op, key, table[key])
+            assert "csrc/op_kernels.cpp" in table[key], (op, key, table[key])
         assert "custom_ops.py" in table["CompositeExplicitAutograd[alias]"]
 
 
@@ -148,7 +148,7 @@ def test_cpu_calls_keep_the_python_path_with_the_extension_loaded(module, fresh_
         cake_cute.cake_rmsnorm(x, w, -1.0)
 
 
-# --- the argument conventions native.cpp launches with, against the compiled kernels' own checks ---------
+# --- the argument conventions csrc/launch.cpp launches with, against the compiled kernels' own checks -----
 
 
 class _DLTensor(ctypes.Structure):
@@ -206,7 +206,7 @@ def _call(kernel, args) -> str:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="fake device addresses must never reach a GPU")
 @pytest.mark.parametrize("hidden", [4096, 1001])
 def test_kernels_accept_the_native_argument_conventions(hidden):
-    """native.cpp passes (rows, H) tensors with explicit strides as DLTensor pointers, None for an unused
+    """csrc/launch.cpp passes (rows, H) tensors with explicit strides as DLTensor pointers, None for an unused
     residual (or y), eps as a float, the program count as an int, g's other summands after it, and the
     FP8 forward's e4m3 data and E8M0 scales as bytes (the persistent one's program count after eps).
     Called that way, each compiled kernel gets past all its argument checks to the launch, which fails
