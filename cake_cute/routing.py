@@ -3,20 +3,14 @@ comes with it.
 
 ``route(x, w, residual)`` answers, in this order:
 
-========  =======================================================  ===========================================
-route     when                                                     what the entries do
-========  =======================================================  ===========================================
-``OP``    torch.compile is tracing (dynamo cannot trace the        the ``cake_cute::`` custom ops: their fake
-          launch code); x or w is a DTensor (the ops carry the     kernels, sharding rules
-          sharding rules, ``cake_cute.distributed``); x is not     (``distributed``) and CPU kernels
-          on a CUDA device (the ops' CPU kernels)                  (``cpu``, ``fp8_numerics``)
-``NATIVE`` plain CUDA tensors in eager and the C++ extension is    the extension first (``native``): it serves
-          loaded                                                   the signatures the Python path registered,
-                                                                   in the plain layout, and answers None for
-                                                                   anything else, which then takes ``PYTHON``
-``PYTHON`` plain CUDA tensors in eager, no extension               the Python launch (``ops``, ``ops_fp8``)
-                                                                   under the ``autograd.Function``
-========  =======================================================  ===========================================
+* ``OP`` while torch.compile traces (dynamo cannot trace the launch code), for a DTensor x or w (the
+  ops carry the sharding rules, ``cake_cute.distributed``) and for x off CUDA (the ops' CPU kernels):
+  the ``cake_cute::`` custom ops, with their fake kernels, sharding rules and CPU kernels;
+* ``NATIVE`` for plain CUDA tensors in eager once the C++ extension is loaded: the extension first
+  (``native``), which serves the signatures the Python path registered, in the plain layout, and
+  answers None for anything else, which then takes the Python launch;
+* ``PYTHON`` for plain CUDA tensors in eager without the extension: the Python launch (``ops``,
+  ``ops_fp8``) under the ``autograd.Function``.
 
 Per entry: ``cake_rmsnorm`` and ``CakeRMSNormFunction.apply`` take the C++ autograd node on ``NATIVE``
 and ``CakeRMSNormFunction`` otherwise (its forward calls the op on ``OP``; under tracing

@@ -1,12 +1,15 @@
 """The native host path on a GPU: bit for bit the Python path's results (forward, backward, plain and
 residual, every dtype, odd H, a weight offset), CUDA-graph capture, the named errors, and the calls it
-hands back to the Python path (views, partial gradients). The Python path is ``CakeRMSNormFunction`` and
-``train_forward_python``; the native path serves ``cake_rmsnorm`` once the Python path registered the
-signature (its grad_fn then is the C++ node). The custom ops' C++ kernels (CUDA and AutogradCUDA keys,
+hands back to the Python path (views, partial gradients). The Python path is the engine's apply of
+``CakeRMSNormFunction`` (``python_apply``, below its routing) and ``train_forward_python``; the native
+path serves ``cake_rmsnorm`` and ``CakeRMSNormFunction.apply`` once the Python path registered the
+signature (their grad_fn then is the C++ node). The custom ops' C++ kernels (CUDA and AutogradCUDA keys,
 what torch.compile's graphs call), the FP8 forward's included, against the ops' Python bodies and the
 eager path."""
 
 from __future__ import annotations
+
+from functools import partial
 
 import pytest
 import torch
@@ -67,11 +70,15 @@ def step(norm, x, w, r, weight_offset, gy, gh):
     return [t.detach() for t in outs], list(grads), outs[0].grad_fn.name()
 
 
+# CakeRMSNormFunction on the Python path whatever the routing rule says (the engine's Function.apply).
+python_apply = partial(torch.autograd.Function.apply.__func__, CakeRMSNormFunction)
+
+
 def python_then_native(x, w, r, weight_offset=0.0):
     """(Python path results, native path results) of the same step; the first call registers."""
     gy = torch.randn_like(x)
     gh = torch.randn_like(x) if r is not None else None
-    python = step(CakeRMSNormFunction.apply, x, w, r, weight_offset, gy, gh)
+    python = step(python_apply, x, w, r, weight_offset, gy, gh)
     fast = step(cake_rmsnorm, x, w, r, weight_offset, gy, gh)
     assert "CakeRMSNormFunction" in python[2] and "NormFunction" in fast[2], (python[2], fast[2])
     assert "CakeRMSNormFunction" not in fast[2], "the native path did not serve the call"
@@ -178,6 +185,21 @@ def test_named_errors_after_registration():
         )
 
 
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+def test_function_apply_takes_the_native_path(residual):
+    """``CakeRMSNormFunction.apply(x, w, eps, residual, deterministic)`` (FlashInfer's call) is served by the
+    C++ node once the signature is registered (the node saves (x or h_new, w, rstd) as the Function
+    does): bit for bit the Python path."""
+    x, w, r = leaves(64, 4096, torch.bfloat16, residual)
+    python_then_native(x, w, r)  # registers the signature
+    gy = torch.randn_like(x)
+    gh = torch.randn_like(x) if residual else None
+    python = step(python_apply, x, w, r, 0.0, gy, gh)
+    served = step(CakeRMSNormFunction.apply, x, w, r, 0.0, gy, gh)
+    assert "CakeRMSNormFunction" not in served[2] and "NormFunction" in served[2], served[2]
+    assert_same(python, served)
+
+
 def test_views_and_expanded_gradients(monkeypatch):
     """A strided view of x takes the Python path; an expanded gradient (sum loss) is copied by the native
     backward: both give the contiguous call's bits."""
@@ -192,7 +214,7 @@ def test_views_and_expanded_gradients(monkeypatch):
     assert "CakeRMSNormFunction" not in y.grad_fn.name()
     assert_bitwise_equal(y_view.detach(), y.detach(), "y of a view")
     dx_native, dw_native = torch.autograd.grad(y.sum(), (same, w))
-    dx_python, dw_python = torch.autograd.grad(CakeRMSNormFunction.apply(same, w, EPS).sum(), (same, w))
+    dx_python, dw_python = torch.autograd.grad(python_apply(same, w, EPS).sum(), (same, w))
     assert_bitwise_equal(dx_native, dx_python, "dx of a sum loss")
     assert_bitwise_equal(dw_native, dw_python, "dw of a sum loss")
 
