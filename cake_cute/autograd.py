@@ -110,7 +110,7 @@ def _norm(cls, x, w, eps, residual, deterministic, weight_offset, trace_as_op):
             out = native.extension.rmsnorm(x, w, eps, residual, weight_offset)
             if out is not None:
                 return out
-    elif trace_as_op and torch.compiler.is_compiling():
+    elif path is OP and trace_as_op and torch.compiler.is_compiling():
         return cake_rmsnorm_traceable(x, w, eps, residual, deterministic, weight_offset)
     return _function_apply(cls, x, w, eps, residual, deterministic, weight_offset)
 

@@ -42,6 +42,9 @@ NATIVE = "native"
 PYTHON = "python"
 
 _Tensor = torch.Tensor
+# The exact types of plain tensors: one set lookup each on the hot path, where the isinstance checks
+# (a tensor at all? a DTensor?) run only for other types.
+_PLAIN_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))
 
 
 def check_tensors(**tensors) -> None:
@@ -60,10 +63,13 @@ def route(x, w, residual=None) -> str:
     TypeError
         x or w is not a tensor, or residual is neither None nor a tensor; raised before anything runs.
     """
-    if not (isinstance(x, _Tensor) and isinstance(w, _Tensor)) or not (
-        residual is None or isinstance(residual, _Tensor)
-    ):
-        check_tensors(x=x, w=w, **({} if residual is None else {"residual": residual}))
-    if torch.compiler.is_compiling() or isinstance(x, DTensor) or isinstance(w, DTensor) or not x.is_cuda:
+    plain = type(x) in _PLAIN_TYPES and type(w) in _PLAIN_TYPES
+    if not plain:  # a tensor subclass (a DTensor), or not a tensor at all
+        check_tensors(x=x, w=w)
+    if residual is not None and type(residual) not in _PLAIN_TYPES:
+        check_tensors(residual=residual)
+    if not plain and (isinstance(x, DTensor) or isinstance(w, DTensor)):
+        return OP
+    if torch.compiler.is_compiling() or not x.is_cuda:
         return OP
     return PYTHON if native.extension is None else NATIVE
