@@ -1,14 +1,11 @@
-"""Autograd: saves exactly (x or h_new, w, rstd) and calls the kernels.
+"""Autograd: the ``torch.autograd.Function`` of each forward kind, saving exactly (x or h_new, w, rstd).
 
-Eager calls on plain CUDA tensors take the native autograd node (``native``: C++, for the plain
-layouts of a signature the Python path has validated) or else launch the kernels directly from
-``CakeRMSNormFunction`` (``ops``). Every other call goes through
-the ``cake_cute::`` custom ops: while torch.compile traces (``torch.compiler.is_compiling()`` is True;
-dynamo folds it to a constant, in eager it is a flag read of ~0.2 µs), because dynamo cannot trace the
-launch code; for DTensor inputs, because the ops carry the sharding rules (``cake_cute.distributed``);
-and for CPU tensors, which the ops' CPU kernels handle. The eager ``CakeRMSNormFunction`` and the ops'
-registered autograd share one save/backward helper (``custom_ops.save_for_backward`` and
-``custom_ops.norm_backward``).
+Which path a call takes is ``cake_cute.routing``'s rule: on ``NATIVE`` the C++ autograd node (plain
+layouts of a signature the Python path has validated), on ``PYTHON`` the Function launching the kernels
+directly (``ops``, ``ops_fp8``), on ``OP`` the ``cake_cute::`` custom ops (under torch.compile, for
+DTensor inputs, for CPU tensors). The eager Functions and the ops' registered autograd share one
+save/backward helper (``custom_ops.save_for_backward`` and ``custom_ops.norm_backward``): adding a
+forward kind is a Function here whose backward is ``norm_backward``.
 """
 
 from __future__ import annotations
@@ -17,25 +14,16 @@ import torch
 
 from . import native
 from . import validation as v
-from .custom_ops import cake_rmsnorm_traceable, check_forward_arguments, norm_backward, save_for_backward
+from .custom_ops import cake_rmsnorm_traceable, norm_backward, save_for_backward
 from .ops import train_forward_python
-
-if torch.distributed.is_available():
-    from torch.distributed.tensor import DTensor
-else:  # a torch built without distributed has no DTensor, so no input is one
-
-    class DTensor:  # noqa: D101
-        pass
-
-
-def _launches_directly(x, w) -> bool:
-    """True for plain CUDA tensors in eager (the fast path without the dispatcher)."""
-    return (
-        x.is_cuda
-        and not torch.compiler.is_compiling()
-        and not isinstance(x, DTensor)
-        and not isinstance(w, DTensor)
-    )
+from .ops_fp8 import fp8_forward, placeholder
+from .routing import (
+    NATIVE,
+    OP,
+    DTensor,  # noqa: F401  (where fusion imports it from)
+    route,
+)
+from .validation import check_forward_arguments
 
 
 def _forward(x, w, eps, residual, weight_offset, deterministic, direct):
@@ -85,11 +73,18 @@ class CakeRMSNormFunction(torch.autograd.Function):
     Notes
     -----
     Saves exactly ``(x or h_new, w, rstd)``; gradients that are not needed are not materialized.
+    ``apply`` follows the routing rule as ``cake_rmsnorm`` does (``cake_cute.routing``): on the native
+    path it records the C++ autograd node, which saves the same tensors and computes the same bits.
     """
+
+    @classmethod
+    def apply(cls, x, w, eps, residual=None, deterministic=True, weight_offset=0.0):  # noqa: D102
+        # The routing rule decides here as in ``cake_rmsnorm``: the C++ node where it serves the call.
+        return _norm(cls, x, w, eps, residual, deterministic, weight_offset, trace_as_op=False)
 
     @staticmethod
     def forward(ctx, x, w, eps, residual=None, deterministic=True, weight_offset=0.0):
-        direct = _launches_directly(x, w)
+        direct = route(x, w, residual) is not OP
         y, rstd, h_new = _forward(x, w, eps, residual, weight_offset, deterministic, direct)
         save_for_backward(ctx, x, w, residual, rstd, h_new, weight_offset, deterministic, direct)
         # Unused outputs get None rather than a materialized zero tensor of size [T, H].
@@ -100,6 +95,53 @@ class CakeRMSNormFunction(torch.autograd.Function):
     def backward(ctx, g, *g_h_new):
         dx, dw, d_residual = norm_backward(ctx, g, g_h_new[0] if ctx.residual else None)
         return dx, dw, None, d_residual, None, None
+
+
+_function_apply = torch.autograd.Function.apply.__func__  # the engine's apply, below the routing
+
+
+def _norm(cls, x, w, eps, residual, deterministic, weight_offset, trace_as_op):
+    """``cake_rmsnorm`` and ``CakeRMSNormFunction.apply`` by the routing rule: the C++ node on
+    ``NATIVE`` when it serves the call, the op itself while tracing when ``trace_as_op``, else the
+    Function ``cls``."""
+    path = route(x, w, residual)
+    if path is NATIVE:
+        if cls is CakeRMSNormFunction:  # a subclass keeps its own forward
+            out = native.extension.rmsnorm(x, w, eps, residual, weight_offset)
+            if out is not None:
+                return out
+    elif path is OP and trace_as_op and torch.compiler.is_compiling():
+        return cake_rmsnorm_traceable(x, w, eps, residual, deterministic, weight_offset)
+    return _function_apply(cls, x, w, eps, residual, deterministic, weight_offset)
+
+
+class CakeRMSNormFp8Function(torch.autograd.Function):
+    """``forward(ctx, x, w, eps, residual, recipe, emit_y, weight_offset)`` ->
+    ``(data, compact scales, y or placeholder, rstd, h_new or empty)``; saves (x or h_new, w, rstd).
+
+    The eager form of ``cake_cute::rmsnorm_fp8_fwd`` (``cake_rmsnorm_fp8`` calls it on the routing
+    rule's ``PYTHON``); arguments are checked by the caller (``ops_fp8.check_arguments``)."""
+
+    @staticmethod
+    def forward(ctx, x, w, eps, residual, recipe, emit_y, weight_offset):
+        data, scales, y, rstd, h_new = fp8_forward(x, w, eps, residual, recipe, emit_y, weight_offset)
+        direct = x.device.type == "cuda"  # the launched kernels take rstd as one value per row, flat
+        saved_rstd = rstd.reshape(-1) if direct else rstd
+        save_for_backward(ctx, x, w, residual, saved_rstd, h_new, weight_offset, True, direct)
+        ctx.mark_non_differentiable(data, scales, rstd)
+        ctx.set_materialize_grads(False)
+        return (
+            data,
+            scales,
+            placeholder(x) if y is None else y,
+            rstd,
+            x.new_empty(0) if h_new is None else h_new,
+        )
+
+    @staticmethod
+    def backward(ctx, _g_data, _g_scales, g, _g_rstd, g_h_new):
+        dx, dw, d_residual = norm_backward(ctx, g, g_h_new)
+        return dx, dw, None, d_residual, None, None, None
 
 
 def cake_rmsnorm(x, w, eps=1e-6, residual=None, deterministic=True, weight_offset=0.0):
@@ -138,11 +180,4 @@ def cake_rmsnorm(x, w, eps=1e-6, residual=None, deterministic=True, weight_offse
     autograd; in eager it is the native autograd node for plain calls of a signature seen before
     (``cake_cute.native``), else ``CakeRMSNormFunction``.
     """
-    if torch.compiler.is_compiling():
-        return cake_rmsnorm_traceable(x, w, eps, residual, deterministic, weight_offset)
-    fast = native.fast
-    if fast is not None:
-        out = fast.rmsnorm(x, w, eps, residual, weight_offset)
-        if out is not None:
-            return out
-    return CakeRMSNormFunction.apply(x, w, eps, residual, deterministic, weight_offset)
+    return _norm(CakeRMSNormFunction, x, w, eps, residual, deterministic, weight_offset, trace_as_op=True)

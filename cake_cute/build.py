@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from .dispatch import partial_row_stride
 from .kernels.config import (
     QUANT_RECIPES,
     backward_config,
@@ -21,6 +20,7 @@ from .kernels.config import (
     quant_forward_config,
     reduce_config,
 )
+from .launch_plan import partial_row_stride
 from .specs import KernelSpec, ReduceSpec
 from .views import vector_align_bytes
 from .vocab import cutlass_dtype

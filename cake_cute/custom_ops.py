@@ -1,11 +1,13 @@
 """The kernels as ``torch.library`` custom ops, and the save/backward logic both autograd paths share.
 
-``cake_cute::rmsnorm_fwd`` returns ``(y, rstd, h_new)`` and ``cake_cute::rmsnorm_bwd`` returns
-``(dx, dw)``; ``cake_cute::rmsnorm_bwd_parts`` is ``rmsnorm_bwd`` of a gradient given as its summands
-(``graph_passes``). rstd is shaped ``x.shape[:-1]`` at the op boundary (the functional kernels use one row
-per value, ``[T]``; the ops view it), so an N-D input stays N-D and a DTensor sharded on any
-non-hidden dimension needs no redistribution. dw comes back in w's dtype, as autograd wants it. A
-schema has a fixed number of outputs, so in plain mode (no residual) ``h_new`` is an empty tensor.
+``cake_cute::rmsnorm_fwd`` returns ``(y, rstd, h_new)``, ``cake_cute::rmsnorm_fp8_fwd`` returns ``(data,
+compact scales, y, rstd, h_new)`` (the forward to FP8, ``cake_cute.fp8``) and ``cake_cute::rmsnorm_bwd``
+returns ``(dx, dw)``, the backward of both forwards; ``cake_cute::rmsnorm_bwd_parts`` is
+``rmsnorm_bwd`` of a gradient given as its summands (``graph_passes``). rstd is shaped ``x.shape[:-1]``
+at the op boundary (the functional kernels use one row per value, ``[T]``; the ops view it), so an N-D
+input stays N-D and a DTensor sharded on any non-hidden dimension needs no redistribution. dw comes
+back in w's dtype, as autograd wants it. A schema has a fixed number of outputs, so in plain mode (no
+residual) ``h_new`` is an empty tensor.
 
 Where the ops are used:
 
@@ -16,13 +18,16 @@ Where the ops are used:
   weight gradient are placed;
 * CPU tensors: the CPU kernels (``cake_cute.cpu``) follow the SPEC's math.
 
-Eager calls on plain CUDA tensors do not come here: a Python custom op pays the dispatcher tens of
-microseconds per call, so ``CakeRMSNormFunction`` launches the kernels directly (see ``autograd``).
-Caller-owned ``out=`` buffers are an eager feature and have no op form. Once the native extension is
-loaded, the CUDA and AutogradCUDA keys of ``rmsnorm_fwd`` and the CUDA keys of ``rmsnorm_bwd`` /
-``rmsnorm_bwd_parts`` have C++ kernels
-(``csrc/native.cpp``) that serve the signatures the eager path registered and call the Python bodies
-below for everything else; the registrations here stay for every other device and for tracing.
+Which calls come here is the routing rule's answer (``cake_cute.routing``): eager calls of the plain norm
+on plain CUDA tensors do not (a Python custom op pays the dispatcher tens of microseconds per call, so
+they launch directly, see ``autograd``). Caller-owned ``out=`` buffers are an eager feature and have no
+op form. Once the native extension is loaded, the CUDA and AutogradCUDA keys of both forwards and the
+CUDA keys of ``rmsnorm_bwd`` / ``rmsnorm_bwd_parts`` have C++ kernels (``csrc/``) that serve the
+signatures the eager path registered and call the Python bodies below for everything else; the
+registrations here stay for every other device and for tracing.
+
+Each forward kind is one entry here: its schema, its body, its CPU and fake kernels, and an autograd
+formula made of the two shared helpers (``save_for_backward``, ``norm_backward``).
 """
 
 from __future__ import annotations
@@ -31,8 +36,13 @@ import torch
 
 from . import cpu, native
 from . import validation as v
+from .fp8_numerics import scale_blocks
+from .kernels.config import QUANT_RECIPES
 from .ops import backward_from_saved, cake_rmsnorm_train_backward, cake_rmsnorm_train_forward
+from .ops_fp8 import check_arguments as check_fp8_arguments
+from .ops_fp8 import fp8_forward, placeholder
 from .reference import summed_gradient
+from .validation import check_forward_arguments
 
 _FWD_SCHEMA = (
     "(Tensor x, Tensor w, float eps, Tensor? residual=None, float weight_offset=0.0, "
@@ -41,6 +51,10 @@ _FWD_SCHEMA = (
 _BWD_ARGUMENTS = (
     "Tensor x, Tensor w, Tensor rstd, Tensor? g_residual=None, float weight_offset=0.0, "
     "bool deterministic=True) -> (Tensor, Tensor)"
+)
+_FP8_SCHEMA = (
+    "(Tensor x, Tensor w, float eps, Tensor? residual, str recipe, bool emit_y, float weight_offset) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor)"
 )
 _BWD_SCHEMA = "(Tensor g, " + _BWD_ARGUMENTS
 _BWD_PARTS_SCHEMA = "(Tensor[] g, " + _BWD_ARGUMENTS
@@ -80,20 +94,39 @@ def _rmsnorm_fwd_cpu(x, w, eps, residual=None, weight_offset=0.0, deterministic=
     return y, rstd, (x.new_empty(0) if h_new is None else h_new)
 
 
-def check_forward_arguments(x, w, eps, residual) -> None:
-    """The forward's argument errors (TypeError / ValueError naming the argument), device excepted."""
-    v.check_activation(x)
-    v.check_weight(w, x)
-    v.check_eps(eps)
-    if residual is not None:
-        v.check_like("residual", residual, x)
-
-
 def _rmsnorm_fwd_fake(x, w, eps, residual=None, weight_offset=0.0, deterministic=True):
     """Contiguous outputs like the real op; argument errors surface while tracing, not at run time."""
     check_forward_arguments(x, w, eps, residual)
     h_new = x.new_empty(x.shape) if residual is not None else x.new_empty(0)
     return x.new_empty(x.shape), x.new_empty(x.shape[:-1], dtype=torch.float32), h_new
+
+
+def rmsnorm_fp8_fwd(x, w, eps, residual, recipe, emit_y, weight_offset):
+    """``(data, compact scales, y, rstd, h_new)``: y is the act-dtype output (emit_y) or the
+    zero-memory placeholder, h_new an empty tensor in plain mode (a schema has a fixed number of
+    outputs)."""
+    data, scales, y, rstd, h_new = fp8_forward(x, w, eps, residual, recipe, emit_y, weight_offset)
+    return (
+        data,
+        scales,
+        placeholder(x) if y is None else y,
+        rstd,
+        x.new_empty(0) if h_new is None else h_new,
+    )
+
+
+def _rmsnorm_fp8_fwd_fake(x, w, eps, residual, recipe, emit_y, weight_offset):
+    check_fp8_arguments(x, w, eps, residual, recipe, emit_y, weight_offset)
+    lead = x.shape[:-1]
+    blocks = scale_blocks(x.shape[-1], recipe)
+    scale_dtype = torch.float32 if QUANT_RECIPES[recipe][1] else torch.float8_e8m0fnu
+    return (
+        x.new_empty(x.shape, dtype=torch.float8_e4m3fn),
+        x.new_empty((*lead, blocks), dtype=scale_dtype),
+        x.new_empty(x.shape) if emit_y else placeholder(x),
+        x.new_empty(lead, dtype=torch.float32),
+        x.new_empty(x.shape) if residual is not None else x.new_empty(0),
+    )
 
 
 def rmsnorm_bwd(g, x, w, rstd, g_residual=None, weight_offset=0.0, deterministic=True):
@@ -166,22 +199,36 @@ def norm_backward(ctx, g, g_h_new):
     return dx, dw, (dx if ctx.residual else None)
 
 
+def _save_op_context(ctx, no_gradient, x, w, residual, rstd, h_new, weight_offset, deterministic) -> None:
+    """The op forms' side of ``save_for_backward``: the outputs in ``no_gradient``, and h_new in plain
+    mode (an empty tensor), get no gradient. As on the eager paths, an unused output's gradient is
+    None, not a [T, H] zero tensor (under torch.compile a zeros kernel, and a residual-mode backward
+    reading it, for a final norm whose h_new nothing uses)."""
+    ctx.set_materialize_grads(False)
+    ctx.mark_non_differentiable(*no_gradient, *(() if residual is not None else (h_new,)))
+    save_for_backward(ctx, x, w, residual, rstd, h_new, weight_offset, deterministic, direct=False)
+
+
 def _setup_context(ctx, inputs, output):
     x, w, _eps, residual, weight_offset, deterministic = inputs
     _y, rstd, h_new = output
-    # As on both eager paths: an unused output's gradient is None, not a [T, H] zero tensor (under
-    # torch.compile a zeros kernel, and a residual-mode backward reading it, for a final norm whose
-    # h_new nothing uses).
-    ctx.set_materialize_grads(False)
-    ctx.mark_non_differentiable(rstd)
-    if residual is None:
-        ctx.mark_non_differentiable(h_new)
-    save_for_backward(ctx, x, w, residual, rstd, h_new, weight_offset, deterministic, direct=False)
+    _save_op_context(ctx, (rstd,), x, w, residual, rstd, h_new, weight_offset, deterministic)
 
 
 def _backward(ctx, g, _g_rstd, g_h_new):
     dx, dw, d_residual = norm_backward(ctx, g, g_h_new)
     return dx, dw, None, d_residual, None, None
+
+
+def _setup_fp8_context(ctx, inputs, output):
+    x, w, _eps, residual, _recipe, _emit_y, weight_offset = inputs
+    data, scales, _y, rstd, h_new = output
+    _save_op_context(ctx, (data, scales, rstd), x, w, residual, rstd, h_new, weight_offset, True)
+
+
+def _fp8_backward(ctx, _g_data, _g_scales, g, _g_rstd, g_h_new):
+    dx, dw, d_residual = norm_backward(ctx, g, g_h_new)
+    return dx, dw, None, d_residual, None, None, None
 
 
 define_op(
@@ -193,6 +240,14 @@ define_op(
     backward=_backward,
     setup_context=_setup_context,
 )
+define_op(
+    "rmsnorm_fp8_fwd",
+    _FP8_SCHEMA,
+    rmsnorm_fp8_fwd,
+    fake=_rmsnorm_fp8_fwd_fake,
+    backward=_fp8_backward,
+    setup_context=_setup_fp8_context,
+)
 define_op("rmsnorm_bwd", _BWD_SCHEMA, rmsnorm_bwd, cpu=_rmsnorm_bwd_cpu, fake=_rmsnorm_bwd_fake)
 define_op(
     "rmsnorm_bwd_parts",
@@ -201,7 +256,7 @@ define_op(
     cpu=_rmsnorm_bwd_parts_cpu,
     fake=_rmsnorm_bwd_parts_fake,
 )
-native.provide_op_bodies(rmsnorm_fwd, rmsnorm_bwd, rmsnorm_bwd_parts)
+native.provide_op_bodies(rmsnorm_fwd, rmsnorm_bwd, rmsnorm_bwd_parts, rmsnorm_fp8_fwd)
 
 
 def cake_rmsnorm_traceable(x, w, eps, residual=None, deterministic=True, weight_offset=0.0):

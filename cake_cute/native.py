@@ -1,4 +1,4 @@
-"""The native host path: ``csrc/native.cpp`` built and loaded, and the signatures the Python path hands it.
+"""The native host path: ``csrc/`` built and loaded, and the signatures the Python path hands it.
 
 A Python ``autograd.Function`` costs the host more than the step it wraps; the extension is a C++
 autograd node (and functional forward / backward) that launches the same compiled kernels through
@@ -8,7 +8,7 @@ of that signature with the plain layout the kernels read in place run in C++. Ev
 first one, bad arguments, views and copies, caller-owned outputs, DTensor, CPU — keeps taking the Python
 path, so the named errors and every other guarantee stay where they are tested.
 
-Loading it also gives the custom ops (``custom_ops``, and ``fp8``'s forward to FP8: what torch.compile's
+Loading it also gives the custom ops (``custom_ops``, the forward to FP8's too: what torch.compile's
 graphs and DTensor call) C++ kernels for CUDA tensors: the same served signatures launch from C++ (an FP8
 forward once the Python path has launched that recipe, emit_y and mode: ``register_fp8``), everything
 else goes to the ops' Python bodies, and the forwards' autograd formula is a C++ node when a graph is
@@ -36,16 +36,19 @@ from pathlib import Path
 
 import torch
 
-from . import dispatch
+from . import launch_plan
 from .compile_cache import _file_lock, _write_atomic
 from .kernels.config import on_override_change
 from .views import vector_align_bytes
 
 PYTHON_PATH_ENV = "CAKE_CUTE_PYTHON_PATH"
-SOURCE = Path(__file__).resolve().parent / "csrc" / "native.cpp"
+SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
+# The translation units, compiled together into one extension; the build hash covers every file of
+# ``SOURCE_DIR`` (the shared header ``native.h`` too).
+SOURCES = tuple(sorted(SOURCE_DIR.glob("*.cpp")))
 MODULE_NAME = "cake_cute_native"  # the name the source's PyInit_ function carries
 
-fast = None  # the loaded extension, or None while calls take the Python path
+extension = None  # the loaded extension module, or None while calls take the Python path
 _tried = False
 _registered: set = set()
 
@@ -55,8 +58,8 @@ def python_path_forced() -> bool:
     return os.environ.get(PYTHON_PATH_ENV) == "1"
 
 
-def _compile_command(output: str) -> list[str]:
-    """One compile-and-link of the source against this torch (its C++ ABI flag) and TVM-FFI."""
+def _toolchain() -> tuple[str, list[str], list[str]]:
+    """(compiler, compile flags, link flags) for this torch (its C++ ABI flag) and TVM-FFI."""
     import tvm_ffi.libinfo
     from torch.utils import cpp_extension
 
@@ -70,17 +73,14 @@ def _compile_command(output: str) -> list[str]:
         sysconfig.get_paths()["include"],
     ]
     libraries = [*cpp_extension.library_paths(), tvm_lib]
-    return [
-        compiler,
+    compile_flags = [
         "-O2",
         "-std=c++20",
-        "-shared",
         "-fPIC",
         f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
         *(f"-I{path}" for path in includes),
-        str(SOURCE),
-        "-o",
-        output,
+    ]
+    link_flags = [
         *(f"-L{path}" for path in libraries),
         *(f"-Wl,-rpath,{path}" for path in libraries),
         "-lc10",
@@ -89,15 +89,26 @@ def _compile_command(output: str) -> list[str]:
         "-ltorch_python",
         "-ltvm_ffi",
     ]
+    return compiler, compile_flags, link_flags
 
 
 def library_path() -> Path:
-    """Where the extension for this source, torch, TVM-FFI and Python lives (built or not): torch's
+    """Where the extension for these sources, torch, TVM-FFI and Python lives (built or not): torch's
     directory for built extensions (``$TORCH_EXTENSIONS_DIR``, else ``~/.cache/torch_extensions``)."""
     from torch.utils import cpp_extension
 
-    digest = hashlib.sha256(SOURCE.read_bytes())
-    for part in (torch.__version__, torch.version.git_version, sys.version, *_compile_command("-")):
+    digest = hashlib.sha256()
+    for path in sorted(SOURCE_DIR.iterdir()):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    compiler, compile_flags, link_flags = _toolchain()
+    for part in (
+        torch.__version__,
+        torch.version.git_version,
+        sys.version,
+        compiler,
+        *compile_flags,
+        *link_flags,
+    ):
         digest.update(part.encode() + b"\0")
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
     return Path(root) / f"{MODULE_NAME}-{digest.hexdigest()[:16]}.so"
@@ -127,11 +138,35 @@ def build() -> Path:
 
 
 def _compile(output: str) -> None:
+    """Each source compiled to an object side by side (each parses torch's headers, the bulk of the
+    time), then one link into ``output``; the compiler's output goes to ``<library>.log``."""
+    compiler, compile_flags, link_flags = _toolchain()
+    objects = [f"{output}.{source.stem}.o" for source in SOURCES]
     log = Path(output).with_name(library_path().name + ".log")
-    done = subprocess.run(_compile_command(output), capture_output=True, text=True)
-    log.write_text(done.stdout + done.stderr)
-    if done.returncode != 0:
-        raise RuntimeError(f"the C++ build failed (exit {done.returncode}; compiler output in {log})")
+    try:
+        compiles = [
+            subprocess.Popen(
+                [compiler, *compile_flags, "-c", str(source), "-o", obj],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for source, obj in zip(SOURCES, objects)
+        ]
+        messages = [job.communicate()[0] for job in compiles]
+        failed = next((job.returncode for job in compiles if job.returncode != 0), 0)
+        if not failed:
+            link = subprocess.run(
+                [compiler, "-shared", *objects, "-o", output, *link_flags], capture_output=True, text=True
+            )
+            messages.append(link.stdout + link.stderr)
+            failed = link.returncode
+        log.write_text("".join(messages))
+    finally:
+        for obj in objects:
+            Path(obj).unlink(missing_ok=True)
+    if failed:
+        raise RuntimeError(f"the C++ build failed (exit {failed}; compiler output in {log})")
 
 
 def _import(path: Path):
@@ -152,13 +187,13 @@ def load():
         None with ``CAKE_CUTE_PYTHON_PATH=1``, or when the build or the load failed (warned once, on
         one line).
     """
-    global fast, _tried
+    global extension, _tried
     if not _tried:
         _tried = True
         if not python_path_forced():
             try:
-                fast = _import(build())
-                _install_op_kernels(fast)
+                extension = _import(build())
+                _install_op_kernels(extension)
             except Exception as err:  # no compiler, a failed build or load: the Python path serves
                 reason = " ".join(f"{type(err).__name__}: {err}".split())[:300]
                 warnings.warn(
@@ -166,48 +201,36 @@ def load():
                     RuntimeWarning,
                     stacklevel=2,
                 )
-    return fast
+    return extension
 
 
 _op_bodies: tuple | None = None  # the custom ops' Python bodies (``custom_ops`` hands them over)
-_fp8_op_body = None  # ``fp8.rmsnorm_fp8_fwd`` (``fp8`` hands it over)
 
 
-def provide_op_bodies(forward_body, backward_body, backward_parts_body) -> None:
+def provide_op_bodies(forward_body, backward_body, backward_parts_body, fp8_forward_body) -> None:
     """Called by ``custom_ops`` once it has defined the ops: their Python bodies (``rmsnorm_fwd``,
-    ``rmsnorm_bwd``, ``rmsnorm_bwd_parts``), which the C++ kernels call for what they do not serve.
-    Installs the kernels now if the extension is already loaded."""
+    ``rmsnorm_bwd``, ``rmsnorm_bwd_parts``, ``rmsnorm_fp8_fwd``), which the C++ kernels call for what
+    they do not serve. Installs the kernels now if the extension is already loaded."""
     global _op_bodies
-    _op_bodies = (forward_body, backward_body, backward_parts_body)
-    if fast is not None:
-        _install_op_kernels(fast)
-
-
-def provide_fp8_op_body(body) -> None:
-    """Called by ``fp8`` once it has defined ``cake_cute::rmsnorm_fp8_fwd``: the op's Python body, which
-    its C++ kernels call for what they do not serve. Installs them now if the extension is loaded."""
-    global _fp8_op_body
-    _fp8_op_body = body
-    if fast is not None:
-        _install_op_kernels(fast)
+    _op_bodies = (forward_body, backward_body, backward_parts_body, fp8_forward_body)
+    if extension is not None:
+        _install_op_kernels(extension)
 
 
 def _install_op_kernels(module) -> None:
-    """The custom ops' C++ kernels for CUDA tensors (see ``csrc/native.cpp``), once the ops exist."""
+    """The custom ops' C++ kernels for CUDA tensors (see ``csrc/``), once the ops exist."""
     if _op_bodies is not None:
         module.install_op_kernels(*_op_bodies)
-    if _fp8_op_body is not None:
-        module.install_fp8_op_kernels(_fp8_op_body)
 
 
-def register(op, x, w, weight_offset: float, residual: bool, forward_kernel, plan_backward) -> None:
+def register(operands, x, w, weight_offset: float, residual: bool, forward_kernel, plan_backward) -> None:
     """Hand a signature the Python path has just validated and launched to the extension (a set
     lookup for one already handed over or when there is no extension: this runs on every Python-path
     forward).
 
     Parameters
     ----------
-    op : Operands
+    operands : Operands
         The validated (x, w) facts.
     x, w : torch.Tensor
         The call's tensors (their dtypes, dims, H and device key the signature).
@@ -218,7 +241,7 @@ def register(op, x, w, weight_offset: float, residual: bool, forward_kernel, pla
     forward_kernel : tvm_ffi.Function
         The compiled forward of this signature and mode.
     plan_backward : callable
-        ``(op, weight_offset, rows, residual, dw_dtype) -> (bwd handle, dw handle, programs,
+        ``(operands, weight_offset, rows, residual, dw_dtype) -> (bwd handle, dw handle, programs,
         partial_rows, row_stride)``: the backward's kernels and launch plan of one call shape, which
         the extension asks once per shape.
     """
@@ -226,11 +249,11 @@ def register(op, x, w, weight_offset: float, residual: bool, forward_kernel, pla
     def send(module, handle, act_align, w_align, planner):
         module.register(x, w, weight_offset, residual, handle, act_align, w_align, planner)
 
-    _hand_over((residual,), op, x, w, weight_offset, forward_kernel, plan_backward, send)
+    _hand_over((residual,), operands, x, w, weight_offset, forward_kernel, plan_backward, send)
 
 
 def register_fp8(
-    op,
+    operands,
     x,
     w,
     weight_offset: float,
@@ -242,34 +265,37 @@ def register_fp8(
     plan_backward,
 ) -> None:
     """``register`` for the forward to FP8 of ``recipe`` (with y: ``emit_y``), just launched with
-    ``programs`` (``dispatch.fp8_forward_programs``; 0: the one-tile kernel, else the persistent one):
+    ``programs`` (``launch_plan.fp8_forward_programs``; 0: the one-tile kernel, else the persistent one):
     the op ``cake_cute::rmsnorm_fp8_fwd``'s C++ kernel then launches ``kernel`` for calls of this
     signature, recipe, emit_y and mode whose row count picks that kernel, by the launch rule
-    (``dispatch``'s numbers) handed over with it. Other parameters as ``register``'s."""
+    (``launch_plan``'s numbers) handed over with it. Other parameters as ``register``'s."""
     persistent = programs > 0
 
     def send(module, handle, act_align, w_align, planner):
-        most_programs = dispatch.fp8_persistent_programs(op.hidden, op.act, residual, op.facts)
-        rule = (most_programs, dispatch.fp8_persistent_rows(op.hidden, op.act))
-        fields = (x, w, weight_offset, residual, recipe, emit_y, persistent, *rule)
+        most_rows, most_programs = launch_plan.fp8_forward_rule(
+            operands.hidden, operands.act, residual, operands.facts
+        )
+        fields = (x, w, weight_offset, residual, recipe, emit_y, persistent, most_programs, most_rows)
         module.register_fp8(*fields, handle, act_align, w_align, planner)
 
-    _hand_over((residual, recipe, emit_y, persistent), op, x, w, weight_offset, kernel, plan_backward, send)
+    _hand_over(
+        (residual, recipe, emit_y, persistent), operands, x, w, weight_offset, kernel, plan_backward, send
+    )
 
 
-def _hand_over(variant: tuple, op, x, w, weight_offset: float, kernel, plan_backward, send) -> None:
+def _hand_over(variant: tuple, operands, x, w, weight_offset: float, kernel, plan_backward, send) -> None:
     """``send(module, handle, act_align, w_align, planner)`` once per (signature, ``variant``), when the
     extension is loaded and ``kernel`` has a TVM-FFI handle."""
     module = load()
-    key = (op, weight_offset, *variant)
+    key = (operands, weight_offset, *variant)
     if module is None or key in _registered:
         return
     handle = kernel_handle(kernel)
     if handle == 0:
         return
-    vec = dispatch.vector_elems(op.hidden, op.act)
+    vec = launch_plan.vector_elems(operands.hidden, operands.act)
     act_align, w_align = vec * x.element_size(), vector_align_bytes(vec, w.element_size())
-    send(module, handle, act_align, w_align, partial(plan_backward, op, weight_offset))
+    send(module, handle, act_align, w_align, partial(plan_backward, operands, weight_offset))
     _registered.add(key)
 
 
@@ -282,5 +308,5 @@ def kernel_handle(kernel) -> int:
 def clear() -> None:
     """Forget every registered signature (a config override changes the kernels)."""
     _registered.clear()
-    if fast is not None:
-        fast.clear()
+    if extension is not None:
+        extension.clear()

@@ -13,12 +13,13 @@ from typing import NamedTuple
 
 import torch
 
-from . import dispatch, native
+from . import launch_plan, native
 from . import validation as v
 from .compile_cache import kernel
 from .device import device_arch, device_facts, on_device
 from .kernels.config import on_override_change
-from .operands import known_operands, operands
+from .operands import known_operands
+from .operands import operands as validated_operands
 from .views import aligned_vector, finish, kernel_view, output_like, rows_view, vector_output
 from .vocab import DTYPE_NAMES, dtype_name
 
@@ -62,9 +63,9 @@ def cake_rmsnorm_train_forward(
         A wrong shape or device, x on the CPU or an unsupported GPU, ``residual_out`` without
         ``residual``, a negative or non-finite eps; raised before any launch, with no output written.
     """
-    fast = native.fast
-    if fast is not None and out is None and rstd is None and residual_out is None:
-        outs = fast.forward(x, w, eps, residual, weight_offset)
+    extension = native.extension
+    if extension is not None and out is None and rstd is None and residual_out is None:
+        outs = extension.forward(x, w, eps, residual, weight_offset)
         if outs is not None:
             return outs
     return train_forward_python(x, w, eps, residual, out, rstd, residual_out, weight_offset)
@@ -73,8 +74,8 @@ def cake_rmsnorm_train_forward(
 def train_forward_python(x, w, eps, residual=None, out=None, rstd=None, residual_out=None, weight_offset=0.0):
     """``cake_rmsnorm_train_forward`` on the Python path: validation, then the launch; a signature it
     launched is registered with the native path, which serves its later plain calls."""
-    op = known_operands(x, w)
-    if op is None:
+    operands = known_operands(x, w)
+    if operands is None:
         v.check_activation(x)
         v.check_weight(w, x)
     eps = v.check_eps(eps)
@@ -85,19 +86,21 @@ def train_forward_python(x, w, eps, residual=None, out=None, rstd=None, residual
     rows = x.numel() // hidden
     if out is not None or rstd is not None or residual_out is not None:
         v.check_forward_outputs(x, rows, residual, out, rstd, residual_out)
-    if op is None:
-        op = operands(x, w)
-    vec = dispatch.vector_elems(hidden, op.act)
+    if operands is None:
+        operands = validated_operands(x, w)
+    vec = launch_plan.vector_elems(hidden, operands.act)
 
     y, y_copy = output_like(out, x, vec)
-    r, r_copy = vector_output(rstd, rows, torch.float32, op.device)
+    r, r_copy = vector_output(rstd, rows, torch.float32, operands.device)
     h_new = h_copy = None
     if residual is not None:
         h_new, h_copy = output_like(residual_out, x, vec)
 
     if rows > 0:
-        fn = kernel("fwd", op.arch, op.act, op.w_name, hidden, residual is not None, weight_offset)
-        with on_device(op.device):
+        fn = kernel(
+            "fwd", operands.arch, operands.act, operands.w_name, hidden, residual is not None, weight_offset
+        )
+        with on_device(operands.device):
             fn(
                 kernel_view(x, vec),
                 None if residual is None else kernel_view(residual, vec),
@@ -107,7 +110,7 @@ def train_forward_python(x, w, eps, residual=None, out=None, rstd=None, residual
                 r,
                 eps,
             )
-        native.register(op, x, w, weight_offset, residual is not None, fn, _native_backward_plan)
+        native.register(operands, x, w, weight_offset, residual is not None, fn, native_backward_plan)
     if residual is None:
         return finish(y, y_copy), finish(r, r_copy)
     return finish(y, y_copy), finish(r, r_copy), finish(h_new, h_copy)
@@ -149,11 +152,11 @@ def cake_rmsnorm_train_backward_workspace_bytes(rows, hidden, device, *, residua
     device_arch(device)
     facts = device_facts(device)
     most = max(
-        dispatch.most_partial_rows(rows, hidden, act, w, residual, facts)
+        launch_plan.most_partial_rows(rows, hidden, act, w, residual, facts)
         for act in DTYPE_NAMES
         for w in {act, "fp32"}
     )
-    return dispatch.partial_rows_bytes(most, hidden)
+    return launch_plan.partial_rows_bytes(most, hidden)
 
 
 def cake_rmsnorm_train_backward_workspace(rows, hidden, device, *, residual=False) -> torch.Tensor:
@@ -181,7 +184,7 @@ def cake_rmsnorm_train_backward_workspace(rows, hidden, device, *, residual=Fals
 def _partials(workspace, partial_rows: int, hidden: int, device) -> torch.Tensor:
     """The FP32 (partial_rows, H) view (row stride padded to 4) the backward writes dW rows into: carved
     from the caller's workspace, or freshly allocated."""
-    stride = dispatch.partial_row_stride(hidden)
+    stride = launch_plan.partial_row_stride(hidden)
     if workspace is None:
         partials = torch.empty((partial_rows, stride), dtype=torch.float32, device=device)
     else:
@@ -250,16 +253,16 @@ def cake_rmsnorm_train_backward(
         A wrong shape or device, an unaligned or too small workspace, x on the CPU or an unsupported
         GPU; raised before any launch, with no output written.
     """
-    fast = native.fast
-    if fast is not None and workspace is None and dx is None and dw is None:
-        outs = fast.backward(g, x, w, rstd, g_residual, weight_offset, dw_dtype, deterministic)
+    extension = native.extension
+    if extension is not None and workspace is None and dx is None and dw is None:
+        outs = extension.backward(g, x, w, rstd, g_residual, weight_offset, dw_dtype, deterministic)
         if outs is not None:
             return outs
-    op = known_operands(x, w)
-    if op is None:
+    operands = known_operands(x, w)
+    if operands is None:
         v.check_activation(x)
     g_parts = v.check_gradient_parts(g, x)
-    if op is None:
+    if operands is None:
         v.check_weight(w, x)
     hidden = x.shape[-1]
     rows = x.numel() // hidden
@@ -273,17 +276,17 @@ def cake_rmsnorm_train_backward(
         v.check_backward_outputs(x, dx, dw, dw_dtype)
     if workspace is not None:
         v.check_workspace(workspace, x.device)
-    if op is None:
-        op = operands(x, w)
-    return _backward(op, g_parts, x, w, rstd, g_residual, workspace, dx, dw, weight_offset, dw_dtype)
+    if operands is None:
+        operands = validated_operands(x, w)
+    return _backward(operands, g_parts, x, w, rstd, g_residual, workspace, dx, dw, weight_offset, dw_dtype)
 
 
 def backward_from_saved(g, h, w, rstd, g_residual, weight_offset: float):
     """The backward for autograd: h, w, rstd are what the forward validated and saved, and the engine
     has already matched g (and g_residual) to the outputs' shape, dtype and device, so only the
     (x, w) facts are looked up again. dw comes back in w's dtype."""
-    op = known_operands(h, w) or operands(h, w)
-    return _backward(op, (g,), h, w, rstd, g_residual, None, None, None, weight_offset, w.dtype)
+    operands = known_operands(h, w) or validated_operands(h, w)
+    return _backward(operands, (g,), h, w, rstd, g_residual, None, None, None, weight_offset, w.dtype)
 
 
 class _BackwardPlan(NamedTuple):
@@ -294,62 +297,73 @@ class _BackwardPlan(NamedTuple):
 
 
 @lru_cache(maxsize=4096)
-def _backward_plan(op, rows, residual) -> _BackwardPlan:
+def _backward_plan(operands, rows, residual) -> _BackwardPlan:
     """The launch shape of a backward call (g in summands or not), looked up once per distinct
     (operands, T, residual)."""
-    programs, partial_rows = dispatch.backward_launch(
-        max(rows, 1), op.hidden, op.act, op.w_name, residual, op.facts
+    programs, partial_rows = launch_plan.backward_launch(
+        max(rows, 1), operands.hidden, operands.act, operands.w_name, residual, operands.facts
     )
     return _BackwardPlan(
         programs,
         partial_rows,
-        dispatch.partial_rows_bytes(partial_rows, op.hidden),
-        dispatch.vector_elems(op.hidden, op.act),
+        launch_plan.partial_rows_bytes(partial_rows, operands.hidden),
+        launch_plan.vector_elems(operands.hidden, operands.act),
     )
 
 
 on_override_change(_backward_plan.cache_clear)
 
 
-def _backward_kernels(op, residual: bool, weight_offset: float, dw_dtype, g_parts: int = 1):
+def _backward_kernels(operands, residual: bool, weight_offset: float, dw_dtype, g_parts: int = 1):
     """The backward's two kernels: dx with the FP32 partial rows of dW (from ``g_parts`` summands of
     g), and their reduction."""
     parts = (g_parts,) if g_parts > 1 else ()  # the one-summand variant keeps its field tuple
     return (
-        kernel("bwd", op.arch, op.act, op.w_name, op.hidden, residual, weight_offset, *parts),
-        kernel("dw", op.arch, dtype_name(dw_dtype), op.hidden),
+        kernel(
+            "bwd",
+            operands.arch,
+            operands.act,
+            operands.w_name,
+            operands.hidden,
+            residual,
+            weight_offset,
+            *parts,
+        ),
+        kernel("dw", operands.arch, dtype_name(dw_dtype), operands.hidden),
     )
 
 
-def _native_backward_plan(op, weight_offset: float, rows: int, residual: bool, dw_dtype, g_parts: int = 1):
+def native_backward_plan(
+    operands, weight_offset: float, rows: int, residual: bool, dw_dtype, g_parts: int = 1
+):
     """The native path's planner: the kernels (TVM-FFI handles) and launch plan of one backward shape
     (of g in ``g_parts`` summands), the very ones ``_backward`` launches with."""
-    plan = _backward_plan(op, rows, residual)
-    kernels = _backward_kernels(op, residual, weight_offset, dw_dtype, g_parts)
+    plan = _backward_plan(operands, rows, residual)
+    kernels = _backward_kernels(operands, residual, weight_offset, dw_dtype, g_parts)
     handles = tuple(map(native.kernel_handle, kernels))
     if 0 in handles:
         raise RuntimeError("cake_cute: a backward kernel has no TVM-FFI function handle")
-    return (*handles, plan.programs, plan.partial_rows, dispatch.partial_row_stride(op.hidden))
+    return (*handles, plan.programs, plan.partial_rows, launch_plan.partial_row_stride(operands.hidden))
 
 
-def _backward(op, g_parts, x, w, rstd, g_residual, workspace, dx, dw, weight_offset, dw_dtype):
+def _backward(operands, g_parts, x, w, rstd, g_residual, workspace, dx, dw, weight_offset, dw_dtype):
     """The launch of a validated backward; ``g_parts``: the tuple of g's summands (usually one)."""
-    hidden = op.hidden
+    hidden = operands.hidden
     rows = x.numel() // hidden
     residual = g_residual is not None
-    plan = _backward_plan(op, rows, residual)
+    plan = _backward_plan(operands, rows, residual)
     vec = plan.vec
     if workspace is not None:
         v.check_workspace_size(workspace, plan.workspace_bytes)
     dx_t, dx_copy = output_like(dx, x, vec)
-    dw_t, dw_copy = vector_output(dw, hidden, dw_dtype, op.device)
+    dw_t, dw_copy = vector_output(dw, hidden, dw_dtype, operands.device)
 
     if rows == 0:  # nothing to launch (and nothing to compile)
         dw_t.zero_()
     else:
-        bwd, reduce = _backward_kernels(op, residual, weight_offset, dw_dtype, len(g_parts))
-        partials = _partials(workspace, plan.partial_rows, hidden, op.device)
-        with on_device(op.device):
+        bwd, reduce = _backward_kernels(operands, residual, weight_offset, dw_dtype, len(g_parts))
+        partials = _partials(workspace, plan.partial_rows, hidden, operands.device)
+        with on_device(operands.device):
             bwd(
                 kernel_view(g_parts[0], vec),
                 kernel_view(x, vec),

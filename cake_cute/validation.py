@@ -49,6 +49,15 @@ def check_weight(w, x) -> None:
         raise ValueError(f"w must have shape ({x.shape[-1]},) to match x's last dim, got {tuple(w.shape)}")
 
 
+def check_forward_arguments(x, w, eps, residual) -> None:
+    """The forward's argument errors (TypeError / ValueError naming the argument), device excepted."""
+    check_activation(x)
+    check_weight(w, x)
+    check_eps(eps)
+    if residual is not None:
+        check_like("residual", residual, x)
+
+
 def _check_real(name: str, value, rule: str = "a finite number", ok=math.isfinite) -> float:
     # A plain float skips the numbers.Real ABC check, which costs microseconds on every call.
     if type(value) is not float:

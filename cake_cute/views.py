@@ -2,7 +2,7 @@
 layout forbids it) and the output buffers they write (the caller's own when it is aligned, else a
 fresh one copied into the caller's afterwards).
 
-The kernels assume every row starts on a ``vec``-element boundary (``dispatch.vector_elems``); the
+The kernels assume every row starts on a ``vec``-element boundary (``launch_plan.vector_elems``); the
 helpers here are what makes that true for any input layout.
 """
 

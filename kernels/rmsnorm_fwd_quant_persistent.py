@@ -4,7 +4,7 @@ Math: ``rmsnorm_fwd_quant``'s, row for row through the same methods (``row_rstd`
 epilogue), so every output -- e4m3 data, scales, rstd, y -- is bitwise the one-tile kernel's.
 
 Tiling: the quantizing forward's row tiling, in plain mode and for rows one CTA holds (no cluster).
-The launch takes ``programs`` (``dispatch.fp8_forward_programs``: the config's programs per SM times
+The launch takes ``programs`` (``launch_plan.fp8_forward_programs``: the config's programs per SM times
 the GPU's SMs) and runs min(programs, row tiles) CTAs; program p normalizes row tiles p, p + P, p +
 2P, ... (P the grid size). x is staged in two shared-memory slots: before tile i's row sum, the
 cp.async of the program's next tile is issued into the other slot, so that load is in flight while
@@ -15,7 +15,7 @@ them. w is loaded once per program.
 
 Why: a grid of one-tile CTAs makes every CTA wait out its own tile's load before it computes, and at
 the training shapes its few waves end in a partial one; the persistent programs overlap the two and
-spread the tiles evenly. At large T the one-tile grid keeps more bytes in flight, so ``dispatch``
+spread the tiles evenly. At large T the one-tile grid keeps more bytes in flight, so ``launch_plan``
 runs this kernel only up to a number of elements per call (perf/results/2026-12-01-persistent-forward/).
 
 Bytes moved: the one-tile kernel's -- x and w read (w once per program), T*H e4m3 bytes, the scales,

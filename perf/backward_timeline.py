@@ -42,7 +42,7 @@ def measure(timer, rows_kernel, tokens: int, hidden: int, reps: int) -> dict:
     from dw_columns_experiment import backward_inputs, rows_only_launcher
     from tune import _kernel_label, profiled_kernels
 
-    from cake_cute import cake_rmsnorm_train_backward, dispatch
+    from cake_cute import cake_rmsnorm_train_backward, launch_plan
     from cake_cute.device import device_facts
     from cake_cute.tools.bench.timing import Rotation, buffer_sets_for
 
@@ -68,7 +68,7 @@ def measure(timer, rows_kernel, tokens: int, hidden: int, reps: int) -> dict:
         "dw_end_after_row_end": _median_us([d.end - r.end for r, d in zip(rows, dws)]),
         "row_start_to_dw_end": _median_us([d.end - r.start for r, d in zip(rows, dws)]),
     }
-    programs = dispatch.backward_launch(tokens, hidden, "bf16", "bf16", False, device_facts(device))[0]
+    programs = launch_plan.backward_launch(tokens, hidden, "bf16", "bf16", False, device_facts(device))[0]
     rows_only = rows_only_launcher(rows_kernel, w, inputs, hidden)(programs)
     rows_only_events = profiled_kernels(lambda: rows_only(rotation.next()), reps)
     record["rows_only_us"] = _median_us([e.time_range.elapsed_us() for e in rows_only_events])

@@ -165,9 +165,9 @@ def backward_inputs(device, tokens: int, hidden: int, sets: int):
 def rows_only_launcher(rows_without_dw, w, inputs: list, hidden: int):
     """``launch(count)``: a call of set ``index`` through the row kernel without dW (``count`` programs),
     writing dx into the set's dx."""
-    from cake_cute import dispatch
+    from cake_cute import launch_plan
 
-    unused_partials = torch.empty(1, dispatch.partial_row_stride(hidden), device=w.device)[:, :hidden]
+    unused_partials = torch.empty(1, launch_plan.partial_row_stride(hidden), device=w.device)[:, :hidden]
 
     def launch(count):
         def call(index):
@@ -183,7 +183,7 @@ def measure(tokens: int, hidden: int, columns, rows_without_dw, reps: int) -> di
     from cake_cute.kernels.config import backward_config, overridden
     from tune import kernel_us
 
-    from cake_cute import cake_rmsnorm_train_backward, dispatch
+    from cake_cute import cake_rmsnorm_train_backward, launch_plan
     from cake_cute.device import device_arch, device_facts
     from cake_cute.tools.bench.timing import DeviceTimer, Rotation, buffer_sets_for
 
@@ -197,7 +197,7 @@ def measure(tokens: int, hidden: int, columns, rows_without_dw, reps: int) -> di
     arch, facts = device_arch(device), device_facts(device)
 
     def programs() -> int:
-        return dispatch.backward_launch(tokens, hidden, "bf16", "bf16", False, facts)[0]
+        return launch_plan.backward_launch(tokens, hidden, "bf16", "bf16", False, facts)[0]
 
     def backward(index):
         g, x, rstd, _ = inputs[index]

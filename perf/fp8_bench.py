@@ -51,7 +51,7 @@ import torch
 from cake_cute.kernels.config import CHOICES, QUANT_RECIPES, overridden, quant_forward_config
 from results_doc import kept_rows, write_results
 
-from cake_cute import cake_rmsnorm_fp8, cake_rmsnorm_train_forward, dispatch, fp8, fp8_numerics, validation
+from cake_cute import cake_rmsnorm_fp8, cake_rmsnorm_train_forward, fp8, fp8_numerics, launch_plan, validation
 from cake_cute.device import device_arch, device_facts
 from cake_cute.reference import forward_reference
 from cake_cute.tools.bench.timing import DeviceTimer, Rotation, buffer_sets_for
@@ -155,9 +155,9 @@ def quant_choices(arch: str, dtype: str, hidden: int, choices: dict | None):
 def config_text(arch: str, dtype: str, hidden: int, recipe: str, rows: int, residual: bool) -> str:
     """The config of the quantizing forward that runs ``rows`` rows on this GPU: its tiling, its
     register hint where one is set, ``no-scatter`` where its amax reduce-scatter is off, and
-    ``persistent N/SM`` where persistent programs run it (``dispatch.fp8_forward_programs``)."""
+    ``persistent N/SM`` where persistent programs run it (``launch_plan.fp8_forward_programs``)."""
     facts = device_facts(torch.device("cuda"))
-    persistent = dispatch.fp8_forward_programs(rows, hidden, dtype, residual, facts) > 0
+    persistent = launch_plan.fp8_forward_programs(rows, hidden, dtype, residual, facts) > 0
     config = quant_forward_config(arch, dtype, hidden, recipe, persistent)
     hint = f" min_ctas/SM={config.min_ctas_per_sm}" if config.min_ctas_per_sm else ""
     programs = f" persistent {config.programs_per_sm}/SM" if persistent else ""

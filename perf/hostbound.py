@@ -20,10 +20,12 @@ torch's ``fwd`` and autograd ``bwd`` rows. ``cake_cute_mxfp8`` is the forward st
 the same through its custom op, whose C++ kernels serve registered signatures.
 
 The implementations are the adapters of ``cake_cute.tools.bench.peers`` (the ones the sweep
-measures), plus ``cake_cute_python``: the same calls forced onto cake_cute's Python path
-(``CakeRMSNormFunction``), next to ``cake_cute``, which takes the native path (``cake_cute.native``) once
-the first call has registered the signature. ``mode = compile`` wraps each adapter's call in
-``torch.compile(dynamic=False)``, one graph per (T, residual); ``mode = compile-graphs`` in
+measures), plus ``cake_cute_apply``: ``CakeRMSNormFunction.apply(x, w, eps, residual, deterministic)``,
+the entry FlashInfer's users call, which follows the same routing rule as ``cake_cute``
+(``cake_rmsnorm``: the native path, ``cake_cute.native``, once the first call has registered the
+signature), and ``cake_cute_python``: the same calls forced onto the Python path (the engine's
+``Function.apply`` of ``CakeRMSNormFunction``, below the routing). ``mode = compile`` wraps each
+adapter's call in ``torch.compile(dynamic=False)``, one graph per (T, residual); ``mode = compile-graphs`` in
 ``torch.compile(dynamic=False, mode="reduce-overhead")``, which replays the compiled graphs as CUDA
 graphs (each call marks a new step; ``bwd`` is not timed there: a replay overwrites the outputs a
 retained graph would read).
@@ -56,6 +58,7 @@ from sweep import _use_source_tree  # noqa: E402
 EPS = 1e-6
 IMPLS = (
     "cake_cute",
+    "cake_cute_apply",
     "cake_cute_functional",
     "cake_cute_python",
     "cake_cute_mxfp8",
@@ -68,8 +71,8 @@ IMPLS = (
 EAGER_ONLY = ("cake_cute_python", "cake_cute_functional", "cake_cute_mxfp8_op")
 
 
-class CakePythonPath:
-    """cake_cute's eager step on its Python path (``CakeRMSNormFunction``), for the side-by-side rows."""
+class CakeApply:
+    """``CakeRMSNormFunction.apply(x, w, eps, residual, deterministic)``: the routed public entry."""
 
     def __init__(self, torch, eps):
         from cake_cute import CakeRMSNormFunction
@@ -78,8 +81,21 @@ class CakePythonPath:
         self._eps = eps
 
     def forward(self, x, w, residual):
-        out = self._apply(x, w, self._eps, residual, True, 0.0)
+        out = self._apply(x, w, self._eps, residual, True)
         return out if isinstance(out, tuple) else (out,)
+
+
+class CakePythonPath(CakeApply):
+    """cake_cute's eager step on its Python path: the engine's ``Function.apply`` of
+    ``CakeRMSNormFunction`` (below its routing ``apply``), for the side-by-side rows."""
+
+    def __init__(self, torch, eps):
+        from functools import partial
+
+        from cake_cute import CakeRMSNormFunction
+
+        self._apply = partial(torch.autograd.Function.apply.__func__, CakeRMSNormFunction)
+        self._eps = eps
 
 
 class CakeFunctional:
@@ -107,7 +123,7 @@ class CakeFunctional:
 
 
 class CakeMxfp8:
-    """cake_cute's forward straight to MXFP8 (``cake_rmsnorm_fp8``, eager: its ``autograd.Function``);
+    """cake_cute's forward straight to MXFP8 (``cake_rmsnorm_fp8``, eager: by the routing rule);
     the differentiable handle ``y`` first, so a step is the quantizing forward and the RMSNorm backward."""
 
     def __init__(self, torch, eps):
@@ -140,6 +156,7 @@ def factories() -> dict:
 
     return {
         **peers.FACTORIES,
+        "cake_cute_apply": CakeApply,
         "cake_cute_python": CakePythonPath,
         "cake_cute_functional": CakeFunctional,
         "cake_cute_mxfp8": CakeMxfp8,
@@ -283,12 +300,12 @@ def cpu_layers_main(args) -> list:
     torch.library.register_kernel("cake_cute::rmsnorm_fwd", "cpu", _allocating_forward)
     torch.library.register_kernel("cake_cute::rmsnorm_bwd", "cpu", _allocating_backward)
     native.load()
-    adapters = {impl: factories()[impl](torch, EPS) for impl in ("cake_cute", "torch")}
+    adapters = {impl: factories()[impl](torch, EPS) for impl in ("cake_cute", "cake_cute_apply", "torch")}
     rows: list = []
     measure(adapters, "eager", rows, args, "cpu", lambda: None)
     for row in rows:  # the path each row's calls take, and what their kernels do
-        cake = row["impl"] == "cake_cute"
-        row["path"] = "cpu-layers+native-route" if cake and native.fast else "cpu-layers"
+        cake = row["impl"] != "torch"
+        row["path"] = "cpu-layers+native-route" if cake and native.extension else "cpu-layers"
         row["kernel"] = "allocate-only" if cake else "torch cpu"
     return rows
 

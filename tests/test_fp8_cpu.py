@@ -462,21 +462,21 @@ def test_persistent_programs_per_sm_rule():
 def test_fp8_forward_programs_switch_at_the_element_limit():
     """Persistent programs (per SM x SMs) up to 2^27 bytes of x per call (2^26 2-byte, 2^25 FP32
     elements), one CTA per tile above; never in residual mode or for cluster rows."""
-    from cake_cute import dispatch
+    from cake_cute import launch_plan
     from cake_cute.device import DeviceFacts
 
     h200 = DeviceFacts(0, "NVIDIA H200", (9, 0), "sm_90a", 132)
-    assert dispatch.fp8_persistent_rows(4096, "bf16") == 16384
-    assert dispatch.fp8_persistent_rows(4096, "fp32") == 8192
-    assert dispatch.fp8_forward_programs(1, 4096, "bf16", False, h200) == 4 * 132
-    assert dispatch.fp8_forward_programs(16384, 4096, "bf16", False, h200) == 4 * 132
-    assert dispatch.fp8_forward_programs(16385, 4096, "bf16", False, h200) == 0
-    assert dispatch.fp8_forward_programs(4096, 16384, "bf16", False, h200) == 132
-    assert dispatch.fp8_forward_programs(16, 4096, "bf16", True, h200) == 0
-    assert dispatch.fp8_forward_programs(16, 65536, "bf16", False, h200) == 0
-    assert dispatch.fp8_forward_programs(8192, 4096, "fp32", False, h200) == 2 * 132
-    assert dispatch.fp8_forward_programs(8193, 4096, "fp32", False, h200) == 0
-    assert dispatch.fp8_forward_programs(16, 4097, "fp32", False, h200) == 0
+    assert launch_plan.fp8_persistent_rows(4096, "bf16") == 16384
+    assert launch_plan.fp8_persistent_rows(4096, "fp32") == 8192
+    assert launch_plan.fp8_forward_programs(1, 4096, "bf16", False, h200) == 4 * 132
+    assert launch_plan.fp8_forward_programs(16384, 4096, "bf16", False, h200) == 4 * 132
+    assert launch_plan.fp8_forward_programs(16385, 4096, "bf16", False, h200) == 0
+    assert launch_plan.fp8_forward_programs(4096, 16384, "bf16", False, h200) == 132
+    assert launch_plan.fp8_forward_programs(16, 4096, "bf16", True, h200) == 0
+    assert launch_plan.fp8_forward_programs(16, 65536, "bf16", False, h200) == 0
+    assert launch_plan.fp8_forward_programs(8192, 4096, "fp32", False, h200) == 2 * 132
+    assert launch_plan.fp8_forward_programs(8193, 4096, "fp32", False, h200) == 0
+    assert launch_plan.fp8_forward_programs(16, 4097, "fp32", False, h200) == 0
 
 
 def test_persistent_kernel_refuses_residual_and_cluster_rows():

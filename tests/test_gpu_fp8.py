@@ -1,6 +1,6 @@
 """FP8 forward on the GPU: the kernel's data and scale bytes bitwise equal to the torch reference.
 
-Every output the kernel path allocates is NaN / 0xFF-poisoned first (``fp8._empty``), so an element it
+Every output the kernel path allocates is NaN / 0xFF-poisoned first (``ops_fp8._empty``), so an element it
 fails to write shows up. The reference quantizes the FP32 normalized value computed from the kernel's
 own h_new (residual mode) and rstd: a torch sum of squares does not reproduce the kernel's fixed
 reduction order, so rstd itself is checked against FP64 (1e-5 relative, per row) and bitwise against
@@ -14,7 +14,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cake_cute import cake_rmsnorm_fp8, cake_rmsnorm_train_forward, dispatch, fp8, fp8_numerics, native
+from cake_cute import (
+    cake_rmsnorm_fp8,
+    cake_rmsnorm_train_forward,
+    fp8,
+    fp8_numerics,
+    launch_plan,
+    native,
+    ops_fp8,
+)
 from cake_cute.device import device_facts
 from cake_cute.reference import forward_reference
 
@@ -30,7 +38,7 @@ ROWS = (0, 1, 2, 129)
 
 @pytest.fixture(autouse=True)
 def poisoned_outputs(monkeypatch):
-    monkeypatch.setattr(fp8, "_empty", lambda shape, dtype, device: poison(shape, dtype, device))
+    monkeypatch.setattr(ops_fp8, "_empty", lambda shape, dtype, device: poison(shape, dtype, device))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -108,21 +116,21 @@ def test_bitwise_equal_to_reference(dtype, hidden, residual, emit_y, recipe):
     ids=lambda v: DTYPE_IDS.get(v, str(v)),
 )
 def test_persistent_and_one_tile_kernels_agree_bitwise(dtype, hidden, w_dtype, emit_y, recipe, monkeypatch):
-    """Up to ``dispatch.fp8_persistent_rows`` rows (rows one CTA holds; FP32 ones in 16-byte vectors up
+    """Up to ``launch_plan.fp8_persistent_rows`` rows (rows one CTA holds; FP32 ones in 16-byte vectors up
     to 8192 elements) persistent programs run the forward, each over several row tiles here; one CTA
     per tile runs it above. Every output of every row is the same bytes either way (batch invariance
     across the switch), and the reference's."""
     monkeypatch.setattr(native, "register_fp8", lambda *args: None)  # keep the C++ rule untouched
     rows = 2000 if hidden < 16384 else 700
     facts = device_facts(torch.device(DEV))
-    programs = dispatch.fp8_forward_programs(rows, hidden, DTYPE_IDS[dtype], False, facts)
+    programs = launch_plan.fp8_forward_programs(rows, hidden, DTYPE_IDS[dtype], False, facts)
     assert programs > 0, "the persistent kernel must be the one under test"
     x, _ = _activations(rows, hidden, dtype, False)
     w = rand_weight(hidden, dtype if w_dtype == "act" else torch.float32)
     persistent = cake_rmsnorm_fp8(x, w, EPS, recipe=recipe, emit_y=emit_y)
     _assert_matches_reference(persistent, x, w, None, recipe, emit_y)
-    monkeypatch.setattr(dispatch, "PERSISTENT_FP8_MAX_BYTES", 0)
-    assert dispatch.fp8_forward_programs(rows, hidden, DTYPE_IDS[dtype], False, facts) == 0
+    monkeypatch.setattr(launch_plan, "PERSISTENT_FP8_MAX_BYTES", 0)
+    assert launch_plan.fp8_forward_programs(rows, hidden, DTYPE_IDS[dtype], False, facts) == 0
     one_tile = cake_rmsnorm_fp8(x, w, EPS, recipe=recipe, emit_y=emit_y)
     for name in ("data", "scales", "rstd") + (("y",) if emit_y else ()):
         got, want = (

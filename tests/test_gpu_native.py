@@ -1,12 +1,15 @@
 """The native host path on a GPU: bit for bit the Python path's results (forward, backward, plain and
 residual, every dtype, odd H, a weight offset), CUDA-graph capture, the named errors, and the calls it
-hands back to the Python path (views, partial gradients). The Python path is ``CakeRMSNormFunction`` and
-``train_forward_python``; the native path serves ``cake_rmsnorm`` once the Python path registered the
-signature (its grad_fn then is the C++ node). The custom ops' C++ kernels (CUDA and AutogradCUDA keys,
+hands back to the Python path (views, partial gradients). The Python path is the engine's apply of
+``CakeRMSNormFunction`` (``python_apply``, below its routing) and ``train_forward_python``; the native
+path serves ``cake_rmsnorm`` and ``CakeRMSNormFunction.apply`` once the Python path registered the
+signature (their grad_fn then is the C++ node). The custom ops' C++ kernels (CUDA and AutogradCUDA keys,
 what torch.compile's graphs call), the FP8 forward's included, against the ops' Python bodies and the
 eager path."""
 
 from __future__ import annotations
+
+from functools import partial
 
 import pytest
 import torch
@@ -18,9 +21,10 @@ from cake_cute import (
     cake_rmsnorm_train_backward,
     cake_rmsnorm_train_forward,
     custom_ops,
-    dispatch,
     fp8,
+    launch_plan,
     native,
+    ops_fp8,
 )
 from cake_cute.device import device_facts
 from cake_cute.ops import train_forward_python
@@ -66,11 +70,15 @@ def step(norm, x, w, r, weight_offset, gy, gh):
     return [t.detach() for t in outs], list(grads), outs[0].grad_fn.name()
 
 
+# CakeRMSNormFunction on the Python path whatever the routing rule says (the engine's Function.apply).
+python_apply = partial(torch.autograd.Function.apply.__func__, CakeRMSNormFunction)
+
+
 def python_then_native(x, w, r, weight_offset=0.0):
     """(Python path results, native path results) of the same step; the first call registers."""
     gy = torch.randn_like(x)
     gh = torch.randn_like(x) if r is not None else None
-    python = step(CakeRMSNormFunction.apply, x, w, r, weight_offset, gy, gh)
+    python = step(python_apply, x, w, r, weight_offset, gy, gh)
     fast = step(cake_rmsnorm, x, w, r, weight_offset, gy, gh)
     assert "CakeRMSNormFunction" in python[2] and "NormFunction" in fast[2], (python[2], fast[2])
     assert "CakeRMSNormFunction" not in fast[2], "the native path did not serve the call"
@@ -116,14 +124,16 @@ def test_autograd_weight_offset_and_fp32_weight(residual):
 def test_functional_native_matches_python_bitwise(dtype, residual, monkeypatch):
     x, w, r = (t.detach() if t is not None else None for t in leaves(129, 4096, dtype, residual))
     python_fwd = train_forward_python(x, w, EPS, r)  # registers the signature
-    assert native.fast.forward(x, w, EPS, r, 0.0) is not None, "the native path did not serve the forward"
+    assert native.extension.forward(x, w, EPS, r, 0.0) is not None, (
+        "the native path did not serve the forward"
+    )
     fast_fwd = cake_rmsnorm_train_forward(x, w, EPS, residual=r)
     for a, b in zip(fast_fwd, python_fwd):
         assert_bitwise_equal(a, b, "forward output")
     g = torch.randn_like(x)
     h = python_fwd[2] if residual else x
     g_res = torch.randn_like(x) if residual else None
-    served = native.fast.backward(g, h, w, python_fwd[1], g_res, 0.0, torch.float32, True)
+    served = native.extension.backward(g, h, w, python_fwd[1], g_res, 0.0, torch.float32, True)
     assert served is not None, "the native path did not serve the backward"
     fast_bwd = cake_rmsnorm_train_backward(g, h, w, python_fwd[1], g_residual=g_res)
     monkeypatch.setattr(native, "fast", None)  # the same call on the Python path
@@ -175,6 +185,21 @@ def test_named_errors_after_registration():
         )
 
 
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+def test_function_apply_takes_the_native_path(residual):
+    """``CakeRMSNormFunction.apply(x, w, eps, residual, deterministic)`` (FlashInfer's call) is served by the
+    C++ node once the signature is registered (the node saves (x or h_new, w, rstd) as the Function
+    does): bit for bit the Python path."""
+    x, w, r = leaves(64, 4096, torch.bfloat16, residual)
+    python_then_native(x, w, r)  # registers the signature
+    gy = torch.randn_like(x)
+    gh = torch.randn_like(x) if residual else None
+    python = step(python_apply, x, w, r, 0.0, gy, gh)
+    served = step(CakeRMSNormFunction.apply, x, w, r, 0.0, gy, gh)
+    assert "CakeRMSNormFunction" not in served[2] and "NormFunction" in served[2], served[2]
+    assert_same(python, served)
+
+
 def test_views_and_expanded_gradients(monkeypatch):
     """A strided view of x takes the Python path; an expanded gradient (sum loss) is copied by the native
     backward: both give the contiguous call's bits."""
@@ -189,7 +214,7 @@ def test_views_and_expanded_gradients(monkeypatch):
     assert "CakeRMSNormFunction" not in y.grad_fn.name()
     assert_bitwise_equal(y_view.detach(), y.detach(), "y of a view")
     dx_native, dw_native = torch.autograd.grad(y.sum(), (same, w))
-    dx_python, dw_python = torch.autograd.grad(CakeRMSNormFunction.apply(same, w, EPS).sum(), (same, w))
+    dx_python, dw_python = torch.autograd.grad(python_apply(same, w, EPS).sum(), (same, w))
     assert_bitwise_equal(dx_native, dx_python, "dx of a sum loss")
     assert_bitwise_equal(dw_native, dw_python, "dw of a sum loss")
 
@@ -366,15 +391,15 @@ def test_parts_op_kernel_serves_registered_signatures_bitwise(parts, residual, p
 
 @pytest.fixture
 def fp8_bodies(monkeypatch):
-    """Counts the FP8 op's launches from Python (``fp8._forward_cuda``: the C++ kernel's fallback)."""
+    """Counts the FP8 op's launches from Python (``ops_fp8._forward_cuda``: the C++ kernel's fallback)."""
     calls = {"fp8": 0}
-    launch = fp8._forward_cuda
+    launch = ops_fp8._forward_cuda
 
     def counted(*args):
         calls["fp8"] += 1
         return launch(*args)
 
-    monkeypatch.setattr(fp8, "_forward_cuda", counted)
+    monkeypatch.setattr(ops_fp8, "_forward_cuda", counted)
     return calls
 
 
@@ -411,17 +436,17 @@ def test_fp8_op_kernel_serves_registered_signatures_bitwise(recipe, emit_y, resi
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 @pytest.mark.parametrize("recipe", ["mxfp8", "1x128"])
 def test_fp8_op_kernel_switches_kernels_at_the_persistent_row_limit(recipe, dtype, fp8_bodies):
-    """Up to ``dispatch.fp8_persistent_rows`` rows (of this dtype) the C++ kernel launches the
+    """Up to ``launch_plan.fp8_persistent_rows`` rows (of this dtype) the C++ kernel launches the
     persistent forward, above it the one-tile one, each once the Python body has registered it; a
     row's bytes are the same either way, and each served call is the Python body's."""
     hidden = 4096
-    limit = dispatch.fp8_persistent_rows(hidden, dtype)
+    limit = launch_plan.fp8_persistent_rows(hidden, dtype)
     act = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
     x = torch.randn(limit + 1, hidden, device=DEV).to(act)
     w = torch.randn(hidden, device=DEV).to(act)
     facts = device_facts(x.device)
-    assert dispatch.fp8_forward_programs(limit, hidden, dtype, False, facts) > 0
-    assert dispatch.fp8_forward_programs(limit + 1, hidden, dtype, False, facts) == 0
+    assert launch_plan.fp8_forward_programs(limit, hidden, dtype, False, facts) > 0
+    assert launch_plan.fp8_forward_programs(limit + 1, hidden, dtype, False, facts) == 0
     outs = {}
     for rows in (limit, limit + 1):
         args = (x[:rows], w, EPS, None, recipe, False, 0.0)

@@ -46,14 +46,15 @@ def test_hostbound_cpu_layers(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert {(r["impl"], r["op"], r["residual"]) for r in rows} == {
         (impl, op, residual)
-        for impl in ("cake_cute", "torch")
+        for impl in ("cake_cute", "cake_cute_apply", "torch")
         for op in ("step", "fwd", "bwd")
         for residual in (False, True)
     }
     assert all(r["us_per_call"] > 0 and r["mode"] == "eager" for r in rows)
     # cake_cute's calls first ask the native extension when it is built (it hands CPU tensors back).
     assert {r["path"] for r in rows if r["impl"] == "torch"} == {"cpu-layers"}
-    assert {r["path"] for r in rows if r["impl"] == "cake_cute"} <= {"cpu-layers", "cpu-layers+native-route"}
+    for impl in ("cake_cute", "cake_cute_apply"):
+        assert {r["path"] for r in rows if r["impl"] == impl} <= {"cpu-layers", "cpu-layers+native-route"}
 
 
 @pytest.mark.parametrize("impl", ["cake_cute_mxfp8", "cake_cute_mxfp8_op"])

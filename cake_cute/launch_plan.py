@@ -122,13 +122,22 @@ def fp8_persistent_rows(hidden: int, act_dtype: str) -> int:
     return PERSISTENT_FP8_MAX_BYTES // (hidden * dtype_bytes(act_dtype))
 
 
+def fp8_forward_rule(hidden: int, act_dtype: str, residual: bool, device: DeviceFacts) -> tuple[int, int]:
+    """The forward to FP8's launch rule as numbers, ``(most persistent rows, programs)``: a call of up
+    to that many rows runs ``programs`` persistent programs, a larger one (or any call when
+    ``programs`` is 0) one CTA per row tile. ``fp8_forward_programs`` applies it, and the native host
+    path receives it at registration (``native.register_fp8``) and applies it the same way."""
+    return fp8_persistent_rows(hidden, act_dtype), fp8_persistent_programs(
+        hidden, act_dtype, residual, device
+    )
+
+
 def fp8_forward_programs(rows: int, hidden: int, act_dtype: str, residual: bool, device: DeviceFacts) -> int:
-    """Programs of a forward to FP8 of ``rows`` rows: ``fp8_persistent_programs`` up to
-    ``fp8_persistent_rows``, else 0 (one CTA per row tile). Which kernel runs never changes a row's
-    bits (both run the same per-row arithmetic), so batch invariance holds across the switch."""
-    if rows > fp8_persistent_rows(hidden, act_dtype):
-        return 0
-    return fp8_persistent_programs(hidden, act_dtype, residual, device)
+    """Programs of a forward to FP8 of ``rows`` rows by ``fp8_forward_rule``: 0 for one CTA per row
+    tile. Which kernel runs never changes a row's bits (both run the same per-row arithmetic), so batch
+    invariance holds across the switch."""
+    most_rows, programs = fp8_forward_rule(hidden, act_dtype, residual, device)
+    return programs if rows <= most_rows else 0
 
 
 @cache

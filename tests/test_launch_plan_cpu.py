@@ -17,7 +17,7 @@ from cake_cute.kernels.config import (
 )
 from cake_cute.kernels.tiling import backward_tiling, forward_tiling
 
-from cake_cute import dispatch
+from cake_cute import launch_plan
 from cake_cute.build import config_for, make_spec
 from cake_cute.device import DeviceFacts
 
@@ -28,19 +28,19 @@ H200 = DeviceFacts(0, "stand-in H200", (9, 0), "sm_90a", 132)
 def occupancy_without_a_driver(monkeypatch):
     """Resident clusters from the per-SM CTA count alone (the driver query needs a GPU)."""
     monkeypatch.setattr(
-        dispatch,
+        launch_plan,
         "resident_clusters",
         lambda index, capability, threads, cluster, per_sm, sms: sms * per_sm // cluster,
     )
-    for cached in (dispatch.backward_programs, dispatch.backward_launch):
+    for cached in (launch_plan.backward_programs, launch_plan.backward_launch):
         cached.cache_clear()
     yield
-    for cached in (dispatch.backward_programs, dispatch.backward_launch):
+    for cached in (launch_plan.backward_programs, launch_plan.backward_launch):
         cached.cache_clear()
 
 
 def _programs(rows, hidden=4096):
-    return dispatch.backward_programs(rows, hidden, "bf16", "bf16", False, H200)
+    return launch_plan.backward_programs(rows, hidden, "bf16", "bf16", False, H200)
 
 
 def test_programs_follow_the_row_tiles():
@@ -71,9 +71,9 @@ def test_fp32_cluster_backward_tilings(hidden, lanes, vecs, cluster):
 def test_workspace_rows_cover_every_smaller_call(hidden):
     most_so_far = 0
     for rows in range(0, 1500):
-        launched = dispatch.backward_launch(max(rows, 1), hidden, "bf16", "bf16", False, H200)[1]
+        launched = launch_plan.backward_launch(max(rows, 1), hidden, "bf16", "bf16", False, H200)[1]
         most_so_far = max(most_so_far, launched)
-        assert dispatch.most_partial_rows(rows, hidden, "bf16", "bf16", False, H200) == most_so_far, rows
+        assert launch_plan.most_partial_rows(rows, hidden, "bf16", "bf16", False, H200) == most_so_far, rows
 
 
 @pytest.mark.parametrize(
@@ -121,10 +121,10 @@ def test_an_override_changes_one_entry_and_leaves_with_its_context():
 
 
 def test_an_override_clears_the_launch_plans_built_from_the_config():
-    before = dispatch.backward_launch(4096, 1024, "bf16", "bf16", False, H200)
+    before = launch_plan.backward_launch(4096, 1024, "bf16", "bf16", False, H200)
     with overridden("bwd", "sm_90a", "bf16", 1024, ctas_per_sm=1):
-        assert dispatch.backward_launch(4096, 1024, "bf16", "bf16", False, H200) == (132, 132)
-    assert dispatch.backward_launch(4096, 1024, "bf16", "bf16", False, H200) == before != (132, 132)
+        assert launch_plan.backward_launch(4096, 1024, "bf16", "bf16", False, H200) == (132, 132)
+    assert launch_plan.backward_launch(4096, 1024, "bf16", "bf16", False, H200) == before != (132, 132)
 
 
 @pytest.mark.parametrize(
@@ -224,7 +224,7 @@ def test_a_parts_backward_launches_the_one_g_program_count():
     two_parts = backward_config("sm_90a", "bf16", "bf16", 8192, True, 2)
     assert (one_g.ctas_per_sm, two_parts.ctas_per_sm) == (2, 1)
     assert two_parts.tiling == one_g.tiling
-    assert dispatch.backward_launch(10**6, 8192, "bf16", "bf16", True, H200) == (264, 264)
+    assert launch_plan.backward_launch(10**6, 8192, "bf16", "bf16", True, H200) == (264, 264)
 
 
 def test_reduce_config_spreads_narrow_rows():

@@ -1,0 +1,146 @@
+"""The forward to rowwise block-scaled FP8 (e4m3) on one device: check, pick the compiled variant, launch.
+
+The launch layer of ``cake_rmsnorm_fp8`` (``cake_cute.fp8``), beside ``ops`` for the plain norm: no
+autograd here (``autograd.CakeRMSNormFp8Function``), no op definition (``custom_ops``), no tiling
+(``launch_plan``). CUDA tensors run the kernel ``kernels/rmsnorm_fwd_quant.py`` (or its persistent form),
+other devices the torch reference of ``fp8_numerics``, which the kernel agrees with bitwise.
+"""
+
+from __future__ import annotations
+
+from itertools import product
+
+import torch
+
+from . import launch_plan, native
+from . import validation as v
+from .build import quant_kind
+from .compile_cache import kernel
+from .device import on_device
+from .fp8_numerics import RECIPES, rmsnorm_fp8_reference, scale_blocks
+from .kernels.config import QUANT_RECIPES
+from .operands import known_operands
+from .operands import operands as validated_operands
+from .ops import native_backward_plan
+from .routing import DTensor
+from .specs import KernelSpec
+from .views import aligned_vector, kernel_view
+
+
+def fp8_variant_specs(
+    archs,
+    dtypes,
+    hiddens,
+    residuals=(False, True),
+    recipes=RECIPES,
+    emit_ys=(False, True),
+    weight_offset=0.0,
+    persistents=(False, True),
+):
+    """The quantizing-forward kernels (``KernelSpec``) for these settings, w in x's dtype (for warmup,
+    CLI reports and the compile tests): one CTA per row tile and (``persistents``) persistent
+    programs, the latter where they apply (``launch_plan.has_persistent_fp8_kernel``); the backward is
+    the plain one (``warmup.variant_specs``)."""
+    return [
+        KernelSpec(quant_kind(recipe, emit_y, persistent), arch, act, act, hidden, residual, weight_offset)
+        for arch, act, hidden, residual, recipe, emit_y, persistent in product(
+            archs, dtypes, hiddens, residuals, recipes, emit_ys, persistents
+        )
+        if not persistent or launch_plan.has_persistent_fp8_kernel(arch, act, hidden, residual)
+    ]
+
+
+def check_arguments(x, w, eps, residual, recipe, emit_y, weight_offset, scale_layout="compact"):
+    """Every argument of ``cake_rmsnorm_fp8``, before anything runs; returns (eps, weight_offset)."""
+    v.check_forward_arguments(x, w, eps, residual)
+    weight_offset = v.check_weight_offset(weight_offset)
+    v.check_recipe(recipe)
+    v.check_bool("emit_y", emit_y)
+    v.check_scale_layout(scale_layout, recipe)
+    if scale_layout != "compact" and isinstance(x, DTensor):
+        raise ValueError(
+            f"scale_layout={scale_layout!r} arranges the scales of all rows for one GEMM; a DTensor x "
+            "takes scale_layout='compact' (convert each rank's local scales with "
+            "cake_cute.fp8_numerics.to_scale_layout)"
+        )
+    return v.check_eps(eps), weight_offset
+
+
+def placeholder(x: torch.Tensor) -> torch.Tensor:
+    """A (…, H) zero without memory: it stands for y in autograd when y is not emitted."""
+    return x.new_zeros(()).expand(x.shape)
+
+
+def _empty(shape, dtype, device) -> torch.Tensor:
+    """Every output of the kernel path is allocated here (the GPU tests poison them through it)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _forward_cuda(x, w, eps, residual, recipe, emit_y, weight_offset):
+    operands = known_operands(x, w) or validated_operands(x, w)
+    hidden = x.shape[-1]
+    rows = x.numel() // hidden
+    vec = launch_plan.vector_elems(hidden, operands.act)
+    fp32_scales = QUANT_RECIPES[recipe][1]
+    device = operands.device
+    data = _empty((rows, hidden), torch.uint8, device)
+    scale_dtype = torch.float32 if fp32_scales else torch.uint8
+    scales = _empty((rows, scale_blocks(hidden, recipe)), scale_dtype, device)
+    rstd = _empty((rows,), torch.float32, device)
+    y = _empty((rows, hidden), x.dtype, device) if emit_y else None
+    h_new = _empty((rows, hidden), x.dtype, device) if residual is not None else None
+    if rows > 0:
+        programs = launch_plan.fp8_forward_programs(
+            rows, hidden, operands.act, residual is not None, operands.facts
+        )
+        kind = quant_kind(recipe, emit_y, persistent=programs > 0)
+        fn = kernel(
+            kind, operands.arch, operands.act, operands.w_name, hidden, residual is not None, weight_offset
+        )
+        with on_device(device):
+            fn(
+                kernel_view(x, vec),
+                None if residual is None else kernel_view(residual, vec),
+                aligned_vector(w, vec),
+                y,
+                h_new,
+                rstd,
+                data,
+                scales,
+                eps,
+                *((programs,) if programs else ()),
+            )
+        native.register_fp8(
+            operands,
+            x,
+            w,
+            weight_offset,
+            residual is not None,
+            recipe,
+            emit_y,
+            programs,
+            fn,
+            native_backward_plan,
+        )
+    lead = x.shape[:-1]
+    data = data.view(torch.float8_e4m3fn).view(x.shape)
+    scales = scales.view(*lead, scales.shape[-1])
+    if not fp32_scales:
+        scales = scales.view(torch.float8_e8m0fnu)
+    return (
+        data,
+        scales,
+        None if y is None else y.view(x.shape),
+        rstd.view(lead),
+        None if h_new is None else h_new.view(x.shape),
+    )
+
+
+def fp8_forward(x, w, eps, residual, recipe, emit_y, weight_offset):
+    """``(data, compact scales, y or None, rstd, h_new or None)``: the kernel on CUDA, the reference
+    elsewhere; rstd is shaped ``x.shape[:-1]``. Arguments are already checked (``check_arguments``)."""
+    if x.device.type == "cuda":
+        return _forward_cuda(x, w, eps, residual, recipe, emit_y, weight_offset)
+    data, scales, y, rstd, h_new = rmsnorm_fp8_reference(x, w, eps, residual, recipe, emit_y, weight_offset)
+    lead = x.shape[:-1]
+    return data, scales.reshape(*lead, scales.shape[-1]), y, rstd.reshape(lead), h_new

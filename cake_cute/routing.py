@@ -1,0 +1,75 @@
+"""Which path a call takes: the one routing rule every entry follows, and the argument-kind check that
+comes with it.
+
+``route(x, w, residual)`` answers, in this order:
+
+* ``OP`` while torch.compile traces (dynamo cannot trace the launch code), for a DTensor x or w (the
+  ops carry the sharding rules, ``cake_cute.distributed``) and for x off CUDA (the ops' CPU kernels):
+  the ``cake_cute::`` custom ops, with their fake kernels, sharding rules and CPU kernels;
+* ``NATIVE`` for plain CUDA tensors in eager once the C++ extension is loaded: the extension first
+  (``native``), which serves the signatures the Python path registered, in the plain layout, and
+  answers None for anything else, which then takes the Python launch;
+* ``PYTHON`` for plain CUDA tensors in eager without the extension: the Python launch (``ops``,
+  ``ops_fp8``) under the ``autograd.Function``.
+
+Per entry: ``cake_rmsnorm`` and ``CakeRMSNormFunction.apply`` take the C++ autograd node on ``NATIVE``
+and ``CakeRMSNormFunction`` otherwise (its forward calls the op on ``OP``; under tracing
+``cake_rmsnorm`` calls the op directly); ``cake_rmsnorm_fp8`` calls ``cake_cute::rmsnorm_fp8_fwd`` on
+``OP`` and ``NATIVE`` (whose CUDA kernel is C++ once the extension is loaded) and
+``CakeRMSNormFp8Function`` on ``PYTHON``; the functional ``cake_rmsnorm_train_forward`` /
+``_backward`` are CUDA-only and ask the extension first unless the caller owns an output buffer.
+
+The C++ side does not route: it serves what Python registered, with the launch plan Python handed it
+(``native.register`` / ``register_fp8``), and declines the rest.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import native
+
+if torch.distributed.is_available():
+    from torch.distributed.tensor import DTensor
+else:  # a torch built without distributed has no DTensor, so no input is one
+
+    class DTensor:  # noqa: D101
+        pass
+
+
+OP = "op"
+NATIVE = "native"
+PYTHON = "python"
+
+_Tensor = torch.Tensor
+# The exact types of plain tensors: one set lookup each on the hot path, where the isinstance checks
+# (a tensor at all? a DTensor?) run only for other types.
+_PLAIN_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))
+
+
+def check_tensors(**tensors) -> None:
+    """``TypeError`` naming the first argument that is not a ``torch.Tensor`` (None is refused too:
+    pass only the arguments that must be tensors)."""
+    for name, value in tensors.items():
+        if not isinstance(value, _Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+
+
+def route(x, w, residual=None) -> str:
+    """The path of a call on (x, w[, residual]): ``OP``, ``NATIVE`` or ``PYTHON`` (see the module).
+
+    Raises
+    ------
+    TypeError
+        x or w is not a tensor, or residual is neither None nor a tensor; raised before anything runs.
+    """
+    plain = type(x) in _PLAIN_TYPES and type(w) in _PLAIN_TYPES
+    if not plain:  # a tensor subclass (a DTensor), or not a tensor at all
+        check_tensors(x=x, w=w)
+    if residual is not None and type(residual) not in _PLAIN_TYPES:
+        check_tensors(residual=residual)
+    if not plain and (isinstance(x, DTensor) or isinstance(w, DTensor)):
+        return OP
+    if torch.compiler.is_compiling() or not x.is_cuda:
+        return OP
+    return PYTHON if native.extension is None else NATIVE
