@@ -21,13 +21,10 @@
 #   fp32persistent  the GPU tests and sanitizer cases of the FP32 persistent forward to FP8 alone (the
 #                suite's order reaches them last; both ran clean at af41b79:
 #                perf/results/2026-12-02-h200-gpu-suite-af41b79/)
-#   dwcolumns    perf/dw_columns_experiment.py (issue #13: dW summed by columns beside the row kernel)
 #   fp32tilings  perf/tune.py scans of the fp32 cluster backward tilings (8 vectors per lane) against the
 #                4-vector tilings they replaced (issue #13)
 #   fp32rows     perf/tune.py scans of fp32 backward tilings where quack is faster or the copy far (issue #13:
 #                residual H = 1024, 5120 2-5% behind quack; H = 5120 tiles its row raggedly, plain 0.85)
-#   timeline     perf/backward_timeline.py (issue #13: each backward kernel's start and end, the row kernel
-#                without dW, a copy kernel of the same bytes)
 #   smallt       perf/tune.py forward / backward tilings of more lanes per row at T = 16 and 256, H = 4096
 #                (issue #13: forward <= 2 us, backward <= 4 / 5 us of kernel time)
 #   distributed  the two-GPU matrix and training benchmark (torchrun, NCCL; needs 2 GPUs)
@@ -123,11 +120,6 @@ section_fp32persistent() {
   bounded 240 "$d/sanitizer.log" bash tests/sanitizer/run.sh "$d" "fp8 persistent fp32"
 }
 
-section_dwcolumns() {
-  local d=$RES/dwcolumns && mkdir -p "$d"
-  bounded 300 "$d/dw_columns.log" python3 perf/dw_columns_experiment.py "$d/$day-nvidia-h200-dw-columns.json"
-}
-
 section_fp32tilings() {  # the FP32 cluster tilings' rule (8 vectors per lane) against the 4-vector one it replaced
   local d=$RES/fp32tilings && mkdir -p "$d"
   local H T old
@@ -144,11 +136,6 @@ section_fp32rows() {  # every candidate compiles spill-free for sm_90a (checked 
     bwd.tiling=128:2:2:1 bwd.register_budget=64 bwd.tiling=64:4:2:1 --dtype fp32 --rows-list 16384,65536 --kernels
   bounded 150 "$d/scan_5120.log" python3 perf/tune.py scan 5120 default bwd.tiling=160:4:1:2 \
     bwd.tiling=320:4:1:1 bwd.tiling=128:5:1:2 bwd.tiling=320:2:1:2 --dtype fp32 --rows-list 4096,13107 --kernels
-}
-
-section_timeline() {
-  local d=$RES/timeline && mkdir -p "$d"
-  bounded 120 "$d/backward_timeline.log" python3 perf/backward_timeline.py "$d/backward-timeline.json"
 }
 
 section_smallt() {
