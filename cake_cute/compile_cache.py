@@ -73,11 +73,9 @@ def _package_modules() -> dict[str, tuple[Path, bool]]:
     """Every module of ``cake_cute`` and ``cake_cute.kernels`` by dotted name: (its file, whether it
     is a package). Named by module, never by path, so an editable install (the kernels live beside
     the package) and a wheel (they live inside it) name each module alike."""
-    import cake_cute
-
     from . import kernels
 
-    roots = {"cake_cute": Path(cake_cute.__file__).parent, "cake_cute.kernels": Path(kernels.__file__).parent}
+    roots = {"cake_cute": Path(__file__).parent, "cake_cute.kernels": Path(kernels.__file__).parent}
     modules = {}
     for prefix, root in roots.items():
         for path in root.rglob("*.py"):
