@@ -8,11 +8,13 @@ tensors are passed straight in, the launch costs microseconds) and are exported 
 
 How the disk cache holds up:
 
-- **Versions.** The directory name ``fingerprint()`` hashes everything that could change the code or
-  the file format: every Python source of the package (``package_sources()``: the kernels and all
-  the code that builds or configures them), the DSL and TVM-FFI versions and ``CACHE_FORMAT``. A
-  cache made by another version lives in another directory, is never matched and is never touched
-  (nor deleted) by this one.
+- **Versions.** The directory name ``fingerprint()`` hashes what the compiled code depends on and the
+  file format: the code of the modules the kernels are built from (``build_sources()``: the kernels,
+  the build path and what they import, with docstrings and comments stripped, ``code_of``, so a
+  docstring edit recompiles nothing), the Python, DSL and TVM-FFI versions and ``CACHE_FORMAT``; the
+  object's own key adds the spec and its config. Modules are named by their dotted name, so an
+  editable install and a wheel of one commit share a cache. A cache made by another version lives in
+  another directory, is never matched and is never touched (nor deleted) by this one.
 - **Integrity.** Every object ``X.o`` has a sidecar ``X.o.sha256`` with the sha256 of its bytes, written
   after the object; the sidecar is the commit mark. An object is loaded only when its bytes match (a
   corrupted or truncated object can crash the JIT linker instead of raising, so it must never reach
@@ -30,8 +32,10 @@ How the disk cache holds up:
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import os
+import sys
 import tempfile
 import threading
 import warnings
@@ -65,50 +69,104 @@ def cache_dir() -> Path:
     return Path(base) / "cake_cute"
 
 
-def package_sources() -> dict[str, Path]:
-    """Every Python source of ``cake_cute`` (subpackages included) and ``cake_cute.kernels``, by name
-    relative to its package root: what the compiled code can depend on (the kernels, their configs,
-    the build path, the tensors' assumed alignment). Only ``cake_cute.tools`` is left out: the CLI,
-    warmup, self-check and benchmark run kernels but build none, and editing them must not make every
-    cached kernel compile again."""
+def _package_modules() -> dict[str, tuple[Path, bool]]:
+    """Every module of ``cake_cute`` and ``cake_cute.kernels`` by dotted name: (its file, whether it
+    is a package). Named by module, never by path, so an editable install (the kernels live beside
+    the package) and a wheel (they live inside it) name each module alike."""
     from . import kernels
 
-    package = Path(__file__).resolve().parent
-    tools = package / "tools"
-    found = {}
-    for root in (package, Path(kernels.__file__).resolve().parent):
+    roots = {"cake_cute": Path(__file__).parent, "cake_cute.kernels": Path(kernels.__file__).parent}
+    modules = {}
+    for prefix, root in roots.items():
         for path in root.rglob("*.py"):
-            if tools not in path.parents:
-                found[f"{root.name}/{path.relative_to(root).as_posix()}"] = path
-    return dict(sorted(found.items()))
+            parts = path.relative_to(root).with_suffix("").parts
+            is_package = parts[-1] == "__init__"
+            modules[".".join((prefix, *parts[: -1 if is_package else None]))] = (path.resolve(), is_package)
+    return modules
 
 
-def source_digest(sources: dict[str, bytes]) -> str:
-    """A hash of ``{file name: bytes}`` (names relative to their package, in sorted order)."""
+def _imported_names(module: str, is_package: bool, tree: ast.Module) -> set[str]:
+    """The absolute dotted names an import statement anywhere in ``tree`` may load (a module, or a
+    name ``from`` one, which may itself be a module)."""
+    package = module if is_package else module.rpartition(".")[0]
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join([*anchor, *([node.module] if node.module else [])])
+            if node.module:  # ``from . import x`` loads x; the package's own code is not what it is after
+                names.add(base)
+            names.update(f"{base}.{alias.name}" for alias in node.names)
+    return names
+
+
+def build_sources() -> dict[str, str]:
+    """The source text of every module the compiled code is made from, by dotted name: the kernels
+    (every module of ``cake_cute.kernels``) and ``cake_cute.build`` with every module of the package
+    they import, directly or through another (specs, configs, the dtype vocabulary...). The host path
+    (ops, autograd, validation), the tools and the cache itself are not among them unless the build
+    imports them, so editing those never recompiles a kernel."""
+    modules = _package_modules()
+    pending = [name for name in modules if name == "cake_cute.build" or name.startswith("cake_cute.kernels")]
+    sources: dict[str, str] = {}
+    while pending:
+        name = pending.pop()
+        if name in sources:
+            continue
+        path, is_package = modules[name]
+        sources[name] = path.read_text()
+        imported = _imported_names(name, is_package, ast.parse(sources[name]))
+        pending += [other for other in imported if other in modules and other not in sources]
+    return dict(sorted(sources.items()))
+
+
+def _is_bare_constant(statement: ast.stmt) -> bool:
+    """A statement that is only a constant (a docstring, a string used as a comment): it does nothing."""
+    return isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Constant)
+
+
+def code_of(source: str) -> str:
+    """What of a module's source can change compiled code: its syntax tree without comments (the
+    parser drops them), docstrings or other bare string statements, and without line numbers."""
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        for field in ("body", "orelse", "finalbody"):
+            body = getattr(node, field, None)
+            if isinstance(body, list) and body:
+                kept = [statement for statement in body if not _is_bare_constant(statement)]
+                setattr(node, field, kept or [ast.Pass()])
+    return ast.dump(tree)
+
+
+def source_digest(sources: dict[str, str]) -> str:
+    """A hash of the code (``code_of``) of ``{module name: source text}``, in sorted order of name."""
     digest = hashlib.sha256()
     for name in sorted(sources):
-        digest.update(name.encode() + b"\0" + hashlib.sha256(sources[name]).digest())
+        digest.update(name.encode() + b"\0" + hashlib.sha256(code_of(sources[name]).encode()).digest())
     return digest.hexdigest()
-
-
-def _package_source_hash() -> str:
-    return source_digest({name: path.read_bytes() for name, path in package_sources().items()})
 
 
 _fingerprint: str | None = None
 
 
 def fingerprint() -> str:
-    """Everything besides the spec that decides the compiled code or the cache's file format."""
+    """Everything besides the spec and its config that decides the compiled code or the cache's file
+    format: the Python and DSL versions, the code of the build's sources (``build_sources``) and
+    ``CACHE_FORMAT``."""
     global _fingerprint
     if _fingerprint is None:
         import cutlass
         import tvm_ffi
 
         parts = [
+            f"python{sys.version_info.major}.{sys.version_info.minor}",
             cutlass.__version__,
             getattr(tvm_ffi, "__version__", "?"),
-            _package_source_hash(),
+            source_digest(build_sources()),
             f"format{CACHE_FORMAT}",
         ]
         _fingerprint = hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .reference import forward_reference
+from .reference import backward_terms, forward_reference
 
 
 def forward(x, w, eps, residual, weight_offset):
@@ -23,15 +23,7 @@ def forward(x, w, eps, residual, weight_offset):
 
 def backward(g, h, w, rstd, g_residual, weight_offset):
     """``(dx, dw)`` for the saved ``h`` (x, or h_new in residual mode); dw in w's dtype."""
-    hidden = h.shape[-1]
-    g32 = g.reshape(-1, hidden).float()
-    xhat = h.reshape(-1, hidden).float() * rstd.reshape(-1, 1)
-    a = g32 * (w.float() + weight_offset)
-    c = (a * xhat).sum(dim=-1, keepdim=True) / hidden
-    dx = rstd.reshape(-1, 1) * (a - xhat * c)
-    if g_residual is not None:
-        dx = dx + g_residual.reshape(-1, hidden).float()
-    products = g32 * xhat
+    dx, products = backward_terms(g, h, w, rstd, g_residual, weight_offset, compute_dtype=torch.float32)
     # The last running sum, copied out of the cumsum's storage: an output must not be a view into it.
-    dw = products.cumsum(dim=0)[-1].clone() if products.shape[0] else products.new_zeros(hidden)
+    dw = products.cumsum(dim=0)[-1].clone() if products.shape[0] else products.new_zeros(h.shape[-1])
     return dx.to(h.dtype).view(h.shape), dw.to(w.dtype)

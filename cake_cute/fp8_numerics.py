@@ -40,6 +40,9 @@ from .kernels.config import (
     AMAX_BITS_E8M0_ZERO,
     E4M3_MAX,
     E8M0_EXPONENT_OFFSET,
+    E8M0_MAX_FINITE,
+    E8M0_NAN,
+    E8M0_ONE,
     E8M0_SIGNIFICAND_CARRY,
     FP32_BITS_OF_2_POW_M127,
     FP32_INF_BITS,
@@ -82,10 +85,10 @@ def e8m0_round_up(amax: torch.Tensor) -> torch.Tensor:
     bits = quotient.view(torch.int32)
     exponent = bits >> 23
     mantissa = bits & 0x7FFFFF
-    normal = torch.clamp(exponent + (mantissa != 0).int(), max=254)
+    normal = torch.clamp(exponent + (mantissa != 0).int(), max=E8M0_MAX_FINITE)
     subnormal = (mantissa > FP32_BITS_OF_2_POW_M127).int()
     e = torch.where(exponent == 0, subnormal, normal)
-    return torch.where(torch.isnan(quotient), 255, e).int()
+    return torch.where(torch.isnan(quotient), E8M0_NAN, e).int()
 
 
 def e8m0_round_up_from_bits(amax_bits: torch.Tensor) -> torch.Tensor:
@@ -102,21 +105,21 @@ def e8m0_round_up_from_bits(amax_bits: torch.Tensor) -> torch.Tensor:
     finite = torch.clamp(amax_bits, max=FP32_INF_BITS)
     e = ((finite + E8M0_SIGNIFICAND_CARRY) >> 23) - E8M0_EXPONENT_OFFSET
     e = torch.where(amax_bits <= AMAX_BITS_E8M0_ZERO, 0, e)
-    e = torch.where(amax_bits == FP32_INF_BITS, 254, e)
-    return torch.where(amax_bits > FP32_INF_BITS, 255, e).int()
+    e = torch.where(amax_bits == FP32_INF_BITS, E8M0_MAX_FINITE, e)
+    return torch.where(amax_bits > FP32_INF_BITS, E8M0_NAN, e).int()
 
 
 def inverse_scale(e: torch.Tensor) -> torch.Tensor:
     """2^(127 - e) as FP32, exactly (NaN for e = 255)."""
-    bits = torch.where(e == 254, FP32_BITS_OF_2_POW_M127, (254 - e) << 23)
-    return torch.where(e == 255, FP32_NAN_BITS, bits).int().view(torch.float32)
+    bits = torch.where(e == E8M0_MAX_FINITE, FP32_BITS_OF_2_POW_M127, (E8M0_MAX_FINITE - e) << 23)
+    return torch.where(e == E8M0_NAN, FP32_NAN_BITS, bits).int().view(torch.float32)
 
 
 def scale_exponent(amax: torch.Tensor, recipe: str) -> torch.Tensor:
     """The biased exponent of each block's scale under ``recipe`` (``amax`` as bits, int32)."""
     e = e8m0_round_up(amax)
     if QUANT_RECIPES[recipe][1]:
-        e = torch.where(amax == 0, 127, torch.clamp(e, min=1)).int()
+        e = torch.where(amax == 0, E8M0_ONE, torch.clamp(e, min=1)).int()
     return e
 
 
@@ -140,7 +143,7 @@ def quantize_rows_bytes(y: torch.Tensor, recipe: str) -> tuple[torch.Tensor, tor
     data = scaled.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     data = data.reshape(*y.shape[:-1], blocks * block)[..., :hidden]
     if QUANT_RECIPES[recipe][1]:
-        scales = torch.where(e == 255, FP32_NAN_BITS, e << 23).int().view(torch.float32)
+        scales = torch.where(e == E8M0_NAN, FP32_NAN_BITS, e << 23).int().view(torch.float32)
     else:
         scales = e.to(torch.uint8)
     return data.contiguous(), scales

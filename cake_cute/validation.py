@@ -12,6 +12,7 @@ import numbers
 import torch
 
 from .device import device_facts
+from .kernels.config import MAX_G_PARTS as MAX_GRADIENT_PARTS
 from .kernels.config import QUANT_RECIPES
 from .kernels.tiling import MAX_HIDDEN
 from .vocab import DTYPE_BY_TORCH
@@ -103,9 +104,6 @@ def check_output(name: str, t, shape, dtype, device) -> None:
 def check_like(name: str, t, x) -> None:
     """``t`` has x's dtype, device and shape."""
     check_output(name, t, x.shape, x.dtype, x.device)
-
-
-MAX_GRADIENT_PARTS = 3
 
 
 def check_gradient_parts(g, x) -> tuple:

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import torch
 
+from .kernels.tiling import VECTOR_BYTES
+
 _CONTIGUOUS = torch.contiguous_format
 
 
 def vector_align_bytes(vec: int, element_size: int) -> int:
-    """The base alignment the kernels assume for a vector of ``vec`` elements (capped at 16 bytes)."""
-    return min(16, vec * element_size)
+    """The base alignment the kernels assume for a vector of ``vec`` elements (capped at one vector
+    access, ``VECTOR_BYTES``)."""
+    return min(VECTOR_BYTES, vec * element_size)
 
 
 def kernel_view(t: torch.Tensor, vec: int) -> torch.Tensor:

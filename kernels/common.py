@@ -25,7 +25,9 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 from cutlass.cutlass_dsl import dsl_user_op
 
-COPY_BITS = 128
+from .tiling import VECTOR_BYTES
+
+COPY_BITS = 8 * VECTOR_BYTES
 REDUCTION_SLOTS = 2
 # Clusters of at least this many CTAs push a row's partial sum to their peers from as many lanes; pairs
 # push from one lane (the A/B behind both: perf/results/2026-11-30-h200-cluster-push/).

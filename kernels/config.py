@@ -360,6 +360,9 @@ E4M3_MAX = 448.0
 FP32_NAN_BITS = 0x7FC00000
 FP32_BITS_OF_2_POW_M127 = 0x400000  # 2^-127, the smallest E8M0 value, is an FP32 subnormal
 FP32_INF_BITS = 0x7F800000
+E8M0_ONE = 127  # the E8M0 byte of 2^0
+E8M0_MAX_FINITE = 254  # 2^127
+E8M0_NAN = 255
 # The E8M0 exponent of fp32(amax / 448) rounded up, from amax's bits (fp8_numerics.e8m0_round_up_from_bits):
 E8M0_EXPONENT_OFFSET = 8  # 448 = 1.75 * 2^8
 E8M0_SIGNIFICAND_CARRY = 0x1FFFFF  # 2^23 - 0x600001: a significand above 1.75 carries into the exponent

@@ -51,15 +51,11 @@ accumulator, after the ring's copies are issued so that the round trips overlap)
 Bytes moved: reads g's n parts, h (+ g_residual) and writes dx once: T*H*(n + 2 [+ 1])*act_bytes,
 plus 4*T of rstd, plus the partial rows (num_programs * rows_per_cta * H * 4, written here, read by
 dw_reduce). With n parts that is (n - 1)*T*H*act_bytes more than one g, and 2*T*H*act_bytes less than
-an add kernel (reads n, writes g) in front of a one-g backward. The ``with_dw=False`` variant (no
-shipped path launches it; perf/dw_columns_experiment.py measures it beside a kernel that sums dW by
-columns) keeps no dW accumulator and writes no partial row; it is launched with programmatic
-dependent launch and waits for the kernel before it only at its end.
+an add kernel (reads n, writes g) in front of a one-g backward.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import partial
 
 import cutlass
@@ -81,55 +77,16 @@ from .common import (
     staging_atom,
     tile_shape,
 )
-
-
-@dataclass(frozen=True)
-class ThreadTiles:
-    """What one thread needs to find its cells of any row tile: its slice of the tiled copy, the tile
-    shape, its cluster rank and row, and the two copies it issues (registers <-> memory, and
-    global -> shared with cp.async), both predicated on the columns when the tiles overrun H."""
-
-    thr: object
-    tiler: tuple
-    rank: object
-    row_in_cta: object
-    copy_act: object
-    async_copy: object
-
-    def of(self, m, tile):
-        """This thread's cells of row tile ``tile`` of ``m`` (a (rows, H) tensor)."""
-        return self.thr.partition_S(cute.local_tile(m, self.tiler, (tile, self.rank)))
-
-    def in_smem(self, s, ring_slot):
-        """This thread's cells of one slot of a shared-memory tile."""
-        return self.thr.partition_D(s[None, None, ring_slot])
-
-    def read(self, sources, fragments):
-        """Copy this thread's cells of each source (the ring, or global memory) into its registers."""
-        for source, fragment in zip(sources, fragments):
-            self.copy_act(source, fragment)
-
-
-@cute.jit
-def issue_row_tile(tt: ThreadTiles, tile, ring_slot, sources, ring_tiles):
-    """Issue the cp.async copies of row tile ``tile`` of each source (g's parts, then h) into slot
-    ``ring_slot`` of its ring tile: one commit group holds them all."""
-    for m, sT in zip(sources, ring_tiles):
-        tt.async_copy(tt.of(m, tile), tt.in_smem(sT, ring_slot))
+from .thread_tiles import ThreadTiles, issue_row_tile
 
 
 class RMSNormBackward(RowKernel):
     """One compiled backward per (arch, dtypes, H, residual, weight_offset, g_parts) and its
     ``config.BackwardConfig``; T and the number of programs are runtime values."""
 
-    def __init__(
-        self, config, act_dtype, w_dtype, residual: bool, weight_offset: float, g_parts: int = 1, with_dw=True
-    ):
+    def __init__(self, config, act_dtype, w_dtype, residual: bool, weight_offset: float, g_parts: int = 1):
         super().__init__(config, act_dtype, w_dtype, residual, weight_offset)
         self.g_parts = g_parts
-        # False: dx only, no dW accumulator and no partial row (perf/dw_columns_experiment.py sums dW
-        # by columns beside it); every shipped variant has it.
-        self.with_dw = with_dw
 
     def entry_point(self):
         """What ``cute.compile`` traces: ``__call__`` for one g, else the launcher of ``g_parts`` parts.
@@ -164,11 +121,9 @@ class RMSNormBackward(RowKernel):
         self.launch(num_programs, stream, mG, mH, mW, mRstd, mGRes, mDX, mPartial, mG1, mG2)
 
     def launch(self, num_programs, stream, mG, mH, mW, mRstd, mGRes, mDX, mPartial, mG1=None, mG2=None):
-        """Launch the kernel; the parts of g a launcher does not take are None. Without dW it may start
-        while the kernel before it runs (programmatic dependent launch)."""
-        pdl = {} if self.with_dw else {"use_pdl": True}
+        """Launch the kernel; the parts of g a launcher does not take are None."""
         self.kernel(mG, mH, mW, mRstd, mGRes, mDX, mPartial, mG1, mG2).launch(
-            **self.launch_shape(num_programs), **pdl, stream=stream
+            **self.launch_shape(num_programs), stream=stream
         )
 
     @cute.kernel
@@ -262,14 +217,9 @@ class RMSNormBackward(RowKernel):
             )
             visit = visit + 1
 
-        if const_expr(self.with_dw):
-            # The dW reduction may start launching (it waits for this grid's memory before reading).
-            cute.arch.griddepcontrol_launch_dependents()
-            self.write_dw_partial_row(tt, bidx, mPartial, tXrDW, tXDW, pred)
-        else:
-            # Started early beside the kernel before it (which sums dW by columns): end only after it,
-            # so that what follows in the stream finds that kernel's output too.
-            cute.arch.griddepcontrol_wait()
+        # The dW reduction may start launching (it waits for this grid's memory before reading).
+        cute.arch.griddepcontrol_launch_dependents()
+        self.write_dw_partial_row(tt, bidx, mPartial, tXrDW, tXDW, pred)
 
     @cute.jit
     def prologue(self, smem, thr, tiler, rank, tXc0, mW, pred):
@@ -367,8 +317,7 @@ class RMSNormBackward(RowKernel):
             tt.read((*tXsrcGs, tXsrcH), (*tXrGs, tXrH))
         g = self.gradient(tXrGs)
         xhat = tXrH.load().to(Float32) * rstd
-        if const_expr(self.with_dw):
-            tXDW.store(tXDW.load() + g * xhat)
+        tXDW.store(tXDW.load() + g * xhat)
         dot = row_sum(
             (g * self.widen_weight(tXsW.load()) * xhat).reduce(cute.ReductionOp.ADD, Float32(0.0), 0),
             warp_sums,

@@ -50,6 +50,9 @@ from cutlass.cutlass_dsl import dsl_user_op
 from .config import (
     AMAX_BITS_E8M0_ZERO,
     E8M0_EXPONENT_OFFSET,
+    E8M0_MAX_FINITE,
+    E8M0_NAN,
+    E8M0_ONE,
     E8M0_SIGNIFICAND_CARRY,
     FP32_BITS_OF_2_POW_M127,
     FP32_INF_BITS,
@@ -59,9 +62,6 @@ from .config import (
 )
 from .rmsnorm_fwd import NormalizedTile, RMSNormForward
 
-E8M0_MAX_FINITE = 254
-E8M0_NAN = 255
-E8M0_ONE = 127
 BF16_HIGH_HALF = -65536  # 0xFFFF0000 as an Int32
 
 

@@ -26,6 +26,7 @@ from functools import cache
 from ..vocab import dtype_bytes
 
 MAX_HIDDEN = 262144
+VECTOR_BYTES = 16  # the widest global access of one thread: a 128-bit vector
 MAX_CLUSTER = 16
 MAX_THREADS_PER_CTA = 512
 MIN_THREADS_PER_CTA = 128
@@ -82,7 +83,7 @@ class RowTiling:
 
 def vector_width(hidden: int, act_bytes: int) -> int:
     """Elements per vector access: 16 bytes when H is a multiple of that, else the largest fit."""
-    return math.gcd(hidden, 16 // act_bytes)
+    return math.gcd(hidden, VECTOR_BYTES // act_bytes)
 
 
 def _pow2_ceil(n: int) -> int:

@@ -1,37 +1,22 @@
 #!/usr/bin/env bash
-# One evidence round on a lent GPU machine, section by section, everything written under
-# /tmp/round/<section>/ and packed into $OUT/round.tgz at the end (the device tool brings back only a few
-# files per call).
+# One evidence round on a GPU machine: the sections named on the command line, each bounded by its own
+# timeout so that one slow part cannot eat the round, everything written under /tmp/round/<section>/ and
+# packed into $OUT/round.tgz at the end.
 #
-#   . /opt/cake/env.sh && bash perf/device_round.sh suite sanitizer sweeps ...
+#   OUT=/path/to/folder bash perf/device_round.sh suite sanitizer sweeps dtypes fp8 model
 #
-# Sections (each bounded by its own timeout, so one slow part cannot eat the call):
+# Sections:
 #   suite        the GPU test suite (pytest -m gpu) and `cake-cute check`
 #   sanitizer    compute-sanitizer memcheck / racecheck / synccheck over tests/sanitizer/cases.py
 #   sweeps       standard bf16 sweep, training-shapes grid, small batches (perf/sweep.py)
 #   dtypes       standard sweep for fp16 and fp32
-#   fp8          perf/fp8_bench.py (standard and training grids)
+#   fp8          perf/fp8_bench.py (standard and training grids, bitwise-checked first)
+#   fp8dtypes    perf/fp8_bench.py at the training shapes for fp16 and fp32 rows
 #   model        perf/model_step.py (H = 2048 and 4096) and perf/hostbound.py (eager and compile)
-#   passhost     perf/model_step.py compiled at 256 tokens (host-bound) with and without the gradient-sum
-#                pass (its op has a C++ kernel since session 15: the pass's host cost in a compiled step)
-#   fp8dtypes    perf/fp8_bench.py at the training shapes for fp16 and fp32 rows (the bf16-only sweep's
-#                other input dtypes)
-#   fp8host      perf/hostbound.py for the forward to MXFP8 (eager through its autograd.Function and through
-#                its custom op, compiled) next to cake's bf16 step and torch's (issue #15: host cost)
-#   fp32persistent  the GPU tests and sanitizer cases of the FP32 persistent forward to FP8 alone (the
-#                suite's order reaches them last; both ran clean at af41b79:
-#                perf/results/2026-12-02-h200-gpu-suite-af41b79/)
-#   dwcolumns    perf/dw_columns_experiment.py (issue #13: dW summed by columns beside the row kernel)
-#   fp32tilings  perf/tune.py scans of the fp32 cluster backward tilings (8 vectors per lane) against the
-#                4-vector tilings they replaced (issue #13)
-#   fp32rows     perf/tune.py scans of fp32 backward tilings where quack is faster or the copy far (issue #13:
-#                residual H = 1024, 5120 2-5% behind quack; H = 5120 tiles its row raggedly, plain 0.85)
-#   timeline     perf/backward_timeline.py (issue #13: each backward kernel's start and end, the row kernel
-#                without dW, a copy kernel of the same bytes)
-#   smallt       perf/tune.py forward / backward tilings of more lanes per row at T = 16 and 256, H = 4096
-#                (issue #13: forward <= 2 us, backward <= 4 / 5 us of kernel time)
+#   fp8host      perf/hostbound.py for the forward to MXFP8 (its autograd.Function and its custom op)
+#                next to cake_cute's bf16 step and torch's
 #   distributed  the two-GPU matrix and training benchmark (torchrun, NCCL; needs 2 GPUs)
-# $CAKE_CUTE_COMMIT labels every results file (the copied tree's .git may be stale).
+# $CAKE_CUTE_COMMIT labels every results file (a copied tree's .git may be stale).
 set -uo pipefail
 : "${OUT:?set OUT to the folder that comes back}"
 RES=/tmp/round
@@ -92,15 +77,6 @@ section_model() {
   bounded 300 "$d/hostbound_compile.log" python3 perf/hostbound.py "$hb" --modes compile,compile-graphs --append
 }
 
-section_passhost() {
-  local d=$RES/passhost && mkdir -p "$d"
-  local out=$d/$day-nvidia-h200-model-step-256-tokens.json
-  bounded 200 "$d/with_pass.log" python3 perf/model_step.py "${out%.json}-pass.json" --hidden 2048 --seq 64 \
-    --impls torch,cake_cute --modes compile
-  bounded 200 "$d/without_pass.log" python3 perf/model_step.py "${out%.json}-no-pass.json" --hidden 2048 \
-    --seq 64 --impls torch,cake_cute --modes compile --no-gradient-sums
-}
-
 section_fp8dtypes() {
   local d=$RES/fp8dtypes && mkdir -p "$d"
   for dt in fp16 fp32; do
@@ -113,50 +89,6 @@ section_fp8host() {
   local d=$RES/fp8host && mkdir -p "$d"
   bounded 240 "$d/fp8_host.log" python3 perf/hostbound.py "$d/$day-nvidia-h200-fp8-hostbound.json" \
     --impls cake_cute,cake_cute_mxfp8,cake_cute_mxfp8_op,torch --modes eager,compile
-}
-
-section_fp32persistent() {
-  local d=$RES/fp32persistent && mkdir -p "$d"
-  local fp32_rows="fp32-256 or fp32-1024 or fp32-2048 or fp32-2560 or fp32-4096 or fp32-8192"
-  bounded 240 "$d/gpu_tests.log" python3 -m pytest -q -rs -m gpu tests/test_gpu_fp8.py tests/test_gpu_native.py \
-    -p no:cacheprovider -k "persistent and ($fp32_rows or row_limit)"
-  bounded 240 "$d/sanitizer.log" bash tests/sanitizer/run.sh "$d" "fp8 persistent fp32"
-}
-
-section_dwcolumns() {
-  local d=$RES/dwcolumns && mkdir -p "$d"
-  bounded 300 "$d/dw_columns.log" python3 perf/dw_columns_experiment.py "$d/$day-nvidia-h200-dw-columns.json"
-}
-
-section_fp32tilings() {  # the FP32 cluster tilings' rule (8 vectors per lane) against the 4-vector one it replaced
-  local d=$RES/fp32tilings && mkdir -p "$d"
-  local H T old
-  for H in 8192:2048,8192 16384:2048,4096 32768:1024,2048 65536:512,1024; do
-    T=${H#*:} H=${H%%:*} old=256:4:1:$((H / 4096))
-    bounded 150 "$d/scan_$H.log" python3 perf/tune.py scan "$H" default "bwd.tiling=$old" --dtype fp32 \
-      --rows-list "$T" --kernels
-  done
-}
-
-section_fp32rows() {  # every candidate compiles spill-free for sm_90a (checked on CPU, session 15)
-  local d=$RES/fp32rows && mkdir -p "$d"
-  bounded 150 "$d/scan_1024.log" python3 perf/tune.py scan 1024 default bwd.tiling=128:2:1:1 \
-    bwd.tiling=128:2:2:1 bwd.register_budget=64 bwd.tiling=64:4:2:1 --dtype fp32 --rows-list 16384,65536 --kernels
-  bounded 150 "$d/scan_5120.log" python3 perf/tune.py scan 5120 default bwd.tiling=160:4:1:2 \
-    bwd.tiling=320:4:1:1 bwd.tiling=128:5:1:2 bwd.tiling=320:2:1:2 --dtype fp32 --rows-list 4096,13107 --kernels
-}
-
-section_timeline() {
-  local d=$RES/timeline && mkdir -p "$d"
-  bounded 120 "$d/backward_timeline.log" python3 perf/backward_timeline.py "$d/backward-timeline.json"
-}
-
-section_smallt() {
-  local d=$RES/smallt && mkdir -p "$d"
-  for T in 16 256; do
-    bounded 100 "$d/fwd_T$T.log" python3 perf/tune.py fwd 4096 256,2,1 512,1,1 --rows "$T" --reps 50
-    bounded 100 "$d/bwd_T$T.log" python3 perf/tune.py bwd 4096 256,2,1,0 128,4,1,0 --rows "$T" --reps 50
-  done
 }
 
 section_distributed() {

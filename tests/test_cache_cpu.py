@@ -8,6 +8,7 @@ compile around a quarter of a second.
 
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -234,32 +235,85 @@ def test_a_cache_of_another_version_is_ignored_and_untouched(cache, monkeypatch)
     assert _sound(SPEC)
 
 
-def test_the_fingerprint_covers_every_source_of_the_package():
-    """Every .py of cake_cute (but its tools) and cake_cute.kernels is hashed, and changing any one of
-    them (one byte more) changes the digest the fingerprint is made of."""
+def test_the_key_covers_the_modules_the_kernels_are_built_from():
+    """The kernels, the build path and what they import are hashed, by module name; the host path, the
+    tools and the cache are not. A code edit to any hashed module, or a renamed module, changes the
+    digest the fingerprint is made of."""
+    sources = cc.build_sources()
     import cake_cute.kernels
 
-    import cake_cute
-
-    package = Path(cake_cute.__file__).resolve().parent
-    expected = {
-        p
-        for root in (package, Path(cake_cute.kernels.__file__).resolve().parent)
-        for p in root.rglob("*.py")
-        if p.relative_to(root).parts[0] != "tools"
-    }
-    sources = cc.package_sources()
-    assert set(sources.values()) == expected and len(sources) == len(expected)
-    assert {"cake_cute/ops.py", "cake_cute/build.py", "kernels/config.py"} <= set(sources)
-    assert not any("tools" in name for name in sources)
-    files = {name: path.read_bytes() for name, path in sources.items()}
-    base = cc.source_digest(files)
-    for name in files:
-        assert cc.source_digest({**files, name: files[name] + b" "}) != base, name
-    renamed = dict(files)
+    kernel_files = Path(cake_cute.kernels.__file__).parent.glob("*.py")
+    kernels = {f"cake_cute.kernels.{p.stem}".removesuffix(".__init__") for p in kernel_files}
+    assert kernels | {"cake_cute.build", "cake_cute.specs", "cake_cute.vocab"} <= set(sources)
+    assert not {"cake_cute.ops", "cake_cute.autograd", "cake_cute.compile_cache"} & set(sources)
+    assert not any(".tools" in name for name in sources)
+    base = cc.source_digest(sources)
+    for name, text in sources.items():
+        assert cc.source_digest({**sources, name: text + "\n_edited = 1\n"}) != base, name
+    renamed = dict(sources)
     first = sorted(renamed)[0]
-    renamed[first + ".moved"] = renamed.pop(first)
+    renamed[first + "_moved"] = renamed.pop(first)
     assert cc.source_digest(renamed) != base
+
+
+def test_a_docstring_or_comment_edit_keeps_the_key_and_a_code_edit_changes_it():
+    sources = cc.build_sources()
+    base = cc.source_digest(sources)
+    name = "cake_cute.kernels.rmsnorm_bwd"
+    text = sources[name]
+    assert '"""RMSNorm backward:' in text and "    def gradient(self, tXrGs)" in text
+    reworded = text.replace('"""RMSNorm backward:', '"""# The RMSNorm backward,\n\nreworded:')
+    commented = reworded.replace(
+        "    def gradient(self, tXrGs)", "    # A comment.\n\n    def gradient(self, tXrGs)"
+    )
+    assert cc.source_digest({**sources, name: commented}) == base
+    edited = text.replace("    def gradient(self, tXrGs)", "    def gradient(self, tXrG_parts)")
+    assert cc.source_digest({**sources, name: edited}) != base
+    config = sources["cake_cute.kernels.config"]
+    assert "MAX_G_PARTS = 3\n" in config
+    four_parts = config.replace("MAX_G_PARTS = 3", "MAX_G_PARTS = 4")
+    assert cc.source_digest({**sources, "cake_cute.kernels.config": four_parts}) != base
+
+
+KEY = "from cake_cute import compile_cache as cc; print(cc.fingerprint(), cc.__file__)"
+
+
+def _key_and_file(env: dict, cwd: Path) -> list[str]:
+    done = subprocess.run(
+        [sys.executable, "-c", KEY], env=env, cwd=cwd, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.split()
+
+
+def test_an_editable_install_and_a_wheel_of_one_commit_share_the_key(tmp_path):
+    """A wheel built from this checkout and installed into its own directory gives the fingerprint of
+    the checkout this test imports (an editable install or a source tree): the kernels, which the
+    wheel holds inside the package, hash under the same names."""
+    repo = Path(cc.__file__).resolve().parents[1]
+    if not (repo / "pyproject.toml").is_file():
+        pytest.skip("needs the source checkout cake_cute is imported from")
+    source = tmp_path / "source"  # a copy, so that the build leaves nothing in the checkout
+    ignore = shutil.ignore_patterns("__pycache__", "kernels")  # a checkout's cake_cute/kernels link
+    shutil.copytree(repo / "cake_cute", source / "cake_cute", ignore=ignore)
+    shutil.copytree(repo / "kernels", source / "kernels", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(repo / name, source / name)
+    pip = [sys.executable, "-m", "pip", "-q", "--disable-pip-version-check"]
+    # Without PYTHONPATH: a checkout on it would offer its kernels/ folder as a top-level "kernels".
+    clean = {name: value for name, value in os.environ.items() if name != "PYTHONPATH"}
+    wheels, target = tmp_path / "wheels", tmp_path / "target"
+    build = [*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", wheels, source]
+    subprocess.run(build, env=clean, cwd=tmp_path, check=True)
+    (wheel,) = wheels.glob("*.whl")
+    subprocess.run(
+        [*pip, "install", "--no-deps", "--target", target, wheel], env=clean, cwd=tmp_path, check=True
+    )
+
+    checkout_key, checkout_file = _key_and_file(dict(os.environ), tmp_path)
+    wheel_key, wheel_file = _key_and_file({**clean, "PYTHONPATH": str(target)}, tmp_path)
+    assert Path(wheel_file).is_relative_to(target) and not Path(checkout_file).is_relative_to(target)
+    assert wheel_key == checkout_key
 
 
 def test_a_config_override_compiles_into_its_own_object(cache):

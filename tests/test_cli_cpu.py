@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from cake_cute.specs import KernelSpec, ReduceSpec
-from cake_cute.tools import cli, warmup
+from cake_cute.tools import cli, info, warmup
 from cake_cute.vocab import SUPPORTED_ARCHS
 
 WARMUP = ["warmup", "--arch", "sm_90a,sm_100a", "--dtype", "bf16", "--hidden", "4096,65536"]
@@ -262,7 +262,7 @@ def test_info_shows_the_config_per_kind(capsys):
     # Per H: (fwd, bwd) x (plain, residual), dw, the FP8 forwards of 2 recipes x (plain, residual), and
     # the 2 persistent ones at H = 4096 (rows split over clusters have none).
     assert len(lines) == 2 * 9 + 2
-    width = cli.CONFIG_LABEL_WIDTH
+    width = info.CONFIG_LABEL_WIDTH
     expected = warmup.describe_config(KernelSpec("bwd", "sm_90a", "bf16", "bf16", 65536, True))
     assert f"{'sm_90a bf16 H=65536 bwd residual':<{width}}{expected}" in lines
     reduce = warmup.describe_config(ReduceSpec("sm_90a", "fp32", 4096))

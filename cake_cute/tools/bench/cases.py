@@ -17,7 +17,7 @@ STANDARD_HIDDEN = (1024, 2048, 4096, 5120, 7168, 8192, 16384, 32768, 65536, 1310
 STANDARD_TENSOR_BYTES = 1 << 28
 SMALL_TOKENS = (1, 16, 256)
 SMALL_HIDDEN = (4096,)
-# Micro-batches of real training (issue #13): tokens per GPU x model width.
+# Micro-batches of real training: tokens per GPU x model width.
 TRAINING_TOKENS = (2048, 4096, 8192, 16384)
 TRAINING_HIDDEN = (1024, 2048, 4096, 5120, 8192, 16384)
 GRIDS = ("standard", "training", "small")
