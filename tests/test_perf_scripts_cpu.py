@@ -280,3 +280,94 @@ def test_rows_without_dw_write_no_partial_rows(perf_module, tmp_path, monkeypatc
     assert spill_free(report) and report["global_atomics"] == 0
     assert report["stg_count"] < shipped["stg_count"]
     assert report["global_store_width_bits"] == 128
+
+
+# ---- perf/headdim_scan.py: its cases and candidates, without a GPU ---------------------------------------
+
+
+def test_headdim_scan_arguments_and_cases(perf_module):
+    scan = perf_module("headdim_scan")
+    args = scan.parse_args([])
+    assert args.hidden == [64, 128, 256, 32, 96, 80, 192] and args.rows == [2**16, 2**18, 2**20]
+    assert args.vs == ["quack", "compile"] and args.dtype == "bf16"
+    args = scan.parse_args(["--hidden", "64", "--rows", "2^16,1<<18", "--vs", "none"])
+    assert scan.cases(args.hidden, args.rows) == [
+        (64, 2**16, False),
+        (64, 2**16, True),
+        (64, 2**18, False),
+        (64, 2**18, True),
+    ]
+    assert args.vs == []
+
+
+@pytest.mark.parametrize("argv", [["--vs", "torch"], ["--reps", "0"], ["--rows", "x"]])
+def test_headdim_scan_refuses_bad_arguments(perf_module, argv, capsys):
+    scan = perf_module("headdim_scan")
+    with pytest.raises(SystemExit) as exc:
+        scan.parse_args(argv)
+    assert exc.value.code == 2
+    assert argv[0] in capsys.readouterr().err
+
+
+def test_headdim_scan_out_dir_prefers_the_option_then_out(perf_module, monkeypatch, tmp_path):
+    scan = perf_module("headdim_scan")
+    monkeypatch.setenv("OUT", str(tmp_path / "env"))
+    assert (
+        scan.out_dir(scan.parse_args(["--out", str(tmp_path / "opt")]), "NVIDIA H200", "d")
+        == tmp_path / "opt"
+    )
+    assert scan.out_dir(scan.parse_args([]), "NVIDIA H200", "d") == tmp_path / "env"
+    monkeypatch.delenv("OUT")
+    assert scan.out_dir(scan.parse_args([]), "NVIDIA H200", "d").name == "d-nvidia-h200-headdim-scan"
+
+
+def _tilings(scan, hidden):
+    tune = pytest.importorskip("tune")
+    found = {}
+    for cand in scan.candidates(hidden, "bf16"):
+        parsed = tune.parse_candidate(cand.overrides, "sm_90a", "bf16", hidden)
+        found[cand.name] = parsed
+    return found
+
+
+@pytest.mark.parametrize("hidden", [32, 64, 80, 96, 128, 192, 256])
+def test_headdim_scan_candidates_cover_rows_exactly_with_128_threads(perf_module, hidden):
+    """Every candidate tiling parses into a valid override (the config's own checks), covers H with no
+    idle lane and keeps 128-thread CTAs; the rule's idle lanes (H = 80, 96, 192) get an exact cover."""
+    from cake_cute.kernels.config import backward_config, forward_config, overridden
+
+    scan = perf_module("headdim_scan")
+    parsed = _tilings(scan, hidden)
+    assert {"dw1024", "ctas2"} <= set(parsed)
+    for name, kinds in parsed.items():
+        for kind, choices in kinds.items():
+            if "tiling" not in choices:
+                continue
+            t = choices["tiling"]
+            assert t.covers_row_exactly and t.threads_per_cta == 128 and t.threads_per_row <= 32, name
+            with overridden(kind, "sm_90a", "bf16", hidden, **choices):
+                config = (forward_config if kind == "fwd" else backward_config)(
+                    *(
+                        ("sm_90a", "bf16", hidden)
+                        if kind == "fwd"
+                        else ("sm_90a", "bf16", "bf16", hidden, True)
+                    )
+                )
+                assert config.tiling == t
+    ragged = not backward_config("sm_90a", "bf16", "bf16", hidden, False).tiling.covers_row_exactly
+    assert ("bwd-exact" in parsed) == ragged
+
+
+def test_headdim_scan_summary_picks_the_best_candidate(perf_module):
+    scan = perf_module("headdim_scan")
+    base = {"H": 64, "T": 65536, "residual": False, "op": "bwd"}
+    rows = [
+        base | {"impl": "cake_cute", "candidate": "default", "frac_copy": 0.7},
+        base | {"impl": "cake_cute", "candidate": "dw1024", "frac_copy": 0.85, "deterministic": True},
+        base | {"impl": "cake_cute", "candidate": "ctas2", "frac_copy": 0.8, "batch_invariant": True},
+        base | {"impl": "quack", "candidate": "", "frac_copy": 0.88},
+    ]
+    line = scan.summary(rows).splitlines()[2].split()
+    assert line == ["64", "65536", "off", "bwd", "0.700", "dw1024", "0.850", "0.880", "-", "ok"]
+    rows[1]["batch_invariant"] = False
+    assert scan.summary(rows).splitlines()[2].endswith("FAIL")

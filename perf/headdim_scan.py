@@ -1,0 +1,478 @@
+"""Head-dim scan: the forward's and backward's current config and candidate configs at per-head norm
+shapes (H = 32 ... 256), against quack, torch.compile and a device copy of the same bytes.
+
+    python perf/headdim_scan.py [--hidden 64,128] [--rows 2^16,2^18,2^20] [--vs quack,compile]
+                                [--out DIR] [--budget-s 210] [--list]
+
+For every (H, T, residual off/on): one copy ceiling per op, then each implementation's autograd call,
+timed the way ``cake-cute bench`` times a row (``tools.bench.runner.Sweep.measure``: input sets rotated
+past the L2, device time between CUDA events behind a spin). cake_cute runs its current config
+(``default``) and every candidate of ``candidates(H, dtype)``, each inside
+``kernels.config.overridden`` (its own compile-cache entry; nothing patched). Each candidate is also
+checked through the functional API on the first input set: the same bits on a second call
+(determinism), a row's outputs the same bits when it is one of fewer rows (batch invariance: the first
+``T // 3 + 5`` rows alone), and whether its outputs are the default's bits (y, rstd, h_new for the
+forward; dx for the backward, whose dw is compared with an FP64 reference instead, since another
+number of partial rows sums it in another order).
+
+torch.compile compiles once per (H, residual) with the row count dynamic (``mark_dynamic``), so the
+scan does not pay one inductor compile per shape; a peer that does not import is skipped with a note.
+Cases run in the order given (the default puts H = 64, 128, 256 first) and the scan stops starting new
+ones after ``--budget-s`` seconds; the JSON (``$OUT/headdim-scan.json``, the sweep's row schema plus
+``candidate``, ``overrides`` and the checks) is rewritten after every case, the log
+(``headdim-scan.log``) line by line, so a timeout keeps what was measured. Without ``$OUT`` and
+``--out`` the files go to perf/results/<date>-<gpu>-headdim-scan/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import os
+import sys
+import time
+from argparse import Namespace
+from contextlib import ExitStack
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from cake_cute.kernels.config import backward_config, forward_config, overridden
+from cake_cute.kernels.tiling import MIN_THREADS_PER_CTA, RowTiling
+from cake_cute.tools.bench.cases import parse_count
+from cake_cute.vocab import DTYPE_NAMES
+
+# H = 64 is where the backward trails quack most; then the head_dim of most models, then the rest.
+HIDDEN = (64, 128, 256, 32, 96, 80, 192)
+ROWS = (1 << 16, 1 << 18, 1 << 20)
+PEERS = ("quack", "compile")
+ARCH = "sm_90a"  # the candidates are Hopper configs (the GPU round's H200)
+REPS, PROF_REPS = 2, 5
+EPS = 1e-6
+# A backward CTA's lanes hold at most this many vectors of each of g and h (the rule's budget is four
+# 16-byte vectors; an exact cover of H = 80 takes five).
+MAX_BWD_VECS = 5
+MAX_FWD_VECS = 8
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A named set of override choices (``perf/tune.py``'s ``kind.choice=value,...`` text) for one op."""
+
+    name: str
+    op: str
+    overrides: str
+
+
+def _tiling_text(t: RowTiling) -> str:
+    return f"{t.threads_per_row}:{t.vecs_per_thread}:{t.rows_per_cta}"
+
+
+def _lanes(tpr: int, vpt: int, base: RowTiling) -> RowTiling:
+    """``base`` with ``tpr`` lanes of ``vpt`` vectors per row and as many rows as fill 128 threads."""
+    return replace(
+        base, threads_per_row=tpr, vecs_per_thread=vpt, rows_per_cta=max(1, MIN_THREADS_PER_CTA // tpr)
+    )
+
+
+def exact_cover(base: RowTiling, max_vecs: int) -> RowTiling | None:
+    """The tiling of the most power-of-two lanes (at most a warp) that cover the row with no idle lane
+    and at most ``max_vecs`` vectors each; None where ``base`` already covers it exactly or none does."""
+    if base.covers_row_exactly or base.cluster_n > 1 or base.hidden % base.vec:
+        return None
+    vecs = base.hidden // base.vec
+    fits = [tpr for tpr in (32, 16, 8, 4, 2, 1) if vecs % tpr == 0 and vecs // tpr <= max_vecs]
+    return _lanes(fits[0], vecs // fits[0], base) if fits else None
+
+
+def one_vector_lanes(base: RowTiling) -> RowTiling | None:
+    """One vector per lane (twice or more the lanes of ``base``), where that covers the row exactly
+    within a warp; None where ``base`` already has one vector per lane."""
+    if base.vecs_per_thread == 1 or base.hidden % base.vec or base.cluster_n > 1:
+        return None
+    vecs = base.hidden // base.vec
+    if vecs > 32 or vecs & (vecs - 1):
+        return None
+    return _lanes(vecs, 1, base)
+
+
+def forward_candidates(hidden: int, dtype: str, arch: str = ARCH) -> list[Candidate]:
+    """Forward tilings to time against the rule's: an exact cover where the rule's lanes overrun H, and
+    lanes of half and of one vector each (more lanes per row, fewer rows per CTA)."""
+    base = forward_config(arch, dtype, hidden).tiling
+    found = []
+    exact = exact_cover(base, MAX_FWD_VECS)
+    if exact is not None:
+        found.append(("fwd-exact", exact))
+    if base.covers_row_exactly and base.vecs_per_thread % 2 == 0 and base.vecs_per_thread > 2:
+        found.append(("fwd-half", _lanes(base.threads_per_row * 2, base.vecs_per_thread // 2, base)))
+    one = one_vector_lanes(base)
+    if one is not None:
+        found.append(("fwd-vpt1", one))
+    return [Candidate(name, "fwd", f"fwd.tiling={_tiling_text(t)}") for name, t in found]
+
+
+def backward_candidates(hidden: int, dtype: str, arch: str = ARCH) -> list[Candidate]:
+    """Backward configs to time against the rule's. The rule's small-H backward writes one FP32 partial
+    row of dW per row of every resident CTA (528 CTAs x 32 rows at bf16 H = 64), which ``dw_reduce``
+    sums with H / 4 CTAs; the candidates cut that in three ways and fix the rule's idle lanes:
+
+    - ``dw1024``: 1024-thread reduction CTAs (four times the partial rows in flight per CTA);
+    - ``ctas2``: two CTAs per SM (half the partial rows, half the warps);
+    - ``bwd-exact``: an exact cover where the rule's lanes overrun H (H = 80, 96, 192);
+    - ``bwd-vpt1``: one vector per lane (half the rows per CTA, so half the partial rows);
+    - the exact or one-vector tiling together with ``dw1024``, and with ``ctas2`` too (the fewest
+      partial rows)."""
+    base = backward_config(arch, dtype, dtype, hidden, False).tiling
+    found = [Candidate("dw1024", "bwd", "dw.threads=1024"), Candidate("ctas2", "bwd", "bwd.ctas_per_sm=2")]
+    tiling = None
+    exact = exact_cover(base, MAX_BWD_VECS)
+    if exact is not None:
+        tiling = exact
+        found.append(Candidate("bwd-exact", "bwd", f"bwd.tiling={_tiling_text(exact)}"))
+    one = one_vector_lanes(base)
+    if one is not None:
+        tiling = one
+        found.append(Candidate("bwd-vpt1", "bwd", f"bwd.tiling={_tiling_text(one)}"))
+    if tiling is not None:
+        name = "bwd-exact" if tiling is exact else "bwd-vpt1"
+        text = f"bwd.tiling={_tiling_text(tiling)}"
+        found.append(Candidate(f"{name}+dw1024", "bwd", f"{text},dw.threads=1024"))
+        found.append(Candidate(f"{name}+ctas2+dw1024", "bwd", f"{text},bwd.ctas_per_sm=2,dw.threads=1024"))
+    return found
+
+
+def candidates(hidden: int, dtype: str, arch: str = ARCH) -> list[Candidate]:
+    """Every candidate of one (H, dtype): the forward's, then the backward's."""
+    return forward_candidates(hidden, dtype, arch) + backward_candidates(hidden, dtype, arch)
+
+
+def cases(hidden: list[int], rows: list[int]) -> list[tuple[int, int, bool]]:
+    """(H, T, residual) in scan order: H outer, T, then residual off and on."""
+    return [(h, t, residual) for h in hidden for t in rows for residual in (False, True)]
+
+
+def _count_list(text: str) -> list[int]:
+    values = [parse_count(p) for p in text.split(",") if p.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of positive counts, got {text!r}")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--hidden", type=_count_list, default=list(HIDDEN), help="H values, in scan order")
+    p.add_argument("--rows", type=_count_list, default=list(ROWS), help="T values (2^16 forms accepted)")
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default="bf16")
+    p.add_argument("--vs", default=",".join(PEERS), help="peers out of quack,compile,liger ('none' for none)")
+    p.add_argument("--out", type=Path, help="folder of the JSON and log (default: $OUT, else perf/results)")
+    p.add_argument("--budget-s", type=float, default=210.0, help="start no case after this many seconds")
+    p.add_argument("--reps", type=int, default=PROF_REPS, help="device-timed calls per row")
+    p.add_argument("--list", action="store_true", help="print the cases and candidates and exit (no GPU)")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> Namespace:
+    """The scan's arguments; ``vs`` becomes a list, an unknown peer is a usage error (exit 2)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.vs = [] if args.vs == "none" else [p.strip() for p in args.vs.split(",") if p.strip()]
+    unknown = [p for p in args.vs if p not in ("quack", "compile", "liger")]
+    if unknown:
+        parser.error(f"--vs: unknown peer {', '.join(unknown)} (expected quack, compile, liger or none)")
+    if args.reps < 1:
+        parser.error("--reps must be >= 1")
+    return args
+
+
+def out_dir(args: Namespace, gpu: str, date: str) -> Path:
+    """``--out``, else ``$OUT``, else perf/results/<date>-<gpu>-headdim-scan/."""
+    from cake_cute.tools.bench.results import REPO, slugify
+
+    if args.out is not None:
+        return args.out
+    if os.environ.get("OUT"):
+        return Path(os.environ["OUT"])
+    return REPO / "perf" / "results" / f"{date}-{slugify(gpu)}-headdim-scan"
+
+
+def listing(args: Namespace) -> str:
+    """The cases and every H's candidates, as text."""
+    lines = [f"{len(cases(args.hidden, args.rows))} cases: H {args.hidden} x T {args.rows} x residual off/on"]
+    for h in args.hidden:
+        for c in candidates(h, args.dtype):
+            lines.append(f"H={h} {c.op} {c.name}: {c.overrides}")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------ on a GPU
+
+
+class Log:
+    """Lines to stdout and to the log file at once."""
+
+    def __init__(self, path: Path):
+        self.file = open(path, "a", buffering=1)
+
+    def __call__(self, text: str) -> None:
+        print(text, flush=True)
+        self.file.write(text + "\n")
+
+
+def _overrides(stack: ExitStack, text: str, dtype: str, hidden: int) -> None:
+    """Enter the override contexts of a candidate's text; a dW entry for both of dW's output dtypes
+    (FP32 for the functional API, w's dtype for autograd)."""
+    from tune import parse_candidate
+
+    for kind, choices in parse_candidate(text, ARCH, dtype, hidden).items():
+        for entry_dtype in {"fp32", dtype} if kind == "dw" else {dtype}:
+            stack.enter_context(overridden(kind, ARCH, entry_dtype, hidden, **choices))
+
+
+def _functional(torch, op: str, t: dict, rows: int | None = None) -> tuple:
+    """The functional API's outputs on the first ``rows`` rows of input set ``t`` (y, rstd[, h_new] or
+    dx, dw), cloned."""
+    import cake_cute
+
+    x, w, r = t["x"].detach()[:rows], t["w"].detach(), t.get("r")
+    r = None if r is None else r.detach()[:rows]
+    out = cake_cute.cake_rmsnorm_train_forward(x, w, EPS, residual=r)
+    if op == "bwd":
+        h = out[2] if r is not None else x
+        gh = t["gh"][:rows] if r is not None else None
+        out = cake_cute.cake_rmsnorm_train_backward(t["g"][:rows], h, w, out[1], g_residual=gh)
+    return tuple(o.clone() for o in out)
+
+
+def _dw_error(torch, t: dict, dw) -> float:
+    """|dw - FP64 dw| / |FP64 dw| on input set ``t``."""
+    x, r = t["x"].detach().double(), t.get("r")
+    h = x if r is None else (t["x"].detach() + r.detach()).double()
+    rstd = torch.rsqrt(h.square().mean(-1, keepdim=True) + EPS)
+    want = (t["g"].double() * h * rstd).sum(0)
+    return ((dw.double() - want).norm() / want.norm()).item()
+
+
+def checks(torch, op: str, t: dict, default: tuple | None) -> dict:
+    """Determinism, batch invariance and agreement with the default config's bits (see the module
+    docstring) of the config in force, on input set ``t``."""
+    first, second = _functional(torch, op, t), _functional(torch, op, t)
+    rows = t["x"].shape[0] // 3 + 5
+    fewer = _functional(torch, op, t, rows)
+    per_row = first[:1] if op == "bwd" else first  # dw sums every row: not a per-row output
+    found = {
+        "deterministic": all(torch.equal(a, b) for a, b in zip(first, second)),
+        "batch_invariant": all(torch.equal(a[:rows], b) for a, b in zip(per_row, fewer)),
+    }
+    if default is not None:
+        found["bitwise_default"] = all(torch.equal(a, b) for a, b in zip(per_row, default[: len(per_row)]))
+    if op == "bwd":
+        found["dw_rel_err"] = float(f"{_dw_error(torch, t, first[1]):.3e}")
+    return found
+
+
+class RowsDynamicCompile:
+    """torch.compile of the sweep's FP32 reference with the row count dynamic: one graph per (H, dtype,
+    residual) serves every T."""
+
+    name = "compile"
+
+    def __init__(self, torch, eps):
+        from cake_cute.tools.bench.peers import FACTORIES
+
+        self._peer = FACTORIES["compile"](torch, eps)  # its settings and its reference functions
+        self._torch = torch
+        self._graphs: dict = {}
+
+    def forward(self, x, w, residual):
+        key = (x.shape[-1], x.dtype, w.dtype, residual is not None)
+        if key not in self._graphs:
+            peer = self._peer
+            src = peer._plain if residual is None else peer._with_residual
+            self._graphs[key] = self._torch.compile(src, dynamic=False, fullgraph=True)
+        fn = self._graphs[key]
+        self._torch._dynamo.mark_dynamic(x, 0)
+        if residual is None:
+            return (fn(x, w),)
+        self._torch._dynamo.mark_dynamic(residual, 0)
+        return fn(x, residual, w)
+
+    def after_backward(self, tensors) -> None:
+        """Nothing to restore."""
+
+
+class Scan:
+    """The state of one scan on the GPU: the sweep that times rows, the log, the rows so far."""
+
+    def __init__(self, args: Namespace, torch, log: Log):
+        from cake_cute.tools.bench.runner import Sweep
+
+        self.args, self.torch, self.log = args, torch, log
+        sweep_args = Namespace(grid="headdim", reps=REPS, prof_reps=args.reps, warmup=1, eps=EPS)
+        self.sweep = Sweep(sweep_args, torch)
+        self.rows: list[dict] = []
+        self.peers = self._peers()
+
+    def note(self, text: str) -> None:
+        """Log a note and keep it for the results file."""
+        self.sweep.notes.append(text)
+        self.log(f"note: {text}")
+
+    def _peers(self) -> list:
+        from cake_cute.tools.bench.peers import FACTORIES
+
+        found = []
+        for name in self.args.vs:
+            try:
+                found.append(
+                    RowsDynamicCompile(self.torch, EPS)
+                    if name == "compile"
+                    else FACTORIES[name](self.torch, EPS)
+                )
+            except Exception as e:
+                self.note(f"{name}: skipped, import failed ({type(e).__name__}: {str(e)[:200]})")
+        return found
+
+    def _row(self, impl, op: str, residual: bool, shape, sets, copy: dict, extra: dict) -> None:
+        start = time.perf_counter()
+        row = self.sweep.measure(impl, op, residual, self.args.dtype, shape, sets, copy)
+        row.update(extra)
+        self.rows.append(row)
+        frac = f"{row['frac_copy']:.3f}" if "frac_copy" in row else row.get("error", "?")[:120]
+        checks_text = " ".join(f"{k}={v}" for k, v in extra.items() if k not in ("candidate", "overrides"))
+        self.log(
+            f"H={shape[1]:<4} T={shape[0]:<8} res={int(residual)} {op} {row['impl']:<9} "
+            f"{extra.get('candidate', ''):<18} gpu_us={row.get('gpu_us', float('nan')):9.2f} "
+            f"frac_copy={frac} "
+            f"{checks_text} [{time.perf_counter() - start:.1f} s]"
+        )
+
+    def case(self, hidden: int, rows: int, residual: bool) -> None:
+        """Every row of one (H, T, residual)."""
+        from cake_cute.tools.bench.cases import model_bytes
+        from cake_cute.tools.bench.peers import FACTORIES
+
+        torch, dtype, shape = self.torch, self.args.dtype, (rows, hidden)
+        sets = self.sweep.input_sets(rows, hidden, dtype, residual)
+        copies = {
+            op: self.sweep.timer.copy_ceiling(model_bytes(op, residual, rows, hidden, dtype), self.args.reps)
+            for op in ("fwd", "bwd")
+        }
+        cake = FACTORIES["cake_cute"](torch, EPS)
+        defaults = {}
+        for op in ("fwd", "bwd"):
+            defaults[op] = _functional(torch, op, sets[0])
+            extra = {"candidate": "default", "overrides": ""} | checks(torch, op, sets[0], None)
+            self._row(cake, op, residual, shape, sets, copies[op], extra)
+        for cand in candidates(hidden, dtype):
+            extra = {"candidate": cand.name, "overrides": cand.overrides}
+            with ExitStack() as stack:
+                try:
+                    _overrides(stack, cand.overrides, dtype, hidden)
+                    backward_config(ARCH, dtype, dtype, hidden, residual)
+                    extra |= checks(torch, cand.op, sets[0], defaults[cand.op])
+                except Exception as e:  # a choice this mode cannot take, or a compile failure
+                    self.sweep.check_context(e, str(e))
+                    reason = f"{type(e).__name__}: {str(e)[:200]}"
+                    self.log(f"H={hidden} T={rows} res={int(residual)} {cand.name}: skipped ({reason})")
+                    continue
+                self._row(cake, cand.op, residual, shape, sets, copies[cand.op], extra)
+        for peer in self.peers:
+            for op in ("fwd", "bwd"):
+                self._row(peer, op, residual, shape, sets, copies[op], {"candidate": ""})
+        del sets
+        torch.cuda.empty_cache()
+
+
+def summary(rows: list[dict]) -> str:
+    """One line per (H, T, residual, op): the default's fraction of the copy, the best candidate's,
+    the peers', and whether every candidate passed its checks."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["H"], r["T"], r["residual"], r["op"]), []).append(r)
+    head = (
+        f"{'H':>4} {'T':>8} res op  {'default':>7} {'best candidate':<24} {'quack':>6} {'compile':>7} checks"
+    )
+    lines = [head, "-" * len(head)]
+    for (h, t, res, op), group in groups.items():
+        frac = {(r["impl"], r.get("candidate", "")): r.get("frac_copy") for r in group}
+        default = frac.get(("cake_cute", "default"))
+        cands = [r for r in group if r["impl"] == "cake_cute" and r.get("candidate") not in ("default", None)]
+        best = max((r for r in cands if "frac_copy" in r), key=lambda r: r["frac_copy"], default=None)
+        best_text = f"{best['candidate']} {best['frac_copy']:.3f}" if best else "-"
+        ok = all(r.get("deterministic", True) and r.get("batch_invariant", True) for r in group)
+
+        def fmt(v):
+            return f"{v:.3f}" if isinstance(v, float) else "-"
+
+        lines.append(
+            f"{h:>4} {t:>8} {'on ' if res else 'off'} {op} {fmt(default):>7} {best_text:<24} "
+            f"{fmt(frac.get(('quack', ''))):>6} {fmt(frac.get(('compile', ''))):>7} {'ok' if ok else 'FAIL'}"
+        )
+    return "\n".join(lines)
+
+
+def run(args: Namespace) -> int:
+    import torch
+
+    from cake_cute.tools.bench.peers import versions
+    from cake_cute.tools.bench.results import TIMING_METHOD, git_commit, write_json
+
+    start = time.perf_counter()
+    props = torch.cuda.get_device_properties(0)
+    date = _dt.date.today().isoformat()
+    folder = out_dir(args, props.name, date)
+    folder.mkdir(parents=True, exist_ok=True)
+    log = Log(folder / "headdim-scan.log")
+    scan = Scan(args, torch, log)
+    log(f"{props.name}, commit {git_commit()}, peers {[p.name for p in scan.peers]}\n{listing(args)}")
+    scan.sweep.timer.warm_clocks()
+    todo = cases(args.hidden, args.rows)
+    header = {
+        "gpu": props.name,
+        "commit": git_commit(),
+        "date": date,
+        "sm_count": props.multi_processor_count,
+    }
+    for k, (hidden, rows, residual) in enumerate(todo):
+        if time.perf_counter() - start > args.budget_s:
+            scan.note(f"budget of {args.budget_s} s spent: {len(todo) - k} cases not run, from {todo[k]}")
+            break
+        if scan.sweep.fatal:
+            break
+        try:
+            scan.case(hidden, rows, residual)
+        except Exception as e:
+            scan.note(f"H={hidden} T={rows} residual={residual}: {type(e).__name__}: {str(e)[:300]}")
+            scan.sweep.check_context(e, str(e))
+        doc = {
+            **header,
+            "grid": "headdim-scan",
+            "versions": versions(),
+            "args": {k: str(v) for k, v in vars(args).items()},
+            "notes": scan.sweep.notes,
+            "method": TIMING_METHOD,
+            "elapsed_s": round(time.perf_counter() - start, 1),
+            "rows": scan.rows,
+        }
+        write_json(folder / "headdim-scan.json", doc)
+    log("\n" + summary(scan.rows))
+    log(f"{len(scan.rows)} rows in {time.perf_counter() - start:.0f} s -> {folder}")
+    return 1 if scan.sweep.fatal else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.list:
+        print(listing(args))
+        return 0
+    import torch
+
+    if not torch.cuda.is_available():
+        print("perf/headdim_scan.py needs a CUDA GPU (--list works without one)", file=sys.stderr)
+        return 2
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # perf/tune.py's candidate parser
+    sys.exit(main())
