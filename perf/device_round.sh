@@ -31,6 +31,9 @@
 #   smallt       perf/tune.py forward / backward tilings of more lanes per row at T = 16 and 256, H = 4096
 #                (issue #13: forward <= 2 us, backward <= 4 / 5 us of kernel time)
 #   distributed  the two-GPU matrix and training benchmark (torchrun, NCCL; needs 2 GPUs)
+#   headdimscan  perf/headdim_scan.py: the forward's and backward's configs at H = 32..256 (per-head q/k norms)
+#                against their candidates, quack, torch.compile and the copy (about 4 minutes)
+#   headdimgrid  `cake-cute bench --grid headdim` (perf/sweep.py) for bf16
 # $CAKE_CUTE_COMMIT labels every results file (the copied tree's .git may be stale).
 set -uo pipefail
 : "${OUT:?set OUT to the folder that comes back}"
@@ -166,6 +169,17 @@ section_distributed() {
   bounded 240 "$d/matrix-compile.log" torchrun --nproc_per_node=2 perf/distributed/matrix.py \
     --only 7- --tag compile --out "$d"
   bounded 240 "$d/train.log" torchrun --nproc_per_node=2 perf/distributed/train_bench.py --out "$d"
+}
+
+section_headdimscan() {
+  local d=$RES/headdimscan && mkdir -p "$d"
+  bounded 250 "$d/run.log" python3 perf/headdim_scan.py --out "$d" --budget-s 200
+}
+
+section_headdimgrid() {
+  local d=$RES/headdimgrid && mkdir -p "$d"
+  bounded 240 "$d/sweep.log" python3 perf/sweep.py --grid headdim --json "$d/$day-nvidia-h200-headdim.json" \
+    --plot "$d/$day-nvidia-h200-headdim.png"
 }
 
 for section in "$@"; do

@@ -15,8 +15,10 @@ checked through the functional API on the first input set: the same bits on a se
 forward; dx for the backward, whose dw is compared with an FP64 reference instead, since another
 number of partial rows sums it in another order).
 
-torch.compile compiles once per (H, residual) with the row count dynamic (``mark_dynamic``), so the
-scan does not pay one inductor compile per shape; a peer that does not import is skipped with a note.
+torch.compile compiles once per (H, residual) with the row count dynamic (``mark_dynamic``; the sweep's
+peer compiles every shape statically), so the scan does not pay one inductor compile per shape; a
+peer that does not import is skipped with a note. Every cake_cute kernel is compiled before any peer
+is imported.
 Cases run in the order given (the default puts H = 64, 128, 256 first) and the scan stops starting new
 ones after ``--budget-s`` seconds; the JSON (``$OUT/headdim-scan.json``, the sweep's row schema plus
 ``candidate``, ``overrides`` and the checks) is rewritten after every case, the log
@@ -288,7 +290,7 @@ class RowsDynamicCompile:
         if key not in self._graphs:
             peer = self._peer
             src = peer._plain if residual is None else peer._with_residual
-            self._graphs[key] = self._torch.compile(src, dynamic=False, fullgraph=True)
+            self._graphs[key] = self._torch.compile(src, fullgraph=True)
         fn = self._graphs[key]
         self._torch._dynamo.mark_dynamic(x, 0)
         if residual is None:
@@ -310,17 +312,42 @@ class Scan:
         sweep_args = Namespace(grid="headdim", reps=REPS, prof_reps=args.reps, warmup=1, eps=EPS)
         self.sweep = Sweep(sweep_args, torch)
         self.rows: list[dict] = []
-        self.peers = self._peers()
+        self.peers: list = []
 
     def note(self, text: str) -> None:
         """Log a note and keep it for the results file."""
         self.sweep.notes.append(text)
         self.log(f"note: {text}")
 
-    def _peers(self) -> list:
+    def precompile(self) -> float:
+        """Compile every cake_cute kernel of the scan (the default's and each candidate's, both dW
+        output dtypes) on a few rows, before any peer is imported (quack patches CuTe classes
+        process-wide on import); returns the seconds it took."""
+        import cake_cute
+
+        torch, dtype, start = self.torch, self.args.dtype, time.perf_counter()
+        for hidden in self.args.hidden:
+            for residual in (False, True):
+                t = self.sweep.input_sets(8, hidden, dtype, residual)[0]
+                for cand in [Candidate("default", "", "default"), *candidates(hidden, dtype)]:
+                    with ExitStack() as stack:
+                        try:
+                            _overrides(stack, cand.overrides, dtype, hidden)
+                            _functional(torch, "bwd", t)
+                            out = cake_cute.cake_rmsnorm(t["x"], t["w"], EPS, residual=t.get("r"))
+                            out = out if isinstance(out, tuple) else (out,)
+                            torch.autograd.grad(out, (t["x"], t["w"]), [torch.ones_like(o) for o in out])
+                        except Exception as e:
+                            reason = f"{type(e).__name__}: {str(e)[:200]}"
+                            self.note(f"precompile H={hidden} residual={residual} {cand.name}: {reason}")
+        torch.cuda.synchronize()
+        return round(time.perf_counter() - start, 1)
+
+    def import_peers(self) -> None:
+        """The peers of ``--vs`` that import; a note for each that does not."""
         from cake_cute.tools.bench.peers import FACTORIES
 
-        found = []
+        found = self.peers
         for name in self.args.vs:
             try:
                 found.append(
@@ -330,7 +357,6 @@ class Scan:
                 )
             except Exception as e:
                 self.note(f"{name}: skipped, import failed ({type(e).__name__}: {str(e)[:200]})")
-        return found
 
     def _row(self, impl, op: str, residual: bool, shape, sets, copy: dict, extra: dict) -> None:
         start = time.perf_counter()
@@ -364,6 +390,8 @@ class Scan:
             extra = {"candidate": "default", "overrides": ""} | checks(torch, op, sets[0], None)
             self._row(cake, op, residual, shape, sets, copies[op], extra)
         for cand in candidates(hidden, dtype):
+            if self.sweep.fatal:
+                return
             extra = {"candidate": cand.name, "overrides": cand.overrides}
             with ExitStack() as stack:
                 try:
@@ -424,7 +452,10 @@ def run(args: Namespace) -> int:
     folder.mkdir(parents=True, exist_ok=True)
     log = Log(folder / "headdim-scan.log")
     scan = Scan(args, torch, log)
-    log(f"{props.name}, commit {git_commit()}, peers {[p.name for p in scan.peers]}\n{listing(args)}")
+    log(f"{props.name}, commit {git_commit()}\n{listing(args)}")
+    log(f"cake_cute kernels compiled in {scan.precompile()} s")
+    scan.import_peers()
+    log(f"peers: {[p.name for p in scan.peers]}")
     scan.sweep.timer.warm_clocks()
     todo = cases(args.hidden, args.rows)
     header = {

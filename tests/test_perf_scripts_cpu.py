@@ -371,3 +371,73 @@ def test_headdim_scan_summary_picks_the_best_candidate(perf_module):
     assert line == ["64", "65536", "off", "bwd", "0.700", "dw1024", "0.850", "0.880", "-", "ok"]
     rows[1]["batch_invariant"] = False
     assert scan.summary(rows).splitlines()[2].endswith("FAIL")
+
+
+class _FakeSweep:
+    """What ``headdim_scan.Scan`` asks of a sweep, on CPU: rows record the backward config in force."""
+
+    fatal = None
+
+    def __init__(self):
+        import types
+
+        self.notes = []
+        self.timer = types.SimpleNamespace(copy_ceiling=lambda nbytes, reps: {"copy_tbps": 4.0})
+
+    def input_sets(self, rows, hidden, dtype, residual):
+        import torch
+
+        names = ("x", "w", "g") + (("r", "gh") if residual else ())
+        return [{n: torch.randn(hidden if n == "w" else (rows, hidden)) for n in names}]
+
+    def measure(self, impl, op, residual, dtype, shape, sets, copy):
+        from cake_cute.kernels.config import backward_config, forward_config, reduce_config
+
+        config = (
+            forward_config("sm_90a", dtype, shape[1]).describe()
+            if op == "fwd"
+            else backward_config("sm_90a", dtype, dtype, shape[1], residual).describe()
+            + " "
+            + reduce_config("sm_90a", dtype, shape[1]).describe()
+        )
+        return {"impl": impl.name, "op": op, "residual": residual, "T": shape[0], "H": shape[1]} | {
+            "frac_copy": 0.5,
+            "config": config,
+        }
+
+    def check_context(self, exc, message):
+        raise AssertionError(message)
+
+
+def test_headdim_scan_case_times_each_candidate_under_its_overrides(perf_module, monkeypatch):
+    import types
+
+    import torch
+
+    scan_mod = perf_module("headdim_scan")
+
+    def functional(torch, op, t, rows=None):
+        x = t["x"][:rows].clone()
+        return (x, t["x"].sum(0)) if op == "bwd" else (x, x.sum(1))
+
+    monkeypatch.setattr(scan_mod, "_functional", functional)
+    lines = []
+    scan = object.__new__(scan_mod.Scan)
+    scan.args = types.SimpleNamespace(dtype="bf16", reps=1)
+    scan.torch, scan.log, scan.sweep, scan.rows = torch, lines.append, _FakeSweep(), []
+    scan.peers = [types.SimpleNamespace(name="quack")]
+    scan.case(64, 40, True)
+    by_name = {(r["candidate"], r["op"]): r for r in scan.rows}
+    assert set(by_name) == {("default", "fwd"), ("default", "bwd"), ("", "fwd"), ("", "bwd")} | {
+        (c.name, c.op) for c in scan_mod.candidates(64, "bf16")
+    }
+    assert "tpr=4 vpt=2" in by_name["default", "bwd"]["config"]
+    assert "row_lanes=256" in by_name["default", "bwd"]["config"]
+    assert "tpr=8 vpt=1" in by_name["bwd-vpt1+dw1024", "bwd"]["config"]
+    assert "row_lanes=1024" in by_name["bwd-vpt1+dw1024", "bwd"]["config"]
+    assert "ctas/SM=2" in by_name["ctas2", "bwd"]["config"]
+    assert "tpr=8 vpt=1" in by_name["fwd-vpt1", "fwd"]["config"]
+    candidate = by_name["bwd-vpt1", "bwd"]
+    assert candidate["deterministic"] and candidate["batch_invariant"] and candidate["bitwise_default"]
+    assert candidate["dw_rel_err"] >= 0 and len(lines) == len(scan.rows)
+    assert "ok" in scan_mod.summary(scan.rows)
