@@ -441,3 +441,49 @@ def test_headdim_scan_case_times_each_candidate_under_its_overrides(perf_module,
     assert candidate["deterministic"] and candidate["batch_invariant"] and candidate["bitwise_default"]
     assert candidate["dw_rel_err"] >= 0 and len(lines) == len(scan.rows)
     assert "ok" in scan_mod.summary(scan.rows)
+
+
+# ---- perf/model_step.py --model qwen3: q/k norms over every head ----------------------------------------
+
+
+def test_model_step_qwen3_shapes_have_grouped_heads_of_128(perf_module):
+    model_step = perf_module("model_step")
+    full = model_step.shapes_for("qwen3", [2048, 4096], 2048, tiny=False)
+    assert [(s.hidden, s.heads, s.kv_heads, s.head_dim, s.ffn, s.tokens) for s in full] == [
+        (2048, 16, 8, 128, 6144, 8192),
+        (4096, 32, 8, 128, 12288, 8192),
+    ]
+    llama = model_step.shapes_for("llama", [4096], 2048, tiny=False)[0]
+    assert (llama.kv_heads, llama.ffn) == (32, 11008)
+    tiny = model_step.shapes_for("qwen3", [], 32, tiny=True)[0]
+    assert (tiny.heads, tiny.kv_heads, tiny.head_dim) == (4, 2, 16)
+
+
+def test_model_step_qk_torch_keeps_the_models_own_head_norms(perf_module):
+    pytest.importorskip("transformers")
+    import torch
+
+    import cake_cute
+
+    model_step = perf_module("model_step")
+    shape = model_step.shapes_for("qwen3", [], 32, tiny=True)[0]
+    model, _ = model_step.build_model(shape, "cake_cute_qk_torch", torch.device("cpu"))
+    heads = model_step.per_head_norms(model)
+    assert len(heads) == 2 * shape.layers
+    assert all(type(norm).__name__ == "Qwen3RMSNorm" for _, _, norm in heads)
+    layer = model.model.layers[0]
+    assert isinstance(layer.input_layernorm, cake_cute.CakeRMSNorm)
+    swapped, _ = model_step.build_model(shape, "cake_cute", torch.device("cpu"))
+    assert all(isinstance(norm, cake_cute.CakeRMSNorm) for _, _, norm in model_step.per_head_norms(swapped))
+
+
+def test_model_step_qwen3_tiny_on_cpu(tmp_path):
+    pytest.importorskip("transformers")
+    out = tmp_path / "model-step.json"
+    _run(
+        "model_step.py", str(out), "--device", "cpu", "--tiny", "--model", "qwen3", "--modes", "eager",
+        "--warmup", "1", "--steps", "1", "--impls", "torch,cake_cute,cake_cute_qk_torch",
+    )  # fmt: skip
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["impl"] for r in rows] == ["torch", "cake_cute", "cake_cute_qk_torch"]
+    assert all(r["model"] == "qwen3" and r["compile_scope"] == "model" and r["step_ms"] > 0 for r in rows)
