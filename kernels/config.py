@@ -94,13 +94,16 @@ class BackwardConfig:
 @dataclass(frozen=True)
 class ReduceConfig:
     """The dW reduction: a CTA of ``threads`` threads covers ``col_lanes`` vectors of ``vec`` FP32
-    columns and splits the partial rows over ``threads // col_lanes`` row lanes."""
+    columns and splits the partial rows over ``threads // col_lanes`` row lanes. A row lane loads
+    ``rows_in_flight`` of its partial rows before it adds them (1: one at a time; the order of the
+    additions, and so dw's bits, are the same for every value)."""
 
     hidden: int
     vec: int
     col_lanes: int
     after_backward: bool  # launched with programmatic dependent launch behind the backward
     threads: int = 256
+    rows_in_flight: int = 1
 
     @property
     def row_lanes(self) -> int:
@@ -112,7 +115,8 @@ class ReduceConfig:
 
     def describe(self) -> str:
         pdl = " pdl" if self.after_backward else ""
-        return f"vec={self.vec} col_lanes={self.col_lanes} row_lanes={self.row_lanes}{pdl}"
+        batch = f" in_flight={self.rows_in_flight}" if self.rows_in_flight > 1 else ""
+        return f"vec={self.vec} col_lanes={self.col_lanes} row_lanes={self.row_lanes}{batch}{pdl}"
 
 
 # ------------------------------------------------------------------------------------ override table
@@ -120,7 +124,7 @@ class ReduceConfig:
 CHOICES = {
     "fwd": ("tiling", "min_ctas_per_sm"),
     "bwd": ("tiling", "ring_depth", "register_budget", "ctas_per_sm"),
-    "dw": ("col_lanes", "after_backward", "threads"),
+    "dw": ("col_lanes", "after_backward", "threads", "rows_in_flight"),
     "quant": ("tiling", "min_ctas_per_sm", "amax_scatter", "programs_per_sm"),
 }
 _overrides: dict[tuple[str, str, str, int], dict] = {}
@@ -348,7 +352,8 @@ def reduce_config(arch: str, out_dtype: str, hidden: int) -> ReduceConfig:
         col_lanes = 1
         while col_lanes < 32 and col_lanes * 2 * threads <= col_vecs:
             col_lanes *= 2
-    return ReduceConfig(hidden, vec, col_lanes, choices.get("after_backward", True), threads)
+    in_flight = choices.get("rows_in_flight", ReduceConfig.rows_in_flight)
+    return ReduceConfig(hidden, vec, col_lanes, choices.get("after_backward", True), threads, in_flight)
 
 
 # ------------------------------------------------------------------------- forward to block-scaled FP8

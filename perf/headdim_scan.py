@@ -12,8 +12,8 @@ past the L2, device time between CUDA events behind a spin). cake_cute runs its 
 checked through the functional API on the first input set: the same bits on a second call
 (determinism), a row's outputs the same bits when it is one of fewer rows (batch invariance: the first
 ``T // 3 + 5`` rows alone), and whether its outputs are the default's bits (y, rstd, h_new for the
-forward; dx for the backward, whose dw is compared with an FP64 reference instead, since another
-number of partial rows sums it in another order).
+forward; dx, and separately dw, for the backward, whose dw is also compared with an FP64 reference:
+another number of partial rows sums it in another order).
 
 torch.compile compiles once per (H, residual) with the row count dynamic (``mark_dynamic``; the sweep's
 peer compiles every shape statically), so the scan does not pay one inductor compile per shape; a
@@ -54,6 +54,9 @@ EPS = 1e-6
 # 16-byte vectors; an exact cover of H = 80 takes five).
 MAX_BWD_VECS = 5
 MAX_FWD_VECS = 8
+ROWS_IN_FLIGHT = 8  # partial rows a dW reduction lane loads before adding them (32 registers)
+REDUCE_THREADS = 1024
+FAST_REDUCE = f"dw.threads={REDUCE_THREADS},dw.rows_in_flight={ROWS_IN_FLIGHT}"
 
 
 @dataclass(frozen=True)
@@ -116,16 +119,21 @@ def forward_candidates(hidden: int, dtype: str, arch: str = ARCH) -> list[Candid
 def backward_candidates(hidden: int, dtype: str, arch: str = ARCH) -> list[Candidate]:
     """Backward configs to time against the rule's. The rule's small-H backward writes one FP32 partial
     row of dW per row of every resident CTA (528 CTAs x 32 rows at bf16 H = 64), which ``dw_reduce``
-    sums with H / 4 CTAs; the candidates cut that in three ways and fix the rule's idle lanes:
+    sums with H / 4 CTAs whose lanes load one partial row at a time; the candidates:
 
-    - ``dw1024``: 1024-thread reduction CTAs (four times the partial rows in flight per CTA);
-    - ``ctas2``: two CTAs per SM (half the partial rows, half the warps);
+    - ``dw-batch8``: lanes with 8 partial rows in flight (dW bitwise the rule's: same order of sums);
+    - ``dw1024``, ``dw1024-batch8``: 1024-thread reduction CTAs (four times the lanes), without and
+      with 8 rows in flight;
     - ``bwd-exact``: an exact cover where the rule's lanes overrun H (H = 80, 96, 192);
-    - ``bwd-vpt1``: one vector per lane (half the rows per CTA, so half the partial rows);
-    - the exact or one-vector tiling together with ``dw1024``, and with ``ctas2`` too (the fewest
-      partial rows)."""
+    - ``bwd-vpt1``: one vector per lane (half the rows per CTA, so half the partial rows, and half the
+      bytes in flight);
+    - the exact or one-vector tiling with ``dw1024-batch8``."""
     base = backward_config(arch, dtype, dtype, hidden, False).tiling
-    found = [Candidate("dw1024", "bwd", "dw.threads=1024"), Candidate("ctas2", "bwd", "bwd.ctas_per_sm=2")]
+    found = [
+        Candidate("dw-batch8", "bwd", f"dw.rows_in_flight={ROWS_IN_FLIGHT}"),
+        Candidate("dw1024", "bwd", f"dw.threads={REDUCE_THREADS}"),
+        Candidate("dw1024-batch8", "bwd", FAST_REDUCE),
+    ]
     tiling = None
     exact = exact_cover(base, MAX_BWD_VECS)
     if exact is not None:
@@ -137,9 +145,9 @@ def backward_candidates(hidden: int, dtype: str, arch: str = ARCH) -> list[Candi
         found.append(Candidate("bwd-vpt1", "bwd", f"bwd.tiling={_tiling_text(one)}"))
     if tiling is not None:
         name = "bwd-exact" if tiling is exact else "bwd-vpt1"
-        text = f"bwd.tiling={_tiling_text(tiling)}"
-        found.append(Candidate(f"{name}+dw1024", "bwd", f"{text},dw.threads=1024"))
-        found.append(Candidate(f"{name}+ctas2+dw1024", "bwd", f"{text},bwd.ctas_per_sm=2,dw.threads=1024"))
+        found.append(
+            Candidate(f"{name}+dw1024-batch8", "bwd", f"bwd.tiling={_tiling_text(tiling)},{FAST_REDUCE}")
+        )
     return found
 
 
@@ -269,6 +277,8 @@ def checks(torch, op: str, t: dict, default: tuple | None) -> dict:
         found["bitwise_default"] = all(torch.equal(a, b) for a, b in zip(per_row, default[: len(per_row)]))
     if op == "bwd":
         found["dw_rel_err"] = float(f"{_dw_error(torch, t, first[1]):.3e}")
+        if default is not None:
+            found["dw_bitwise_default"] = torch.equal(first[1], default[1])
     return found
 
 

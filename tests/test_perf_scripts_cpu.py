@@ -338,7 +338,7 @@ def test_headdim_scan_candidates_cover_rows_exactly_with_128_threads(perf_module
 
     scan = perf_module("headdim_scan")
     parsed = _tilings(scan, hidden)
-    assert {"dw1024", "ctas2"} <= set(parsed)
+    assert {"dw-batch8", "dw1024", "dw1024-batch8"} <= set(parsed)
     for name, kinds in parsed.items():
         for kind, choices in kinds.items():
             if "tiling" not in choices:
@@ -433,13 +433,14 @@ def test_headdim_scan_case_times_each_candidate_under_its_overrides(perf_module,
     }
     assert "tpr=4 vpt=2" in by_name["default", "bwd"]["config"]
     assert "row_lanes=256" in by_name["default", "bwd"]["config"]
-    assert "tpr=8 vpt=1" in by_name["bwd-vpt1+dw1024", "bwd"]["config"]
-    assert "row_lanes=1024" in by_name["bwd-vpt1+dw1024", "bwd"]["config"]
-    assert "ctas/SM=2" in by_name["ctas2", "bwd"]["config"]
+    assert "tpr=8 vpt=1" in by_name["bwd-vpt1+dw1024-batch8", "bwd"]["config"]
+    assert "row_lanes=1024 in_flight=8" in by_name["bwd-vpt1+dw1024-batch8", "bwd"]["config"]
+    assert "row_lanes=256 in_flight=8" in by_name["dw-batch8", "bwd"]["config"]
     assert "tpr=8 vpt=1" in by_name["fwd-vpt1", "fwd"]["config"]
     candidate = by_name["bwd-vpt1", "bwd"]
     assert candidate["deterministic"] and candidate["batch_invariant"] and candidate["bitwise_default"]
-    assert candidate["dw_rel_err"] >= 0 and len(lines) == len(scan.rows)
+    assert candidate["dw_rel_err"] >= 0 and candidate["dw_bitwise_default"]
+    assert len(lines) == len(scan.rows)
     assert "ok" in scan_mod.summary(scan.rows)
 
 
