@@ -141,7 +141,8 @@ def test_dw_reduce_with_rows_in_flight_loads_them_before_adding(tmp_path, monkey
     monkeypatch.setenv("CAKE_CUTE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(compile_cache, "_memory", {})
     spec = ReduceSpec(arch, "bf16", 64)
-    one_row = cubin.kernel_report(spec)
+    with overridden("dw", arch, "bf16", 64, threads=256, rows_in_flight=1):
+        one_row = cubin.kernel_report(spec)
     with overridden("dw", arch, "bf16", 64, threads=1024, rows_in_flight=8):
         batched = cubin.kernel_report(spec)
     assert one_row["ldg_counts"] == {128: 4}  # the one-row loop unrolled 4 times, a bounds check each
