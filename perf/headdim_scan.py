@@ -119,7 +119,8 @@ def forward_candidates(hidden: int, dtype: str, arch: str = ARCH) -> list[Candid
 def backward_candidates(hidden: int, dtype: str, arch: str = ARCH) -> list[Candidate]:
     """Backward configs to time against the rule's. The rule's small-H backward writes one FP32 partial
     row of dW per row of every resident CTA (528 CTAs x 32 rows at bf16 H = 64), which ``dw_reduce``
-    sums with H / 4 CTAs whose lanes load one partial row at a time; the candidates:
+    sums with H / 4 CTAs whose lanes load one partial row at a time; the candidates (each names every
+    reduction choice it means, so it means the same whatever the rule):
 
     - ``dw-batch8``: lanes with 8 partial rows in flight (dW bitwise the rule's: same order of sums);
     - ``dw1024``, ``dw1024-batch8``: 1024-thread reduction CTAs (four times the lanes), without and
@@ -130,8 +131,8 @@ def backward_candidates(hidden: int, dtype: str, arch: str = ARCH) -> list[Candi
     - the exact or one-vector tiling with ``dw1024-batch8``."""
     base = backward_config(arch, dtype, dtype, hidden, False).tiling
     found = [
-        Candidate("dw-batch8", "bwd", f"dw.rows_in_flight={ROWS_IN_FLIGHT}"),
-        Candidate("dw1024", "bwd", f"dw.threads={REDUCE_THREADS}"),
+        Candidate("dw-batch8", "bwd", f"dw.threads=256,dw.rows_in_flight={ROWS_IN_FLIGHT}"),
+        Candidate("dw1024", "bwd", f"dw.threads={REDUCE_THREADS},dw.rows_in_flight=1"),
         Candidate("dw1024-batch8", "bwd", FAST_REDUCE),
     ]
     tiling = None
