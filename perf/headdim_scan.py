@@ -50,9 +50,10 @@ PEERS = ("quack", "compile")
 ARCH = "sm_90a"  # the candidates are Hopper configs (the GPU round's H200)
 REPS, PROF_REPS = 2, 5
 EPS = 1e-6
-# A backward CTA's lanes hold at most this many vectors of each of g and h (the rule's budget is four
-# 16-byte vectors; an exact cover of H = 80 takes five).
-MAX_BWD_VECS = 5
+# An exact backward cover gives a lane at most this many vectors: three (H = 96, 192) compile to 150
+# registers on sm_90a, so they get EXACT_BWD_REGISTERS (three CTAs per SM); five (H = 80) need 222.
+MAX_BWD_VECS = 3
+EXACT_BWD_REGISTERS = 160
 MAX_FWD_VECS = 8
 ROWS_IN_FLIGHT = 8  # partial rows a dW reduction lane loads before adding them (32 registers)
 REDUCE_THREADS = 1024
@@ -101,8 +102,9 @@ def one_vector_lanes(base: RowTiling) -> RowTiling | None:
 
 
 def forward_candidates(hidden: int, dtype: str, arch: str = ARCH) -> list[Candidate]:
-    """Forward tilings to time against the rule's: an exact cover where the rule's lanes overrun H, and
-    lanes of half and of one vector each (more lanes per row, fewer rows per CTA)."""
+    """Forward tilings to time against the rule's: an exact cover where the rule's lanes overrun H,
+    lanes of half and of one vector each (more lanes per row, fewer rows per CTA), and lanes of twice
+    the vectors (up to the forward's 8; fewer lanes per row, more rows per CTA, half the CTAs)."""
     base = forward_config(arch, dtype, hidden).tiling
     found = []
     exact = exact_cover(base, MAX_FWD_VECS)
@@ -113,6 +115,8 @@ def forward_candidates(hidden: int, dtype: str, arch: str = ARCH) -> list[Candid
     one = one_vector_lanes(base)
     if one is not None:
         found.append(("fwd-vpt1", one))
+    if base.covers_row_exactly and base.threads_per_row > 1 and base.vecs_per_thread * 2 <= MAX_FWD_VECS:
+        found.append(("fwd-double", _lanes(base.threads_per_row // 2, base.vecs_per_thread * 2, base)))
     return [Candidate(name, "fwd", f"fwd.tiling={_tiling_text(t)}") for name, t in found]
 
 
@@ -125,7 +129,8 @@ def backward_candidates(hidden: int, dtype: str, arch: str = ARCH) -> list[Candi
     - ``dw-batch8``: lanes with 8 partial rows in flight (dW bitwise the rule's: same order of sums);
     - ``dw1024``, ``dw1024-batch8``: 1024-thread reduction CTAs (four times the lanes), without and
       with 8 rows in flight;
-    - ``bwd-exact``: an exact cover where the rule's lanes overrun H (H = 80, 96, 192);
+    - ``bwd-exact``: an exact cover where the rule's lanes overrun H (H = 96, 192: three vectors per
+      lane, 160 registers);
     - ``bwd-vpt1``: one vector per lane (half the rows per CTA, so half the partial rows, and half the
       bytes in flight);
     - the exact or one-vector tiling with ``dw1024-batch8``."""
@@ -139,16 +144,15 @@ def backward_candidates(hidden: int, dtype: str, arch: str = ARCH) -> list[Candi
     exact = exact_cover(base, MAX_BWD_VECS)
     if exact is not None:
         tiling = exact
-        found.append(Candidate("bwd-exact", "bwd", f"bwd.tiling={_tiling_text(exact)}"))
+        text = f"bwd.tiling={_tiling_text(exact)},bwd.register_budget={EXACT_BWD_REGISTERS}"
+        found.append(Candidate("bwd-exact", "bwd", text))
     one = one_vector_lanes(base)
     if one is not None:
         tiling = one
         found.append(Candidate("bwd-vpt1", "bwd", f"bwd.tiling={_tiling_text(one)}"))
     if tiling is not None:
         name = "bwd-exact" if tiling is exact else "bwd-vpt1"
-        found.append(
-            Candidate(f"{name}+dw1024-batch8", "bwd", f"bwd.tiling={_tiling_text(tiling)},{FAST_REDUCE}")
-        )
+        found.append(Candidate(f"{name}+dw1024-batch8", "bwd", f"{found[-1].overrides},{FAST_REDUCE}"))
     return found
 
 
