@@ -189,9 +189,9 @@ section_headdimgrid() {
 section_qkmodel() {
   local d=$RES/qkmodel && mkdir -p "$d"
   local out=$d/$day-nvidia-h200-model-step-qwen3.json
-  bounded 60 "$d/eager.log" python3 perf/model_step.py "$out" --model qwen3 --modes eager --warmup 3 --steps 8
-  bounded 100 "$d/compile.log" python3 perf/model_step.py "$out" --append --model qwen3 --modes compile \
-    --compile-scope layers --hidden 2048 --impls torch,cake_cute,cake_cute_qk_torch --warmup 3 --steps 8
+  bounded 75 "$d/eager.log" python3 perf/model_step.py "$out" --model qwen3 --modes eager --warmup 2 --steps 6
+  bounded 90 "$d/compile.log" python3 perf/model_step.py "$out" --append --model qwen3 --modes compile \
+    --compile-scope layers --hidden 2048 --impls torch,cake_cute,cake_cute_qk_torch --warmup 2 --steps 6
 }
 
 section_qkmodelmore() {
