@@ -54,6 +54,7 @@ EPS = 1e-6
 # registers on sm_90a, so they get EXACT_BWD_REGISTERS (three CTAs per SM); five (H = 80) need 222.
 MAX_BWD_VECS = 3
 EXACT_BWD_REGISTERS = 160
+DEEP_RING = 8  # ring slots of a one-vector backward tiling (56 registers, 36 KB of shared memory)
 MAX_FWD_VECS = 8
 ROWS_IN_FLIGHT = 8  # partial rows a dW reduction lane loads before adding them (32 registers)
 REDUCE_THREADS = 1024
@@ -133,7 +134,9 @@ def backward_candidates(hidden: int, dtype: str, arch: str = ARCH) -> list[Candi
       lane, 160 registers);
     - ``bwd-vpt1``: one vector per lane (half the rows per CTA, so half the partial rows, and half the
       bytes in flight);
-    - the exact or one-vector tiling with ``dw1024-batch8``."""
+    - the exact or one-vector tiling with ``dw1024-batch8``; the one-vector tiling also with a ring of
+      ``DEEP_RING`` row tiles (plain mode: residual mode keeps two), which gives back the bytes in
+      flight that halving the rows per CTA took."""
     base = backward_config(arch, dtype, dtype, hidden, False).tiling
     found = [
         Candidate("dw-batch8", "bwd", f"dw.threads=256,dw.rows_in_flight={ROWS_IN_FLIGHT}"),
@@ -153,6 +156,9 @@ def backward_candidates(hidden: int, dtype: str, arch: str = ARCH) -> list[Candi
     if tiling is not None:
         name = "bwd-exact" if tiling is exact else "bwd-vpt1"
         found.append(Candidate(f"{name}+dw1024-batch8", "bwd", f"{found[-1].overrides},{FAST_REDUCE}"))
+    if one is not None:
+        text = f"bwd.tiling={_tiling_text(one)},bwd.ring_depth={DEEP_RING},{FAST_REDUCE}"
+        found.append(Candidate(f"bwd-vpt1-ring{DEEP_RING}+dw1024-batch8", "bwd", text))
     return found
 
 

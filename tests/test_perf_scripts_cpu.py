@@ -350,7 +350,7 @@ def test_headdim_scan_candidates_cover_rows_exactly_with_128_threads(perf_module
                     *(
                         ("sm_90a", "bf16", hidden)
                         if kind == "fwd"
-                        else ("sm_90a", "bf16", "bf16", hidden, True)
+                        else ("sm_90a", "bf16", "bf16", hidden, False)
                     )
                 )
                 assert config.tiling == t
@@ -408,7 +408,7 @@ class _FakeSweep:
         }
 
     def check_context(self, exc, message):
-        raise AssertionError(message)
+        """A CUDA error would stop the sweep; none happens on CPU."""
 
 
 def test_headdim_scan_case_times_each_candidate_under_its_overrides(perf_module, monkeypatch):
@@ -430,9 +430,11 @@ def test_headdim_scan_case_times_each_candidate_under_its_overrides(perf_module,
     scan.peers = [types.SimpleNamespace(name="quack")]
     scan.case(64, 40, True)
     by_name = {(r["candidate"], r["op"]): r for r in scan.rows}
+    deep_ring = "bwd-vpt1-ring8+dw1024-batch8"  # residual mode keeps a ring of two: skipped
     assert set(by_name) == {("default", "fwd"), ("default", "bwd"), ("", "fwd"), ("", "bwd")} | {
-        (c.name, c.op) for c in scan_mod.candidates(64, "bf16")
+        (c.name, c.op) for c in scan_mod.candidates(64, "bf16") if c.name != deep_ring
     }
+    assert any(f"{deep_ring}: skipped (ValueError: residual mode keeps a ring of 2" in line for line in lines)
     assert "tpr=4 vpt=2" in by_name["default", "bwd"]["config"]
     assert "tpr=8 vpt=1" in by_name["bwd-vpt1+dw1024-batch8", "bwd"]["config"]
     assert "row_lanes=1024 in_flight=8" in by_name["bwd-vpt1+dw1024-batch8", "bwd"]["config"]
@@ -441,7 +443,7 @@ def test_headdim_scan_case_times_each_candidate_under_its_overrides(perf_module,
     candidate = by_name["bwd-vpt1", "bwd"]
     assert candidate["deterministic"] and candidate["batch_invariant"] and candidate["bitwise_default"]
     assert candidate["dw_rel_err"] >= 0 and candidate["dw_bitwise_default"]
-    assert len(lines) == len(scan.rows)
+    assert len(lines) == len(scan.rows) + 1
     assert "ok" in scan_mod.summary(scan.rows)
 
 
