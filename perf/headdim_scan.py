@@ -38,6 +38,8 @@ from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # perf/tune.py's candidate parser, in workers too
+
 from cake_cute.kernels.config import backward_config, forward_config, overridden
 from cake_cute.kernels.tiling import MIN_THREADS_PER_CTA, RowTiling
 from cake_cute.tools.bench.cases import parse_count
@@ -49,6 +51,7 @@ ROWS = (1 << 16, 1 << 18, 1 << 20)
 PEERS = ("quack", "compile")
 ARCH = "sm_90a"  # the candidates are Hopper configs (the GPU round's H200)
 REPS, PROF_REPS = 2, 5
+CAKE_SHARE = 0.7  # of --budget-s for cake_cute's rows; the peers' rows of the same cases get the rest
 EPS = 1e-6
 # An exact backward cover gives a lane at most this many vectors: three (H = 96, 192) compile to 150
 # registers on sm_90a, so they get EXACT_BWD_REGISTERS (three CTAs per SM); five (H = 80) need 222.
@@ -293,6 +296,42 @@ def checks(torch, op: str, t: dict, default: tuple | None) -> dict:
     return found
 
 
+def compile_variant(task: tuple) -> str | None:
+    """Compile into the disk cache every kernel a scan row of ``task`` = (H, residual, dtype, override
+    text) can launch (forward, backward, both dW reductions); None, or why it could not."""
+    from cake_cute.build import make_spec
+    from cake_cute.compile_cache import get_kernel
+
+    hidden, residual, dtype, text = task
+    try:
+        with ExitStack() as stack:
+            _overrides(stack, text, dtype, hidden)
+            backward_config(ARCH, dtype, dtype, hidden, residual)  # a choice this mode cannot take raises
+            for kind in ("fwd", "bwd"):
+                get_kernel(make_spec(kind, ARCH, dtype, dtype, hidden, residual, 0.0))
+            for out in {dtype, "fp32"}:
+                get_kernel(make_spec("dw", ARCH, out, hidden))
+    except Exception as e:
+        return f"H={hidden} residual={residual} {text}: {type(e).__name__}: {str(e)[:200]}"
+    return None
+
+
+def compile_all(hidden: list[int], dtype: str, jobs: int) -> list[str]:
+    """Every kernel of the scan compiled into the disk cache by ``jobs`` processes (the compiles are
+    independent and single-threaded); the problems found."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    tasks = [
+        (h, residual, dtype, cand.overrides)
+        for h in hidden
+        for residual in (False, True)
+        for cand in [Candidate("default", "", "default"), *candidates(h, dtype)]
+    ]
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return [problem for problem in pool.map(compile_variant, tasks) if problem]
+
+
 class RowsDynamicCompile:
     """torch.compile of the sweep's FP32 reference with the row count dynamic: one graph per (H, dtype,
     residual) serves every T."""
@@ -341,9 +380,9 @@ class Scan:
         self.log(f"note: {text}")
 
     def precompile(self) -> float:
-        """Compile every cake_cute kernel of the scan (the default's and each candidate's, both dW
-        output dtypes) on a few rows, before any peer is imported (quack patches CuTe classes
-        process-wide on import); returns the seconds it took."""
+        """Run every cake_cute variant of the scan (the default's and each candidate's, both dW output
+        dtypes) on a few rows, which loads what ``compile_all`` compiled; returns the seconds it
+        took."""
         import cake_cute
 
         torch, dtype, start = self.torch, self.args.dtype, time.perf_counter()
@@ -393,8 +432,9 @@ class Scan:
             f"{checks_text} [{time.perf_counter() - start:.1f} s]"
         )
 
-    def case(self, hidden: int, rows: int, residual: bool) -> None:
-        """Every row of one (H, T, residual)."""
+    def case(self, hidden: int, rows: int, residual: bool, part: str) -> None:
+        """The rows of one (H, T, residual): ``part`` "cake" (the default and every candidate) or
+        "peers"."""
         from cake_cute.tools.bench.cases import model_bytes
         from cake_cute.tools.bench.peers import FACTORIES
 
@@ -404,6 +444,11 @@ class Scan:
             op: self.sweep.timer.copy_ceiling(model_bytes(op, residual, rows, hidden, dtype), self.args.reps)
             for op in ("fwd", "bwd")
         }
+        if part == "peers":
+            for peer in self.peers:
+                for op in ("fwd", "bwd"):
+                    self._row(peer, op, residual, shape, sets, copies[op], {"candidate": ""})
+            return
         cake = FACTORIES["cake_cute"](torch, EPS)
         defaults = {}
         for op in ("fwd", "bwd"):
@@ -425,9 +470,6 @@ class Scan:
                     self.log(f"H={hidden} T={rows} res={int(residual)} {cand.name}: skipped ({reason})")
                     continue
                 self._row(cake, cand.op, residual, shape, sets, copies[cand.op], extra)
-        for peer in self.peers:
-            for op in ("fwd", "bwd"):
-                self._row(peer, op, residual, shape, sets, copies[op], {"candidate": ""})
         del sets
         torch.cuda.empty_cache()
 
@@ -460,7 +502,29 @@ def summary(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _run_part(scan: Scan, todo: list, part: str, deadline: float, start: float, save) -> list:
+    """Run ``part`` of each case of ``todo`` until ``deadline`` seconds after ``start``; the cases run."""
+    done = []
+    for k, (hidden, rows, residual) in enumerate(todo):
+        if time.perf_counter() - start > deadline:
+            scan.note(f"{part}: {deadline:.0f} s spent, {len(todo) - k} cases not run, from {todo[k]}")
+            break
+        if scan.sweep.fatal:
+            break
+        try:
+            scan.case(hidden, rows, residual, part)
+        except Exception as e:
+            scan.note(f"{part} H={hidden} T={rows} residual={residual}: {type(e).__name__}: {str(e)[:300]}")
+            scan.sweep.check_context(e, str(e))
+        done.append((hidden, rows, residual))
+        save()
+    return done
+
+
 def run(args: Namespace) -> int:
+    """The scan: compiles (in parallel), cake_cute's rows of every case, then the peers' (imported only
+    then: quack patches CuTe classes process-wide, and every override change reloads cake_cute's
+    kernels), within ``--budget-s`` (cake_cute's rows get CAKE_SHARE of it)."""
     import torch
 
     from cake_cute.tools.bench.peers import versions
@@ -474,28 +538,18 @@ def run(args: Namespace) -> int:
     log = Log(folder / "headdim-scan.log")
     scan = Scan(args, torch, log)
     log(f"{props.name}, commit {git_commit()}\n{listing(args)}")
-    log(f"cake_cute kernels compiled in {scan.precompile()} s")
-    scan.import_peers()
-    log(f"peers: {[p.name for p in scan.peers]}")
-    scan.sweep.timer.warm_clocks()
-    todo = cases(args.hidden, args.rows)
+    problems = compile_all(args.hidden, args.dtype, max(1, min(16, (os.cpu_count() or 2) - 1)))
+    for problem in problems:
+        scan.note(f"compile: {problem}")
+    log(f"cake_cute kernels compiled in {time.perf_counter() - start:.1f} s, loaded in {scan.precompile()} s")
     header = {
         "gpu": props.name,
         "commit": git_commit(),
         "date": date,
         "sm_count": props.multi_processor_count,
     }
-    for k, (hidden, rows, residual) in enumerate(todo):
-        if time.perf_counter() - start > args.budget_s:
-            scan.note(f"budget of {args.budget_s} s spent: {len(todo) - k} cases not run, from {todo[k]}")
-            break
-        if scan.sweep.fatal:
-            break
-        try:
-            scan.case(hidden, rows, residual)
-        except Exception as e:
-            scan.note(f"H={hidden} T={rows} residual={residual}: {type(e).__name__}: {str(e)[:300]}")
-            scan.sweep.check_context(e, str(e))
+
+    def save() -> None:
         doc = {
             **header,
             "grid": "headdim-scan",
@@ -507,6 +561,13 @@ def run(args: Namespace) -> int:
             "rows": scan.rows,
         }
         write_json(folder / "headdim-scan.json", doc)
+
+    scan.sweep.timer.warm_clocks()
+    done = _run_part(scan, cases(args.hidden, args.rows), "cake", CAKE_SHARE * args.budget_s, start, save)
+    scan.import_peers()
+    log(f"peers: {[p.name for p in scan.peers]}")
+    if scan.peers:
+        _run_part(scan, done, "peers", args.budget_s, start, save)
     log("\n" + summary(scan.rows))
     log(f"{len(scan.rows)} rows in {time.perf_counter() - start:.0f} s -> {folder}")
     return 1 if scan.sweep.fatal else 0
@@ -526,5 +587,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))  # perf/tune.py's candidate parser
     sys.exit(main())

@@ -428,7 +428,9 @@ def test_headdim_scan_case_times_each_candidate_under_its_overrides(perf_module,
     scan.args = types.SimpleNamespace(dtype="bf16", reps=1)
     scan.torch, scan.log, scan.sweep, scan.rows = torch, lines.append, _FakeSweep(), []
     scan.peers = [types.SimpleNamespace(name="quack")]
-    scan.case(64, 40, True)
+    scan.case(64, 40, True, "cake")
+    assert not any(r["impl"] == "quack" for r in scan.rows)
+    scan.case(64, 40, True, "peers")
     by_name = {(r["candidate"], r["op"]): r for r in scan.rows}
     deep_ring = "bwd-vpt1-ring8+dw1024-batch8"  # residual mode keeps a ring of two: skipped
     assert set(by_name) == {("default", "fwd"), ("default", "bwd"), ("", "fwd"), ("", "bwd")} | {
@@ -491,3 +493,22 @@ def test_model_step_qwen3_tiny_on_cpu(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [r["impl"] for r in rows] == ["torch", "cake_cute", "cake_cute_qk_torch"]
     assert all(r["model"] == "qwen3" and r["compile_scope"] == "model" and r["step_ms"] > 0 for r in rows)
+
+
+def test_headdim_scan_compiles_every_kernel_a_row_can_launch(perf_module, monkeypatch):
+    """Each compile task builds the forward, the backward and both dW reductions under its overrides
+    (the config they compile with differs from the default's), and reports a mode it cannot take."""
+    from cake_cute import compile_cache
+    from cake_cute.build import config_for
+
+    scan = perf_module("headdim_scan")
+    built = []
+    monkeypatch.setattr(compile_cache, "get_kernel", lambda spec: built.append((spec, config_for(spec))))
+    text = "bwd.tiling=8:1:16,dw.threads=1024,dw.rows_in_flight=8"
+    assert scan.compile_variant((64, False, "bf16", text)) is None
+    kinds = {(spec.kind, getattr(spec, "out_dtype", None)): config for spec, config in built}
+    assert set(kinds) == {("fwd", None), ("bwd", None), ("dw", "bf16"), ("dw", "fp32")}
+    assert kinds["bwd", None].tiling.threads_per_row == 8
+    assert kinds["dw", "fp32"].threads == 1024 and kinds["dw", "bf16"].rows_in_flight == 8
+    problem = scan.compile_variant((64, True, "bf16", "bwd.ring_depth=8"))
+    assert "residual mode keeps a ring of 2" in problem
