@@ -17,10 +17,12 @@ another number of partial rows sums it in another order).
 
 torch.compile compiles once per (H, residual) with the row count dynamic (``mark_dynamic``; the sweep's
 peer compiles every shape statically), so the scan does not pay one inductor compile per shape; a
-peer that does not import is skipped with a note. Every cake_cute kernel is compiled before any peer
-is imported.
-Cases run in the order given (the default puts H = 64, 128, 256 first) and the scan stops starting new
-ones after ``--budget-s`` seconds; the JSON (``$OUT/headdim-scan.json``, the sweep's row schema plus
+peer that does not import is skipped with a note. Every cake_cute kernel is compiled first, by a
+process pool, into the disk cache; cake_cute's rows of every case run before any peer is imported
+(quack patches CuTe classes process-wide, and each override change reloads cake_cute's kernels), then
+the peers' rows of the cases measured. Cases run in the order given (the default puts H = 64, 128, 256
+first); cake_cute's rows stop starting new cases after ``CAKE_SHARE`` of ``--budget-s`` seconds, the
+peers' after ``--budget-s``; the JSON (``$OUT/headdim-scan.json``, the sweep's row schema plus
 ``candidate``, ``overrides`` and the checks) is rewritten after every case, the log
 (``headdim-scan.log``) line by line, so a timeout keeps what was measured. Without ``$OUT`` and
 ``--out`` the files go to perf/results/<date>-<gpu>-headdim-scan/.
