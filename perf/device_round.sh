@@ -177,7 +177,7 @@ section_distributed() {
 
 section_headdimscan() {
   local d=$RES/headdimscan && mkdir -p "$d"
-  bounded 250 "$d/run.log" python3 perf/headdim_scan.py --out "$d" --budget-s 200
+  bounded 260 "$d/run.log" python3 perf/headdim_scan.py --out "$d" --budget-s 220
 }
 
 section_headdimgrid() {
