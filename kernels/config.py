@@ -94,13 +94,16 @@ class BackwardConfig:
 @dataclass(frozen=True)
 class ReduceConfig:
     """The dW reduction: a CTA of ``threads`` threads covers ``col_lanes`` vectors of ``vec`` FP32
-    columns and splits the partial rows over ``threads // col_lanes`` row lanes."""
+    columns and splits the partial rows over ``threads // col_lanes`` row lanes. A row lane loads
+    ``rows_in_flight`` of its partial rows before it adds them (1: one at a time; the order of the
+    additions, and so dw's bits, are the same for every value)."""
 
     hidden: int
     vec: int
     col_lanes: int
     after_backward: bool  # launched with programmatic dependent launch behind the backward
     threads: int = 256
+    rows_in_flight: int = 1
 
     @property
     def row_lanes(self) -> int:
@@ -112,7 +115,8 @@ class ReduceConfig:
 
     def describe(self) -> str:
         pdl = " pdl" if self.after_backward else ""
-        return f"vec={self.vec} col_lanes={self.col_lanes} row_lanes={self.row_lanes}{pdl}"
+        batch = f" in_flight={self.rows_in_flight}" if self.rows_in_flight > 1 else ""
+        return f"vec={self.vec} col_lanes={self.col_lanes} row_lanes={self.row_lanes}{batch}{pdl}"
 
 
 # ------------------------------------------------------------------------------------ override table
@@ -120,7 +124,7 @@ class ReduceConfig:
 CHOICES = {
     "fwd": ("tiling", "min_ctas_per_sm"),
     "bwd": ("tiling", "ring_depth", "register_budget", "ctas_per_sm"),
-    "dw": ("col_lanes", "after_backward", "threads"),
+    "dw": ("col_lanes", "after_backward", "threads", "rows_in_flight"),
     "quant": ("tiling", "min_ctas_per_sm", "amax_scatter", "programs_per_sm"),
 }
 _overrides: dict[tuple[str, str, str, int], dict] = {}
@@ -335,20 +339,39 @@ def backward_config(
 # ---------------------------------------------------------------------------------------- dW reduction
 
 
+# A dW reduction of at most NARROW_REDUCE_MAX_CTAS column CTAs (H <= 256 in 4-column vectors) cannot
+# fill the GPU, and at such H the backward writes the most partial rows (one per resident row group:
+# 16896 at bf16 H = 64 on an H200), which the one-row loop reads one 16-byte load per lane at a time
+# (its bounds check sits between the loads): there, CTAs of NARROW_REDUCE_THREADS threads whose lanes
+# each have NARROW_REDUCE_ROWS_IN_FLIGHT partial rows in flight (32 registers; the additions keep the
+# one-row loop's order, so dw keeps its bits).
+NARROW_REDUCE_MAX_CTAS = 64
+NARROW_REDUCE_THREADS = 1024
+NARROW_REDUCE_ROWS_IN_FLIGHT = 8
+
+
 @cache
 def reduce_config(arch: str, out_dtype: str, hidden: int) -> ReduceConfig:
-    """(vec, col_lanes) for a row of ``hidden`` FP32 partial sums: 4-column vectors when H allows, and
-    column lanes halved for narrow rows so that even H = 1024 spreads over a few hundred CTAs."""
+    """(vec, col_lanes, threads, rows_in_flight) for a row of ``hidden`` FP32 partial sums: 4-column
+    vectors when H allows, column lanes halved for narrow rows so that even H = 1024 spreads over a
+    few hundred CTAs; where one column lane per CTA still leaves at most ``NARROW_REDUCE_MAX_CTAS``
+    CTAs, ``NARROW_REDUCE_THREADS`` threads with ``NARROW_REDUCE_ROWS_IN_FLIGHT`` partial rows in
+    flight per lane (``perf/headdim_scan.py`` times this as candidate dw1024-batch8 against the
+    one-row loop)."""
     vec = 4 if hidden % 4 == 0 else 1
     choices = override_choices("dw", arch, out_dtype, hidden)
     col_lanes = choices.get("col_lanes")
-    threads = choices.get("threads", ReduceConfig.threads)
+    narrow = -(-hidden // vec) <= NARROW_REDUCE_MAX_CTAS
+    threads = choices.get("threads", NARROW_REDUCE_THREADS if narrow else ReduceConfig.threads)
+    in_flight = choices.get(
+        "rows_in_flight", NARROW_REDUCE_ROWS_IN_FLIGHT if narrow else ReduceConfig.rows_in_flight
+    )
     if col_lanes is None:
         col_vecs = -(-hidden // vec)
         col_lanes = 1
         while col_lanes < 32 and col_lanes * 2 * threads <= col_vecs:
             col_lanes *= 2
-    return ReduceConfig(hidden, vec, col_lanes, choices.get("after_backward", True), threads)
+    return ReduceConfig(hidden, vec, col_lanes, choices.get("after_backward", True), threads, in_flight)
 
 
 # ------------------------------------------------------------------------- forward to block-scaled FP8

@@ -5,7 +5,10 @@ functional API, w's dtype for autograd).
 
 Tiling (``config.reduce_config``): a CTA of 256 threads covers ``col_lanes * vec`` columns (vec = 4
 FP32 = one 128-bit load when H is a multiple of 4) and splits the P partial rows over
-``256 / col_lanes`` row lanes. Row lane l adds rows l, l + lanes, ... in order; the lanes' sums then
+``256 / col_lanes`` row lanes (``threads / col_lanes`` when overridden). Row lane l adds rows l,
+l + lanes, ... in order, loading one row at a time (each load waits for the one before: the loop's
+bounds check sits between them) or, with ``rows_in_flight`` = k > 1, k rows at once before adding
+them in the same order; the lanes' sums then
 meet in shared memory through a binary tree with a fixed pairing. The order of every addition
 depends only on (P, H), so dw is bitwise reproducible. ``col_lanes`` shrinks for narrow rows so that
 even H = 1024 spreads over a few hundred CTAs.
@@ -69,11 +72,32 @@ class DWReduce:
         loaded = cute.make_rmem_tensor(cute.make_layout(vec), Float32)
         # The partial rows are padded to a multiple of 4 columns, so a whole vector is always readable.
         if col0 < self.hidden:
-            for p in cutlass.range(row_lane, num_partials, row_lanes, unroll=4):
-                cute.autovec_copy(global_vector(mPartial, p, col0, vec), loaded)
-                acc.store(acc.load() + loaded.load())
+            if cutlass.const_expr(self.config.rows_in_flight == 1):
+                for p in cutlass.range(row_lane, num_partials, row_lanes, unroll=4):
+                    cute.autovec_copy(global_vector(mPartial, p, col0, vec), loaded)
+                    acc.store(acc.load() + loaded.load())
+            else:
+                self.add_rows_in_batches(mPartial, acc, row_lane, col0, num_partials)
         sum_over_row_lanes(sums, acc, row_lane, col_lane, vec, row_lanes)
         if row_lane == 0:
             for v in cutlass.range_constexpr(vec):
                 if col0 + v < self.hidden:
                     mDW[col0 + v] = sums[0, col_lane * vec + v].to(self.out_dtype)
+
+    @cute.jit
+    def add_rows_in_batches(self, mPartial, acc, row_lane, col0, num_partials):
+        """Add this lane's partial rows (row_lane, row_lane + lanes, ...) into ``acc`` in order, loading
+        ``rows_in_flight`` of them before adding them, then the rest one at a time."""
+        vec, lanes, batch = self.vec, self.row_lanes, self.config.rows_in_flight
+        own = (num_partials - row_lane + lanes - 1) // lanes  # row_lane < lanes: never negative
+        batches = own // batch
+        loaded = [cute.make_rmem_tensor(cute.make_layout(vec), Float32) for _ in range(batch)]
+        for b in cutlass.range(batches, unroll=1):
+            first = row_lane + b * batch * lanes
+            for k in cutlass.range_constexpr(batch):
+                cute.autovec_copy(global_vector(mPartial, first + k * lanes, col0, vec), loaded[k])
+            for k in cutlass.range_constexpr(batch):
+                acc.store(acc.load() + loaded[k].load())
+        for p in cutlass.range(row_lane + batches * batch * lanes, num_partials, lanes, unroll=1):
+            cute.autovec_copy(global_vector(mPartial, p, col0, vec), loaded[0])
+            acc.store(acc.load() + loaded[0].load())

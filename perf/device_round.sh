@@ -16,6 +16,13 @@
 #   fp8host      perf/hostbound.py for the forward to MXFP8 (its autograd.Function and its custom op)
 #                next to cake_cute's bf16 step and torch's
 #   distributed  the two-GPU matrix and training benchmark (torchrun, NCCL; needs 2 GPUs)
+#   headdimscan  perf/headdim_scan.py: the forward's and backward's configs at H = 32..256 (per-head q/k norms)
+#                against their candidates, quack, torch.compile and the copy (about 4 minutes)
+#   headdimgrid  `cake-cute bench --grid headdim` (perf/sweep.py) for bf16
+#   qkmodel      perf/model_step.py --model qwen3 (q/k norms, GQA, H = 2048 and 4096, 8192 tokens): every
+#                implementation eager, and compiled per decoder layer at H = 2048 torch, cake_cute and
+#                cake_cute with the model's own q/k norms (left to inductor) (about 2 minutes)
+#   qkmodelmore  the rest of the compiled Qwen3 steps: quack and Liger at H = 2048, everything at H = 4096
 # $CAKE_CUTE_COMMIT labels every results file (a copied tree's .git may be stale).
 set -uo pipefail
 : "${OUT:?set OUT to the folder that comes back}"
@@ -98,6 +105,34 @@ section_distributed() {
   bounded 240 "$d/matrix-compile.log" torchrun --nproc_per_node=2 perf/distributed/matrix.py \
     --only 7- --tag compile --out "$d"
   bounded 240 "$d/train.log" torchrun --nproc_per_node=2 perf/distributed/train_bench.py --out "$d"
+}
+
+section_headdimscan() {
+  local d=$RES/headdimscan && mkdir -p "$d"
+  bounded 260 "$d/run.log" python3 perf/headdim_scan.py --out "$d" --budget-s 220
+}
+
+section_headdimgrid() {
+  local d=$RES/headdimgrid && mkdir -p "$d"
+  bounded 240 "$d/sweep.log" python3 perf/sweep.py --grid headdim --json "$d/$day-nvidia-h200-headdim.json" \
+    --plot "$d/$day-nvidia-h200-headdim.png"
+}
+
+section_qkmodel() {
+  local d=$RES/qkmodel && mkdir -p "$d"
+  local out=$d/$day-nvidia-h200-model-step-qwen3.json
+  bounded 75 "$d/eager.log" python3 perf/model_step.py "$out" --model qwen3 --modes eager --warmup 2 --steps 6
+  bounded 90 "$d/compile.log" python3 perf/model_step.py "$out" --append --model qwen3 --modes compile \
+    --compile-scope layers --hidden 2048 --impls torch,cake_cute,cake_cute_qk_torch --warmup 2 --steps 6
+}
+
+section_qkmodelmore() {
+  local d=$RES/qkmodel && mkdir -p "$d"
+  local out=$d/$day-nvidia-h200-model-step-qwen3.json
+  bounded 100 "$d/compile_peers.log" python3 perf/model_step.py "$out" --append --model qwen3 --modes compile \
+    --compile-scope layers --hidden 2048 --impls quack,liger --warmup 3 --steps 8
+  bounded 200 "$d/compile_4096.log" python3 perf/model_step.py "$out" --append --model qwen3 --modes compile \
+    --compile-scope layers --hidden 4096 --warmup 3 --steps 8
 }
 
 for section in "$@"; do

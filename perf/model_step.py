@@ -2,8 +2,10 @@
 """``python perf/model_step.py OUT.json``: what a Llama-style model's training step (forward + loss +
 backward, bf16) costs with each RMSNorm, eager and under ``torch.compile``, in one process.
 
-Shapes: 4 layers at H = 2048 and at H = 4096, 8192 tokens (batch 4 x sequence 2048). Implementations
-(peers skipped when they do not import):
+Shapes: 4 layers at H = 2048 and at H = 4096, 8192 tokens (batch 4 x sequence 2048). ``--model qwen3``
+builds Hugging Face's ``Qwen3ForCausalLM`` instead: grouped-query attention (H / 128 heads of head_dim
+128, 8 key/value heads), a q and a k norm over every head (T * heads rows of 128), RoPE and a SwiGLU of
+3 H. Implementations (peers skipped when they do not import):
 
 * ``torch``: every RMSNorm is ``torch.nn.RMSNorm`` (the residual adds are the model's own);
 * ``cake_cute``: ``fuse_residual_rmsnorm(model)``, every residual add done by the norm
@@ -12,11 +14,14 @@ Shapes: 4 layers at H = 2048 and at H = 4096, 8192 tokens (batch 4 x sequence 20
   backward) unless ``--no-gradient-sums``;
 * ``liger`` / ``quack``: every RMSNorm calls that library's RMSNorm (the adapters of
   ``cake_cute.tools.bench.peers``, patched on the instances so nothing global changes between
-  implementations).
+  implementations);
+* ``cake_cute_qk_torch`` (Qwen3 default, else on request): cake_cute's norms as ``cake_cute``, but every
+  per-head q / k norm left as the model's own PyTorch module, which inductor can fuse with its
+  neighbours (the reshape, RoPE) under ``torch.compile``; a custom op cannot join that fusion.
 
 The model is Hugging Face's ``LlamaForCausalLM`` (sdpa attention, loss from ``labels=``) when
 transformers imports, else the Llama of ``perf/distributed/model.py`` (its fused-residual blocks for
-cake_cute). Every implementation starts from the same seed. A step is timed with CUDA events after
+cake_cute; Llama only). Every implementation starts from the same seed. A step is timed with CUDA events after
 ``--warmup`` steps (which include the compile), median over ``--steps``; ``peak_gib`` is the peak
 allocated memory over the timed steps. ``--device cpu --tiny`` runs a tiny model on CPU (host clock,
 no peak memory) to check the script end to end. ``--hidden 2048`` runs one of the shapes and
@@ -24,9 +29,12 @@ no peak memory) to check the script end to end. ``--hidden 2048`` runs one of th
 ``--seq N`` shortens the sequences (batch 4 x N tokens): at a few hundred tokens a step is host-bound,
 which is where the gradient-sum pass's host cost shows (``--no-gradient-sums`` for the A/B).
 ``--profile DIR`` writes, per run, every kernel of a step with its time (torch.profiler), longest
-first: where two implementations' steps differ.
+first: where two implementations' steps differ. ``--compile-scope layers`` compiles each decoder layer
+(``nn.Module.compile``: one inductor compile serves every layer) instead of the whole model, which
+keeps a compiled run's warm-up to seconds; the embedding, the LM head and the loss then run eager, for
+every implementation alike. The results file is rewritten after every run.
 
-Rows: ``{impl, mode, layers, H, tokens, step_ms, peak_gib}``.
+Rows: ``{impl, mode, layers, H, tokens, step_ms, peak_gib}``, plus ``model`` and ``compile_scope``.
 """
 
 from __future__ import annotations
@@ -49,8 +57,12 @@ from results_doc import kept_rows, write_results  # noqa: E402
 from sweep import _use_source_tree  # noqa: E402
 
 IMPLS = ("torch", "cake_cute", "liger", "quack")
-ALL_IMPLS = (*IMPLS, "cake_cute_unfused")
+QWEN3_IMPLS = ("torch", "cake_cute", "cake_cute_qk_torch", "liger", "quack")
+ALL_IMPLS = (*IMPLS, "cake_cute_unfused", "cake_cute_qk_torch")
+MODELS = ("llama", "qwen3")
 EPS = 1e-5
+QWEN3_HEAD_DIM = 128
+QWEN3_KV_HEADS = 8
 
 
 @dataclass(frozen=True)
@@ -60,6 +72,8 @@ class Shape:
     batch: int
     seq: int
     vocab: int = 32000
+    model: str = "llama"
+    head_dim: int = 128
 
     @property
     def tokens(self) -> int:
@@ -67,11 +81,21 @@ class Shape:
 
     @property
     def heads(self) -> int:
-        return max(1, self.hidden // 128)
+        return max(1, self.hidden // self.head_dim)
+
+    @property
+    def kv_heads(self) -> int:
+        """Llama: every head its own key/value head; Qwen3: grouped-query attention, at most
+        ``QWEN3_KV_HEADS`` key/value heads and at least two query heads to each."""
+        if self.model == "llama":
+            return self.heads
+        return min(QWEN3_KV_HEADS, max(1, self.heads // 2))
 
     @property
     def ffn(self) -> int:
-        """Llama's SwiGLU width, 8/3 H rounded up to a multiple of 256."""
+        """The SwiGLU width: Llama's 8/3 H rounded up to a multiple of 256; Qwen3's 3 H."""
+        if self.model == "qwen3":
+            return 3 * self.hidden
         return -(-8 * self.hidden // 3 // 256) * 256
 
 
@@ -85,6 +109,16 @@ _HF_NAMES = {
 }
 FULL_SHAPES = (Shape(4, 2048, 4, 2048), Shape(4, 4096, 4, 2048))
 TINY_SHAPES = (Shape(2, 64, 2, 32, vocab=128),)
+TINY_HEAD_DIM = 16  # a tiny Qwen3: 4 query heads, 2 key/value heads
+
+
+def shapes_for(model: str, hidden: list[int], seq: int, tiny: bool) -> list[Shape]:
+    """The shapes of one run: the tiny one, or the full ones of ``hidden``, for ``model``."""
+    if tiny:
+        head_dim = TINY_HEAD_DIM if model == "qwen3" else 128
+        return [replace(s, model=model, head_dim=head_dim) for s in TINY_SHAPES]
+    head_dim = QWEN3_HEAD_DIM if model == "qwen3" else 128
+    return [replace(s, seq=seq, model=model, head_dim=head_dim) for s in FULL_SHAPES if s.hidden in hidden]
 
 
 class AdapterNorm(nn.Module):
@@ -131,8 +165,20 @@ def build_model(shape: Shape, impl: str, device):
     sizes = dict(
         vocab=shape.vocab, hidden=shape.hidden, layers=shape.layers, heads=shape.heads, ffn=shape.ffn
     )
+    if shape.model == "qwen3" and transformers is None:
+        raise ImportError("--model qwen3 needs transformers (Qwen3ForCausalLM)")
     with torch.device(device):
-        if transformers is not None:
+        if shape.model == "qwen3":
+            config = transformers.Qwen3Config(
+                **{_HF_NAMES[k]: v for k, v in sizes.items()},
+                num_key_value_heads=shape.kv_heads,
+                head_dim=shape.head_dim,
+                max_position_embeddings=shape.seq,
+                rms_norm_eps=EPS,
+                attn_implementation="sdpa",
+            )
+            model = transformers.Qwen3ForCausalLM(config).to(torch.bfloat16)
+        elif transformers is not None:
             config = transformers.LlamaConfig(
                 **{_HF_NAMES[k]: v for k, v in sizes.items()},
                 num_key_value_heads=shape.heads,
@@ -164,12 +210,29 @@ def build_model(shape: Shape, impl: str, device):
     return model, loss
 
 
+def per_head_norms(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
+    """(attention module, name, norm) of every per-head q / k norm of ``model`` (Qwen3's ``q_norm`` and
+    ``k_norm``)."""
+    return [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if name in ("q_norm", "k_norm") and _is_rmsnorm(child)
+    ]
+
+
 def prepare_norms(model: nn.Module, impl: str, fused: bool) -> None:
     """Install ``impl``'s norms; for cake_cute also the fused residual (HF layers patched, or the
-    fallback model built with fused-residual blocks)."""
+    fallback model built with fused-residual blocks). ``cake_cute_qk_torch`` puts the model's own
+    per-head norms back after the swap."""
     import cake_cute
 
-    if impl == "cake_cute" and fused:
+    if impl == "cake_cute_qk_torch":
+        kept = per_head_norms(model)
+        cake_cute.fuse_residual_rmsnorm(model, weight_offset=0.0)
+        for parent, name, norm in kept:
+            setattr(parent, name, norm)
+    elif impl == "cake_cute" and fused:
         cake_cute.fuse_residual_rmsnorm(model, weight_offset=0.0)
     elif impl.startswith("cake_cute"):
         cake_cute.swap_rmsnorm(model, weight_offset=0.0)
@@ -247,7 +310,7 @@ def write_profile(path: Path, rows: list[tuple[str, float, float]]) -> None:
 
 
 def _available(impl: str) -> bool:
-    if impl in ("torch", "cake_cute", "cake_cute_unfused"):
+    if impl.startswith("cake_cute") or impl == "torch":
         return True
     from cake_cute.tools.bench import peers
 
@@ -259,30 +322,47 @@ def _available(impl: str) -> bool:
     return True
 
 
-def compiled(model, impl: str, gradient_sums: bool):
-    """``torch.compile(model)``; cake_cute's with its gradient-sum pass when ``gradient_sums``."""
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder layers of a Hugging Face causal LM, or of perf/distributed/model.py's Llama."""
+    inner = getattr(model, "model", model)
+    return inner.layers
+
+
+def compiled(model, impl: str, gradient_sums: bool, scope: str = "model"):
+    """``torch.compile(model)``, or with ``scope="layers"`` each decoder layer compiled in place and
+    the model returned; cake_cute's with its gradient-sum pass when ``gradient_sums``."""
+    options = None
     if impl.startswith("cake_cute") and gradient_sums:
         from cake_cute.graph_passes import gradient_sum_pass
 
-        return torch.compile(model, options={"post_grad_custom_post_pass": gradient_sum_pass})
-    return torch.compile(model)
+        options = {"post_grad_custom_post_pass": gradient_sum_pass}
+    if scope == "layers":
+        for layer in decoder_layers(model):
+            layer.compile(options=options)
+        return model
+    return torch.compile(model, options=options)
 
 
-def run(args) -> list[dict]:
+def run(args, save=None) -> list[dict]:
+    """Every (shape, implementation, mode) of ``args``; ``save(rows)`` after each run."""
     device = torch.device(args.device)
     rows = []
-    full = [replace(s, seq=args.seq) for s in FULL_SHAPES if s.hidden in args.hidden]
-    shapes = TINY_SHAPES if args.tiny else full
-    for shape in shapes:
+    for shape in shapes_for(args.model, args.hidden, args.seq, args.tiny):
         for impl in [i for i in args.impls if _available(i)]:
             for mode in args.modes:
                 torch._dynamo.reset()
                 model, loss = build_model(shape, impl, device)
-                stepped = compiled(model, impl, args.gradient_sums) if mode == "compile" else model
+                stepped = model
+                if mode == "compile":
+                    stepped = compiled(model, impl, args.gradient_sums, args.compile_scope)
                 step_ms, peak = time_steps(stepped, loss, device, args.warmup, args.steps)
                 row = dict(impl=impl, mode=mode, layers=shape.layers, H=shape.hidden, tokens=shape.tokens)
+                if args.model != "llama" or args.compile_scope != "model":
+                    row |= dict(model=args.model, compile_scope=args.compile_scope)
                 rows.append({**row, "step_ms": round(step_ms, 3), "peak_gib": peak and round(peak, 3)})
                 print(json.dumps(rows[-1]), flush=True)
+                if save is not None:
+                    save(rows)
                 if args.profile is not None and device.type == "cuda":
                     args.profile.mkdir(parents=True, exist_ok=True)
                     profile_path = args.profile / f"{impl}-{mode}-H{shape.hidden}.txt"
@@ -302,8 +382,15 @@ def main(argv=None) -> int:
     p.add_argument(
         "--impls",
         type=lambda s: s.split(","),
-        default=list(IMPLS),
-        help=f"comma-separated subset of {','.join(ALL_IMPLS)} (default {','.join(IMPLS)})",
+        help=f"comma-separated subset of {','.join(ALL_IMPLS)} (default {','.join(IMPLS)}; "
+        f"qwen3: {','.join(QWEN3_IMPLS)})",
+    )
+    p.add_argument("--model", choices=MODELS, default="llama", help="Llama, or Qwen3 (q/k norms, GQA)")
+    p.add_argument(
+        "--compile-scope",
+        choices=("model", "layers"),
+        default="model",
+        help="compile the whole model (default) or each decoder layer",
     )
     p.add_argument("--modes", type=lambda s: s.split(","), default=["eager", "compile"])
     p.add_argument("--warmup", type=int, default=5)
@@ -324,20 +411,26 @@ def main(argv=None) -> int:
         help="compile cake_cute's models without cake_cute.graph_passes.gradient_sum_pass",
     )
     args = p.parse_args(argv)
+    if args.impls is None:
+        args.impls = list(QWEN3_IMPLS if args.model == "qwen3" else IMPLS)
     if unknown := set(args.impls) - set(ALL_IMPLS):
         p.error(f"--impls: unknown {sorted(unknown)}, expected a subset of {','.join(ALL_IMPLS)}")
     _use_source_tree()
-    rows = kept_rows(args.out, args.append) + run(args)
+    kept = kept_rows(args.out, args.append)
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device
-    write_results(
-        args.out,
-        "perf/model_step.py",
-        device,
-        rows,
-        warmup=args.warmup,
-        steps=args.steps,
-        gradient_sums=args.gradient_sums,
-    )
+
+    def save(rows: list[dict]) -> None:
+        write_results(
+            args.out,
+            "perf/model_step.py",
+            device,
+            kept + rows,
+            warmup=args.warmup,
+            steps=args.steps,
+            gradient_sums=args.gradient_sums,
+        )
+
+    save(run(args, save))
     return 0
 
 

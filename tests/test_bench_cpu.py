@@ -88,6 +88,43 @@ def test_small_grid():
     assert _shapes(["--grid", "small", "--hidden", "8192", "--tokens", "4"]) == [(4, 8192)]
 
 
+def test_headdim_grid():
+    """H = 32 ... 256 (per-head norms) at T = 2^12, 2^16, 2^20; compared with the fused peers."""
+    a = parse_args(["--grid", "headdim"])
+    assert a.vs == ["compile", "liger", "quack"]
+    shapes = _shapes(["--grid", "headdim"])
+    assert [h for _, h in shapes[::3]] == [32, 64, 80, 96, 128, 192, 256]
+    assert all(t in (2**12, 2**16, 2**20) for t, _ in shapes) and len(shapes) == 21
+    assert _shapes(["--grid", "headdim", "--hidden", "64", "--tokens", "2^18"]) == [(2**18, 64)]
+
+
+@pytest.mark.parametrize(
+    ("op", "residual", "T", "H", "target"),
+    [
+        ("fwd", False, 2**20, 32, 0.95),  # 2^20 * 32 * 2 * 2 bytes + w + rstd = 132 MiB
+        ("bwd", True, 2**20, 32, 0.90),
+        ("fwd", False, 2**16, 128, 0.95),  # 32 MiB of x and y, plus w and rstd
+        ("fwd", False, 2**16, 64, None),  # 16 MiB
+        ("bwd", False, 2**16, 64, None),  # 24 MiB
+        ("bwd", False, 2**16, 128, 0.90),  # 48 MiB
+    ],
+)
+def test_calls_of_32_mib_or_more_are_held_to_a_copy_fraction(op, residual, T, H, target):
+    nbytes = cases.model_bytes(op, residual, T, H)
+    assert cases.ceiling_target(op, nbytes) == target
+    with pytest.raises(ValueError, match="op must be 'fwd' or 'bwd'"):
+        cases.ceiling_target("step", nbytes)
+
+
+def test_table_marks_rows_below_their_target():
+    row = {"impl": "cake_cute", "op": "bwd", "residual": False, "dtype": "bf16", "T": 2**20, "H": 64}
+    row |= {"us": 80.0, "gpu_us": 70.0, "tbps": 3.0, "copy_tbps": 4.5, "frac_copy": 0.667, "host_us": 10.0}
+    assert results.format_table([row | {"target_frac_copy": 0.9}]).splitlines()[2].endswith(" <0.90")
+    met = row | {"frac_copy": 0.93, "target_frac_copy": 0.9}
+    assert results.format_table([met]).splitlines()[2].endswith(" >=0.90")
+    assert results.format_table([row]).splitlines()[2].endswith("10.0")
+
+
 def test_flags():
     a = parse_args(
         ["--hidden", "4096,8192", "--tokens", "1000", "--dtype", "bf16,fp16,fp32", "--residual", "on"]
@@ -246,6 +283,7 @@ def test_default_json_path(tmp_path):
     )
     assert name(grid="training") == "2025-01-02-nvidia-h200-training-shapes.json"
     assert name(grid="small") == "2025-01-02-nvidia-h200-small.json"
+    assert name(grid="headdim") == "2025-01-02-nvidia-h200-headdim.json"
     assert name(dtypes=("fp32",)) == "2025-01-02-nvidia-h200-fp32.json"
     assert (
         name(grid="training", dtypes=("bf16", "fp16"))
@@ -486,7 +524,7 @@ def test_help_works_without_gpu(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--help"])
     assert e.value.code == 0
-    assert "--grid {standard,training,small}" in capsys.readouterr().out
+    assert "--grid {standard,training,small,headdim}" in capsys.readouterr().out
 
 
 def test_rows_and_plot_need_only_the_standard_library():

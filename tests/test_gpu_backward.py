@@ -586,3 +586,27 @@ def test_backward_of_summands_is_the_backward_of_their_rounded_sum(parts, dtype,
     expected = cake_rmsnorm_train_backward(summed_gradient(summands), x, w, rstd, g_residual=g_res)
     assert_bitwise_equal(dx, expected[0], "dx")
     assert_bitwise_equal(dw, expected[1], "dw")
+
+
+@pytest.mark.parametrize("threads", [256, 1024])
+@pytest.mark.parametrize("hidden, rows", [(64, 524288), (64, 1000), (128, 262144), (96, 4097), (7, 3001)])
+def test_dw_reduce_with_rows_in_flight_is_bitwise_the_one_row_loop(hidden, rows, threads):
+    """The dW reduction's lanes loading 8 partial rows before adding them (whole batches, then the
+    rest one at a time) add in the order of the one-row loop: dw is the same bits, for partial row
+    counts that leave every remainder, and within the FP64 reference's tolerance."""
+    from contextlib import ExitStack
+
+    from cake_cute.kernels.config import overridden
+
+    def backward(**choices):
+        with ExitStack() as stack:
+            for arch in ("sm_90a", "sm_100a"):
+                stack.enter_context(overridden("dw", arch, "fp32", hidden, **choices))
+            return inputs.call_poisoned()
+
+    inputs = Inputs((rows, hidden), torch.bfloat16, False)
+    dx, dw = backward(threads=threads, rows_in_flight=1)
+    dx_batched, dw_batched = backward(threads=threads, rows_in_flight=8)
+    assert_bitwise_equal(dw_batched, dw, "dw")
+    assert_bitwise_equal(dx_batched, dx, "dx")
+    inputs.check(dx_batched, dw_batched)

@@ -244,3 +244,246 @@ def test_model_step_profile_table_sorts_and_totals(perf_module, tmp_path):
     lines = path.read_text().splitlines()
     assert lines[0] == "# 42.5 us of kernels per step"
     assert lines[2].split() == ["30.0", "2.0", "gemm"] and lines[3].split() == ["12.5", "1.0", "norm"]
+
+
+# ---- perf/headdim_scan.py: its cases and candidates, without a GPU ---------------------------------------
+
+
+def test_headdim_scan_arguments_and_cases(perf_module):
+    scan = perf_module("headdim_scan")
+    args = scan.parse_args([])
+    assert args.hidden == [64, 128, 256, 32, 96, 80, 192] and args.rows == [2**16, 2**18, 2**20]
+    assert args.vs == ["quack", "compile"] and args.dtype == "bf16"
+    args = scan.parse_args(["--hidden", "64", "--rows", "2^16,1<<18", "--vs", "none"])
+    assert scan.cases(args.hidden, args.rows) == [
+        (64, 2**16, False),
+        (64, 2**16, True),
+        (64, 2**18, False),
+        (64, 2**18, True),
+    ]
+    assert args.vs == []
+
+
+@pytest.mark.parametrize("argv", [["--vs", "torch"], ["--reps", "0"], ["--rows", "x"]])
+def test_headdim_scan_refuses_bad_arguments(perf_module, argv, capsys):
+    scan = perf_module("headdim_scan")
+    with pytest.raises(SystemExit) as exc:
+        scan.parse_args(argv)
+    assert exc.value.code == 2
+    assert argv[0] in capsys.readouterr().err
+
+
+def test_headdim_scan_out_dir_prefers_the_option_then_out(perf_module, monkeypatch, tmp_path):
+    scan = perf_module("headdim_scan")
+    monkeypatch.setenv("OUT", str(tmp_path / "env"))
+    assert (
+        scan.out_dir(scan.parse_args(["--out", str(tmp_path / "opt")]), "NVIDIA H200", "d")
+        == tmp_path / "opt"
+    )
+    assert scan.out_dir(scan.parse_args([]), "NVIDIA H200", "d") == tmp_path / "env"
+    monkeypatch.delenv("OUT")
+    assert scan.out_dir(scan.parse_args([]), "NVIDIA H200", "d").name == "d-nvidia-h200-headdim-scan"
+
+
+def _tilings(scan, hidden):
+    tune = pytest.importorskip("tune")
+    found = {}
+    for cand in scan.candidates(hidden, "bf16"):
+        parsed = tune.parse_candidate(cand.overrides, "sm_90a", "bf16", hidden)
+        found[cand.name] = parsed
+    return found
+
+
+@pytest.mark.parametrize("hidden", [32, 64, 80, 96, 128, 192, 256])
+def test_headdim_scan_candidates_cover_rows_exactly_with_128_threads(perf_module, hidden):
+    """Every candidate tiling parses into a valid override (the config's own checks), covers H with no
+    idle lane and keeps 128-thread CTAs; the rule's idle lanes (H = 80, 96, 192) get an exact cover."""
+    from cake_cute.kernels.config import backward_config, forward_config, overridden
+
+    scan = perf_module("headdim_scan")
+    parsed = _tilings(scan, hidden)
+    assert {"dw-batch8", "dw1024", "dw1024-batch8"} <= set(parsed)
+    for name, kinds in parsed.items():
+        for kind, choices in kinds.items():
+            if "tiling" not in choices:
+                continue
+            t = choices["tiling"]
+            assert t.covers_row_exactly and t.threads_per_cta == 128 and t.threads_per_row <= 32, name
+            with overridden(kind, "sm_90a", "bf16", hidden, **choices):
+                config = (forward_config if kind == "fwd" else backward_config)(
+                    *(
+                        ("sm_90a", "bf16", hidden)
+                        if kind == "fwd"
+                        else ("sm_90a", "bf16", "bf16", hidden, False)
+                    )
+                )
+                assert config.tiling == t
+    ragged = not backward_config("sm_90a", "bf16", "bf16", hidden, False).tiling.covers_row_exactly
+    assert ("bwd-exact" in parsed) == (ragged and hidden != 80)  # H = 80: five vectors, 222 registers
+    if "bwd-exact" in parsed:
+        assert parsed["bwd-exact"]["bwd"]["register_budget"] == 160
+
+
+def test_headdim_scan_summary_picks_the_best_candidate(perf_module):
+    scan = perf_module("headdim_scan")
+    base = {"H": 64, "T": 65536, "residual": False, "op": "bwd"}
+    rows = [
+        base | {"impl": "cake_cute", "candidate": "default", "frac_copy": 0.7},
+        base | {"impl": "cake_cute", "candidate": "dw1024", "frac_copy": 0.85, "deterministic": True},
+        base | {"impl": "cake_cute", "candidate": "ctas2", "frac_copy": 0.8, "batch_invariant": True},
+        base | {"impl": "quack", "candidate": "", "frac_copy": 0.88},
+    ]
+    line = scan.summary(rows).splitlines()[2].split()
+    assert line == ["64", "65536", "off", "bwd", "0.700", "dw1024", "0.850", "0.880", "-", "ok"]
+    rows[1]["batch_invariant"] = False
+    assert scan.summary(rows).splitlines()[2].endswith("FAIL")
+
+
+class _FakeSweep:
+    """What ``headdim_scan.Scan`` asks of a sweep, on CPU: rows record the backward config in force."""
+
+    fatal = None
+
+    def __init__(self):
+        import types
+
+        self.notes = []
+        self.timer = types.SimpleNamespace(copy_ceiling=lambda nbytes, reps: {"copy_tbps": 4.0})
+
+    def input_sets(self, rows, hidden, dtype, residual):
+        import torch
+
+        names = ("x", "w", "g") + (("r", "gh") if residual else ())
+        return [{n: torch.randn(hidden if n == "w" else (rows, hidden)) for n in names}]
+
+    def measure(self, impl, op, residual, dtype, shape, sets, copy):
+        from cake_cute.kernels.config import backward_config, forward_config, reduce_config
+
+        config = (
+            forward_config("sm_90a", dtype, shape[1]).describe()
+            if op == "fwd"
+            else backward_config("sm_90a", dtype, dtype, shape[1], residual).describe()
+            + " "
+            + reduce_config("sm_90a", dtype, shape[1]).describe()
+        )
+        return {"impl": impl.name, "op": op, "residual": residual, "T": shape[0], "H": shape[1]} | {
+            "frac_copy": 0.5,
+            "config": config,
+        }
+
+    def check_context(self, exc, message):
+        """A CUDA error would stop the sweep; none happens on CPU."""
+
+
+def test_headdim_scan_case_times_each_candidate_under_its_overrides(perf_module, monkeypatch):
+    import types
+
+    import torch
+
+    scan_mod = perf_module("headdim_scan")
+
+    def functional(torch, op, t, rows=None):
+        x = t["x"][:rows].clone()
+        return (x, t["x"].sum(0)) if op == "bwd" else (x, x.sum(1))
+
+    monkeypatch.setattr(scan_mod, "_functional", functional)
+    lines = []
+    scan = object.__new__(scan_mod.Scan)
+    scan.args = types.SimpleNamespace(dtype="bf16", reps=1)
+    scan.torch, scan.log, scan.sweep, scan.rows = torch, lines.append, _FakeSweep(), []
+    scan.peers = [types.SimpleNamespace(name="quack")]
+    scan.case(64, 40, True, "cake")
+    assert not any(r["impl"] == "quack" for r in scan.rows)
+    scan.case(64, 40, True, "peers")
+    by_name = {(r["candidate"], r["op"]): r for r in scan.rows}
+    # residual mode keeps a ring of two: a deeper ring's candidate is skipped, with a line saying so
+    deep = {c.name for c in scan_mod.candidates(64, "bf16") if "ring_depth" in c.overrides}
+    assert set(by_name) == {("default", "fwd"), ("default", "bwd"), ("", "fwd"), ("", "bwd")} | {
+        (c.name, c.op) for c in scan_mod.candidates(64, "bf16") if c.name not in deep
+    }
+    assert sum("skipped (ValueError: residual mode keeps a ring of 2" in line for line in lines) == len(deep)
+    for cand in scan_mod.candidates(64, "bf16"):
+        if cand.name in deep:
+            continue
+        config = by_name[cand.name, cand.op]["config"]
+        for item in cand.overrides.split(","):
+            name, _, value = item.partition("=")
+            if name.endswith(".tiling"):
+                shown = "tpr={} vpt={} cluster=1 rows/cta={}".format(*value.split(":"))
+            elif name == "dw.threads":
+                shown = f"row_lanes={value}"
+            elif name == "dw.rows_in_flight":
+                shown = f"in_flight={value}" if value != "1" else "row_lanes"
+            else:
+                shown = {"bwd.register_budget": f"regs<={value}", "bwd.ring_depth": f"ring={value}"}[name]
+            assert shown in config, (cand.name, shown, config)
+    candidate = by_name["dw-batch8", "bwd"]
+    assert candidate["deterministic"] and candidate["batch_invariant"] and candidate["bitwise_default"]
+    assert candidate["dw_rel_err"] >= 0 and candidate["dw_bitwise_default"]
+    assert len(lines) == len(scan.rows) + len(deep)
+    assert "ok" in scan_mod.summary(scan.rows)
+
+
+# ---- perf/model_step.py --model qwen3: q/k norms over every head ----------------------------------------
+
+
+def test_model_step_qwen3_shapes_have_grouped_heads_of_128(perf_module):
+    model_step = perf_module("model_step")
+    full = model_step.shapes_for("qwen3", [2048, 4096], 2048, tiny=False)
+    assert [(s.hidden, s.heads, s.kv_heads, s.head_dim, s.ffn, s.tokens) for s in full] == [
+        (2048, 16, 8, 128, 6144, 8192),
+        (4096, 32, 8, 128, 12288, 8192),
+    ]
+    llama = model_step.shapes_for("llama", [4096], 2048, tiny=False)[0]
+    assert (llama.kv_heads, llama.ffn) == (32, 11008)
+    tiny = model_step.shapes_for("qwen3", [], 32, tiny=True)[0]
+    assert (tiny.heads, tiny.kv_heads, tiny.head_dim) == (4, 2, 16)
+
+
+def test_model_step_qk_torch_keeps_the_models_own_head_norms(perf_module):
+    pytest.importorskip("transformers")
+    import torch
+
+    import cake_cute
+
+    model_step = perf_module("model_step")
+    shape = model_step.shapes_for("qwen3", [], 32, tiny=True)[0]
+    model, _ = model_step.build_model(shape, "cake_cute_qk_torch", torch.device("cpu"))
+    heads = model_step.per_head_norms(model)
+    assert len(heads) == 2 * shape.layers
+    assert all(type(norm).__name__ == "Qwen3RMSNorm" for _, _, norm in heads)
+    layer = model.model.layers[0]
+    assert isinstance(layer.input_layernorm, cake_cute.CakeRMSNorm)
+    swapped, _ = model_step.build_model(shape, "cake_cute", torch.device("cpu"))
+    assert all(isinstance(norm, cake_cute.CakeRMSNorm) for _, _, norm in model_step.per_head_norms(swapped))
+
+
+def test_model_step_qwen3_tiny_on_cpu(tmp_path):
+    pytest.importorskip("transformers")
+    out = tmp_path / "model-step.json"
+    _run(
+        "model_step.py", str(out), "--device", "cpu", "--tiny", "--model", "qwen3", "--modes", "eager",
+        "--warmup", "1", "--steps", "1", "--impls", "torch,cake_cute,cake_cute_qk_torch",
+    )  # fmt: skip
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["impl"] for r in rows] == ["torch", "cake_cute", "cake_cute_qk_torch"]
+    assert all(r["model"] == "qwen3" and r["compile_scope"] == "model" and r["step_ms"] > 0 for r in rows)
+
+
+def test_headdim_scan_compiles_every_kernel_a_row_can_launch(perf_module, monkeypatch):
+    """Each compile task builds the forward, the backward and both dW reductions under its overrides
+    (the config they compile with differs from the default's), and reports a mode it cannot take."""
+    from cake_cute import compile_cache
+    from cake_cute.build import config_for
+
+    scan = perf_module("headdim_scan")
+    built = []
+    monkeypatch.setattr(compile_cache, "get_kernel", lambda spec: built.append((spec, config_for(spec))))
+    text = "bwd.tiling=8:1:16,dw.threads=1024,dw.rows_in_flight=8"
+    assert scan.compile_variant((64, False, "bf16", text)) is None
+    kinds = {(spec.kind, getattr(spec, "out_dtype", None)): config for spec, config in built}
+    assert set(kinds) == {("fwd", None), ("bwd", None), ("dw", "bf16"), ("dw", "fp32")}
+    assert kinds["bwd", None].tiling.threads_per_row == 8
+    assert kinds["dw", "fp32"].threads == 1024 and kinds["dw", "bf16"].rows_in_flight == 8
+    problem = scan.compile_variant((64, True, "bf16", "bwd.ring_depth=8"))
+    assert "residual mode keeps a ring of 2" in problem

@@ -20,10 +20,24 @@ SMALL_HIDDEN = (4096,)
 # Micro-batches of real training: tokens per GPU x model width.
 TRAINING_TOKENS = (2048, 4096, 8192, 16384)
 TRAINING_HIDDEN = (1024, 2048, 4096, 5120, 8192, 16384)
-GRIDS = ("standard", "training", "small")
+# Per-head q/k norms (H = head_dim over T * heads rows): three row counts keep the sweep, with
+# torch.compile compiling each shape, near three minutes on an H200.
+HEADDIM_TOKENS = (1 << 12, 1 << 16, 1 << 20)
+HEADDIM_HIDDEN = (32, 64, 80, 96, 128, 192, 256)
+GRIDS = ("standard", "training", "small", "headdim")
 # The implementations a grid times unless --vs says otherwise: the training grid compares with quack
-# only (plus the copy ceiling every row carries); the others with every peer.
-GRID_PEERS = {"standard": PEERS, "training": ("quack",), "small": PEERS}
+# only (plus the copy ceiling every row carries); the headdim grid with the fused peers (eager torch's
+# unfused norm says nothing about these shapes); the others with every peer.
+GRID_PEERS = {
+    "standard": PEERS,
+    "training": ("quack",),
+    "small": PEERS,
+    "headdim": ("compile", "liger", "quack"),
+}
+# A call that moves at least this many bytes is held to a fraction of the device copy: 0.95 for the
+# forward, 0.90 for the backward (smaller calls are launch- and tail-bound).
+CEILING_TARGET_BYTES = 32 << 20
+CEILING_TARGETS = {"fwd": 0.95, "bwd": 0.90}
 RESIDUAL_MODES = {"off": (False,), "on": (True,), "both": (False, True)}
 
 
@@ -64,6 +78,20 @@ def model_bytes(
     raise ValueError(f"op must be 'fwd' or 'bwd', got {op!r}")
 
 
+def ceiling_target(op: str, nbytes: int) -> float | None:
+    """The fraction of the device copy a call of ``op`` moving ``nbytes`` (``model_bytes``) is held to,
+    None for a call below ``CEILING_TARGET_BYTES``.
+
+    Raises
+    ------
+    ValueError
+        An unknown op.
+    """
+    if op not in CEILING_TARGETS:
+        raise ValueError(f"op must be 'fwd' or 'bwd', got {op!r}")
+    return CEILING_TARGETS[op] if nbytes >= CEILING_TARGET_BYTES else None
+
+
 def parse_count(text: str) -> int:
     """'134217728', '2^27', '2**27', '1<<27', '128M' (binary suffixes K/M/G) -> int > 0; anything else
     is an ``argparse.ArgumentTypeError``."""
@@ -93,9 +121,10 @@ def grid_shapes(
 
     Parameters
     ----------
-    grid : {"standard", "training", "small"}
+    grid : {"standard", "training", "small", "headdim"}
         standard: T = elements // H for every H (default: ``STANDARD_TENSOR_BYTES`` per tensor); training:
-        ``TRAINING_TOKENS`` x ``TRAINING_HIDDEN``; small: ``SMALL_TOKENS`` at H = 4096.
+        ``TRAINING_TOKENS`` x ``TRAINING_HIDDEN``; small: ``SMALL_TOKENS`` at H = 4096; headdim:
+        ``HEADDIM_TOKENS`` x ``HEADDIM_HIDDEN``.
     dtype : str
         The activation dtype (decides the standard grid's default T * H).
     hidden, tokens : list of int, optional
@@ -127,6 +156,7 @@ def grid_shapes(
         "standard": ((), STANDARD_HIDDEN),
         "training": (TRAINING_TOKENS, TRAINING_HIDDEN),
         "small": (SMALL_TOKENS, SMALL_HIDDEN),
+        "headdim": (HEADDIM_TOKENS, HEADDIM_HIDDEN),
     }[grid]
     return [(t, h) for h in hidden or default_hidden for t in tokens or default_tokens]
 

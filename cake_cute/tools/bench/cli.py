@@ -60,7 +60,8 @@ def build_parser(prog: str = "cake-cute bench") -> argparse.ArgumentParser:
         choices=GRIDS,
         default="standard",
         help="standard: T*H = 2^27 (fp32: 2^26) at H = 1K..128K, every peer; training: T in 2K..16K x "
-        "H in 1K..16K, quack only; small: T in 1,16,256 at H = 4096 (L2-resident by nature)",
+        "H in 1K..16K, quack only; small: T in 1,16,256 at H = 4096 (L2-resident by nature); headdim: "
+        "T in 2^12,2^16,2^20 x H in 32..256 (per-head q/k norms), compile, liger and quack",
     )
     p.add_argument("--hidden", type=_count_list(), help="hidden sizes replacing the grid's")
     p.add_argument("--tokens", type=_count_list(), help="rows T replacing the grid's (for every H)")

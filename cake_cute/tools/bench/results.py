@@ -37,6 +37,8 @@ TIMING_METHOD = {
     "bytes": "fwd: read x (+residual) and w, write y (+h_new) and rstd (4 bytes/row); "
     "bwd: read g and x (+g_residual), write dx (w, rstd and dw are not counted)",
     "tbps": "bytes / gpu_us / 1e6 (TB/s)",
+    "target_frac_copy": "rows whose call moves >= 32 MiB only: the fraction of the copy the call is held to "
+    "(0.95 fwd, 0.90 bwd); the table marks a row below it with '<'",
     "copy_tbps": "device-to-device copy of bytes/2 into another buffer (read + write = bytes), timed "
     "exactly like gpu_us with the same rotation; the faster of cudaMemcpyAsync (tensor.copy_) and an "
     "elementwise copy kernel (torch.neg on an fp32 view)",
@@ -52,11 +54,11 @@ def slugify(text: str) -> str:
 def default_json_path(
     gpu: str, date: str, grid: str = "standard", dtypes: tuple[str, ...] = ("bf16",), root: Path | None = None
 ) -> Path:
-    """``perf/results/<date>-<gpu>[-small|-training-shapes][-<dtypes>].json`` (bf16 alone has no dtype
-    suffix) under the repository, or under the working directory when the package is installed."""
+    """``perf/results/<date>-<gpu>[-small|-training-shapes|-headdim][-<dtypes>].json`` (bf16 alone has no
+    dtype suffix) under the repository, or under the working directory when the package is installed."""
     if root is None:
         root = REPO if (REPO / "perf").is_dir() and (REPO / "pyproject.toml").is_file() else Path.cwd()
-    suffix = {"standard": "", "small": "-small", "training": "-training-shapes"}[grid]
+    suffix = {"standard": "", "small": "-small", "training": "-training-shapes", "headdim": "-headdim"}[grid]
     if list(dtypes) != ["bf16"]:
         suffix += "-" + "-".join(dtypes)
     return Path(root) / "perf" / "results" / f"{date}-{slugify(gpu)}{suffix}.json"
@@ -122,6 +124,14 @@ def _fmt(value, spec: str) -> str:
     return format(value, spec)
 
 
+def _target_mark(row: dict) -> str:
+    """' <0.95' after a row below the copy fraction it is held to, ' >=0.95' after one that meets it."""
+    target, frac = row.get("target_frac_copy"), row.get("frac_copy")
+    if target is None or frac is None:
+        return ""
+    return f" {'<' if frac < target else '>='}{target:.2f}"
+
+
 def format_table(rows: list[dict]) -> str:
     """Compact fixed-width table (one line per row; error rows show the error)."""
     head = (
@@ -142,6 +152,7 @@ def format_table(rows: list[dict]) -> str:
             lead + f"{_fmt(r.get('us'), '10.1f')} {_fmt(r.get('gpu_us'), '10.1f')} "
             f"{_fmt(r.get('tbps'), '6.2f')} {_fmt(r.get('copy_tbps'), '8.2f')} "
             f"{_fmt(None if frac is None else 100 * frac, '6.1f')} {_fmt(r.get('host_us'), '8.1f')}"
+            + _target_mark(r)
         )
     return "\n".join(lines)
 

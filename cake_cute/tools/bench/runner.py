@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from ...vocab import dtype_bytes, torch_dtype
-from .cases import RESIDUAL_MODES, grid_shapes, model_bytes
+from .cases import RESIDUAL_MODES, ceiling_target, grid_shapes, model_bytes
 from .peers import FACTORIES, Impl, is_sticky_cuda_error, versions
 from .results import (
     TIMING_METHOD,
@@ -151,6 +151,9 @@ class Sweep:
         T, H = shape
         row = {"impl": impl.name, "op": op, "residual": residual, "dtype": dtype, "T": T, "H": H}
         row.update(bytes=model_bytes(op, residual, T, H, dtype), buffer_sets=len(sets), gpu_method="events")
+        target = ceiling_target(op, row["bytes"])
+        if target is not None:
+            row["target_frac_copy"] = target
         try:
             self._time_row(impl, op, sets, row)
             row.update(copy)
