@@ -33,6 +33,7 @@ from . import cpu, native
 from . import validation as v
 from .ops import backward_from_saved, cake_rmsnorm_train_backward, cake_rmsnorm_train_forward
 from .reference import summed_gradient
+from .views import new_output
 
 _FWD_SCHEMA = (
     "(Tensor x, Tensor w, float eps, Tensor? residual=None, float weight_offset=0.0, "
@@ -90,10 +91,10 @@ def check_forward_arguments(x, w, eps, residual) -> None:
 
 
 def _rmsnorm_fwd_fake(x, w, eps, residual=None, weight_offset=0.0, deterministic=True):
-    """Contiguous outputs like the real op; argument errors surface while tracing, not at run time."""
+    """The real op's outputs (``views.new_output``); argument errors surface while tracing."""
     check_forward_arguments(x, w, eps, residual)
-    h_new = x.new_empty(x.shape) if residual is not None else x.new_empty(0)
-    return x.new_empty(x.shape), x.new_empty(x.shape[:-1], dtype=torch.float32), h_new
+    h_new = new_output(x) if residual is not None else x.new_empty(0)
+    return new_output(x), new_output(x, x.shape[:-1], torch.float32), h_new
 
 
 def rmsnorm_bwd(g, x, w, rstd, g_residual=None, weight_offset=0.0, deterministic=True):
@@ -115,7 +116,7 @@ def _rmsnorm_bwd_cpu(g, x, w, rstd, g_residual=None, weight_offset=0.0, determin
 
 
 def _rmsnorm_bwd_fake(g, x, w, rstd, g_residual=None, weight_offset=0.0, deterministic=True):
-    return x.new_empty(x.shape), w.new_empty(w.shape)
+    return new_output(x), new_output(w)
 
 
 def rmsnorm_bwd_parts(g, x, w, rstd, g_residual=None, weight_offset=0.0, deterministic=True):

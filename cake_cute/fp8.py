@@ -32,7 +32,7 @@ from .kernels.config import QUANT_RECIPES
 from .operands import known_operands, operands
 from .ops import _native_backward_plan
 from .specs import KernelSpec
-from .views import aligned_vector, kernel_view
+from .views import aligned_vector, kernel_view, new_output
 
 
 class Fp8NormOutput(NamedTuple):
@@ -255,11 +255,11 @@ def _rmsnorm_fp8_fwd_fake(x, w, eps, residual, recipe, emit_y, weight_offset):
     blocks = scale_blocks(x.shape[-1], recipe)
     scale_dtype = torch.float32 if QUANT_RECIPES[recipe][1] else torch.float8_e8m0fnu
     return (
-        x.new_empty(x.shape, dtype=torch.float8_e4m3fn),
-        x.new_empty((*lead, blocks), dtype=scale_dtype),
-        x.new_empty(x.shape) if emit_y else _placeholder(x),
-        x.new_empty(lead, dtype=torch.float32),
-        x.new_empty(x.shape) if residual is not None else x.new_empty(0),
+        new_output(x, dtype=torch.float8_e4m3fn),
+        new_output(x, (*lead, blocks), scale_dtype),
+        new_output(x) if emit_y else _placeholder(x),
+        new_output(x, lead, torch.float32),
+        new_output(x) if residual is not None else x.new_empty(0),
     )
 
 
