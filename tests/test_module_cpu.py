@@ -153,7 +153,7 @@ def test_module_forward_matches_torch_rmsnorm(kernels, weight_offset):
         torch_norm.weight.normal_()
         norm.weight.copy_(torch_norm.weight - weight_offset)
     torch.testing.assert_close(norm(x), torch_norm(x))
-    y, h_new = norm(x, x)
+    y, h_new = norm(x, residual=x)
     torch.testing.assert_close(h_new, 2 * x)
     torch.testing.assert_close(y, torch_norm(2 * x))
     assert kernels["eager.fwd"] == 2 and kernels["op.fwd"] == 0
