@@ -1,7 +1,7 @@
 """The residual add fused into the norm where models write it outside the norm module.
 
 Pre-norm decoders write ``h = residual + out; y = norm(h)``: an add kernel (read two, write one) and a
-norm kernel (read one, write one). ``CakeRMSNorm.forward(out, residual)`` returns ``(y, h)`` from one
+norm kernel (read one, write one). ``CakeRMSNorm.forward(out, residual=residual)`` returns ``(y, h)`` from one
 kernel that reads two and writes two, and its backward adds the residual branch's gradient into dx in
 the same pass. Two ways to get there:
 

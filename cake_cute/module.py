@@ -282,13 +282,18 @@ def _hf_form(module: nn.Module) -> str | None:
         if not (weighted and cls.__name__.endswith("RMSNorm")):
             return None
         return SCALE_THEN_ROUND if "Gemma" in cls.__name__ else ROUND_THEN_SCALE
-    if _hf_refusal(module, source) is not None:
+    if not _computes_an_rms(source) or _hf_refusal(module, source) is not None:
         return None
     if not weighted:
         return SCALE_THEN_ROUND  # a unit scale: computed in FP32, rounded once
     if _T5_CAST.search(source):
         return T5
     return ROUND_THEN_SCALE if _ROUND_THEN_SCALE.search(source) else SCALE_THEN_ROUND
+
+
+def _computes_an_rms(source: str) -> bool:
+    """A reciprocal square root of the mean of the squares over the last dimension, no mean subtracted."""
+    return "rsqrt" in source and bool(_MEAN_OF_SQUARES.search(source)) and not _MEAN_SUBTRACTED.search(source)
 
 
 def _hf_refusal(module: nn.Module, source: str | None) -> str | None:

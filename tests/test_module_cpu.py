@@ -439,7 +439,7 @@ def test_compile_with_inductor_on_cpu_matches_eager():
     norm = CakeRMSNorm(64, eps=EPS)
 
     def block(x, r):
-        y, h = norm(x * 2, r)
+        y, h = norm(x * 2, residual=r)
         return torch.relu(y), h
 
     torch._dynamo.reset()
@@ -571,7 +571,7 @@ def test_eager_calls_bypass_the_custom_ops(kernels, residual):
     with _OpRecorder() as recorder:
         _forward_backward(lambda x, w, r: cake_rmsnorm(x, w, EPS, r), (x, w, res), (g_y, g_h))
         _forward_backward(lambda x, w, r: CakeRMSNormFunction.apply(x, w, EPS, r), (x, w, res), (g_y, g_h))
-        _forward_backward(norm, (x, res), (g_y, g_h))
+        _forward_backward(lambda x, r: norm(x, residual=r), (x, res), (g_y, g_h))
     assert not [name for name in recorder.names if name.startswith("cake_cute::")]
     assert kernels["eager.fwd"] == kernels["eager.bwd"] == 3
     assert kernels["op.fwd"] == kernels["op.bwd"] == 0
@@ -618,7 +618,11 @@ def test_compiled_module_matches_eager(kernels, residual):
     results = []
     for module in (norm, torch.compile(norm, fullgraph=True, backend="aot_eager", dynamic=True)):
         norm.weight.grad = None
-        results.append(_forward_backward(module, (x, res), (g_y, g_h), params=(norm.weight,)))
+        results.append(
+            _forward_backward(
+                lambda x, r, m=module: m(x, residual=r), (x, res), (g_y, g_h), params=(norm.weight,)
+            )
+        )
     _assert_bitwise(results[1], results[0])
 
 

@@ -98,8 +98,10 @@ def test_non_tensor_arguments_name_the_argument(bad):
     cake = CakeRMSNorm(H)
     with pytest.raises(TypeError, match=f"input must be a torch.Tensor, got {type(bad).__name__}"):
         cake(bad)
-    with pytest.raises(TypeError, match=f"residual must be a torch.Tensor, got {type(bad).__name__}"):
-        cake(torch.randn(2, H), residual=bad if bad is not None else "r")
+    bad_residual = "r" if bad is None else bad  # None means no residual
+    expected = f"residual must be a torch.Tensor, got {type(bad_residual).__name__}"
+    with pytest.raises(TypeError, match=expected):
+        cake(torch.randn(2, H), residual=bad_residual)
 
 
 @pytest.mark.parametrize("bad", ["model", None, 3])
@@ -236,7 +238,9 @@ def test_norms_that_are_not_rmsnorms_are_refused_with_the_reason():
             super().__init__(dim)
             self.group_size = 8
 
-    model = nn.Sequential(DoryL2Norm(1e-6), GroupedRMSNorm(H), nn.LayerNorm(H))
+    model = nn.Sequential(
+        DoryL2Norm(1e-6), GroupedRMSNorm(H), nn.LayerNorm(H), nn.LayerNorm(H, elementwise_affine=False)
+    )
     with pytest.warns(UserWarning, match="left these norms alone") as record:
         assert swap_rmsnorm(model, weight_offset=1.0) == 0
     message = str(record[0].message)
@@ -259,12 +263,12 @@ def test_a_tiny_t5_model_swaps_every_layer_norm_and_computes_the_same():
 # --- fake kernels describe the real outputs' strides ---------------------------------------------------
 
 
-def _layouts(dtype):
+def _layouts(dtype, device="cpu"):
     """Every kind of layout the ops accept, [..., H]."""
     torch.manual_seed(0)
 
     def r(*shape):
-        return torch.randn(*shape).to(dtype)
+        return torch.randn(*shape).to(device, dtype)
 
     return {
         "contiguous": r(3, H),
@@ -280,12 +284,16 @@ def _layouts(dtype):
 LAYOUT_NAMES = list(_layouts(torch.float32))
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("layout", LAYOUT_NAMES)
-def test_opcheck_over_layouts(dtype, layout):
-    x = _layouts(dtype)[layout]
-    w = torch.randn(H).to(dtype)
-    residual = torch.randn(x.shape).to(dtype)
+def test_opcheck_over_layouts(dtype, layout, device):
+    x = _layouts(dtype, device)[layout]
+    w = torch.randn(H).to(device, dtype)
+    residual = torch.randn(x.shape).to(device, dtype)
     for res in (None, residual):
         opcheck(torch.ops.cake_cute.rmsnorm_fwd, (x, w, 1e-6, res, 0.0, True))
         _, rstd, h_new = torch.ops.cake_cute.rmsnorm_fwd(x, w, 1e-6, res, 0.0, True)
@@ -295,13 +303,14 @@ def test_opcheck_over_layouts(dtype, layout):
         opcheck(torch.ops.cake_cute.rmsnorm_fp8_fwd, (x, w, 1e-6, res, "mxfp8", True, 0.0))
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
 @pytest.mark.parametrize("layout", [*LAYOUT_NAMES, "1d"])
-def test_compiled_module_over_layouts_matches_eager(layout, residual):
+def test_compiled_module_over_layouts_matches_eager(layout, residual, device):
     torch._dynamo.reset()
-    x = torch.randn(H) if layout == "1d" else _layouts(torch.float32)[layout]
-    r = torch.randn(x.shape)
-    cake = CakeRMSNorm(H)
+    x = torch.randn(H, device=device) if layout == "1d" else _layouts(torch.float32, device)[layout]
+    r = torch.randn(x.shape, device=device)
+    cake = CakeRMSNorm(H, device=device)
     nn.init.normal_(cake.weight)
     x = x.clone().requires_grad_() if layout != "expanded" else x.detach().requires_grad_()
 
@@ -324,3 +333,38 @@ def test_the_minimal_failing_case_compiles_with_inductor():
     x = torch.randn(2, 16, 4, H).transpose(1, 2)
     cake = CakeRMSNorm(H)
     assert torch.equal(torch.compile(cake, fullgraph=True)(x), cake(x))
+
+
+# --- on the GPU: torch's CUDA autocast policy and the HF casts with the CUDA kernels --------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
+def test_cuda_autocast_output_dtype_is_torch_rmsnorms(w_dtype):
+    ref, cake = _pair(w_dtype)
+    ref, cake = ref.cuda(), cake.cuda()
+    x = torch.randn(4, 7, H, device="cuda", dtype=torch.bfloat16)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        want, got = ref(x), cake(x)
+        want_residual = ref(x + x)
+        got_residual, h = cake(x, residual=x)
+    assert want.dtype == got.dtype == got_residual.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_residual, want_residual, rtol=1e-5, atol=1e-5)
+    assert torch.equal(h, x + x)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cls", [LlamaRMSNorm, T5LayerNorm, GemmaRMSNorm])
+def test_cuda_hf_trainer_bf16_autocast_fp32_weights(cls):
+    original = _hf_norm(cls, torch.float32).cuda()
+    swapped = nn.Sequential(copy.deepcopy(original))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        swap_rmsnorm(swapped)
+    for x_dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn(4, 7, H, device="cuda", dtype=x_dtype)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            want, got = original(x), swapped(x)
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=2**-7)
