@@ -13,12 +13,15 @@ from __future__ import annotations
 import torch
 
 from .reference import backward_terms, forward_reference
+from .views import as_output
 
 
 def forward(x, w, eps, residual, weight_offset):
-    """``(y, rstd, h_new)`` with rstd shaped ``x.shape[:-1]``; h_new is None in plain mode."""
+    """``(y, rstd, h_new)`` with rstd shaped ``x.shape[:-1]``; h_new is None in plain mode. The outputs
+    are laid out as the CUDA kernels' (``views.new_output``), whatever x's layout."""
     y, rstd, h = forward_reference(x, w, eps, residual, weight_offset, compute_dtype=torch.float32)
-    return y.to(x.dtype), rstd.view(x.shape[:-1]), (None if residual is None else h)
+    rstd = as_output(rstd, x, x.shape[:-1], torch.float32)
+    return as_output(y, x), rstd, (None if residual is None else as_output(h, x))
 
 
 def backward(g, h, w, rstd, g_residual, weight_offset):
@@ -26,4 +29,4 @@ def backward(g, h, w, rstd, g_residual, weight_offset):
     dx, products = backward_terms(g, h, w, rstd, g_residual, weight_offset, compute_dtype=torch.float32)
     # The last running sum, copied out of the cumsum's storage: an output must not be a view into it.
     dw = products.cumsum(dim=0)[-1].clone() if products.shape[0] else products.new_zeros(h.shape[-1])
-    return dx.to(h.dtype).view(h.shape), dw.to(w.dtype)
+    return as_output(dx, h), as_output(dw, w)

@@ -43,6 +43,7 @@ from .ops_fp8 import check_arguments as check_fp8_arguments
 from .ops_fp8 import fp8_forward, placeholder
 from .reference import summed_gradient
 from .validation import check_forward_arguments
+from .views import new_output
 
 _FWD_SCHEMA = (
     "(Tensor x, Tensor w, float eps, Tensor? residual=None, float weight_offset=0.0, "
@@ -95,10 +96,10 @@ def _rmsnorm_fwd_cpu(x, w, eps, residual=None, weight_offset=0.0, deterministic=
 
 
 def _rmsnorm_fwd_fake(x, w, eps, residual=None, weight_offset=0.0, deterministic=True):
-    """Contiguous outputs like the real op; argument errors surface while tracing, not at run time."""
+    """The real op's outputs (``views.new_output``); argument errors surface while tracing."""
     check_forward_arguments(x, w, eps, residual)
-    h_new = x.new_empty(x.shape) if residual is not None else x.new_empty(0)
-    return x.new_empty(x.shape), x.new_empty(x.shape[:-1], dtype=torch.float32), h_new
+    h_new = new_output(x) if residual is not None else x.new_empty(0)
+    return new_output(x), new_output(x, x.shape[:-1], torch.float32), h_new
 
 
 def rmsnorm_fp8_fwd(x, w, eps, residual, recipe, emit_y, weight_offset):
@@ -121,11 +122,11 @@ def _rmsnorm_fp8_fwd_fake(x, w, eps, residual, recipe, emit_y, weight_offset):
     blocks = scale_blocks(x.shape[-1], recipe)
     scale_dtype = torch.float32 if QUANT_RECIPES[recipe][1] else torch.float8_e8m0fnu
     return (
-        x.new_empty(x.shape, dtype=torch.float8_e4m3fn),
-        x.new_empty((*lead, blocks), dtype=scale_dtype),
-        x.new_empty(x.shape) if emit_y else placeholder(x),
-        x.new_empty(lead, dtype=torch.float32),
-        x.new_empty(x.shape) if residual is not None else x.new_empty(0),
+        new_output(x, dtype=torch.float8_e4m3fn),
+        new_output(x, (*lead, blocks), scale_dtype),
+        new_output(x) if emit_y else placeholder(x),
+        new_output(x, lead, torch.float32),
+        new_output(x) if residual is not None else x.new_empty(0),
     )
 
 
@@ -148,7 +149,7 @@ def _rmsnorm_bwd_cpu(g, x, w, rstd, g_residual=None, weight_offset=0.0, determin
 
 
 def _rmsnorm_bwd_fake(g, x, w, rstd, g_residual=None, weight_offset=0.0, deterministic=True):
-    return x.new_empty(x.shape), w.new_empty(w.shape)
+    return new_output(x), new_output(w)
 
 
 def rmsnorm_bwd_parts(g, x, w, rstd, g_residual=None, weight_offset=0.0, deterministic=True):

@@ -10,7 +10,7 @@ sharded is refused: the norm would need every element of a row, and a silent all
 the sharding the caller chose. None of these strategies needs a collective in the norm itself.
 
 Importing ``cake_cute`` registers the rules; ``SequenceParallelResidual`` is the
-``torch.distributed.tensor.parallel`` style to use for a norm called as ``norm(x, residual)``.
+``torch.distributed.tensor.parallel`` style to use for a norm called as ``norm(x, residual=r)``.
 """
 
 from __future__ import annotations
@@ -80,11 +80,11 @@ def _fp8_forward_sharding(x, w, eps, residual, recipe, emit_y, weight_offset):
 
 
 class SequenceParallelResidual(SequenceParallel):
-    """``SequenceParallel`` for a norm that takes a residual: ``norm(x, residual)`` or
-    ``norm(x, residual=r)``, returning ``(y, h_new)``.
+    """``SequenceParallel`` for a norm that takes a residual: ``norm(x, residual=r)`` (x positional or
+    as ``input=``), returning ``(y, h_new)``.
 
     Stock ``SequenceParallel`` converts only the first positional input, so a residual would reach the
-    norm as a plain tensor (or, passed positionally, be dropped). This style converts x and the
+    norm as a plain tensor. This style converts x and the
     residual alike (a local tensor is taken as this rank's shard of the sequence; a DTensor is
     redistributed to ``Shard(sequence_dim)`` if it is placed otherwise), replicates the weight as the
     stock style does, and returns both outputs sharded on the sequence dimension.
@@ -113,8 +113,12 @@ class SequenceParallelResidual(SequenceParallel):
                 return self._prepare_input_fn(self.sequence_sharding, module, (t,), device_mesh)
 
             args = tuple(convert(a) if isinstance(a, torch.Tensor) else a for a in args)
-            if isinstance(kwargs.get("residual"), torch.Tensor):
-                kwargs = {**kwargs, "residual": convert(kwargs["residual"])}
+            tensors = {
+                k: convert(kwargs[k])
+                for k in ("input", "residual")
+                if isinstance(kwargs.get(k), torch.Tensor)
+            }
+            kwargs = {**kwargs, **tensors}
             return args, kwargs
 
         return to_sequence_shards

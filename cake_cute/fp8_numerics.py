@@ -49,6 +49,7 @@ from .kernels.config import (
     FP32_NAN_BITS,
     QUANT_RECIPES,
 )
+from .views import as_output
 
 RECIPES = tuple(QUANT_RECIPES)
 _CUBLAS_TILE = (128, 4)
@@ -182,8 +183,8 @@ def rmsnorm_fp8_reference(
     """``(data, compact scales, y or None, rstd, h_new or None)`` in torch (any device)."""
     y32, rstd, h = normalized_reference(x, w, eps, residual, weight_offset, rstd)
     data, scales = quantize_rows_reference(y32, recipe)
-    y = y32.to(x.dtype) if emit_y else None
-    return data, scales, y, rstd, (h if residual is not None else None)
+    y = as_output(y32, x) if emit_y else None
+    return data, scales, y, rstd, (as_output(h, x) if residual is not None else None)
 
 
 # ---------------------------------------------------------------------------------------------------

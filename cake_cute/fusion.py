@@ -1,7 +1,7 @@
 """The residual add fused into the norm where models write it outside the norm module.
 
 Pre-norm decoders write ``h = residual + out; y = norm(h)``: an add kernel (read two, write one) and a
-norm kernel (read one, write one). ``CakeRMSNorm.forward(out, residual)`` returns ``(y, h)`` from one
+norm kernel (read one, write one). ``CakeRMSNorm.forward(out, residual=residual)`` returns ``(y, h)`` from one
 kernel that reads two and writes two, and its backward adds the residual branch's gradient into dx in
 the same pass. Two ways to get there:
 
@@ -17,7 +17,7 @@ the same pass. Two ways to get there:
   ``forward`` on the instance (as Liger patches instances; the class, the module tree and the state
   dict are unchanged).
 
-The patched layer computes its post-attention norm as ``(y, h) = norm(attn_out, residual)``. The add
+The patched layer computes its post-attention norm as ``(y, h) = norm(attn_out, residual=residual)``. The add
 that ends a layer belongs to the *next* norm (the next layer's input norm, or the model's final norm):
 the layer computes ``(y, h) = next_norm(mlp_out, residual)``, returns h (so hooks, captured hidden
 states and anything else between layers see the true hidden state) and hands y to the next norm,
@@ -90,7 +90,7 @@ def add_rmsnorm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor):
         ``(y, h)`` with ``h = x + residual`` and ``y = norm(h)``.
     """
     if isinstance(norm, CakeRMSNorm):
-        return norm(x, residual)
+        return norm(x, residual=residual)
     h = x + residual
     return norm(h), h
 
@@ -166,13 +166,13 @@ def _fused_layer_forward(self, hidden_states, *args, **kwargs):
     if normed is None:
         normed = self.input_layernorm(hidden_states)
     attention_out, _ = self.self_attn(hidden_states=normed, **fusion.attention_kwargs(args, kwargs))
-    normed, hidden_states = self.post_attention_layernorm(attention_out, hidden_states)
+    normed, hidden_states = self.post_attention_layernorm(attention_out, residual=hidden_states)
     mlp_out = self.mlp(normed)
     # A DTensor weight outside its own layer's forward is FSDP2's shard (or tensor-parallel): the
     # next layer's norm can only run inside that layer's forward.
     if fusion.next_norm is None or isinstance(fusion.next_norm.weight, DTensor):
         return hidden_states + mlp_out
-    y, hidden_states = fusion.next_norm(mlp_out, hidden_states)
+    y, hidden_states = fusion.next_norm(mlp_out, residual=hidden_states)
     fusion.handoff.give(fusion.next_norm, y, hidden_states)
     return hidden_states
 
@@ -183,7 +183,7 @@ def _final_norm_forward(self, x, residual=None, *, handoff: _Handoff):
         y = handoff.take(self, x)
         if y is not None:
             return y
-    return CakeRMSNorm.forward(self, x, residual)
+    return CakeRMSNorm.forward(self, x, residual=residual)
 
 
 def _is_name(node, name: str) -> bool:

@@ -64,14 +64,30 @@ def is_direct_output(t: torch.Tensor, vec: int) -> bool:
     return t.is_contiguous() and t.data_ptr() % (vec * t.element_size()) == 0
 
 
+def new_output(like: torch.Tensor, shape=None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A fresh output in the one layout every kernel returns, real or fake: contiguous, shaped like
+    ``like`` (or ``shape``), in its dtype (or ``dtype``), on its device.
+
+    The CUDA path allocates its outputs here, the CPU kernels copy their results into it, and the
+    fake (meta) kernels build theirs with it, so torch.compile is told the strides it gets for any
+    input layout (views, transposes, expanded, N-D)."""
+    shape = like.shape if shape is None else shape
+    return torch.empty(shape, dtype=like.dtype if dtype is None else dtype, device=like.device)
+
+
+def as_output(result: torch.Tensor, like: torch.Tensor, shape=None, dtype: torch.dtype | None = None):
+    """``result`` (computed by torch ops, in whatever layout they chose) copied into ``new_output``."""
+    return new_output(like, shape, dtype).copy_(result.reshape(like.shape if shape is None else shape))
+
+
 def output_like(given, x: torch.Tensor, vec: int):
     """(tensor the kernel writes, caller tensor to copy into afterwards or None) for an output shaped
     like x; ``given`` (the caller's, or None) was checked."""
     if given is None:
-        return torch.empty_like(x, memory_format=_CONTIGUOUS), None
+        return new_output(x), None
     if is_direct_output(given, vec):
         return given, None
-    return torch.empty_like(x, memory_format=_CONTIGUOUS), given
+    return new_output(x), given
 
 
 def vector_output(given, length: int, dtype: torch.dtype, device: torch.device):

@@ -135,7 +135,7 @@ def test_a_sharded_hidden_dimension_is_refused(mesh):
 
 def test_sequence_parallel_residual_shards_both_inputs(mesh):
     x, r, _, _, _ = _inputs()
-    for call in (lambda n: n(x, r), lambda n: n(x, residual=r)):
+    for call in (lambda n: n(x, residual=r), lambda n: n(input=x, residual=r)):
         norm = CakeRMSNorm(32, eps=EPS)
         parallelize_module(norm, mesh, SequenceParallelResidual())
         assert isinstance(norm.weight, DTensor) and norm.weight.placements == (Replicate(),)
@@ -144,15 +144,16 @@ def test_sequence_parallel_residual_shards_both_inputs(mesh):
         torch.testing.assert_close(h_new.full_tensor(), x + r)
     local = CakeRMSNorm(32, eps=EPS)
     parallelize_module(local, mesh, SequenceParallelResidual(use_local_output=True))
-    assert all(type(t) is torch.Tensor for t in local(x, r))
+    assert all(type(t) is torch.Tensor for t in local(x, residual=r))
 
 
-def test_stock_sequence_parallel_drops_a_positional_residual(mesh):
-    """Why SequenceParallelResidual exists: the stock style passes on only the first input."""
+def test_stock_sequence_parallel_leaves_the_residual_local(mesh):
+    """Why SequenceParallelResidual exists: the stock style converts only the first positional input."""
     x, r, _, _, _ = _inputs()
     norm = CakeRMSNorm(32, eps=EPS)
     parallelize_module(norm, mesh, SequenceParallel())
-    assert isinstance(norm(x, r), DTensor)  # y alone: the residual never reached the norm
+    with pytest.raises(RuntimeError, match="mixed torch.Tensor and DTensor"):
+        norm(x, residual=r)
 
 
 @pytest.mark.parametrize("parallelize", ["sequence_parallel", "fully_shard"])

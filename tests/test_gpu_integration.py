@@ -121,7 +121,11 @@ def test_compiled_module_is_bitwise_eager(residual, weight_offset):
     results = []
     for module in (norm, torch.compile(norm, fullgraph=True)):
         norm.weight.grad = None
-        results.append(_forward_backward(module, (x, res), (g_y, g_h), params=(norm.weight,)))
+        results.append(
+            _forward_backward(
+                lambda x, r, m=module: m(x, residual=r), (x, res), (g_y, g_h), params=(norm.weight,)
+            )
+        )
     _assert_bitwise(results[1], results[0])
 
 

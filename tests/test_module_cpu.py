@@ -156,7 +156,7 @@ def test_module_forward_matches_torch_rmsnorm(kernels, weight_offset):
         torch_norm.weight.normal_()
         norm.weight.copy_(torch_norm.weight - weight_offset)
     torch.testing.assert_close(norm(x), torch_norm(x))
-    y, h_new = norm(x, x)
+    y, h_new = norm(x, residual=x)
     torch.testing.assert_close(h_new, 2 * x)
     torch.testing.assert_close(y, torch_norm(2 * x))
     assert kernels["eager.fwd"] == 2 and kernels["op.fwd"] == 0
@@ -442,7 +442,7 @@ def test_compile_with_inductor_on_cpu_matches_eager():
     norm = CakeRMSNorm(64, eps=EPS)
 
     def block(x, r):
-        y, h = norm(x * 2, r)
+        y, h = norm(x * 2, residual=r)
         return torch.relu(y), h
 
     torch._dynamo.reset()
@@ -574,7 +574,7 @@ def test_eager_calls_bypass_the_custom_ops(kernels, residual):
     with _OpRecorder() as recorder:
         _forward_backward(lambda x, w, r: cake_rmsnorm(x, w, EPS, r), (x, w, res), (g_y, g_h))
         _forward_backward(lambda x, w, r: CakeRMSNormFunction.apply(x, w, EPS, r), (x, w, res), (g_y, g_h))
-        _forward_backward(norm, (x, res), (g_y, g_h))
+        _forward_backward(lambda x, r: norm(x, residual=r), (x, res), (g_y, g_h))
     assert not [name for name in recorder.names if name.startswith("cake_cute::")]
     assert kernels["eager.fwd"] == kernels["eager.bwd"] == 3
     assert kernels["op.fwd"] == kernels["op.bwd"] == 0
@@ -621,7 +621,11 @@ def test_compiled_module_matches_eager(kernels, residual):
     results = []
     for module in (norm, torch.compile(norm, fullgraph=True, backend="aot_eager", dynamic=True)):
         norm.weight.grad = None
-        results.append(_forward_backward(module, (x, res), (g_y, g_h), params=(norm.weight,)))
+        results.append(
+            _forward_backward(
+                lambda x, r, m=module: m(x, residual=r), (x, res), (g_y, g_h), params=(norm.weight,)
+            )
+        )
     _assert_bitwise(results[1], results[0])
 
 

@@ -287,8 +287,7 @@ def _sp_adamw_one(s: Setup, residual: bool) -> str:
             (norm, opts[0], slice(s.rank * local_seq, (s.rank + 1) * local_seq)),
             (single, opts[1], slice(None)),
         ):
-            args = (xs[:, sl], rs[:, sl]) if residual else (xs[:, sl],)
-            out = module(*args)
+            out = module(xs[:, sl], residual=rs[:, sl]) if residual else module(xs[:, sl])
             y = out[0] if residual else out
             loss = (y.to_local() if isinstance(y, DTensor) else y).mul(ts[:, sl]).sum()
             opt.zero_grad()

@@ -2,7 +2,7 @@
 the CPU tests share: torchtitan's TP + sequence-parallel plan, FSDP2 per block + root, DDP,
 activation checkpointing and torch.compile per block.
 
-``fused_residual=True`` builds blocks that call their norms as ``norm(x, residual) -> (y, x + residual)``
+``fused_residual=True`` builds blocks that call their norms as ``norm(x, residual=r) -> (y, x + r)``
 (the residual add fused into the norm, as in vLLM / Hugging Face "add + norm" stacks); the torch
 reference for that call is ``AddRMSNorm``, a ``torch.nn.RMSNorm`` that ``swap_rmsnorm`` replaces by a
 ``CakeRMSNorm`` doing the same in one kernel.
@@ -43,13 +43,13 @@ class Config:
 
 
 class AddRMSNorm(nn.RMSNorm):
-    """``torch.nn.RMSNorm`` called as ``norm(x, residual=None)``: y, or
+    """``torch.nn.RMSNorm`` called as ``norm(input, *, residual=None)``: y, or
     ``(norm(x + residual), x + residual)``."""
 
-    def forward(self, x, residual=None):
+    def forward(self, input, *, residual=None):
         if residual is None:
-            return super().forward(x)
-        h = x + residual
+            return super().forward(input)
+        h = input + residual
         return super().forward(h), h
 
 
@@ -96,14 +96,14 @@ class Block(nn.Module):
             h = x + self.attention(self.attention_norm(x))
             return h + self.feed_forward(self.ffn_norm(h))
         normed, residual = (
-            self.attention_norm(x, residual)
+            self.attention_norm(x, residual=residual)
             if residual is not None
             else (
                 self.attention_norm(x),
                 x,
             )
         )
-        normed, residual = self.ffn_norm(self.attention(normed), residual)
+        normed, residual = self.ffn_norm(self.attention(normed), residual=residual)
         return self.feed_forward(normed), residual
 
 
@@ -132,7 +132,7 @@ class Llama(nn.Module):
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual)
-        return self.output(self.norm(x, residual)[0])
+        return self.output(self.norm(x, residual=residual)[0])
 
 
 def build(cfg: Config, seed: int, device, dtype=torch.float32) -> Llama:
