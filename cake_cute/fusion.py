@@ -41,7 +41,9 @@ MLP output) torch's type-promoting add and then the norm, exactly what the unfus
 Under non-reentrant checkpointing the backward re-runs a layer's forward on the same input objects
 and must save the same tensors as the first run. A layer that used a handed-over y records its input
 (weakly); its recompute normalizes that input without grad (bitwise the y it was handed; the gradient
-to y flows through the graph of the first run) and hands nothing over.
+to y flows through the graph of the first run) and hands nothing over. Under torch.compile a
+checkpointed layer is traced as a region that may not change state outside itself: it hands nothing
+over in either direction (its in-layer add stays fused).
 
 The forward values are bitwise those of the unfused cake model (the kernel rounds ``h = a + b`` to
 the activation dtype exactly as torch's add does). The gradients agree to rounding: in bf16 / fp16
@@ -454,15 +456,26 @@ def _plan(template: _Template, bindings: dict, signature: inspect.Signature) -> 
     )
 
 
+def _checkpoint_enabled(layer: nn.Module) -> bool:
+    """``gradient_checkpointing_enable`` set this layer to checkpoint and the model is training."""
+    return getattr(layer, "gradient_checkpointing", False) and layer.training
+
+
 def _checkpointing(layer: nn.Module) -> bool:
     """Whether transformers' ``GradientCheckpointingLayer`` checkpoints this call (its condition)."""
-    return getattr(layer, "gradient_checkpointing", False) and layer.training and torch.is_grad_enabled()
+    return _checkpoint_enabled(layer) and torch.is_grad_enabled()
+
+
+def _traced_in_checkpoint(layer: nn.Module) -> bool:
+    """A checkpointed call traced by torch.compile: the region may not change state outside itself
+    (dynamo refuses such side effects), so nothing is handed over into or out of it."""
+    return _checkpointing(layer) and torch.compiler.is_compiling()
 
 
 def _reentrant_first_pass(layer: nn.Module) -> bool:
     """A checkpointed layer running without grad: reentrant checkpointing's first pass (or a
     ``no_grad`` call of a training model), whose outputs the backward recomputes from detached inputs."""
-    return getattr(layer, "gradient_checkpointing", False) and layer.training and not torch.is_grad_enabled()
+    return _checkpoint_enabled(layer) and not torch.is_grad_enabled()
 
 
 @dataclass(eq=False)
@@ -477,6 +490,8 @@ class _LayerFusion:
     def input_norm(self, layer: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
         """``layer.input_layernorm(hidden_states)``, or the y the previous layer computed for it."""
         norm = layer.input_layernorm
+        if _traced_in_checkpoint(layer):
+            return norm(hidden_states)
         y = self.handoff.take(norm, hidden_states)
         if not _checkpointing(layer):
             return norm(hidden_states) if y is None else y
@@ -502,6 +517,7 @@ class _LayerFusion:
             or isinstance(norm.weight, DTensor)
             or not _fusable(branch, residual)
             or _reentrant_first_pass(layer)
+            or _traced_in_checkpoint(layer)
         ):
             return residual + branch
         y, hidden_states = norm(branch, residual=residual)

@@ -477,6 +477,22 @@ def test_compiled_fullgraph_traces_the_fused_op_and_matches_eager(backend):
     _assert_grads(grads, eager_grads, exact=backend == "aot_eager", rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_compiled_fullgraph_with_checkpointing(reentrant):
+    """torch.compile(fullgraph=True) of a checkpointed fused model: dynamo traces each checkpointed
+    layer as a region that may not change state outside itself, so those layers fuse their in-layer add
+    and end with torch's add; the step is bitwise the eager checkpointed one (aot_eager)."""
+    model = _tiny("llama")
+    model.config.use_cache = False  # transformers' use_cache warning is a graph break
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    fused = _swapped(model, fuse=True)
+    eager_loss, _, eager_grads = _step(fused)
+    torch._dynamo.reset()
+    loss, _, grads = _step(torch.compile(fused, fullgraph=True, backend="aot_eager"))
+    assert torch.equal(loss, eager_loss)
+    _assert_grads(grads, eager_grads, exact=True)
+
+
 def test_compiled_backward_passes_no_zero_gradient_for_an_unused_h_new():
     """The final norm's h_new has no user: its gradient reaches the backward op as None (a plain-mode
     backward, as on the eager paths), not as a zero tensor the compiled graph would build and read."""
