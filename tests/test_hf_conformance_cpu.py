@@ -294,3 +294,30 @@ def test_compile(name):
     loss, grads, _ = step(torch.compile(fused, fullgraph=True, backend="aot_eager"), count=False)
     assert torch.equal(loss, eager_loss)
     assert_grads(grads, eager_grads, exact=True)
+
+
+def test_the_family_table_reads_each_outcome(tmp_path):
+    """perf/hf_matrix.py maps each test id of this file (family, and the checkpointing variant) to its
+    outcome, so a failing check shows as a failure in the generated table."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "perf" / "hf_matrix.py"
+    spec = importlib.util.spec_from_file_location("hf_matrix", path)
+    hf_matrix = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hf_matrix)
+    junit = tmp_path / "run.xml"
+    junit.write_text(
+        '<testsuites><testsuite name="pytest">'
+        '<testcase classname="tests.test_hf_conformance_cpu" name="test_bf16[llama]"/>'
+        '<testcase classname="tests.test_hf_conformance_cpu" name="test_checkpointing[gemma2-reentrant]">'
+        '<failure message="x"/></testcase>'
+        '<testcase classname="tests.test_hf_conformance_cpu" name="test_compile[qwen3]"><skipped/></testcase>'
+        '<testcase classname="tests.test_hf_conformance_cpu" name="test_plain"/>'
+        "</testsuite></testsuites>"
+    )
+    assert hf_matrix.outcomes(junit) == {
+        ("test_bf16", "llama", None): "passed",
+        ("test_checkpointing", "gemma2", "reentrant"): "failed",
+        ("test_compile", "qwen3", None): "skipped",
+    }
