@@ -46,9 +46,6 @@ class Family:
     norms_per_layer: int
     extra: dict = field(default_factory=dict)
     refusal: str | None = None  # the ValueError fuse_residual_rmsnorm raises, when it refuses
-    # Adds fused under bf16 autocast with fp32 weights: only those whose operands are both fp32 (a
-    # mixture-of-experts block sums its experts in fp32, the routing weights' dtype).
-    autocast_fused: int = 0
 
 
 _MOE = {"num_experts_per_tok": 2}
@@ -56,9 +53,7 @@ FAMILIES = {
     "llama": Family("LlamaConfig", "LlamaForCausalLM", 2),
     "mistral": Family("MistralConfig", "MistralForCausalLM", 2),
     "ministral": Family("MinistralConfig", "MinistralForCausalLM", 2),
-    "mixtral": Family(
-        "MixtralConfig", "MixtralForCausalLM", 2, {"num_local_experts": 4, **_MOE}, autocast_fused=2
-    ),
+    "mixtral": Family("MixtralConfig", "MixtralForCausalLM", 2, {"num_local_experts": 4, **_MOE}),
     "qwen2": Family("Qwen2Config", "Qwen2ForCausalLM", 2),
     "qwen3": Family("Qwen3Config", "Qwen3ForCausalLM", 4),
     "qwen3_moe": Family(
@@ -66,7 +61,6 @@ FAMILIES = {
         "Qwen3MoeForCausalLM",
         4,
         {"num_experts": 4, "moe_intermediate_size": 32, **_MOE},
-        autocast_fused=2,
     ),
     "gemma": Family("GemmaConfig", "GemmaForCausalLM", 2),
     "gemma2": Family("Gemma2Config", "Gemma2ForCausalLM", 4),
@@ -95,7 +89,6 @@ FAMILIES = {
             "moe_intermediate_size": 32,
             **_MOE,
         },
-        autocast_fused=1,  # its first layer is dense
     ),
     "llama4_text": Family(
         "Llama4TextConfig",
@@ -240,14 +233,20 @@ def test_bf16(name):
 
 @pytest.mark.parametrize("name", FUSED)
 def test_autocast(name):
-    """fp32 weights under CPU bf16 autocast (HF Trainer's bf16=True): the residual stream stays fp32,
-    the branches are bf16, so each add is torch's type-promoting add (no fused call, no crash), and the
-    step is bitwise the swapped, unfused model's. Adds of two fp32 operands (MoE outputs) are fused."""
-    model, fused_adds = tiny(name), FAMILIES[name].autocast_fused
+    """fp32 weights under CPU bf16 autocast (HF Trainer's bf16=True): the residual stream stays fp32 and
+    the branches are mostly bf16; each add whose operands share a dtype is fused (e.g. a mixture of
+    experts summed in fp32), each mixed one stays torch's type-promoting add (no crash, no bf16 rounding
+    of the residual stream), and the step is bitwise the swapped, unfused model's."""
+    model = tiny(name)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert_same_step(
-            converted(model, fuse=True)[0], converted(model, fuse=False)[0], fused_adds=fused_adds
-        )
+        fused, unfused = converted(model, fuse=True)[0], converted(model, fuse=False)[0]
+        loss, grads, calls = step(fused)
+        expected_loss, expected_grads, unfused_calls = step(unfused)
+    assert torch.equal(loss, expected_loss)
+    assert_grads(grads, expected_grads, exact=True)
+    # Each fused call replaced one same-dtype add of the unfused model; no mixed add was fused.
+    assert calls.fused == unfused_calls.same_dtype_adds - calls.same_dtype_adds
+    assert calls.mixed_adds == unfused_calls.mixed_adds > 0
 
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
