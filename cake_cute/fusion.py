@@ -218,11 +218,11 @@ _TEMPLATES = (
         "pre-norm",
         """
 residual = hidden_states
-hidden_states = self.input_layernorm(hidden_states)
+hidden_states = self.INPUT_NORM(hidden_states)
 ATTENTION_CALL
 hidden_states = residual + BRANCH(ATTN_OUT)
 residual = hidden_states
-hidden_states = self.post_attention_layernorm(hidden_states)
+hidden_states = self.MID_NORM(hidden_states)
 hidden_states = self.MLP(hidden_states)
 hidden_states = residual + BRANCH(hidden_states)
 return hidden_states
@@ -232,11 +232,11 @@ return hidden_states
         "pre-norm with a mixture-of-experts tuple",
         """
 residual = hidden_states
-hidden_states = self.input_layernorm(hidden_states)
+hidden_states = self.INPUT_NORM(hidden_states)
 ATTENTION_CALL
 hidden_states = residual + BRANCH(ATTN_OUT)
 residual = hidden_states
-hidden_states = self.post_attention_layernorm(hidden_states)
+hidden_states = self.MID_NORM(hidden_states)
 hidden_states = self.MLP(hidden_states)
 if self.is_moe_layer:
     hidden_states, _ = hidden_states
@@ -248,7 +248,7 @@ return hidden_states
         "sandwich-norm",
         """
 residual = hidden_states
-hidden_states = self.input_layernorm(hidden_states)
+hidden_states = self.INPUT_NORM(hidden_states)
 ATTENTION_CALL
 hidden_states = self.POST_ATTENTION_NORM(ATTN_OUT)
 hidden_states = residual + BRANCH(hidden_states)
@@ -292,6 +292,7 @@ class _LayerPlan:
     defaults: dict
     forwarded: frozenset  # the ones passed on to self_attn by name
     mlp: str
+    input_norm: str  # the layer's first norm, which the previous layer's last add feeds
     mid_norm: str  # the norm the in-layer add feeds
     post_attention_norm: str | None  # sandwich layers normalize each branch before its add
     post_mlp_norm: str | None
@@ -447,7 +448,8 @@ def _plan(template: _Template, bindings: dict, signature: inspect.Signature) -> 
         defaults={p.name: p.default for p in named if p.default is not p.empty},
         forwarded=bindings["forwarded"],
         mlp=bindings["MLP"],
-        mid_norm=bindings.get("MID_NORM", "post_attention_layernorm"),
+        input_norm=bindings["INPUT_NORM"],
+        mid_norm=bindings["MID_NORM"],
         post_attention_norm=bindings.get("POST_ATTENTION_NORM"),
         post_mlp_norm=bindings.get("POST_MLP_NORM"),
         attention_branch=attention_branch,
@@ -488,8 +490,8 @@ class _LayerFusion:
     handed_inputs: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
 
     def input_norm(self, layer: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-        """``layer.input_layernorm(hidden_states)``, or the y the previous layer computed for it."""
-        norm = layer.input_layernorm
+        """The layer's input norm of ``hidden_states``, or the y the previous layer computed for it."""
+        norm = getattr(layer, layer._cake_plan.input_norm)
         if _traced_in_checkpoint(layer):
             return norm(hidden_states)
         y = self.handoff.take(norm, hidden_states)
@@ -624,7 +626,7 @@ def _decoder_stacks(model: nn.Module) -> list[tuple[nn.Module, nn.ModuleList]]:
 
 
 def _require_swappable_norms(layer: nn.Module, plan: _LayerPlan) -> None:
-    for name in ("input_layernorm", plan.mid_norm):
+    for name in (plan.input_norm, plan.mid_norm):
         norm = getattr(layer, name)
         if not _is_norm(norm):
             raise ValueError(
@@ -653,7 +655,8 @@ def _planned_patch(model: nn.Module):
             handoff = _Handoff()
             final = getattr(owner, "norm", None)
             final = final if isinstance(final, CakeRMSNorm) else None
-            followers = [layer.input_layernorm for layer in layers[1:]] + [final]
+            followers = [getattr(layer, _layer_plan(_base_class(layer)).input_norm) for layer in layers[1:]]
+            followers.append(final)
             for layer, next_norm in zip(layers, followers):
                 layer.__class__ = _fused_class(_base_class(layer))
                 layer._cake_fusion = _LayerFusion(handoff, next_norm)

@@ -70,6 +70,7 @@ FAMILIES = {
     "phi3": Family("Phi3Config", "Phi3ForCausalLM", 2, {"resid_pdrop": 0.1}),
     "granite": Family("GraniteConfig", "GraniteForCausalLM", 2, {"residual_multiplier": 0.5}),
     "smollm3": Family("SmolLM3Config", "SmolLM3ForCausalLM", 2),
+    "apertus": Family("ApertusConfig", "ApertusForCausalLM", 4),  # its norms have other names
     "deepseek_v3": Family(
         "DeepseekV3Config",
         "DeepseekV3ForCausalLM",
