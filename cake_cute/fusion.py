@@ -1,9 +1,9 @@
 """The residual add fused into the norm where models write it outside the norm module.
 
 Pre-norm decoders write ``h = residual + out; y = norm(h)``: an add kernel (read two, write one) and a
-norm kernel (read one, write one). ``CakeRMSNorm.forward(out, residual=residual)`` returns ``(y, h)`` from one
-kernel that reads two and writes two, and its backward adds the residual branch's gradient into dx in
-the same pass. Two ways to get there:
+norm kernel (read one, write one). ``CakeRMSNorm.forward(out, residual=residual)`` returns ``(y, h)``
+from one kernel that reads two and writes two, and its backward adds the residual branch's gradient
+into dx in the same pass. Two ways to get there:
 
 * your own blocks: call ``add_rmsnorm(norm, out, residual)`` where the block adds and normalizes; it
   is the fused kernel once ``norm`` is a ``CakeRMSNorm`` and torch's add + norm before the swap::
@@ -11,33 +11,45 @@ the same pass. Two ways to get there:
       normed, h = add_rmsnorm(self.ffn_norm, attn_out, h)
       h = h + self.feed_forward(normed)
 
-* Hugging Face pre-norm decoders (Llama, Qwen2, Qwen3, Mistral, Gemma, Mixtral, Qwen3-MoE, and any
-  decoder layer whose forward is that same pattern): ``fuse_residual_rmsnorm(model)`` swaps the norms
-  (``swap_rmsnorm``) and replaces each decoder layer's
-  ``forward`` on the instance (as Liger patches instances; the class, the module tree and the state
-  dict are unchanged).
+* Hugging Face decoders: ``fuse_residual_rmsnorm(model)`` swaps the norms (``swap_rmsnorm``) and
+  gives each decoder layer a fused forward. The layer's forward is first matched, statement by
+  statement, against a small table of templates (``_TEMPLATES``): pre-norm (Llama, Mistral, Qwen2/3,
+  Qwen3-MoE, Mixtral, DeepSeek-V3, SmolLM3, GLM, Phi3's residual dropouts, Granite's residual
+  multiplier, Llama4's mixture-of-experts tuple) and sandwich-norm (Gemma2/3, GLM4). Post-norm layers
+  (OLMo2/3) are recognized and refused: no residual add in them feeds a norm. Any other forward is
+  refused naming its class and the first line that differs, instead of computing something else.
 
-The patched layer computes its post-attention norm as ``(y, h) = norm(attn_out, residual=residual)``. The add
-that ends a layer belongs to the *next* norm (the next layer's input norm, or the model's final norm):
-the layer computes ``(y, h) = next_norm(mlp_out, residual)``, returns h (so hooks, captured hidden
-states and anything else between layers see the true hidden state) and hands y to the next norm,
-which uses it only if it is called on that very h (and y is in the autograd graph whenever h is: a
-reentrant checkpoint that ran the producer without grad fails that); otherwise it normalizes h itself.
-A layer that transformers checkpoints (``gradient_checkpointing_enable``) runs its own, unfused
-forward under the checkpoint, which the patch would otherwise bypass. Nothing is handed over when the
-next norm's weight is a DTensor (FSDP2 keeps it sharded outside the next layer's forward): the layer
-then ends with torch's add, and only its post-attention add is fused.
+The layer's class is swapped for a subclass created once per class (same ``__name__``, so name-based
+wrap policies still match; pickled and deep-copied as "that class, fused", see ``_rebuild_fused``):
+the module tree and the state dict are unchanged, ``torch.save`` / ``torch.load`` of the whole model
+and ``copy.deepcopy`` keep it fused, and transformers' gradient checkpointing (which wraps the
+class's ``forward``) checkpoints the fused forward.
+
+The add in the middle of a layer feeds the layer's own norm: ``(y, h) = norm(branch, residual=h)``.
+The add that ends a layer belongs to the *next* norm (the next layer's input norm, or the model's final
+norm): the layer computes ``(y, h) = next_norm(branch, residual=h)``, returns h (so hooks, captured
+hidden states and anything else between layers see the true hidden state) and hands y to the next
+norm, which uses it only if it is called on that very h with y in the autograd graph whenever h is;
+otherwise it normalizes h itself. Nothing is handed over when the next norm's weight is a DTensor
+(FSDP2 keeps it sharded outside the next layer's forward) or in the first, gradient-free pass of
+reentrant checkpointing; such a layer ends with torch's add.
+
+Each add is decided per call: fused when both operands have one dtype the kernels take and the same
+shape; otherwise (autocast with fp32 master weights: an fp32 residual stream plus a bf16 attention or
+MLP output) torch's type-promoting add and then the norm, exactly what the unfused model computes.
+
+Under non-reentrant checkpointing the backward re-runs a layer's forward on the same input objects
+and must save the same tensors as the first run. A layer that used a handed-over y records its input
+(weakly); its recompute normalizes that input without grad (bitwise the y it was handed; the gradient
+to y flows through the graph of the first run) and hands nothing over. Under torch.compile a
+checkpointed layer is traced as a region that may not change state outside itself: it hands nothing
+over in either direction (its in-layer add stays fused).
 
 The forward values are bitwise those of the unfused cake model (the kernel rounds ``h = a + b`` to
 the activation dtype exactly as torch's add does). The gradients agree to rounding: in bf16 / fp16
 the fused backward adds the residual branch's gradient to dx before rounding once, where the unfused
 graph rounds dx first; on a GPU the residual backward's launch plan may sum dW's partial rows over
 another number of programs. On CPU (the ops' CPU kernels) FP32 gradients are bitwise.
-
-Before patching, each layer class's ``forward`` source is checked statement by statement against the
-pattern the patch computes; any other structure (Gemma 2/3's sandwich norms, a future transformers
-release that changes the layer) raises a ``ValueError`` naming the class instead of computing
-something else.
 """
 
 from __future__ import annotations
@@ -46,59 +58,62 @@ import ast
 import functools
 import inspect
 import textwrap
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .autograd import DTensor
 from .module import CakeRMSNorm, _is_swappable, swap_rmsnorm
 
-# The body a patchable decoder layer's forward must have, statement for statement; ATTENTION_CALL
-# stands for ``hidden_states, _ = self.self_attn(hidden_states=hidden_states, ..., **kwargs)``, whose
-# other keywords must each pass on the forward's parameter of the same name.
-_PRENORM_BODY = """
-residual = hidden_states
-hidden_states = self.input_layernorm(hidden_states)
-ATTENTION_CALL
-hidden_states = residual + hidden_states
-residual = hidden_states
-hidden_states = self.post_attention_layernorm(hidden_states)
-hidden_states = self.mlp(hidden_states)
-hidden_states = residual + hidden_states
-return hidden_states
-"""
+# The activation dtypes the residual-mode kernels take (both operands in one of them).
+_FUSABLE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _fusable(branch: torch.Tensor, residual: torch.Tensor) -> bool:
+    """Whether ``residual + branch`` is the fused kernel's add: one dtype it takes, one shape (no type
+    promotion, no broadcast)."""
+    return (
+        branch.dtype == residual.dtype
+        and branch.dtype in _FUSABLE_DTYPES
+        and branch.shape == residual.shape
+        and branch.device == residual.device
+    )
 
 
 def add_rmsnorm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor):
-    """``(norm(x + residual), x + residual)``, in one fused kernel when ``norm`` is a ``CakeRMSNorm``.
+    """``(norm(residual + x), residual + x)``, in one fused kernel when ``norm`` is a ``CakeRMSNorm``
+    and x and residual share a shape and a dtype the kernels take.
 
     For blocks written ``h = residual + out; y = norm(h)``: write ``y, h = add_rmsnorm(norm, out,
     residual)`` instead, and the same block runs torch's add and norm before ``swap_rmsnorm`` and the
-    fused kernel after it.
+    fused kernel after it. Operands of different dtypes (an fp32 residual stream and a bf16 branch
+    under autocast) take torch's type-promoting add and then the norm, as the unfused block would.
 
     Parameters
     ----------
     norm : torch.nn.Module
         A ``CakeRMSNorm``, or any module that normalizes one tensor (``torch.nn.RMSNorm``, ...).
     x, residual : torch.Tensor
-        Added in x's dtype (the result rounded once, as torch's add rounds it).
+        The branch output and the residual stream; their sum is rounded once, as torch's add rounds it.
 
     Returns
     -------
     tuple of torch.Tensor
-        ``(y, h)`` with ``h = x + residual`` and ``y = norm(h)``.
+        ``(y, h)`` with ``h = residual + x`` and ``y = norm(h)``.
     """
-    if isinstance(norm, CakeRMSNorm):
+    if isinstance(norm, CakeRMSNorm) and _fusable(x, residual):
         return norm(x, residual=residual)
-    h = x + residual
+    h = residual + x
     return norm(h), h
 
 
 @dataclass(eq=False)
 class _Handoff:
     """The normalized output a layer computed for the next norm, keyed by that norm and by the hidden
-    state it normalized; shared by the patched layers of one model, consumed by the first read."""
+    state it normalized; shared by the fused layers of one model, consumed by the first read. Not
+    pickled or copied: a y in flight belongs to one forward."""
 
     pending: tuple | None = None
 
@@ -117,95 +132,206 @@ class _Handoff:
             return y
         return None
 
+    def __getstate__(self):
+        return {"pending": None}
+
 
 @dataclass(frozen=True)
-class _LayerPlan:
-    """How a decoder layer class's forward arguments reach its ``self_attn`` call."""
+class _Branch:
+    """What a template's ``BRANCH(v)`` matched: the expression added to the residual stream, one of
+    ``v``, ``self.<attr>(v)`` (Phi3's residual dropouts), ``v * self.<attr>`` or ``self.<attr> * v``
+    (Granite's residual multiplier) and ``v.view(residual.shape)`` (Llama4's MoE output)."""
 
-    positional: tuple[str, ...]  # the parameters after hidden_states that can be given by position
-    named: frozenset  # every named parameter after hidden_states
-    defaults: dict
-    forwarded: frozenset  # the ones passed on to self_attn by name
+    kind: str  # "identity", "module", "scale_right", "scale_left", "view_as_residual"
+    attr: str | None = None
 
-
-@dataclass(eq=False)
-class _LayerFusion:
-    """What a patched layer needs besides itself: how its forward's arguments reach the attention,
-    the norm that follows it and the model's hand-off."""
-
-    handoff: _Handoff
-    next_norm: CakeRMSNorm | None
-    plan: _LayerPlan
-
-    def attention_kwargs(self, args: tuple, kwargs: dict) -> dict:
-        """The keywords the original forward would pass to ``self_attn`` for this call."""
-        plan = self.plan
-        if len(args) > len(plan.positional):
-            raise TypeError(
-                f"decoder layer forward takes {len(plan.positional) + 1} positional arguments, "
-                f"got {len(args) + 1}"
-            )
-        bound = {**plan.defaults, **dict(zip(plan.positional, args)), **kwargs}
-        # Named parameters the original does not pass on are dropped; its **kwargs are passed on.
-        return {k: v for k, v in bound.items() if k in plan.forwarded or k not in plan.named}
+    def apply(self, layer: nn.Module, value: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The same op the original forward applies to the branch before its add."""
+        if self.kind == "module":
+            return getattr(layer, self.attr)(value)
+        if self.kind == "scale_right":
+            return value * getattr(layer, self.attr)
+        if self.kind == "scale_left":
+            return getattr(layer, self.attr) * value
+        if self.kind == "view_as_residual":
+            return value.view(residual.shape)
+        return value
 
 
-def _checkpointing(layer: nn.Module) -> bool:
-    """Whether transformers' ``GradientCheckpointingLayer`` would checkpoint this call (its condition)."""
-    return getattr(layer, "gradient_checkpointing", False) and layer.training and torch.is_grad_enabled()
+def _self_attr(node) -> str | None:
+    """``x`` for the expression ``self.x``, else None."""
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+        return node.attr
+    return None
 
 
-def _fused_layer_forward(self, hidden_states, *args, **kwargs):
-    """A pre-norm decoder layer with both residual adds done by the norm kernels (see the module)."""
-    fusion: _LayerFusion = self._cake_fusion
-    normed = fusion.handoff.take(self.input_layernorm, hidden_states)
-    if _checkpointing(self):
-        # transformers checkpoints inside the class's forward, which this instance attribute shadows:
-        # run that (the unfused layer under checkpointing) rather than silently not checkpointing.
-        return type(self).forward(self, hidden_states, *args, **kwargs)
-    if normed is None:
-        normed = self.input_layernorm(hidden_states)
-    attention_out, _ = self.self_attn(hidden_states=normed, **fusion.attention_kwargs(args, kwargs))
-    normed, hidden_states = self.post_attention_layernorm(attention_out, residual=hidden_states)
-    mlp_out = self.mlp(normed)
-    # A DTensor weight outside its own layer's forward is FSDP2's shard (or tensor-parallel): the
-    # next layer's norm can only run inside that layer's forward.
-    if fusion.next_norm is None or isinstance(fusion.next_norm.weight, DTensor):
-        return hidden_states + mlp_out
-    y, hidden_states = fusion.next_norm(mlp_out, residual=hidden_states)
-    fusion.handoff.give(fusion.next_norm, y, hidden_states)
-    return hidden_states
-
-
-def _final_norm_forward(self, x, residual=None, *, handoff: _Handoff):
-    """The model's final norm: the y the last layer handed over for this x, else ``CakeRMSNorm``."""
-    if residual is None:
-        y = handoff.take(self, x)
-        if y is not None:
-            return y
-    return CakeRMSNorm.forward(self, x, residual=residual)
+def _branch(node, variable: str) -> _Branch | None:
+    """The ``_Branch`` an add operand ``node`` is over the variable named ``variable``, or None."""
+    if isinstance(node, ast.Name) and node.id == variable:
+        return _Branch("identity")
+    if (
+        isinstance(node, ast.Call)
+        and _self_attr(node.func) is not None
+        and not node.keywords
+        and len(node.args) == 1
+        and _is_name(node.args[0], variable)
+    ):
+        return _Branch("module", _self_attr(node.func))
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+        if _is_name(node.left, variable) and _self_attr(node.right) is not None:
+            return _Branch("scale_right", _self_attr(node.right))
+        if _self_attr(node.left) is not None and _is_name(node.right, variable):
+            return _Branch("scale_left", _self_attr(node.left))
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "view"
+        and _is_name(node.func.value, variable)
+        and not node.keywords
+        and len(node.args) == 1
+        and ast.dump(node.args[0]) == ast.dump(ast.parse("residual.shape", mode="eval").body)
+    ):
+        return _Branch("view_as_residual")
+    return None
 
 
 def _is_name(node, name: str) -> bool:
     return isinstance(node, ast.Name) and node.id == name
 
 
-def _forwarded_by_attention_call(stmt: ast.stmt, params: inspect.Signature) -> frozenset | None:
-    """The forward parameters ``hidden_states, _ = self.self_attn(...)`` passes on by name, or None
-    if the statement is anything else."""
+@dataclass(frozen=True)
+class _Template:
+    """A decoder-layer forward body the fused forward computes (``fusable``) or that is recognized in
+    order to be refused with ``refusal``. Placeholders: a statement ``ATTENTION_CALL`` is
+    ``OUT, _ = self.self_attn(hidden_states=hidden_states, ...)`` passing the forward's own arguments on
+    by name; upper-case names and ``self.UPPER`` attributes bind to any name / attribute (the same one at
+    every use); ``BRANCH(v)`` is a ``_Branch`` over v."""
+
+    name: str
+    body: str
+    fusable: bool = True
+    refusal: str = ""
+
+
+_TEMPLATES = (
+    _Template(
+        "pre-norm",
+        """
+residual = hidden_states
+hidden_states = self.INPUT_NORM(hidden_states)
+ATTENTION_CALL
+hidden_states = residual + BRANCH(ATTN_OUT)
+residual = hidden_states
+hidden_states = self.MID_NORM(hidden_states)
+hidden_states = self.MLP(hidden_states)
+hidden_states = residual + BRANCH(hidden_states)
+return hidden_states
+""",
+    ),
+    _Template(
+        "pre-norm with a mixture-of-experts tuple",
+        """
+residual = hidden_states
+hidden_states = self.INPUT_NORM(hidden_states)
+ATTENTION_CALL
+hidden_states = residual + BRANCH(ATTN_OUT)
+residual = hidden_states
+hidden_states = self.MID_NORM(hidden_states)
+hidden_states = self.MLP(hidden_states)
+if self.is_moe_layer:
+    hidden_states, _ = hidden_states
+hidden_states = residual + BRANCH(hidden_states)
+return hidden_states
+""",
+    ),
+    _Template(
+        "sandwich-norm",
+        """
+residual = hidden_states
+hidden_states = self.INPUT_NORM(hidden_states)
+ATTENTION_CALL
+hidden_states = self.POST_ATTENTION_NORM(ATTN_OUT)
+hidden_states = residual + BRANCH(hidden_states)
+residual = hidden_states
+hidden_states = self.MID_NORM(hidden_states)
+hidden_states = self.MLP(hidden_states)
+hidden_states = self.POST_MLP_NORM(hidden_states)
+hidden_states = residual + BRANCH(hidden_states)
+return hidden_states
+""",
+    ),
+    _Template(
+        "post-norm",
+        """
+residual = hidden_states
+ATTENTION_CALL
+hidden_states = self.POST_ATTENTION_NORM(ATTN_OUT)
+hidden_states = residual + BRANCH(hidden_states)
+residual = hidden_states
+hidden_states = self.MLP(hidden_states)
+hidden_states = self.POST_MLP_NORM(hidden_states)
+hidden_states = residual + BRANCH(hidden_states)
+return hidden_states
+""",
+        fusable=False,
+        refusal="it is a post-norm layer (each branch is normalized before its residual add and no norm "
+        "follows an add: the next layer's attention reads the sum directly), so no residual add feeds a "
+        "norm and there is nothing to fuse",
+    ),
+)
+
+
+@dataclass(frozen=True)
+class _LayerPlan:
+    """What the fused forward of one decoder-layer class needs: how the forward's arguments reach its
+    ``self_attn`` call, and the names and branch ops the matched template bound."""
+
+    template: str
+    positional: tuple[str, ...]  # the parameters after hidden_states that can be given by position
+    named: frozenset  # every named parameter after hidden_states
+    defaults: dict
+    forwarded: frozenset  # the ones passed on to self_attn by name
+    mlp: str
+    input_norm: str  # the layer's first norm, which the previous layer's last add feeds
+    mid_norm: str  # the norm the in-layer add feeds
+    post_attention_norm: str | None  # sandwich layers normalize each branch before its add
+    post_mlp_norm: str | None
+    attention_branch: _Branch
+    mlp_branch: _Branch
+    moe_tuple: bool  # the MLP returns (out, router logits) when self.is_moe_layer
+
+    def attention_kwargs(self, args: tuple, kwargs: dict) -> dict:
+        """The keywords the original forward would pass to ``self_attn`` for this call."""
+        if len(args) > len(self.positional):
+            raise TypeError(
+                f"decoder layer forward takes {len(self.positional) + 1} positional arguments, "
+                f"got {len(args) + 1}"
+            )
+        bound = {**self.defaults, **dict(zip(self.positional, args)), **kwargs}
+        # Named parameters the original does not pass on are dropped; its **kwargs are passed on.
+        return {k: v for k, v in bound.items() if k in self.forwarded or k not in self.named}
+
+
+class _Mismatch(Exception):
+    """A template statement the forward's statement does not match."""
+
+
+def _attention_call(stmt: ast.stmt, signature: inspect.Signature) -> tuple[str, frozenset] | None:
+    """(the output name, the forward parameters passed on by name) of
+    ``out, _ = self.self_attn(hidden_states=hidden_states, ...)``, or None if ``stmt`` is anything else."""
     call = stmt.value if isinstance(stmt, ast.Assign) else None
     target = stmt.targets[0] if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 else None
     if (
         not isinstance(call, ast.Call)
-        or ast.dump(call.func) != ast.dump(ast.parse("self.self_attn", mode="eval").body)
+        or _self_attr(call.func) != "self_attn"
         or call.args
         or not isinstance(target, ast.Tuple)
-        or [ast.dump(e) for e in target.elts]
-        != [ast.dump(ast.Name(n, ast.Store())) for n in ("hidden_states", "_")]
+        or len(target.elts) != 2
+        or not all(isinstance(e, ast.Name) for e in target.elts)
     ):
         return None
-    var_keyword = next((p.name for p in params.parameters.values() if p.kind is p.VAR_KEYWORD), None)
-    forwarded = set()
+    var_keyword = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
+    forwarded, has_hidden_states = set(), False
     for keyword in call.keywords:
         if keyword.arg is None:
             if var_keyword is None or not _is_name(keyword.value, var_keyword):
@@ -213,76 +339,296 @@ def _forwarded_by_attention_call(stmt: ast.stmt, params: inspect.Signature) -> f
         elif keyword.arg == "hidden_states":
             if not _is_name(keyword.value, "hidden_states"):
                 return None
-        elif keyword.arg in params.parameters and _is_name(keyword.value, keyword.arg):
+            has_hidden_states = True
+        elif keyword.arg in signature.parameters and _is_name(keyword.value, keyword.arg):
             forwarded.add(keyword.arg)
         else:
             return None
-    return frozenset(forwarded)
+    return (target.elts[0].id, frozenset(forwarded)) if has_hidden_states else None
+
+
+def _is_placeholder(name: str) -> bool:
+    return name.isupper()
+
+
+def _unify(template, actual, bindings: dict) -> None:
+    """Match an AST node of a template against the forward's node, binding placeholders; _Mismatch
+    if they differ."""
+    if isinstance(template, ast.Name) and _is_placeholder(template.id):
+        if not isinstance(actual, ast.Name) or bindings.setdefault(template.id, actual.id) != actual.id:
+            raise _Mismatch
+        return
+    attr = _self_attr(template)
+    if attr is not None and _is_placeholder(attr):
+        if _self_attr(actual) is None or bindings.setdefault(attr, _self_attr(actual)) != _self_attr(actual):
+            raise _Mismatch
+        return
+    if isinstance(template, ast.Call) and _is_name(template.func, "BRANCH"):
+        variable = template.args[0].id
+        branch = _branch(actual, bindings.get(variable, variable))
+        if branch is None:
+            raise _Mismatch
+        bindings.setdefault("branches", []).append(branch)
+        return
+    if type(template) is not type(actual):
+        raise _Mismatch
+    for name in template._fields:
+        expected, found = getattr(template, name), getattr(actual, name)
+        if isinstance(expected, list):
+            if not isinstance(found, list) or len(found) != len(expected):
+                raise _Mismatch
+            for e, f in zip(expected, found):
+                _unify(e, f, bindings)
+        elif isinstance(expected, ast.AST):
+            _unify(expected, found, bindings)
+        elif expected != found:
+            raise _Mismatch
+
+
+def _match(template: _Template, body: list, signature: inspect.Signature) -> dict | tuple[int, str]:
+    """The bindings of ``template`` in the forward's statements, or (how many statements matched,
+    the problem)."""
+    statements = ast.parse(template.body).body
+    bindings: dict = {}
+    if len(body) != len(statements):
+        return 0, f"it has {len(body)} statements, the {template.name} template {len(statements)}"
+    for index, (expected, actual) in enumerate(zip(statements, body)):
+        if isinstance(expected, ast.Expr) and _is_name(expected.value, "ATTENTION_CALL"):
+            found = _attention_call(actual, signature)
+            if found is None:
+                return index, f"line {actual.lineno}: not self_attn called with the forward's arguments"
+            bindings["ATTN_OUT"], bindings["forwarded"] = found
+            continue
+        try:
+            _unify(expected, actual, bindings)
+        except _Mismatch:
+            return index, f"line {actual.lineno}: {ast.unparse(actual)!r}"
+    return bindings
 
 
 @functools.cache
 def _layer_plan(cls: type) -> _LayerPlan:
-    """The plan of a decoder layer class whose forward is the pre-norm pattern; ValueError naming the
-    class otherwise."""
+    """The plan of a decoder-layer class whose forward matches a fusable template; a ValueError naming
+    the class (and the first line that matches no template) otherwise."""
+    forward = inspect.unwrap(cls.forward)
+    prefix = f"cannot fuse the residual adds of {cls.__qualname__}"
     try:
-        source = textwrap.dedent(inspect.getsource(cls.forward))
+        lines, first_line = inspect.getsourcelines(forward)
     except (OSError, TypeError) as e:
-        raise ValueError(f"{cls.__qualname__}.forward has no readable source to check ({e})") from None
-    function = ast.parse(source).body[0]
+        raise ValueError(f"{prefix}: its forward has no readable source to check ({e})") from None
+    function = ast.parse(textwrap.dedent("".join(lines))).body[0]
+    ast.increment_lineno(function, first_line - 1)  # lines of the file, as tracebacks show them
     body = [s for s in function.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
-    template = ast.parse(_PRENORM_BODY).body
-    signature = inspect.signature(cls.forward)
-    names = list(signature.parameters)
-    problem, forwarded = None, frozenset()
-    if names[:2] != ["self", "hidden_states"]:
-        problem = "its first argument is not hidden_states"
-    elif len(body) != len(template):
-        problem = f"it has {len(body)} statements, the pre-norm pattern {len(template)}"
-    else:
-        for expected, actual in zip(template, body):
-            if _is_name(getattr(expected, "value", None), "ATTENTION_CALL"):
-                forwarded = _forwarded_by_attention_call(actual, signature)
-                if forwarded is None:
-                    problem = f"line {actual.lineno}: not self_attn called with the forward's arguments"
-                    break
-            elif ast.dump(expected) != ast.dump(actual):
-                problem = f"line {actual.lineno}: {ast.unparse(actual)!r}"
-                break
-    if problem is not None:
-        raise ValueError(
-            f"cannot fuse the residual adds of {cls.__qualname__}: its forward is not the pre-norm "
-            f"decoder pattern the patch computes ({problem}); use swap_rmsnorm alone"
-        )
-    named = [p for p in signature.parameters.values() if p.name not in ("self", "hidden_states")]
-    return _LayerPlan(
-        positional=tuple(p.name for p in named if p.kind is p.POSITIONAL_OR_KEYWORD),
-        named=frozenset(p.name for p in named if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)),
-        defaults={p.name: p.default for p in named if p.default is not p.empty},
-        forwarded=forwarded,
+    signature = inspect.signature(forward)
+    if list(signature.parameters)[:2] != ["self", "hidden_states"]:
+        raise ValueError(f"{prefix}: its forward's first argument is not hidden_states; use swap_rmsnorm")
+    closest = (-1, "")
+    for template in _TEMPLATES:
+        found = _match(template, body, signature)
+        if isinstance(found, tuple):
+            closest = max(closest, (found[0], f"closest, the {template.name} template: {found[1]}"))
+            continue
+        if not template.fusable:
+            raise ValueError(f"{prefix}: {template.refusal}; use swap_rmsnorm alone")
+        return _plan(template, found, signature)
+    raise ValueError(
+        f"{prefix}: its forward ({inspect.getsourcefile(forward)}) is none of the decoder-layer templates "
+        f"the fused forward computes ({', '.join(t.name for t in _TEMPLATES if t.fusable)}; "
+        f"{closest[1]}); use swap_rmsnorm alone"
     )
 
 
+def _plan(template: _Template, bindings: dict, signature: inspect.Signature) -> _LayerPlan:
+    named = [p for p in signature.parameters.values() if p.name not in ("self", "hidden_states")]
+    attention_branch, mlp_branch = bindings["branches"]
+    return _LayerPlan(
+        template=template.name,
+        positional=tuple(p.name for p in named if p.kind is p.POSITIONAL_OR_KEYWORD),
+        named=frozenset(p.name for p in named if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)),
+        defaults={p.name: p.default for p in named if p.default is not p.empty},
+        forwarded=bindings["forwarded"],
+        mlp=bindings["MLP"],
+        input_norm=bindings["INPUT_NORM"],
+        mid_norm=bindings["MID_NORM"],
+        post_attention_norm=bindings.get("POST_ATTENTION_NORM"),
+        post_mlp_norm=bindings.get("POST_MLP_NORM"),
+        attention_branch=attention_branch,
+        mlp_branch=mlp_branch,
+        moe_tuple="mixture-of-experts" in template.name,
+    )
+
+
+def _checkpoint_enabled(layer: nn.Module) -> bool:
+    """``gradient_checkpointing_enable`` set this layer to checkpoint and the model is training."""
+    return getattr(layer, "gradient_checkpointing", False) and layer.training
+
+
+def _checkpointing(layer: nn.Module) -> bool:
+    """Whether transformers' ``GradientCheckpointingLayer`` checkpoints this call (its condition)."""
+    return _checkpoint_enabled(layer) and torch.is_grad_enabled()
+
+
+def _traced_in_checkpoint(layer: nn.Module) -> bool:
+    """A checkpointed call traced by torch.compile: the region may not change state outside itself
+    (dynamo refuses such side effects), so nothing is handed over into or out of it."""
+    return _checkpointing(layer) and torch.compiler.is_compiling()
+
+
+def _reentrant_first_pass(layer: nn.Module) -> bool:
+    """A checkpointed layer running without grad: reentrant checkpointing's first pass (or a
+    ``no_grad`` call of a training model), whose outputs the backward recomputes from detached inputs."""
+    return _checkpoint_enabled(layer) and not torch.is_grad_enabled()
+
+
+@dataclass(eq=False)
+class _LayerFusion:
+    """What a fused layer instance needs besides its class's plan: the model's hand-off, the norm
+    that follows the layer, and (under non-reentrant checkpointing) the inputs it was handed a y for."""
+
+    handoff: _Handoff
+    next_norm: CakeRMSNorm | None
+    handed_inputs: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
+
+    def input_norm(self, layer: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The layer's input norm of ``hidden_states``, or the y the previous layer computed for it."""
+        norm = getattr(layer, layer._cake_plan.input_norm)
+        if _traced_in_checkpoint(layer):
+            return norm(hidden_states)
+        y = self.handoff.take(norm, hidden_states)
+        if not _checkpointing(layer):
+            return norm(hidden_states) if y is None else y
+        if y is not None:
+            self.handed_inputs[hidden_states] = True
+            return y
+        if hidden_states in self.handed_inputs:
+            # The recompute of a call that was handed y: the same value, saving nothing of its own
+            # (the first run saved nothing for it either); y's gradient flows through the first run's
+            # graph. It requires grad as y did, so the ops that read it save what they saved then.
+            with torch.no_grad():
+                y = norm(hidden_states)
+            return y.requires_grad_(hidden_states.requires_grad)
+        return norm(hidden_states)
+
+    def end(self, layer: nn.Module, branch: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual + branch``, computed by the next norm's fused kernel when it can take it."""
+        norm = self.next_norm
+        # A DTensor weight outside its own layer's forward is FSDP2's shard (or tensor-parallel): the
+        # next layer's norm can only run inside that layer's forward.
+        if (
+            norm is None
+            or isinstance(norm.weight, DTensor)
+            or not _fusable(branch, residual)
+            or _reentrant_first_pass(layer)
+            or _traced_in_checkpoint(layer)
+        ):
+            return residual + branch
+        y, hidden_states = norm(branch, residual=residual)
+        # A checkpoint's recompute runs inside the backward: its y has no next layer to go to.
+        if not (_checkpointing(layer) and torch._C._current_graph_task_id() != -1):
+            self.handoff.give(norm, y, hidden_states)
+        return hidden_states
+
+    def __getstate__(self):
+        return {"handoff": self.handoff, "next_norm": self.next_norm}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state, handed_inputs=WeakIdKeyDictionary())
+
+
+class _FusedDecoderLayer:
+    """The first base of each class ``_fused_class`` creates: the fused forward of the matched
+    template, and pickling as "this transformers class, fused"."""
+
+    _cake_base: type
+    _cake_plan: _LayerPlan
+
+    def forward(self, hidden_states, *args, **kwargs):
+        """The layer's forward with its residual adds in the norm kernels (see the module)."""
+        plan, fusion = self._cake_plan, self._cake_fusion
+        attention_kwargs = plan.attention_kwargs(args, kwargs)
+        residual = hidden_states
+        normed = fusion.input_norm(self, hidden_states)
+        branch, _ = self.self_attn(hidden_states=normed, **attention_kwargs)
+        if plan.post_attention_norm is not None:
+            branch = getattr(self, plan.post_attention_norm)(branch)
+        branch = plan.attention_branch.apply(self, branch, residual)
+        normed, residual = add_rmsnorm(getattr(self, plan.mid_norm), branch, residual)
+        branch = getattr(self, plan.mlp)(normed)
+        if plan.moe_tuple and self.is_moe_layer:
+            branch, _ = branch
+        if plan.post_mlp_norm is not None:
+            branch = getattr(self, plan.post_mlp_norm)(branch)
+        branch = plan.mlp_branch.apply(self, branch, residual)
+        return fusion.end(self, branch, residual)
+
+    def __reduce_ex__(self, protocol):
+        return _rebuild_fused, (self._cake_base,), self.__getstate__()
+
+
+_FUSED_CLASSES: dict[type, type] = {}
+
+
+def _fused_class(base: type) -> type:
+    """The fused subclass of a decoder-layer class (created once): ``_FusedDecoderLayer`` first, the
+    same ``__name__``; transformers' checkpointing wrapper wraps its forward as it wraps every layer's."""
+    fused = _FUSED_CLASSES.get(base)
+    if fused is None:
+        namespace = {
+            "__module__": __name__,
+            "__qualname__": f"_fused_class({base.__module__}.{base.__qualname__})",
+            "_cake_base": base,
+            "_cake_plan": _layer_plan(base),
+        }
+        fused = _FUSED_CLASSES[base] = type(base.__name__, (_FusedDecoderLayer, base), namespace)
+    return fused
+
+
+def _rebuild_fused(base: type) -> nn.Module:
+    """An empty fused layer of ``base`` for pickle and deepcopy to fill (its template is checked
+    against the installed ``base`` again)."""
+    fused = _fused_class(base)
+    return fused.__new__(fused)
+
+
+class _FinalRMSNorm(CakeRMSNorm):
+    """A model's final norm after fusion: the y the last layer handed over for this input, else a
+    ``CakeRMSNorm``."""
+
+    def forward(self, input, *, residual=None):
+        if residual is None:
+            y = self._cake_handoff.take(self, input)
+            if y is not None:
+                return y
+        return super().forward(input, residual=residual)
+
+
+def _base_class(layer: nn.Module) -> type:
+    return getattr(type(layer), "_cake_base", type(layer))
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return isinstance(module, CakeRMSNorm) or _is_swappable(module)
+
+
 def _decoder_stacks(model: nn.Module) -> list[tuple[nn.Module, nn.ModuleList]]:
-    """(owner, layers) for every ModuleList of modules that have both an ``input_layernorm`` and a
-    ``post_attention_layernorm`` (the Hugging Face decoder-layer naming)."""
+    """(owner, layers) for every ModuleList of modules that each have a ``self_attn`` and an
+    RMSNorm-shaped child (the Hugging Face decoder-layer layout)."""
     stacks = []
     for owner in model.modules():
         for child in owner.children():
             if (
                 isinstance(child, nn.ModuleList)
                 and len(child)
-                and all(
-                    hasattr(m, "input_layernorm") and hasattr(m, "post_attention_layernorm") for m in child
-                )
+                and all(hasattr(m, "self_attn") and any(map(_is_norm, m.children())) for m in child)
             ):
                 stacks.append((owner, child))
     return stacks
 
 
-def _require_swappable_norms(layer: nn.Module) -> None:
-    for name in ("input_layernorm", "post_attention_layernorm"):
+def _require_swappable_norms(layer: nn.Module, plan: _LayerPlan) -> None:
+    for name in (plan.input_norm, plan.mid_norm):
         norm = getattr(layer, name)
-        if not isinstance(norm, CakeRMSNorm) and not _is_swappable(norm):
+        if not _is_norm(norm):
             raise ValueError(
                 f"{type(layer).__qualname__}.{name} is a {type(norm).__qualname__}, which swap_rmsnorm "
                 "does not replace; the fused residual needs a CakeRMSNorm there"
@@ -290,46 +636,47 @@ def _require_swappable_norms(layer: nn.Module) -> None:
 
 
 def _planned_patch(model: nn.Module):
-    """Check that every decoder layer of ``model`` can be patched, before anything changes (a
-    ``ValueError`` naming what is not), and return the function that patches them once their norms are
+    """Check that every decoder layer of ``model`` can be fused, before anything changes (a
+    ``ValueError`` naming what is not), and return the function that fuses them once their norms are
     ``CakeRMSNorm``."""
     stacks = _decoder_stacks(model)
     if not stacks:
         raise ValueError(
             f"{type(model).__qualname__} has no Hugging Face-style decoder layers (a ModuleList of layers "
-            "with input_layernorm and post_attention_layernorm) to fuse; in your own blocks call "
+            "with a self_attn and RMSNorm modules) to fuse; in your own blocks call "
             "cake_cute.add_rmsnorm(norm, x, residual) where the residual is added before a norm"
         )
-    plans = {}
     for _, layers in stacks:
         for layer in layers:
-            plans[layer] = _layer_plan(type(layer))
-            _require_swappable_norms(layer)
+            _require_swappable_norms(layer, _layer_plan(_base_class(layer)))
 
-    def patch() -> int:
+    def patch() -> None:
         for owner, layers in stacks:
             handoff = _Handoff()
             final = getattr(owner, "norm", None)
             final = final if isinstance(final, CakeRMSNorm) else None
-            followers = [layer.input_layernorm for layer in layers[1:]] + [final]
+            followers = [getattr(layer, _layer_plan(_base_class(layer)).input_norm) for layer in layers[1:]]
+            followers.append(final)
             for layer, next_norm in zip(layers, followers):
-                layer._cake_fusion = _LayerFusion(handoff, next_norm, plans[layer])
-                layer.forward = _fused_layer_forward.__get__(layer, type(layer))
+                layer.__class__ = _fused_class(_base_class(layer))
+                layer._cake_fusion = _LayerFusion(handoff, next_norm)
             if final is not None:
-                final.forward = functools.partial(_final_norm_forward, final, handoff=handoff)
+                final.__class__ = _FinalRMSNorm
+                final._cake_handoff = handoff
 
     return patch
 
 
 def fuse_residual_rmsnorm(model: nn.Module, weight_offset: float | None = None) -> int:
-    """Swap the RMSNorm modules of a Hugging Face pre-norm decoder for ``CakeRMSNorm`` (``swap_rmsnorm``)
-    and fuse every residual add into the norm that follows it. The layers are checked before anything
-    is swapped.
+    """Swap the RMSNorm modules of a Hugging Face decoder for ``CakeRMSNorm`` (``swap_rmsnorm``) and fuse
+    every residual add that feeds a norm into that norm. The layers are checked before anything is
+    swapped; calling it again on a fused model re-fuses it (e.g. after layers were replaced).
 
     Parameters
     ----------
     model : torch.nn.Module
-        E.g. a ``LlamaForCausalLM``; changed in place (layer forwards are replaced on the instances).
+        E.g. a ``LlamaForCausalLM``, or a PEFT model wrapping one; changed in place (each decoder
+        layer's class becomes its fused subclass; the module tree and the state dict stay the same).
     weight_offset : float, optional
         As in ``swap_rmsnorm`` (Gemma's ``1 + weight`` is recognized from the norm's source).
 
@@ -341,9 +688,9 @@ def fuse_residual_rmsnorm(model: nn.Module, weight_offset: float | None = None) 
     Raises
     ------
     ValueError
-        The model has no decoder layers in the Hugging Face layout, a layer's forward is not the
-        pre-norm pattern, or a layer's norm is not one ``swap_rmsnorm`` replaces (the message names the
-        class); ``swap_rmsnorm``'s errors.
+        The model has no decoder layers in the Hugging Face layout; a layer's forward is a post-norm
+        layer (nothing to fuse) or matches no template (the message names the class and the first
+        line that differs); a layer's norm is not one ``swap_rmsnorm`` replaces; ``swap_rmsnorm``'s errors.
     TypeError
         weight_offset is not a number.
     """

@@ -6,6 +6,8 @@ model where the math is the same, close to the unpatched model with its own norm
 from __future__ import annotations
 
 import copy
+import inspect
+import io
 import warnings
 
 import pytest
@@ -14,6 +16,8 @@ from torch import nn
 
 from cake_cute import CakeRMSNorm, add_rmsnorm, fuse_residual_rmsnorm, swap_rmsnorm
 from cake_cute.fusion import _Handoff
+
+from ._hf_helpers import NormCalls
 
 transformers = pytest.importorskip("transformers")
 
@@ -80,7 +84,9 @@ def _swapped(model, fuse: bool):
 def _assert_grads(actual: dict, expected: dict, *, exact: bool, rtol=0.0, atol=0.0):
     assert actual.keys() == expected.keys()
     for name, g in expected.items():
-        if exact:
+        if g is None:  # a frozen parameter (PEFT)
+            assert actual[name] is None, name
+        elif exact:
             assert torch.equal(actual[name], g), name
         else:
             torch.testing.assert_close(actual[name], g, rtol=rtol, atol=atol, msg=name)
@@ -119,18 +125,24 @@ def test_fused_matches_the_unpatched_model(arch):
     _assert_grads(fused_grads, grads, exact=False, rtol=1e-4, atol=1e-6)
 
 
-def test_layers_and_final_norm_are_patched_on_the_instances_only():
+def test_layers_and_final_norm_become_fused_subclasses_of_their_classes():
     model = _tiny("llama")
+    layer_cls = type(model.model.layers[0])
     state = {k: v.clone() for k, v in model.state_dict().items()}
+    tree = [(name, type(m).__name__) for name, m in model.named_modules()]
     with pytest.warns(UserWarning, match="LlamaRMSNorm: 0.0"):
         swapped = fuse_residual_rmsnorm(model)
     assert swapped == 2 * LAYERS + 1
     assert model.state_dict().keys() == state.keys()
+    # The same module names and class names (name-based wrap policies still match): the layers are
+    # instances of a fused subclass, the final norm a CakeRMSNorm subclass.
+    assert [name for name, _ in model.named_modules()] == [name for name, _ in tree]
     for layer in model.model.layers:
-        assert "forward" in vars(layer) and isinstance(layer.post_attention_layernorm, CakeRMSNorm)
-    assert "forward" in vars(model.model.norm)
-    fresh = _tiny("llama")
-    assert "forward" not in vars(fresh.model.layers[0])  # the class is untouched
+        assert isinstance(layer, layer_cls) and type(layer) is not layer_cls
+        assert type(layer).__name__ == layer_cls.__name__ and "forward" not in vars(layer)
+        assert isinstance(layer.post_attention_layernorm, CakeRMSNorm)
+    assert isinstance(model.model.norm, CakeRMSNorm)
+    assert type(_tiny("llama").model.layers[0]) is layer_cls  # the class is untouched
 
 
 def test_gemma_offset_is_recognized():
@@ -140,22 +152,147 @@ def test_gemma_offset_is_recognized():
     assert model.model.norm.weight_offset == 1.0
 
 
-def test_checkpointed_layers_stay_checkpointed():
-    """transformers checkpoints inside the class's forward; a checkpointed layer runs that, so its
-    MLP runs twice per step (forward and recompute) as in the unpatched model, with equal results."""
+def _counted_step(model, **kwargs):
+    """``_step`` and the NormCalls of its forward."""
+    calls = NormCalls()
+    model.zero_grad(set_to_none=True)
+    ids = _tokens()
+    with calls:
+        out = model(input_ids=ids, labels=ids, **kwargs)
+    out.loss.backward()
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    return out.loss.detach(), grads, calls
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_checkpointed_layers_fuse_inside_the_checkpoint(reentrant):
+    """transformers checkpoints the class's forward, which for a fused layer is the fused forward: the
+    attention runs twice per step (forward and recompute), the in-layer adds are fused, and non-reentrant
+    checkpointing hands the layer-ending add to the next norm too (reentrant's first pass runs without
+    grad, so its layers end with torch's add). Loss and FP32 gradients are bitwise the unfused ones."""
     model = _tiny("llama")
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     model.train()
-    results, mlp_calls = [], []
+    results, attention_calls = [], []
     for fuse in (False, True):
         swapped = _swapped(model, fuse=fuse)
         calls = []
-        swapped.model.layers[1].mlp.register_forward_hook(lambda *_, calls=calls: calls.append(1))
-        results.append(_step(swapped))
-        mlp_calls.append(len(calls))
-    assert mlp_calls == [2, 2]
+        q_proj = swapped.model.layers[1].self_attn.q_proj
+        q_proj.register_forward_hook(lambda *_, calls=calls: calls.append(1))
+        results.append(_counted_step(swapped))
+        attention_calls.append(len(calls))
+    assert attention_calls == [2, 2]
+    assert results[0][2].fused == 0
+    assert results[1][2].fused == (LAYERS if reentrant else 2 * LAYERS)
     assert torch.equal(results[1][0], results[0][0])
-    _assert_grads(results[1][2], results[0][2], exact=True)
+    _assert_grads(results[1][1], results[0][1], exact=True)
+
+
+def test_checkpointing_every_other_layer_hands_over_across_the_boundary():
+    """A checkpointed layer handed a y by an unchecked one recomputes that y without grad; the
+    gradient still reaches the previous layer through the first run's graph."""
+    model = _tiny("llama")
+    model.gradient_checkpointing_enable(
+        gradient_checkpointing_kwargs={"use_reentrant": False}, every_n_layers=2
+    )
+    expected_loss, expected_grads, _ = _counted_step(_swapped(model, fuse=False))
+    loss, grads, calls = _counted_step(_swapped(model, fuse=True))
+    assert calls.fused == 2 * LAYERS
+    assert torch.equal(loss, expected_loss)
+    _assert_grads(grads, expected_grads, exact=True)
+
+
+@pytest.mark.parametrize("model_dtype", [torch.float32, torch.bfloat16])
+def test_autocast_decides_per_add(model_dtype):
+    """HF Trainer's bf16=True: fp32 weights under bf16 autocast make an fp32 residual stream and bf16
+    branch outputs; those adds take torch's type-promoting add then the norm, bitwise the unfused
+    swapped model (no crash, no bf16 rounding of the residual stream). A bf16 model under the same
+    autocast has bf16 operands everywhere: every add fused."""
+    model = _tiny("llama", model_dtype)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected_loss, expected_grads, _ = _counted_step(_swapped(model, fuse=False))
+        fused = _swapped(model, fuse=True)
+        loss, grads, calls = _counted_step(fused)
+        hidden = fused(input_ids=_tokens(), output_hidden_states=True).hidden_states
+    assert calls.fused == (0 if model_dtype == torch.float32 else 2 * LAYERS)
+    assert all(h.dtype == model_dtype for h in hidden)
+    assert torch.equal(loss, expected_loss)
+    _assert_grads(grads, expected_grads, exact=model_dtype == torch.float32, rtol=2e-2, atol=2e-3)
+
+
+def _same_step(model, reference):
+    """The loss and grads of ``model`` are bitwise ``reference``'s, with every add fused."""
+    loss, grads, calls = _counted_step(model)
+    expected_loss, expected_grads, _ = _counted_step(reference)
+    assert calls.fused == 2 * LAYERS
+    assert torch.equal(loss, expected_loss)
+    _assert_grads(grads, expected_grads, exact=True)
+
+
+def test_whole_model_torch_save_load_and_deepcopy_stay_fused():
+    fused = _swapped(_tiny("llama"), fuse=True)
+    _step(fused)  # a model saved after a step (nothing of it is pickled)
+    buffer = io.BytesIO()
+    torch.save(fused, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert type(loaded.model.layers[0]) is type(fused.model.layers[0])
+    _same_step(loaded, fused)
+    _same_step(copy.deepcopy(fused), fused)
+    # The copies have their own hand-off: a step of one does not feed the other.
+    assert loaded.model.layers[0]._cake_fusion.handoff is not fused.model.layers[0]._cake_fusion.handoff
+
+
+def test_save_pretrained_round_trip_then_fuse(tmp_path):
+    fused = _swapped(_tiny("llama"), fuse=True)
+    fused.save_pretrained(tmp_path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert loaded.state_dict().keys() == fused.state_dict().keys()
+    for name, tensor in fused.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    _same_step(_swapped(loaded, fuse=True), _swapped(loaded, fuse=False))
+
+
+@pytest.mark.parametrize("order", ["fuse_then_wrap", "wrap_then_fuse"])
+def test_peft_lora(order):
+    """LoRA on q_proj / v_proj (PEFT), fused before or after wrapping: every add fused, LoRA grads
+    bitwise the unfused wrapped model's."""
+    peft = pytest.importorskip("peft")
+
+    def wrapped(model, fuse):
+        config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+        model = copy.deepcopy(model)
+        if fuse and order == "fuse_then_wrap":
+            model = _swapped(model, fuse=True)
+        torch.manual_seed(3)
+        model = peft.get_peft_model(model, config)
+        return _swapped(model, fuse=True) if fuse and order == "wrap_then_fuse" else model
+
+    model = _tiny("llama")
+    reference = _swapped(wrapped(model, fuse=False), fuse=False)
+    _same_step(wrapped(model, fuse=True), reference)
+
+
+def test_each_layer_compiled():
+    """``layer.compile(fullgraph=True)`` on every fused layer: the hand-off between compiled layers
+    works and the step is bitwise the eager fused step (aot_eager)."""
+    model = _swapped(_tiny("llama"), fuse=True)
+    eager_loss, _, eager_grads = _step(model)
+    compiled = copy.deepcopy(model)
+    graphs = []
+
+    def recording(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return torch._dynamo.lookup_backend("aot_eager")(graph_module, example_inputs)
+
+    torch._dynamo.reset()
+    for layer in compiled.model.layers:
+        layer.compile(fullgraph=True, backend=recording)
+    loss, _, grads = _step(compiled)
+    assert torch.equal(loss, eager_loss)
+    _assert_grads(grads, eager_grads, exact=True)
+    fused_per_graph = [_residual_norm_calls(g)[0] for g in graphs]
+    assert sum(fused_per_graph) == 2 * LAYERS, fused_per_graph
 
 
 @pytest.fixture
@@ -231,22 +368,21 @@ def test_no_grad_generation_path():
         assert torch.equal(fused(input_ids=_tokens()).logits, expected)
 
 
-def test_sandwich_norm_layers_are_refused_by_name():
-    if not hasattr(transformers, "Gemma2ForCausalLM"):
-        pytest.skip("no Gemma2 in this transformers")
-    config = transformers.Gemma2Config(
+def test_post_norm_layers_are_refused_with_the_reason():
+    if not hasattr(transformers, "Olmo2ForCausalLM"):
+        pytest.skip("no OLMo2 in this transformers")
+    config = transformers.Olmo2Config(
         vocab_size=VOCAB,
         hidden_size=HIDDEN,
         intermediate_size=2 * HIDDEN,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=16,
     )
-    model = transformers.Gemma2ForCausalLM(config)
+    model = transformers.Olmo2ForCausalLM(config)
     before = copy.deepcopy(model.state_dict())
-    with pytest.raises(ValueError, match="Gemma2DecoderLayer"):
-        fuse_residual_rmsnorm(model, weight_offset=1.0)
+    with pytest.raises(ValueError, match="Olmo2DecoderLayer: it is a post-norm layer.*nothing to fuse"):
+        fuse_residual_rmsnorm(model, weight_offset=0.0)
     assert not any(isinstance(m, CakeRMSNorm) for m in model.modules())  # nothing was swapped
     assert model.state_dict().keys() == before.keys()
 
@@ -269,7 +405,8 @@ def test_a_changed_layer_forward_is_refused():
 
     for layer in model.model.layers:
         layer.__class__ = ReorderedLayer
-    with pytest.raises(ValueError, match=r"ReorderedLayer.*residual \+ 2 \* hidden_states"):
+    line = inspect.getsourcelines(ReorderedLayer.forward)[1] + 4
+    with pytest.raises(ValueError, match=rf"ReorderedLayer.*line {line}: 'hidden_states = residual \+ 2 \*"):
         fuse_residual_rmsnorm(model, weight_offset=0.0)
 
 
@@ -338,6 +475,22 @@ def test_compiled_fullgraph_traces_the_fused_op_and_matches_eager(backend):
     else:
         torch.testing.assert_close(loss, eager_loss, rtol=1e-6, atol=0.0)
     _assert_grads(grads, eager_grads, exact=backend == "aot_eager", rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_compiled_fullgraph_with_checkpointing(reentrant):
+    """torch.compile(fullgraph=True) of a checkpointed fused model: dynamo traces each checkpointed
+    layer as a region that may not change state outside itself, so those layers fuse their in-layer add
+    and end with torch's add; the step is bitwise the eager checkpointed one (aot_eager)."""
+    model = _tiny("llama")
+    model.config.use_cache = False  # transformers' use_cache warning is a graph break
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    fused = _swapped(model, fuse=True)
+    eager_loss, _, eager_grads = _step(fused)
+    torch._dynamo.reset()
+    loss, _, grads = _step(torch.compile(fused, fullgraph=True, backend="aot_eager"))
+    assert torch.equal(loss, eager_loss)
+    _assert_grads(grads, eager_grads, exact=True)
 
 
 def test_compiled_backward_passes_no_zero_gradient_for_an_unused_h_new():
