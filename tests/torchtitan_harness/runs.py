@@ -1,0 +1,126 @@
+"""Run torchtitan's trainer (``torchtitan.train`` through the CPU launcher) on the llama3 debug model and
+compare loss curves, stock norm against cake_cute enabled by its one config line.
+
+Each case is a process count and torchtitan CLI arguments. ``compare_case`` trains stock twice (is
+torch reproducible here?) and with cake_cute once, and reports the curves and their differences.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+CAKE_CUTE_LINE = ("--override.imports", "cake_cute.integrations.torchtitan.cake_rmsnorm")
+FUSED_RESIDUAL_LINE = (
+    "--override.imports",
+    "cake_cute.integrations.torchtitan.cake_llama3_fused_residual,"
+    "cake_cute.integrations.torchtitan.cake_final_rmsnorm",
+)
+# torch 2.13's fully_shard takes DTensor parameters, which torchtitan's default spmd_types backend does
+# not make (its multi-process runs need a newer torch): the multi-process cases use partial_dtensor.
+_DTENSOR = ("--parallelism.spmd_backend", "partial_dtensor")
+CASES = {
+    "1proc": (1, ()),
+    "fsdp2": (2, (*_DTENSOR, "--parallelism.data_parallel_shard_degree", "2")),
+    "tp2_sp_compile": (
+        2,
+        (
+            *_DTENSOR,
+            "--parallelism.tensor_parallel_degree",
+            "2",
+            "--parallelism.enable_sequence_parallel",
+            "--compile.enable",
+        ),
+    ),
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train(nproc: int, args: tuple[str, ...], workdir: Path) -> tuple[list[float], float]:
+    """Train the debug model once; returns (the loss of each step, wall seconds).
+
+    Raises
+    ------
+    RuntimeError
+        The run failed; the message holds the end of its log.
+    """
+    workdir.mkdir(parents=True, exist_ok=True)
+    losses = workdir / "loss.json"
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        f"--master-port={_free_port()}",
+        "-m",
+        "tests.torchtitan_harness.launch",
+        "--module",
+        "tests.torchtitan_harness",
+        "--config",
+        "llama3_debugmodel_cpu",
+        "--dump-folder",
+        str(workdir / "out"),
+        *args,
+    ]
+    env = {**os.environ, "CAKE_TT_LOSS_FILE": str(losses), "PYTHONPATH": str(ROOT)}
+    start = time.perf_counter()
+    done = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    (workdir / "log.txt").write_text(done.stdout + done.stderr)
+    if done.returncode != 0 or not losses.exists():
+        raise RuntimeError(
+            f"torchtitan run failed ({' '.join(args)}):\n{(done.stdout + done.stderr)[-4000:]}"
+        )
+    return json.loads(losses.read_text())["loss"], seconds
+
+
+def _ulps(a: float, b: float) -> int:
+    """How many FP32 values lie between a and b (0: bitwise equal)."""
+    import struct
+
+    def ordered(x: float) -> int:
+        bits = struct.unpack("<i", struct.pack("<f", x))[0]
+        return bits if bits >= 0 else -(bits & 0x7FFFFFFF)
+
+    return abs(ordered(a) - ordered(b))
+
+
+def compare_case(name: str, line: tuple[str, ...] = CAKE_CUTE_LINE, workdir: Path | None = None) -> dict:
+    """Stock twice and cake_cute once for the case ``name`` of ``CASES``.
+
+    Returns
+    -------
+    dict
+        ``stock``, ``stock_again`` and ``cake_cute`` loss curves, ``stock_reproducible`` (the two stock
+        curves bitwise equal), ``ulps`` (per step, FP32 values between the stock and cake_cute loss),
+        ``max_rel_diff`` and the wall seconds of each run.
+    """
+    nproc, args = CASES[name]
+    workdir = Path(workdir or tempfile.mkdtemp(prefix=f"torchtitan-{name}-"))
+    stock, stock_s = train(nproc, args, workdir / "stock")
+    again, again_s = train(nproc, args, workdir / "stock_again")
+    cake, cake_s = train(nproc, (*args, *line), workdir / "cake_cute")
+    return {
+        "processes": nproc,
+        "args": list(args),
+        "cake_cute_args": list(line),
+        "stock": stock,
+        "stock_again": again,
+        "cake_cute": cake,
+        "stock_reproducible": stock == again,
+        "ulps": [_ulps(s, c) for s, c in zip(stock, cake)],
+        "max_rel_diff": max(abs(s - c) / abs(s) for s, c in zip(stock, cake)),
+        "seconds": {"stock": stock_s, "stock_again": again_s, "cake_cute": cake_s},
+    }
