@@ -13,14 +13,20 @@ transformer blocks, so the final norm needs its own target (overrides may not cl
 ``--override.imports`` with the two targets ``cake_cute.integrations.torchtitan.cake_llama3_fused_residual``
 and ``cake_cute.integrations.torchtitan.cake_final_rmsnorm``, comma-separated (docs/integrations.md).
 
+With torchtitan 0.2.x (which has no overrides) importing this module registers the model converter
+``cake_rmsnorm`` instead, which swaps the built model's ``torch.nn.RMSNorm`` modules before parallelize::
+
+    --experimental.custom_import cake_cute.integrations.torchtitan --model.converters cake_rmsnorm
+
 This module imports without torchtitan and then registers nothing.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from importlib.util import find_spec
 
-from ..module import CakeRMSNorm
+from ..module import CakeRMSNorm, swap_rmsnorm
 
 __all__: list[str] = []
 
@@ -33,7 +39,11 @@ except ModuleNotFoundError as error:
 else:
     HAS_TORCHTITAN = True
 
-if HAS_TORCHTITAN:
+# torchtitan 0.3 builds modules from Config classes and swaps them through overrides; 0.2.x builds
+# torch.nn modules and changes the built model through registered model converters.
+HAS_OVERRIDES = HAS_TORCHTITAN and find_spec("torchtitan.config.override") is not None
+
+if HAS_OVERRIDES:
     from torchtitan.config import derive, override
     from torchtitan.models.common.nn_modules import RMSNorm
     from torchtitan.models.llama3.model import Llama3TransformerBlock
@@ -163,3 +173,23 @@ if HAS_TORCHTITAN:
         "cake_llama3_fused_residual",
         "cake_rmsnorm",
     ]
+
+elif HAS_TORCHTITAN:
+    from torchtitan.protocols.model_converter import register_model_converter
+
+    class CakeRMSNormConverter:
+        """torchtitan 0.2.x model converter ``cake_rmsnorm``: ``swap_rmsnorm`` on the model the trainer
+        built on the meta device, before parallelize. The swapped norms share the stock weights, and the
+        model's ``init_weights`` initializes them through ``reset_parameters``."""
+
+        def __init__(self, job_config, parallel_dims):
+            pass
+
+        def convert(self, model) -> None:
+            swap_rmsnorm(model)
+
+        def post_optimizer_hook(self, model) -> None:
+            pass
+
+    register_model_converter(CakeRMSNormConverter, "cake_rmsnorm")
+    __all__ += ["CakeRMSNormConverter"]
