@@ -97,24 +97,23 @@ if HAS_OVERRIDES:
         norm_cfg.sharding_config = replace(sharding, in_src_shardings=in_src)
         return norm_cfg
 
-    @override(target=RMSNorm.Config, description="cake_cute fused RMSNorm (CakeRMSNorm)")
+    # exact: subclasses of RMSNorm.Config configure norms with a forward of their own (a gain-centred
+    # scale, say), which CakeRMSNorm does not reproduce.
+    @override(target=RMSNorm.Config, exact=True, description="cake_cute fused RMSNorm (CakeRMSNorm)")
     def cake_rmsnorm(cfg: RMSNorm.Config) -> TorchtitanCakeRMSNorm.Config:
-        """Every torchtitan ``RMSNorm`` (subclasses with their own forward excepted) becomes a
-        ``TorchtitanCakeRMSNorm`` with the same fields, ``param_init`` and ``sharding_config``.
+        """Every torchtitan ``RMSNorm`` becomes a ``TorchtitanCakeRMSNorm`` with the same fields,
+        ``param_init`` and ``sharding_config``.
 
         Parameters
         ----------
         cfg : RMSNorm.Config
-            The matched norm config.
+            The matched norm config (exactly ``RMSNorm.Config``).
 
         Returns
         -------
         TorchtitanCakeRMSNorm.Config
-            The replacement, or ``cfg`` itself when it configures an ``RMSNorm`` subclass (whose
-            forward differs from ``torch.nn.RMSNorm``'s, e.g. a gain-centred scale).
+            The replacement.
         """
-        if type(cfg) is not RMSNorm.Config:
-            return cfg
         return _cake_norm_config(cfg)
 
     @override(
