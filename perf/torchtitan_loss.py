@@ -28,6 +28,7 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--cases", default=",".join(CASES), help="comma-separated names of CASES")
     options = parser.parse_args()
+    kept = json.loads(options.out.read_text())["cases"] if options.out.exists() else {}
     results = {
         "torch": version("torch"),
         "torchtitan": version("torchtitan"),
@@ -35,7 +36,7 @@ def main() -> None:
         "machine": platform.machine(),
         "model": "llama3 debugmodel (6 layers, dim 256, vocab 2048), bf16 FSDP2 mixed precision",
         "config": "--module tests.torchtitan_harness --config llama3_debugmodel_cpu",
-        "cases": {},
+        "cases": kept,  # cases not rerun are kept from an existing OUT
     }
     for case in options.cases.split(","):
         results["cases"][case] = compare_case(case)

@@ -129,7 +129,8 @@ def compare_case(name: str, workdir: Path | None = None) -> dict:
     }
     for variant in variants:
         line = VARIANTS[variant]
-        loss, seconds = train(nproc, (*args, *line), workdir / variant)
+        # The line goes first: tyro applies options after a subcommand (activation-checkpoint:none) to it.
+        loss, seconds = train(nproc, (*line, *args), workdir / variant)
         result["variants"][variant] = {
             "args": list(line),
             "loss": loss,
