@@ -37,7 +37,9 @@ FUSED = FUSED_RESIDUAL_LINE[1].split(",")
 N_NORMS = 13  # two per block of six, and the final norm
 # The forward is bitwise torch's, but the backward's dx rounds once from its own FP32 expression, which
 # differs from aten's CPU kernel by one unit in the last place of bf16 in rare elements (2 of 65536 in a
-# [4, 64, 256] check): later steps move by up to 2e-5 relative (measured); the curves move by ~1e-2 a step.
+# [4, 64, 256] check): later steps move by up to 3e-5 relative (measured); the curves move by ~1e-2 a step.
+# Under compile the stock norm is inductor's code (another rounding): the stock curve itself then moves by
+# ~1e-4 between compiled and eager runs, and that spread is allowed on top.
 LOSS_RTOL = 1e-4
 
 
@@ -138,10 +140,9 @@ def test_trainer_loss_curves_match_stock(case, tmp_path):
     result = compare_case(case, workdir=tmp_path)
     stock = result["stock"]
     assert len(stock) == 10 and all(math.isfinite(x) for x in stock)
-    # Where torch itself is not reproducible (two stock runs differ), its own spread is allowed on top.
-    spread = max(abs(a - b) / abs(a) for a, b in zip(stock, result["stock_again"]))
     for name, variant in result["variants"].items():
         assert len(variant["loss"]) == 10, name
-        if result["stock_reproducible"]:
+        if result["stock_reproducible"] and "stock_eager" not in result:
             assert variant["ulps"][0] == 0, (name, result)  # step 1's loss is a forward only: bitwise
-        assert variant["max_rel_diff"] <= LOSS_RTOL + spread, (name, result)
+        # torch's own spread (run to run; compiled against eager norms) is allowed on top.
+        assert variant["max_rel_diff"] <= LOSS_RTOL + result["torch_spread"], (name, result)

@@ -28,7 +28,9 @@ VARIANTS = {"cake_cute": CAKE_CUTE_LINE, "cake_cute_fused_residual": FUSED_RESID
 # not make (its multi-process runs stop in fully_shard, stock norm included): the two-process cases use
 # partial_dtensor, where the norm receives DTensors. With tensor parallelism and compile, activation
 # checkpointing (selective or full) fails on torch 2.13 with the stock norm too (a DeviceMesh among the
-# compiled block's saved tensors): that case runs without it.
+# compiled block's saved tensors): that case runs without it. Under compile the stock norm is inductor's
+# code, not aten's kernel: such a case also trains the stock norm eagerly ("stock_eager"), which measures
+# what a change of the norm's rounding does to the curve in torch itself.
 _DTENSOR = ("--parallelism.spmd_backend", "partial_dtensor")
 # case: (processes, torchtitan arguments, the variants compared with the stock norm)
 CASES = {
@@ -104,15 +106,22 @@ def _ulps(a: float, b: float) -> int:
     return abs(ordered(a) - ordered(b))
 
 
+def _max_rel_diff(reference: list[float], other: list[float]) -> float:
+    return max(abs(r - o) / abs(r) for r, o in zip(reference, other))
+
+
 def compare_case(name: str, workdir: Path | None = None) -> dict:
-    """Stock twice, then each variant of the case ``name`` of ``CASES``.
+    """Stock twice (and once without compile where the case compiles), then each variant of the case
+    ``name`` of ``CASES``.
 
     Returns
     -------
     dict
         ``processes``, ``args``, the ``stock`` and ``stock_again`` loss curves, ``stock_reproducible`` (the
-        two bitwise equal), and per variant its ``args``, ``loss`` curve, ``ulps`` (per step, the FP32
-        values between its loss and the stock one), ``max_rel_diff`` and ``seconds``.
+        two bitwise equal), ``torch_spread`` (the largest relative difference torch shows on its own:
+        between the two stock runs, and between compiled and eager stock runs), and per variant its
+        ``args``, ``loss`` curve, ``ulps`` (per step, the FP32 values between its loss and the stock
+        one), ``max_rel_diff`` and ``seconds``.
     """
     nproc, args, variants = CASES[name]
     workdir = Path(workdir or tempfile.mkdtemp(prefix=f"torchtitan-{name}-"))
@@ -125,8 +134,14 @@ def compare_case(name: str, workdir: Path | None = None) -> dict:
         "stock_again": again,
         "stock_reproducible": stock == again,
         "seconds": {"stock": stock_s, "stock_again": again_s},
+        "torch_spread": _max_rel_diff(stock, again),
         "variants": {},
     }
+    if "--compile.enable" in args:
+        eager_args = tuple(a for a in args if a != "--compile.enable")
+        eager, eager_s = train(nproc, eager_args, workdir / "stock_eager")
+        result["stock_eager"], result["seconds"]["stock_eager"] = eager, eager_s
+        result["torch_spread"] = max(result["torch_spread"], _max_rel_diff(stock, eager))
     for variant in variants:
         line = VARIANTS[variant]
         # The line goes first: tyro applies options after a subcommand (activation-checkpoint:none) to it.
@@ -135,7 +150,7 @@ def compare_case(name: str, workdir: Path | None = None) -> dict:
             "args": list(line),
             "loss": loss,
             "ulps": [_ulps(s, c) for s, c in zip(stock, loss)],
-            "max_rel_diff": max(abs(s - c) / abs(s) for s, c in zip(stock, loss)),
+            "max_rel_diff": _max_rel_diff(stock, loss),
             "seconds": seconds,
         }
     return result
