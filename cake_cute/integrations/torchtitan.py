@@ -1,0 +1,194 @@
+"""torchtitan 0.3 integration: its RMSNorm modules become ``CakeRMSNorm`` through torchtitan's override
+mechanism, so a user enables cake_cute with one config line::
+
+    --override.imports cake_cute.integrations.torchtitan.cake_rmsnorm
+
+The replacement keeps everything torchtitan attached to the norm's config: ``param_init`` (so
+``init_states`` initializes it), the ``ShardingConfig`` (its weight and input/output layouts under TP,
+SP and FSDP2) and the module protocol (``verify_module_protocol``). Checkpoints are unchanged: the state
+dict holds the same ``weight``.
+
+For Llama 3 the residual add that feeds ``ffn_norm`` can be fused into it as well; that replaces the
+transformer blocks, so the final norm needs its own target (overrides may not claim nested configs):
+``--override.imports`` with the two targets ``cake_cute.integrations.torchtitan.cake_llama3_fused_residual``
+and ``cake_cute.integrations.torchtitan.cake_final_rmsnorm``, comma-separated (docs/integrations.md).
+
+With torchtitan 0.2.x (which has no overrides) importing this module registers the model converter
+``cake_rmsnorm`` instead, which swaps the built model's ``torch.nn.RMSNorm`` modules before parallelize::
+
+    --experimental.custom_import cake_cute.integrations.torchtitan --model.converters cake_rmsnorm
+
+This module imports without torchtitan and then registers nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from importlib.util import find_spec
+
+from ..module import CakeRMSNorm, swap_rmsnorm
+
+__all__: list[str] = []
+
+try:
+    import torchtitan  # noqa: F401
+except ModuleNotFoundError as error:
+    if error.name != "torchtitan":
+        raise
+    HAS_TORCHTITAN = False
+else:
+    HAS_TORCHTITAN = True
+
+# torchtitan 0.3 builds modules from Config classes and swaps them through overrides; 0.2.x builds
+# torch.nn modules and changes the built model through registered model converters.
+HAS_OVERRIDES = HAS_TORCHTITAN and find_spec("torchtitan.config.override") is not None
+
+if HAS_OVERRIDES:
+    from torchtitan.config import derive, override
+    from torchtitan.models.common.nn_modules import RMSNorm
+    from torchtitan.models.llama3.model import Llama3TransformerBlock
+    from torchtitan.protocols.module import Module
+
+    class TorchtitanCakeRMSNorm(CakeRMSNorm, Module):
+        """``CakeRMSNorm`` as a torchtitan ``Module``, built from a config with the fields of
+        torchtitan's ``RMSNorm.Config`` (``normalized_shape``, ``eps``, ``elementwise_affine``,
+        ``param_init``, ``sharding_config``).
+
+        Its forward is ``CakeRMSNorm.forward(input, *, residual=None)``: torchtitan binds forward
+        arguments by name and keys input shardings by ``input``, as for ``torch.nn.RMSNorm``.
+        """
+
+        @dataclass(kw_only=True, slots=True)
+        class Config(RMSNorm.Config):
+            pass
+
+        def __init__(self, config: Config):
+            super().__init__(
+                config.normalized_shape, eps=config.eps, elementwise_affine=config.elementwise_affine
+            )
+
+    class CakeLlama3TransformerBlock(Llama3TransformerBlock):
+        """torchtitan's Llama 3 block with the attention residual add fused into ``ffn_norm``:
+        ``y, h = ffn_norm(attention(attention_norm(x)), residual=x)``, then ``h + feed_forward(y)``.
+
+        ``h`` is the same rounded sum the stock block computes; only one pass over the activations
+        is saved (the add after the feed-forward feeds the next block, outside this module).
+        """
+
+        @dataclass(kw_only=True, slots=True)
+        class Config(Llama3TransformerBlock.Config):
+            pass
+
+        def forward(self, x, attention_masks, positions=None):
+            attention_out = self.attention(self.attention_norm(x), attention_masks, positions)
+            y, h = self.ffn_norm(attention_out, residual=x)
+            return h + self.feed_forward(y)
+
+    def _cake_norm_config(cfg: RMSNorm.Config) -> TorchtitanCakeRMSNorm.Config:
+        return derive(cfg, TorchtitanCakeRMSNorm.Config)
+
+    def _with_residual_input(norm_cfg: TorchtitanCakeRMSNorm.Config) -> TorchtitanCakeRMSNorm.Config:
+        """The residual arrives in the same layout as the input (both are the block's activations)."""
+        sharding = norm_cfg.sharding_config
+        if sharding is None or not sharding.in_src_shardings:
+            return norm_cfg
+        layout = sharding.in_src_shardings["input"]
+        in_src = {**sharding.in_src_shardings, "residual": layout}
+        norm_cfg.sharding_config = replace(sharding, in_src_shardings=in_src)
+        return norm_cfg
+
+    # exact: subclasses of RMSNorm.Config configure norms with a forward of their own (a gain-centred
+    # scale, say), which CakeRMSNorm does not reproduce.
+    @override(target=RMSNorm.Config, exact=True, description="cake_cute fused RMSNorm (CakeRMSNorm)")
+    def cake_rmsnorm(cfg: RMSNorm.Config) -> TorchtitanCakeRMSNorm.Config:
+        """Every torchtitan ``RMSNorm`` becomes a ``TorchtitanCakeRMSNorm`` with the same fields,
+        ``param_init`` and ``sharding_config``.
+
+        Parameters
+        ----------
+        cfg : RMSNorm.Config
+            The matched norm config (exactly ``RMSNorm.Config``).
+
+        Returns
+        -------
+        TorchtitanCakeRMSNorm.Config
+            The replacement.
+        """
+        return _cake_norm_config(cfg)
+
+    @override(
+        target=Llama3TransformerBlock.Config,
+        exact=True,
+        description="cake_cute RMSNorm with the attention residual add fused into ffn_norm",
+    )
+    def cake_llama3_fused_residual(cfg: Llama3TransformerBlock.Config) -> CakeLlama3TransformerBlock.Config:
+        """A Llama 3 block becomes a ``CakeLlama3TransformerBlock`` whose two norms are
+        ``TorchtitanCakeRMSNorm``; ``ffn_norm``'s sharding also declares the residual input.
+
+        Parameters
+        ----------
+        cfg : Llama3TransformerBlock.Config
+            The matched block config.
+
+        Returns
+        -------
+        CakeLlama3TransformerBlock.Config
+            The replacement block config; attention and feed-forward configs are shared with ``cfg``.
+        """
+        return derive(
+            cfg,
+            CakeLlama3TransformerBlock.Config,
+            attention_norm=_cake_norm_config(cfg.attention_norm),
+            ffn_norm=_with_residual_input(_cake_norm_config(cfg.ffn_norm)),
+        )
+
+    # The decoder's final norm: FQN "norm" under the model config, "model_spec.model" under the trainer's.
+    @override(
+        target=RMSNorm.Config,
+        fqns=["norm", "*.model.norm"],
+        exact=True,
+        description="cake_cute final RMSNorm",
+    )
+    def cake_final_rmsnorm(cfg: RMSNorm.Config) -> TorchtitanCakeRMSNorm.Config:
+        """The decoder's final norm becomes a ``TorchtitanCakeRMSNorm``; the companion
+        of ``cake_llama3_fused_residual``, which replaces the norms inside the blocks.
+
+        Parameters
+        ----------
+        cfg : RMSNorm.Config
+            The matched norm config.
+
+        Returns
+        -------
+        TorchtitanCakeRMSNorm.Config
+            The replacement with the same fields, ``param_init`` and ``sharding_config``.
+        """
+        return _cake_norm_config(cfg)
+
+    __all__ += [
+        "CakeLlama3TransformerBlock",
+        "TorchtitanCakeRMSNorm",
+        "cake_final_rmsnorm",
+        "cake_llama3_fused_residual",
+        "cake_rmsnorm",
+    ]
+
+elif HAS_TORCHTITAN:
+    from torchtitan.protocols.model_converter import register_model_converter
+
+    class CakeRMSNormConverter:
+        """torchtitan 0.2.x model converter ``cake_rmsnorm``: ``swap_rmsnorm`` on the model the trainer
+        built on the meta device, before parallelize. The swapped norms share the stock weights, and the
+        model's ``init_weights`` initializes them through ``reset_parameters``."""
+
+        def __init__(self, job_config, parallel_dims):
+            pass
+
+        def convert(self, model) -> None:
+            swap_rmsnorm(model)
+
+        def post_optimizer_hook(self, model) -> None:
+            pass
+
+    register_model_converter(CakeRMSNormConverter, "cake_rmsnorm")
+    __all__ += ["CakeRMSNormConverter"]

@@ -1,0 +1,156 @@
+"""Run torchtitan's trainer (``torchtitan.train`` through the CPU launcher) on the llama3 debug model and
+compare loss curves, stock norm against cake_cute enabled by its one config line.
+
+Each case is a process count and torchtitan CLI arguments. ``compare_case`` trains stock twice (is
+torch reproducible here?) and with cake_cute once, and reports the curves and their differences.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+CAKE_CUTE_LINE = ("--override.imports", "cake_cute.integrations.torchtitan.cake_rmsnorm")
+FUSED_RESIDUAL_LINE = (
+    "--override.imports",
+    "cake_cute.integrations.torchtitan.cake_llama3_fused_residual,"
+    "cake_cute.integrations.torchtitan.cake_final_rmsnorm",
+)
+VARIANTS = {"cake_cute": CAKE_CUTE_LINE, "cake_cute_fused_residual": FUSED_RESIDUAL_LINE}
+# torch 2.13's fully_shard takes DTensor parameters, which torchtitan's default spmd_types backend does
+# not make (its multi-process runs stop in fully_shard, stock norm included): the two-process cases use
+# partial_dtensor, where the norm receives DTensors. With tensor parallelism and compile, activation
+# checkpointing (selective or full) fails on torch 2.13 with the stock norm too (a DeviceMesh among the
+# compiled block's saved tensors): that case runs without it. Under compile the stock norm is inductor's
+# code, not aten's kernel: such a case also trains the stock norm eagerly ("stock_eager"), which measures
+# what a change of the norm's rounding does to the curve in torch itself.
+_DTENSOR = ("--parallelism.spmd_backend", "partial_dtensor")
+# case: (processes, torchtitan arguments, the variants compared with the stock norm)
+CASES = {
+    "1proc": (1, (), ("cake_cute", "cake_cute_fused_residual")),
+    "fsdp2": (2, (*_DTENSOR, "--parallelism.data_parallel_shard_degree", "2"), ("cake_cute",)),
+    "tp2_sp_compile": (
+        2,
+        (
+            *_DTENSOR,
+            "--parallelism.tensor_parallel_degree",
+            "2",
+            "--parallelism.enable_sequence_parallel",
+            "--compile.enable",
+            "activation-checkpoint:none",
+        ),
+        ("cake_cute", "cake_cute_fused_residual"),
+    ),
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train(nproc: int, args: tuple[str, ...], workdir: Path) -> tuple[list[float], float]:
+    """Train the debug model once; returns (the loss of each step, wall seconds).
+
+    Raises
+    ------
+    RuntimeError
+        The run failed; the message holds the end of its log.
+    """
+    workdir.mkdir(parents=True, exist_ok=True)
+    losses = workdir / "loss.json"
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        f"--master-port={_free_port()}",
+        "-m",
+        "tests.torchtitan_harness.launch",
+        "--module",
+        "tests.torchtitan_harness",
+        "--config",
+        "llama3_debugmodel_cpu",
+        "--dump-folder",
+        str(workdir / "out"),
+        *args,
+    ]
+    env = {**os.environ, "CAKE_TT_LOSS_FILE": str(losses), "PYTHONPATH": str(ROOT)}
+    start = time.perf_counter()
+    done = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    (workdir / "log.txt").write_text(done.stdout + done.stderr)
+    if done.returncode != 0 or not losses.exists():
+        raise RuntimeError(
+            f"torchtitan run failed ({' '.join(args)}):\n{(done.stdout + done.stderr)[-4000:]}"
+        )
+    return json.loads(losses.read_text())["loss"], seconds
+
+
+def _ulps(a: float, b: float) -> int:
+    """How many FP32 values lie between a and b (0: bitwise equal)."""
+    import struct
+
+    def ordered(x: float) -> int:
+        bits = struct.unpack("<i", struct.pack("<f", x))[0]
+        return bits if bits >= 0 else -(bits & 0x7FFFFFFF)
+
+    return abs(ordered(a) - ordered(b))
+
+
+def _max_rel_diff(reference: list[float], other: list[float]) -> float:
+    return max(abs(r - o) / abs(r) for r, o in zip(reference, other))
+
+
+def compare_case(name: str, workdir: Path | None = None) -> dict:
+    """Stock twice (and once without compile where the case compiles), then each variant of the case
+    ``name`` of ``CASES``.
+
+    Returns
+    -------
+    dict
+        ``processes``, ``args``, the ``stock`` and ``stock_again`` loss curves, ``stock_reproducible`` (the
+        two bitwise equal), ``torch_spread`` (the largest relative difference torch shows on its own:
+        between the two stock runs, and between compiled and eager stock runs), and per variant its
+        ``args``, ``loss`` curve, ``ulps`` (per step, the FP32 values between its loss and the stock
+        one), ``max_rel_diff`` and ``seconds``.
+    """
+    nproc, args, variants = CASES[name]
+    workdir = Path(workdir or tempfile.mkdtemp(prefix=f"torchtitan-{name}-"))
+    stock, stock_s = train(nproc, args, workdir / "stock")
+    again, again_s = train(nproc, args, workdir / "stock_again")
+    result = {
+        "processes": nproc,
+        "args": list(args),
+        "stock": stock,
+        "stock_again": again,
+        "stock_reproducible": stock == again,
+        "seconds": {"stock": stock_s, "stock_again": again_s},
+        "torch_spread": _max_rel_diff(stock, again),
+        "variants": {},
+    }
+    if "--compile.enable" in args:
+        eager_args = tuple(a for a in args if a != "--compile.enable")
+        eager, eager_s = train(nproc, eager_args, workdir / "stock_eager")
+        result["stock_eager"], result["seconds"]["stock_eager"] = eager, eager_s
+        result["torch_spread"] = max(result["torch_spread"], _max_rel_diff(stock, eager))
+    for variant in variants:
+        line = VARIANTS[variant]
+        # The line goes first: tyro applies options after a subcommand (activation-checkpoint:none) to it.
+        loss, seconds = train(nproc, (*line, *args), workdir / variant)
+        result["variants"][variant] = {
+            "args": list(line),
+            "loss": loss,
+            "ulps": [_ulps(s, c) for s, c in zip(stock, loss)],
+            "max_rel_diff": _max_rel_diff(stock, loss),
+            "seconds": seconds,
+        }
+    return result
