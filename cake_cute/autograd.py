@@ -14,9 +14,9 @@ import torch
 
 from . import native
 from . import validation as v
-from .custom_ops import cake_rmsnorm_traceable, norm_backward, save_for_backward
+from .custom_ops import cake_rmsnorm_traceable, fp8_backward, norm_backward, save_for_backward
 from .ops import train_forward_python
-from .ops_fp8 import fp8_forward, placeholder
+from .ops_fp8 import fp8_forward, op_outputs
 from .routing import (
     NATIVE,
     OP,
@@ -130,18 +130,9 @@ class CakeRMSNormFp8Function(torch.autograd.Function):
         save_for_backward(ctx, x, w, residual, saved_rstd, h_new, weight_offset, True, direct)
         ctx.mark_non_differentiable(data, scales, rstd)
         ctx.set_materialize_grads(False)
-        return (
-            data,
-            scales,
-            placeholder(x) if y is None else y,
-            rstd,
-            x.new_empty(0) if h_new is None else h_new,
-        )
+        return op_outputs(x, data, scales, y, rstd, h_new)
 
-    @staticmethod
-    def backward(ctx, _g_data, _g_scales, g, _g_rstd, g_h_new):
-        dx, dw, d_residual = norm_backward(ctx, g, g_h_new)
-        return dx, dw, None, d_residual, None, None, None
+    backward = staticmethod(fp8_backward)
 
 
 def cake_rmsnorm(x, w, eps=1e-6, residual=None, deterministic=True, weight_offset=0.0):
