@@ -11,6 +11,7 @@ import math
 import os
 import sys
 
+from .bench.cases import RESIDUAL_MODES
 from .info import cmd_info
 
 EXIT_FAILED = 1
@@ -88,7 +89,6 @@ def _finite_float(text: str) -> float:
     return value
 
 
-RESIDUAL_MODES = {"on": (True,), "off": (False,), "both": (False, True)}
 W_MODES = {"same": ("same",), "fp32": ("fp32",), "both": ("same", "fp32")}
 
 

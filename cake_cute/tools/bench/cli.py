@@ -8,10 +8,9 @@ import time
 from pathlib import Path
 
 from ...vocab import DTYPE_NAMES
+from ..cli import EXIT_USAGE
 from .cases import GRIDS, RESIDUAL_MODES, grid_peers, grid_shapes, parse_count
 from .results import OPS, PEERS
-
-EXIT_USAGE = 2
 
 
 def _count_list():
