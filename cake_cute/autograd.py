@@ -17,13 +17,7 @@ from . import validation as v
 from .custom_ops import cake_rmsnorm_traceable, fp8_backward, norm_backward, save_for_backward
 from .ops import train_forward_python
 from .ops_fp8 import fp8_forward, op_outputs
-from .routing import (
-    NATIVE,
-    OP,
-    DTensor,  # noqa: F401  (where fusion imports it from)
-    route,
-)
-from .validation import check_forward_arguments
+from .routing import NATIVE, OP, route
 
 
 def _forward(x, w, eps, residual, weight_offset, deterministic, direct):
@@ -32,7 +26,7 @@ def _forward(x, w, eps, residual, weight_offset, deterministic, direct):
         outs = train_forward_python(x, w, eps, residual, weight_offset=weight_offset)
         return outs if residual is not None else (*outs, None)
     # The op's schema would turn a bad argument into a RuntimeError that names no argument.
-    check_forward_arguments(x, w, eps, residual)
+    v.check_forward_arguments(x, w, eps, residual)
     weight_offset = v.check_weight_offset(weight_offset)
     y, rstd, h_new = torch.ops.cake_cute.rmsnorm_fwd(x, w, eps, residual, weight_offset, deterministic)
     return y, rstd, (None if residual is None else h_new)

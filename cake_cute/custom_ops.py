@@ -42,7 +42,6 @@ from .ops import backward_from_saved, cake_rmsnorm_train_backward, cake_rmsnorm_
 from .ops_fp8 import check_arguments as check_fp8_arguments
 from .ops_fp8 import fp8_forward, op_outputs, placeholder
 from .reference import summed_gradient
-from .validation import check_forward_arguments
 from .views import new_output
 
 _FWD_SCHEMA = (
@@ -90,14 +89,14 @@ def rmsnorm_fwd(x, w, eps, residual=None, weight_offset=0.0, deterministic=True)
 
 
 def _rmsnorm_fwd_cpu(x, w, eps, residual=None, weight_offset=0.0, deterministic=True):
-    check_forward_arguments(x, w, eps, residual)
+    v.check_forward_arguments(x, w, eps, residual)
     y, rstd, h_new = cpu.forward(x, w, eps, residual, v.check_weight_offset(weight_offset))
     return y, rstd, (x.new_empty(0) if h_new is None else h_new)
 
 
 def _rmsnorm_fwd_fake(x, w, eps, residual=None, weight_offset=0.0, deterministic=True):
     """The real op's outputs (``views.new_output``); argument errors surface while tracing."""
-    check_forward_arguments(x, w, eps, residual)
+    v.check_forward_arguments(x, w, eps, residual)
     h_new = new_output(x) if residual is not None else x.new_empty(0)
     return new_output(x), new_output(x, x.shape[:-1], torch.float32), h_new
 

@@ -64,8 +64,8 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .autograd import DTensor
 from .module import CakeRMSNorm, _is_swappable, swap_rmsnorm
+from .routing import DTensor
 
 # The activation dtypes the residual-mode kernels take (both operands in one of them).
 _FUSABLE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
