@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from ...vocab import DTYPE_NAMES
-from ..cli import EXIT_USAGE
+from .. import EXIT_USAGE
 from .cases import GRIDS, RESIDUAL_MODES, grid_peers, grid_shapes, parse_count, parse_count_list
 from .results import OPS, PEERS
 
