@@ -14,16 +14,10 @@ import torch
 
 from . import native
 from . import validation as v
-from .custom_ops import cake_rmsnorm_traceable, norm_backward, save_for_backward
+from .custom_ops import cake_rmsnorm_traceable, fp8_backward, norm_backward, save_for_backward
 from .ops import train_forward_python
-from .ops_fp8 import fp8_forward, placeholder
-from .routing import (
-    NATIVE,
-    OP,
-    DTensor,  # noqa: F401  (where fusion imports it from)
-    route,
-)
-from .validation import check_forward_arguments
+from .ops_fp8 import fp8_forward, op_outputs
+from .routing import NATIVE, OP, route
 
 
 def _forward(x, w, eps, residual, weight_offset, deterministic, direct):
@@ -32,7 +26,7 @@ def _forward(x, w, eps, residual, weight_offset, deterministic, direct):
         outs = train_forward_python(x, w, eps, residual, weight_offset=weight_offset)
         return outs if residual is not None else (*outs, None)
     # The op's schema would turn a bad argument into a RuntimeError that names no argument.
-    check_forward_arguments(x, w, eps, residual)
+    v.check_forward_arguments(x, w, eps, residual)
     weight_offset = v.check_weight_offset(weight_offset)
     y, rstd, h_new = torch.ops.cake_cute.rmsnorm_fwd(x, w, eps, residual, weight_offset, deterministic)
     return y, rstd, (None if residual is None else h_new)
@@ -130,18 +124,9 @@ class CakeRMSNormFp8Function(torch.autograd.Function):
         save_for_backward(ctx, x, w, residual, saved_rstd, h_new, weight_offset, True, direct)
         ctx.mark_non_differentiable(data, scales, rstd)
         ctx.set_materialize_grads(False)
-        return (
-            data,
-            scales,
-            placeholder(x) if y is None else y,
-            rstd,
-            x.new_empty(0) if h_new is None else h_new,
-        )
+        return op_outputs(x, data, scales, y, rstd, h_new)
 
-    @staticmethod
-    def backward(ctx, _g_data, _g_scales, g, _g_rstd, g_h_new):
-        dx, dw, d_residual = norm_backward(ctx, g, g_h_new)
-        return dx, dw, None, d_residual, None, None, None
+    backward = staticmethod(fp8_backward)
 
 
 def cake_rmsnorm(x, w, eps=1e-6, residual=None, deterministic=True, weight_offset=0.0):

@@ -20,6 +20,7 @@ from .kernels.config import (
     quant_forward_config,
     reduce_config,
 )
+from .kernels.tiling import VECTOR_BYTES
 from .launch_plan import partial_row_stride
 from .specs import KernelSpec, ReduceSpec
 from .views import vector_align_bytes
@@ -60,7 +61,10 @@ def _partials(hidden: int):
     import cutlass.cute as cute
 
     return cute.runtime.make_fake_tensor(
-        cutlass.Float32, (cute.sym_int(), hidden), stride=(partial_row_stride(hidden), 1), assumed_align=16
+        cutlass.Float32,
+        (cute.sym_int(), hidden),
+        stride=(partial_row_stride(hidden), 1),
+        assumed_align=VECTOR_BYTES,
     )
 
 

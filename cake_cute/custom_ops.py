@@ -40,9 +40,8 @@ from .fp8_numerics import scale_blocks
 from .kernels.config import QUANT_RECIPES
 from .ops import backward_from_saved, cake_rmsnorm_train_backward, cake_rmsnorm_train_forward
 from .ops_fp8 import check_arguments as check_fp8_arguments
-from .ops_fp8 import fp8_forward, placeholder
+from .ops_fp8 import fp8_forward, op_outputs, placeholder
 from .reference import summed_gradient
-from .validation import check_forward_arguments
 from .views import new_output
 
 _FWD_SCHEMA = (
@@ -90,14 +89,14 @@ def rmsnorm_fwd(x, w, eps, residual=None, weight_offset=0.0, deterministic=True)
 
 
 def _rmsnorm_fwd_cpu(x, w, eps, residual=None, weight_offset=0.0, deterministic=True):
-    check_forward_arguments(x, w, eps, residual)
+    v.check_forward_arguments(x, w, eps, residual)
     y, rstd, h_new = cpu.forward(x, w, eps, residual, v.check_weight_offset(weight_offset))
     return y, rstd, (x.new_empty(0) if h_new is None else h_new)
 
 
 def _rmsnorm_fwd_fake(x, w, eps, residual=None, weight_offset=0.0, deterministic=True):
     """The real op's outputs (``views.new_output``); argument errors surface while tracing."""
-    check_forward_arguments(x, w, eps, residual)
+    v.check_forward_arguments(x, w, eps, residual)
     h_new = new_output(x) if residual is not None else x.new_empty(0)
     return new_output(x), new_output(x, x.shape[:-1], torch.float32), h_new
 
@@ -106,14 +105,7 @@ def rmsnorm_fp8_fwd(x, w, eps, residual, recipe, emit_y, weight_offset):
     """``(data, compact scales, y, rstd, h_new)``: y is the act-dtype output (emit_y) or the
     zero-memory placeholder, h_new an empty tensor in plain mode (a schema has a fixed number of
     outputs)."""
-    data, scales, y, rstd, h_new = fp8_forward(x, w, eps, residual, recipe, emit_y, weight_offset)
-    return (
-        data,
-        scales,
-        placeholder(x) if y is None else y,
-        rstd,
-        x.new_empty(0) if h_new is None else h_new,
-    )
+    return op_outputs(x, *fp8_forward(x, w, eps, residual, recipe, emit_y, weight_offset))
 
 
 def _rmsnorm_fp8_fwd_fake(x, w, eps, residual, recipe, emit_y, weight_offset):
@@ -227,7 +219,9 @@ def _setup_fp8_context(ctx, inputs, output):
     _save_op_context(ctx, (data, scales, rstd), x, w, residual, rstd, h_new, weight_offset, True)
 
 
-def _fp8_backward(ctx, _g_data, _g_scales, g, _g_rstd, g_h_new):
+def fp8_backward(ctx, _g_data, _g_scales, g, _g_rstd, g_h_new):
+    """The gradients of the forward to FP8's inputs (the op's and ``CakeRMSNormFp8Function``'s): only
+    y and h_new carry one back."""
     dx, dw, d_residual = norm_backward(ctx, g, g_h_new)
     return dx, dw, None, d_residual, None, None, None
 
@@ -246,7 +240,7 @@ define_op(
     _FP8_SCHEMA,
     rmsnorm_fp8_fwd,
     fake=_rmsnorm_fp8_fwd_fake,
-    backward=_fp8_backward,
+    backward=fp8_backward,
     setup_context=_setup_fp8_context,
 )
 define_op("rmsnorm_bwd", _BWD_SCHEMA, rmsnorm_bwd, cpu=_rmsnorm_bwd_cpu, fake=_rmsnorm_bwd_fake)

@@ -64,11 +64,9 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .autograd import DTensor
 from .module import CakeRMSNorm, _is_swappable, swap_rmsnorm
-
-# The activation dtypes the residual-mode kernels take (both operands in one of them).
-_FUSABLE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+from .routing import DTensor
+from .vocab import DTYPE_BY_TORCH
 
 
 def _fusable(branch: torch.Tensor, residual: torch.Tensor) -> bool:
@@ -76,7 +74,7 @@ def _fusable(branch: torch.Tensor, residual: torch.Tensor) -> bool:
     promotion, no broadcast)."""
     return (
         branch.dtype == residual.dtype
-        and branch.dtype in _FUSABLE_DTYPES
+        and branch.dtype in DTYPE_BY_TORCH  # an activation dtype the kernels take
         and branch.shape == residual.shape
         and branch.device == residual.device
     )

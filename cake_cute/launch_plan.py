@@ -20,13 +20,15 @@ from .kernels.config import (
     persistent_programs_per_sm,
     quant_forward_config,
 )
-from .kernels.tiling import vector_width
+from .kernels.tiling import VECTOR_BYTES, vector_width
 from .vocab import dtype_bytes
 
 
 def partial_row_stride(hidden: int) -> int:
-    """FP32 partial rows are padded to 4 columns so every row starts 16-byte aligned."""
-    return -(-hidden // 4) * 4
+    """FP32 partial rows are padded to whole vector accesses (``VECTOR_BYTES``: 4 columns), so every
+    row starts aligned for them."""
+    columns = VECTOR_BYTES // 4
+    return -(-hidden // columns) * columns
 
 
 def partial_rows_bytes(partial_rows: int, hidden: int) -> int:

@@ -71,6 +71,19 @@ def placeholder(x: torch.Tensor) -> torch.Tensor:
     return x.new_zeros(()).expand(x.shape)
 
 
+def op_outputs(x, data, scales, y, rstd, h_new) -> tuple:
+    """``fp8_forward``'s results as the five outputs of ``cake_cute::rmsnorm_fp8_fwd`` (and of
+    ``CakeRMSNormFp8Function``): y's zero-memory placeholder when y is not emitted, an empty h_new in
+    plain mode (a schema has a fixed number of outputs)."""
+    return (
+        data,
+        scales,
+        placeholder(x) if y is None else y,
+        rstd,
+        x.new_empty(0) if h_new is None else h_new,
+    )
+
+
 def _empty(shape, dtype, device) -> torch.Tensor:
     """Every output of the kernel path is allocated here (the GPU tests poison them through it)."""
     return torch.empty(shape, dtype=dtype, device=device)

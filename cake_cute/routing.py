@@ -1,5 +1,5 @@
-"""Which path a call takes: the one routing rule every entry follows, and the argument-kind check that
-comes with it.
+"""Which path a call takes: the one routing rule every entry follows (refusing, first, arguments that
+are not tensors).
 
 ``route(x, w, residual)`` answers, in this order:
 
@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from . import native
+from .validation import check_tensor
 
 if torch.distributed.is_available():
     from torch.distributed.tensor import DTensor
@@ -41,18 +42,9 @@ OP = "op"
 NATIVE = "native"
 PYTHON = "python"
 
-_Tensor = torch.Tensor
 # The exact types of plain tensors: one set lookup each on the hot path, where the isinstance checks
 # (a tensor at all? a DTensor?) run only for other types.
 _PLAIN_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))
-
-
-def check_tensors(**tensors) -> None:
-    """``TypeError`` naming the first argument that is not a ``torch.Tensor`` (None is refused too:
-    pass only the arguments that must be tensors)."""
-    for name, value in tensors.items():
-        if not isinstance(value, _Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
 
 
 def route(x, w, residual=None) -> str:
@@ -65,9 +57,10 @@ def route(x, w, residual=None) -> str:
     """
     plain = type(x) in _PLAIN_TYPES and type(w) in _PLAIN_TYPES
     if not plain:  # a tensor subclass (a DTensor), or not a tensor at all
-        check_tensors(x=x, w=w)
+        check_tensor("x", x)
+        check_tensor("w", w)
     if residual is not None and type(residual) not in _PLAIN_TYPES:
-        check_tensors(residual=residual)
+        check_tensor("residual", residual)
     if not plain and (isinstance(x, DTensor) or isinstance(w, DTensor)):
         return OP
     if torch.compiler.is_compiling() or not x.is_cuda:

@@ -14,7 +14,7 @@ import torch
 from .device import device_facts
 from .kernels.config import MAX_G_PARTS as MAX_GRADIENT_PARTS
 from .kernels.config import QUANT_RECIPES
-from .kernels.tiling import MAX_HIDDEN
+from .kernels.tiling import MAX_HIDDEN, VECTOR_BYTES
 from .vocab import DTYPE_BY_TORCH
 
 # The FP8 scale layouts (``fp8_numerics``) and the recipes each one holds.
@@ -160,8 +160,10 @@ def check_workspace(workspace, device) -> None:
     """A caller's backward workspace: a contiguous 1-D uint8 tensor on x's device, 16-byte aligned
     (its size is checked against the launch plan, which knows how many partial rows it needs)."""
     check_tensor("workspace", workspace, dtypes=(torch.uint8,), device=device)
-    if workspace.dim() != 1 or not workspace.is_contiguous() or workspace.data_ptr() % 16 != 0:
-        raise ValueError("workspace must be a contiguous 1-D uint8 tensor with a 16-byte aligned base")
+    if workspace.dim() != 1 or not workspace.is_contiguous() or workspace.data_ptr() % VECTOR_BYTES != 0:
+        raise ValueError(
+            f"workspace must be a contiguous 1-D uint8 tensor with a {VECTOR_BYTES}-byte aligned base"
+        )
 
 
 def check_workspace_size(workspace, needed: int) -> None:

@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # perf/tune.py's candi
 from cake_cute.kernels.config import backward_config, forward_config, overridden
 from cake_cute.kernels.tiling import MIN_THREADS_PER_CTA, RowTiling
 
-from cake_cute.tools.bench.cases import parse_count
+from cake_cute.tools.bench.cases import parse_count_list
 from cake_cute.vocab import DTYPE_NAMES
 
 # H = 64 is where the backward trails quack most; then the head_dim of most models, then the rest.
@@ -178,17 +178,10 @@ def cases(hidden: list[int], rows: list[int]) -> list[tuple[int, int, bool]]:
     return [(h, t, residual) for h in hidden for t in rows for residual in (False, True)]
 
 
-def _count_list(text: str) -> list[int]:
-    values = [parse_count(p) for p in text.split(",") if p.strip()]
-    if not values:
-        raise argparse.ArgumentTypeError(f"expected a comma-separated list of positive counts, got {text!r}")
-    return values
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--hidden", type=_count_list, default=list(HIDDEN), help="H values, in scan order")
-    p.add_argument("--rows", type=_count_list, default=list(ROWS), help="T values (2^16 forms accepted)")
+    p.add_argument("--hidden", type=parse_count_list, default=list(HIDDEN), help="H values, in scan order")
+    p.add_argument("--rows", type=parse_count_list, default=list(ROWS), help="T values (2^16 forms accepted)")
     p.add_argument("--dtype", choices=DTYPE_NAMES, default="bf16")
     p.add_argument("--vs", default=",".join(PEERS), help="peers out of quack,compile,liger ('none' for none)")
     p.add_argument("--out", type=Path, help="folder of the JSON and log (default: $OUT, else perf/results)")

@@ -11,10 +11,11 @@ import math
 import os
 import sys
 
+from . import EXIT_USAGE  # also for a bad --cache-dir and a missing GPU
+from .bench.cases import RESIDUAL_MODES
 from .info import cmd_info
 
 EXIT_FAILED = 1
-EXIT_USAGE = 2  # argparse's status for a bad argument; also a bad --cache-dir and a missing GPU
 EXIT_NO_GPU = 2
 
 BARE_COMMAND = (
@@ -88,7 +89,6 @@ def _finite_float(text: str) -> float:
     return value
 
 
-RESIDUAL_MODES = {"on": (True,), "off": (False,), "both": (False, True)}
 W_MODES = {"same": ("same",), "fp32": ("fp32",), "both": ("same", "fp32")}
 
 

@@ -7,13 +7,13 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 import cake_cute
+from cake_cute.tools.bench.results import git_commit
 
 
 def parser(doc: str) -> argparse.ArgumentParser:
@@ -48,26 +48,16 @@ def device_label(device: str) -> str:
 
 
 def header(device: str, world_size: int, config: dict) -> dict:
-    """Versions, commit (``CAKE_CUTE_COMMIT``, else the checkout's HEAD), device, world size, config."""
+    """Versions, commit (``results.git_commit``: ``CAKE_CUTE_COMMIT``, else the checkout's HEAD), device,
+    world size, config."""
     return {
         "torch": torch.__version__,
         "cake_cute": cake_cute.__version__,
-        "commit": os.environ.get("CAKE_CUTE_COMMIT") or _checkout_commit(),
+        "commit": git_commit(),
         "device": device,
         "world_size": world_size,
         "config": config,
     }
-
-
-def _checkout_commit() -> str:
-    """The commit of the checkout this file is in, or "" where there is no git repository."""
-    try:
-        run = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True
-        )
-    except OSError:
-        return ""
-    return run.stdout.strip() if run.returncode == 0 else ""
 
 
 def output_path(args, suffix: str) -> Path:

@@ -110,6 +110,20 @@ def parse_count(text: str) -> int:
     return value
 
 
+def parse_count_list(text: str) -> list[int]:
+    """An argparse type: a comma-separated list of positive counts (``parse_count``'s forms); an empty
+    list or a bad item is an ``argparse.ArgumentTypeError`` (argparse names the option)."""
+    try:
+        values = [parse_count(p) for p in str(text).split(",") if p.strip()]
+    except argparse.ArgumentTypeError:
+        values = []
+    if not values:
+        raise argparse.ArgumentTypeError(
+            f"expected a comma-separated list of positive integers (e.g. 4096,8192), got {text!r}"
+        )
+    return values
+
+
 def grid_shapes(
     grid: str,
     dtype: str,

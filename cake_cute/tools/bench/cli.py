@@ -8,27 +8,9 @@ import time
 from pathlib import Path
 
 from ...vocab import DTYPE_NAMES
-from .cases import GRIDS, RESIDUAL_MODES, grid_peers, grid_shapes, parse_count
+from .. import EXIT_USAGE
+from .cases import GRIDS, RESIDUAL_MODES, grid_peers, grid_shapes, parse_count, parse_count_list
 from .results import OPS, PEERS
-
-EXIT_USAGE = 2
-
-
-def _count_list():
-    """An argparse type for a comma-separated list of positive counts (argparse names the option)."""
-
-    def parse(text: str) -> list[int]:
-        try:
-            values = [parse_count(p) for p in str(text).split(",") if p.strip()]
-        except argparse.ArgumentTypeError:
-            values = []
-        if not values:
-            raise argparse.ArgumentTypeError(
-                f"expected a comma-separated list of positive integers (e.g. 4096,8192), got {text!r}"
-            )
-        return values
-
-    return parse
 
 
 def _choice_list(choices, *, allow_none=False, allow_all=False):
@@ -63,8 +45,8 @@ def build_parser(prog: str = "cake-cute bench") -> argparse.ArgumentParser:
         "H in 1K..16K, quack only; small: T in 1,16,256 at H = 4096 (L2-resident by nature); headdim: "
         "T in 2^12,2^16,2^20 x H in 32..256 (per-head q/k norms), compile, liger and quack",
     )
-    p.add_argument("--hidden", type=_count_list(), help="hidden sizes replacing the grid's")
-    p.add_argument("--tokens", type=_count_list(), help="rows T replacing the grid's (for every H)")
+    p.add_argument("--hidden", type=parse_count_list, help="hidden sizes replacing the grid's")
+    p.add_argument("--tokens", type=parse_count_list, help="rows T replacing the grid's (for every H)")
     p.add_argument(
         "--elements", type=parse_count, help="T*H per shape of the standard grid (2^27, 1<<27, 128M)"
     )
