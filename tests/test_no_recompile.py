@@ -40,7 +40,7 @@ def _isolate_memory_caches(monkeypatch):
     calls on the Python path: the native path holds the kernels registered before this test."""
     monkeypatch.setattr(compile_cache, "_memory", {})
     monkeypatch.setattr(compile_cache, "_by_fields", {})
-    monkeypatch.setattr(native, "fast", None)
+    monkeypatch.setattr(native, "extension", None)
 
 
 @pytest.fixture
