@@ -62,11 +62,21 @@ def test_non_reentrant_checkpointing(name):
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3", "gemma2", "gemma3_text"])
-def test_inductor_fullgraph(name):
-    """torch.compile(fullgraph=True) with inductor on the bf16 fused model against its eager step."""
-    fused, _ = converted(_on_gpu(name, torch.bfloat16), fuse=True)
-    eager_loss, eager_grads, _ = step(fused, count=False)
+def _compiled_against_eager(model) -> tuple:
+    """(loss, eager loss, worst relative gradient error) of a compiled step against the eager one."""
+    eager_loss, eager_grads, _ = step(model, count=False)
     torch._dynamo.reset()
-    loss, grads, _ = step(torch.compile(fused, fullgraph=True), count=False)
+    loss, grads, _ = step(torch.compile(model, fullgraph=True), count=False)
+    return loss, eager_loss, max(_relative_errors(grads, eager_grads).values())
+
+
+def test_inductor_fullgraph(name):
+    """torch.compile(fullgraph=True) with inductor on the bf16 fused model against its eager step. Inductor
+    computes a bf16 model's other ops at its own precision, so the bound is the untouched model's own
+    compiled-against-eager spread (half as much again), and 3e-2 where that spread is smaller."""
+    stock = _on_gpu(name, torch.bfloat16)
+    fused, _ = converted(stock, fuse=True)
+    loss, eager_loss, error = _compiled_against_eager(fused)
     torch.testing.assert_close(loss, eager_loss, rtol=1e-2, atol=0.0)
-    assert max(_relative_errors(grads, eager_grads).values()) <= 3e-2
+    *_, stock_error = _compiled_against_eager(stock)
+    assert error <= max(3e-2, 1.5 * stock_error), (error, stock_error)

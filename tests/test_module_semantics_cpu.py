@@ -13,12 +13,16 @@ import torch
 import torch._dynamo
 from torch import nn
 from torch.library import opcheck
-from transformers.models.dory.modeling_dory import DoryL2Norm
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.models.llama4.modeling_llama4 import Llama4TextL2Norm, Llama4TextRMSNorm
 from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
 from transformers.models.t5.modeling_t5 import T5LayerNorm
+
+try:  # newer transformers releases only
+    from transformers.models.dory.modeling_dory import DoryL2Norm
+except ImportError:
+    DoryL2Norm = None
 
 from cake_cute import CakeRMSNorm, swap_rmsnorm
 from cake_cute import module as cake_module
@@ -232,6 +236,7 @@ def test_a_swapped_norm_keeps_its_policy_through_save_and_load(tmp_path):
     assert torch.equal(loaded(x), model(x))
 
 
+@pytest.mark.skipif(DoryL2Norm is None, reason="this transformers has no DoryL2Norm")
 def test_norms_that_are_not_rmsnorms_are_refused_with_the_reason():
     class GroupedRMSNorm(GemmaRMSNorm):
         def __init__(self, dim):
