@@ -8,6 +8,7 @@ afterwards would bypass them. ``swap_rmsnorm`` refuses a model whose norm weight
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 import re
@@ -29,7 +30,7 @@ _ONE_PLUS_WEIGHT = re.compile(
 _DEFAULT_EPS = torch.finfo(torch.float32).eps
 
 # The cast policies: which roundings the replaced module does around its scale (``CakeRMSNorm.cast_policy``).
-TORCH = "torch"  # torch.nn.RMSNorm: output in the input's dtype; FP32 under CUDA autocast
+TORCH = "torch"  # torch.nn.RMSNorm: output in the input's dtype; FP32 where CUDA autocast lists rms_norm
 ROUND_THEN_SCALE = "round_then_scale"  # HF Llama family: weight * xhat.to(input dtype)
 SCALE_THEN_ROUND = "scale_then_round"  # HF Gemma family, L2 norms: (xhat * (offset + weight)).to(input dtype)
 T5 = "t5"  # HF T5LayerNorm: weight * xhat.to(weight dtype if fp16/bf16 else FP32)
@@ -61,10 +62,17 @@ def _check_cast_policy(cast_policy) -> str:
     return cast_policy
 
 
+@functools.cache
+def _cuda_autocast_lists_rms_norm() -> bool:
+    """Whether this torch's CUDA autocast has a kernel for rms_norm (among its FP32 ops): torch 2.13's
+    has, torch 2.11's runs rms_norm in the input's dtype (seen on an H200). On CPU rms_norm is in no
+    autocast list on any of them."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key("aten::rms_norm", "AutocastCUDA")
+
+
 def _cuda_autocast(x: torch.Tensor) -> bool:
-    """Whether torch's CUDA autocast applies to x: it lists rms_norm among its FP32 ops there (on CPU
-    rms_norm is in no autocast list and runs in the input's dtype)."""
-    return x.is_cuda and torch.is_autocast_enabled("cuda")
+    """Whether torch's CUDA autocast would run ``torch.nn.RMSNorm`` on x in FP32."""
+    return x.is_cuda and torch.is_autocast_enabled("cuda") and _cuda_autocast_lists_rms_norm()
 
 
 class CakeRMSNorm(nn.Module):
@@ -197,7 +205,7 @@ class CakeRMSNorm(nn.Module):
         when it scales first and rounds once to x's dtype (what the kernels do)."""
         policy = self.cast_policy
         if policy == TORCH:
-            # CUDA autocast runs torch's rms_norm on FP32 casts of its inputs: an FP32 output.
+            # Where CUDA autocast lists rms_norm, torch runs it on FP32 casts of its inputs: an FP32 output.
             return torch.float32 if _cuda_autocast(x) else None
         if policy == ROUND_THEN_SCALE:
             return x.dtype
