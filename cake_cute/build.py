@@ -1,8 +1,9 @@
 """From a kernel spec to a compiled function (works without a GPU), and the registry of kernel kinds.
 
 A kind is one ``KernelKind`` entry in ``KINDS``: how its spec is built from the hot path's fields, its
-config constructor (``kernels.config``), its kernel object, and the arguments it is compiled against
-(fake tensors with a symbolic number of rows and the strides and alignment the launch guarantees).
+config constructor (``kernels.config``; the forward to FP8's in ``kernels.quant_config``), its kernel
+object, and the arguments it is compiled against (fake tensors with a symbolic number of rows and the
+strides and alignment the launch guarantees).
 Adding a kernel means adding one entry.
 """
 
@@ -13,13 +14,8 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from .kernels.config import (
-    QUANT_RECIPES,
-    backward_config,
-    forward_config,
-    quant_forward_config,
-    reduce_config,
-)
+from .kernels.config import backward_config, forward_config, reduce_config
+from .kernels.quant_config import QUANT_RECIPES, quant_forward_config
 from .kernels.tiling import VECTOR_BYTES
 from .launch_plan import partial_row_stride
 from .specs import KernelSpec, ReduceSpec

@@ -37,7 +37,7 @@ import torch
 from . import cpu, native
 from . import validation as v
 from .fp8_numerics import scale_blocks
-from .kernels.config import QUANT_RECIPES
+from .kernels.quant_config import QUANT_RECIPES
 from .ops import backward_from_saved, cake_rmsnorm_train_backward, cake_rmsnorm_train_forward
 from .ops_fp8 import check_arguments as check_fp8_arguments
 from .ops_fp8 import fp8_forward, op_outputs, placeholder

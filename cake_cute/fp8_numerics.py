@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 
 from . import validation as v
-from .kernels.config import (
+from .kernels.quant_config import (
     AMAX_BITS_E8M0_ZERO,
     E4M3_MAX,
     E8M0_EXPONENT_OFFSET,

@@ -2,11 +2,11 @@
 writes (what a workspace must hold), whether a forward to FP8 of T rows runs persistent programs and
 how many, and the vector width every kernel of an H assumes.
 
-Configs depend on (arch, dtypes, H) only (``kernels.config``); T decides just the number of backward
-programs, which never changes a row's arithmetic. A backward of g in parts (``g_parts``) has a config
-of its own, whose shared memory can fit fewer CTAs on an SM than the one-g backward's; it still
-launches the one-g program count (so its dw is bitwise the one-g dw of the summands' rounded sum),
-and so needs the same workspace.
+Configs depend on (arch, dtypes, H) only (``kernels.config``, ``kernels.quant_config``); T decides just
+the number of backward programs, which never changes a row's arithmetic. A backward of g in parts
+(``g_parts``) has a config of its own, whose shared memory can fit fewer CTAs on an SM than the one-g
+backward's; it still launches the one-g program count (so its dw is bitwise the one-g dw of the
+summands' rounded sum), and so needs the same workspace.
 """
 
 from __future__ import annotations
@@ -14,12 +14,8 @@ from __future__ import annotations
 from functools import cache, lru_cache
 
 from .device import DeviceFacts, resident_clusters
-from .kernels.config import (
-    backward_config,
-    on_override_change,
-    persistent_programs_per_sm,
-    quant_forward_config,
-)
+from .kernels.config import backward_config, on_override_change
+from .kernels.quant_config import persistent_programs_per_sm, quant_forward_config
 from .kernels.tiling import VECTOR_BYTES, vector_width
 from .vocab import dtype_bytes
 
@@ -105,7 +101,7 @@ PERSISTENT_FP8_MAX_BYTES = 1 << 27
 def fp8_persistent_programs(hidden: int, act_dtype: str, residual: bool, device: DeviceFacts) -> int:
     """The most programs of the persistent forward to FP8 on this GPU (the kernel runs no more than
     there are row tiles), 0 where that kernel does not apply (residual mode, rows split over a
-    cluster, some FP32 rows: ``config.persistent_programs_per_sm``)."""
+    cluster, some FP32 rows: ``quant_config.persistent_programs_per_sm``)."""
     if not has_persistent_fp8_kernel(device.arch, act_dtype, hidden, residual):
         return 0
     per_sm = quant_forward_config(device.arch, act_dtype, hidden, "mxfp8", persistent=True).programs_per_sm

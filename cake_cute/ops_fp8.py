@@ -18,7 +18,7 @@ from .build import quant_kind
 from .compile_cache import kernel
 from .device import on_device
 from .fp8_numerics import RECIPES, rmsnorm_fp8_reference, scale_blocks
-from .kernels.config import QUANT_RECIPES
+from .kernels.quant_config import QUANT_RECIPES
 from .operands import known_operands
 from .operands import operands as validated_operands
 from .ops import native_backward_plan

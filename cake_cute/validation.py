@@ -13,7 +13,7 @@ import torch
 
 from .device import device_facts
 from .kernels.config import MAX_G_PARTS as MAX_GRADIENT_PARTS
-from .kernels.config import QUANT_RECIPES
+from .kernels.quant_config import QUANT_RECIPES
 from .kernels.tiling import MAX_HIDDEN, VECTOR_BYTES
 from .vocab import DTYPE_BY_TORCH
 
@@ -173,7 +173,7 @@ def check_workspace_size(workspace, needed: int) -> None:
 
 
 def check_recipe(recipe) -> str:
-    """An FP8 recipe: a key of ``kernels.config.QUANT_RECIPES`` (``"mxfp8"`` or ``"1x128"``)."""
+    """An FP8 recipe: a key of ``kernels.quant_config.QUANT_RECIPES`` (``"mxfp8"`` or ``"1x128"``)."""
     if not isinstance(recipe, str):
         raise TypeError(f"recipe must be a str, one of {tuple(QUANT_RECIPES)}; got {type(recipe).__name__}")
     if recipe not in QUANT_RECIPES:

@@ -19,14 +19,14 @@ code). amax is a NaN-propagating maximum (``max.NaN``) of |y|, one FMNMX per val
 travels as its bit pattern, whose integer order is the numeric order of non-negative floats with NaN
 above infinity.
 
-Tiling (``config.quant_forward_config``): the forward's, so rstd is bitwise the plain forward's.
+Tiling (``quant_config.quant_forward_config``): the forward's, so rstd is bitwise the plain forward's.
 Lane l of a row owns
 vectors l, l + threads_per_row, ... of ``vec`` elements. A k-slice (``threads_per_row * vec`` columns)
-and a block of B columns nest (``config.blocks_nest``): either a block is ``B / vec`` consecutive
+and a block of B columns nest (``quant_config.blocks_nest``): either a block is ``B / vec`` consecutive
 lanes of one k-slice or it spans ``B / (threads_per_row * vec)`` consecutive k-slices of all the row's
 lanes. A lane's vectors fall in G blocks (groups), each shared by L lanes. Each lane takes the maximum
-over its own vectors of each group; then, with ``config.QuantForwardConfig.amax_scatter`` and L <= 32,
-the L lanes reduce-scatter the G maxima (``config.scatter_steps``: log2(min(G, L)) shuffle steps that
+over its own vectors of each group; then, with ``quant_config.QuantForwardConfig.amax_scatter`` and L <= 32,
+the L lanes reduce-scatter the G maxima (``quant_config.scatter_steps``: log2(min(G, L)) shuffle steps that
 each halve the groups a lane keeps), finish its share with a butterfly, and each lane computes the
 scale of only the groups it owns and writes it (one store per lane where there were G); the inverse
 scales travel back with the steps undone. 1x128 with vec 8 and G = 4 (L = 16): 5 amax shuffles and
@@ -47,7 +47,7 @@ from cutlass import Float32, Int32, Uint8, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
-from .config import (
+from .quant_config import (
     AMAX_BITS_E8M0_ZERO,
     E8M0_EXPONENT_OFFSET,
     E8M0_MAX_FINITE,
@@ -95,7 +95,7 @@ def inverse_scale(e: Int32) -> Float32:
 
 class RMSNormForwardQuant(RMSNormForward):
     """The forward with a block-scaled e4m3 epilogue: one compiled kernel per (arch, dtypes, H,
-    residual, weight_offset, recipe, emit_y) and its ``config.QuantForwardConfig`` (the recipe's
+    residual, weight_offset, recipe, emit_y) and its ``quant_config.QuantForwardConfig`` (the recipe's
     block width and scale type)."""
 
     def __init__(self, config, act_dtype, w_dtype, residual, weight_offset, emit_y):

@@ -37,7 +37,7 @@ from .rmsnorm_fwd_quant import RMSNormForwardQuant
 
 class RMSNormForwardQuantPersistent(RMSNormForwardQuant):
     """``RMSNormForwardQuant`` run by persistent programs: one compiled kernel per (arch, dtypes, H,
-    weight_offset, recipe, emit_y), plain mode only, with a ``config.QuantForwardConfig`` whose
+    weight_offset, recipe, emit_y), plain mode only, with a ``quant_config.QuantForwardConfig`` whose
     ``programs_per_sm`` is set; T and the number of programs are runtime values."""
 
     def __init__(self, config, act_dtype, w_dtype, residual, weight_offset, emit_y):

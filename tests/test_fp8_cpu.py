@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from cake_cute.kernels.config import E4M3_MAX, QUANT_RECIPES
+from cake_cute.kernels.quant_config import E4M3_MAX, QUANT_RECIPES
 
 from cake_cute import cake_rmsnorm_fp8, fp8, fp8_numerics
 from cake_cute.tools.cubin import spill_free
@@ -342,7 +342,7 @@ def test_torch_compile_fullgraph_matches_eager(recipe, layout, backend):
 def test_every_quant_tiling_nests_with_the_blocks(act_dtype):
     """For every H (fp16 tiles like bf16) the quantizing forward's tiling is the plain forward's and
     nests with both block widths."""
-    from cake_cute.kernels.config import blocks_nest, quant_forward_config
+    from cake_cute.kernels.quant_config import blocks_nest, quant_forward_config
     from cake_cute.kernels.tiling import MAX_HIDDEN, forward_tiling
 
     for hidden in range(1, MAX_HIDDEN + 1):
@@ -361,13 +361,14 @@ def test_every_quant_tiling_nests_with_the_blocks(act_dtype):
 def test_scatter_steps(amax_scatter, groups, lanes, steps):
     """log2(min(groups, lanes)) reduce-scatter steps; none when off, for groups that are not a power
     of two, or for blocks wider than a warp (those combine warps through shared memory)."""
-    from cake_cute.kernels.config import scatter_steps
+    from cake_cute.kernels.quant_config import scatter_steps
 
     assert scatter_steps(amax_scatter, groups, lanes) == steps
 
 
 def test_amax_scatter_is_a_quant_choice():
-    from cake_cute.kernels.config import overridden, quant_forward_config
+    from cake_cute.kernels.config import overridden
+    from cake_cute.kernels.quant_config import quant_forward_config
 
     assert quant_forward_config("sm_90a", "bf16", 4096, "1x128").amax_scatter
     with overridden("quant", "sm_90a", "bf16", 4096, amax_scatter=False):
@@ -436,7 +437,8 @@ def test_persistent_programs_per_sm_rule():
     for narrower vectors. None for rows split over a cluster; a persistent config where none applies is
     refused, naming why. The register hint appears where residency needs fewer than 128 registers per
     thread."""
-    from cake_cute.kernels.config import overridden, quant_forward_config
+    from cake_cute.kernels.config import overridden
+    from cake_cute.kernels.quant_config import quant_forward_config
 
     def config(dtype, hidden):
         return quant_forward_config("sm_90a", dtype, hidden, "mxfp8", persistent=True)
@@ -482,7 +484,7 @@ def test_fp8_forward_programs_switch_at_the_element_limit():
 def test_persistent_kernel_refuses_residual_and_cluster_rows():
     pytest.importorskip("cutlass")
     import cutlass
-    from cake_cute.kernels.config import quant_forward_config
+    from cake_cute.kernels.quant_config import quant_forward_config
     from cake_cute.kernels.rmsnorm_fwd_quant_persistent import RMSNormForwardQuantPersistent
 
     dtypes = (cutlass.BFloat16, cutlass.BFloat16)
