@@ -64,8 +64,9 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .module import CakeRMSNorm, _is_swappable, swap_rmsnorm
+from .module import CakeRMSNorm
 from .routing import DTensor
+from .swap import _is_swappable, swap_rmsnorm
 from .vocab import DTYPE_BY_TORCH
 
 

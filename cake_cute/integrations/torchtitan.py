@@ -26,7 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from importlib.util import find_spec
 
-from ..module import CakeRMSNorm, swap_rmsnorm
+from ..module import CakeRMSNorm
+from ..swap import swap_rmsnorm
 
 __all__: list[str] = []
 

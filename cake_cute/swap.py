@@ -1,0 +1,290 @@
+"""``swap_rmsnorm``, which puts ``CakeRMSNorm`` in place of the RMSNorm modules of an existing model
+(PyTorch's and Hugging Face's): it recognizes the RMSNorm-shaped modules, reads their eps, weight offset
+and cast policy from their forward's source, and warns about the norm-shaped ones it leaves alone.
+
+Swap before parallelizing (``parallelize_module``, ``fully_shard``, DDP): the parallel styles and FSDP
+replace parameters by DTensors and attach hooks to the modules they see, so a module swapped in
+afterwards would bypass them. ``swap_rmsnorm`` refuses a model whose norm weights are already DTensors.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import re
+import warnings
+
+import torch
+from torch import nn
+
+from . import validation as v
+from .module import ROUND_THEN_SCALE, SCALE_THEN_ROUND, T5, TORCH, CakeRMSNorm
+
+# "(1.0 + self.weight" or "self.weight.float() + 1": the Gemma-style scale (1 + w).
+_ONE_PLUS_WEIGHT = re.compile(
+    r"(?<![\w.])1(\.0*)?\s*\+\s*self\.weight\b|\bself\.weight(\.\w+\(\))?\s*\+\s*1(\.0*)?\b"
+)
+
+
+def _hf_eps(module: nn.Module) -> float | None:
+    for name in ("variance_epsilon", "eps"):
+        value = getattr(module, name, None)
+        if isinstance(value, float):
+            return value
+    return None
+
+
+def _hf_weight(module: nn.Module) -> nn.Parameter | None:
+    """The module's one 1-D ``weight`` Parameter, if that is all it learns."""
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, nn.Parameter) or weight.dim() != 1:
+        return None
+    return weight if all(p is weight for p in module.parameters(recurse=False)) else None
+
+
+def _is_hf_norm_shaped(module: nn.Module) -> bool:
+    """A Hugging Face-style norm module: a class name ending in "Norm", a float ``variance_epsilon`` or
+    ``eps``, no submodules, and one 1-D ``weight`` Parameter or nothing learnable at all (biased or
+    gated variants fail this). Whether it is an RMSNorm its forward's source decides (``_hf_form``)."""
+    return (
+        type(module).__name__.endswith("Norm")
+        and _hf_eps(module) is not None
+        and next(module.children(), None) is None
+        and (_hf_weight(module) is not None or next(module.parameters(recurse=False), None) is None)
+    )
+
+
+def _forward_source(cls: type) -> str | None:
+    """The source of ``cls.forward`` and of its ``_norm`` helper, if any, on one line with single spaces
+    and without comments or docstrings; None when it cannot be read."""
+    parts = []
+    for name in ("_norm", "forward"):
+        function = getattr(cls, name, None)
+        if function is None:
+            continue
+        try:
+            parts.append(inspect.getsource(function))
+        except (OSError, TypeError):
+            return None
+    text = re.sub(r'""".*?"""|#[^\n]*', "", "\n".join(parts), flags=re.S)
+    return " ".join(text.split())
+
+
+# What a forward's source must show to be an RMSNorm (the squares averaged over the last dimension and
+# a reciprocal square root), and what the recognized forms differ by.
+_MEAN_OF_SQUARES = re.compile(r"(pow\(2\)|square\(\)|\*\* ?2)\)?\.mean\((dim=)?-1")
+_SUM_OF_SQUARES = re.compile(r"(pow\(2\)|square\(\)|\*\* ?2)\)?\.sum\((dim=)?-1")
+_MEAN_SUBTRACTED = re.compile(r"- mean\b|\.var\(")
+_RSTD_ROUNDED = re.compile(r"rsqrt\(.*?keepdim=True\) \+ self\.\w+\)\.(to|type_as)\(")
+_NORM_OF_INPUT = re.compile(r"self\._norm\((x|hidden_states)(\.float\(\)|\.to\(torch\.float32\))?\)")
+_T5_CAST = re.compile(r"if self\.weight\.dtype in")
+_ROUND_THEN_SCALE = re.compile(
+    r"self\.weight \* \w+\.to\(\w+\)$|\.(to|type_as)\(\w+\) \* self\.weight\b"
+    r"|\.type_as\((\w+)\) return \w+ \* self\.weight$"
+)
+
+
+def _hf_form(module: nn.Module) -> str | None:
+    """The cast policy of a norm-shaped Hugging Face module (``_is_hf_norm_shaped``), or None when its
+    forward is not an RMSNorm (``_hf_refusal`` says why). Without readable source, a class named
+    "...RMSNorm" with a weight is taken as one: Gemma's casts when "Gemma" is in the name, else Llama's."""
+    cls = type(module)
+    source = _forward_source(cls)
+    weighted = _hf_weight(module) is not None
+    if source is None:
+        if not (weighted and cls.__name__.endswith("RMSNorm")):
+            return None
+        return SCALE_THEN_ROUND if "Gemma" in cls.__name__ else ROUND_THEN_SCALE
+    if not _computes_an_rms(source) or _hf_refusal(module, source) is not None:
+        return None
+    if not weighted:
+        return SCALE_THEN_ROUND  # a unit scale: computed in FP32, rounded once
+    if _T5_CAST.search(source):
+        return T5
+    return ROUND_THEN_SCALE if _ROUND_THEN_SCALE.search(source) else SCALE_THEN_ROUND
+
+
+def _computes_an_rms(source: str) -> bool:
+    """A reciprocal square root of the mean of the squares over the last dimension, no mean subtracted."""
+    return "rsqrt" in source and bool(_MEAN_OF_SQUARES.search(source)) and not _MEAN_SUBTRACTED.search(source)
+
+
+def _hf_refusal(module: nn.Module, source: str | None) -> str | None:
+    """Why a norm-shaped module whose forward computes a reciprocal square root is not swapped, or None
+    when it is an RMSNorm (or computes no rsqrt at all: then it is no business of swap_rmsnorm)."""
+    if source is None or "rsqrt" not in source or _MEAN_SUBTRACTED.search(source):
+        return None
+    if not _MEAN_OF_SQUARES.search(source):
+        if _SUM_OF_SQUARES.search(source):
+            return "it divides by the root of the sum of squares (an L2 norm), not of their mean"
+        return "its forward does not average the squares over the last dimension"
+    if getattr(module, "group_size", None) is not None:
+        return "it normalizes groups of group_size channels, not the whole last dimension"
+    if "return torch.rsqrt" in source:
+        return "it returns the reciprocal RMS, not the normalized input"
+    if _RSTD_ROUNDED.search(source):
+        return "it rounds the reciprocal RMS to the input dtype before scaling by it"
+    if "self._norm(" in source and not _NORM_OF_INPUT.search(source):
+        return "it scales its input before normalizing it"
+    return None
+
+
+def _hf_weight_offset(module: nn.Module) -> float:
+    """1.0 when the module scales by ``1 + weight`` (Gemma, Gemma 2/3, Qwen3-Next), else 0.0; a guess
+    (``swap_rmsnorm`` warns when it is used).
+
+    The forward's source decides, because class names mislead both ways (Gemma3n's RMSNorm scales by
+    plain ``weight``, Qwen3-Next's by ``1 + weight``). Without readable source, a class name containing
+    "Gemma" means ``1 + weight``."""
+    cls = type(module)
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return 1.0 if "Gemma" in cls.__name__ else 0.0
+    return 1.0 if _ONE_PLUS_WEIGHT.search(source) else 0.0
+
+
+def _wrapping(weight: nn.Parameter, eps, weight_offset: float, cast_policy: str) -> CakeRMSNorm:
+    """A CakeRMSNorm that holds ``weight`` itself (optimizer state and weight tying stay valid)."""
+    new = CakeRMSNorm(
+        weight.shape[0], eps=eps, weight_offset=weight_offset, device="meta", cast_policy=cast_policy
+    )
+    new.weight = weight
+    return new
+
+
+def _is_swappable(module: nn.Module) -> bool:
+    if isinstance(module, CakeRMSNorm):
+        return False
+    if isinstance(module, nn.RMSNorm):
+        return len(module.normalized_shape) == 1
+    return _is_hf_norm_shaped(module) and _hf_form(module) is not None
+
+
+def _replacement(module: nn.Module, buffer_device: torch.device, weight_offset) -> CakeRMSNorm:
+    """The CakeRMSNorm to put in place of a swappable ``module``; ``weight_offset`` was decided."""
+    if not isinstance(module, nn.RMSNorm):
+        policy, eps = _hf_form(module), _hf_eps(module)
+        if _hf_weight(module) is None:  # weightless (Llama4TextL2Norm): a unit scale for any H
+            new = CakeRMSNorm(None, eps=eps, elementwise_affine=False, cast_policy=policy)
+        else:
+            new = _wrapping(module.weight, eps, weight_offset, policy)
+    elif module.weight is None:
+        new = CakeRMSNorm(
+            module.normalized_shape, eps=module.eps, elementwise_affine=False, device=buffer_device
+        )
+    else:
+        new = _wrapping(module.weight, module.eps, weight_offset, TORCH)
+    return new.train(module.training)
+
+
+def _warn_refused(model: nn.Module) -> None:
+    """One warning naming the norm-shaped classes left alone and why."""
+    refused = {}
+    for module in model.modules():
+        if not isinstance(module, CakeRMSNorm) and _is_hf_norm_shaped(module):
+            reason = _hf_refusal(module, _forward_source(type(module)))
+            if reason is not None:
+                refused[type(module).__name__] = reason
+    if refused:
+        listed = "; ".join(f"{name}: {reason}" for name, reason in sorted(refused.items()))
+        warnings.warn(f"swap_rmsnorm left these norms alone ({listed})", UserWarning, stacklevel=3)
+
+
+def _refuse_parallelized(name: str, module: nn.Module) -> None:
+    """A weight that is already a DTensor means parallelize_module / fully_shard ran first."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(getattr(module, "weight", None), DTensor):
+        raise ValueError(
+            f"{name} ({type(module).__name__}) has a DTensor weight: swap_rmsnorm must run before "
+            "parallelize_module / fully_shard, which replace parameters and hook the modules they see"
+        )
+
+
+def _decided_offsets(swappable, weight_offset) -> dict[nn.Module, float]:
+    """The weight_offset of each swappable module: the caller's, 0.0 for torch.nn.RMSNorm, or the
+    source-pattern guess for Hugging Face modules (with one warning naming the classes guessed)."""
+    if weight_offset is not None:
+        offset = v.check_weight_offset(weight_offset)
+        return dict.fromkeys(swappable, offset)
+    decided = {m: 0.0 if isinstance(m, nn.RMSNorm) else _hf_weight_offset(m) for m in swappable}
+    guessed = sorted(
+        {
+            f"{type(m).__name__}: {decided[m]}"
+            for m in swappable
+            if not isinstance(m, nn.RMSNorm) and _hf_weight(m) is not None
+        }
+    )
+    if guessed:
+        warnings.warn(
+            f"swap_rmsnorm guessed weight_offset from each module's forward source or class name "
+            f"({', '.join(guessed)}); "
+            "pass weight_offset= (1.0 for a 1 + weight scale, else 0.0) to decide it explicitly",
+            UserWarning,
+            stacklevel=3,
+        )
+    return decided
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    """Where a swapped module without weights keeps its ones buffer: with the model's first tensor."""
+    tensor = next(itertools.chain(model.parameters(), model.buffers()), None)
+    return tensor.device if tensor is not None else torch.device("cpu")
+
+
+def swap_rmsnorm(model: nn.Module, weight_offset: float | None = None) -> int:
+    """Replace, in place, every ``torch.nn.RMSNorm`` over one dimension and every Hugging Face-style
+    RMSNorm-shaped module of ``model`` (``...RMSNorm``, ``T5LayerNorm`` and its copies, weightless ones
+    such as ``Llama4TextL2Norm``) with a ``CakeRMSNorm`` that keeps the same weight Parameter, eps,
+    offset, casts (``cast_policy``) and training mode.
+
+    A module used in several places is replaced by one CakeRMSNorm everywhere. Hooks registered on the
+    old modules do not carry over. Call it before ``parallelize_module`` / ``fully_shard`` / DDP.
+    Norm-shaped modules whose forward is not an RMSNorm (an L2 norm over the sum of squares, a grouped
+    norm, ...) are left alone, with one ``UserWarning`` naming each class and the reason.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        Changed in place.
+    weight_offset : float, optional
+        The scale of every swapped module is ``weight + weight_offset``. None: 0.0 for
+        ``torch.nn.RMSNorm``; for Hugging Face modules a guess from the forward's source (``1 + weight``
+        means 1.0), with a ``UserWarning`` that names the classes guessed.
+
+    Returns
+    -------
+    int
+        How many modules were replaced.
+
+    Raises
+    ------
+    ValueError
+        ``model`` is itself an RMSNorm; a norm weight is already a DTensor (the model was parallelized
+        or sharded before the swap); weight_offset is not finite.
+    TypeError
+        model is not a torch.nn.Module; weight_offset is not a number.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if _is_swappable(model):
+        raise ValueError("model is itself an RMSNorm; construct a CakeRMSNorm instead of swapping in place")
+    found = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent._modules.items()
+        if child is not None and _is_swappable(child)
+    ]
+    if torch.distributed.is_available():
+        for _, name, child in found:
+            _refuse_parallelized(name, child)
+    offsets = _decided_offsets(list(dict.fromkeys(child for _, _, child in found)), weight_offset)
+    device = _model_device(model)
+    replaced: dict[nn.Module, CakeRMSNorm] = {}
+    for parent, name, child in found:
+        if child not in replaced:
+            replaced[child] = _replacement(child, device, offsets[child])
+        setattr(parent, name, replaced[child])
+    _warn_refused(model)
+    return len(replaced)
