@@ -69,7 +69,7 @@ def _cell(results, test, family, variant, refused: bool) -> str:
 def family_rows(results) -> list[str]:
     """The markdown rows of the family table: template, counts and one cell per check."""
     sys.path.insert(0, str(ROOT))
-    from cake_cute.fusion import _layer_plan
+    from cake_cute.fusion_plans import _layer_plan
     from tests.test_hf_conformance_cpu import FAMILIES, LAYERS, tiny
 
     rows = []
@@ -103,7 +103,7 @@ def scanned_rows() -> list[str]:
     RMSNorm class: the template it matches, or why it is refused."""
     import transformers.models
 
-    from cake_cute.fusion import _layer_plan
+    from cake_cute.fusion_plans import _layer_plan
 
     rows = []
     for info in sorted(pkgutil.iter_modules(transformers.models.__path__), key=lambda i: i.name):
@@ -152,8 +152,8 @@ def render(results) -> str:
         "",
         "## Every decoder layer of the installed transformers beside an RMSNorm",
         "",
-        "The template each class's forward matches (`cake_cute.fusion._TEMPLATES`), read from its source; "
-        "a refused class runs with `swap_rmsnorm` alone. Not run, only classified.",
+        "The template each class's forward matches (`cake_cute.fusion_plans._TEMPLATES`), read from its "
+        "source; a refused class runs with `swap_rmsnorm` alone. Not run, only classified.",
         "",
         "| model | decoder layer | fusion |",
         "|---|---|---|",
