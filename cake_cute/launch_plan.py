@@ -70,11 +70,10 @@ def backward_programs(
 def backward_launch(
     rows: int, hidden: int, act_dtype: str, w_dtype: str, residual: bool, device: DeviceFacts
 ) -> tuple[int, int]:
-    """(programs, FP32 partial rows of dW the backward writes: one per row group of each program),
-    the same for g in summands (their variants keep the one-g tiling)."""
+    """(programs, FP32 partial rows of dW the backward writes: one per program, whose row groups fold
+    their sums first), the same for g in summands (their variants keep the one-g tiling)."""
     programs = backward_programs(rows, hidden, act_dtype, w_dtype, residual, device)
-    rows_per_cta = backward_config(device.arch, act_dtype, w_dtype, hidden, residual).tiling.rows_per_cta
-    return programs, programs * rows_per_cta
+    return programs, programs
 
 
 def most_partial_rows(

@@ -106,6 +106,14 @@ def broadcast_rows(vector: cute.Tensor, rows: int) -> cute.Tensor:
     return cute.make_tensor(vector.iterator, layout)
 
 
+def global_row(m: cute.Tensor, row, hidden: int) -> cute.Tensor:
+    """Row ``row`` of a row-major global tensor whose rows all start ``VECTOR_BYTES``-aligned (the
+    padded FP32 partial rows of dW) as a length-``hidden`` vector."""
+    start = (m.iterator + cute.crd2idx((row, 0), m.layout)).toint()
+    pointer = cute.make_ptr(m.element_type, start, cute.AddressSpace.gmem, assumed_align=VECTOR_BYTES)
+    return cute.make_tensor(pointer, cute.make_layout((hidden,)))
+
+
 def global_vector(m: cute.Tensor, row, col, width: int) -> cute.Tensor:
     """Cells (row, col .. col + width - 1) of a row-major global tensor as a tensor of their own,
     aligned to its whole width (the caller guarantees the alignment and that the cells exist)."""

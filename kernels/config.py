@@ -285,13 +285,15 @@ def backward_smem_bytes(
 ) -> int:
     """Shared memory of one backward CTA (``rmsnorm_bwd``), an upper bound: reduction slots, the w tile,
     one tile of g_residual, either the ring (per slot a tile of each part of g and one of h) or the
-    FP32 dW tile, and the DSL's static kilobyte. w's own dtype counts: under autocast w is FP32 next
-    to bf16 rows, and its tile can decide whether two CTAs fit on an SM (bf16 H = 8192, residual)."""
+    FP32 dW tile, the FP32 tile in which several row groups fold their dW, and the DSL's static
+    kilobyte. w's own dtype counts: under autocast w is FP32 next to bf16 rows, and its tile can
+    decide whether two CTAs fit on an SM (bf16 H = 8192, residual)."""
     tile = tiling.rows_per_cta * tiling.cols_per_cta
     reduction = 4 * 2 * tiling.rows_per_cta * (tiling.warps_per_row + 1) + 64
     act_bytes = dtype_bytes(act_dtype)
     staging = (1 if residual else 0) * tile * act_bytes
     staging += 4 * tile if dw_in_smem else ring_depth * (g_parts + 1) * tile * act_bytes
+    staging += 4 * tile if tiling.rows_per_cta > 1 else 0
     return reduction + dtype_bytes(w_dtype) * tile + staging + SMEM_STATIC_PER_CTA + 256
 
 
@@ -340,11 +342,11 @@ def backward_config(
 
 
 # A dW reduction of at most NARROW_REDUCE_MAX_CTAS column CTAs (H <= 256 in 4-column vectors) cannot
-# fill the GPU, and at such H the backward writes the most partial rows (one per resident row group:
-# 16896 at bf16 H = 64 on an H200), which the one-row loop reads one 16-byte load per lane at a time
-# (its bounds check sits between the loads): there, CTAs of NARROW_REDUCE_THREADS threads whose lanes
+# fill the GPU, and its lanes would read the partial rows one 16-byte load at a time (the one-row
+# loop's bounds check sits between the loads): there, CTAs of NARROW_REDUCE_THREADS threads whose lanes
 # each have NARROW_REDUCE_ROWS_IN_FLIGHT partial rows in flight (32 registers; the additions keep the
-# one-row loop's order, so dw keeps its bits).
+# one-row loop's order, so dw keeps its bits). Measured when the backward wrote one partial row per
+# row group (16896 at bf16 H = 64 on an H200), before its row groups folded them to one per program.
 NARROW_REDUCE_MAX_CTAS = 64
 NARROW_REDUCE_THREADS = 1024
 NARROW_REDUCE_ROWS_IN_FLIGHT = 8

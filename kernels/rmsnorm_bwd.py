@@ -8,13 +8,14 @@ Math, per row t (FP32 arithmetic, one rounding at the end):
     xhat = h * rstd                        (h: the saved x, or h_new in residual mode)
     c    = sum_j a_j * xhat_j / H
     dx   = round(rstd * (a - xhat * c) [+ g_residual])
-    dW_partial[p] += g * xhat              (FP32, over the rows that CTA row-group p visits)
+    dW_partial[b] += g * xhat              (FP32, over the rows that program b visits)
 
 Persistent grid: ``num_programs`` CTAs (times ``cluster_n`` along y), as many as are resident at once
 (``cake_cute.device.resident_clusters``); program b visits the row tiles b, b + num_programs, ... -- a
 fixed partition for a given (T, num_programs). Each CTA copies w once into its own cells of shared
-memory and keeps one FP32 dW accumulator per element it owns; at the end every row group writes its
-accumulator as one FP32 row of the workspace ``partials[num_programs * rows_per_cta, H_pad]``, which
+memory and keeps one FP32 dW accumulator per element it owns; at the end the CTA's row groups (short
+rows: several per CTA) fold their accumulators in shared memory by a fixed tree (``fold_row_groups``)
+and the program writes one FP32 row of the workspace ``partials[num_programs, H_pad]``, which
 ``dw_reduce`` sums in a fixed order (launched behind this kernel with programmatic dependent launch,
 allowed once a program's row loop is done). No atomics anywhere.
 
@@ -46,12 +47,12 @@ The kernel body reads as its steps: ``fill_ring`` (the first row tiles), ``prolo
 accumulator, after the ring's copies are issued so that the round trips overlap), then per row tile
 ``issue_g_residual``, ``load_rstd``, ``prefetch_next_row`` (without a ring: the next row into the L2),
 ``refill_ring``, ``reduce_row`` (dW and the row sum) and ``write_dx``; at the end
-``write_dw_partial_row``.
+``fold_row_groups`` (several row groups per CTA) and ``write_dw_partial_row``.
 
-Bytes moved: reads g's n parts, h (+ g_residual) and writes dx once: T*H*(n + 2 [+ 1])*act_bytes,
-plus 4*T of rstd, plus the partial rows (num_programs * rows_per_cta * H * 4, written here, read by
-dw_reduce). With n parts that is (n - 1)*T*H*act_bytes more than one g, and 2*T*H*act_bytes less than
-an add kernel (reads n, writes g) in front of a one-g backward.
+Bytes moved: reads g's n parts, h (+ g_residual) and writes dx once: T*H*(n + 2 [+ 1])*act_bytes, plus 4*T
+of rstd, plus the partial rows (num_programs * H * 4, written here, read by dw_reduce). With n parts that
+is (n - 1)*T*H*act_bytes more than one g, and 2*T*H*act_bytes less than an add kernel (reads n, writes g)
+in front of a one-g backward.
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ from .common import (
     broadcast_rows,
     column_predicate,
     copy_atom,
+    global_row,
     init_cluster_reduction,
     prefetch_to_l2,
     row_sum,
@@ -78,6 +80,18 @@ from .common import (
     tile_shape,
 )
 from .thread_tiles import ThreadTiles, issue_row_tile
+
+
+def fold_levels(groups: int) -> list[tuple[int, int]]:
+    """The tree that sums ``groups`` row groups' dW into group 0, as (adders, stride) per level: groups
+    r < adders add group r + stride. Each level halves the groups still holding a share (rounding up),
+    so any count works."""
+    levels = []
+    while groups > 1:
+        stride = -(-groups // 2)
+        levels.append((groups - stride, stride))
+        groups = stride
+    return levels
 
 
 class RMSNormBackward(RowKernel):
@@ -180,6 +194,11 @@ class RMSNormBackward(RowKernel):
             self.fill_ring(tt, bidx, num_programs, rows, (*mGs, mH), (*sGs, sH))
         # After the first row tiles are issued, so that w's round trip overlaps theirs.
         tXsW, tXrDW, tXDW = self.prologue(smem, thr, tiler, rank, tXc0, mW, pred)
+        sFold = None  # the row groups' dW accumulators, summed at the end
+        if const_expr(t.rows_per_cta > 1):
+            sFold = smem.allocate_tensor(
+                Float32, cute.make_ordered_layout(tiler, order=(1, 0)), byte_alignment=16
+            )
 
         init_cluster_reduction(mbars, t.cluster_n)
         # rstd is loaded one tile ahead too, so its latency never sits on a row's critical path.
@@ -219,6 +238,8 @@ class RMSNormBackward(RowKernel):
 
         # The dW reduction may start launching (it waits for this grid's memory before reading).
         cute.arch.griddepcontrol_launch_dependents()
+        if const_expr(t.rows_per_cta > 1):
+            self.fold_row_groups(tt, sFold, tXrDW)
         self.write_dw_partial_row(tt, bidx, mPartial, tXrDW, tXDW, pred)
 
     @cute.jit
@@ -382,9 +403,30 @@ class RMSNormBackward(RowKernel):
         return g
 
     @cute.jit
+    def fold_row_groups(self, tt: ThreadTiles, sFold, tXrDW):
+        """Sum the dW accumulators of the CTA's row groups into row group 0's registers: through shared
+        memory, a tree over the groups with a fixed pairing (``fold_levels``), so the order of every
+        addition is fixed by the tiling. A program then writes one partial row instead of one per row
+        group (at bf16 H = 64, 32 times fewer for dw_reduce to read)."""
+        cols = self.tiling.cols_per_cta
+        tXsFold = tt.thr.partition_D(sFold)
+        cute.autovec_copy(tXrDW, tXsFold)
+        cute.arch.barrier()
+        for adders, stride in fold_levels(self.tiling.rows_per_cta):
+            if tt.row_in_cta < adders:
+                partner = cute.make_tensor(sFold.iterator + stride * cols, sFold.layout)
+                tXsFold.store(tXsFold.load() + tt.thr.partition_D(partner).load())
+            cute.arch.barrier()
+        cute.autovec_copy(tXsFold, tXrDW)
+
+    @cute.jit
     def write_dw_partial_row(self, tt: ThreadTiles, bidx, mPartial, tXrDW, tXDW, pred):
-        """Row group r of program b owns partial row b * rows_per_cta + r."""
-        tXgP = tt.of(mPartial, bidx)
+        """Program b owns partial row b: its row group 0 writes it (after ``fold_row_groups``, which
+        summed every row group into it)."""
+        t = self.tiling
+        tXgP = tt.of(broadcast_rows(global_row(mPartial, bidx, t.hidden), t.rows_per_cta), 0)
         if const_expr(self.config.dw_in_smem):
             cute.autovec_copy(tXDW, tXrDW)
-        cute.copy(copy_atom(Float32, self.tiling.vec), tXrDW, tXgP, pred=pred)
+        store = partial(cute.copy, copy_atom(Float32, t.vec), pred=pred)
+        if tt.row_in_cta == 0:
+            store(tXrDW, tXgP)

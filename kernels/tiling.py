@@ -37,6 +37,8 @@ SMEM_PER_SM = 228 * 1024
 SMEM_RESERVED_PER_CTA = 1024  # the driver's per-CTA reserve
 SMEM_STATIC_PER_CTA = 1024  # static shared memory the DSL gives every kernel (cuobjdump: SHARED 1024)
 MAX_CTAS_PER_SM = 32
+# Rows of at most this many vectors are short (``forward_tiling``'s rule for them).
+SHORT_ROW_VECTORS = 32
 MAX_THREADS_PER_SM = 2048
 
 
@@ -126,9 +128,22 @@ def forward_tiling(hidden: int, act_dtype: str) -> RowTiling:
     column predicates and no idle lanes in the last pass (the scans behind this choice:
     perf/results/2026-11-30-h200-tiling-scans/)."""
     tiling = row_tiling(hidden, dtype_bytes(act_dtype), bytes_per_thread=128, target_vecs=4)
+    if -(-hidden // tiling.vec) <= SHORT_ROW_VECTORS:
+        return _short_row_forward_tiling(tiling, dtype_bytes(act_dtype))
     if tiling.covers_row_exactly or tiling.cluster_n > 1 or tiling.threads_per_row < 128:
         return tiling
     return _nearest_exact_cover(tiling, max_vpt=tiling.vecs_per_thread) or tiling
+
+
+def _short_row_forward_tiling(tiling: RowTiling, act_bytes: int) -> RowTiling:
+    """Rows of at most ``SHORT_ROW_VECTORS`` vectors (per-head q/k norms: bf16 H <= 256) take two
+    vectors per lane in twice the lanes where that still covers the row exactly: a CTA then has twice
+    the rows' loads in flight per lane's work, which took the H200 from 0.72-0.91 of a device copy to
+    0.99-1.05 at bf16 H = 32 and 64 and gained 0-2% at H = 128 and 256 (plain and residual, 2^16-2^20
+    rows; perf/results/2026-12-02-h200-headdim-scan/, candidate fwd-half). Ragged covers (H = 80, 96,
+    192) keep four vectors: they already run at the copy's speed there."""
+    short = row_tiling(tiling.hidden, act_bytes, bytes_per_thread=128, target_vecs=2)
+    return short if short.covers_row_exactly else tiling
 
 
 @cache

@@ -6,8 +6,10 @@
 #   OUT=/path/to/folder bash perf/device_round.sh suite sanitizer sweeps dtypes fp8 model
 #
 # Sections:
-#   suite        the GPU test suite (pytest -m gpu) and `cake-cute check`
+#   suite        the GPU test suite (pytest -m gpu: three workers, then the scale tests alone) and
+#                `cake-cute check`
 #   sanitizer    compute-sanitizer memcheck / racecheck / synccheck over tests/sanitizer/cases.py
+#   sanitizershort  the same over its short-row cases only (H = 1..256, dW folded per CTA)
 #   sweeps       standard bf16 sweep, training-shapes grid, small batches (perf/sweep.py)
 #   dtypes       standard sweep for fp16 and fp32
 #   fp8          perf/fp8_bench.py (standard and training grids, bitwise-checked first)
@@ -17,7 +19,7 @@
 #                next to cake_cute's bf16 step and torch's
 #   distributed  the two-GPU matrix and training benchmark (torchrun, NCCL; needs 2 GPUs)
 #   headdimscan  perf/headdim_scan.py: the forward's and backward's configs at H = 32..256 (per-head q/k norms)
-#                against their candidates, quack, torch.compile and the copy (about 4 minutes)
+#                against their candidates, quack, torch.compile, Liger and the copy (about 4 minutes)
 #   headdimgrid  `cake-cute bench --grid headdim` (perf/sweep.py) for bf16
 #   qkmodel      perf/model_step.py --model qwen3 (q/k norms, GQA, H = 2048 and 4096, 8192 tokens): every
 #                implementation eager, and compiled per decoder layer at H = 2048 torch, cake_cute and
@@ -45,8 +47,16 @@ bounded() {  # bounded SECONDS LOG COMMAND...: run, log, and print one status li
 section_suite() {
   local d=$RES/suite && mkdir -p "$d"
   { cake-cute info; nvidia-smi; } > "$d/env.txt" 2>&1
-  bounded 420 "$d/gpu_tests.log" python3 -m pytest -q -rs -m gpu tests -p no:cacheprovider
-  bounded 150 "$d/check.log" cake-cute check
+  # Three workers, one file each at a time; the scale tests (up to 127 GiB) alone, after them.
+  bounded 400 "$d/gpu_tests.log" python3 -m pytest -q -rs -m gpu tests -p no:cacheprovider \
+    -n 3 --dist loadfile --ignore tests/test_gpu_scale.py
+  bounded 150 "$d/gpu_scale_tests.log" python3 -m pytest -q -rs -m gpu tests/test_gpu_scale.py -p no:cacheprovider
+  bounded 100 "$d/check.log" cake-cute check
+}
+
+section_sanitizershort() {
+  local d=$RES/sanitizer-short && mkdir -p "$d"
+  bounded 300 "$d/run.log" bash tests/sanitizer/run.sh "$d" short
 }
 
 section_sanitizer() {
@@ -109,7 +119,7 @@ section_distributed() {
 
 section_headdimscan() {
   local d=$RES/headdimscan && mkdir -p "$d"
-  bounded 260 "$d/run.log" python3 perf/headdim_scan.py --out "$d" --budget-s 220
+  bounded 280 "$d/run.log" python3 perf/headdim_scan.py --out "$d" --budget-s 230 --vs quack,compile,liger
 }
 
 section_headdimgrid() {

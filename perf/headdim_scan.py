@@ -64,7 +64,6 @@ DEEP_RING = 8  # ring slots of a one-vector backward tiling (56 registers, 36 KB
 MAX_FWD_VECS = 8
 ROWS_IN_FLIGHT = 8  # partial rows a dW reduction lane loads before adding them (32 registers)
 REDUCE_THREADS = 1024
-FAST_REDUCE = f"dw.threads={REDUCE_THREADS},dw.rows_in_flight={ROWS_IN_FLIGHT}"
 
 
 @dataclass(frozen=True)
@@ -128,43 +127,34 @@ def forward_candidates(hidden: int, dtype: str, arch: str = ARCH) -> list[Candid
 
 
 def backward_candidates(hidden: int, dtype: str, arch: str = ARCH) -> list[Candidate]:
-    """Backward configs to time against the rule's. The rule's small-H backward writes one FP32 partial
-    row of dW per row of every resident CTA (528 CTAs x 32 rows at bf16 H = 64), which ``dw_reduce``
-    sums with H / 4 CTAs whose lanes load one partial row at a time; the candidates (each names every
-    reduction choice it means, so it means the same whatever the rule):
+    """Backward configs to time against the rule's. A short-row backward CTA holds several row groups,
+    which fold their dW sums in shared memory, so a program writes one FP32 partial row, and
+    ``dw_reduce`` sums them with ``REDUCE_THREADS``-thread CTAs whose lanes have ``ROWS_IN_FLIGHT``
+    partial rows in flight (the rule for at most 64 column vectors). The candidates:
 
-    - ``dw-batch8``: lanes with 8 partial rows in flight (dW bitwise the rule's: same order of sums);
-    - ``dw1024``, ``dw1024-batch8``: 1024-thread reduction CTAs (four times the lanes), without and
-      with 8 rows in flight;
+    - ``dw256``: the reduction of wider rows (256 threads, one partial row at a time), which the
+      folded partial rows may make enough (dW bitwise the rule's when both sum in the same order);
     - ``bwd-exact``: an exact cover where the rule's lanes overrun H (H = 96, 192: three vectors per
       lane, 160 registers);
-    - ``bwd-vpt1``: one vector per lane (half the rows per CTA, so half the partial rows, and half the
-      bytes in flight);
-    - the exact or one-vector tiling with ``dw1024-batch8``; the one-vector tiling also with a ring of
-      ``DEEP_RING`` row tiles (plain mode: residual mode keeps two), which gives back the bytes in
-      flight that halving the rows per CTA took."""
+    - ``bwd-vpt1``: one vector per lane (half the rows per CTA, half the bytes in flight), also with a
+      ring of ``DEEP_RING`` row tiles (plain mode: residual mode keeps two), which gives back the
+      bytes in flight that halving the rows per CTA took;
+    - ``bwd-rows2x``: the rule's lanes in 256-thread CTAs (twice the rows per CTA: twice the bytes in
+      flight per program and half the programs)."""
     base = backward_config(arch, dtype, dtype, hidden, False).tiling
-    found = [
-        Candidate("dw-batch8", "bwd", f"dw.threads=256,dw.rows_in_flight={ROWS_IN_FLIGHT}"),
-        Candidate("dw1024", "bwd", f"dw.threads={REDUCE_THREADS},dw.rows_in_flight=1"),
-        Candidate("dw1024-batch8", "bwd", FAST_REDUCE),
-    ]
-    tiling = None
+    found = [Candidate("dw256", "bwd", "dw.threads=256,dw.rows_in_flight=1")]
     exact = exact_cover(base, MAX_BWD_VECS)
     if exact is not None:
-        tiling = exact
         text = f"bwd.tiling={_tiling_text(exact)},bwd.register_budget={EXACT_BWD_REGISTERS}"
         found.append(Candidate("bwd-exact", "bwd", text))
     one = one_vector_lanes(base)
     if one is not None:
-        tiling = one
         found.append(Candidate("bwd-vpt1", "bwd", f"bwd.tiling={_tiling_text(one)}"))
-    if tiling is not None:
-        name = "bwd-exact" if tiling is exact else "bwd-vpt1"
-        found.append(Candidate(f"{name}+dw1024-batch8", "bwd", f"{found[-1].overrides},{FAST_REDUCE}"))
-    if one is not None:
-        text = f"bwd.tiling={_tiling_text(one)},bwd.ring_depth={DEEP_RING},{FAST_REDUCE}"
-        found.append(Candidate(f"bwd-vpt1-ring{DEEP_RING}+dw1024-batch8", "bwd", text))
+        text = f"bwd.tiling={_tiling_text(one)},bwd.ring_depth={DEEP_RING}"
+        found.append(Candidate(f"bwd-vpt1-ring{DEEP_RING}", "bwd", text))
+    if base.rows_per_cta > 1 and base.threads_per_cta == MIN_THREADS_PER_CTA:
+        wide = replace(base, rows_per_cta=base.rows_per_cta * 2)
+        found.append(Candidate("bwd-rows2x", "bwd", f"bwd.tiling={_tiling_text(wide)}"))
     return found
 
 

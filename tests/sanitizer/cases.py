@@ -1,16 +1,17 @@
 """The workload compute-sanitizer runs: forward and backward over the dtypes x H in {7, 1024, 4096, 4097,
 7168, 16384, 32768, 65536} x residual off/on at T = 3 (FP32 H = 16384 and 32768, rows split over clusters
 of 4 and 8 CTAs with lanes of 8 vectors, also at T = 300), T = 100 at H = 4096 (persistent programs with
-two row tiles each), and plain rows with a 4-stage ring that wraps around several times (bf16 H = 8192
-and fp32 H = 4096 at T = 700, bf16 H = 1024 at T = 4000), each output checked against the FP64 reference
-so a silent corruption would also show; and the quantizing forward (both FP8 recipes, bf16, H in {33,
-4096, 4097, 65536}, residual off/on, y emitted) at T = 3 and T = 100, and in plain mode at T where its
-persistent programs each quantize several row tiles (bf16 H in {33, 4096, 4097, 7168}, fp32 H in
-{2048, 8192}), its e4m3 bytes and scales compared bitwise with the torch reference of
-``cake_cute.fp8_numerics``. Run by ``tests/sanitizer/run.sh`` under memcheck, racecheck and synccheck
-(a GPU is needed); it prints one line per case and exits non-zero on any mismatch. ``python3 cases.py
-PREFIX`` runs only the cases whose label (``float32 H=16384``, ``fp8 persistent H=4096``) starts with
-PREFIX."""
+two row tiles each), and plain rows with a 4-stage ring that wraps around several times (bf16 H = 8192 and
+fp32 H = 4096 at T = 700, bf16 H = 1024 at T = 4000), each output checked against the FP64 reference so a
+silent corruption would also show; and the quantizing forward (both FP8 recipes, bf16, H in {33, 4096,
+4097, 65536}, residual off/on, y emitted) at T = 3 and T = 100, and in plain mode at T where its
+persistent programs each quantize several row tiles (bf16 H in {33, 4096, 4097, 7168}, fp32 H in {2048,
+8192}), its e4m3 bytes and scales compared bitwise with the torch reference of ``cake_cute.fp8_numerics``;
+and short rows (bf16 and fp32, H in {1, 32, 64, 80, 128, 256}, residual off/on, T = 3 and 5000), whose
+CTAs hold several row groups that fold their dW in shared memory. Run by ``tests/sanitizer/run.sh`` under
+memcheck, racecheck and synccheck (a GPU is needed); it prints one line per case and exits non-zero on any
+mismatch. ``python3 cases.py PREFIX`` runs only the cases whose label (``float32 H=16384``, ``fp8
+persistent H=4096``) starts with PREFIX (``short`` for the short rows)."""
 
 import sys
 from functools import partial
@@ -102,6 +103,15 @@ def main(only: str = ""):
         (f"fp8 persistent fp32 H={hidden}", partial(run_fp8_case, recipe, hidden, False, rows, torch.float32))
         for recipe in fp8_numerics.RECIPES
         for hidden, rows in ((2048, 1200), (8192, 700))
+    ]
+    # Short rows (per-head q/k norms): several row groups per CTA fold their dW in shared memory, at
+    # T = 3 (one program) and T = 5000 (many programs, several row tiles each).
+    cases += [
+        (f"short {str(dtype)[6:]} H={hidden}", partial(run_case, dtype, hidden, residual, rows))
+        for dtype in (torch.bfloat16, torch.float32)
+        for hidden in (1, 32, 64, 80, 128, 256)
+        for residual in (False, True)
+        for rows in (3, 5000)
     ]
     results = [case() for label, case in cases if label.startswith(only)]
     return 0 if results and all(results) else 1
