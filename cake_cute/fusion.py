@@ -57,7 +57,7 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .fusion_plans import _layer_plan, _LayerPlan
-from .module import CakeRMSNorm
+from .module import TORCH_MATH, CakeRMSNorm, check_compiled_as
 from .routing import DTensor
 from .swap import _is_swappable, swap_rmsnorm
 from .vocab import DTYPE_BY_TORCH
@@ -337,7 +337,9 @@ def _planned_patch(model: nn.Module):
     return patch
 
 
-def fuse_residual_rmsnorm(model: nn.Module, weight_offset: float | None = None) -> int:
+def fuse_residual_rmsnorm(
+    model: nn.Module, weight_offset: float | None = None, *, compiled_head_norms: str = TORCH_MATH
+) -> int:
     """Swap the RMSNorm modules of a Hugging Face decoder for ``CakeRMSNorm`` (``swap_rmsnorm``) and fuse
     every residual add that feeds a norm into that norm. The layers are checked before anything is
     swapped; calling it again on a fused model re-fuses it (e.g. after layers were replaced).
@@ -349,6 +351,9 @@ def fuse_residual_rmsnorm(model: nn.Module, weight_offset: float | None = None) 
         layer's class becomes its fused subclass; the module tree and the state dict stay the same).
     weight_offset : float, optional
         As in ``swap_rmsnorm`` (Gemma's ``1 + weight`` is recognized from the norm's source).
+    compiled_head_norms : str
+        As in ``swap_rmsnorm``: what a compiled graph runs for the per-head q / k norms, ``"torch"``
+        (the default: their PyTorch math, left to inductor) or ``"kernel"``.
 
     Returns
     -------
@@ -360,11 +365,13 @@ def fuse_residual_rmsnorm(model: nn.Module, weight_offset: float | None = None) 
     ValueError
         The model has no decoder layers in the Hugging Face layout; a layer's forward is a post-norm
         layer (nothing to fuse) or matches no template (the message names the class and the first
-        line that differs); a layer's norm is not one ``swap_rmsnorm`` replaces; ``swap_rmsnorm``'s errors.
+        line that differs); a layer's norm is not one ``swap_rmsnorm`` replaces; ``swap_rmsnorm``'s errors
+        (compiled_head_norms is checked first).
     TypeError
         weight_offset is not a number.
     """
+    check_compiled_as("compiled_head_norms", compiled_head_norms)
     patch = _planned_patch(model)
-    swapped = swap_rmsnorm(model, weight_offset)
+    swapped = swap_rmsnorm(model, weight_offset, compiled_head_norms=compiled_head_norms)
     patch()
     return swapped

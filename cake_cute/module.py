@@ -1,5 +1,7 @@
 """``CakeRMSNorm``, a drop-in ``torch.nn.Module`` for ``torch.nn.RMSNorm``, and its cast policies: the
 roundings of the module it replaces (``cake_cute.swap`` puts it in place of an existing model's norms).
+Under torch.compile a norm traces to the kernels' custom op, or, where ``compiled_as`` says so, to its
+PyTorch math, which inductor can fuse with the operations around it.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from torch import nn
 
 from . import validation as v
 from .autograd import cake_rmsnorm
+from .reference import forward_reference
 
 # torch.nn.RMSNorm's eps=None: the epsilon of ATen's compute type (opmath), FP32 for bf16, fp16 and fp32.
 _DEFAULT_EPS = torch.finfo(torch.float32).eps
@@ -22,6 +25,12 @@ SCALE_THEN_ROUND = "scale_then_round"  # HF Gemma family, L2 norms: (xhat * (off
 T5 = "t5"  # HF T5LayerNorm: weight * xhat.to(weight dtype if fp16/bf16 else FP32)
 CAST_POLICIES = (TORCH, ROUND_THEN_SCALE, SCALE_THEN_ROUND, T5)
 _HALF = (torch.float16, torch.bfloat16)
+
+# What a compiled graph runs for a norm (``CakeRMSNorm.compiled_as``): the kernels' custom op, or the
+# norm's PyTorch math, which inductor fuses with its neighbours (a custom op cannot join that fusion).
+KERNEL = "kernel"
+TORCH_MATH = "torch"
+COMPILED_AS = (KERNEL, TORCH_MATH)
 
 
 def _hidden_size(normalized_shape, elementwise_affine: bool) -> int | None:
@@ -40,6 +49,24 @@ def _hidden_size(normalized_shape, elementwise_affine: bool) -> int | None:
             f"dimension only; None only with elementwise_affine=False), got {normalized_shape!r}"
         )
     return shape[0]
+
+
+def check_compiled_as(name: str, value) -> str:
+    """``value`` if it is one of ``COMPILED_AS``; else a ValueError naming the argument ``name``."""
+    if not (isinstance(value, str) and value in COMPILED_AS):
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, COMPILED_AS))}; got {value!r}")
+    return value
+
+
+def _torch_math(x, w, eps, residual=None, deterministic=True, weight_offset=0.0):
+    """``cake_rmsnorm`` (same arguments, same checks, same outputs) in PyTorch operations, for a
+    compiled graph: the SPEC's math at the kernels' rounding points (``reference.forward_reference``
+    in FP32: h rounded to x's dtype, y rounded once), differentiated by autograd. ``deterministic``
+    is accepted as ``cake_rmsnorm`` accepts it."""
+    v.check_forward_arguments(x, w, eps, residual)
+    y, _, h = forward_reference(x, w, eps, residual, weight_offset, compute_dtype=torch.float32)
+    y = y.to(x.dtype)
+    return y if residual is None else (y, h)
 
 
 def _check_cast_policy(cast_policy) -> str:
@@ -91,15 +118,24 @@ class CakeRMSNorm(nn.Module):
         The roundings of the module replaced (docs/module.md): ``"torch"`` (torch.nn.RMSNorm),
         ``"round_then_scale"`` (Hugging Face Llama family), ``"scale_then_round"`` (Gemma family, L2
         norms), ``"t5"`` (T5LayerNorm). ``swap_rmsnorm`` sets it from the module it replaces.
+    compiled_as : str
+        What a graph traced by torch.compile runs for this norm: ``"kernel"`` (the default), the
+        kernels' custom op; ``"torch"``, the same math, casts and output dtypes in PyTorch operations,
+        which inductor fuses with the operations around the norm (``swap_rmsnorm`` chooses it for
+        per-head q / k norms). Eager calls run the kernels either way. Also an attribute, read when a
+        call is traced.
 
     Raises
     ------
     ValueError
         ``normalized_shape`` is not one positive int, eps / weight_offset out of range, an unknown
-        cast_policy.
+        cast_policy or compiled_as.
     TypeError
         eps or weight_offset is not a number.
     """
+
+    # The default of an instance pickled before ``compiled_as`` existed (torch.save of a whole model).
+    compiled_as = KERNEL
 
     def __init__(
         self,
@@ -111,6 +147,7 @@ class CakeRMSNorm(nn.Module):
         weight_offset=0.0,
         sequence_parallel=False,
         cast_policy=TORCH,
+        compiled_as=KERNEL,
     ):
         super().__init__()
         self.elementwise_affine = bool(elementwise_affine)
@@ -119,6 +156,7 @@ class CakeRMSNorm(nn.Module):
         self.eps = None if eps is None else v.check_eps(eps)
         self.weight_offset = v.check_weight_offset(weight_offset)
         self.cast_policy = _check_cast_policy(cast_policy)
+        self.compiled_as = check_compiled_as("compiled_as", compiled_as)
         weight = None if hidden is None else torch.empty(self.normalized_shape, device=device, dtype=dtype)
         if self.elementwise_affine:
             self.weight = nn.Parameter(weight)
@@ -167,22 +205,26 @@ class CakeRMSNorm(nn.Module):
     def _norm(self, x, residual):
         eps = _DEFAULT_EPS if self.eps is None else self.eps
         w = x.new_ones(x.shape[-1]) if self.weight is None else self.weight
+        # The kernel or its PyTorch math: either runs under the same casts below, so the output dtypes
+        # and roundings are the same.
+        traced_as_math = self.compiled_as == TORCH_MATH and torch.compiler.is_compiling()
+        norm = _torch_math if traced_as_math else cake_rmsnorm
         rounding = self._rounding_dtype(x, w)
         if rounding is None or w.dtype == rounding == x.dtype:
             # The kernels' own math: the scale, then one rounding to x's dtype (where the replaced module
             # rounds before and after a bf16/fp16 scale, the last bit may differ). A weight in neither
             # x's dtype nor FP32 joins the FP32 compute exactly.
             w = w if w.dtype in (x.dtype, torch.float32) else w.float()
-            return cake_rmsnorm(x, w, eps, residual, True, self.weight_offset)
+            return norm(x, w, eps, residual, True, self.weight_offset)
         # The replaced module rounds the normalized values to `rounding`, then scales in torch's
         # promoted dtype: torch's add, then the kernel, then (below FP32) torch's multiply.
         h = x if residual is None else x + residual
         if rounding == torch.float32:
             # FP32 normalized values times the scale, rounded to FP32 once: the kernel's FP32 math.
-            y = cake_rmsnorm(h.float(), w.float(), eps, None, True, self.weight_offset)
+            y = norm(h.float(), w.float(), eps, None, True, self.weight_offset)
         else:
             source = h if rounding == h.dtype else h.float()
-            xhat = cake_rmsnorm(source, source.new_ones(h.shape[-1]), eps).to(rounding)
+            xhat = norm(source, source.new_ones(h.shape[-1]), eps).to(rounding)
             y = (w if self.weight_offset == 0.0 else w + self.weight_offset) * xhat
         return y if residual is None else (y, h)
 
@@ -201,7 +243,8 @@ class CakeRMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         policy = "" if self.cast_policy == TORCH else f", cast_policy={self.cast_policy}"
+        compiled = "" if self.compiled_as == KERNEL else f", compiled_as={self.compiled_as}"
         return (
             f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}, "
-            f"weight_offset={self.weight_offset}{policy}"
+            f"weight_offset={self.weight_offset}{policy}{compiled}"
         )

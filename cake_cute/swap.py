@@ -5,6 +5,11 @@ and cast policy from their forward's source, and warns about the norm-shaped one
 Swap before parallelizing (``parallelize_module``, ``fully_shard``, DDP): the parallel styles and FSDP
 replace parameters by DTensors and attach hooks to the modules they see, so a module swapped in
 afterwards would bypass them. ``swap_rmsnorm`` refuses a model whose norm weights are already DTensors.
+
+Per-head norms (a norm over the head_dim of ``[..., heads, head_dim]`` projections: the q / k norms of
+Qwen3, Gemma3, Llama4, ...) are swapped like every other norm, and marked to run as their PyTorch math
+inside compiled graphs (``CakeRMSNorm.compiled_as``), where inductor fuses them with the reshape, the
+transpose and RoPE around them (``_is_per_head`` says which norms those are).
 """
 
 from __future__ import annotations
@@ -18,7 +23,15 @@ import torch
 from torch import nn
 
 from . import validation as v
-from .module import ROUND_THEN_SCALE, SCALE_THEN_ROUND, T5, TORCH, CakeRMSNorm
+from .module import (
+    ROUND_THEN_SCALE,
+    SCALE_THEN_ROUND,
+    T5,
+    TORCH,
+    TORCH_MATH,
+    CakeRMSNorm,
+    check_compiled_as,
+)
 
 # "(1.0 + self.weight" or "self.weight.float() + 1": the Gemma-style scale (1 + w).
 _ONE_PLUS_WEIGHT = re.compile(
@@ -227,17 +240,62 @@ def _decided_offsets(swappable, weight_offset) -> dict[nn.Module, float]:
     return decided
 
 
+# The name of a weightless norm (which has no size to compare with head_dim) over the heads of q, k or v.
+_HEAD_NORM_NAME = re.compile(r"(q|k|v|qk|kv|query|key|value)_?(layer_?)?norm")
+
+
+def _head_dim(module: nn.Module) -> int | None:
+    """The head_dim of an attention module: its own ``head_dim`` attribute (Hugging Face's attention
+    modules and torchtitan's keep one), else its ``config.head_dim``; None when it has neither."""
+    for owner in (module, getattr(module, "config", None)):
+        value = getattr(owner, "head_dim", None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def _normalized_size(module: nn.Module) -> int | None:
+    """The H a swappable module normalizes, or None for a weightless Hugging Face norm (any H)."""
+    if isinstance(module, nn.RMSNorm):
+        return module.normalized_shape[0]
+    weight = _hf_weight(module)
+    return None if weight is None else weight.shape[0]
+
+
+def _is_per_head(parent: nn.Module, name: str, norm: nn.Module) -> bool:
+    """Whether ``parent.<name>`` normalizes each head of ``[..., heads, head_dim]`` projections: the
+    module that holds it has a head_dim (``_head_dim``), and the norm's size is that head_dim (Qwen3's,
+    Gemma3's, ... ``q_norm`` / ``k_norm``; OLMo2's q / k norms span every head, heads x head_dim, and are
+    not per head unless there is one head, where the two are one normalization) or, weightless, its
+    name is a q / k / v norm's (Llama4's ``qk_norm``)."""
+    head_dim = _head_dim(parent)
+    if head_dim is None:
+        return False
+    size = _normalized_size(norm)
+    return size == head_dim if size is not None else _HEAD_NORM_NAME.fullmatch(name) is not None
+
+
 def _model_device(model: nn.Module) -> torch.device:
     """Where a swapped module without weights keeps its ones buffer: with the model's first tensor."""
     tensor = next(itertools.chain(model.parameters(), model.buffers()), None)
     return tensor.device if tensor is not None else torch.device("cpu")
 
 
-def swap_rmsnorm(model: nn.Module, weight_offset: float | None = None) -> int:
+def swap_rmsnorm(
+    model: nn.Module, weight_offset: float | None = None, *, compiled_head_norms: str = TORCH_MATH
+) -> int:
     """Replace, in place, every ``torch.nn.RMSNorm`` over one dimension and every Hugging Face-style
     RMSNorm-shaped module of ``model`` (``...RMSNorm``, ``T5LayerNorm`` and its copies, weightless ones
     such as ``Llama4TextL2Norm``) with a ``CakeRMSNorm`` that keeps the same weight Parameter, eps,
     offset, casts (``cast_policy``) and training mode.
+
+    Per-head norms, those over the head_dim of ``[..., heads, head_dim]`` projections (Qwen3's,
+    Qwen3-MoE's, Gemma3's ``q_norm`` / ``k_norm``, Llama4's ``qk_norm``: a norm whose size is the
+    head_dim of the attention module holding it, or a weightless one named as a q / k / v norm there),
+    get ``compiled_as=compiled_head_norms``. By default a compiled graph runs them as their PyTorch
+    math, which inductor fuses with the reshape, transpose and RoPE around them, and eager calls run
+    the kernel: in a compiled Qwen3 step that fusion was faster than the kernel, in an eager step the
+    kernel was faster than PyTorch's norm (perf/results/2026-12-02-nvidia-h200-model-step-qwen3.json).
 
     A module used in several places is replaced by one CakeRMSNorm everywhere. Hooks registered on the
     old modules do not carry over. Call it before ``parallelize_module`` / ``fully_shard`` / DDP.
@@ -252,6 +310,10 @@ def swap_rmsnorm(model: nn.Module, weight_offset: float | None = None) -> int:
         The scale of every swapped module is ``weight + weight_offset``. None: 0.0 for
         ``torch.nn.RMSNorm``; for Hugging Face modules a guess from the forward's source (``1 + weight``
         means 1.0), with a ``UserWarning`` that names the classes guessed.
+    compiled_head_norms : str
+        What a compiled graph runs for the per-head norms this call replaces: ``"torch"`` (the
+        default), their PyTorch math, left to inductor; ``"kernel"``, the kernel, as every other norm.
+        Each norm's choice stays changeable afterwards (``CakeRMSNorm.compiled_as``).
 
     Returns
     -------
@@ -262,12 +324,14 @@ def swap_rmsnorm(model: nn.Module, weight_offset: float | None = None) -> int:
     ------
     ValueError
         ``model`` is itself an RMSNorm; a norm weight is already a DTensor (the model was parallelized
-        or sharded before the swap); weight_offset is not finite.
+        or sharded before the swap); weight_offset is not finite; compiled_head_norms is neither
+        ``"torch"`` nor ``"kernel"``.
     TypeError
         model is not a torch.nn.Module; weight_offset is not a number.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    check_compiled_as("compiled_head_norms", compiled_head_norms)
     if _is_swappable(model):
         raise ValueError("model is itself an RMSNorm; construct a CakeRMSNorm instead of swapping in place")
     found = [
@@ -285,6 +349,8 @@ def swap_rmsnorm(model: nn.Module, weight_offset: float | None = None) -> int:
     for parent, name, child in found:
         if child not in replaced:
             replaced[child] = _replacement(child, device, offsets[child])
+        if _is_per_head(parent, name, child):
+            replaced[child].compiled_as = compiled_head_norms
         setattr(parent, name, replaced[child])
     _warn_refused(model)
     return len(replaced)

@@ -22,8 +22,9 @@
 #                against their candidates, quack, torch.compile, Liger and the copy (about 4 minutes)
 #   headdimgrid  `cake-cute bench --grid headdim` (perf/sweep.py) for bf16
 #   qkmodel      perf/model_step.py --model qwen3 (q/k norms, GQA, H = 2048 and 4096, 8192 tokens): every
-#                implementation eager, and compiled per decoder layer at H = 2048 torch, cake_cute and
-#                cake_cute with the model's own q/k norms (left to inductor) (about 2 minutes)
+#                implementation eager (cake_cute_qk_kernel is cake_cute there), and compiled per decoder
+#                layer at H = 2048 torch, cake_cute (q/k norms left to inductor, the default rule) and
+#                cake_cute_qk_kernel (q/k norms on the kernel) (about 2 minutes)
 #   qkmodelmore  the rest of the compiled Qwen3 steps: quack and Liger at H = 2048, everything at H = 4096
 # $CAKE_CUTE_COMMIT labels every results file (a copied tree's .git may be stale).
 set -uo pipefail
@@ -131,9 +132,10 @@ section_headdimgrid() {
 section_qkmodel() {
   local d=$RES/qkmodel && mkdir -p "$d"
   local out=$d/$day-nvidia-h200-model-step-qwen3.json
-  bounded 75 "$d/eager.log" python3 perf/model_step.py "$out" --model qwen3 --modes eager --warmup 2 --steps 6
+  bounded 75 "$d/eager.log" python3 perf/model_step.py "$out" --model qwen3 --modes eager \
+    --impls torch,cake_cute,liger,quack --warmup 2 --steps 6
   bounded 90 "$d/compile.log" python3 perf/model_step.py "$out" --append --model qwen3 --modes compile \
-    --compile-scope layers --hidden 2048 --impls torch,cake_cute,cake_cute_qk_torch --warmup 2 --steps 6
+    --compile-scope layers --hidden 2048 --impls torch,cake_cute,cake_cute_qk_kernel --warmup 2 --steps 6
 }
 
 section_qkmodelmore() {

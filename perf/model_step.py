@@ -3,21 +3,24 @@
 backward, bf16) costs with each RMSNorm, eager and under ``torch.compile``, in one process.
 
 Shapes: 4 layers at H = 2048 and at H = 4096, 8192 tokens (batch 4 x sequence 2048). ``--model qwen3``
-builds Hugging Face's ``Qwen3ForCausalLM`` instead: grouped-query attention (H / 128 heads of head_dim
-128, 8 key/value heads), a q and a k norm over every head (T * heads rows of 128), RoPE and a SwiGLU of
-3 H. Implementations (peers skipped when they do not import):
+builds Hugging Face's ``Qwen3ForCausalLM`` instead: grouped-query attention (H / head_dim heads,
+``--head-dim`` 128 by default, 8 key/value heads), a q and a k norm over every head (T * heads rows of
+head_dim), RoPE and a SwiGLU of 3 H. Implementations (peers skipped when they do not import):
 
 * ``torch``: every RMSNorm is ``torch.nn.RMSNorm`` (the residual adds are the model's own);
 * ``cake_cute``: ``fuse_residual_rmsnorm(model)``, every residual add done by the norm
   that follows it (``cake_cute_unfused``, on request: ``swap_rmsnorm(model)`` alone); compiled with
   ``cake_cute.graph_passes.gradient_sum_pass`` (the q/k/v and gate/up dgrads summed by the norm's
-  backward) unless ``--no-gradient-sums``;
+  backward) unless ``--no-gradient-sums``. Its per-head q / k norms follow swap_rmsnorm's default rule:
+  the kernel in eager, their PyTorch math (fused by inductor with the reshape and RoPE around them)
+  under ``torch.compile``;
 * ``liger`` / ``quack``: every RMSNorm calls that library's RMSNorm (the adapters of
   ``cake_cute.tools.bench.peers``, patched on the instances so nothing global changes between
   implementations);
-* ``cake_cute_qk_torch`` (Qwen3 default, else on request): cake_cute's norms as ``cake_cute``, but every
-  per-head q / k norm left as the model's own PyTorch module, which inductor can fuse with its
-  neighbours (the reshape, RoPE) under ``torch.compile``; a custom op cannot join that fusion.
+* ``cake_cute_qk_kernel`` (Qwen3 default, else on request): ``cake_cute`` with
+  ``compiled_head_norms="kernel"``, the per-head q / k norms the kernel under ``torch.compile`` too (a
+  custom op, which inductor cannot fuse with its neighbours): the other side of the rule. In eager it
+  is ``cake_cute``.
 
 The model is Hugging Face's ``LlamaForCausalLM`` (sdpa attention, loss from ``labels=``) when
 transformers imports, else the Llama of ``perf/distributed/model.py`` (its fused-residual blocks for
@@ -34,7 +37,8 @@ first: where two implementations' steps differ. ``--compile-scope layers`` compi
 keeps a compiled run's warm-up to seconds; the embedding, the LM head and the loss then run eager, for
 every implementation alike. The results file is rewritten after every run.
 
-Rows: ``{impl, mode, layers, H, tokens, step_ms, peak_gib}``, plus ``model`` and ``compile_scope``.
+Rows: ``{impl, mode, layers, H, tokens, step_ms, peak_gib}``, plus ``model`` and ``compile_scope``
+(and, for Qwen3, ``head_dim``).
 """
 
 from __future__ import annotations
@@ -57,8 +61,8 @@ from results_doc import kept_rows, write_results  # noqa: E402
 from sweep import _use_source_tree  # noqa: E402
 
 IMPLS = ("torch", "cake_cute", "liger", "quack")
-QWEN3_IMPLS = ("torch", "cake_cute", "cake_cute_qk_torch", "liger", "quack")
-ALL_IMPLS = (*IMPLS, "cake_cute_unfused", "cake_cute_qk_torch")
+QWEN3_IMPLS = ("torch", "cake_cute", "cake_cute_qk_kernel", "liger", "quack")
+ALL_IMPLS = (*IMPLS, "cake_cute_unfused", "cake_cute_qk_kernel")
 MODELS = ("llama", "qwen3")
 EPS = 1e-5
 QWEN3_HEAD_DIM = 128
@@ -112,12 +116,17 @@ TINY_SHAPES = (Shape(2, 64, 2, 32, vocab=128),)
 TINY_HEAD_DIM = 16  # a tiny Qwen3: 4 query heads, 2 key/value heads
 
 
-def shapes_for(model: str, hidden: list[int], seq: int, tiny: bool) -> list[Shape]:
-    """The shapes of one run: the tiny one, or the full ones of ``hidden``, for ``model``."""
+def shapes_for(
+    model: str, hidden: list[int], seq: int, tiny: bool, head_dim: int | None = None
+) -> list[Shape]:
+    """The shapes of one run: the tiny one, or the full ones of ``hidden``, for ``model``; Qwen3's
+    ``head_dim`` (None: ``QWEN3_HEAD_DIM``, or ``TINY_HEAD_DIM`` for the tiny model)."""
+    if model != "qwen3":
+        head_dim = 128
+    elif head_dim is None:
+        head_dim = TINY_HEAD_DIM if tiny else QWEN3_HEAD_DIM
     if tiny:
-        head_dim = TINY_HEAD_DIM if model == "qwen3" else 128
         return [replace(s, model=model, head_dim=head_dim) for s in TINY_SHAPES]
-    head_dim = QWEN3_HEAD_DIM if model == "qwen3" else 128
     return [replace(s, seq=seq, model=model, head_dim=head_dim) for s in FULL_SHAPES if s.hidden in hidden]
 
 
@@ -210,28 +219,14 @@ def build_model(shape: Shape, impl: str, device):
     return model, loss
 
 
-def per_head_norms(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
-    """(attention module, name, norm) of every per-head q / k norm of ``model`` (Qwen3's ``q_norm`` and
-    ``k_norm``)."""
-    return [
-        (parent, name, child)
-        for parent in model.modules()
-        for name, child in parent.named_children()
-        if name in ("q_norm", "k_norm") and _is_rmsnorm(child)
-    ]
-
-
 def prepare_norms(model: nn.Module, impl: str, fused: bool) -> None:
     """Install ``impl``'s norms; for cake_cute also the fused residual (HF layers patched, or the
-    fallback model built with fused-residual blocks). ``cake_cute_qk_torch`` puts the model's own
-    per-head norms back after the swap."""
+    fallback model built with fused-residual blocks). ``cake_cute_qk_kernel`` keeps the per-head norms
+    on the kernel under compile."""
     import cake_cute
 
-    if impl == "cake_cute_qk_torch":
-        kept = per_head_norms(model)
-        cake_cute.fuse_residual_rmsnorm(model, weight_offset=0.0)
-        for parent, name, norm in kept:
-            setattr(parent, name, norm)
+    if impl == "cake_cute_qk_kernel":
+        cake_cute.fuse_residual_rmsnorm(model, weight_offset=0.0, compiled_head_norms="kernel")
     elif impl == "cake_cute" and fused:
         cake_cute.fuse_residual_rmsnorm(model, weight_offset=0.0)
     elif impl.startswith("cake_cute"):
@@ -347,7 +342,7 @@ def run(args, save=None) -> list[dict]:
     """Every (shape, implementation, mode) of ``args``; ``save(rows)`` after each run."""
     device = torch.device(args.device)
     rows = []
-    for shape in shapes_for(args.model, args.hidden, args.seq, args.tiny):
+    for shape in shapes_for(args.model, args.hidden, args.seq, args.tiny, args.head_dim):
         for impl in [i for i in args.impls if _available(i)]:
             for mode in args.modes:
                 torch._dynamo.reset()
@@ -359,6 +354,8 @@ def run(args, save=None) -> list[dict]:
                 row = dict(impl=impl, mode=mode, layers=shape.layers, H=shape.hidden, tokens=shape.tokens)
                 if args.model != "llama" or args.compile_scope != "model":
                     row |= dict(model=args.model, compile_scope=args.compile_scope)
+                if args.model == "qwen3":
+                    row["head_dim"] = shape.head_dim
                 rows.append({**row, "step_ms": round(step_ms, 3), "peak_gib": peak and round(peak, 3)})
                 print(json.dumps(rows[-1]), flush=True)
                 if save is not None:
@@ -386,6 +383,11 @@ def main(argv=None) -> int:
         f"qwen3: {','.join(QWEN3_IMPLS)})",
     )
     p.add_argument("--model", choices=MODELS, default="llama", help="Llama, or Qwen3 (q/k norms, GQA)")
+    p.add_argument(
+        "--head-dim",
+        type=int,
+        help=f"Qwen3's head_dim, its q/k norms' size (default {QWEN3_HEAD_DIM}; {TINY_HEAD_DIM} with --tiny)",
+    )
     p.add_argument(
         "--compile-scope",
         choices=("model", "layers"),
@@ -415,6 +417,8 @@ def main(argv=None) -> int:
         args.impls = list(QWEN3_IMPLS if args.model == "qwen3" else IMPLS)
     if unknown := set(args.impls) - set(ALL_IMPLS):
         p.error(f"--impls: unknown {sorted(unknown)}, expected a subset of {','.join(ALL_IMPLS)}")
+    if args.head_dim is not None and (args.model != "qwen3" or args.head_dim < 1):
+        p.error("--head-dim: a positive int, for --model qwen3 (Llama's heads are 128 wide)")
     _use_source_tree()
     kept = kept_rows(args.out, args.append)
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device

@@ -289,14 +289,18 @@ def test_save_and_load(name, tmp_path):
 
 @pytest.mark.parametrize("name", COMPILED)
 def test_compile(name):
-    """torch.compile(fullgraph=True) of the fused model (aot_eager: the traced graph, run eagerly, so
-    the step is bitwise the eager fused step)."""
+    """torch.compile(fullgraph=True) of the fused model (aot_eager: the traced graph, run eagerly): the
+    loss is bitwise the eager fused step's, and so are the gradients, except where per-head q / k norms
+    compile to their PyTorch math (Qwen3), whose autograd backward agrees with the kernel's to FP32
+    rounding."""
     fused, _ = converted(tiny(name), fuse=True)
+    head_norms = any(isinstance(m, CakeRMSNorm) and m.compiled_as == "torch" for m in fused.modules())
+    assert head_norms == (name == "qwen3")
     eager_loss, eager_grads, _ = step(fused)
     torch._dynamo.reset()
     loss, grads, _ = step(torch.compile(fused, fullgraph=True, backend="aot_eager"), count=False)
     assert torch.equal(loss, eager_loss)
-    assert_grads(grads, eager_grads, exact=True)
+    assert_grads(grads, eager_grads, exact=not head_norms, rtol=1e-4, atol=1e-6)
 
 
 def test_the_family_table_reads_each_outcome(tmp_path):

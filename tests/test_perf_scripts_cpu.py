@@ -438,9 +438,14 @@ def test_model_step_qwen3_shapes_have_grouped_heads_of_128(perf_module):
     assert (llama.kv_heads, llama.ffn) == (32, 11008)
     tiny = model_step.shapes_for("qwen3", [], 32, tiny=True)[0]
     assert (tiny.heads, tiny.kv_heads, tiny.head_dim) == (4, 2, 16)
+    wide = model_step.shapes_for("qwen3", [2048], 2048, tiny=False, head_dim=256)[0]
+    assert (wide.heads, wide.kv_heads, wide.head_dim) == (8, 4, 256)
+    assert model_step.shapes_for("llama", [2048], 2048, tiny=False, head_dim=256)[0].head_dim == 128
 
 
-def test_model_step_qk_torch_keeps_the_models_own_head_norms(perf_module):
+def test_model_step_qk_kernel_keeps_the_head_norms_on_the_kernel_under_compile(perf_module):
+    """``cake_cute`` follows swap_rmsnorm's default (per-head norms as torch math under compile),
+    ``cake_cute_qk_kernel`` the kernel for them; every other norm is the kernel in both."""
     pytest.importorskip("transformers")
     import torch
 
@@ -448,14 +453,15 @@ def test_model_step_qk_torch_keeps_the_models_own_head_norms(perf_module):
 
     model_step = perf_module("model_step")
     shape = model_step.shapes_for("qwen3", [], 32, tiny=True)[0]
-    model, _ = model_step.build_model(shape, "cake_cute_qk_torch", torch.device("cpu"))
-    heads = model_step.per_head_norms(model)
-    assert len(heads) == 2 * shape.layers
-    assert all(type(norm).__name__ == "Qwen3RMSNorm" for _, _, norm in heads)
-    layer = model.model.layers[0]
-    assert isinstance(layer.input_layernorm, cake_cute.CakeRMSNorm)
-    swapped, _ = model_step.build_model(shape, "cake_cute", torch.device("cpu"))
-    assert all(isinstance(norm, cake_cute.CakeRMSNorm) for _, _, norm in model_step.per_head_norms(swapped))
+    for impl, head_norms in (("cake_cute", "torch"), ("cake_cute_qk_kernel", "kernel")):
+        model, _ = model_step.build_model(shape, impl, torch.device("cpu"))
+        norms = {
+            name.rsplit(".", 1)[-1]: m.compiled_as
+            for name, m in model.named_modules()
+            if isinstance(m, cake_cute.CakeRMSNorm)
+        }
+        others = dict.fromkeys(["input_layernorm", "post_attention_layernorm", "norm"], "kernel")
+        assert norms == others | {"q_norm": head_norms, "k_norm": head_norms}
 
 
 def test_model_step_qwen3_tiny_on_cpu(tmp_path):
@@ -463,11 +469,12 @@ def test_model_step_qwen3_tiny_on_cpu(tmp_path):
     out = tmp_path / "model-step.json"
     _run(
         "model_step.py", str(out), "--device", "cpu", "--tiny", "--model", "qwen3", "--modes", "eager",
-        "--warmup", "1", "--steps", "1", "--impls", "torch,cake_cute,cake_cute_qk_torch",
+        "--warmup", "1", "--steps", "1", "--impls", "torch,cake_cute,cake_cute_qk_kernel", "--head-dim", "32",
     )  # fmt: skip
     rows = json.loads(out.read_text())["rows"]
-    assert [r["impl"] for r in rows] == ["torch", "cake_cute", "cake_cute_qk_torch"]
+    assert [r["impl"] for r in rows] == ["torch", "cake_cute", "cake_cute_qk_kernel"]
     assert all(r["model"] == "qwen3" and r["compile_scope"] == "model" and r["step_ms"] > 0 for r in rows)
+    assert all(r["head_dim"] == 32 for r in rows)
 
 
 def test_headdim_scan_compiles_every_kernel_a_row_can_launch(perf_module, monkeypatch):
