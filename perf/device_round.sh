@@ -26,6 +26,8 @@
 #                layer at H = 2048 torch, cake_cute (q/k norms left to inductor, the default rule) and
 #                cake_cute_qk_kernel (q/k norms on the kernel) (about 2 minutes)
 #   qkmodelmore  the rest of the compiled Qwen3 steps: quack and Liger at H = 2048, everything at H = 4096
+#   torchtitan022  perf/torchtitan_022_gpu.py: torchtitan 0.2.2's llama3 debug model, stock norm against the
+#                converter cake_rmsnorm, 10 steps; needs the wheels of perf/torchtitan_022_kit.sh in .device/tt/
 # $CAKE_CUTE_COMMIT labels every results file (a copied tree's .git may be stale).
 set -uo pipefail
 : "${OUT:?set OUT to the folder that comes back}"
@@ -145,6 +147,14 @@ section_qkmodelmore() {
     --compile-scope layers --hidden 2048 --impls quack,liger --warmup 3 --steps 8
   bounded 200 "$d/compile_4096.log" python3 perf/model_step.py "$out" --append --model qwen3 --modes compile \
     --compile-scope layers --hidden 4096 --warmup 3 --steps 8
+}
+
+section_torchtitan022() {
+  local d=$RES/torchtitan022 && mkdir -p "$d"
+  rm -rf /tmp/tt  # --target does not replace what an earlier install left there
+  bounded 60 "$d/pip.log" python3 -m pip install --no-index --no-deps --target /tmp/tt .device/tt/*.whl
+  bounded 180 "$d/run.log" env PYTHONPATH="/tmp/tt${PYTHONPATH:+:$PYTHONPATH}" python3 perf/torchtitan_022_gpu.py \
+    --out "$d/$day-nvidia-h200-torchtitan-022.json"
 }
 
 for section in "$@"; do
