@@ -319,7 +319,7 @@ def backward_config(
     if not 1 <= g_parts <= MAX_G_PARTS:
         raise ValueError(f"g arrives as 1 to {MAX_G_PARTS} parts, got g_parts={g_parts}")
     choices = override_choices("bwd", arch, act_dtype, hidden)
-    tiling = choices.get("tiling") or backward_tiling(hidden, act_dtype)
+    tiling = choices.get("tiling") or backward_tiling(hidden, act_dtype, residual)
     dw_in_smem = tiling.threads_per_cta >= MAX_THREADS_PER_CTA and tiling.vecs_per_thread > 1
     ring_depth = (
         0 if dw_in_smem else choices.get("ring_depth") or backward_ring_depth(tiling, act_dtype, residual)

@@ -147,7 +147,7 @@ def _short_row_forward_tiling(tiling: RowTiling, act_bytes: int) -> RowTiling:
 
 
 @cache
-def backward_tiling(hidden: int, act_dtype: str) -> RowTiling:
+def backward_tiling(hidden: int, act_dtype: str, residual: bool = False) -> RowTiling:
     """Backward: g and h are staged in shared memory, w sits there too, and each thread keeps an FP32
     dW accumulator per element it owns in registers, so it holds half the forward's share of a row.
     A tiling of 512 threads per CTA is left as it is (the backward then keeps dW in shared memory:
@@ -162,8 +162,11 @@ def backward_tiling(hidden: int, act_dtype: str) -> RowTiling:
     mode from 0.86-0.91 of a device copy to 0.94-0.97 (residual mode within 1%), where clusters of 2
     and 16 (H = 8192, 65536) lost 0-3% (perf/results/2026-12-01-h200-fp32-tilings/). Not where the
     tiles cover the row raggedly: with their column predicates, 8 vectors need more than 128
-    registers (the residual variant spills)."""
+    registers (the residual variant spills). Short rows depend on the mode (``residual``):
+    ``_short_row_backward_tiling``."""
     tiling = row_tiling(hidden, dtype_bytes(act_dtype), bytes_per_thread=64, target_vecs=2)
+    if -(-hidden // tiling.vec) <= SHORT_ROW_VECTORS:
+        return _short_row_backward_tiling(tiling, residual)
     fp32_cluster = act_dtype == "fp32" and tiling.cluster_n in (4, 8) and tiling.vecs_per_thread == 4
     if fp32_cluster and tiling.covers_row_exactly:
         return replace(tiling, threads_per_row=tiling.threads_per_row // 2, vecs_per_thread=8)
@@ -174,6 +177,17 @@ def backward_tiling(hidden: int, act_dtype: str) -> RowTiling:
     ):
         return tiling
     return _most_warps_exact_cover(tiling, max_vpt=2) or tiling
+
+
+def _short_row_backward_tiling(tiling: RowTiling, residual: bool) -> RowTiling:
+    """Rows of at most ``SHORT_ROW_VECTORS`` vectors (per-head q/k norms: bf16 H <= 256): in plain mode
+    a CTA holds twice the rows (256 threads), twice the bytes in flight per barrier. On the H200 that
+    took bf16 H = 80-256 from 0.72-0.91 of a device copy to 0.77-0.97 (2^16-2^20 rows) and left
+    H = 32 and 64 within 2%; residual mode, whose ring holds two tiles and a g_residual tile, gained
+    nothing and keeps 128 threads (perf/results/2026-12-02-h200-headdim-scan/, candidate bwd-rows2x)."""
+    if residual:
+        return tiling
+    return replace(tiling, rows_per_cta=2 * tiling.rows_per_cta)
 
 
 def _exact_covers(tiling: RowTiling, max_vpt: int, max_warps: int) -> list[RowTiling]:
