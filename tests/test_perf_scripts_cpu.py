@@ -302,7 +302,7 @@ def test_headdim_scan_candidates_cover_rows_exactly_with_128_threads(perf_module
 
     scan = perf_module("headdim_scan")
     parsed = _tilings(scan, hidden)
-    assert {"dw-batch8", "dw1024", "dw1024-batch8"} <= set(parsed)
+    assert "dw256" in parsed
     for name, kinds in parsed.items():
         for kind, choices in kinds.items():
             if "tiling" not in choices:
