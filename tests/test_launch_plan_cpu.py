@@ -98,11 +98,55 @@ def test_backward_ring_depth_and_residency(hidden, act, residual, ring_depth, pe
 def test_backward_shared_memory_fits_one_cta(act, residual):
     """Every backward tiling's shared memory fits the 227 KB one CTA may use (else the launch fails),
     with g in one part or in as many as a backward takes."""
-    hiddens = (1, 7, 1000, 1024, 4096, 4097, 5120, 7168, 8192, 12288, 16384, 32768)
+    hiddens = (1, 7, 32, 64, 80, 128, 256, 1000, 1024, 4096, 4097, 5120, 7168, 8192, 12288, 16384, 32768)
     hiddens += (65536, 65537, 131072, 262144)
     for hidden, arch, g_parts in product(hiddens, ("sm_90a", "sm_100a"), range(1, MAX_G_PARTS + 1)):
         config = backward_config(arch, act, "fp32", hidden, residual, g_parts)
         assert config.smem_bytes <= 227 * 1024, (hidden, g_parts, config.describe())
+
+
+@pytest.mark.parametrize("act", ["bf16", "fp16"])
+@pytest.mark.parametrize(
+    "hidden, forward_lanes, backward_rows",
+    [(32, (2, 2), 64), (64, (4, 2), 32), (80, (4, 3), 16), (96, (4, 3), 16), (128, (8, 2), 16)]
+    + [(192, (8, 3), 8), (256, (16, 2), 8)],
+)
+def test_short_row_tilings(act, hidden, forward_lanes, backward_rows):
+    """Rows of at most 32 vectors: the forward's lanes hold two vectors where that covers the row exactly
+    (four otherwise, as before); the backward's plain-mode CTAs hold twice the rows of residual mode's
+    128 threads. Neither depends on T."""
+    forward = forward_tiling(hidden, act)
+    assert (forward.threads_per_row, forward.vecs_per_thread) == forward_lanes
+    residual = backward_config("sm_90a", act, act, hidden, True).tiling
+    plain = backward_config("sm_90a", act, act, hidden, False).tiling
+    assert (residual.rows_per_cta, residual.threads_per_cta) == (backward_rows, 128)
+    assert plain == replace(residual, rows_per_cta=2 * backward_rows)
+    wider = backward_config("sm_90a", act, act, 512, False).tiling  # 64 vectors: not a short row
+    assert wider == backward_config("sm_90a", act, act, 512, True).tiling and wider.threads_per_cta == 128
+
+
+@pytest.mark.parametrize("hidden, residual", [(64, False), (64, True), (7, False), (1024, False)])
+def test_a_program_writes_one_partial_row(hidden, residual):
+    """The row groups of a CTA fold their dW before the program writes it: as many partial rows as
+    programs, whatever the rows per CTA."""
+    for rows in (1, 100, 5000, 10**6):
+        programs, partial_rows = launch_plan.backward_launch(rows, hidden, "bf16", "bf16", residual, H200)
+        assert partial_rows == programs
+
+
+@pytest.mark.parametrize("groups", range(1, 300))
+def test_the_fold_adds_every_row_group_into_group_zero_once(groups):
+    """``fold_levels``' tree: each level's adders read groups nobody writes in that level, and group 0
+    ends holding every group's sum exactly once."""
+    from cake_cute.kernels.rmsnorm_bwd import fold_levels
+
+    held = [[g] for g in range(groups)]
+    for adders, stride in fold_levels(groups):
+        assert adders <= stride and adders + stride <= groups
+        for r in range(adders):
+            held[r] = held[r] + held[r + stride]
+        groups = stride
+    assert sorted(held[0]) == list(range(len(held)))
 
 
 def test_an_override_changes_one_entry_and_leaves_with_its_context():
