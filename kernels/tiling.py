@@ -37,7 +37,7 @@ SMEM_PER_SM = 228 * 1024
 SMEM_RESERVED_PER_CTA = 1024  # the driver's per-CTA reserve
 SMEM_STATIC_PER_CTA = 1024  # static shared memory the DSL gives every kernel (cuobjdump: SHARED 1024)
 MAX_CTAS_PER_SM = 32
-# Rows of at most this many vectors are short (``forward_tiling``'s rule for them).
+# Rows of at most this many vectors are short (``RowTiling.is_short_row``).
 SHORT_ROW_VECTORS = 32
 MAX_THREADS_PER_SM = 2048
 
@@ -66,6 +66,12 @@ class RowTiling:
     def min_ctas_per_sm(self) -> int:
         """Resident CTAs a kernel asks the compiler to allow: caps registers at 128 per thread."""
         return max(1, REGISTERS_PER_SM // (MAX_REGISTERS_PER_THREAD * self.threads_per_cta))
+
+    @property
+    def is_short_row(self) -> bool:
+        """A row of at most ``SHORT_ROW_VECTORS`` vectors (per-head q/k norms), which the forward and
+        backward tile by rules of their own."""
+        return -(-self.hidden // self.vec) <= SHORT_ROW_VECTORS
 
     @property
     def warps_per_row(self) -> int:
@@ -128,7 +134,7 @@ def forward_tiling(hidden: int, act_dtype: str) -> RowTiling:
     column predicates and no idle lanes in the last pass (the scans behind this choice:
     perf/results/2026-11-30-h200-tiling-scans/)."""
     tiling = row_tiling(hidden, dtype_bytes(act_dtype), bytes_per_thread=128, target_vecs=4)
-    if -(-hidden // tiling.vec) <= SHORT_ROW_VECTORS:
+    if tiling.is_short_row:
         return _short_row_forward_tiling(tiling, dtype_bytes(act_dtype))
     if tiling.covers_row_exactly or tiling.cluster_n > 1 or tiling.threads_per_row < 128:
         return tiling
@@ -165,7 +171,7 @@ def backward_tiling(hidden: int, act_dtype: str, residual: bool = False) -> RowT
     registers (the residual variant spills). Short rows depend on the mode (``residual``):
     ``_short_row_backward_tiling``."""
     tiling = row_tiling(hidden, dtype_bytes(act_dtype), bytes_per_thread=64, target_vecs=2)
-    if -(-hidden // tiling.vec) <= SHORT_ROW_VECTORS:
+    if tiling.is_short_row:
         return _short_row_backward_tiling(tiling, residual)
     fp32_cluster = act_dtype == "fp32" and tiling.cluster_n in (4, 8) and tiling.vecs_per_thread == 4
     if fp32_cluster and tiling.covers_row_exactly:

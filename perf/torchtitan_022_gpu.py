@@ -5,7 +5,7 @@ torchtitan 0.2.x's llama3 model on one device, stock ``torch.nn.RMSNorm`` agains
 does not import with). Both models are built on the meta device and initialized by ``init_weights``
 from one seed, as 0.2.x's trainer does; then ``--steps`` AdamW steps under bf16 autocast on the same
 token batches. Prints (and writes) the two loss curves, their largest relative difference and the
-median step time of each (the first step, which compiles, left out).
+median step time of each (the first step, the warm-up, left out).
 
 ``--device cpu`` is a check of the script and the converter where there is no GPU (cake_cute's CPU
 path, with CPU autocast to bf16 as on the GPU); its step times say nothing about the kernels. Where
