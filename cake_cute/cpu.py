@@ -3,16 +3,19 @@ that a model holding ``CakeRMSNorm`` runs (slowly) without a GPU and the distrib
 FSDP2, DDP over gloo) can be tested on any machine.
 
 Rounding points are the kernels': FP32 compute, h rounded to the activation dtype before it is
-normalized, y and dx rounded once at the end. dw is summed over rows by a sequential scan
-(``torch.cumsum`` along the rows, whose CPU loop runs row by row), so its order is fixed and does not
-depend on the number of threads.
+normalized, y and dx rounded once at the end, dw summed in FP32. Within FP32 the operations are those of
+torch's own CPU ``rms_norm`` and its autograd, in the same order and on the same layouts, so that a CPU
+model whose norms are swapped computes bitwise what the stock model computes (residual mode and
+``weight_offset`` aside: torch has no such fused forms). Like torch's, the reductions split their work
+over output elements, so the thread count does not change them, except where a single output is reduced
+(a lone row of at least 32768 elements, or dw at H = 1 over as many rows).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .reference import backward_terms, forward_reference
+from .reference import forward_reference
 from .views import as_output
 
 
@@ -25,8 +28,18 @@ def forward(x, w, eps, residual, weight_offset):
 
 
 def backward(g, h, w, rstd, g_residual, weight_offset):
-    """``(dx, dw)`` for the saved ``h`` (x, or h_new in residual mode); dw in w's dtype."""
-    dx, products = backward_terms(g, h, w, rstd, g_residual, weight_offset, compute_dtype=torch.float32)
-    # The last running sum, copied out of the cumsum's storage: an output must not be a view into it.
-    dw = products.cumsum(dim=0)[-1].clone() if products.shape[0] else products.new_zeros(h.shape[-1])
+    """``(dx, dw)`` for the saved ``h`` (x, or h_new in residual mode); dw in w's dtype.
+
+    The FP32 expression is autograd's through torch's ``rms_norm`` (``rstd**3`` and ``2 h`` from the
+    derivative of ``mean(h**2)``), so dx and dw round the same FP32 values torch's do."""
+    hidden = h.shape[-1]
+    gf, hf = g.float(), h.float()
+    r = rstd.reshape(*h.shape[:-1], 1)
+    a = gf * (w.float() + weight_offset)
+    products = gf * (hf * r)
+    dw = products.sum(dim=tuple(range(h.dim() - 1))) if h.dim() > 1 else products
+    d_mean_square = ((a * hf).sum(dim=-1, keepdim=True) * -0.5) * r.pow(3)
+    dx = a * r + (d_mean_square.expand(h.shape) / hidden) * (hf * 2.0)
+    if g_residual is not None:
+        dx = dx + g_residual.float()
     return as_output(dx, h), as_output(dw, w)

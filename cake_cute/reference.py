@@ -25,10 +25,8 @@ def summed_gradient(parts) -> torch.Tensor:
     return total.to(parts[0].dtype)
 
 
-def backward_terms(g, h, w, rstd, g_residual=None, weight_offset=0.0, compute_dtype=torch.float64):
-    """The backward in ``compute_dtype`` before any rounding, as ``(dx, products)``: dx shaped
-    ``[rows, H]``, and each row's ``g * xhat``, whose sum over rows is dw (summed by the caller, in
-    the order it needs)."""
+def backward_reference(g, h, w, rstd, g_residual=None, weight_offset=0.0, compute_dtype=torch.float64):
+    """(dx, dw) unrounded in ``compute_dtype``; ``h`` is the saved (rounded) normalized input."""
     hidden = h.shape[-1]
     gc = g.to(compute_dtype).reshape(-1, hidden)
     hc = h.to(compute_dtype).reshape(-1, hidden)
@@ -39,13 +37,7 @@ def backward_terms(g, h, w, rstd, g_residual=None, weight_offset=0.0, compute_dt
     dx = r * (a - xhat * c)
     if g_residual is not None:
         dx = dx + g_residual.to(compute_dtype).reshape(-1, hidden)
-    return dx, gc * xhat
-
-
-def backward_reference(g, h, w, rstd, g_residual=None, weight_offset=0.0, compute_dtype=torch.float64):
-    """(dx, dw) unrounded in ``compute_dtype``; ``h`` is the saved (rounded) normalized input."""
-    dx, products = backward_terms(g, h, w, rstd, g_residual, weight_offset, compute_dtype)
-    return dx.reshape(h.shape), products.sum(dim=0)
+    return dx.reshape(h.shape), (gc * xhat).sum(dim=0)
 
 
 def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:

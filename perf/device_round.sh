@@ -21,11 +21,16 @@
 #   headdimscan  perf/headdim_scan.py: the forward's and backward's configs at H = 32..256 (per-head q/k norms)
 #                against their candidates, quack, torch.compile, Liger and the copy (about 4 minutes)
 #   headdimgrid  `cake-cute bench --grid headdim` (perf/sweep.py) for bf16
+#   headdimdtypes  the same grid for fp16 and fp32, against quack and torch.compile
+#   qklaunch     perf/qk_launch.py: the q and k norms of one attention layer as two launches against one
+#                launch over both sets of rows (what a fused q+k launch could save at best)
 #   qkmodel      perf/model_step.py --model qwen3 (q/k norms, GQA, H = 2048 and 4096, 8192 tokens): every
 #                implementation eager (cake_cute_qk_kernel is cake_cute there), and compiled per decoder
 #                layer at H = 2048 torch, cake_cute (q/k norms left to inductor, the default rule) and
 #                cake_cute_qk_kernel (q/k norms on the kernel) (about 2 minutes)
 #   qkmodelmore  the rest of the compiled Qwen3 steps: quack and Liger at H = 2048, everything at H = 4096
+#   qk4096       the compiled Qwen3 step at H = 4096 for torch, cake_cute (the q/k rule) and
+#                cake_cute_qk_kernel, twice in separate processes (the rule's margin against run-to-run noise)
 #   torchtitan022  perf/torchtitan_022_gpu.py: torchtitan 0.2.2's llama3 debug model, stock norm against the
 #                converter cake_rmsnorm, 10 steps; needs the wheels of perf/torchtitan_022_kit.sh in .device/tt/
 # $CAKE_CUTE_COMMIT labels every results file (a copied tree's .git may be stale).
@@ -129,6 +134,28 @@ section_headdimgrid() {
   local d=$RES/headdimgrid && mkdir -p "$d"
   bounded 240 "$d/sweep.log" python3 perf/sweep.py --grid headdim --json "$d/$day-nvidia-h200-headdim.json" \
     --plot "$d/$day-nvidia-h200-headdim.png"
+}
+
+section_headdimdtypes() {
+  local d=$RES/headdimgrid && mkdir -p "$d"
+  for dt in fp16 fp32; do
+    bounded 200 "$d/sweep-$dt.log" python3 perf/sweep.py --grid headdim --dtype "$dt" --vs quack,compile \
+      --json "$d/$day-nvidia-h200-headdim-$dt.json" --no-plot
+  done
+}
+
+section_qklaunch() {
+  local d=$RES/qklaunch && mkdir -p "$d"
+  bounded 200 "$d/run.log" python3 perf/qk_launch.py "$d/$day-nvidia-h200-qk-launch.json"
+}
+
+section_qk4096() {
+  local d=$RES/qkmodel && mkdir -p "$d"
+  for run in 1 2; do
+    bounded 150 "$d/compile_4096_run$run.log" python3 perf/model_step.py "$d/$day-nvidia-h200-qwen3-4096-run$run.json" \
+      --model qwen3 --modes compile --compile-scope layers --hidden 4096 \
+      --impls torch,cake_cute,cake_cute_qk_kernel --warmup 3 --steps 10
+  done
 }
 
 section_qkmodel() {

@@ -404,21 +404,40 @@ def test_cpu_dw_does_not_depend_on_the_thread_count():
     assert all(torch.equal(r, results[0]) for r in results)
 
 
-@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
-def test_cpu_tensors_run_through_the_ops_and_match_torch(residual):
-    x, w, res, g_y, g_h = _problem(residual, dtype=torch.float32)
+def _torch_norm(x, w, r):
+    h = x if r is None else x + r
+    y = torch.nn.functional.rms_norm(h, (x.shape[-1],), w, EPS)
+    return y if r is None else (y, h)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("w_dtype", ["same", "fp32"])
+@pytest.mark.parametrize("shape", [(2, 5, 64), (129, 7), (1, 4097), (3, 1)])
+def test_cpu_ops_compute_bitwise_what_torch_computes(dtype, w_dtype, shape):
+    """Plain mode: y, dx and dw are torch's CPU rms_norm and autograd bits (the same FP32 operations)."""
+    x, w, _, g_y, _ = _problem(False, shape, dtype)
+    w = w if w_dtype == "same" else w.float()
     with _OpRecorder() as recorder:
-        ours = _forward_backward(lambda x, w, r: cake_rmsnorm(x, w, EPS, r), (x, w, res), (g_y, g_h))
+        ours = _forward_backward(lambda x, w: cake_rmsnorm(x, w, EPS), (x, w), (g_y,))
     assert {"cake_cute::rmsnorm_fwd", "cake_cute::rmsnorm_bwd"} <= set(recorder.names)
+    _assert_bitwise(ours, _forward_backward(lambda x, w: _torch_norm(x, w, None), (x, w), (g_y,)))
 
-    def torch_norm(x, w, r):
-        h = x if r is None else x + r
-        y = torch.nn.functional.rms_norm(h, (x.shape[-1],), w, EPS)
-        return y if r is None else (y, h)
 
-    theirs = _forward_backward(torch_norm, (x, w, res), (g_y, g_h))
-    for a, e in zip(ours, theirs):
-        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+def test_cpu_residual_mode_rounds_the_gradient_once():
+    """Residual mode: y and h_new are torch's bits; dx (of x and of the residual) is torch's FP32
+    gradient of the norm plus the residual's gradient, rounded once (torch's autograd rounds the norm's
+    gradient first), and dw is torch's."""
+    x, w, res, g_y, g_h = _problem(True)
+    y, h_new, dx, dw, d_res = _forward_backward(
+        lambda x, w, r: cake_rmsnorm(x, w, EPS, r), (x, w, res), (g_y, g_h)
+    )
+    _assert_bitwise([y, h_new], _forward_backward(_torch_norm, (x, w, res), (g_y, g_h))[:2])
+    h32, w_leaf = (x + res).float().requires_grad_(), w.clone().requires_grad_()
+    y32 = torch.nn.functional.rms_norm(h32, (x.shape[-1],), w_leaf, EPS)
+    d_norm, expected_dw = torch.autograd.grad(y32, (h32, w_leaf), g_y.float())
+    expected_dx = (d_norm + g_h.float()).to(x.dtype)
+    _assert_bitwise([dx, d_res, dw], [expected_dx, expected_dx, expected_dw])
+    assert not torch.equal(dx, d_norm.to(x.dtype) + g_h)  # the two roundings differ somewhere here
 
 
 @pytest.mark.parametrize("path", ["eager", "op"])

@@ -35,12 +35,14 @@ except ImportError as error:  # torchtitan absent, or a version that does not im
 PLAIN = [CAKE_CUTE_LINE[1]]
 FUSED = FUSED_RESIDUAL_LINE[1].split(",")
 N_NORMS = 13  # two per block of six, and the final norm
-# The forward is bitwise torch's, but the backward's dx rounds once from its own FP32 expression, which
-# differs from aten's CPU kernel by one unit in the last place of bf16 in rare elements (2 of 65536 in a
-# [4, 64, 256] check): later steps move by up to 3e-5 relative (measured); the curves move by ~1e-2 a step.
-# Under compile the stock norm is inductor's code (another rounding): the stock curve itself then moves by
-# ~1e-4 between compiled and eager runs, and that spread is allowed on top.
-LOSS_RTOL = 1e-4
+# The one config line computes on CPU what torch's CPU rms_norm and its autograd compute, operation for
+# operation (cake_cute.cpu): where torch is reproducible and its norm runs eagerly, the curves are bitwise
+# equal. The fused-residual form rounds the gradient of x + residual once where the stock block rounds it
+# twice (the norm's dx, then its sum with the residual's gradient): its curve moves by up to 3e-5 relative
+# (measured) while the curves move by ~1e-2 a step. Under compile the stock norm is inductor's code, with
+# its own rounding, and cake_cute's an opaque op computed like torch's eager norm: the stock curve itself
+# moves by ~1e-4 between its compiled and eager runs, and cake_cute's must stay within that spread.
+FUSED_RESIDUAL_RTOL = 1e-4
 
 
 def _model_config(targets: list[str]):
@@ -140,9 +142,13 @@ def test_trainer_loss_curves_match_stock(case, tmp_path):
     result = compare_case(case, workdir=tmp_path)
     stock = result["stock"]
     assert len(stock) == 10 and all(math.isfinite(x) for x in stock)
+    compiled = "stock_eager" in result
     for name, variant in result["variants"].items():
         assert len(variant["loss"]) == 10, name
-        if result["stock_reproducible"] and "stock_eager" not in result:
+        if compiled:
+            assert variant["max_rel_diff"] <= result["torch_spread"], (name, result)
+        elif name == "cake_cute" and result["stock_reproducible"]:
+            assert variant["loss"] == stock, (name, result)
+        else:
             assert variant["ulps"][0] == 0, (name, result)  # step 1's loss is a forward only: bitwise
-        # torch's own spread (run to run; compiled against eager norms) is allowed on top.
-        assert variant["max_rel_diff"] <= LOSS_RTOL + result["torch_spread"], (name, result)
+            assert variant["max_rel_diff"] <= FUSED_RESIDUAL_RTOL + result["torch_spread"], (name, result)
