@@ -107,19 +107,32 @@ def test_model_protocol_and_init(targets):
     assert norms[0]._cache_pos_arg_names() == ["input"]  # torchtitan keys input shardings by this name
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("targets", [PLAIN, FUSED], ids=["plain", "fused_residual"])
-def test_forward_bitwise_and_gradients_match_stock(targets):
+def test_forward_bitwise_and_gradients_match_stock(targets, dtype):
+    """The stock model's logits bitwise; its gradients bitwise with the config line in bf16 (the dtype
+    of torchtitan's mixed-precision training), close otherwise.
+
+    In FP32, torch's norm is three autograd branches into its input (the scaled gradient, the
+    derivative of the mean square, the residual stream's), which autograd sums one at a time; a custom
+    op returns the first two summed, so the residual stream's gradient differs in the last bit. In bf16
+    the norm's FP32 branches are summed and rounded first, by torch as by cake_cute. The fused-residual
+    form rounds the residual stream's gradient once where the stock block rounds it twice."""
     tokens = torch.randint(0, 2048, (2, 48), generator=torch.Generator().manual_seed(1))
     outputs, grads = [], []
     for chosen in ([], targets):
-        model = _built(chosen)
+        model = _built(chosen).to(dtype)
         logits = model(tokens)
         logits.float().logsumexp(-1).mean().backward()
         outputs.append(logits.detach())
         grads.append({n: p.grad for n, p in model.named_parameters()})
     assert torch.equal(outputs[0], outputs[1])
     for name, stock_grad in grads[0].items():
-        torch.testing.assert_close(grads[1][name], stock_grad, rtol=1e-5, atol=1e-7, msg=name)
+        if targets is PLAIN and dtype == torch.bfloat16:
+            assert torch.equal(grads[1][name], stock_grad), name
+        else:
+            tol = {"rtol": 1e-5, "atol": 1e-7} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 1e-5}
+            torch.testing.assert_close(grads[1][name], stock_grad, **tol, msg=name)
 
 
 def test_imports_without_torchtitan():
@@ -145,10 +158,10 @@ def test_trainer_loss_curves_match_stock(case, tmp_path):
     compiled = "stock_eager" in result
     for name, variant in result["variants"].items():
         assert len(variant["loss"]) == 10, name
-        if compiled:
-            assert variant["max_rel_diff"] <= result["torch_spread"], (name, result)
-        elif name == "cake_cute" and result["stock_reproducible"]:
+        if name == "cake_cute" and result["stock_reproducible"] and not compiled:
             assert variant["loss"] == stock, (name, result)
-        else:
+            continue
+        if not compiled:
             assert variant["ulps"][0] == 0, (name, result)  # step 1's loss is a forward only: bitwise
-            assert variant["max_rel_diff"] <= FUSED_RESIDUAL_RTOL + result["torch_spread"], (name, result)
+        allowed = result["torch_spread"] + (FUSED_RESIDUAL_RTOL if name != "cake_cute" else 0.0)
+        assert variant["max_rel_diff"] <= allowed, (name, result)
