@@ -20,6 +20,8 @@
 #   distributed  the two-GPU matrix and training benchmark (torchrun, NCCL; needs 2 GPUs)
 #   headdimscan  perf/headdim_scan.py: the forward's and backward's configs at H = 32..256 (per-head q/k norms)
 #                against their candidates, quack, torch.compile, Liger and the copy (about 4 minutes)
+#   headdimfwd   perf/headdim_scan.py at H = 64, 96, 128 and 2^16 / 2^20 rows against quack: the forward's
+#                wide-CTA candidates (fwd-rows2x, fwd-rows4x) beside the others
 #   headdimgrid  `cake-cute bench --grid headdim` (perf/sweep.py) for bf16
 #   headdimdtypes  the same grid for fp16 and fp32, against quack and torch.compile
 #   qklaunch     perf/qk_launch.py: the q and k norms of one attention layer as two launches against one
@@ -128,6 +130,12 @@ section_distributed() {
 section_headdimscan() {
   local d=$RES/headdimscan && mkdir -p "$d"
   bounded 280 "$d/run.log" python3 perf/headdim_scan.py --out "$d" --budget-s 230 --vs quack,compile,liger
+}
+
+section_headdimfwd() {
+  local d=$RES/headdimfwd && mkdir -p "$d"
+  bounded 260 "$d/run.log" python3 perf/headdim_scan.py --out "$d" --budget-s 200 --hidden 64,96,128 \
+    --rows 2^16,2^20 --vs quack
 }
 
 section_headdimgrid() {

@@ -62,6 +62,7 @@ MAX_BWD_VECS = 3
 EXACT_BWD_REGISTERS = 160
 DEEP_RING = 8  # ring slots of a one-vector backward tiling (56 registers, 36 KB of shared memory)
 MAX_FWD_VECS = 8
+WIDE_CTA_FACTORS = (2, 4)  # forward CTAs of 256 and 512 threads
 ROWS_IN_FLIGHT = 8  # partial rows a dW reduction lane loads before adding them (32 registers)
 REDUCE_THREADS = 1024
 
@@ -109,8 +110,11 @@ def one_vector_lanes(base: RowTiling) -> RowTiling | None:
 
 def forward_candidates(hidden: int, dtype: str, arch: str = ARCH) -> list[Candidate]:
     """Forward tilings to time against the rule's: an exact cover where the rule's lanes overrun H,
-    lanes of half and of one vector each (more lanes per row, fewer rows per CTA), and lanes of twice
-    the vectors (up to the forward's 8; fewer lanes per row, more rows per CTA, half the CTAs)."""
+    lanes of half and of one vector each (more lanes per row, fewer rows per CTA), lanes of twice
+    the vectors (up to the forward's 8; fewer lanes per row, more rows per CTA, half the CTAs), and
+    the rule's lanes in CTAs of ``WIDE_CTA_FACTORS`` times the rows (fewer, larger CTAs: a call of
+    2^16 rows is a single wave of 128-thread CTAs, whose launch and ramp weigh on a call of a few
+    microseconds)."""
     base = forward_config(arch, dtype, hidden).tiling
     found = []
     exact = exact_cover(base, MAX_FWD_VECS)
@@ -123,6 +127,9 @@ def forward_candidates(hidden: int, dtype: str, arch: str = ARCH) -> list[Candid
         found.append(("fwd-vpt1", one))
     if base.covers_row_exactly and base.threads_per_row > 1 and base.vecs_per_thread * 2 <= MAX_FWD_VECS:
         found.append(("fwd-double", _lanes(base.threads_per_row // 2, base.vecs_per_thread * 2, base)))
+    if base.threads_per_cta == MIN_THREADS_PER_CTA and base.rows_per_cta > 1:
+        for factor in WIDE_CTA_FACTORS:
+            found.append((f"fwd-rows{factor}x", replace(base, rows_per_cta=base.rows_per_cta * factor)))
     return [Candidate(name, "fwd", f"fwd.tiling={_tiling_text(t)}") for name, t in found]
 
 

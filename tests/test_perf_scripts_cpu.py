@@ -297,7 +297,8 @@ def _tilings(scan, hidden):
 @pytest.mark.parametrize("hidden", [32, 64, 80, 96, 128, 192, 256])
 def test_headdim_scan_candidates_cover_rows_exactly_with_128_threads(perf_module, hidden):
     """Every candidate tiling parses into a valid override (the config's own checks), covers H with no
-    idle lane and keeps 128-thread CTAs; the rule's idle lanes (H = 80, 96, 192) get an exact cover."""
+    idle lane and keeps 128-thread CTAs, except the forward's wide-CTA candidates (the rule's lanes, 2
+    and 4 times the rows); the rule's idle lanes (H = 80, 96, 192) get an exact cover."""
     from cake_cute.kernels.config import backward_config, forward_config, overridden
 
     scan = perf_module("headdim_scan")
@@ -308,7 +309,9 @@ def test_headdim_scan_candidates_cover_rows_exactly_with_128_threads(perf_module
             if "tiling" not in choices:
                 continue
             t = choices["tiling"]
-            assert t.covers_row_exactly and t.threads_per_cta == 128 and t.threads_per_row <= 32, name
+            wide = {f"fwd-rows{f}x": f for f in scan.WIDE_CTA_FACTORS}.get(name, 1)
+            assert t.threads_per_cta == 128 * wide and t.threads_per_row <= 32, name
+            assert t.covers_row_exactly or wide > 1, name
             with overridden(kind, "sm_90a", "bf16", hidden, **choices):
                 config = (forward_config if kind == "fwd" else backward_config)(
                     *(
