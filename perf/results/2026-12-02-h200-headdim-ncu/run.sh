@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Nsight Compute over the head-dim shapes where a peer leads (perf/results/README.md): one ncu run per
-# (implementation, case), text report per run in $1.
+# (implementation, case), text report per run in $1. IMPLS (default: cake_cute and the case's peer)
+# narrows the implementations, e.g. IMPLS=compile.
 set -u
 out=$1
 here=$(dirname "$0")
@@ -15,10 +16,10 @@ peers=(compile compile compile compile quack)
 for i in "${!cases[@]}"; do
   set -- ${cases[$i]}
   tag="$1-$2-h$3-t$4-r$5"
-  for impl in cake_cute "${peers[$i]}"; do
+  for impl in ${IMPLS:-cake_cute ${peers[$i]}}; do
     timeout 120 ncu --profile-from-start off --section SpeedOfLight --section LaunchStats --section Occupancy \
       --section WarpStateStats --section MemoryWorkloadAnalysis --section SchedulerStats \
-      python3 "$here/profile.py" "$impl" ${cases[$i]} > "$out/$tag-$impl.txt" 2>&1
+      python3 "$here/ncu_call.py" "$impl" ${cases[$i]} > "$out/$tag-$impl.txt" 2>&1
     echo "$tag $impl rc=$? $(grep -c 'Duration' "$out/$tag-$impl.txt") kernels"
   done
 done
