@@ -60,6 +60,7 @@ EPS = 1e-6
 # registers on sm_90a, so they get EXACT_BWD_REGISTERS (three CTAs per SM); five (H = 80) need 222.
 MAX_BWD_VECS = 3
 EXACT_BWD_REGISTERS = 160
+LEAN_BWD_REGISTERS = 80
 DEEP_RING = 8  # ring slots of a one-vector backward tiling (56 registers, 36 KB of shared memory)
 MAX_FWD_VECS = 8
 WIDE_CTA_FACTORS = (2, 4)  # forward CTAs of 256 and 512 threads
@@ -147,7 +148,13 @@ def backward_candidates(hidden: int, dtype: str, arch: str = ARCH) -> list[Candi
       ring of ``DEEP_RING`` row tiles (plain mode: residual mode keeps two), which gives back the
       bytes in flight that halving the rows per CTA took;
     - ``bwd-rows2x``: the rule's lanes in 256-thread CTAs (twice the rows per CTA: twice the bytes in
-      flight per program and half the programs)."""
+      flight per program and half the programs);
+    - ``bwd-lean``, ``bwd-lean-ring2``: the rule's tiling under a budget of ``LEAN_BWD_REGISTERS``
+      registers (and a ring of two row tiles), so more programs are resident: 6 of 128 threads per SM
+      instead of 4, 3 of 256 instead of 2 (Nsight Compute found the short-row backward's programs
+      filling a quarter of the SM's warps where inductor's row kernel keeps twice that in flight:
+      perf/results/2026-12-02-h200-headdim-ncu/). On sm_90a the residual variants fit 80 registers
+      without spilling; the plain bf16 ones spill a few words."""
     base = backward_config(arch, dtype, dtype, hidden, False).tiling
     found = [Candidate("dw256", "bwd", "dw.threads=256,dw.rows_in_flight=1")]
     exact = exact_cover(base, MAX_BWD_VECS)
@@ -162,6 +169,9 @@ def backward_candidates(hidden: int, dtype: str, arch: str = ARCH) -> list[Candi
     if base.rows_per_cta > 1 and base.threads_per_cta == MIN_THREADS_PER_CTA:
         wide = replace(base, rows_per_cta=base.rows_per_cta * 2)
         found.append(Candidate("bwd-rows2x", "bwd", f"bwd.tiling={_tiling_text(wide)}"))
+    found.append(Candidate("bwd-lean", "bwd", f"bwd.register_budget={LEAN_BWD_REGISTERS}"))
+    text = f"bwd.register_budget={LEAN_BWD_REGISTERS},bwd.ring_depth=2"
+    found.append(Candidate("bwd-lean-ring2", "bwd", text))
     return found
 
 
