@@ -42,13 +42,12 @@ def _tensor(rows: int, dim: int, dtype, grad: bool):
 
 def _inputs(rows_q: int, rows_k: int, dim: int, dtype, backward: bool) -> dict:
     """One input set: q and k rows with their weights and gradients, and the same rows in one tensor."""
-    grad = backward
     return {
-        "q": _tensor(rows_q, dim, dtype, grad),
-        "k": _tensor(rows_k, dim, dtype, grad),
-        "qk": _tensor(rows_q + rows_k, dim, dtype, grad),
-        "wq": torch.rand(dim, device="cuda", dtype=dtype).add_(0.5).requires_grad_(grad),
-        "wk": torch.rand(dim, device="cuda", dtype=dtype).add_(0.5).requires_grad_(grad),
+        "q": _tensor(rows_q, dim, dtype, backward),
+        "k": _tensor(rows_k, dim, dtype, backward),
+        "qk": _tensor(rows_q + rows_k, dim, dtype, backward),
+        "wq": torch.rand(dim, device="cuda", dtype=dtype).add_(0.5).requires_grad_(backward),
+        "wk": torch.rand(dim, device="cuda", dtype=dtype).add_(0.5).requires_grad_(backward),
         "gq": torch.randn(rows_q, dim, device="cuda", dtype=dtype),
         "gk": torch.randn(rows_k, dim, device="cuda", dtype=dtype),
         "gqk": torch.randn(rows_q + rows_k, dim, device="cuda", dtype=dtype),
@@ -99,7 +98,7 @@ def measure(timer: DeviceTimer, tokens: int, heads: tuple[int, int], dim: int, d
     rows_q, rows_k = tokens * heads[0], tokens * heads[1]
     rows = []
     for backward in (False, True):
-        nbytes = _bytes(rows_q + rows_k, dim, torch.tensor([], dtype=dtype).element_size(), backward)
+        nbytes = _bytes(rows_q + rows_k, dim, dtype.itemsize, backward)
         sets = [
             _inputs(rows_q, rows_k, dim, dtype, backward)
             for _ in range(buffer_sets_for(nbytes, timer.l2_bytes))

@@ -1,4 +1,4 @@
-"""One call of one implementation under Nsight Compute: ``python profile.py IMPL OP DTYPE H T RESIDUAL``
+"""One call of one implementation under Nsight Compute: ``python ncu_call.py IMPL OP DTYPE H T RESIDUAL``
 (IMPL a name of ``cake_cute.tools.bench.peers.FACTORIES``, OP fwd or bwd, RESIDUAL 0 or 1). Warm-up
 calls (compiles included) run first; only the profiled call lies between ``cudaProfilerStart`` and
 ``cudaProfilerStop``, so ``ncu --profile-from-start off`` sees its kernels alone (the backward's: the
