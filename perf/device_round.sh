@@ -22,6 +22,9 @@
 #                against their candidates, quack, torch.compile, Liger and the copy (about 4 minutes)
 #   headdimfwd   perf/headdim_scan.py at H = 64, 96, 128 and 2^16 / 2^20 rows against quack: the forward's
 #                wide-CTA candidates (fwd-rows2x, fwd-rows4x) beside the others
+#   headdimregs  perf/headdim_scan.py for bf16 and fp32 at H = 64, 80, 128, 192/256 and 2^12 / 2^16 / 2^20 rows,
+#                cake_cute alone: the forward loading x straight into registers (fwd-direct, fwd-direct-16)
+#                and the backward under 80 registers (bwd-lean, bwd-lean-ring2) against the rule
 #   headdimgrid  `cake-cute bench --grid headdim` (perf/sweep.py) for bf16
 #   headdimdtypes  the same grid for fp16 and fp32, against quack and torch.compile
 #   qklaunch     perf/qk_launch.py: the q and k norms of one attention layer as two launches against one
@@ -136,6 +139,15 @@ section_headdimfwd() {
   local d=$RES/headdimfwd && mkdir -p "$d"
   bounded 260 "$d/run.log" python3 perf/headdim_scan.py --out "$d" --budget-s 200 --hidden 64,96,128 \
     --rows 2^16,2^20 --vs quack
+}
+
+section_headdimregs() {
+  local d=$RES/headdimregs && mkdir -p "$d"
+  local only=fwd-direct,fwd-direct-16,bwd-lean,bwd-lean-ring2
+  bounded 200 "$d/bf16.log" python3 perf/headdim_scan.py --out "$d/bf16" --budget-s 170 --hidden 64,128,80,256 \
+    --rows 2^12,2^16,2^20 --vs none --only "$only"
+  bounded 200 "$d/fp32.log" python3 perf/headdim_scan.py --out "$d/fp32" --budget-s 170 --dtype fp32 \
+    --hidden 64,128,80,192 --rows 2^12,2^16,2^20 --vs none --only "$only"
 }
 
 section_headdimgrid() {

@@ -2,12 +2,12 @@
 shapes (H = 32 ... 256), against quack, torch.compile and a device copy of the same bytes.
 
     python perf/headdim_scan.py [--hidden 64,128] [--rows 2^16,2^18,2^20] [--vs quack,compile]
-                                [--out DIR] [--budget-s 210] [--list]
+                                [--only fwd-direct,bwd-lean] [--out DIR] [--budget-s 210] [--list]
 
 For every (H, T, residual off/on): one copy ceiling per op, then each implementation's autograd call,
 timed the way ``cake-cute bench`` times a row (``tools.bench.runner.Sweep.measure``: input sets rotated
 past the L2, device time between CUDA events behind a spin). cake_cute runs its current config
-(``default``) and every candidate of ``candidates(H, dtype)``, each inside
+(``default``) and every candidate of ``candidates(H, dtype)`` (those of ``--only``), each inside
 ``kernels.config.overridden`` (its own compile-cache entry; nothing patched). Each candidate is also
 checked through the functional API on the first input set: the same bits on a second call
 (determinism), a row's outputs the same bits when it is one of fewer rows (batch invariance: the first
@@ -64,6 +64,9 @@ LEAN_BWD_REGISTERS = 80
 DEEP_RING = 8  # ring slots of a one-vector backward tiling (56 registers, 36 KB of shared memory)
 MAX_FWD_VECS = 8
 WIDE_CTA_FACTORS = (2, 4)  # forward CTAs of 256 and 512 threads
+# 128-thread forward CTAs an SM holds when the compiler keeps a thread to 32 registers (the thread
+# limit: 2048 per SM); 39 registers, the staged forward's, allow 12.
+FULL_SM_FWD_CTAS = 16
 ROWS_IN_FLIGHT = 8  # partial rows a dW reduction lane loads before adding them (32 registers)
 REDUCE_THREADS = 1024
 
@@ -115,7 +118,9 @@ def forward_candidates(hidden: int, dtype: str, arch: str = ARCH) -> list[Candid
     the vectors (up to the forward's 8; fewer lanes per row, more rows per CTA, half the CTAs), and
     the rule's lanes in CTAs of ``WIDE_CTA_FACTORS`` times the rows (fewer, larger CTAs: a call of
     2^16 rows is a single wave of 128-thread CTAs, whose launch and ramp weigh on a call of a few
-    microseconds)."""
+    microseconds); and the rule's tiling with x loaded straight into registers (``fwd-direct``), also
+    held to ``FULL_SM_FWD_CTAS`` CTAs per SM (``fwd-direct-16``: 2^16 rows of H = 64 are 2048 CTAs of
+    32 rows, one wave at 16 per SM, 1.3 at the staged kernel's 12)."""
     base = forward_config(arch, dtype, hidden).tiling
     found = []
     exact = exact_cover(base, MAX_FWD_VECS)
@@ -131,7 +136,12 @@ def forward_candidates(hidden: int, dtype: str, arch: str = ARCH) -> list[Candid
     if base.threads_per_cta == MIN_THREADS_PER_CTA and base.rows_per_cta > 1:
         for factor in WIDE_CTA_FACTORS:
             found.append((f"fwd-rows{factor}x", replace(base, rows_per_cta=base.rows_per_cta * factor)))
-    return [Candidate(name, "fwd", f"fwd.tiling={_tiling_text(t)}") for name, t in found]
+    tiled = [Candidate(name, "fwd", f"fwd.tiling={_tiling_text(t)}") for name, t in found]
+    direct = [Candidate("fwd-direct", "fwd", "fwd.staged=false")]
+    if base.threads_per_cta == MIN_THREADS_PER_CTA:
+        text = f"fwd.staged=false,fwd.min_ctas_per_sm={FULL_SM_FWD_CTAS}"
+        direct.append(Candidate(f"fwd-direct-{FULL_SM_FWD_CTAS}", "fwd", text))
+    return tiled + direct
 
 
 def backward_candidates(hidden: int, dtype: str, arch: str = ARCH) -> list[Candidate]:
@@ -175,9 +185,11 @@ def backward_candidates(hidden: int, dtype: str, arch: str = ARCH) -> list[Candi
     return found
 
 
-def candidates(hidden: int, dtype: str, arch: str = ARCH) -> list[Candidate]:
-    """Every candidate of one (H, dtype): the forward's, then the backward's."""
-    return forward_candidates(hidden, dtype, arch) + backward_candidates(hidden, dtype, arch)
+def candidates(hidden: int, dtype: str, only: list[str] | None = None, arch: str = ARCH) -> list[Candidate]:
+    """The candidates of one (H, dtype), the forward's, then the backward's; those named in ``only``
+    where given."""
+    found = forward_candidates(hidden, dtype, arch) + backward_candidates(hidden, dtype, arch)
+    return [c for c in found if only is None or c.name in only]
 
 
 def cases(hidden: list[int], rows: list[int]) -> list[tuple[int, int, bool]]:
@@ -194,6 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, help="folder of the JSON and log (default: $OUT, else perf/results)")
     p.add_argument("--budget-s", type=float, default=210.0, help="start no case after this many seconds")
     p.add_argument("--reps", type=int, default=PROF_REPS, help="device-timed calls per row")
+    p.add_argument("--only", help="the candidates to run, by name (default: every one)")
     p.add_argument("--list", action="store_true", help="print the cases and candidates and exit (no GPU)")
     return p
 
@@ -208,6 +221,8 @@ def parse_args(argv: list[str] | None = None) -> Namespace:
         parser.error(f"--vs: unknown peer {', '.join(unknown)} (expected quack, compile, liger or none)")
     if args.reps < 1:
         parser.error("--reps must be >= 1")
+    if args.only is not None:
+        args.only = [name.strip() for name in args.only.split(",") if name.strip()]
     return args
 
 
@@ -226,7 +241,7 @@ def listing(args: Namespace) -> str:
     """The cases and every H's candidates, as text."""
     lines = [f"{len(cases(args.hidden, args.rows))} cases: H {args.hidden} x T {args.rows} x residual off/on"]
     for h in args.hidden:
-        for c in candidates(h, args.dtype):
+        for c in candidates(h, args.dtype, args.only):
             lines.append(f"H={h} {c.op} {c.name}: {c.overrides}")
     return "\n".join(lines)
 
@@ -319,7 +334,7 @@ def compile_variant(task: tuple) -> str | None:
     return None
 
 
-def compile_all(hidden: list[int], dtype: str, jobs: int) -> list[str]:
+def compile_all(hidden: list[int], dtype: str, only: list[str] | None, jobs: int) -> list[str]:
     """Every kernel of the scan compiled into the disk cache by ``jobs`` processes (the compiles are
     independent and single-threaded); the problems found."""
     import multiprocessing
@@ -329,7 +344,7 @@ def compile_all(hidden: list[int], dtype: str, jobs: int) -> list[str]:
         (h, residual, dtype, cand.overrides)
         for h in hidden
         for residual in (False, True)
-        for cand in [Candidate("default", "", "default"), *candidates(h, dtype)]
+        for cand in [Candidate("default", "", "default"), *candidates(h, dtype, only)]
     ]
     with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
         return [problem for problem in pool.map(compile_variant, tasks) if problem]
@@ -392,7 +407,7 @@ class Scan:
         for hidden in self.args.hidden:
             for residual in (False, True):
                 t = self.sweep.input_sets(8, hidden, dtype, residual)[0]
-                for cand in [Candidate("default", "", "default"), *candidates(hidden, dtype)]:
+                for cand in [Candidate("default", "", "default"), *candidates(hidden, dtype, self.args.only)]:
                     with ExitStack() as stack:
                         try:
                             _overrides(stack, cand.overrides, dtype, hidden)
@@ -458,7 +473,7 @@ class Scan:
             defaults[op] = _functional(torch, op, sets[0])
             extra = {"candidate": "default", "overrides": ""} | checks(torch, op, sets[0], None)
             self._row(cake, op, residual, shape, sets, copies[op], extra)
-        for cand in candidates(hidden, dtype):
+        for cand in candidates(hidden, dtype, self.args.only):
             if self.sweep.fatal:
                 return
             extra = {"candidate": cand.name, "overrides": cand.overrides}
@@ -541,7 +556,7 @@ def run(args: Namespace) -> int:
     log = Log(folder / "headdim-scan.log")
     scan = Scan(args, torch, log)
     log(f"{props.name}, commit {git_commit()}\n{listing(args)}")
-    problems = compile_all(args.hidden, args.dtype, max(1, min(16, (os.cpu_count() or 2) - 1)))
+    problems = compile_all(args.hidden, args.dtype, args.only, max(1, min(16, (os.cpu_count() or 2) - 1)))
     for problem in problems:
         scan.note(f"compile: {problem}")
     log(f"cake_cute kernels compiled in {time.perf_counter() - start:.1f} s, loaded in {scan.precompile()} s")
