@@ -54,17 +54,13 @@ MAX_G_PARTS = 3
 
 @dataclass(frozen=True)
 class ForwardConfig:
-    """The forward kernel: its row tiling, its ``min_blocks_per_mp`` register hint (0: none), and
-    whether x (and residual) are staged in shared memory (``staged``) or loaded straight into
-    registers (see ``forward_staging``)."""
+    """The forward kernel: its row tiling and its ``min_blocks_per_mp`` register hint (0: none)."""
 
     tiling: RowTiling
     min_ctas_per_sm: int
-    staged: bool = True
 
     def describe(self) -> str:
-        staging = "" if self.staged else " direct"
-        return f"{self.tiling.describe()} min_ctas/SM={self.min_ctas_per_sm or '-'}{staging}"
+        return f"{self.tiling.describe()} min_ctas/SM={self.min_ctas_per_sm or '-'}"
 
 
 @dataclass(frozen=True)
@@ -126,7 +122,7 @@ class ReduceConfig:
 # ------------------------------------------------------------------------------------ override table
 
 CHOICES = {
-    "fwd": ("tiling", "min_ctas_per_sm", "staged"),
+    "fwd": ("tiling", "min_ctas_per_sm"),
     "bwd": ("tiling", "ring_depth", "register_budget", "ctas_per_sm"),
     "dw": ("col_lanes", "after_backward", "threads", "rows_in_flight"),
     "quant": ("tiling", "min_ctas_per_sm", "amax_scatter", "programs_per_sm"),
@@ -216,22 +212,12 @@ def forward_register_hint(tiling: RowTiling, arch: str) -> int:
     return tiling.min_ctas_per_sm
 
 
-def forward_staging(tiling: RowTiling) -> bool:
-    """Whether the forward stages x (and residual) in shared memory. Staging keeps a wide tile in
-    flight without holding registers and lets the normalize pass re-read h instead of keeping it
-    across the row sum. A short row's lane holds at most a few vectors and sums its row within a
-    warp, so it can load straight into registers and keep h there, with no shared memory round trip
-    between the load and the arithmetic."""
-    return True
-
-
 @cache
 def forward_config(arch: str, act_dtype: str, hidden: int) -> ForwardConfig:
     choices = override_choices("fwd", arch, act_dtype, hidden)
     tiling = choices.get("tiling") or forward_tiling(hidden, act_dtype)
     hint = choices.get("min_ctas_per_sm", forward_register_hint(tiling, arch))
-    staged = bool(choices.get("staged", forward_staging(tiling)))
-    return ForwardConfig(tiling, hint, staged)
+    return ForwardConfig(tiling, hint)
 
 
 # -------------------------------------------------------------------------------------------- backward

@@ -46,7 +46,6 @@ class QuantForwardConfig:
     fp32_scales: bool
     amax_scatter: bool = True
     programs_per_sm: int = 0
-    staged: bool = True  # x staged in shared memory (``rmsnorm_fwd``), as its tilings were measured
 
     def describe(self) -> str:
         scales = "fp32" if self.fp32_scales else "e8m0"

@@ -12,9 +12,7 @@ bytes, i.e. 128-bit accesses, when H allows), up to 128 bytes of row per thread;
 power-of-two lane count would cover raggedly gets the nearest whole number of warps that covers it
 exactly (H = 7168: 7 warps x 4 vectors). x (and residual) are staged in shared memory with cp.async,
 so the whole tile is in flight at once without holding registers; each thread reads back only the
-cells it staged itself, so no barrier is needed between the copy and its use. Where the config says
-so (``ForwardConfig.staged`` false) they are loaded straight into registers instead and h stays
-there through the row sum: no shared-memory round trip and no shared tile. Rows too wide for one
+cells it staged itself, so no barrier is needed between the copy and its use. Rows too wide for one
 CTA are split over a cluster of ``cluster_n`` CTAs (up to 16) that add their partial sums of squares
 through distributed shared memory. The grid is (ceil(T / rows_per_cta), cluster_n).
 ``normalize`` ends with the FP32 normalized tile in registers; the epilogue here rounds and stores it,
@@ -141,8 +139,7 @@ class RMSNormForward(RowKernel):
         mRstd: cute.Tensor,
         eps: Float32,
     ) -> NormalizedTile:
-        """Load the tile (staged or straight into registers: ``config.staged``), write h_new and
-        rstd, and return the FP32 normalized values."""
+        """Stage the tile, write h_new and rstd, and return the FP32 normalized values."""
         t = self.tiling
         tidx, _, _ = cute.arch.thread_idx()
         bidx, rank, _ = cute.arch.block_idx()
@@ -150,93 +147,57 @@ class RMSNormForward(RowKernel):
             rank = 0
         rows = mX.shape[0]
 
-        buffers = allocate_reduction_buffers(smem, t)
+        warp_sums, cta_sums, mbars = allocate_reduction_buffers(smem, t)
+        sX = allocate_tile(smem, self.act_dtype, t)[None, None, 0]
+
         tiler, thr, row, pred = self.row_tile(mX, tidx, bidx, rank)
         row_in_cta = tidx // t.threads_per_row
         lane_in_row = tidx % t.threads_per_row
         # Bound outside the dynamic branches: a None captured into a branch would become an IR value.
         copy_act = partial(cute.copy, copy_atom(self.act_dtype, t.vec), pred=pred)
-        tXgX = thr.partition_S(cute.local_tile(mX, tiler, (bidx, rank)))
-        tXgR = tXgH = None
-        if const_expr(self.residual):
-            tXgR, tXgH = [thr.partition_S(cute.local_tile(m, tiler, (bidx, rank))) for m in (mRes, mHOut)]
-        if const_expr(self.config.staged):
-            tXsX, tXsR = self.stage_rows(smem, thr, pred, row < rows, tXgX, tXgR)
-        else:
-            tXrX, tXrR = self.load_rows(copy_act, row < rows, tXgX, tXgR)
-        init_cluster_reduction(buffers[2], t.cluster_n)
-
-        # w's load overlaps the row loads.
-        tXrW = self.load_weight(mW, thr, tiler, rank, pred)
-
-        if const_expr(self.config.staged):
-            cute.arch.cp_async_wait_group(0)
-            tXrX, tXrR = self.read_staged(copy_act, tXgX, tXsX, tXsR)
-        if const_expr(self.residual):
-            # h is rounded to the activation dtype: the rounded h is both h_new and what is normalized.
-            tXrX.store((self.widen(tXrX) + self.widen(tXrR)).to(self.act_dtype))
-            if const_expr(self.config.staged):
-                copy_act(tXrX, tXsX)
-            if row < rows:
-                copy_act(tXrX, tXgH)
-        rstd = self.row_rstd(self.widen(tXrX), buffers, row_in_cta, lane_in_row, Int32(0), eps)
-        if row < rows and lane_in_row == 0 and rank == 0:
-            mRstd[row] = rstd
-
-        if const_expr(self.config.staged):
-            # Re-read h from shared memory rather than holding it in registers across the reduction.
-            tXrX.fill(0)
-            copy_act(tXsX, tXrX)
-        w = self.widen_weight(self.widen(tXrW))
-        y = self.widen(tXrX) * rstd * w
-        return NormalizedTile(y, tXgX, thr, tiler, bidx, rank, row, rows, pred, row_in_cta, lane_in_row)
-
-    @cute.jit
-    def stage_rows(self, smem, thr, pred, in_rows, tXgX: cute.Tensor, tXgR: cute.Tensor):
-        """Start the cp.async copies of the thread's cells of x (and residual) into shared memory;
-        their shared-memory slices (residual's None in plain mode)."""
-        t = self.tiling
         async_copy = partial(cute.copy, staging_atom(self.act_dtype, t.vec), pred=pred)
-        tXsX = thr.partition_D(allocate_tile(smem, self.act_dtype, t)[None, None, 0])
-        tXsR = None
+
+        tXgX = thr.partition_S(cute.local_tile(mX, tiler, (bidx, rank)))
+        tXsX = thr.partition_D(sX)
         if const_expr(self.residual):
-            tXsR = thr.partition_D(allocate_tile(smem, self.act_dtype, t)[None, None, 0])
-        if in_rows:
+            sR = allocate_tile(smem, self.act_dtype, t)[None, None, 0]
+            tXsR = thr.partition_D(sR)
+            tXgR, tXgH = [thr.partition_S(cute.local_tile(m, tiler, (bidx, rank))) for m in (mRes, mHOut)]
+        if row < rows:
             async_copy(tXgX, tXsX)
             if const_expr(self.residual):
                 async_copy(tXgR, tXsR)
         cute.arch.cp_async_commit_group()
-        return tXsX, tXsR
+        init_cluster_reduction(mbars, t.cluster_n)
 
-    @cute.jit
-    def read_staged(self, copy_act, tXgX: cute.Tensor, tXsX: cute.Tensor, tXsR: cute.Tensor):
-        """The thread's staged cells of x (and residual) in registers. Each thread reads back only
-        what it staged itself, so no barrier is needed; columns past H stay zero (never staged)."""
+        # w's load overlaps the staging copies.
+        tXrW = self.load_weight(mW, thr, tiler, rank, pred)
+
+        cute.arch.cp_async_wait_group(0)
+        # Columns past H stay zero in registers (they were never staged).
         tXrX = cute.make_rmem_tensor_like(tXgX)
         tXrX.fill(0)
         copy_act(tXsX, tXrX)
-        tXrR = None
         if const_expr(self.residual):
-            tXrR = cute.make_rmem_tensor_like(tXgX)
+            tXrR = cute.make_rmem_tensor_like(tXgR)
             tXrR.fill(0)
             copy_act(tXsR, tXrR)
-        return tXrX, tXrR
+            # h is rounded to the activation dtype: the rounded h is both h_new and what is normalized.
+            tXrX.store((self.widen(tXrX) + self.widen(tXrR)).to(self.act_dtype))
+            copy_act(tXrX, tXsX)
+            if row < rows:
+                copy_act(tXrX, tXgH)
+        buffers = (warp_sums, cta_sums, mbars)
+        rstd = self.row_rstd(self.widen(tXrX), buffers, row_in_cta, lane_in_row, Int32(0), eps)
+        if row < rows and lane_in_row == 0 and rank == 0:
+            mRstd[row] = rstd
 
-    @cute.jit
-    def load_rows(self, copy_act, in_rows, tXgX: cute.Tensor, tXgR: cute.Tensor):
-        """The thread's cells of x (and residual) loaded straight into registers (zero past H and
-        past the last row)."""
-        tXrX = cute.make_rmem_tensor_like(tXgX)
+        # Re-read h from shared memory rather than holding it in registers across the reduction.
         tXrX.fill(0)
-        tXrR = None
-        if const_expr(self.residual):
-            tXrR = cute.make_rmem_tensor_like(tXgX)
-            tXrR.fill(0)
-        if in_rows:
-            copy_act(tXgX, tXrX)
-            if const_expr(self.residual):
-                copy_act(tXgR, tXrR)
-        return tXrX, tXrR
+        copy_act(tXsX, tXrX)
+        w = self.widen_weight(self.widen(tXrW))
+        y = self.widen(tXrX) * rstd * w
+        return NormalizedTile(y, tXgX, thr, tiler, bidx, rank, row, rows, pred, row_in_cta, lane_in_row)
 
     @cute.jit
     def row_tile(self, mX: cute.Tensor, tidx, bidx, rank):

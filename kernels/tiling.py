@@ -168,30 +168,29 @@ def backward_tiling(hidden: int, act_dtype: str, residual: bool = False) -> RowT
     mode from 0.86-0.91 of a device copy to 0.94-0.97 (residual mode within 1%), where clusters of 2
     and 16 (H = 8192, 65536) lost 0-3% (perf/results/2026-12-01-h200-fp32-tilings/). Not where the
     tiles cover the row raggedly: with their column predicates, 8 vectors need more than 128
-    registers (the residual variant spills). Short rows depend on the mode (``residual``):
-    ``_short_row_backward_tiling``."""
+    registers (the residual variant spills). Rows of fewer than 128 vectors, several per CTA, depend
+    on the dtype and the mode (``residual``): ``_several_rows_backward_tiling``."""
     tiling = row_tiling(hidden, dtype_bytes(act_dtype), bytes_per_thread=64, target_vecs=2)
-    if tiling.is_short_row:
-        return _short_row_backward_tiling(tiling, residual)
+    if tiling.cluster_n == 1 and tiling.hidden // tiling.vec < MIN_THREADS_PER_CTA:
+        return _several_rows_backward_tiling(tiling, act_dtype, residual)
     fp32_cluster = act_dtype == "fp32" and tiling.cluster_n in (4, 8) and tiling.vecs_per_thread == 4
     if fp32_cluster and tiling.covers_row_exactly:
         return replace(tiling, threads_per_row=tiling.threads_per_row // 2, vecs_per_thread=8)
-    if (
-        tiling.threads_per_cta >= MAX_THREADS_PER_CTA
-        or tiling.cluster_n > 1
-        or tiling.hidden // tiling.vec < MIN_THREADS_PER_CTA
-    ):
+    if tiling.threads_per_cta >= MAX_THREADS_PER_CTA or tiling.cluster_n > 1:
         return tiling
     return _most_warps_exact_cover(tiling, max_vpt=2) or tiling
 
 
-def _short_row_backward_tiling(tiling: RowTiling, residual: bool) -> RowTiling:
-    """Rows of at most ``SHORT_ROW_VECTORS`` vectors (per-head q/k norms: bf16 H <= 256): in plain mode
-    a CTA holds twice the rows (256 threads), twice the bytes in flight per barrier. On the H200 that
-    took bf16 H = 80-256 from 0.72-0.91 of a device copy to 0.77-0.97 (2^16-2^20 rows) and left
-    H = 32 and 64 within 2%; residual mode, whose ring holds two tiles and a g_residual tile, gained
-    nothing and keeps 128 threads (perf/results/2026-12-02-h200-headdim-scan/, candidate bwd-rows2x)."""
-    if residual:
+def _several_rows_backward_tiling(tiling: RowTiling, act_dtype: str, residual: bool) -> RowTiling:
+    """Rows of fewer than 128 vectors (per-head q/k norms: bf16 H <= 1016, fp32 H <= 508), whose CTAs
+    hold several rows: twice the rows (256 threads), twice the bytes in flight per program, except
+    2-byte rows in residual mode, whose ring holds two tiles and a g_residual tile, and keep 128
+    threads. On the H200 that took bf16 H = 80-256 in plain mode from 0.72-0.91 of a device copy to
+    0.77-0.97 (2^16-2^20 rows) and left H = 32 and 64 within 2%, while bf16 residual mode gained
+    nothing (perf/results/2026-12-02-h200-headdim-scan/, candidate bwd-rows2x); FP32 H = 192 went
+    from 0.93 / 0.91 to 0.98 / 0.98 (plain / residual, 2^20 rows:
+    perf/results/2026-12-02-h200-headdim-registers/)."""
+    if residual and dtype_bytes(act_dtype) == 2:
         return tiling
     return replace(tiling, rows_per_cta=2 * tiling.rows_per_cta)
 

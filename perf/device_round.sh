@@ -22,12 +22,11 @@
 #                against their candidates, quack, torch.compile, Liger and the copy (about 4 minutes)
 #   headdimfwd   perf/headdim_scan.py at H = 64, 96, 128 and 2^16 / 2^20 rows against quack: the forward's
 #                wide-CTA candidates (fwd-rows2x, fwd-rows4x) beside the others
-#   headdimregs  perf/headdim_scan.py for bf16 and fp32 at H = 64, 80, 128, 192/256 and 2^12 / 2^16 / 2^20 rows,
-#                cake_cute alone: the forward loading x straight into registers (fwd-direct, fwd-direct-16)
-#                and the backward under 80 registers (bwd-lean, bwd-lean-ring2) against the rule
 #   headdimsmall perf/headdim_scan.py: every forward candidate at the small bf16 calls (2^12 and 2^16 rows) where
 #                peers lead, every backward tiling candidate at fp32 2^20 rows, against quack and torch.compile;
 #                and the Triton code inductor generates at bf16 H = 64 and 96, 2^16 rows (perf/inductor_code.py)
+#   headdimrows  perf/headdim_scan.py: backward CTAs of 128 against 256 threads (bwd-cta128, bwd-cta256) for
+#                rows of fewer than 128 vectors, FP32 H = 32..384 and bf16 H = 512..1000; then the fp32 head-dim grid
 #   headdimgrid  `cake-cute bench --grid headdim` (perf/sweep.py) for bf16
 #   headdimdtypes  the same grid for fp16 and fp32, against quack and torch.compile
 #   qklaunch     perf/qk_launch.py: the q and k norms of one attention layer as two launches against one
@@ -144,25 +143,27 @@ section_headdimfwd() {
     --rows 2^16,2^20 --vs quack
 }
 
-section_headdimregs() {
-  local d=$RES/headdimregs && mkdir -p "$d"
-  local only=fwd-direct,fwd-direct-16,bwd-lean,bwd-lean-ring2
-  bounded 200 "$d/bf16.log" python3 perf/headdim_scan.py --out "$d/bf16" --budget-s 170 --hidden 64,128,80,256 \
-    --rows 2^12,2^16,2^20 --vs none --only "$only"
-  bounded 200 "$d/fp32.log" python3 perf/headdim_scan.py --out "$d/fp32" --budget-s 170 --dtype fp32 \
-    --hidden 64,128,80,192 --rows 2^12,2^16,2^20 --vs none --only "$only"
-}
-
 section_headdimsmall() {
   local d=$RES/headdimsmall && mkdir -p "$d"
   bounded 200 "$d/fwd.log" python3 perf/headdim_scan.py --out "$d/fwd" --budget-s 170 --hidden 64,96,128,80,256 \
     --rows 2^12,2^16 --vs quack,compile \
-    --only fwd-exact,fwd-half,fwd-vpt1,fwd-double,fwd-rows2x,fwd-rows4x,fwd-direct,fwd-direct-16
+    --only fwd-exact,fwd-half,fwd-vpt1,fwd-double,fwd-rows2x,fwd-rows4x
   bounded 200 "$d/bwd-fp32.log" python3 perf/headdim_scan.py --out "$d/bwd-fp32" --budget-s 170 --dtype fp32 \
     --hidden 80,64,96,128,192 --rows 2^20 --vs compile --only dw256,bwd-exact,bwd-vpt1,bwd-vpt1-ring8,bwd-rows2x
   for mode in "" --residual; do
     bounded 120 "$d/inductor$mode.log" python3 perf/inductor_code.py "$d/inductor" --hidden 64,96 --rows 2^16 $mode
   done
+}
+
+section_headdimrows() {
+  local d=$RES/headdimrows && mkdir -p "$d"
+  bounded 200 "$d/fp32.log" python3 perf/headdim_scan.py --out "$d/fp32" --budget-s 170 --dtype fp32 \
+    --hidden 80,64,192,32,96,128,256,384 --rows 2^16,2^18,2^20 --vs none --only bwd-cta128,bwd-cta256
+  bounded 100 "$d/bf16.log" python3 perf/headdim_scan.py --out "$d/bf16" --budget-s 80 \
+    --hidden 512,768,1000 --rows 2^16,2^20 --vs none --only bwd-cta128,bwd-cta256
+  local g=$RES/headdimgrid && mkdir -p "$g"
+  bounded 200 "$g/sweep-fp32.log" python3 perf/sweep.py --grid headdim --dtype fp32 --vs quack,compile \
+    --json "$g/$day-nvidia-h200-headdim-fp32.json" --no-plot
 }
 
 section_headdimgrid() {

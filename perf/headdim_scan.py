@@ -60,13 +60,10 @@ EPS = 1e-6
 # registers on sm_90a, so they get EXACT_BWD_REGISTERS (three CTAs per SM); five (H = 80) need 222.
 MAX_BWD_VECS = 3
 EXACT_BWD_REGISTERS = 160
-LEAN_BWD_REGISTERS = 80
+CTA_THREADS = (128, 256)  # backward CTAs of several rows
 DEEP_RING = 8  # ring slots of a one-vector backward tiling (56 registers, 36 KB of shared memory)
 MAX_FWD_VECS = 8
 WIDE_CTA_FACTORS = (2, 4)  # forward CTAs of 256 and 512 threads
-# 128-thread forward CTAs an SM holds when the compiler keeps a thread to 32 registers (the thread
-# limit: 2048 per SM); 39 registers, the staged forward's, allow 12.
-FULL_SM_FWD_CTAS = 16
 ROWS_IN_FLIGHT = 8  # partial rows a dW reduction lane loads before adding them (32 registers)
 REDUCE_THREADS = 1024
 
@@ -118,9 +115,7 @@ def forward_candidates(hidden: int, dtype: str, arch: str = ARCH) -> list[Candid
     the vectors (up to the forward's 8; fewer lanes per row, more rows per CTA, half the CTAs), and
     the rule's lanes in CTAs of ``WIDE_CTA_FACTORS`` times the rows (fewer, larger CTAs: a call of
     2^16 rows is a single wave of 128-thread CTAs, whose launch and ramp weigh on a call of a few
-    microseconds); and the rule's tiling with x loaded straight into registers (``fwd-direct``), also
-    held to ``FULL_SM_FWD_CTAS`` CTAs per SM (``fwd-direct-16``: 2^16 rows of H = 64 are 2048 CTAs of
-    32 rows, one wave at 16 per SM, 1.3 at the staged kernel's 12)."""
+    microseconds)."""
     base = forward_config(arch, dtype, hidden).tiling
     found = []
     exact = exact_cover(base, MAX_FWD_VECS)
@@ -136,12 +131,7 @@ def forward_candidates(hidden: int, dtype: str, arch: str = ARCH) -> list[Candid
     if base.threads_per_cta == MIN_THREADS_PER_CTA and base.rows_per_cta > 1:
         for factor in WIDE_CTA_FACTORS:
             found.append((f"fwd-rows{factor}x", replace(base, rows_per_cta=base.rows_per_cta * factor)))
-    tiled = [Candidate(name, "fwd", f"fwd.tiling={_tiling_text(t)}") for name, t in found]
-    direct = [Candidate("fwd-direct", "fwd", "fwd.staged=false")]
-    if base.threads_per_cta == MIN_THREADS_PER_CTA:
-        text = f"fwd.staged=false,fwd.min_ctas_per_sm={FULL_SM_FWD_CTAS}"
-        direct.append(Candidate(f"fwd-direct-{FULL_SM_FWD_CTAS}", "fwd", text))
-    return tiled + direct
+    return [Candidate(name, "fwd", f"fwd.tiling={_tiling_text(t)}") for name, t in found]
 
 
 def backward_candidates(hidden: int, dtype: str, arch: str = ARCH) -> list[Candidate]:
@@ -157,14 +147,9 @@ def backward_candidates(hidden: int, dtype: str, arch: str = ARCH) -> list[Candi
     - ``bwd-vpt1``: one vector per lane (half the rows per CTA, half the bytes in flight), also with a
       ring of ``DEEP_RING`` row tiles (plain mode: residual mode keeps two), which gives back the
       bytes in flight that halving the rows per CTA took;
-    - ``bwd-rows2x``: the rule's lanes in 256-thread CTAs (twice the rows per CTA: twice the bytes in
-      flight per program and half the programs);
-    - ``bwd-lean``, ``bwd-lean-ring2``: the rule's tiling under a budget of ``LEAN_BWD_REGISTERS``
-      registers (and a ring of two row tiles), so more programs are resident: 6 of 128 threads per SM
-      instead of 4, 3 of 256 instead of 2 (Nsight Compute found the short-row backward's programs
-      filling a quarter of the SM's warps where inductor's row kernel keeps twice that in flight:
-      perf/results/2026-12-02-h200-headdim-ncu/). On sm_90a the residual variants fit 80 registers
-      without spilling; the plain bf16 ones spill a few words."""
+    - ``bwd-cta128``, ``bwd-cta256``: the rule's lanes in CTAs of 128 and of 256 threads, in both
+      modes (one of them is the rule's tiling in each mode; twice the rows per CTA is twice the bytes
+      in flight per program and half the programs)."""
     base = backward_config(arch, dtype, dtype, hidden, False).tiling
     found = [Candidate("dw256", "bwd", "dw.threads=256,dw.rows_in_flight=1")]
     exact = exact_cover(base, MAX_BWD_VECS)
@@ -176,12 +161,10 @@ def backward_candidates(hidden: int, dtype: str, arch: str = ARCH) -> list[Candi
         found.append(Candidate("bwd-vpt1", "bwd", f"bwd.tiling={_tiling_text(one)}"))
         text = f"bwd.tiling={_tiling_text(one)},bwd.ring_depth={DEEP_RING}"
         found.append(Candidate(f"bwd-vpt1-ring{DEEP_RING}", "bwd", text))
-    if base.rows_per_cta > 1 and base.threads_per_cta == MIN_THREADS_PER_CTA:
-        wide = replace(base, rows_per_cta=base.rows_per_cta * 2)
-        found.append(Candidate("bwd-rows2x", "bwd", f"bwd.tiling={_tiling_text(wide)}"))
-    found.append(Candidate("bwd-lean", "bwd", f"bwd.register_budget={LEAN_BWD_REGISTERS}"))
-    text = f"bwd.register_budget={LEAN_BWD_REGISTERS},bwd.ring_depth=2"
-    found.append(Candidate("bwd-lean-ring2", "bwd", text))
+    if base.rows_per_cta > 1 and base.cluster_n == 1:
+        for threads in CTA_THREADS:
+            rows = replace(base, rows_per_cta=threads // base.threads_per_row)
+            found.append(Candidate(f"bwd-cta{threads}", "bwd", f"bwd.tiling={_tiling_text(rows)}"))
     return found
 
 

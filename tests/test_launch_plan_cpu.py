@@ -121,8 +121,22 @@ def test_short_row_tilings(act, hidden, forward_lanes, backward_rows):
     plain = backward_config("sm_90a", act, act, hidden, False).tiling
     assert (residual.rows_per_cta, residual.threads_per_cta) == (backward_rows, 128)
     assert plain == replace(residual, rows_per_cta=2 * backward_rows)
-    wider = backward_config("sm_90a", act, act, 512, False).tiling  # 64 vectors: not a short row
-    assert wider == backward_config("sm_90a", act, act, 512, True).tiling and wider.threads_per_cta == 128
+
+
+@pytest.mark.parametrize(
+    "act, hidden", [("bf16", 264), ("fp16", 512), ("bf16", 1000), ("fp32", 64), ("fp32", 192), ("fp32", 500)]
+)
+def test_backward_ctas_of_several_rows(act, hidden):
+    """Rows of fewer than 128 vectors, short or not: plain-mode backward CTAs hold 256 threads' rows;
+    in residual mode 2-byte rows keep 128 threads, FP32 rows take 256 as well. A row of 128 vectors
+    (bf16 H = 1024, fp32 H = 512) is one CTA's, as before."""
+    plain = backward_tiling(hidden, act, residual=False)
+    residual = backward_tiling(hidden, act, residual=True)
+    assert plain.threads_per_cta == 256 and plain.rows_per_cta > 1
+    assert residual.threads_per_cta == (256 if act == "fp32" else 128)
+    assert replace(residual, rows_per_cta=plain.rows_per_cta) == plain
+    for act, wide in (("bf16", 1024), ("fp32", 512)):
+        assert backward_tiling(wide, act).rows_per_cta == 1
 
 
 @pytest.mark.parametrize("hidden, residual", [(64, False), (64, True), (7, False), (1024, False)])

@@ -297,8 +297,9 @@ def _tilings(scan, hidden):
 @pytest.mark.parametrize("hidden", [32, 64, 80, 96, 128, 192, 256])
 def test_headdim_scan_candidates_cover_rows_exactly_with_128_threads(perf_module, hidden):
     """Every candidate tiling parses into a valid override (the config's own checks), covers H with no
-    idle lane and keeps 128-thread CTAs, except the forward's wide-CTA candidates (the rule's lanes, 2
-    and 4 times the rows); the rule's idle lanes (H = 80, 96, 192) get an exact cover."""
+    idle lane and keeps 128-thread CTAs, except the candidates of the rule's lanes in other CTA sizes
+    (the forward's 2 and 4 times the rows, the backward's 128 and 256 threads); the rule's idle lanes
+    (H = 80, 96, 192) get an exact cover."""
     from cake_cute.kernels.config import backward_config, forward_config, overridden
 
     scan = perf_module("headdim_scan")
@@ -309,9 +310,10 @@ def test_headdim_scan_candidates_cover_rows_exactly_with_128_threads(perf_module
             if "tiling" not in choices:
                 continue
             t = choices["tiling"]
-            wide = {f"fwd-rows{f}x": f for f in scan.WIDE_CTA_FACTORS}.get(name, 1)
-            assert t.threads_per_cta == 128 * wide and t.threads_per_row <= 32, name
-            assert t.covers_row_exactly or wide > 1, name
+            rule_lanes = {f"fwd-rows{f}x": f for f in scan.WIDE_CTA_FACTORS}
+            rule_lanes |= {f"bwd-cta{n}": n // 128 for n in scan.CTA_THREADS}
+            assert t.threads_per_cta == 128 * rule_lanes.get(name, 1) and t.threads_per_row <= 32, name
+            assert t.covers_row_exactly or name in rule_lanes, name
             with overridden(kind, "sm_90a", "bf16", hidden, **choices):
                 config = (forward_config if kind == "fwd" else backward_config)(
                     *(
@@ -392,7 +394,7 @@ def test_headdim_scan_case_times_each_candidate_under_its_overrides(perf_module,
     monkeypatch.setattr(scan_mod, "_functional", functional)
     lines = []
     scan = object.__new__(scan_mod.Scan)
-    scan.args = types.SimpleNamespace(dtype="bf16", reps=1)
+    scan.args = types.SimpleNamespace(dtype="bf16", reps=1, only=None)
     scan.torch, scan.log, scan.sweep, scan.rows = torch, lines.append, _FakeSweep(), []
     scan.peers = [types.SimpleNamespace(name="quack")]
     scan.case(64, 40, True, "cake")

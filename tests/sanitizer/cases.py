@@ -7,11 +7,12 @@ silent corruption would also show; and the quantizing forward (both FP8 recipes,
 4097, 65536}, residual off/on, y emitted) at T = 3 and T = 100, and in plain mode at T where its
 persistent programs each quantize several row tiles (bf16 H in {33, 4096, 4097, 7168}, fp32 H in {2048,
 8192}), its e4m3 bytes and scales compared bitwise with the torch reference of ``cake_cute.fp8_numerics``;
-and short rows (bf16 and fp32, H in {7, 32, 64, 80, 128, 256}, residual off/on, T = 3 and 5000), whose
-CTAs hold several row groups that fold their dW in shared memory. Run by ``tests/sanitizer/run.sh`` under
-memcheck, racecheck and synccheck (a GPU is needed); it prints one line per case and exits non-zero on any
-mismatch. ``python3 cases.py PREFIX`` runs only the cases whose label (``float32 H=16384``, ``fp8
-persistent H=4096``) starts with PREFIX (``short`` for the short rows)."""
+and rows of fewer than 128 vectors (bf16 and fp32, H in {7, 32, 64, 80, 128, 192, 256, 500}, residual
+off/on, T = 3 and 5000), whose CTAs hold several row groups that fold their dW in shared memory. Run by
+``tests/sanitizer/run.sh`` under memcheck, racecheck and synccheck (a GPU is needed); it prints one line
+per case and exits non-zero on any mismatch. ``python3 cases.py PREFIX`` runs only the cases whose label
+(``float32 H=16384``, ``fp8 persistent H=4096``) starts with PREFIX (``short`` for the rows of fewer than
+128 vectors)."""
 
 import sys
 from functools import partial
@@ -104,12 +105,12 @@ def main(only: str = ""):
         for recipe in fp8_numerics.RECIPES
         for hidden, rows in ((2048, 1200), (8192, 700))
     ]
-    # Short rows (per-head q/k norms): several row groups per CTA fold their dW in shared memory, at
-    # T = 3 (one program) and T = 5000 (many programs, several row tiles each).
+    # Rows of fewer than 128 vectors (per-head q/k norms): several row groups per CTA fold their dW in
+    # shared memory, at T = 3 (one program) and T = 5000 (many programs, several row tiles each).
     cases += [
         (f"short {str(dtype)[6:]} H={hidden}", partial(run_case, dtype, hidden, residual, rows))
         for dtype in (torch.bfloat16, torch.float32)
-        for hidden in (7, 32, 64, 80, 128, 256)
+        for hidden in (7, 32, 64, 80, 128, 192, 256, 500)
         for residual in (False, True)
         for rows in (3, 5000)
     ]
