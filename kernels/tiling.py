@@ -184,12 +184,13 @@ def backward_tiling(hidden: int, act_dtype: str, residual: bool = False) -> RowT
 def _several_rows_backward_tiling(tiling: RowTiling, act_dtype: str, residual: bool) -> RowTiling:
     """Rows of fewer than 128 vectors (per-head q/k norms: bf16 H <= 1016, fp32 H <= 508), whose CTAs
     hold several rows: twice the rows (256 threads), twice the bytes in flight per program, except
-    2-byte rows in residual mode, whose ring holds two tiles and a g_residual tile, and keep 128
-    threads. On the H200 that took bf16 H = 80-256 in plain mode from 0.72-0.91 of a device copy to
-    0.77-0.97 (2^16-2^20 rows) and left H = 32 and 64 within 2%, while bf16 residual mode gained
-    nothing (perf/results/2026-12-02-h200-headdim-scan/, candidate bwd-rows2x); FP32 H = 192 went
-    from 0.93 / 0.91 to 0.98 / 0.98 (plain / residual, 2^20 rows:
-    perf/results/2026-12-02-h200-headdim-registers/)."""
+    2-byte rows in residual mode, whose ring holds two tiles and a g_residual tile: they keep 128
+    threads. On the H200 the 256-thread CTAs took bf16 plain rows of H = 80-256 from 0.72-0.91 of a
+    device copy to 0.77-0.97 (2^16-2^20 rows; H = 32 and 64 within 2%), while bf16 residual rows gained
+    nothing (perf/results/2026-12-02-h200-headdim-scan/, candidate bwd-rows2x); 128-thread CTAs took
+    1.03-1.19x the time of 256-thread ones for bf16 plain rows of H = 512-1000 (residual: within 2%) and
+    1.00-1.12x for FP32 rows of H = 32-384 in 46 of 48 cases of both modes, within 2% in the other two
+    (perf/results/2026-12-02-h200-headdim-candidates/)."""
     if residual and dtype_bytes(act_dtype) == 2:
         return tiling
     return replace(tiling, rows_per_cta=2 * tiling.rows_per_cta)

@@ -1,7 +1,8 @@
 """The Triton code torch.compile generates for the sweep's compile peer at one head-dim shape: the
 forward and the backward of the FP32 reference (``tools.bench.peers``), compiled the way the sweep
-compiles it (static shapes, fullgraph), written to one text file per shape with each kernel's launch
-configuration, so that its tiling can be read next to cake_cute's.
+compiles it (static shapes, fullgraph), written to one text file per shape (a record, not a module), so
+that its kernels can be read next to cake_cute's. The rows per program that inductor's autotuner picks at
+run time are not in the code.
 
     python perf/inductor_code.py OUT_DIR [--hidden 64] [--rows 2^16] [--dtype bf16] [--residual]
 """
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     for hidden in args.hidden:
         for rows in args.rows:
             code = generated_code(torch, hidden, rows, args.dtype, args.residual)
-            path = args.out / f"inductor-{args.dtype}-{mode}-H{hidden}-T{rows}.py"
+            path = args.out / f"inductor-{args.dtype}-{mode}-H{hidden}-T{rows}.txt"
             path.write_text("\n\n# ---- next module ----\n\n".join(code))
             print(f"{path}: {len(code)} modules")
     return 0
