@@ -27,6 +27,9 @@
 #                and the Triton code inductor generates at bf16 H = 64 and 96, 2^16 rows (perf/inductor_code.py)
 #   headdimrows  perf/headdim_scan.py: backward CTAs of 128 against 256 threads (bwd-cta128, bwd-cta256) for
 #                rows of fewer than 128 vectors, FP32 H = 32..384 and bf16 H = 512..1000; then the fp32 head-dim grid
+#   headdimfwdsmall  the head-dim grid's forward at 4096 and 65536 rows, bf16 and fp32, 100 profiled calls per row
+#                (the grid takes 10), twice in separate processes: whether the small-call gaps to the peers
+#                outlast a run
 #   headdimgrid  `cake-cute bench --grid headdim` (perf/sweep.py) for bf16
 #   headdimdtypes  the same grid for fp16 and fp32, against quack and torch.compile
 #   qklaunch     perf/qk_launch.py: the q and k norms of one attention layer as two launches against one
@@ -164,6 +167,15 @@ section_headdimrows() {
   local g=$RES/headdimgrid && mkdir -p "$g"
   bounded 200 "$g/sweep-fp32.log" python3 perf/sweep.py --grid headdim --dtype fp32 --vs quack,compile \
     --json "$g/$day-nvidia-h200-headdim-fp32.json" --no-plot
+}
+
+section_headdimfwdsmall() {
+  local d=$RES/headdimfwdsmall && mkdir -p "$d"
+  for run in 1 2; do
+    bounded 200 "$d/run$run.log" python3 perf/sweep.py --grid headdim --tokens 4096,65536 --ops fwd \
+      --dtype bf16,fp32 --vs quack,compile --reps 10 --prof-reps 100 \
+      --json "$d/$day-nvidia-h200-headdim-fwd-small-run$run.json" --no-plot
+  done
 }
 
 section_headdimgrid() {
