@@ -30,6 +30,8 @@
 #   headdimfwdsmall  the head-dim grid's forward at 4096 and 65536 rows, bf16 and fp32, 100 profiled calls per row
 #                (the grid takes 10), twice in separate processes: whether the small-call gaps to the peers
 #                outlast a run
+#   headdimfwdcta  perf/headdim_scan.py, forward only, 50 profiled calls per row: the rule against one-vector lanes
+#                and against 64-thread CTAs (fwd-vpt1, fwd-cta64, fwd-vpt1-cta64), bf16 and fp32, 2^12-2^20 rows
 #   headdimgrid  `cake-cute bench --grid headdim` (perf/sweep.py) for bf16
 #   headdimdtypes  the same grid for fp16 and fp32, against quack and torch.compile
 #   qklaunch     perf/qk_launch.py: the q and k norms of one attention layer as two launches against one
@@ -176,6 +178,15 @@ section_headdimfwdsmall() {
       --dtype bf16,fp32 --vs quack,compile --reps 10 --prof-reps 100 \
       --json "$d/$day-nvidia-h200-headdim-fwd-small-run$run.json" --no-plot
   done
+}
+
+section_headdimfwdcta() {
+  local d=$RES/headdimfwdcta && mkdir -p "$d"
+  local only=fwd-vpt1,fwd-cta64,fwd-vpt1-cta64
+  bounded 150 "$d/bf16.log" python3 perf/headdim_scan.py --out "$d/bf16" --budget-s 120 --hidden 64,128,32,256 \
+    --rows 2^12,2^16,2^20 --vs none --reps 50 --only "$only"
+  bounded 120 "$d/fp32.log" python3 perf/headdim_scan.py --out "$d/fp32" --budget-s 90 --dtype fp32 \
+    --hidden 64,32,128 --rows 2^12,2^16,2^20 --vs none --reps 50 --only "$only"
 }
 
 section_headdimgrid() {

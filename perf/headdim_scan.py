@@ -43,7 +43,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # perf/tune.py's candidate parser, in workers too
 
 from cake_cute.kernels.config import backward_config, forward_config, overridden
-from cake_cute.kernels.tiling import MIN_THREADS_PER_CTA, RowTiling
+from cake_cute.kernels.tiling import MAX_CTAS_PER_SM, MIN_THREADS_PER_CTA, RowTiling
 
 from cake_cute.tools.bench.cases import parse_count_list
 from cake_cute.vocab import DTYPE_NAMES
@@ -61,6 +61,7 @@ EPS = 1e-6
 MAX_BWD_VECS = 3
 EXACT_BWD_REGISTERS = 160
 CTA_THREADS = (128, 256)  # backward CTAs of several rows
+SMALL_FWD_CTA = 64  # forward CTAs of two warps, 32 of them per SM
 DEEP_RING = 8  # ring slots of a one-vector backward tiling (56 registers, 36 KB of shared memory)
 MAX_FWD_VECS = 8
 WIDE_CTA_FACTORS = (2, 4)  # forward CTAs of 256 and 512 threads
@@ -115,7 +116,10 @@ def forward_candidates(hidden: int, dtype: str, arch: str = ARCH) -> list[Candid
     the vectors (up to the forward's 8; fewer lanes per row, more rows per CTA, half the CTAs), and
     the rule's lanes in CTAs of ``WIDE_CTA_FACTORS`` times the rows (fewer, larger CTAs: a call of
     2^16 rows is a single wave of 128-thread CTAs, whose launch and ramp weigh on a call of a few
-    microseconds)."""
+    microseconds); and the rule's lanes and one-vector lanes in ``SMALL_FWD_CTA``-thread CTAs, every
+    SM's 32 CTA slots in use (``fwd-cta64``, ``fwd-vpt1-cta64``: the launch shape Nsight Compute found
+    for torch.compile's forward at bf16 H = 64, 2^16 residual rows, 8192 CTAs of 2 warps and 32
+    registers, where it leads: perf/results/2026-12-02-h200-headdim-ncu/)."""
     base = forward_config(arch, dtype, hidden).tiling
     found = []
     exact = exact_cover(base, MAX_FWD_VECS)
@@ -131,7 +135,13 @@ def forward_candidates(hidden: int, dtype: str, arch: str = ARCH) -> list[Candid
     if base.threads_per_cta == MIN_THREADS_PER_CTA and base.rows_per_cta > 1:
         for factor in WIDE_CTA_FACTORS:
             found.append((f"fwd-rows{factor}x", replace(base, rows_per_cta=base.rows_per_cta * factor)))
-    return [Candidate(name, "fwd", f"fwd.tiling={_tiling_text(t)}") for name, t in found]
+    found = [Candidate(name, "fwd", f"fwd.tiling={_tiling_text(t)}") for name, t in found]
+    for name, lanes in (("fwd", base), ("fwd-vpt1", one)):
+        if lanes is not None and lanes.threads_per_row <= SMALL_FWD_CTA // 2:
+            small = replace(lanes, rows_per_cta=SMALL_FWD_CTA // lanes.threads_per_row)
+            text = f"fwd.tiling={_tiling_text(small)},fwd.min_ctas_per_sm={MAX_CTAS_PER_SM}"
+            found.append(Candidate(f"{name}-cta{SMALL_FWD_CTA}", "fwd", text))
+    return found
 
 
 def backward_candidates(hidden: int, dtype: str, arch: str = ARCH) -> list[Candidate]:

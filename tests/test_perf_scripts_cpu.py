@@ -298,7 +298,8 @@ def _tilings(scan, hidden):
 def test_headdim_scan_candidates_cover_rows_exactly_with_128_threads(perf_module, hidden):
     """Every candidate tiling parses into a valid override (the config's own checks), covers H with no
     idle lane and keeps 128-thread CTAs, except the candidates of the rule's lanes in other CTA sizes
-    (the forward's 2 and 4 times the rows, the backward's 128 and 256 threads); the rule's idle lanes
+    (the forward's 2 and 4 times the rows, the backward's 128 and 256 threads) and the forward's
+    one-vector lanes in 64-thread CTAs; the rule's idle lanes
     (H = 80, 96, 192) get an exact cover."""
     from cake_cute.kernels.config import backward_config, forward_config, overridden
 
@@ -312,7 +313,8 @@ def test_headdim_scan_candidates_cover_rows_exactly_with_128_threads(perf_module
             t = choices["tiling"]
             rule_lanes = {f"fwd-rows{f}x": f for f in scan.WIDE_CTA_FACTORS}
             rule_lanes |= {f"bwd-cta{n}": n // 128 for n in scan.CTA_THREADS}
-            assert t.threads_per_cta == 128 * rule_lanes.get(name, 1) and t.threads_per_row <= 32, name
+            threads = scan.SMALL_FWD_CTA if name.endswith(f"-cta{scan.SMALL_FWD_CTA}") else 128
+            assert t.threads_per_cta == threads * rule_lanes.get(name, 1) and t.threads_per_row <= 32, name
             assert t.covers_row_exactly or name in rule_lanes, name
             with overridden(kind, "sm_90a", "bf16", hidden, **choices):
                 config = (forward_config if kind == "fwd" else backward_config)(
