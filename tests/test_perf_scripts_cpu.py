@@ -313,6 +313,7 @@ def test_headdim_scan_candidates_cover_rows_exactly_with_128_threads(perf_module
             t = choices["tiling"]
             rule_lanes = {f"fwd-rows{f}x": f for f in scan.WIDE_CTA_FACTORS}
             rule_lanes |= {f"bwd-cta{n}": n // 128 for n in scan.CTA_THREADS}
+            rule_lanes[f"fwd-cta{scan.SMALL_FWD_CTA}"] = 1
             threads = scan.SMALL_FWD_CTA if name.endswith(f"-cta{scan.SMALL_FWD_CTA}") else 128
             assert t.threads_per_cta == threads * rule_lanes.get(name, 1) and t.threads_per_row <= 32, name
             assert t.covers_row_exactly or name in rule_lanes, name
@@ -426,7 +427,11 @@ def test_headdim_scan_case_times_each_candidate_under_its_overrides(perf_module,
             elif name == "dw.rows_in_flight":
                 shown = f"in_flight={value}" if value != "1" else "row_lanes"
             else:
-                shown = {"bwd.register_budget": f"regs<={value}", "bwd.ring_depth": f"ring={value}"}[name]
+                shown = {
+                    "bwd.register_budget": f"regs<={value}",
+                    "bwd.ring_depth": f"ring={value}",
+                    "fwd.min_ctas_per_sm": f"min_ctas/SM={value}",
+                }[name]
             assert shown in config, (cand.name, shown, config)
     candidate = by_name["dw256", "bwd"]  # the row kernel's own config: dx bitwise the default's
     assert candidate["deterministic"] and candidate["batch_invariant"] and candidate["bitwise_default"]
