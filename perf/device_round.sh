@@ -183,9 +183,9 @@ section_headdimfwdsmall() {
 section_headdimfwdcta() {
   local d=$RES/headdimfwdcta && mkdir -p "$d"
   local only=fwd-vpt1,fwd-cta64,fwd-vpt1-cta64
-  bounded 150 "$d/bf16.log" python3 perf/headdim_scan.py --out "$d/bf16" --budget-s 120 --hidden 64,128,32,256 \
+  bounded 130 "$d/bf16.log" python3 perf/headdim_scan.py --out "$d/bf16" --budget-s 100 --hidden 64,128,32,256 \
     --rows 2^12,2^16,2^20 --vs none --reps 50 --only "$only"
-  bounded 120 "$d/fp32.log" python3 perf/headdim_scan.py --out "$d/fp32" --budget-s 90 --dtype fp32 \
+  bounded 95 "$d/fp32.log" python3 perf/headdim_scan.py --out "$d/fp32" --budget-s 70 --dtype fp32 \
     --hidden 64,32,128 --rows 2^12,2^16,2^20 --vs none --reps 50 --only "$only"
 }
 
