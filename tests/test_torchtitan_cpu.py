@@ -41,7 +41,9 @@ N_NORMS = 13  # two per block of six, and the final norm
 # twice (the norm's dx, then its sum with the residual's gradient): its curve moves by up to 3e-5 relative
 # (measured) while the curves move by ~1e-2 a step. Under compile the stock norm is inductor's code, with
 # its own rounding, and cake_cute's an opaque op computed like torch's eager norm: the stock curve itself
-# moves by ~1e-4 between its compiled and eager runs, and cake_cute's must stay within that spread.
+# moves by 7e-5 to 1e-4 between its compiled and eager runs, and cake_cute's must lie no farther from the
+# eager curve than the compiled stock curve does (its distance to the compiled curve is itself about that
+# spread, above or below it from one environment to another: 6.5e-5 against 9.5e-5, 7.6e-5 against 6.8e-5).
 FUSED_RESIDUAL_RTOL = 1e-4
 
 
@@ -164,4 +166,5 @@ def test_trainer_loss_curves_match_stock(case, tmp_path):
         if not compiled:
             assert variant["ulps"][0] == 0, (name, result)  # step 1's loss is a forward only: bitwise
         allowed = result["torch_spread"] + (FUSED_RESIDUAL_RTOL if name != "cake_cute" else 0.0)
-        assert variant["max_rel_diff"] <= allowed, (name, result)
+        distance = variant["max_rel_diff_eager"] if compiled else variant["max_rel_diff"]
+        assert distance <= allowed, (name, result)

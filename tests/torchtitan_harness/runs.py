@@ -121,7 +121,8 @@ def compare_case(name: str, workdir: Path | None = None) -> dict:
         two bitwise equal), ``torch_spread`` (the largest relative difference torch shows on its own:
         between the two stock runs, and between compiled and eager stock runs), and per variant its
         ``args``, ``loss`` curve, ``ulps`` (per step, the FP32 values between its loss and the stock
-        one), ``max_rel_diff`` and ``seconds``.
+        one), ``max_rel_diff``, where the case compiles ``max_rel_diff_eager`` (against the eager stock
+        run), and ``seconds``.
     """
     nproc, args, variants = CASES[name]
     workdir = Path(workdir or tempfile.mkdtemp(prefix=f"torchtitan-{name}-"))
@@ -153,4 +154,6 @@ def compare_case(name: str, workdir: Path | None = None) -> dict:
             "max_rel_diff": _max_rel_diff(stock, loss),
             "seconds": seconds,
         }
+        if "stock_eager" in result:
+            result["variants"][variant]["max_rel_diff_eager"] = _max_rel_diff(result["stock_eager"], loss)
     return result
