@@ -154,7 +154,7 @@ section_headdimsmall() {
     --rows 2^12,2^16 --vs quack,compile \
     --only fwd-exact,fwd-half,fwd-vpt1,fwd-double,fwd-rows2x,fwd-rows4x
   bounded 200 "$d/bwd-fp32.log" python3 perf/headdim_scan.py --out "$d/bwd-fp32" --budget-s 170 --dtype fp32 \
-    --hidden 80,64,96,128,192 --rows 2^20 --vs compile --only dw256,bwd-exact,bwd-vpt1,bwd-vpt1-ring8,bwd-rows2x
+    --hidden 80,64,96,128,192 --rows 2^20 --vs compile --only dw256,bwd-exact,bwd-vpt1,bwd-vpt1-ring8,bwd-cta128,bwd-cta256
   for mode in "" --residual; do
     bounded 120 "$d/inductor$mode.log" python3 perf/inductor_code.py "$d/inductor" --hidden 64,96 --rows 2^16 $mode
   done

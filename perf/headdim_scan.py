@@ -135,13 +135,13 @@ def forward_candidates(hidden: int, dtype: str, arch: str = ARCH) -> list[Candid
     if base.threads_per_cta == MIN_THREADS_PER_CTA and base.rows_per_cta > 1:
         for factor in WIDE_CTA_FACTORS:
             found.append((f"fwd-rows{factor}x", replace(base, rows_per_cta=base.rows_per_cta * factor)))
-    found = [Candidate(name, "fwd", f"fwd.tiling={_tiling_text(t)}") for name, t in found]
+    tiled = [Candidate(name, "fwd", f"fwd.tiling={_tiling_text(t)}") for name, t in found]
     for name, lanes in (("fwd", base), ("fwd-vpt1", one)):
         if lanes is not None and lanes.threads_per_row <= SMALL_FWD_CTA // 2:
             small = replace(lanes, rows_per_cta=SMALL_FWD_CTA // lanes.threads_per_row)
             text = f"fwd.tiling={_tiling_text(small)},fwd.min_ctas_per_sm={MAX_CTAS_PER_SM}"
-            found.append(Candidate(f"{name}-cta{SMALL_FWD_CTA}", "fwd", text))
-    return found
+            tiled.append(Candidate(f"{name}-cta{SMALL_FWD_CTA}", "fwd", text))
+    return tiled
 
 
 def backward_candidates(hidden: int, dtype: str, arch: str = ARCH) -> list[Candidate]:

@@ -135,8 +135,8 @@ def test_backward_ctas_of_several_rows(act, hidden):
     assert plain.threads_per_cta == 256 and plain.rows_per_cta > 1
     assert residual.threads_per_cta == (256 if act == "fp32" else 128)
     assert replace(residual, rows_per_cta=plain.rows_per_cta) == plain
-    for act, wide in (("bf16", 1024), ("fp32", 512)):
-        assert backward_tiling(wide, act).rows_per_cta == 1
+    for wide_act, wide in (("bf16", 1024), ("fp32", 512)):
+        assert backward_tiling(wide, wide_act).rows_per_cta == 1
 
 
 @pytest.mark.parametrize("hidden, residual", [(64, False), (64, True), (7, False), (1024, False)])

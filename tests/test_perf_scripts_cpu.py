@@ -299,23 +299,24 @@ def test_headdim_scan_candidates_cover_rows_exactly_with_128_threads(perf_module
     """Every candidate tiling parses into a valid override (the config's own checks), covers H with no
     idle lane and keeps 128-thread CTAs, except the candidates of the rule's lanes in other CTA sizes
     (the forward's 2 and 4 times the rows, the backward's 128 and 256 threads) and the forward's
-    one-vector lanes in 64-thread CTAs; the rule's idle lanes
-    (H = 80, 96, 192) get an exact cover."""
+    one-vector lanes in 64-thread CTAs; the rule's idle lanes (H = 80, 96, 192) get an exact cover."""
     from cake_cute.kernels.config import backward_config, forward_config, overridden
 
     scan = perf_module("headdim_scan")
     parsed = _tilings(scan, hidden)
     assert "dw256" in parsed
+    # Threads per CTA of the candidates that keep the rule's lanes in other CTA sizes (which may leave
+    # lanes idle), and of the one-vector lanes in small CTAs.
+    rule_lanes = {f"fwd-rows{f}x": 128 * f for f in scan.WIDE_CTA_FACTORS}
+    rule_lanes |= {f"bwd-cta{n}": n for n in scan.CTA_THREADS}
+    rule_lanes[f"fwd-cta{scan.SMALL_FWD_CTA}"] = scan.SMALL_FWD_CTA
+    cta_threads = {**rule_lanes, f"fwd-vpt1-cta{scan.SMALL_FWD_CTA}": scan.SMALL_FWD_CTA}
     for name, kinds in parsed.items():
         for kind, choices in kinds.items():
             if "tiling" not in choices:
                 continue
             t = choices["tiling"]
-            rule_lanes = {f"fwd-rows{f}x": f for f in scan.WIDE_CTA_FACTORS}
-            rule_lanes |= {f"bwd-cta{n}": n // 128 for n in scan.CTA_THREADS}
-            rule_lanes[f"fwd-cta{scan.SMALL_FWD_CTA}"] = 1
-            threads = scan.SMALL_FWD_CTA if name.endswith(f"-cta{scan.SMALL_FWD_CTA}") else 128
-            assert t.threads_per_cta == threads * rule_lanes.get(name, 1) and t.threads_per_row <= 32, name
+            assert t.threads_per_cta == cta_threads.get(name, 128) and t.threads_per_row <= 32, name
             assert t.covers_row_exactly or name in rule_lanes, name
             with overridden(kind, "sm_90a", "bf16", hidden, **choices):
                 config = (forward_config if kind == "fwd" else backward_config)(

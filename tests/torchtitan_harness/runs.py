@@ -147,7 +147,7 @@ def compare_case(name: str, workdir: Path | None = None) -> dict:
         line = VARIANTS[variant]
         # The line goes first: tyro applies options after a subcommand (activation-checkpoint:none) to it.
         loss, seconds = train(nproc, (*line, *args), workdir / variant)
-        result["variants"][variant] = {
+        found = result["variants"][variant] = {
             "args": list(line),
             "loss": loss,
             "ulps": [_ulps(s, c) for s, c in zip(stock, loss)],
@@ -155,5 +155,5 @@ def compare_case(name: str, workdir: Path | None = None) -> dict:
             "seconds": seconds,
         }
         if "stock_eager" in result:
-            result["variants"][variant]["max_rel_diff_eager"] = _max_rel_diff(result["stock_eager"], loss)
+            found["max_rel_diff_eager"] = _max_rel_diff(result["stock_eager"], loss)
     return result
