@@ -70,18 +70,14 @@ def cache_dir() -> Path:
 
 
 def _package_modules() -> dict[str, tuple[Path, bool]]:
-    """Every module of ``cake_cute`` and ``cake_cute.kernels`` by dotted name: (its file, whether it
-    is a package). Named by module, never by path, so an editable install (the kernels live beside
-    the package) and a wheel (they live inside it) name each module alike."""
-    from . import kernels
-
-    roots = {"cake_cute": Path(__file__).parent, "cake_cute.kernels": Path(kernels.__file__).parent}
+    """Every module of ``cake_cute`` by dotted name: (its file, whether it is a package). Named by
+    module, never by path, so an editable install and a wheel name each module alike."""
+    root = Path(__file__).parent
     modules = {}
-    for prefix, root in roots.items():
-        for path in root.rglob("*.py"):
-            parts = path.relative_to(root).with_suffix("").parts
-            is_package = parts[-1] == "__init__"
-            modules[".".join((prefix, *parts[: -1 if is_package else None]))] = (path.resolve(), is_package)
+    for path in root.rglob("*.py"):
+        parts = path.relative_to(root).with_suffix("").parts
+        is_package = parts[-1] == "__init__"
+        modules[".".join(("cake_cute", *parts[: -1 if is_package else None]))] = (path.resolve(), is_package)
     return modules
 
 

@@ -44,7 +44,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # perf/tune.py's candi
 
 from cake_cute.kernels.config import backward_config, forward_config, overridden
 from cake_cute.kernels.tiling import MAX_CTAS_PER_SM, MIN_THREADS_PER_CTA, RowTiling
-
 from cake_cute.tools.bench.cases import parse_count_list
 from cake_cute.vocab import DTYPE_NAMES
 

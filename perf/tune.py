@@ -28,11 +28,11 @@ from dataclasses import replace
 from functools import partial
 
 import torch
-from cake_cute.kernels.config import backward_config, forward_config, overridden
 
 import cake_cute
 from cake_cute import launch_plan
 from cake_cute.device import device_facts
+from cake_cute.kernels.config import backward_config, forward_config, overridden
 from cake_cute.tools.bench.timing import gpu_events
 from cake_cute.vocab import DTYPE_NAMES, dtype_bytes, torch_dtype
 

@@ -18,11 +18,11 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from cake_cute.kernels.config import overridden
-from cake_cute.kernels.tiling import forward_tiling
 
 from cake_cute import build
 from cake_cute import compile_cache as cc
+from cake_cute.kernels.config import overridden
+from cake_cute.kernels.tiling import forward_tiling
 from cake_cute.specs import KernelSpec
 
 SPEC = KernelSpec("fwd", "sm_90a", "bf16", "bf16", 512)
@@ -294,13 +294,11 @@ def test_an_editable_install_and_a_wheel_of_one_commit_share_the_key(tmp_path):
     if not (repo / "pyproject.toml").is_file():
         pytest.skip("needs the source checkout cake_cute is imported from")
     source = tmp_path / "source"  # a copy, so that the build leaves nothing in the checkout
-    ignore = shutil.ignore_patterns("__pycache__", "kernels")  # a checkout's cake_cute/kernels link
-    shutil.copytree(repo / "cake_cute", source / "cake_cute", ignore=ignore)
-    shutil.copytree(repo / "kernels", source / "kernels", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(repo / "cake_cute", source / "cake_cute", ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(repo / name, source / name)
     pip = [sys.executable, "-m", "pip", "-q", "--disable-pip-version-check"]
-    # Without PYTHONPATH: a checkout on it would offer its kernels/ folder as a top-level "kernels".
+    # Without PYTHONPATH: a checkout on it would offer its own cake_cute to the wheel's run.
     clean = {name: value for name, value in os.environ.items() if name != "PYTHONPATH"}
     wheels, target = tmp_path / "wheels", tmp_path / "target"
     build = [*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", wheels, source]

@@ -136,7 +136,6 @@ def test_dw_reduce_with_rows_in_flight_loads_them_before_adding(tmp_path, monkey
     """dw_reduce's rows_in_flight choice: one 128-bit load per row of a batch (8 back to back, plus
     the one-row remainder loop's), no spill, even in 1024-thread CTAs (64 registers at most)."""
     from cake_cute.kernels.config import overridden
-
     from cake_cute.specs import ReduceSpec
 
     monkeypatch.setenv("CAKE_CUTE_CACHE_DIR", str(tmp_path))

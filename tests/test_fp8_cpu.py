@@ -8,9 +8,9 @@ import math
 
 import pytest
 import torch
-from cake_cute.kernels.quant_config import E4M3_MAX, QUANT_RECIPES
 
 from cake_cute import cake_rmsnorm_fp8, fp8, fp8_numerics
+from cake_cute.kernels.quant_config import E4M3_MAX, QUANT_RECIPES
 from cake_cute.tools.cubin import spill_free
 from cake_cute.tools.warmup import collect_reports, programs_fit, warm
 from cake_cute.vocab import dtype_bytes
@@ -484,6 +484,7 @@ def test_fp8_forward_programs_switch_at_the_element_limit():
 def test_persistent_kernel_refuses_residual_and_cluster_rows():
     pytest.importorskip("cutlass")
     import cutlass
+
     from cake_cute.kernels.quant_config import quant_forward_config
     from cake_cute.kernels.rmsnorm_fwd_quant_persistent import RMSNormForwardQuantPersistent
 

@@ -7,6 +7,10 @@ from dataclasses import replace
 from itertools import product
 
 import pytest
+
+from cake_cute import launch_plan
+from cake_cute.build import config_for, make_spec
+from cake_cute.device import DeviceFacts
 from cake_cute.kernels.config import (
     MAX_G_PARTS,
     backward_config,
@@ -16,10 +20,6 @@ from cake_cute.kernels.config import (
     reduce_config,
 )
 from cake_cute.kernels.tiling import backward_tiling, forward_tiling
-
-from cake_cute import launch_plan
-from cake_cute.build import config_for, make_spec
-from cake_cute.device import DeviceFacts
 
 H200 = DeviceFacts(0, "stand-in H200", (9, 0), "sm_90a", 132)
 

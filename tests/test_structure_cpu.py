@@ -7,16 +7,12 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import cake_cute.kernels
 import pytest
 
 import cake_cute
 
-# The package roots (the kernels live in their own folder); subpackages are found below them.
-ROOTS = {
-    "cake_cute": Path(cake_cute.__file__).parent,
-    "cake_cute.kernels": Path(cake_cute.kernels.__file__).parent,
-}
+# The package root; subpackages (the kernels among them) are found below it.
+ROOTS = {"cake_cute": Path(cake_cute.__file__).parent}
 VOCABULARY = "cake_cute.vocab"
 DTYPE_NAMES = {"bf16", "fp16", "fp32"}
 TORCH_DTYPES = {"bfloat16", "float16", "float32"}
