@@ -3,7 +3,7 @@ has an RMSNorm, as tiny random-weight models (2 layers, hidden 64, vocab 128, 8 
 swapped and fused by cake_cute and compared with the untouched model and with the swapped, unfused one.
 
 Each check is one test parametrized by family, so the matrix reads off the test ids
-(``perf/hf_matrix.py`` turns a run into ``docs/hf_families.md``). Tolerances:
+(``scripts/hf_matrix.py`` turns a run into ``docs/hf_families.md``). Tolerances:
 
 * fused vs the swapped unfused model: FP32 loss and gradients bitwise (the ops' CPU kernels round
   ``h = a + b`` as torch's add does, and the FP32 backward adds the residual branch's gradient exactly);
@@ -304,12 +304,12 @@ def test_compile(name):
 
 
 def test_the_family_table_reads_each_outcome(tmp_path):
-    """perf/hf_matrix.py maps each test id of this file (family, and the checkpointing variant) to its
+    """scripts/hf_matrix.py maps each test id of this file (family, and the checkpointing variant) to its
     outcome, so a failing check shows as a failure in the generated table."""
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "perf" / "hf_matrix.py"
+    path = Path(__file__).resolve().parents[1] / "scripts" / "hf_matrix.py"
     spec = importlib.util.spec_from_file_location("hf_matrix", path)
     hf_matrix = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(hf_matrix)
