@@ -450,7 +450,7 @@ def _run_perf_plot(tmp_path, *args, hide=("torch",)):
     hidden = "; ".join(f"sys.modules[{m!r}] = None" for m in hide)
     code = (
         f"import sys, runpy; {hidden}; sys.argv = ['plot.py', *{list(map(str, args))!r}]; "
-        f"runpy.run_path({str(ROOT / 'perf' / 'plot.py')!r}, run_name='__main__')"
+        f"runpy.run_path({str(ROOT / 'benchmarks' / 'plot.py')!r}, run_name='__main__')"
     )
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
 
@@ -511,7 +511,7 @@ def test_main_without_gpu_fails_clearly(capsys):
 @pytest.mark.skipif(_cuda_available(), reason="a GPU is present: the script would run the sweep")
 def test_perf_sweep_script_without_gpu():
     out = subprocess.run(
-        [sys.executable, str(ROOT / "perf" / "sweep.py"), "--grid", "small", "--vs", "none"],
+        [sys.executable, str(ROOT / "benchmarks" / "sweep.py"), "--grid", "small", "--vs", "none"],
         capture_output=True,
         text=True,
         timeout=300,
@@ -529,7 +529,7 @@ def test_help_works_without_gpu(capsys):
 
 def test_rows_and_plot_need_only_the_standard_library():
     code = (
-        f"import sys; sys.path.insert(0, {str(ROOT / 'perf')!r}); sys.modules['torch'] = None; "
+        f"import sys; sys.path.insert(0, {str(ROOT / 'benchmarks')!r}); sys.modules['torch'] = None; "
         "from plot import load_bench_package; load_bench_package(); "
         "from _cake_cute_bench import results, plot; "
         "print(plot.axes_of([{'H': 8, 'T': 1}, {'H': 8, 'T': 2}]), results.row_key({'impl': 'x'}))"

@@ -4,7 +4,7 @@ Two layers:
 
 * in this process, a one-rank gloo group: the sharding rules' placements, the refusals and the
   sequence-parallel style, each a precise test;
-* two processes (``torch.distributed.run``): ``perf/distributed/matrix.py --device cpu --small``, the
+* two processes (``torch.distributed.run``): ``tests/distributed_harness/matrix.py --device cpu --small``, the
   same matrix the two-GPU run executes (op level, the forward to FP8 at op level, SequenceParallel +
   AdamW with weights bitwise equal across ranks, TP + SP, FSDP2, FSDP2 + TP meshes, DDP, compile per
   block, checkpointing, determinism), each case one test here. Each case compares with torch.nn.RMSNorm
@@ -13,7 +13,7 @@ Two layers:
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import os
 import subprocess
@@ -33,17 +33,12 @@ from torch.distributed.tensor.parallel import SequenceParallel, parallelize_modu
 from cake_cute import CakeRMSNorm, SequenceParallelResidual, cake_rmsnorm, cake_rmsnorm_fp8, swap_rmsnorm
 
 REPO = Path(__file__).resolve().parents[1]
-MATRIX = REPO / "perf" / "distributed" / "matrix.py"
+MATRIX = "tests.distributed_harness.matrix"
 EPS = 1e-5
 
 
 def _load_matrix():
-    sys.path.insert(0, str(MATRIX.parent))
-    spec = importlib.util.spec_from_file_location("cake_cute_matrix", MATRIX)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module(MATRIX)
 
 
 # --- one rank, in this process -----------------------------------------------------------------------
@@ -178,7 +173,8 @@ def _run_matrix(out: Path, only: str, tag: str) -> dict:
         "torch.distributed.run",
         "--nproc_per_node=2",
         "--standalone",
-        str(MATRIX),
+        "-m",
+        MATRIX,
         "--device=cpu",
         "--small",
         "--compile-backend=aot_eager",

@@ -1,7 +1,7 @@
-"""Two ranks on one device (``perf/distributed/one_gpu.py``) on CPU: a few of the matrix's cases as two
-threads on torch's threaded process group, and a rank that fails ends the case on both threads instead of
-leaving the other waiting in a collective. The runner installs the threaded group process-wide, so each
-run is a process of its own. tests/test_gpu_distributed_threads.py runs it on a GPU, gloo processes too;
+"""Two ranks on one device (``tests/distributed_harness/one_gpu.py``) on CPU: a few of the matrix's cases as
+two threads on torch's threaded process group, and a rank that fails ends the case on both threads instead of
+leaving the other waiting in a collective. The runner installs the threaded group process-wide, so each run is
+a process of its own. tests/test_gpu_distributed_threads.py runs it on a GPU, gloo processes too;
 tests/test_distributed_cpu.py runs every case on two gloo processes.
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-RUNNER = REPO / "perf" / "distributed" / "one_gpu.py"
+RUNNER = "tests.distributed_harness.one_gpu"
 THREAD_CASES = (
     "1-op-level",
     "2-sp-adamw",
@@ -51,7 +51,7 @@ def _rows(out: Path, backend: str, run) -> dict:
 def thread_rows(tmp_path_factory):
     out = tmp_path_factory.mktemp("threads")
     only = ",".join(THREAD_CASES)
-    run = _run([str(RUNNER), "--device=cpu", "--small", "--timeout=120", f"--only={only}", f"--out={out}"])
+    run = _run(["-m", RUNNER, "--device=cpu", "--small", "--timeout=120", f"--only={only}", f"--out={out}"])
     return _rows(out, "threaded", run)
 
 

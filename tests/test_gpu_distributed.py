@@ -1,6 +1,6 @@
 """DTensor calls on the GPU in one process (a one-rank NCCL group): the CUDA custom ops under the
 sharding rules, bitwise equal to the plain eager path, placements as on CPU, no collective; and the
-compiled path with a sequence-sharded input. The two-GPU matrix is ``perf/distributed/matrix.py``."""
+compiled path with a sequence-sharded input. The two-GPU matrix is ``tests/distributed_harness/matrix.py``."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""The distributed matrix with two ranks on one GPU (``perf/distributed/one_gpu.py``): CUDA kernels under
-the two-rank plans, the ranks as threads on torch's threaded process group, and the cases gloo carries
-with CUDA tensors (SequenceParallel + AdamW, DDP) on two gloo processes. A small model and no compiled
-plan here; ``one_gpu.py --device cuda`` runs every case at the full size."""
+"""The distributed matrix with two ranks on one GPU (``tests/distributed_harness/one_gpu.py``): CUDA kernels
+under the two-rank plans, the ranks as threads on torch's threaded process group, and the cases gloo carries
+with CUDA tensors (SequenceParallel + AdamW, DDP) on two gloo processes. A small model and no compiled plan
+here; ``one_gpu.py --device cuda`` runs every case at the full size."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ pytestmark = [
 ]
 
 REPO = Path(__file__).resolve().parents[1]
-RUNNER = REPO / "perf" / "distributed" / "one_gpu.py"
+RUNNER = "tests.distributed_harness.one_gpu"
 THREAD_CASES = (
     "1-op-level",
     "1-fp8-op-level",
@@ -49,7 +49,7 @@ GLOO_CASES = ("2-sp-adamw", "6-ddp")
 
 def _rows(out: Path, backend: str, cases) -> dict:
     env = {**os.environ, "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
-    cmd = [sys.executable, str(RUNNER), "--device=cuda", "--small", f"--backend={backend}"]
+    cmd = [sys.executable, "-m", RUNNER, "--device=cuda", "--small", f"--backend={backend}"]
     cmd += [f"--only={','.join(cases)}", f"--out={out}", "--timeout=300"]
     run = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     files = list(out.glob(f"*-distributed-one-gpu{'-gloo' if backend == 'gloo' else ''}.json"))

@@ -1,5 +1,5 @@
-"""perf/model_step.py and perf/hostbound.py run end to end without a GPU (tiny model, CPU layers), each
-in its own process: ``--cpu-layers`` replaces the custom ops' CPU kernels for the whole process."""
+"""benchmarks/model_step.py and benchmarks/hostbound.py run end to end without a GPU (tiny model, CPU layers),
+each in its own process: ``--cpu-layers`` replaces the custom ops' CPU kernels for the whole process."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-PERF = Path(__file__).resolve().parents[1] / "perf"
+PERF = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def _run(script: str, *args: str) -> None:
@@ -100,7 +100,7 @@ def test_hostbound_graph_replays_mark_each_step_and_leave_out_bwd(monkeypatch):
     assert events == ["mark", "step", "mark", "fwd"]
 
 
-# ---- perf/fp8_bench.py: the pure parts, imported on CPU ---------------------------------------------
+# ---- benchmarks/fp8_bench.py: the pure parts, imported on CPU ---------------------------------------------
 
 
 @pytest.fixture
@@ -196,7 +196,7 @@ def test_fp8_bench_fastest_configs_sums_each_config_over_its_rows(fp8_bench):
     assert fp8_bench.fastest_configs(rows) == [(2048, 16384, "e", 3.0), (8192, 16384, "a", 20.0)]
 
 
-# ---- perf/tune.py and perf/model_step.py: the pure parts, imported on CPU -------------------------------
+# ---- benchmarks/tune.py and benchmarks/model_step.py: the pure parts, imported on CPU ----------------------
 
 
 @pytest.fixture
@@ -246,7 +246,7 @@ def test_model_step_profile_table_sorts_and_totals(perf_module, tmp_path):
     assert lines[2].split() == ["30.0", "2.0", "gemm"] and lines[3].split() == ["12.5", "1.0", "norm"]
 
 
-# ---- perf/headdim_scan.py: its cases and candidates, without a GPU ---------------------------------------
+# ---- benchmarks/headdim_scan.py: its cases and candidates, without a GPU -----------------------------------
 
 
 def test_headdim_scan_arguments_and_cases(perf_module):
@@ -441,7 +441,7 @@ def test_headdim_scan_case_times_each_candidate_under_its_overrides(perf_module,
     assert "ok" in scan_mod.summary(scan.rows)
 
 
-# ---- perf/model_step.py --model qwen3: q/k norms over every head ----------------------------------------
+# ---- benchmarks/model_step.py --model qwen3: q/k norms over every head -------------------------------------
 
 
 def test_model_step_qwen3_shapes_have_grouped_heads_of_128(perf_module):

@@ -1,0 +1,249 @@
+#!/usr/bin/env bash
+# One evidence round on a GPU machine: the sections named on the command line, each bounded by its own
+# timeout so that one slow part cannot eat the round, everything written under /tmp/round/<section>/ and
+# packed into $OUT/round.tgz at the end.
+#
+#   OUT=/path/to/folder bash scripts/device_round.sh suite sanitizer sweeps dtypes fp8 model
+#
+# Sections:
+#   suite        the GPU test suite (pytest -m gpu: three workers, then the scale tests alone) and
+#                `cake-cute check`
+#   sanitizer    compute-sanitizer memcheck / racecheck / synccheck over tests/sanitizer/cases.py
+#   sanitizershort  the same over its short-row cases only (H = 1..256, dW folded per CTA)
+#   sweeps       standard bf16 sweep, training-shapes grid, small batches (benchmarks/sweep.py)
+#   dtypes       standard sweep for fp16 and fp32
+#   fp8          benchmarks/fp8_bench.py (standard and training grids, bitwise-checked first)
+#   fp8dtypes    benchmarks/fp8_bench.py at the training shapes for fp16 and fp32 rows
+#   model        benchmarks/model_step.py (H = 2048 and 4096) and benchmarks/hostbound.py (eager and compile)
+#   fp8host      benchmarks/hostbound.py for the forward to MXFP8 (its autograd.Function and its custom op)
+#                next to cake_cute's bf16 step and torch's
+#   distributed  the two-GPU matrix and training benchmark (torchrun, NCCL; needs 2 GPUs)
+#   headdimscan  benchmarks/headdim_scan.py: the forward's and backward's configs at H = 32..256 (per-head q/k norms)
+#                against their candidates, quack, torch.compile, Liger and the copy (about 4 minutes)
+#   headdimfwd   benchmarks/headdim_scan.py at H = 64, 96, 128 and 2^16 / 2^20 rows against quack: the forward's
+#                wide-CTA candidates (fwd-rows2x, fwd-rows4x) beside the others
+#   headdimsmall benchmarks/headdim_scan.py: every forward candidate at the small bf16 calls (2^12 and 2^16 rows) where
+#                peers lead, every backward tiling candidate at fp32 2^20 rows, against quack and torch.compile;
+#                and the Triton code inductor generates at bf16 H = 64 and 96, 2^16 rows (benchmarks/inductor_code.py)
+#   headdimrows  benchmarks/headdim_scan.py: backward CTAs of 128 against 256 threads (bwd-cta128, bwd-cta256) for
+#                rows of fewer than 128 vectors, FP32 H = 32..384 and bf16 H = 512..1000; then the fp32 head-dim grid
+#   headdimfwdsmall  the head-dim grid's forward at 4096 and 65536 rows, bf16 and fp32, 100 profiled calls per row
+#                (the grid takes 10), twice in separate processes: whether the small-call gaps to the peers
+#                outlast a run
+#   headdimfwdcta  benchmarks/headdim_scan.py, forward only, 50 profiled calls per row: the rule against one-vector lanes
+#                and against 64-thread CTAs (fwd-vpt1, fwd-cta64, fwd-vpt1-cta64), bf16 and fp32, 2^12-2^20 rows
+#   headdimgrid  `cake-cute bench --grid headdim` (benchmarks/sweep.py) for bf16
+#   headdimdtypes  the same grid for fp16 and fp32, against quack and torch.compile
+#   qklaunch     benchmarks/qk_launch.py: the q and k norms of one attention layer as two launches against one
+#                launch over both sets of rows (what a fused q+k launch could save at best)
+#   qkmodel      benchmarks/model_step.py --model qwen3 (q/k norms, GQA, H = 2048 and 4096, 8192 tokens): every
+#                implementation eager (cake_cute_qk_kernel is cake_cute there), and compiled per decoder
+#                layer at H = 2048 torch, cake_cute (q/k norms left to inductor, the default rule) and
+#                cake_cute_qk_kernel (q/k norms on the kernel) (about 2 minutes)
+#   qkmodelmore  the rest of the compiled Qwen3 steps: quack and Liger at H = 2048, everything at H = 4096
+#   qk4096       the compiled Qwen3 step at H = 4096 for torch, cake_cute (the q/k rule) and
+#                cake_cute_qk_kernel, twice in separate processes (the rule's margin against run-to-run noise)
+#   torchtitan022  benchmarks/torchtitan_022_gpu.py: torchtitan 0.2.2's llama3 debug model, stock norm against the
+#                converter cake_rmsnorm, 10 steps; needs the wheels of benchmarks/torchtitan_022_kit.sh in .device/tt/
+# $CAKE_CUTE_COMMIT labels every results file (a copied tree's .git may be stale).
+set -uo pipefail
+: "${OUT:?set OUT to the folder that comes back}"
+RES=/tmp/round
+mkdir -p "$RES"
+export CAKE_CUTE_CACHE_DIR=${CAKE_CUTE_CACHE_DIR:-/tmp/cake-cute-cache}
+export NCCL_NVLS_ENABLE=0 CUBLAS_WORKSPACE_CONFIG=:4096:8
+python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . > "$RES/pip.log" 2>&1
+day=$(date -u +%F)
+
+bounded() {  # bounded SECONDS LOG COMMAND...: run, log, and print one status line
+  local limit=$1 log=$2
+  shift 2
+  local start=$SECONDS
+  timeout "$limit" "$@" > "$log" 2>&1
+  local rc=$?
+  echo "$(basename "$log"): rc=$rc in $((SECONDS - start)) s; $(grep -E 'passed|failed|error' "$log" | tail -1)"
+}
+
+section_suite() {
+  local d=$RES/suite && mkdir -p "$d"
+  { cake-cute info; nvidia-smi; } > "$d/env.txt" 2>&1
+  # Three workers, one file each at a time; the scale tests (up to 127 GiB) alone, after them.
+  bounded 400 "$d/gpu_tests.log" python3 -m pytest -q -rs -m gpu tests -p no:cacheprovider \
+    -n 3 --dist loadfile --ignore tests/test_gpu_scale.py
+  bounded 150 "$d/gpu_scale_tests.log" python3 -m pytest -q -rs -m gpu tests/test_gpu_scale.py -p no:cacheprovider
+  bounded 100 "$d/check.log" cake-cute check
+}
+
+section_sanitizershort() {
+  local d=$RES/sanitizer-short && mkdir -p "$d"
+  bounded 300 "$d/run.log" bash tests/sanitizer/run.sh "$d" short
+}
+
+section_sanitizer() {
+  local d=$RES/sanitizer && mkdir -p "$d"
+  bounded 400 "$d/run.log" bash tests/sanitizer/run.sh "$d"
+}
+
+section_sweeps() {
+  local d=$RES/sweeps && mkdir -p "$d"
+  bounded 260 "$d/standard.log" python3 benchmarks/sweep.py --json "$d/$day-nvidia-h200.json" --plot "$d/$day-nvidia-h200.png"
+  bounded 240 "$d/training.log" python3 benchmarks/sweep.py --grid training \
+    --json "$d/$day-nvidia-h200-training-shapes.json" --plot "$d/$day-nvidia-h200-training-shapes.png"
+  bounded 90 "$d/small.log" python3 benchmarks/sweep.py --grid small --json "$d/$day-nvidia-h200-small.json" --no-plot
+}
+
+section_dtypes() {
+  local d=$RES/dtypes && mkdir -p "$d"
+  for dt in fp16 fp32; do
+    bounded 240 "$d/$dt.log" python3 benchmarks/sweep.py --dtype "$dt" --vs quack \
+      --json "$d/$day-nvidia-h200-$dt.json" --plot "$d/$day-nvidia-h200-$dt.png"
+  done
+}
+
+section_fp8() {
+  local d=$RES/fp8 && mkdir -p "$d"
+  bounded 300 "$d/fp8.log" python3 benchmarks/fp8_bench.py "$d/$day-nvidia-h200-fp8.json" --check
+}
+
+section_model() {
+  local d=$RES/model && mkdir -p "$d"
+  local ms=$d/$day-nvidia-h200-model-step.json hb=$d/$day-nvidia-h200-hostbound.json
+  bounded 240 "$d/model_step.log" python3 benchmarks/model_step.py "$ms" --hidden 2048
+  bounded 200 "$d/model_step_4096.log" python3 benchmarks/model_step.py "$ms" --hidden 4096 --append
+  bounded 150 "$d/hostbound.log" python3 benchmarks/hostbound.py "$hb" --modes eager
+  bounded 300 "$d/hostbound_compile.log" python3 benchmarks/hostbound.py "$hb" --modes compile,compile-graphs --append
+}
+
+section_fp8dtypes() {
+  local d=$RES/fp8dtypes && mkdir -p "$d"
+  for dt in fp16 fp32; do
+    bounded 200 "$d/$dt.log" python3 benchmarks/fp8_bench.py "$d/$day-nvidia-h200-fp8-$dt.json" --dtype "$dt" \
+      --grid training --impls cake_cute
+  done
+}
+
+section_fp8host() {
+  local d=$RES/fp8host && mkdir -p "$d"
+  bounded 240 "$d/fp8_host.log" python3 benchmarks/hostbound.py "$d/$day-nvidia-h200-fp8-hostbound.json" \
+    --impls cake_cute,cake_cute_mxfp8,cake_cute_mxfp8_op,torch --modes eager,compile
+}
+
+section_distributed() {
+  local d=$RES/distributed && mkdir -p "$d"
+  bounded 300 "$d/matrix-eager.log" torchrun --nproc_per_node=2 -m tests.distributed_harness.matrix \
+    --only 1-,2-,3-,4-,5-,6-,8-,9- --tag eager --out "$d"
+  bounded 240 "$d/matrix-compile.log" torchrun --nproc_per_node=2 -m tests.distributed_harness.matrix \
+    --only 7- --tag compile --out "$d"
+  bounded 240 "$d/train.log" torchrun --nproc_per_node=2 benchmarks/distributed_train.py --out "$d"
+}
+
+section_headdimscan() {
+  local d=$RES/headdimscan && mkdir -p "$d"
+  bounded 280 "$d/run.log" python3 benchmarks/headdim_scan.py --out "$d" --budget-s 230 --vs quack,compile,liger
+}
+
+section_headdimfwd() {
+  local d=$RES/headdimfwd && mkdir -p "$d"
+  bounded 260 "$d/run.log" python3 benchmarks/headdim_scan.py --out "$d" --budget-s 200 --hidden 64,96,128 \
+    --rows 2^16,2^20 --vs quack
+}
+
+section_headdimsmall() {
+  local d=$RES/headdimsmall && mkdir -p "$d"
+  bounded 200 "$d/fwd.log" python3 benchmarks/headdim_scan.py --out "$d/fwd" --budget-s 170 --hidden 64,96,128,80,256 \
+    --rows 2^12,2^16 --vs quack,compile \
+    --only fwd-exact,fwd-half,fwd-vpt1,fwd-double,fwd-rows2x,fwd-rows4x
+  bounded 200 "$d/bwd-fp32.log" python3 benchmarks/headdim_scan.py --out "$d/bwd-fp32" --budget-s 170 --dtype fp32 \
+    --hidden 80,64,96,128,192 --rows 2^20 --vs compile --only dw256,bwd-exact,bwd-vpt1,bwd-vpt1-ring8,bwd-cta128,bwd-cta256
+  for mode in "" --residual; do
+    bounded 120 "$d/inductor$mode.log" python3 benchmarks/inductor_code.py "$d/inductor" --hidden 64,96 --rows 2^16 $mode
+  done
+}
+
+section_headdimrows() {
+  local d=$RES/headdimrows && mkdir -p "$d"
+  bounded 200 "$d/fp32.log" python3 benchmarks/headdim_scan.py --out "$d/fp32" --budget-s 170 --dtype fp32 \
+    --hidden 80,64,192,32,96,128,256,384 --rows 2^16,2^18,2^20 --vs none --only bwd-cta128,bwd-cta256
+  bounded 100 "$d/bf16.log" python3 benchmarks/headdim_scan.py --out "$d/bf16" --budget-s 80 \
+    --hidden 512,768,1000 --rows 2^16,2^20 --vs none --only bwd-cta128,bwd-cta256
+  local g=$RES/headdimgrid && mkdir -p "$g"
+  bounded 200 "$g/sweep-fp32.log" python3 benchmarks/sweep.py --grid headdim --dtype fp32 --vs quack,compile \
+    --json "$g/$day-nvidia-h200-headdim-fp32.json" --no-plot
+}
+
+section_headdimfwdsmall() {
+  local d=$RES/headdimfwdsmall && mkdir -p "$d"
+  for run in 1 2; do
+    bounded 200 "$d/run$run.log" python3 benchmarks/sweep.py --grid headdim --tokens 4096,65536 --ops fwd \
+      --dtype bf16,fp32 --vs quack,compile --reps 10 --prof-reps 100 \
+      --json "$d/$day-nvidia-h200-headdim-fwd-small-run$run.json" --no-plot
+  done
+}
+
+section_headdimfwdcta() {
+  local d=$RES/headdimfwdcta && mkdir -p "$d"
+  local only=fwd-vpt1,fwd-cta64,fwd-vpt1-cta64
+  bounded 130 "$d/bf16.log" python3 benchmarks/headdim_scan.py --out "$d/bf16" --budget-s 100 --hidden 64,128,32,256 \
+    --rows 2^12,2^16,2^20 --vs none --reps 50 --only "$only"
+  bounded 95 "$d/fp32.log" python3 benchmarks/headdim_scan.py --out "$d/fp32" --budget-s 70 --dtype fp32 \
+    --hidden 64,32,128 --rows 2^12,2^16,2^20 --vs none --reps 50 --only "$only"
+}
+
+section_headdimgrid() {
+  local d=$RES/headdimgrid && mkdir -p "$d"
+  bounded 240 "$d/sweep.log" python3 benchmarks/sweep.py --grid headdim --json "$d/$day-nvidia-h200-headdim.json" \
+    --plot "$d/$day-nvidia-h200-headdim.png"
+}
+
+section_headdimdtypes() {
+  local d=$RES/headdimgrid && mkdir -p "$d"
+  for dt in fp16 fp32; do
+    bounded 200 "$d/sweep-$dt.log" python3 benchmarks/sweep.py --grid headdim --dtype "$dt" --vs quack,compile \
+      --json "$d/$day-nvidia-h200-headdim-$dt.json" --no-plot
+  done
+}
+
+section_qklaunch() {
+  local d=$RES/qklaunch && mkdir -p "$d"
+  bounded 200 "$d/run.log" python3 benchmarks/qk_launch.py "$d/$day-nvidia-h200-qk-launch.json"
+}
+
+section_qk4096() {
+  local d=$RES/qkmodel && mkdir -p "$d"
+  for run in 1 2; do
+    bounded 150 "$d/compile_4096_run$run.log" python3 benchmarks/model_step.py "$d/$day-nvidia-h200-qwen3-4096-run$run.json" \
+      --model qwen3 --modes compile --compile-scope layers --hidden 4096 \
+      --impls torch,cake_cute,cake_cute_qk_kernel --warmup 3 --steps 10
+  done
+}
+
+section_qkmodel() {
+  local d=$RES/qkmodel && mkdir -p "$d"
+  local out=$d/$day-nvidia-h200-model-step-qwen3.json
+  bounded 75 "$d/eager.log" python3 benchmarks/model_step.py "$out" --model qwen3 --modes eager \
+    --impls torch,cake_cute,liger,quack --warmup 2 --steps 6
+  bounded 90 "$d/compile.log" python3 benchmarks/model_step.py "$out" --append --model qwen3 --modes compile \
+    --compile-scope layers --hidden 2048 --impls torch,cake_cute,cake_cute_qk_kernel --warmup 2 --steps 6
+}
+
+section_qkmodelmore() {
+  local d=$RES/qkmodel && mkdir -p "$d"
+  local out=$d/$day-nvidia-h200-model-step-qwen3.json
+  bounded 100 "$d/compile_peers.log" python3 benchmarks/model_step.py "$out" --append --model qwen3 --modes compile \
+    --compile-scope layers --hidden 2048 --impls quack,liger --warmup 3 --steps 8
+  bounded 200 "$d/compile_4096.log" python3 benchmarks/model_step.py "$out" --append --model qwen3 --modes compile \
+    --compile-scope layers --hidden 4096 --warmup 3 --steps 8
+}
+
+section_torchtitan022() {
+  local d=$RES/torchtitan022 && mkdir -p "$d"
+  rm -rf /tmp/tt  # --target does not replace what an earlier install left there
+  bounded 60 "$d/pip.log" python3 -m pip install --no-index --no-deps --target /tmp/tt .device/tt/*.whl
+  bounded 180 "$d/run.log" env PYTHONPATH="/tmp/tt${PYTHONPATH:+:$PYTHONPATH}" python3 benchmarks/torchtitan_022_gpu.py \
+    --out "$d/$day-nvidia-h200-torchtitan-022.json"
+}
+
+for section in "$@"; do
+  "section_$section"
+done
+tar -C "$RES" -czf "$OUT/round.tgz" .
