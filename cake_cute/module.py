@@ -7,6 +7,8 @@ PyTorch math, which inductor can fuse with the operations around it.
 from __future__ import annotations
 
 import functools
+import inspect
+import types
 
 import torch
 from torch import nn
@@ -69,6 +71,76 @@ def _torch_math(x, w, eps, residual=None, deterministic=True, weight_offset=0.0)
     return y if residual is None else (y, h)
 
 
+def forward_input_name(forward) -> str:
+    """The name of ``forward``'s first parameter after ``self``.
+
+    Parameters
+    ----------
+    forward : callable
+        A module's ``forward`` taken from its class (``torch.nn.RMSNorm.forward``).
+
+    Returns
+    -------
+    str
+        ``"x"`` for torch 2.13's ``torch.nn.RMSNorm.forward``, ``"input"`` for earlier torch's.
+
+    Raises
+    ------
+    TypeError
+        ``forward`` takes no parameter after ``self``.
+    """
+    parameters = list(inspect.signature(forward).parameters)
+    if len(parameters) < 2:
+        raise TypeError(f"{forward.__qualname__} takes no input parameter after self")
+    return parameters[1]
+
+
+def with_input_named(forward, name: str):
+    """A copy of ``forward`` whose first parameter after ``self`` is called ``name``: the same code,
+    defaults and annotations, so it binds, reports a wrong keyword and traces under torch.compile as a
+    method written with that name would.
+
+    Parameters
+    ----------
+    forward : function
+        A plain function ``(self, <input>, ...)``.
+    name : str
+        The new name of its input parameter.
+
+    Returns
+    -------
+    function
+        ``forward`` itself if its input is already called ``name``, else the renamed copy.
+
+    Raises
+    ------
+    ValueError
+        ``name`` is not an identifier or is already the name of one of ``forward``'s local variables.
+    """
+    code = forward.__code__
+    old = code.co_varnames[1]
+    if name == old:
+        return forward
+    if not name.isidentifier() or name in code.co_varnames:
+        raise ValueError(f"cannot name {forward.__qualname__}'s input {name!r}")
+    # Local variables are read by index, so renaming the slot renames the parameter and nothing else.
+    varnames = (code.co_varnames[0], name, *code.co_varnames[2:])
+    renamed = types.FunctionType(
+        code.replace(co_varnames=varnames), forward.__globals__, forward.__name__, forward.__defaults__
+    )
+    renamed.__kwdefaults__ = forward.__kwdefaults__
+    renamed.__qualname__ = forward.__qualname__
+    renamed.__doc__ = forward.__doc__
+    renamed.__module__ = forward.__module__
+    renamed.__annotations__ = {name if k == old else k: a for k, a in forward.__annotations__.items()}
+    return renamed
+
+
+# torch 2.13 renamed torch.nn.RMSNorm.forward's parameter from `input` to `x`: callers that pass it by
+# name (frameworks binding module arguments by name) need the running torch's name.
+INPUT_NAME = forward_input_name(nn.RMSNorm.forward)
+
+
 def _check_cast_policy(cast_policy) -> str:
     if cast_policy not in CAST_POLICIES:
         raise ValueError(f"cast_policy must be one of {', '.join(CAST_POLICIES)}; got {cast_policy!r}")
@@ -94,8 +166,10 @@ class CakeRMSNorm(nn.Module):
     replaces).
 
     ``forward(input, *, residual=None)`` returns y, or ``(y, input + residual)`` with the residual add
-    fused in. input may be ``[H]`` or ``[..., H]``, or a DTensor sharded on a non-hidden dimension
-    (sequence parallel): see ``cake_cute.SequenceParallelResidual`` for the residual call.
+    fused in; its first parameter has the running torch's name for ``torch.nn.RMSNorm.forward``'s
+    (``x`` in torch 2.13, ``input`` before: ``INPUT_NAME``). input may be ``[H]`` or ``[..., H]``, or
+    a DTensor sharded on a non-hidden dimension (sequence parallel): see
+    ``cake_cute.SequenceParallelResidual`` for the residual call.
 
     Parameters
     ----------
@@ -179,7 +253,8 @@ class CakeRMSNorm(nn.Module):
         Parameters
         ----------
         input : torch.Tensor
-            ``[H]`` or ``[..., H]``.
+            ``[H]`` or ``[..., H]``; named as in the running torch's ``torch.nn.RMSNorm.forward``
+            (``INPUT_NAME``: ``x`` in torch 2.13, ``input`` before).
         residual : torch.Tensor, optional
             Added to input first (keyword only), shaped like input.
 
@@ -193,7 +268,7 @@ class CakeRMSNorm(nn.Module):
         TypeError
             input or residual is not a tensor; the errors of ``cake_rmsnorm``.
         """
-        v.check_tensor("input", input)
+        v.check_tensor(INPUT_NAME, input)
         if residual is not None:
             v.check_tensor("residual", residual)
         if input.dim() != 1:
@@ -201,6 +276,8 @@ class CakeRMSNorm(nn.Module):
         # [H]: one row for the kernels, and the outputs back in input's shape.
         out = self._norm(input.unsqueeze(0), None if residual is None else residual.unsqueeze(0))
         return out.squeeze(0) if residual is None else tuple(t.squeeze(0) for t in out)
+
+    forward = with_input_named(forward, INPUT_NAME)
 
     def _norm(self, x, residual):
         eps = _DEFAULT_EPS if self.eps is None else self.eps

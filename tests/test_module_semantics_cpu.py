@@ -6,6 +6,7 @@ fake kernels whose output strides are the real kernels' for every layout the ops
 from __future__ import annotations
 
 import copy
+import inspect
 import warnings
 
 import pytest
@@ -79,14 +80,70 @@ def test_gradients_match_torch_rmsnorm_for_a_1d_input():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+def _other_input_name(name: str) -> str:
+    return "input" if name == "x" else "x"
+
+
 def test_input_by_keyword_and_residual_keyword_only():
-    _, cake = _pair(torch.float32)
+    """The input by the running torch's name (``x`` in torch 2.13, ``input`` before) or by position; the
+    other name is the TypeError torch.nn.RMSNorm raises for it."""
+    ref, cake = _pair(torch.float32)
     x, r = torch.randn(2, 3, H), torch.randn(2, 3, H)
-    assert torch.equal(cake(input=x), cake(x))
-    y, h = cake(input=x, residual=r)
+    name = cake_module.INPUT_NAME
+    if torch.__version__ >= (2, 13):
+        assert name == "x"
+    assert torch.equal(cake(**{name: x}), cake(x))
+    assert torch.equal(cake(**{name: x}), ref(**{name: x}))
+    y, h = cake(**{name: x}, residual=r)
     assert torch.equal(h, x + r) and torch.equal(y, cake(x + r))
     with pytest.raises(TypeError, match="positional"):
         cake(x, r)
+    other = _other_input_name(name)
+    with pytest.raises(TypeError) as torch_error:
+        ref(**{other: x})
+    with pytest.raises(TypeError) as cake_error:
+        cake(**{other: x})
+    assert str(cake_error.value) == str(torch_error.value).replace("RMSNorm.", "CakeRMSNorm.", 1)
+
+
+def test_forward_signature_is_torch_rmsnorms():
+    """The same parameter names and kinds as the running torch's torch.nn.RMSNorm.forward, plus the
+    keyword-only residual."""
+    torch_params = list(inspect.signature(nn.RMSNorm.forward).parameters.values())
+    cake_params = list(inspect.signature(CakeRMSNorm.forward).parameters.values())
+    assert [(p.name, p.kind) for p in cake_params[:2]] == [(p.name, p.kind) for p in torch_params]
+    assert (cake_params[2].name, cake_params[2].kind) == ("residual", inspect.Parameter.KEYWORD_ONLY)
+
+
+class _RMSNormBefore213(nn.Module):
+    """torch.nn.RMSNorm.forward's signature up to torch 2.12."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return input
+
+
+def test_input_name_before_torch_213():
+    """The name derived from a forward written as torch up to 2.12 wrote it, and a forward renamed to
+    it: called by that name, by position, and refused under the other name."""
+    assert cake_module.forward_input_name(_RMSNormBefore213.forward) == "input"
+    assert cake_module.forward_input_name(nn.RMSNorm.forward) == cake_module.INPUT_NAME
+
+    class Norm(CakeRMSNorm):
+        forward = cake_module.with_input_named(CakeRMSNorm.forward, "input")
+
+    norm, x, r = Norm(H), torch.randn(2, H), torch.randn(2, H)
+    assert list(inspect.signature(Norm.forward).parameters) == ["self", "input", "residual"]
+    assert torch.equal(norm(input=x), norm(x))
+    y, h = norm(input=x, residual=r)
+    assert torch.equal(h, x + r) and torch.equal(y, norm(x + r))
+    with pytest.raises(TypeError, match="unexpected keyword argument 'x'"):
+        norm(x=x)
+
+
+def test_renaming_refuses_a_name_taken_by_a_local():
+    with pytest.raises(ValueError, match="residual"):
+        cake_module.with_input_named(CakeRMSNorm.forward, "residual")
+    assert cake_module.with_input_named(CakeRMSNorm.forward, cake_module.INPUT_NAME) is CakeRMSNorm.forward
 
 
 def test_1d_input_with_residual():
@@ -100,7 +157,8 @@ def test_1d_input_with_residual():
 @pytest.mark.parametrize("bad", [None, [1.0] * H, "x", 3.0])
 def test_non_tensor_arguments_name_the_argument(bad):
     cake = CakeRMSNorm(H)
-    with pytest.raises(TypeError, match=f"input must be a torch.Tensor, got {type(bad).__name__}"):
+    expected = f"{cake_module.INPUT_NAME} must be a torch.Tensor, got {type(bad).__name__}"
+    with pytest.raises(TypeError, match=expected):
         cake(bad)
     bad_residual = "r" if bad is None else bad  # None means no residual
     expected = f"residual must be a torch.Tensor, got {type(bad_residual).__name__}"
@@ -300,11 +358,11 @@ def test_opcheck_over_layouts(dtype, layout, device):
     w = torch.randn(H).to(device, dtype)
     residual = torch.randn(x.shape).to(device, dtype)
     for res in (None, residual):
-        opcheck(torch.ops.cake_cute.rmsnorm_fwd, (x, w, 1e-6, res, 0.0, True))
-        _, rstd, h_new = torch.ops.cake_cute.rmsnorm_fwd(x, w, 1e-6, res, 0.0, True)
+        opcheck(torch.ops.cake_cute.rmsnorm_fwd, (x, w, 1e-6, res, 0.0))
+        _, rstd, h_new = torch.ops.cake_cute.rmsnorm_fwd(x, w, 1e-6, res, 0.0)
         saved = x if res is None else h_new
         # g in the same layout as x (an expanded g included), g_residual too
-        opcheck(torch.ops.cake_cute.rmsnorm_bwd, (x, saved, w, rstd, None if res is None else x, 0.0, True))
+        opcheck(torch.ops.cake_cute.rmsnorm_bwd, (x, saved, w, rstd, None if res is None else x, 0.0))
         opcheck(torch.ops.cake_cute.rmsnorm_fp8_fwd, (x, w, 1e-6, res, "mxfp8", True, 0.0))
 
 

@@ -27,6 +27,7 @@ try:
     from torchtitan.models.common.nn_modules import RMSNorm
 
     from cake_cute.integrations.torchtitan import CakeLlama3TransformerBlock, TorchtitanCakeRMSNorm
+    from cake_cute.module import INPUT_NAME
     from tests.torchtitan_harness.config_registry import llama3_debugmodel_cpu
     from tests.torchtitan_harness.runs import CAKE_CUTE_LINE, CASES, FUSED_RESIDUAL_LINE, compare_case
 except ImportError as error:  # torchtitan absent, or a version that does not import with this torch
@@ -106,7 +107,10 @@ def test_model_protocol_and_init(targets):
     assert all(torch.isfinite(p).all() for p in model.parameters())
     blocks = [m for m in model.modules() if isinstance(m, CakeLlama3TransformerBlock)]
     assert len(blocks) == (6 if targets is FUSED else 0)
-    assert norms[0]._cache_pos_arg_names() == ["input"]  # torchtitan keys input shardings by this name
+    # torchtitan binds forward arguments by the names of its stock norm's forward (torch.nn.RMSNorm's:
+    # `x` in torch 2.13, `input` before).
+    stock = RMSNorm(RMSNorm.Config(normalized_shape=256))
+    assert norms[0]._cache_pos_arg_names() == stock._cache_pos_arg_names() == [INPUT_NAME]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])

@@ -55,8 +55,9 @@ if HAS_OVERRIDES:
         torchtitan's ``RMSNorm.Config`` (``normalized_shape``, ``eps``, ``elementwise_affine``,
         ``param_init``, ``sharding_config``).
 
-        Its forward is ``CakeRMSNorm.forward(input, *, residual=None)``: torchtitan binds forward
-        arguments by name and keys input shardings by ``input``, as for ``torch.nn.RMSNorm``.
+        Its forward is ``CakeRMSNorm.forward(input, *, residual=None)``, its first parameter named as
+        the running torch names ``torch.nn.RMSNorm.forward``'s (``x`` in torch 2.13, ``input`` before):
+        torchtitan binds forward arguments by name, and binds them as for its stock ``RMSNorm``.
         """
 
         @dataclass(kw_only=True, slots=True)
