@@ -15,10 +15,11 @@ from functools import partial
 from typing import Any
 
 from .kernels.config import backward_config, forward_config, reduce_config
+from .kernels.gated_config import gated_backward_config, gated_forward_config
 from .kernels.quant_config import QUANT_RECIPES, quant_forward_config
 from .kernels.tiling import VECTOR_BYTES
 from .launch_plan import partial_row_stride
-from .specs import KernelSpec, ReduceSpec
+from .specs import GatedSpec, KernelSpec, ReduceSpec
 from .views import vector_align_bytes
 from .vocab import cutlass_dtype
 
@@ -155,6 +156,40 @@ def _reduce_kernel(spec: ReduceSpec, config):
     return DWReduce(config, cutlass_dtype(spec.out_dtype))
 
 
+def _gated_kernel(spec: GatedSpec, config):
+    from .kernels.gated_bwd import GatedRMSNormBackward
+    from .kernels.gated_fwd import GatedRMSNormForward
+
+    kernel_class = GatedRMSNormForward if spec.kind == "gated_fwd" else GatedRMSNormBackward
+    dtypes = cutlass_dtype(spec.act_dtype), cutlass_dtype(spec.w_dtype)
+    groups = spec.hidden // spec.group_size
+    return kernel_class(config, *dtypes, spec.weight_offset, groups, spec.norm_before_gate)
+
+
+def _gated_rstd(rows, groups: int):
+    """rstd of the gated kernels: FP32 (T, H / group_size), one per row and group, contiguous."""
+    import cutlass
+    import cutlass.cute as cute
+
+    return cute.runtime.make_fake_tensor(cutlass.Float32, (rows, groups), stride=(groups, 1), assumed_align=4)
+
+
+def _gated_arguments(spec: GatedSpec, config) -> tuple:
+    """Forward: x, z, w, y, rstd, eps. Backward: g, x, z, w, rstd, dx, dz, the partial rows, the number
+    of programs (``kernels.gated_fwd``, ``kernels.gated_bwd``)."""
+    import cutlass
+    import cutlass.cute as cute
+
+    act, H, vec, rows = cutlass_dtype(spec.act_dtype), spec.hidden, config.tiling.vec, cute.sym_int()
+    w = _vector(cutlass_dtype(spec.w_dtype), H, vec)
+    rstd = _gated_rstd(rows, H // spec.group_size)
+    if spec.kind == "gated_fwd":
+        x, z, y = (_rows_tensor(act, rows, H, vec) for _ in range(3))
+        return x, z, w, y, rstd, cutlass.Float32(1e-6)
+    g, x, z, dx, dz = (_rows_tensor(act, rows, H, vec) for _ in range(5))
+    return g, x, z, w, rstd, dx, dz, _partials(H), cutlass.Int32(1)
+
+
 KINDS: dict[str, KernelKind] = {
     "fwd": KernelKind(
         partial(KernelSpec, "fwd"),
@@ -167,6 +202,18 @@ KINDS: dict[str, KernelKind] = {
         lambda s: backward_config(s.arch, s.act_dtype, s.w_dtype, s.hidden, s.residual, s.g_parts),
         _backward_kernel,
         _backward_arguments,
+    ),
+    "gated_fwd": KernelKind(
+        partial(GatedSpec, "gated_fwd"),
+        lambda s: gated_forward_config(s.act_dtype, s.hidden, s.group_size),
+        _gated_kernel,
+        _gated_arguments,
+    ),
+    "gated_bwd": KernelKind(
+        partial(GatedSpec, "gated_bwd"),
+        lambda s: gated_backward_config(s.act_dtype, s.hidden, s.group_size),
+        _gated_kernel,
+        _gated_arguments,
     ),
     "dw": KernelKind(
         ReduceSpec, lambda s: reduce_config(s.arch, s.out_dtype, s.hidden), _reduce_kernel, _reduce_arguments

@@ -45,3 +45,26 @@ class ReduceSpec:
 
     def name(self) -> str:
         return f"cake_dw_{self.arch}_{self.out_dtype}_h{self.hidden}"
+
+
+@dataclass(frozen=True)
+class GatedSpec:
+    """A gated RMSNorm forward (``"gated_fwd"``) or backward (``"gated_bwd"``, dx and dz with FP32
+    partial rows of dW): rows of ``act_dtype`` and their gate, a weight of ``w_dtype``, hidden size
+    ``hidden`` normalized in groups of ``group_size`` columns (``hidden`` itself in the norm-then-gate
+    form, ``norm_before_gate``), the Gemma-style ``weight_offset`` compiled in (see
+    ``kernels.gated_fwd``)."""
+
+    kind: str  # "gated_fwd" or "gated_bwd"
+    arch: str  # vocab.SUPPORTED_ARCHS
+    act_dtype: str  # vocab.DTYPE_NAMES
+    w_dtype: str
+    hidden: int
+    group_size: int
+    norm_before_gate: bool
+    weight_offset: float = 0.0
+
+    def name(self) -> str:
+        offset = f"_off{self.weight_offset:g}".replace(".", "p").replace("-", "m")
+        form = "nbg" if self.norm_before_gate else f"gbn{self.group_size}"
+        return f"cake_{self.kind}_{self.arch}_{self.act_dtype}_w{self.w_dtype}_h{self.hidden}_{form}{offset}"

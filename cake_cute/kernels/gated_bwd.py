@@ -1,0 +1,192 @@
+"""Gated RMSNorm backward: dx and dz in one pass, and per-program FP32 partial rows of dW.
+
+Math, per row t and segment k (the row, or one group of L columns: ``gated_fwd``), FP32 arithmetic,
+one rounding of each output; the gate and the statistics' products are recomputed from the saved x,
+z, w and rstd (s = silu(z), s' = silu'(z), w' = w + weight_offset, g = dL/dy):
+
+    norm then gate:  n = x * rstd      a = g * w' * s     dW_partial += g * n * s
+    gate then norm:  n = x * s * rstd  a = g * w'         dW_partial += g * n
+    c  = sum_{j in k} a_j * n_j / L
+    dn = rstd * (a - n * c)                             (the gradient of the normalized input)
+    norm then gate:  dx = round(dn)                     dz = round(g * n * w' * s')
+    gate then norm:  dx = round(dn * s)                 dz = round(dn * x * s')
+
+Persistent grid (P, H / L): program (b, k) visits the row tiles b, b + P, ... of group k -- a fixed
+partition for a given (T, P), with P fixed by T and the GPU (``gated_ops``). Its lanes keep one FP32
+dW accumulator per column they own (their columns never change: a CTA only sees group k); at the
+end the CTA's segment rows fold their accumulators by the plain backward's fixed tree
+(``rmsnorm_bwd.RMSNormBackward.fold_row_groups``) and CTA (b, k) writes columns k*L .. of partial
+row b of ``partials[P, H_pad]``, which ``dw_reduce`` sums in a fixed order (launched behind this
+kernel with programmatic dependent launch). No atomics anywhere: dx, dz, dW are bitwise reproducible,
+and a row's dx and dz do not depend on T.
+
+Tiling (``gated_config.gated_backward_config``): a segment as in the forward, at most 8 elements of
+each operand per lane (16 for segments wider than 4096), short segments 256 threads to a CTA. g, x
+and z of a tile are loaded straight into registers (no staging); the FP32 terms of dx and dz are
+formed before the row sum, the only synchronisation per row (``common.row_sum``, double-buffered by
+``slot``), and held across it. Lanes of 16 elements cannot hold them under 128 registers
+(``GatedConfig.reread``): they load g, x and z again after the row sum (an L2 hit) and recompute.
+
+Bytes moved: reads g, x, z and writes dx, dz once: 5 * T*H*act_bytes, plus 4*T*H/L of rstd, plus
+the partial rows (P * H * 4, written here, read by dw_reduce).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+
+from .common import allocate_reduction_buffers, broadcast_rows, copy_atom, global_row
+from .gated_fwd import GatedKernel, segment_columns
+from .rmsnorm_bwd import RMSNormBackward
+from .thread_tiles import ThreadTiles
+
+
+class GatedRMSNormBackward(GatedKernel):
+    """One compiled backward per (arch, dtypes, H, group size, form, weight_offset) and its
+    ``gated_config.GatedConfig``; T and the number of programs are runtime values. Arguments: g, x, z,
+    w, rstd (T, H / L), dx, dz, the partial rows, the number of programs."""
+
+    # The plain backward's fixed-order fold of a CTA's row groups' dW (it reads only the tiling).
+    fold_row_groups = RMSNormBackward.fold_row_groups
+
+    @cute.jit
+    def __call__(
+        self,
+        mG: cute.Tensor,
+        mX: cute.Tensor,
+        mZ: cute.Tensor,
+        mW: cute.Tensor,
+        mRstd: cute.Tensor,
+        mDX: cute.Tensor,
+        mDZ: cute.Tensor,
+        mPartial: cute.Tensor,
+        num_programs: Int32,
+        stream,
+    ):
+        self.kernel(mG, mX, mZ, mW, mRstd, mDX, mDZ, mPartial).launch(
+            **self.launch_shape(num_programs), stream=stream
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        mG: cute.Tensor,
+        mX: cute.Tensor,
+        mZ: cute.Tensor,
+        mW: cute.Tensor,
+        mRstd: cute.Tensor,
+        mDX: cute.Tensor,
+        mDZ: cute.Tensor,
+        mPartial: cute.Tensor,
+    ):
+        t = self.tiling
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, group, _ = cute.arch.block_idx()
+        num_programs, _, _ = cute.arch.grid_dim()
+        if const_expr(self.groups == 1):
+            group = 0
+        rows = mG.shape[0]
+        num_tiles = cute.ceil_div(rows, t.rows_per_cta)
+        smem = cutlass.memory.SmemAllocator()
+        buffers = allocate_reduction_buffers(smem, t)
+        sFold = None  # the segment rows' dW accumulators, summed at the end
+        if const_expr(t.rows_per_cta > 1):
+            sFold = smem.allocate_tensor(
+                Float32,
+                cute.make_ordered_layout((t.rows_per_cta, t.cols_per_cta), order=(1, 0)),
+                byte_alignment=16,
+            )
+
+        mG, mX, mZ, mDX, mDZ, mW = [self.group_view(m, group) for m in (mG, mX, mZ, mDX, mDZ, mW)]
+        thr, tXc0, pred, row_in_cta, lane_in_row = self.thread_slice(mG.shape, tidx)
+        copy_act = partial(cute.copy, copy_atom(self.act_dtype, t.vec), pred=pred)
+        tt = ThreadTiles(thr, (t.rows_per_cta, t.cols_per_cta), 0, row_in_cta, copy_act, None)
+        tXrW = self.load_weight(mW, thr, pred)  # widened at each use: half the registers held
+        # Fragments shaped like the coordinates (a static layout), so they stay in registers.
+        tXrG, tXrX, tXrZ, tXrDX, tXrDZ = [cute.make_rmem_tensor_like(tXc0, self.act_dtype) for _ in range(5)]
+        tXrDW = cute.make_rmem_tensor_like(tXc0, Float32)
+        tXrDW.fill(0.0)
+
+        visit = Int32(0)  # row tiles this program has visited
+        for tile in cutlass.range(bidx, num_tiles, num_programs, unroll=1):
+            row = tile * t.rows_per_cta + row_in_cta
+            # Rows past T contribute zeros, never stale values.
+            for frag in (tXrG, tXrX, tXrZ):
+                frag.fill(0)
+            rstd = Float32(0.0)
+            if row < rows:
+                tt.read((tt.of(mG, tile), tt.of(mX, tile), tt.of(mZ, tile)), (tXrG, tXrX, tXrZ))
+                rstd = mRstd[row, group]
+            terms = self.row_terms(tXrG, tXrX, tXrZ, tXrW, rstd)
+            c = self.reduce_row(terms, tXrDW, buffers, row_in_cta, lane_in_row, visit & 1)
+            if const_expr(self.config.reread):
+                # Fresh loads after the barrier (an L2 hit): nothing of the row lives across it.
+                if row < rows:
+                    tt.read((tt.of(mG, tile), tt.of(mX, tile), tt.of(mZ, tile)), (tXrG, tXrX, tXrZ))
+                terms = self.row_terms(tXrG, tXrX, tXrZ, tXrW, rstd)
+            self.write_dx_dz(terms, tXrDX, tXrDZ, rstd, c)
+            if row < rows:
+                copy_act(tXrDX, tt.of(mDX, tile))
+                copy_act(tXrDZ, tt.of(mDZ, tile))
+            visit = visit + 1
+
+        # The dW reduction may start launching (it waits for this grid's memory before reading).
+        cute.arch.griddepcontrol_launch_dependents()
+        if const_expr(t.rows_per_cta > 1):
+            self.fold_row_groups(tt, sFold, tXrDW)
+        self.write_dw_partial(tt, bidx, group, mPartial, tXrDW, pred)
+
+    @cute.jit
+    def row_terms(self, tXrG, tXrX, tXrZ, tXrW, rstd):
+        """(a, n, the dW term, dz's factor besides c) in the norm-then-gate form, (a, n, the dW term,
+        s, x * s') in the gate-then-norm form, FP32, from the thread's raw fragments."""
+        g = tXrG.load().to(Float32)
+        x = tXrX.load().to(Float32)
+        w = self.widen_weight(tXrW.load())
+        silu, dsilu = self.gate(tXrZ.load().to(Float32))
+        if const_expr(self.norm_before_gate):
+            n = x * rstd
+            return g * w * silu, n, g * n * silu, g * n * w * dsilu
+        n = x * silu * rstd
+        return g * w, n, g * n, silu, x * dsilu
+
+    @cute.jit
+    def reduce_row(self, terms, tXrDW, buffers, row_in_cta, lane_in_row, slot) -> Float32:
+        """Add this row's dW terms into the accumulator and return c = sum(a * n) / L."""
+        a, n, dw_term = terms[0], terms[1], terms[2]
+        tXrDW.store(tXrDW.load() + dw_term)
+        dot = self.segment_sum(
+            (a * n).reduce(cute.ReductionOp.ADD, Float32(0.0), 0), buffers, row_in_cta, lane_in_row, slot
+        )
+        return dot / self.tiling.hidden
+
+    @cute.jit
+    def write_dx_dz(self, terms, tXrDX, tXrDZ, rstd, c):
+        """dx and dz of the thread's cells from ``row_terms``, rounded into their register fragments:
+        dn = rstd * (a - n * c), then dx = dn and dz = g * n * w' * s' (norm then gate, independent
+        of c) or dx = dn * s and dz = dn * x * s' (gate then norm)."""
+        dn = (terms[0] - terms[1] * c) * rstd
+        if const_expr(self.norm_before_gate):
+            tXrDX.store(dn.to(self.act_dtype))
+            tXrDZ.store(terms[3].to(self.act_dtype))
+        else:
+            tXrDX.store((dn * terms[3]).to(self.act_dtype))
+            tXrDZ.store((dn * terms[4]).to(self.act_dtype))
+
+    @cute.jit
+    def write_dw_partial(self, tt: ThreadTiles, bidx, group, mPartial, tXrDW, pred):
+        """Program b owns partial row b; CTA (b, k) writes its group's columns from segment row 0
+        (after ``fold_row_groups`` summed every segment row into it)."""
+        t = self.tiling
+        partial_row = global_row(mPartial, bidx, self.groups * t.hidden)
+        if const_expr(self.groups > 1):
+            partial_row = segment_columns(partial_row, group * t.hidden, t.hidden, t.vec)
+        tXgP = tt.of(broadcast_rows(partial_row, t.rows_per_cta), 0)
+        # Bound outside the dynamic branch: a None captured into a branch would become an IR value.
+        store = partial(cute.copy, copy_atom(Float32, t.vec), pred=pred)
+        if tt.row_in_cta == 0:
+            store(tXrDW, tXgP)

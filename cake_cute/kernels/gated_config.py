@@ -1,0 +1,123 @@
+"""Configurations of the gated RMSNorm kernels (``gated_fwd``, ``gated_bwd``): one frozen value per
+(arch, dtypes, H, group size), built by the rules here.
+
+A gated kernel normalizes *segments*: the whole row in the norm-then-gate form (statistics per row), a
+group of ``group_size`` columns in the gate-then-norm form (statistics per group). A segment is tiled
+like one row of the plain kernels (``tiling.RowTiling``, the same vocabulary), always inside one CTA
+(``cluster_n == 1``): a lane holds at most ``SEGMENT_ELEMS_PER_LANE`` elements of each operand, and a
+segment gets up to ``MAX_THREADS_PER_CTA`` lanes, so segments of up to ``MAX_SEGMENT`` columns fit
+(head_dim rows, and the groups of the Mamba-2 hybrids: ``intermediate_size // n_groups`` of 1024-8192).
+The backward holds about eleven registers per element across its row sum (the FP32 terms of dx and
+dz, dW, the raw fragments), so its lanes take ``HELD_ELEMS_PER_LANE`` elements where the segment
+allows, and otherwise twice that with g, x and z re-read after the row sum (``GatedConfig.reread``).
+Short segments share a CTA (``rows_per_cta``), as the plain short-row tilings do.
+
+Like every config of the package, none depends on the number of rows T (batch invariance).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cache
+
+from ..vocab import dtype_bytes
+from .config import resident_ctas_per_sm
+from .tiling import MAX_THREADS_PER_CTA, SMEM_STATIC_PER_CTA, RowTiling, vector_width
+
+# Elements of each operand one lane holds (the forward holds x, z, the gate and w in 72-85 registers).
+SEGMENT_ELEMS_PER_LANE = 16
+MAX_SEGMENT = MAX_THREADS_PER_CTA * SEGMENT_ELEMS_PER_LANE
+# Elements per lane of a backward that holds its terms across the row sum: 8 take 72-75 registers
+# (sm_90a, bf16 H = 128), 16 took 136-168 (spilling under the 128-register cap).
+HELD_ELEMS_PER_LANE = 8
+# Threads of a CTA whose segments are short enough to share it (the plain forward's and the plain
+# several-rows backward's CTA sizes).
+FORWARD_CTA_THREADS = 128
+BACKWARD_CTA_THREADS = 256
+
+
+@dataclass(frozen=True)
+class GatedConfig:
+    """One gated kernel: the tiling of a segment, the ``min_blocks_per_mp`` register hint (128
+    registers per thread at most) and, for the persistent backward, how many CTAs an SM holds (the
+    host launches that many programs per SM and group)."""
+
+    tiling: RowTiling
+    min_ctas_per_sm: int
+    ctas_per_sm: int
+    reread: bool = False  # backward: g, x and z are loaded again after the row sum (an L2 hit)
+
+    def describe(self) -> str:
+        reread = " reread" if self.reread else ""
+        return (
+            f"{self.tiling.describe()} min_ctas/SM={self.min_ctas_per_sm} ctas/SM={self.ctas_per_sm}{reread}"
+        )
+
+
+def check_segment(hidden: int, group_size: int) -> None:
+    """Raise ValueError unless ``group_size`` divides H and a segment fits one CTA.
+
+    Raises
+    ------
+    ValueError
+        ``group_size`` not a divisor of ``hidden`` in [1, ``MAX_SEGMENT``].
+    """
+    if not 1 <= group_size <= MAX_SEGMENT or hidden % group_size:
+        raise ValueError(
+            f"group_size must divide hidden ({hidden}) and be in [1, {MAX_SEGMENT}], got {group_size}"
+        )
+
+
+def segment_tiling(segment: int, act_dtype: str, cta_threads: int, elems_per_lane: int) -> RowTiling:
+    """Tile a segment of ``segment`` columns: vectors of 16 bytes when the segment allows (every group
+    then starts vector-aligned too), at most ``elems_per_lane`` elements per lane in the fewest
+    power-of-two lanes, and as many segments per CTA as fill ``cta_threads`` threads."""
+    vec = vector_width(segment, dtype_bytes(act_dtype))
+    vecs = -(-segment // vec)
+    max_vpt = max(1, elems_per_lane // vec)
+    lanes = min(MAX_THREADS_PER_CTA, 1 << max(0, math.ceil(math.log2(-(-vecs // max_vpt)))))
+    return RowTiling(segment, vec, lanes, -(-vecs // lanes), 1, max(1, cta_threads // lanes))
+
+
+def backward_smem_bytes(tiling: RowTiling) -> int:
+    """Shared memory of one backward CTA: the row sums' two slots of warp sums, the FP32 tile in which
+    several segments fold their dW, and the DSL's static kilobyte (an upper bound)."""
+    reduction = 4 * 2 * tiling.rows_per_cta * (tiling.warps_per_row + 1) + 64
+    fold = 4 * tiling.rows_per_cta * tiling.cols_per_cta if tiling.rows_per_cta > 1 else 0
+    return reduction + fold + SMEM_STATIC_PER_CTA + 256
+
+
+@cache
+def gated_forward_config(act_dtype: str, hidden: int, group_size: int) -> GatedConfig:
+    """The gated forward's config (the same on every architecture: no rule has been measured to
+    differ).
+
+    Raises
+    ------
+    ValueError
+        As ``check_segment``.
+    """
+    check_segment(hidden, group_size)
+    tiling = segment_tiling(group_size, act_dtype, FORWARD_CTA_THREADS, SEGMENT_ELEMS_PER_LANE)
+    return GatedConfig(tiling, tiling.min_ctas_per_sm, tiling.min_ctas_per_sm)
+
+
+@cache
+def gated_backward_config(act_dtype: str, hidden: int, group_size: int) -> GatedConfig:
+    """The gated backward's config: ``HELD_ELEMS_PER_LANE`` elements per lane where ``MAX_THREADS_PER_CTA``
+    lanes cover the segment, else ``SEGMENT_ELEMS_PER_LANE`` with g, x and z re-read after the row
+    sum; twice the forward's threads per CTA when segments are short (more bytes in flight per
+    program); and its residency for the persistent grid.
+
+    Raises
+    ------
+    ValueError
+        As ``check_segment``.
+    """
+    check_segment(hidden, group_size)
+    reread = group_size > MAX_THREADS_PER_CTA * HELD_ELEMS_PER_LANE
+    elems = SEGMENT_ELEMS_PER_LANE if reread else HELD_ELEMS_PER_LANE
+    tiling = segment_tiling(group_size, act_dtype, BACKWARD_CTA_THREADS, elems)
+    per_sm = resident_ctas_per_sm(tiling, backward_smem_bytes(tiling), tiling.min_ctas_per_sm)
+    return GatedConfig(tiling, tiling.min_ctas_per_sm, per_sm, reread)

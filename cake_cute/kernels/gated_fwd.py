@@ -1,0 +1,198 @@
+"""Gated RMSNorm forward: the output norms of the linear-attention and Mamba-2 hybrid layers, in one pass.
+
+Math, per row t, FP32 arithmetic, one rounding of y (``silu(z) = z * sigmoid(z)``, w' = w + weight_offset):
+
+    norm then gate (Qwen3-Next):   rstd   = 1 / sqrt(sum_j x_j^2 / H + eps)                  (FP32 [T])
+                                   y_j    = round(x_j * rstd * w'_j * silu(z_j))
+    gate then norm, per group k    h_j    = x_j * silu(z_j)
+    of L = group_size columns      rstd_k = 1 / sqrt(sum_{j in k} h_j^2 / L + eps)           (FP32 [T, H/L])
+    (NemotronH, Mamba-2):          y_j    = round(h_j * rstd_k * w'_j)
+
+The norm-then-gate form is the one-group case of the same kernel (L = H) with the gate applied after
+the statistics instead of before.
+
+Tiling (``gated_config``): the unit is a *segment* of L columns (the row, or one group), tiled like a
+plain row (``tiling.RowTiling``): ``threads_per_row`` lanes, each owning ``vecs_per_thread`` vectors
+of ``vec`` elements (128-bit accesses when L allows), at most 16 elements per lane, ``rows_per_cta``
+segments per CTA when they are short (H = 128 bf16: 8 lanes x 2 vectors, 16 rows per 128-thread
+CTA). The grid is (ceil(T / rows_per_cta), H / L): CTA (b, k) takes rows b * rows_per_cta ... of
+group k, so a CTA's rows all share one slice of w and its tile is an ordinary rectangle of the (T, L)
+view of group k's columns (``segment_columns``). x and z are loaded straight into registers (16
+elements each at most), the gate is computed once, the segment's sum of squares goes through the
+plain kernels' fixed-order row sum (``common.row_sum``: shuffle, then shared memory across warps),
+so y and rstd of a row are bitwise independent of T and of the other rows.
+
+Bytes moved: reads x and z once and w once per CTA (an L2 hit after the first), writes y once and 4
+bytes of rstd per segment: 3 * T*H*act_bytes + 4*T*H/L from HBM.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+
+from .common import (
+    RowKernel,
+    allocate_reduction_buffers,
+    broadcast_rows,
+    column_predicate,
+    copy_atom,
+    row_sum,
+    row_tiled_copy,
+    tile_shape,
+)
+
+
+def segment_columns(m: cute.Tensor, first, width: int, align_elems: int) -> cute.Tensor:
+    """Columns ``first`` .. ``first + width - 1`` of a row-major (rows, H) tensor (or of a vector) as a
+    tensor of their own, with ``m``'s row stride; ``first`` is a multiple of ``align_elems``, so the
+    view keeps the alignment of ``align_elems``-element vectors."""
+    dtype = m.element_type
+    start = (m.iterator + first).toint()
+    align = min(16, align_elems * dtype.width // 8)
+    pointer = cute.make_ptr(dtype, start, cute.AddressSpace.gmem, assumed_align=align)
+    if const_expr(cute.rank(m) == 1):
+        return cute.make_tensor(pointer, cute.make_layout((width,)))
+    return cute.make_tensor(pointer, cute.make_layout((m.shape[0], width), stride=(m.stride[0], 1)))
+
+
+class GatedKernel(RowKernel):
+    """What the gated forward and backward share: the form (``norm_before_gate``), the number of
+    groups per row (1 in the norm-then-gate form), the launch shape with the groups along y, the
+    views of one group's columns and the gate."""
+
+    def __init__(self, config, act_dtype, w_dtype, weight_offset: float, groups: int, norm_before_gate: bool):
+        super().__init__(config, act_dtype, w_dtype, False, weight_offset)
+        self.groups = groups
+        self.norm_before_gate = norm_before_gate
+
+    def launch_shape(self, ctas) -> dict:
+        """``ctas`` row programs along x, one per group along y."""
+        shape = super().launch_shape(ctas)
+        shape["grid"] = [ctas, self.groups, 1]
+        return shape
+
+    @cute.jit
+    def group_view(self, m: cute.Tensor, group) -> cute.Tensor:
+        """Group ``group``'s columns of a (rows, H) tensor or of w (the whole of it for one group)."""
+        if const_expr(self.groups == 1):
+            return m
+        t = self.tiling
+        return segment_columns(m, group * t.hidden, t.hidden, t.vec)
+
+    @cute.jit
+    def gate(self, z: cute.TensorSSA) -> tuple:
+        """(silu(z), silu'(z)) in FP32: s = sigmoid(z), silu = z * s, silu' = s * (1 + z * (1 - s)).
+        sigmoid through ex2.approx and rcp.approx, one MUFU instruction each (an IEEE division is a
+        sequence that held the backward above 128 registers)."""
+        sigmoid = cute.make_rmem_tensor(z.shape, Float32)
+        sigmoid.store(cute.math.exp(-z, fastmath=True) + 1.0)
+        for i in cutlass.range_constexpr(cute.size(sigmoid)):
+            sigmoid[i] = cute.arch.rcp_approx(sigmoid[i])
+        s = sigmoid.load()
+        return z * s, s * (1.0 + z * (1.0 - s))
+
+    @cute.jit
+    def thread_slice(self, shape, tidx):
+        """The thread's slice of the tiled copy, its cells of the first tile as coordinates (what
+        register fragments are shaped like), the column predicate of its fragments (None where the
+        tiles cover the segment exactly), its segment row within a CTA and its lane in that row."""
+        t = self.tiling
+        thr = row_tiled_copy(self.act_dtype, t).get_slice(tidx)
+        tXc = thr.partition_S(cute.local_tile(cute.make_identity_tensor(shape), tile_shape(t), (0, 0)))
+        pred = None
+        if const_expr(not t.covers_row_exactly):
+            pred = column_predicate(tXc, t.hidden)
+        return thr, tXc, pred, tidx // t.threads_per_row, tidx % t.threads_per_row
+
+    @cute.jit
+    def load_weight(self, mW: cute.Tensor, thr, pred) -> cute.Tensor:
+        """The thread's slice of the group's w in registers (zero past the segment)."""
+        t = self.tiling
+        tXgW = thr.partition_S(cute.local_tile(broadcast_rows(mW, t.rows_per_cta), tile_shape(t), (0, 0)))
+        tXrW = cute.make_rmem_tensor_like(tXgW)
+        tXrW.fill(0)
+        cute.copy(copy_atom(self.w_dtype, t.vec), tXgW, tXrW, pred=pred)
+        return tXrW
+
+    @cute.jit
+    def segment_sum(self, val: Float32, buffers, row_in_cta, lane_in_row, slot) -> Float32:
+        """The fixed-order sum of ``val`` over the segment's lanes (``common.row_sum``, one CTA)."""
+        return row_sum(val, *buffers, row_in_cta, lane_in_row, slot, Int32(0), self.tiling.threads_per_row, 1)
+
+
+class GatedRMSNormForward(GatedKernel):
+    """One compiled forward per (arch, dtypes, H, group size, form, weight_offset) and its
+    ``gated_config.GatedConfig``; T is a runtime value. Arguments: x, z, w, y, rstd (T, H / L), eps."""
+
+    @cute.jit
+    def __call__(
+        self,
+        mX: cute.Tensor,
+        mZ: cute.Tensor,
+        mW: cute.Tensor,
+        mY: cute.Tensor,
+        mRstd: cute.Tensor,
+        eps: Float32,
+        stream,
+    ):
+        ctas = cute.ceil_div(mX.shape[0], self.tiling.rows_per_cta)
+        self.kernel(mX, mZ, mW, mY, mRstd, eps).launch(**self.launch_shape(ctas), stream=stream)
+
+    @cute.kernel
+    def kernel(
+        self,
+        mX: cute.Tensor,
+        mZ: cute.Tensor,
+        mW: cute.Tensor,
+        mY: cute.Tensor,
+        mRstd: cute.Tensor,
+        eps: Float32,
+    ):
+        t = self.tiling
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, group, _ = cute.arch.block_idx()
+        if const_expr(self.groups == 1):
+            group = 0
+        rows = mX.shape[0]
+        smem = cutlass.memory.SmemAllocator()
+        buffers = allocate_reduction_buffers(smem, t)
+
+        mX, mZ, mY, mW = [self.group_view(m, group) for m in (mX, mZ, mY, mW)]
+        thr, _, pred, row_in_cta, lane_in_row = self.thread_slice(mX.shape, tidx)
+        row = bidx * t.rows_per_cta + row_in_cta
+        copy_act = partial(cute.copy, copy_atom(self.act_dtype, t.vec), pred=pred)
+        tXgX, tXgZ, tXgY = [
+            thr.partition_S(cute.local_tile(m, tile_shape(t), (bidx, 0))) for m in (mX, mZ, mY)
+        ]
+        # Rows past T and columns past the segment stay zero in registers.
+        tXrX = cute.make_rmem_tensor_like(tXgX)
+        tXrZ = cute.make_rmem_tensor_like(tXgZ)
+        tXrX.fill(0)
+        tXrZ.fill(0)
+        if row < rows:
+            copy_act(tXgX, tXrX)
+            copy_act(tXgZ, tXrZ)
+        tXrW = self.load_weight(mW, thr, pred)
+
+        silu, _ = self.gate(tXrZ.load().to(Float32))
+        h = tXrX.load().to(Float32)
+        if const_expr(not self.norm_before_gate):
+            h = h * silu
+        sum_sq = self.segment_sum(
+            (h * h).reduce(cute.ReductionOp.ADD, Float32(0.0), 0), buffers, row_in_cta, lane_in_row, Int32(0)
+        )
+        rstd = cute.math.rsqrt(sum_sq / t.hidden + eps)
+        if row < rows and lane_in_row == 0:
+            mRstd[row, group] = rstd
+
+        y = h * rstd * self.widen_weight(tXrW.load())
+        if const_expr(self.norm_before_gate):
+            y = y * silu
+        tXrY = cute.make_rmem_tensor_like(tXgY)
+        tXrY.store(y.to(self.act_dtype))
+        if row < rows:
+            copy_act(tXrY, tXgY)
