@@ -17,7 +17,7 @@ checks that every candidate with the default's program count returns bitwise the
 ``cake_cute.tools.bench.timing``), next to a device copy of the same bytes, and checks that every
 candidate's dx is bitwise the default's and its dw within FP32 rounding of an FP64 reference;
 ``--kernels`` adds each kernel's profiler time. The scans these modes replaced, and their logs:
-perf/results/2026-11-30-h200-tiling-scans/, perf/results/2026-11-30-h200-stages-scan/.
+evidence/kernel-rules-h200-2026-12-01/tiling-scans/, evidence/kernel-rules-h200-2026-12-01/stages-scan/.
 """
 
 from __future__ import annotations

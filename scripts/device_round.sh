@@ -5,7 +5,7 @@
 #
 #   OUT=/path/to/folder bash scripts/device_round.sh suite sanitizer sweeps dtypes fp8 model
 #
-# Sections:
+# Sections (the answered experiments' sections are in the git history):
 #   suite        the GPU test suite (pytest -m gpu: three workers, then the scale tests alone) and
 #                `cake-cute check`
 #   sanitizer    compute-sanitizer memcheck / racecheck / synccheck over tests/sanitizer/cases.py
@@ -20,29 +20,13 @@
 #   distributed  the two-GPU matrix and training benchmark (torchrun, NCCL; needs 2 GPUs)
 #   headdimscan  benchmarks/headdim_scan.py: the forward's and backward's configs at H = 32..256 (per-head q/k norms)
 #                against their candidates, quack, torch.compile, Liger and the copy (about 4 minutes)
-#   headdimfwd   benchmarks/headdim_scan.py at H = 64, 96, 128 and 2^16 / 2^20 rows against quack: the forward's
-#                wide-CTA candidates (fwd-rows2x, fwd-rows4x) beside the others
-#   headdimsmall benchmarks/headdim_scan.py: every forward candidate at the small bf16 calls (2^12 and 2^16 rows) where
-#                peers lead, every backward tiling candidate at fp32 2^20 rows, against quack and torch.compile;
-#                and the Triton code inductor generates at bf16 H = 64 and 96, 2^16 rows (benchmarks/inductor_code.py)
-#   headdimrows  benchmarks/headdim_scan.py: backward CTAs of 128 against 256 threads (bwd-cta128, bwd-cta256) for
-#                rows of fewer than 128 vectors, FP32 H = 32..384 and bf16 H = 512..1000; then the fp32 head-dim grid
-#   headdimfwdsmall  the head-dim grid's forward at 4096 and 65536 rows, bf16 and fp32, 100 profiled calls per row
-#                (the grid takes 10), twice in separate processes: whether the small-call gaps to the peers
-#                outlast a run
-#   headdimfwdcta  benchmarks/headdim_scan.py, forward only, 50 profiled calls per row: the rule against one-vector lanes
-#                and against 64-thread CTAs (fwd-vpt1, fwd-cta64, fwd-vpt1-cta64), bf16 and fp32, 2^12-2^20 rows
 #   headdimgrid  `cake-cute bench --grid headdim` (benchmarks/sweep.py) for bf16
 #   headdimdtypes  the same grid for fp16 and fp32, against quack and torch.compile
-#   qklaunch     benchmarks/qk_launch.py: the q and k norms of one attention layer as two launches against one
-#                launch over both sets of rows (what a fused q+k launch could save at best)
 #   qkmodel      benchmarks/model_step.py --model qwen3 (q/k norms, GQA, H = 2048 and 4096, 8192 tokens): every
 #                implementation eager (cake_cute_qk_kernel is cake_cute there), and compiled per decoder
 #                layer at H = 2048 torch, cake_cute (q/k norms left to inductor, the default rule) and
 #                cake_cute_qk_kernel (q/k norms on the kernel) (about 2 minutes)
 #   qkmodelmore  the rest of the compiled Qwen3 steps: quack and Liger at H = 2048, everything at H = 4096
-#   qk4096       the compiled Qwen3 step at H = 4096 for torch, cake_cute (the q/k rule) and
-#                cake_cute_qk_kernel, twice in separate processes (the rule's margin against run-to-run noise)
 #   torchtitan022  benchmarks/torchtitan_022_gpu.py: torchtitan 0.2.2's llama3 debug model, stock norm against the
 #                converter cake_rmsnorm, 10 steps; needs the wheels of benchmarks/torchtitan_022_kit.sh in .device/tt/
 # $CAKE_CUTE_COMMIT labels every results file (a copied tree's .git may be stale).
@@ -142,53 +126,6 @@ section_headdimscan() {
   bounded 280 "$d/run.log" python3 benchmarks/headdim_scan.py --out "$d" --budget-s 230 --vs quack,compile,liger
 }
 
-section_headdimfwd() {
-  local d=$RES/headdimfwd && mkdir -p "$d"
-  bounded 260 "$d/run.log" python3 benchmarks/headdim_scan.py --out "$d" --budget-s 200 --hidden 64,96,128 \
-    --rows 2^16,2^20 --vs quack
-}
-
-section_headdimsmall() {
-  local d=$RES/headdimsmall && mkdir -p "$d"
-  bounded 200 "$d/fwd.log" python3 benchmarks/headdim_scan.py --out "$d/fwd" --budget-s 170 --hidden 64,96,128,80,256 \
-    --rows 2^12,2^16 --vs quack,compile \
-    --only fwd-exact,fwd-half,fwd-vpt1,fwd-double,fwd-rows2x,fwd-rows4x
-  bounded 200 "$d/bwd-fp32.log" python3 benchmarks/headdim_scan.py --out "$d/bwd-fp32" --budget-s 170 --dtype fp32 \
-    --hidden 80,64,96,128,192 --rows 2^20 --vs compile --only dw256,bwd-exact,bwd-vpt1,bwd-vpt1-ring8,bwd-cta128,bwd-cta256
-  for mode in "" --residual; do
-    bounded 120 "$d/inductor$mode.log" python3 benchmarks/inductor_code.py "$d/inductor" --hidden 64,96 --rows 2^16 $mode
-  done
-}
-
-section_headdimrows() {
-  local d=$RES/headdimrows && mkdir -p "$d"
-  bounded 200 "$d/fp32.log" python3 benchmarks/headdim_scan.py --out "$d/fp32" --budget-s 170 --dtype fp32 \
-    --hidden 80,64,192,32,96,128,256,384 --rows 2^16,2^18,2^20 --vs none --only bwd-cta128,bwd-cta256
-  bounded 100 "$d/bf16.log" python3 benchmarks/headdim_scan.py --out "$d/bf16" --budget-s 80 \
-    --hidden 512,768,1000 --rows 2^16,2^20 --vs none --only bwd-cta128,bwd-cta256
-  local g=$RES/headdimgrid && mkdir -p "$g"
-  bounded 200 "$g/sweep-fp32.log" python3 benchmarks/sweep.py --grid headdim --dtype fp32 --vs quack,compile \
-    --json "$g/$day-nvidia-h200-headdim-fp32.json" --no-plot
-}
-
-section_headdimfwdsmall() {
-  local d=$RES/headdimfwdsmall && mkdir -p "$d"
-  for run in 1 2; do
-    bounded 200 "$d/run$run.log" python3 benchmarks/sweep.py --grid headdim --tokens 4096,65536 --ops fwd \
-      --dtype bf16,fp32 --vs quack,compile --reps 10 --prof-reps 100 \
-      --json "$d/$day-nvidia-h200-headdim-fwd-small-run$run.json" --no-plot
-  done
-}
-
-section_headdimfwdcta() {
-  local d=$RES/headdimfwdcta && mkdir -p "$d"
-  local only=fwd-vpt1,fwd-cta64,fwd-vpt1-cta64
-  bounded 130 "$d/bf16.log" python3 benchmarks/headdim_scan.py --out "$d/bf16" --budget-s 100 --hidden 64,128,32,256 \
-    --rows 2^12,2^16,2^20 --vs none --reps 50 --only "$only"
-  bounded 95 "$d/fp32.log" python3 benchmarks/headdim_scan.py --out "$d/fp32" --budget-s 70 --dtype fp32 \
-    --hidden 64,32,128 --rows 2^12,2^16,2^20 --vs none --reps 50 --only "$only"
-}
-
 section_headdimgrid() {
   local d=$RES/headdimgrid && mkdir -p "$d"
   bounded 240 "$d/sweep.log" python3 benchmarks/sweep.py --grid headdim --json "$d/$day-nvidia-h200-headdim.json" \
@@ -200,20 +137,6 @@ section_headdimdtypes() {
   for dt in fp16 fp32; do
     bounded 200 "$d/sweep-$dt.log" python3 benchmarks/sweep.py --grid headdim --dtype "$dt" --vs quack,compile \
       --json "$d/$day-nvidia-h200-headdim-$dt.json" --no-plot
-  done
-}
-
-section_qklaunch() {
-  local d=$RES/qklaunch && mkdir -p "$d"
-  bounded 200 "$d/run.log" python3 benchmarks/qk_launch.py "$d/$day-nvidia-h200-qk-launch.json"
-}
-
-section_qk4096() {
-  local d=$RES/qkmodel && mkdir -p "$d"
-  for run in 1 2; do
-    bounded 150 "$d/compile_4096_run$run.log" python3 benchmarks/model_step.py "$d/$day-nvidia-h200-qwen3-4096-run$run.json" \
-      --model qwen3 --modes compile --compile-scope layers --hidden 4096 \
-      --impls torch,cake_cute,cake_cute_qk_kernel --warmup 3 --steps 10
   done
 }
 

@@ -64,11 +64,9 @@ def test_a_failing_rank_fails_the_case_without_a_hang():
     """Rank 1 raises before a collective that rank 0 waits in: the case fails with rank 1's error, and
     the next case runs on fresh groups."""
     script = textwrap.dedent(
-        f"""
-        import sys
+        """
         import torch, torch.distributed as dist
-        sys.path.insert(0, {str(RUNNER.parent)!r})
-        import one_gpu
+        from tests.distributed_harness import one_gpu
 
         def fails_on_rank_1(s):
             if s.rank == 1:
@@ -79,7 +77,7 @@ def test_a_failing_rank_fails_the_case_without_a_hang():
         def passes(s):
             t = torch.ones(1)
             dist.all_reduce(t)
-            return f"sum {{t.item():.0f}}"
+            return f"sum {t.item():.0f}"
 
         args = one_gpu._parser().parse_args(["--device=cpu", "--small", "--timeout=60"])
         group = one_gpu._install_threaded_group("cpu")
