@@ -57,9 +57,9 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .fusion_plans import _layer_plan, _LayerPlan
-from .module import TORCH_MATH, CakeRMSNorm, check_compiled_as
+from .module import INPUT_NAME, TORCH_MATH, CakeRMSNorm, check_compiled_as, with_input_named
 from .routing import DTensor
-from .swap import _is_swappable, swap_rmsnorm
+from .swap import _is_swappable, _swap_norms
 from .vocab import DTYPE_BY_TORCH
 
 
@@ -271,6 +271,8 @@ class _FinalRMSNorm(CakeRMSNorm):
                 return y
         return super().forward(input, residual=residual)
 
+    forward = with_input_named(forward, INPUT_NAME)
+
 
 def _base_class(layer: nn.Module) -> type:
     return getattr(type(layer), "_cake_base", type(layer))
@@ -372,6 +374,7 @@ def fuse_residual_rmsnorm(
     """
     check_compiled_as("compiled_head_norms", compiled_head_norms)
     patch = _planned_patch(model)
-    swapped = swap_rmsnorm(model, weight_offset, compiled_head_norms=compiled_head_norms)
+    # Called directly from here, so that its warnings name this function and point at its caller.
+    swapped = _swap_norms(model, weight_offset, compiled_head_norms, "fuse_residual_rmsnorm")
     patch()
     return swapped

@@ -126,7 +126,11 @@ def with_input_named(forward, name: str):
     # Local variables are read by index, so renaming the slot renames the parameter and nothing else.
     varnames = (code.co_varnames[0], name, *code.co_varnames[2:])
     renamed = types.FunctionType(
-        code.replace(co_varnames=varnames), forward.__globals__, forward.__name__, forward.__defaults__
+        code.replace(co_varnames=varnames),
+        forward.__globals__,
+        forward.__name__,
+        forward.__defaults__,
+        forward.__closure__,  # the __class__ cell of a forward that calls super()
     )
     renamed.__kwdefaults__ = forward.__kwdefaults__
     renamed.__qualname__ = forward.__qualname__

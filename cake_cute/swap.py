@@ -142,19 +142,30 @@ def _hf_refusal(module: nn.Module, source: str | None) -> str | None:
     return None
 
 
-def _hf_weight_offset(module: nn.Module) -> float:
-    """1.0 when the module scales by ``1 + weight`` (Gemma, Gemma 2/3, Qwen3-Next), else 0.0; a guess
-    (``swap_rmsnorm`` warns when it is used).
+# The weight read as a value (not its dtype or device), and the reads that multiply by it directly:
+# "self.weight * x", "x * self.weight", "(self.weight.to(torch.float32) * x".
+_WEIGHT_VALUE = re.compile(r"\bself\.weight\b(?!\.(dtype|device|shape)\b)")
+_TIMES_WEIGHT = re.compile(r"\* \(?self\.weight\b|\bself\.weight(\.\w+\([\w.]*\))* \*")
+
+
+def _hf_weight_offset(module: nn.Module) -> tuple[float, bool]:
+    """``(offset, guessed)``: 1.0 when the module scales by ``1 + weight`` (Gemma, Gemma 2/3,
+    Qwen3-Next), else 0.0; ``guessed`` when its forward's source does not show which (``swap_rmsnorm``
+    warns about those).
 
     The forward's source decides, because class names mislead both ways (Gemma3n's RMSNorm scales by
-    plain ``weight``, Qwen3-Next's by ``1 + weight``). Without readable source, a class name containing
-    "Gemma" means ``1 + weight``."""
+    plain ``weight``, Qwen3-Next's by ``1 + weight``): ``1 + weight`` is recognized, and so is a
+    forward whose every read of the weight multiplies by it. Anything else (the weight copied into a
+    local, added to an attribute) is a guess of 0.0; without readable source, a guess from the class
+    name, where "Gemma" means ``1 + weight``."""
     cls = type(module)
-    try:
-        source = inspect.getsource(cls.forward)
-    except (OSError, TypeError):
-        return 1.0 if "Gemma" in cls.__name__ else 0.0
-    return 1.0 if _ONE_PLUS_WEIGHT.search(source) else 0.0
+    source = _forward_source(cls)
+    if source is None:
+        return (1.0 if "Gemma" in cls.__name__ else 0.0), True
+    if _ONE_PLUS_WEIGHT.search(source):
+        return 1.0, False
+    reads = len(_WEIGHT_VALUE.findall(source))
+    return 0.0, reads == 0 or reads != len(_TIMES_WEIGHT.findall(source))
 
 
 def _wrapping(weight: nn.Parameter, eps, weight_offset: float, cast_policy: str) -> CakeRMSNorm:
@@ -191,8 +202,9 @@ def _replacement(module: nn.Module, buffer_device: torch.device, weight_offset) 
     return new.train(module.training)
 
 
-def _warn_refused(model: nn.Module) -> None:
-    """One warning naming the norm-shaped classes left alone and why."""
+def _warn_refused(model: nn.Module, entry: str) -> None:
+    """One warning naming the norm-shaped classes left alone and why, attributed to the line that
+    called ``entry`` (through ``_swap_norms``)."""
     refused = {}
     for module in model.modules():
         if not isinstance(module, CakeRMSNorm) and _is_hf_norm_shaped(module):
@@ -201,7 +213,7 @@ def _warn_refused(model: nn.Module) -> None:
                 refused[type(module).__name__] = reason
     if refused:
         listed = "; ".join(f"{name}: {reason}" for name, reason in sorted(refused.items()))
-        warnings.warn(f"swap_rmsnorm left these norms alone ({listed})", UserWarning, stacklevel=3)
+        warnings.warn(f"{entry} left these norms alone ({listed})", UserWarning, stacklevel=_CALLER)
 
 
 def _refuse_parallelized(name: str, module: nn.Module) -> None:
@@ -215,29 +227,35 @@ def _refuse_parallelized(name: str, module: nn.Module) -> None:
         )
 
 
-def _decided_offsets(swappable, weight_offset) -> dict[nn.Module, float]:
-    """The weight_offset of each swappable module: the caller's, 0.0 for torch.nn.RMSNorm, or the
-    source-pattern guess for Hugging Face modules (with one warning naming the classes guessed)."""
+def _decided_offsets(swappable, weight_offset, entry: str) -> dict[nn.Module, float]:
+    """The weight_offset of each swappable module: the caller's, 0.0 for torch.nn.RMSNorm, or what a
+    Hugging Face module's forward shows (``_hf_weight_offset``), with one warning, attributed to the
+    line that called ``entry``, naming the classes where that is a guess."""
     if weight_offset is not None:
         offset = v.check_weight_offset(weight_offset)
         return dict.fromkeys(swappable, offset)
-    decided = {m: 0.0 if isinstance(m, nn.RMSNorm) else _hf_weight_offset(m) for m in swappable}
-    guessed = sorted(
-        {
-            f"{type(m).__name__}: {decided[m]}"
-            for m in swappable
-            if not isinstance(m, nn.RMSNorm) and _hf_weight(m) is not None
-        }
-    )
+    decided, guessed = {}, set()
+    for m in swappable:
+        if isinstance(m, nn.RMSNorm) or _hf_weight(m) is None:  # no offset to read: 0.0, exactly
+            decided[m] = 0.0
+            continue
+        decided[m], is_guess = _hf_weight_offset(m)
+        if is_guess:
+            guessed.add(f"{type(m).__name__}: {decided[m]}")
     if guessed:
         warnings.warn(
-            f"swap_rmsnorm guessed weight_offset from each module's forward source or class name "
-            f"({', '.join(guessed)}); "
+            f"{entry} guessed weight_offset from the forward source or class name of "
+            f"{', '.join(sorted(guessed))}; "
             "pass weight_offset= (1.0 for a 1 + weight scale, else 0.0) to decide it explicitly",
             UserWarning,
-            stacklevel=3,
+            stacklevel=_CALLER,
         )
     return decided
+
+
+# The stack level of the line that called swap_rmsnorm or fuse_residual_rmsnorm, seen from a warning
+# raised in a helper of _swap_norms: the helper, _swap_norms, the entry point, its caller.
+_CALLER = 4
 
 
 # The name of a weightless norm (which has no size to compare with head_dim) over the heads of q, k or v.
@@ -308,8 +326,9 @@ def swap_rmsnorm(
         Changed in place.
     weight_offset : float, optional
         The scale of every swapped module is ``weight + weight_offset``. None: 0.0 for
-        ``torch.nn.RMSNorm``; for Hugging Face modules a guess from the forward's source (``1 + weight``
-        means 1.0), with a ``UserWarning`` that names the classes guessed.
+        ``torch.nn.RMSNorm``; for Hugging Face modules what the forward's source shows (``1 + weight``
+        means 1.0, a plain ``weight`` product 0.0), and where the source shows neither (or cannot be
+        read) a guess, with one ``UserWarning`` that names the classes guessed.
     compiled_head_norms : str
         What a compiled graph runs for the per-head norms this call replaces: ``"torch"`` (the
         default), their PyTorch math, left to inductor; ``"kernel"``, the kernel, as every other norm.
@@ -329,6 +348,12 @@ def swap_rmsnorm(
     TypeError
         model is not a torch.nn.Module; weight_offset is not a number.
     """
+    return _swap_norms(model, weight_offset, compiled_head_norms, "swap_rmsnorm")
+
+
+def _swap_norms(model: nn.Module, weight_offset, compiled_head_norms: str, entry: str) -> int:
+    """``swap_rmsnorm``'s work, called straight from each public entry point ``entry`` (its name is
+    in the warnings, which point at the entry point's caller: ``_CALLER``)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     check_compiled_as("compiled_head_norms", compiled_head_norms)
@@ -343,7 +368,7 @@ def swap_rmsnorm(
     if torch.distributed.is_available():
         for _, name, child in found:
             _refuse_parallelized(name, child)
-    offsets = _decided_offsets(list(dict.fromkeys(child for _, _, child in found)), weight_offset)
+    offsets = _decided_offsets(list(dict.fromkeys(child for _, _, child in found)), weight_offset, entry)
     device = _model_device(model)
     replaced: dict[nn.Module, CakeRMSNorm] = {}
     for parent, name, child in found:
@@ -352,5 +377,5 @@ def swap_rmsnorm(
         if _is_per_head(parent, name, child):
             replaced[child].compiled_as = compiled_head_norms
         setattr(parent, name, replaced[child])
-    _warn_refused(model)
+    _warn_refused(model, entry)
     return len(replaced)

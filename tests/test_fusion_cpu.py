@@ -76,7 +76,7 @@ def _step(model, **kwargs):
 def _swapped(model, fuse: bool):
     model = copy.deepcopy(model)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the weight_offset guess warning (Gemma's is tested elsewhere)
+        warnings.simplefilter("ignore")  # the warnings are tested on their own (test_*_quietly, ...)
         (fuse_residual_rmsnorm if fuse else swap_rmsnorm)(model)
     return model
 
@@ -130,7 +130,8 @@ def test_layers_and_final_norm_become_fused_subclasses_of_their_classes():
     layer_cls = type(model.model.layers[0])
     state = {k: v.clone() for k, v in model.state_dict().items()}
     tree = [(name, type(m).__name__) for name, m in model.named_modules()]
-    with pytest.warns(UserWarning, match="LlamaRMSNorm: 0.0"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # LlamaRMSNorm's forward is recognized: no offset guessed
         swapped = fuse_residual_rmsnorm(model)
     assert swapped == 2 * LAYERS + 1
     assert model.state_dict().keys() == state.keys()
@@ -147,9 +148,62 @@ def test_layers_and_final_norm_become_fused_subclasses_of_their_classes():
 
 def test_gemma_offset_is_recognized():
     model = _tiny("gemma")
-    with pytest.warns(UserWarning, match="GemmaRMSNorm: 1.0"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # read from GemmaRMSNorm's forward: no guess, no warning
         fuse_residual_rmsnorm(model)
     assert model.model.norm.weight_offset == 1.0
+
+
+@pytest.mark.parametrize("arch", list(_ARCHES))
+@pytest.mark.parametrize("entry", [swap_rmsnorm, fuse_residual_rmsnorm], ids=lambda f: f.__name__)
+def test_recognized_norms_swap_and_fuse_quietly(arch, entry):
+    model = _tiny(arch)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert entry(model) > 0
+    assert [str(w.message) for w in caught] == []
+
+
+def _unreadable_norm_class(base: type) -> type:
+    """A subclass of ``base`` of the same name whose forward has no readable source (defined by exec),
+    so that its weight offset can only be guessed."""
+    namespace = {"base": base}
+    exec(
+        f"class {base.__name__}(base):\n"
+        "    def forward(self, hidden_states):\n"
+        "        return super().forward(hidden_states)\n",
+        namespace,
+    )
+    return namespace[base.__name__]
+
+
+@pytest.mark.parametrize("entry", [swap_rmsnorm, fuse_residual_rmsnorm], ids=lambda f: f.__name__)
+def test_a_guessed_offset_warns_once_at_the_callers_line(entry):
+    """Norms whose forward cannot be read: one warning naming the class and the function called,
+    attributed to this file (the caller's line), through either entry point."""
+    model = _tiny("llama")
+    unreadable = _unreadable_norm_class(type(model.model.norm))
+    for module in model.modules():
+        if type(module).__name__ == "LlamaRMSNorm":
+            module.__class__ = unreadable
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert entry(model) == 2 * LAYERS + 1
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    assert message.startswith(f"{entry.__name__} guessed weight_offset") and "LlamaRMSNorm: 0.0" in message
+    assert caught[0].filename == __file__
+    assert model.model.norm.weight_offset == 0.0
+
+
+def test_the_final_norm_takes_the_running_torchs_input_name():
+    """The fused model's final norm is called by keyword as torch.nn.RMSNorm is (``x`` in torch 2.13)."""
+    from cake_cute.module import INPUT_NAME
+
+    model = _tiny("llama")
+    fuse_residual_rmsnorm(model)
+    h = torch.randn(2, 5, HIDDEN)
+    assert torch.equal(model.model.norm(**{INPUT_NAME: h}), model.model.norm(h))
 
 
 def _counted_step(model, **kwargs):
