@@ -1,0 +1,447 @@
+"""Megatron-Core integration: cake_cute norms built the way Megatron builds its own, and GPT layer specs
+that hold them, so a Megatron-LM user switches with one line::
+
+    --spec cake_cute.integrations.megatron gpt_layer_spec            # input and pre-MLP norms
+    --spec cake_cute.integrations.megatron gpt_layer_spec_qk_norm    # the same, with --qk-layernorm
+
+(``--spec`` imports a module attribute and hands it to ``GPTModel`` as it is: these are layer
+``ModuleSpec`` objects, built when this module is imported.) A model provider written in Python calls
+``get_gpt_decoder_block_spec(config)`` instead, which also makes the model's final norm a cake norm: a
+layer spec cannot reach it, since ``TransformerBlock`` takes the final norm from a block spec only.
+
+The norms honour the norm fields of ``TransformerConfig`` (``normalization``, ``layernorm_epsilon``,
+``layernorm_zero_centered_gamma``, ``sequence_parallel``, ``fused_residual_rmsnorm``,
+``persist_layer_norm``, ``params_dtype``, ``use_cpu_initialization``, ``init_model_with_meta_device``)
+and refuse by name what they cannot honour (docs/integrations.md). Their state dict is the stock norm's
+(one ``weight``), so Megatron checkpoints load in both directions.
+
+This module imports without Megatron-Core; the norm classes need only a config object, and the specs
+and the spec provider exist when ``megatron.core`` imports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+from ..module import CakeRMSNorm  # importing it registers the torch.ops.cake_cute ops used below
+
+try:
+    import megatron.core  # noqa: F401
+except ModuleNotFoundError as error:
+    if error.name not in ("megatron", "megatron.core"):
+        raise
+    HAS_MEGATRON = False
+else:
+    HAS_MEGATRON = True
+
+__all__ = ["MegatronCakeRMSNorm", "MegatronCakeResidualRMSNorm", "MegatronCakeQKRMSNorm", "HAS_MEGATRON"]
+
+
+def _config_flag(config, name: str) -> bool:
+    """A boolean field of a Megatron config; False where this Megatron version has no such field."""
+    return bool(getattr(config, name, False))
+
+
+def _check_norm_config(config) -> None:
+    """Refuse, by field name, a config whose norm cake_cute would compute differently."""
+    normalization = getattr(config, "normalization", None)
+    if normalization != "RMSNorm":
+        raise ValueError(
+            f"config.normalization must be 'RMSNorm' for a cake_cute norm, got {normalization!r}: "
+            "cake_cute implements RMSNorm only; keep Megatron's own norm spec for other norms"
+        )
+    if _config_flag(config, "memory_efficient_layer_norm"):
+        raise ValueError(
+            "config.memory_efficient_layer_norm must be False for a cake_cute norm: its backward reads the "
+            "saved input (x, w, rstd), not the output, so it keeps the memory this option would save"
+        )
+
+
+def _weight_device(config) -> torch.device:
+    """Where Megatron puts a norm's weight at construction (as Transformer Engine's norm does): the CPU
+    with ``use_cpu_initialization``, the meta device with ``init_model_with_meta_device``, else the
+    current CUDA device."""
+    if _config_flag(config, "use_cpu_initialization"):
+        return torch.device("cpu")
+    if _config_flag(config, "init_model_with_meta_device"):
+        return torch.device("meta")
+    if not torch.cuda.is_available():
+        raise ValueError(
+            "config.use_cpu_initialization is False, so the norm's weight goes on the current CUDA "
+            "device, but CUDA is not available; set use_cpu_initialization=True to build on the CPU"
+        )
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+class _NormKeepingInput(torch.autograd.Function):
+    """``(y, x)``: the norm of x and x itself, whose two gradients the norm's backward adds in its own
+    last step (one rounding), as Megatron's ``fused_residual_rmsnorm`` asks of a norm whose input is
+    also the residual. ``forward(ctx, x, w, eps, weight_offset)``."""
+
+    @staticmethod
+    def forward(ctx, x, w, eps, weight_offset):
+        y, rstd, _ = torch.ops.cake_cute.rmsnorm_fwd(x, w, eps, None, weight_offset)
+        ctx.save_for_backward(x, w, rstd)
+        ctx.weight_offset = weight_offset
+        return y, x
+
+    @staticmethod
+    def backward(ctx, g, g_residual):
+        x, w, rstd = ctx.saved_tensors
+        dx, dw = torch.ops.cake_cute.rmsnorm_bwd(g, x, w, rstd, g_residual, ctx.weight_offset)
+        return dx, dw, None, None
+
+
+class MegatronCakeRMSNorm(CakeRMSNorm):
+    """``CakeRMSNorm`` built from a Megatron ``TransformerConfig`` through Megatron's norm-builder
+    protocol (``LayerNormBuilder``: keyword-only ``config``, ``hidden_size``, ``eps``), as a layer spec
+    names ``TENorm`` or ``WrappedTorchNorm``.
+
+    Parameters
+    ----------
+    config : megatron.core.transformer.TransformerConfig
+        Read at construction: ``normalization`` must be ``"RMSNorm"``; ``layernorm_zero_centered_gamma``
+        scales by ``1 + weight`` (weight starts at zeros); ``sequence_parallel`` marks
+        ``weight.sequence_parallel``, which ``finalize_model_grads`` all-reduces over the
+        tensor-parallel group; ``fused_residual_rmsnorm`` (with ``has_residual``) returns
+        ``(output, residual)``; ``params_dtype`` is the weight's dtype; ``use_cpu_initialization`` /
+        ``init_model_with_meta_device`` choose its device (else the current CUDA device);
+        ``persist_layer_norm`` (a choice among Apex LayerNorm kernels) changes nothing here;
+        ``memory_efficient_layer_norm`` is refused.
+    hidden_size : int
+        The normalized (last) dimension: the model's hidden size, or the attention head size for q/k
+        norms.
+    eps : float, optional
+        Added to the mean square; Megatron passes ``config.layernorm_epsilon``, which is also the
+        default.
+    has_residual : bool
+        This norm's input is also the layer's residual (the input and pre-MLP norms of a GPT layer).
+        With ``config.fused_residual_rmsnorm`` the forward returns ``(output, input)`` and its backward
+        adds the residual's gradient into dx in the same pass, which ``TransformerLayer`` (Megatron
+        0.17+) accepts from a norm; otherwise it has no effect.
+
+    Raises
+    ------
+    ValueError
+        ``config.normalization`` is not ``"RMSNorm"``, ``config.memory_efficient_layer_norm`` is set,
+        the weight would go on CUDA where CUDA is not available, or the errors of ``CakeRMSNorm``
+        (hidden_size, eps).
+    """
+
+    def __init__(self, *, config, hidden_size, eps=None, has_residual=False):
+        _check_norm_config(config)
+        zero_centered = _config_flag(config, "layernorm_zero_centered_gamma")
+        super().__init__(
+            hidden_size,
+            eps=config.layernorm_epsilon if eps is None else eps,
+            device=_weight_device(config),
+            dtype=getattr(config, "params_dtype", None),
+            weight_offset=1.0 if zero_centered else 0.0,
+            sequence_parallel=_config_flag(config, "sequence_parallel"),
+        )
+        self.fused_residual = bool(has_residual) and _config_flag(config, "fused_residual_rmsnorm")
+
+    def forward(self, input: torch.Tensor, *, residual: torch.Tensor | None = None):
+        """The normalized input, or ``(normalized, input)`` where the fused residual form is on.
+
+        Parameters
+        ----------
+        input : torch.Tensor
+            ``[s, b, h]`` hidden states (the local sequence shard under sequence parallelism).
+        residual : torch.Tensor, optional
+            As for ``CakeRMSNorm`` (not used by Megatron's layers).
+
+        Returns
+        -------
+        torch.Tensor or tuple of torch.Tensor
+            y; ``(y, input)`` in the fused residual form; ``(y, input + residual)`` with ``residual``.
+
+        Raises
+        ------
+        TypeError, ValueError
+            The errors of ``CakeRMSNorm.forward``.
+        """
+        if not self.fused_residual or residual is not None:
+            return super().forward(input, residual=residual)
+        w = self.weight if self.weight.dtype in (input.dtype, torch.float32) else self.weight.float()
+        return _NormKeepingInput.apply(input, w, self.eps, self.weight_offset)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (", fused_residual=True" if self.fused_residual else "")
+
+
+class MegatronCakeResidualRMSNorm(MegatronCakeRMSNorm):
+    """``MegatronCakeRMSNorm`` with ``has_residual=True``: the input and pre-MLP norms of a layer spec
+    (Megatron's TE backend names ``_TENormWithResidual`` there). Parameters as for the base class."""
+
+    def __init__(self, *, config, hidden_size, eps=None, has_residual=True):
+        super().__init__(config=config, hidden_size=hidden_size, eps=eps, has_residual=has_residual)
+
+
+class MegatronCakeQKRMSNorm(MegatronCakeRMSNorm):
+    """``MegatronCakeRMSNorm`` for the per-head q/k norms (``qk_layernorm``; built at the attention head
+    size). Parameters as for the base class.
+
+    Raises
+    ------
+    ValueError
+        ``config.qk_l2_norm`` is set: those norms are Megatron's weightless ``L2Norm``, which a spec
+        keeps (a learned scale here would change the model).
+    """
+
+    def __init__(self, *, config, hidden_size, eps=None, has_residual=False):
+        if _config_flag(config, "qk_l2_norm"):
+            raise ValueError(
+                "config.qk_l2_norm is set, so the q/k norms are Megatron's weightless L2Norm; use a spec "
+                "whose q/k norms are L2Norm (get_gpt_layer_spec(qk_l2_norm=True)) instead of cake norms"
+            )
+        super().__init__(config=config, hidden_size=hidden_size, eps=eps, has_residual=has_residual)
+
+
+if HAS_MEGATRON:
+    from megatron.core.extensions import transformer_engine as _te
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.models.gpt import gpt_layer_specs as _gpt_specs
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import L2Norm
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    HAS_TE = bool(_te.HAVE_TE)
+
+    # Megatron's local spec stores these norms under the names Transformer Engine's fused
+    # norm-linear layers use, so checkpoints move between the local and TE specs; a spec that takes
+    # a norm out of a fused TE layer keeps those names too.
+    _FUSED_NORM_KEYS = {
+        "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+        "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
+    }
+
+    class CakeSpecProvider(LocalSpecProvider):
+        """Megatron's ``LocalSpecProvider`` with cake norms: for code that builds specs from a backend
+        (``get_mlp_module_spec_for_backend``, ``get_gpt_mtp_block_spec_for_backend``, forks whose
+        layer-spec functions take a backend).
+
+        Methods as ``LocalSpecProvider``'s; ``layer_norm`` returns a cake norm builder.
+        """
+
+        def layer_norm(self, rms_norm: bool = False, for_qk: bool = False, has_residual: bool = False):
+            """The cake norm builder for a norm slot.
+
+            Parameters
+            ----------
+            rms_norm : bool
+                Accepted as Megatron passes it; the config's ``normalization`` is what the norm checks.
+            for_qk : bool
+                A per-head q/k norm.
+            has_residual : bool
+                The norm's input is also the residual (input and pre-MLP norms).
+
+            Returns
+            -------
+            type
+                ``MegatronCakeQKRMSNorm``, ``MegatronCakeResidualRMSNorm`` or ``MegatronCakeRMSNorm``.
+            """
+            if for_qk:
+                return MegatronCakeQKRMSNorm
+            return MegatronCakeResidualRMSNorm if has_residual else MegatronCakeRMSNorm
+
+    def _is_norm_builder(builder) -> bool:
+        """Whether a spec slot holds a norm to replace (not an identity, an empty slot or the weightless
+        L2Norm, which has no RMSNorm weight to carry)."""
+        return builder is not None and builder is not IdentityOp and builder is not L2Norm
+
+    def _unfused_linear(builder):
+        """TE's norm-fused column-parallel linear becomes TE's plain one; anything else is kept."""
+        if HAS_TE and builder is _te.TELayerNormColumnParallelLinear:
+            return _te.TEColumnParallelLinear
+        return None
+
+    def _submodules(spec):
+        """The submodules of a sublayer spec: a ``ModuleSpec``, or (Megatron 0.17+ MLPs) a
+        ``functools.partial`` of the module class with ``submodules=``; None for anything else."""
+        if isinstance(spec, functools.partial):
+            return spec.keywords.get("submodules")
+        return spec.submodules if isinstance(spec, ModuleSpec) else None
+
+    def _with_submodules(spec, submodules):
+        if isinstance(spec, functools.partial):
+            return functools.partial(spec.func, *spec.args, **{**spec.keywords, "submodules": submodules})
+        return dataclasses.replace(spec, submodules=submodules)
+
+    def _with_cake_sublayer(spec, linear_field: str, norm_slots: dict):
+        """``spec`` (an attention or MLP spec) with its norm slots in ``norm_slots`` replaced by cake
+        norms, and whether its ``linear_field`` linear had a norm fused in that now moved out."""
+        subs = _submodules(spec)
+        if subs is None:
+            return spec, False
+        changes = {
+            name: builder
+            for name, builder in norm_slots.items()
+            if hasattr(subs, name) and _is_norm_builder(getattr(subs, name))
+        }
+        unfused = _unfused_linear(getattr(subs, linear_field, None))
+        if unfused is not None:
+            changes[linear_field] = unfused
+        if not changes:
+            return spec, False
+        return _with_submodules(spec, dataclasses.replace(subs, **changes)), unfused is not None
+
+    def with_cake_norms(spec):
+        """A GPT layer spec (or a block spec) with its RMSNorms replaced by cake norms.
+
+        The input and pre-MLP norms become ``MegatronCakeResidualRMSNorm``, the per-head q/k norms
+        ``MegatronCakeQKRMSNorm`` (``L2Norm`` stays), a block's final norm ``MegatronCakeRMSNorm``.
+        Where Transformer Engine's ``TELayerNormColumnParallelLinear`` holds the input or pre-MLP
+        norm, it becomes ``TEColumnParallelLinear`` after a cake norm (TE's other layers stay), and the
+        norm keeps the checkpoint name the fused layer used.
+
+        Parameters
+        ----------
+        spec : ModuleSpec or TransformerBlockSubmodules
+            A ``TransformerLayer`` spec (``get_gpt_layer_local_spec``,
+            ``get_gpt_layer_with_transformer_engine_spec``) or a block spec of them.
+
+        Returns
+        -------
+        ModuleSpec or TransformerBlockSubmodules
+            A new spec; ``spec`` is not changed.
+
+        Raises
+        ------
+        TypeError
+            ``spec`` is neither a ``ModuleSpec`` with layer submodules nor ``TransformerBlockSubmodules``.
+        """
+        if isinstance(spec, TransformerBlockSubmodules):
+            return dataclasses.replace(
+                spec,
+                layer_specs=[with_cake_norms(layer) for layer in spec.layer_specs],
+                layer_norm=MegatronCakeRMSNorm,
+            )
+        subs = getattr(spec, "submodules", None)
+        if not isinstance(spec, ModuleSpec) or not hasattr(subs, "input_layernorm"):
+            raise TypeError(
+                "spec must be a TransformerLayer ModuleSpec or TransformerBlockSubmodules, got "
+                f"{type(spec).__name__}"
+            )
+        qk = MegatronCakeQKRMSNorm
+        attention, qkv_unfused = _with_cake_sublayer(
+            subs.self_attention, "linear_qkv", {"q_layernorm": qk, "k_layernorm": qk, "kv_layernorm": qk}
+        )
+        mlp, fc1_unfused = _with_cake_sublayer(subs.mlp, "linear_fc1", {})
+        changes = {"self_attention": attention, "mlp": mlp}
+        keys = dict(getattr(subs, "sharded_state_dict_keys_map", None) or {})
+        for name, unfused in (("input_layernorm", qkv_unfused), ("pre_mlp_layernorm", fc1_unfused)):
+            if unfused or _is_norm_builder(getattr(subs, name)):
+                changes[name] = MegatronCakeResidualRMSNorm
+            if unfused:
+                keys[f"{name}."] = _FUSED_NORM_KEYS[f"{name}."]
+        if qkv_unfused or fc1_unfused:
+            changes["sharded_state_dict_keys_map"] = keys
+        return dataclasses.replace(spec, submodules=dataclasses.replace(subs, **changes))
+
+    def _use_te(use_transformer_engine) -> bool:
+        """Whether to start from Megatron's TE specs: as asked, by default where TE imports."""
+        if use_transformer_engine is None:
+            return HAS_TE
+        if use_transformer_engine and not HAS_TE:
+            raise ImportError("use_transformer_engine=True needs Transformer Engine, which does not import")
+        return bool(use_transformer_engine)
+
+    def get_gpt_layer_spec(
+        num_experts=None,
+        moe_grouped_gemm=False,
+        qk_layernorm=False,
+        multi_latent_attention=False,
+        qk_l2_norm=False,
+        use_transformer_engine=None,
+        **kwargs,
+    ):
+        """A GPT ``TransformerLayer`` spec with cake norms: Megatron's TE spec (where Transformer Engine
+        is installed) or local spec, through ``with_cake_norms``.
+
+        Parameters
+        ----------
+        num_experts, moe_grouped_gemm, qk_layernorm, multi_latent_attention, qk_l2_norm
+            As for ``get_gpt_layer_local_spec``; ``qk_layernorm`` must match the config's.
+        use_transformer_engine : bool, optional
+            Start from TE's spec (its linear layers and attention); default: whether TE imports.
+        **kwargs
+            Passed on to Megatron's spec function of this version.
+
+        Returns
+        -------
+        ModuleSpec
+            The layer spec.
+
+        Raises
+        ------
+        ImportError
+            ``use_transformer_engine=True`` without Transformer Engine.
+        """
+        use_te = _use_te(use_transformer_engine)
+        build = (
+            _gpt_specs.get_gpt_layer_with_transformer_engine_spec
+            if use_te
+            else _gpt_specs.get_gpt_layer_local_spec
+        )
+        stock = build(
+            num_experts=num_experts,
+            moe_grouped_gemm=moe_grouped_gemm,
+            qk_layernorm=qk_layernorm,
+            multi_latent_attention=multi_latent_attention,
+            qk_l2_norm=qk_l2_norm,
+            **kwargs,
+        )
+        return with_cake_norms(stock)
+
+    def get_gpt_decoder_block_spec(config, use_transformer_engine=None, qk_l2_norm=False, **kwargs):
+        """A GPT block spec with cake norms, the final norm included: Megatron's
+        ``get_gpt_decoder_block_spec`` (dense and MoE layers, this pipeline stage's share) through
+        ``with_cake_norms``. Pass it to ``GPTModel(transformer_layer_spec=...)``.
+
+        Parameters
+        ----------
+        config : TransformerConfig
+            The model's config (its ``qk_layernorm``, MoE and pipeline fields shape the layers).
+        use_transformer_engine : bool, optional
+            Start from TE's layers; default: whether TE imports.
+        qk_l2_norm : bool
+            As for Megatron's function.
+        **kwargs
+            ``vp_stage``, ``pp_rank``: passed on.
+
+        Returns
+        -------
+        TransformerBlockSubmodules
+            The block spec.
+
+        Raises
+        ------
+        ImportError
+            ``use_transformer_engine=True`` without Transformer Engine.
+        """
+        use_te = _use_te(use_transformer_engine)
+        stock = _gpt_specs.get_gpt_decoder_block_spec(
+            config, use_transformer_engine=use_te, normalization="RMSNorm", qk_l2_norm=qk_l2_norm, **kwargs
+        )
+        return with_cake_norms(stock)
+
+    # What ``--spec cake_cute.integrations.megatron <name>`` imports: Megatron-LM passes the attribute
+    # itself (not a call's result) as the layer spec, and attention refuses q/k norm builders when
+    # qk_layernorm is off, so the two settings are two objects.
+    gpt_layer_spec = get_gpt_layer_spec()
+    gpt_layer_spec_qk_norm = get_gpt_layer_spec(qk_layernorm=True)
+
+    __all__ += [
+        "CakeSpecProvider",
+        "HAS_TE",
+        "get_gpt_decoder_block_spec",
+        "get_gpt_layer_spec",
+        "gpt_layer_spec",
+        "gpt_layer_spec_qk_norm",
+        "with_cake_norms",
+    ]
