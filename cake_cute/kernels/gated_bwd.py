@@ -25,7 +25,9 @@ each operand per lane (16 for segments wider than 4096), short segments 256 thre
 and z of a tile are loaded straight into registers (no staging); the FP32 terms of dx and dz are
 formed before the row sum, the only synchronisation per row (``common.row_sum``, double-buffered by
 ``slot``), and held across it. Lanes of 16 elements cannot hold them under 128 registers
-(``GatedConfig.reread``): they load g, x and z again after the row sum (an L2 hit) and recompute.
+(``GatedConfig.reread``): they load g, x and z again after the row sum (an L2 hit) and recompute,
+and keep their dW accumulator in their own cells of shared memory (FP32 rows spill on sm_100a
+otherwise).
 
 Bytes moved: reads g, x, z and writes dx, dz once: 5 * T*H*act_bytes, plus 4*T*H/L of rstd, plus
 the partial rows (P * H * 4, written here, read by dw_reduce).
@@ -110,6 +112,11 @@ class GatedRMSNormBackward(GatedKernel):
         tXrG, tXrX, tXrZ, tXrDX, tXrDZ = [cute.make_rmem_tensor_like(tXc0, self.act_dtype) for _ in range(5)]
         tXrDW = cute.make_rmem_tensor_like(tXc0, Float32)
         tXrDW.fill(0.0)
+        tXDW = tXrDW  # the dW accumulator: in registers, or re-reading lanes' own shared-memory cells
+        if const_expr(self.config.reread):
+            cta_tile = cute.make_ordered_layout((t.rows_per_cta, t.cols_per_cta), order=(1, 0))
+            tXDW = thr.partition_D(smem.allocate_tensor(Float32, cta_tile, byte_alignment=16))
+            cute.autovec_copy(tXrDW, tXDW)
 
         visit = Int32(0)  # row tiles this program has visited
         for tile in cutlass.range(bidx, num_tiles, num_programs, unroll=1):
@@ -122,7 +129,7 @@ class GatedRMSNormBackward(GatedKernel):
                 tt.read((tt.of(mG, tile), tt.of(mX, tile), tt.of(mZ, tile)), (tXrG, tXrX, tXrZ))
                 rstd = mRstd[row, group]
             terms = self.row_terms(tXrG, tXrX, tXrZ, tXrW, rstd)
-            c = self.reduce_row(terms, tXrDW, buffers, row_in_cta, lane_in_row, visit & 1)
+            c = self.reduce_row(terms, tXDW, buffers, row_in_cta, lane_in_row, visit & 1)
             if const_expr(self.config.reread):
                 # Fresh loads after the barrier (an L2 hit): nothing of the row lives across it.
                 if row < rows:
@@ -136,6 +143,8 @@ class GatedRMSNormBackward(GatedKernel):
 
         # The dW reduction may start launching (it waits for this grid's memory before reading).
         cute.arch.griddepcontrol_launch_dependents()
+        if const_expr(self.config.reread):
+            cute.autovec_copy(tXDW, tXrDW)
         if const_expr(t.rows_per_cta > 1):
             self.fold_row_groups(tt, sFold, tXrDW)
         self.write_dw_partial(tt, bidx, group, mPartial, tXrDW, pred)
@@ -155,10 +164,10 @@ class GatedRMSNormBackward(GatedKernel):
         return g * w, n, g * n, silu, x * dsilu
 
     @cute.jit
-    def reduce_row(self, terms, tXrDW, buffers, row_in_cta, lane_in_row, slot) -> Float32:
+    def reduce_row(self, terms, tXDW, buffers, row_in_cta, lane_in_row, slot) -> Float32:
         """Add this row's dW terms into the accumulator and return c = sum(a * n) / L."""
         a, n, dw_term = terms[0], terms[1], terms[2]
-        tXrDW.store(tXrDW.load() + dw_term)
+        tXDW.store(tXDW.load() + dw_term)
         dot = self.segment_sum(
             (a * n).reduce(cute.ReductionOp.ADD, Float32(0.0), 0), buffers, row_in_cta, lane_in_row, slot
         )

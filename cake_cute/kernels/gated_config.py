@@ -46,7 +46,8 @@ class GatedConfig:
     tiling: RowTiling
     min_ctas_per_sm: int
     ctas_per_sm: int
-    reread: bool = False  # backward: g, x and z are loaded again after the row sum (an L2 hit)
+    # Backward: g, x and z are loaded again after the row sum (an L2 hit), dW kept in shared memory.
+    reread: bool = False
 
     def describe(self) -> str:
         reread = " reread" if self.reread else ""
@@ -80,12 +81,14 @@ def segment_tiling(segment: int, act_dtype: str, cta_threads: int, elems_per_lan
     return RowTiling(segment, vec, lanes, -(-vecs // lanes), 1, max(1, cta_threads // lanes))
 
 
-def backward_smem_bytes(tiling: RowTiling) -> int:
+def backward_smem_bytes(tiling: RowTiling, reread: bool) -> int:
     """Shared memory of one backward CTA: the row sums' two slots of warp sums, the FP32 tile in which
-    several segments fold their dW, and the DSL's static kilobyte (an upper bound)."""
+    several segments fold their dW, the FP32 dW tile of a re-reading backward, and the DSL's static
+    kilobyte (an upper bound)."""
     reduction = 4 * 2 * tiling.rows_per_cta * (tiling.warps_per_row + 1) + 64
-    fold = 4 * tiling.rows_per_cta * tiling.cols_per_cta if tiling.rows_per_cta > 1 else 0
-    return reduction + fold + SMEM_STATIC_PER_CTA + 256
+    fp32_tile = 4 * tiling.rows_per_cta * tiling.cols_per_cta
+    fold = fp32_tile if tiling.rows_per_cta > 1 else 0
+    return reduction + fold + (fp32_tile if reread else 0) + SMEM_STATIC_PER_CTA + 256
 
 
 @cache
@@ -119,5 +122,5 @@ def gated_backward_config(act_dtype: str, hidden: int, group_size: int) -> Gated
     reread = group_size > MAX_THREADS_PER_CTA * HELD_ELEMS_PER_LANE
     elems = SEGMENT_ELEMS_PER_LANE if reread else HELD_ELEMS_PER_LANE
     tiling = segment_tiling(group_size, act_dtype, BACKWARD_CTA_THREADS, elems)
-    per_sm = resident_ctas_per_sm(tiling, backward_smem_bytes(tiling), tiling.min_ctas_per_sm)
+    per_sm = resident_ctas_per_sm(tiling, backward_smem_bytes(tiling, reread), tiling.min_ctas_per_sm)
     return GatedConfig(tiling, tiling.min_ctas_per_sm, per_sm, reread)

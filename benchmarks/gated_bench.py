@@ -1,0 +1,198 @@
+"""Gated RMSNorm speed: cake_cute's forward and backward as a fraction of a device copy of the bytes
+they must move, next to the Hugging Face module in eager and under torch.compile, and fla's
+``FusedRMSNormGated`` (norm then gate) where fla imports.
+
+Bytes (``docs/gated.md``): forward reads x and z and writes y, plus FP32 rstd per segment; backward
+reads g, x and z and writes dx and dz, plus rstd. ``fraction`` = (device time of a copy of those
+bytes) / (device time of the call): 1.0 runs at the copy's speed. Device times are medians of
+``--reps`` calls timed by ``cake_cute.tools.bench.timing.DeviceTimer`` (a spin kernel hides the host;
+inputs rotate through enough sets to exceed twice the L2, so every figure is an HBM figure). The
+peers' backward is autograd's (the forward runs untimed before each call).
+
+Shapes: rows of head_dim 128 (norm then gate, T * heads = 2^16 .. 2^21 rows) and grouped full-width
+rows (gate then norm). About three minutes on one H200 (the compiled module compiles once per form,
+with dynamic shapes).
+
+    python benchmarks/gated_bench.py results.json [--dtype bf16] [--reps 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from cake_cute.gated_ops import gated_rmsnorm_backward, gated_rmsnorm_forward
+from cake_cute.tools.bench.timing import DeviceTimer, Rotation, buffer_sets_for
+
+EPS = 1e-6
+HEAD_DIM_ROWS = [1 << k for k in range(16, 22)]
+# (T, H, group_size): Mamba-2 hybrids' SSM output norms (n_groups = 8 and 1).
+GROUPED = [(4096, 8192, 1024), (16384, 8192, 1024), (4096, 16384, 2048), (8192, 8192, 8192)]
+
+
+def shapes() -> list[tuple[int, int, int, bool]]:
+    """(T, H, group_size, norm_before_gate) of every case."""
+    head_dim = [(rows, 128, 128, True) for rows in HEAD_DIM_ROWS]
+    return head_dim + [(rows, hidden, group, False) for rows, hidden, group in GROUPED]
+
+
+def nbytes(op: str, rows: int, hidden: int, group: int, element: int) -> int:
+    tensors = 3 if op == "forward" else 5
+    return tensors * rows * hidden * element + 4 * rows * (hidden // group)
+
+
+class Cake:
+    name = "cake_cute"
+
+    def __init__(self, hidden, group, norm_before_gate, dtype):
+        self.options = dict(group_size=group, norm_before_gate=norm_before_gate)
+        self.w = torch.randn(hidden, device="cuda", dtype=dtype) * 0.5 + 1
+
+    def forward(self, x, z):
+        return gated_rmsnorm_forward(x, z, self.w, EPS, **self.options)
+
+    def backward_call(self, x, z, g):
+        _, rstd = self.forward(x, z)
+        return lambda: gated_rmsnorm_backward(g, x, z, self.w, rstd, **self.options)
+
+
+class Module:
+    """A peer that is an nn.Module taking (x, gate); its backward is autograd's."""
+
+    def __init__(self, name, module):
+        self.name, self.module = name, module
+
+    def forward(self, x, z):
+        with torch.no_grad():
+            return self.module(x, z)
+
+    def backward_call(self, x, z, g):
+        x, z = x.detach().requires_grad_(), z.detach().requires_grad_()
+        y = self.module(x, z)
+        return lambda: torch.autograd.grad(y, (x, z, *self.module.parameters()), g)
+
+
+def hf_module(hidden, group, norm_before_gate, dtype):
+    if norm_before_gate:
+        from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNormGated
+
+        return Qwen3NextRMSNormGated(hidden, eps=EPS).to("cuda", dtype)
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHRMSNormGated
+
+    return NemotronHRMSNormGated(hidden, group, eps=EPS).to("cuda", dtype)
+
+
+def fla_module(hidden, dtype):
+    from fla.modules import FusedRMSNormGated
+
+    return FusedRMSNormGated(hidden, eps=EPS).to("cuda", dtype)
+
+
+_compiled: dict = {}
+
+
+def peers(hidden, group, norm_before_gate, dtype) -> list:
+    """The implementations timed at one shape; a peer that cannot be built is left out (with a note)."""
+    impls = [
+        Cake(hidden, group, norm_before_gate, dtype),
+        Module("hf_eager", hf_module(hidden, group, norm_before_gate, dtype)),
+    ]
+    key = (hidden, group, norm_before_gate, dtype)
+    if key not in _compiled:
+        _compiled[key] = torch.compile(hf_module(hidden, group, norm_before_gate, dtype), dynamic=True)
+    impls.append(Module("hf_compiled", _compiled[key]))
+    if norm_before_gate:
+        try:
+            impls.append(Module("fla", fla_module(hidden, dtype)))
+        except Exception as exc:  # fla missing or unbuildable here: recorded once, never fatal
+            print(f"fla left out: {exc!r}", file=sys.stderr)
+    return impls
+
+
+def _sets(rows, hidden, dtype, count):
+    return [
+        tuple(torch.randn(rows, hidden, device="cuda", dtype=dtype) for _ in range(3)) for _ in range(count)
+    ]
+
+
+def copy_us(timer, total_bytes, reps) -> float:
+    """Device time of a device-to-device copy that reads and writes ``total_bytes`` in all."""
+    half = max(1, total_bytes // 2)
+    count = buffer_sets_for(total_bytes, timer.l2_bytes)
+    pairs = [
+        tuple(torch.empty(half, dtype=torch.uint8, device="cuda") for _ in range(2)) for _ in range(count)
+    ]
+    rotation = Rotation(count)
+
+    def copy(_):
+        source, target = pairs[rotation.next()]
+        return target.copy_(source)
+
+    return timer.device_us(copy, reps)
+
+
+def time_impl(timer, impl, inputs, reps) -> dict:
+    rotation = Rotation(len(inputs))
+    forward = timer.device_us(lambda _: impl.forward(*inputs[rotation.next()][:2]), reps)
+    backward = timer.device_us(
+        lambda call: call(), reps, setup=lambda: impl.backward_call(*inputs[rotation.next()])
+    )
+    return {"forward": forward, "backward": backward}
+
+
+def run(dtype, reps) -> list[dict]:
+    timer = DeviceTimer(torch, torch.device("cuda"))
+    element = torch.tensor([], dtype=dtype).element_size()
+    rows_out = []
+    for rows, hidden, group, norm_before_gate in shapes():
+        set_bytes = 3 * rows * hidden * element
+        inputs = _sets(rows, hidden, dtype, buffer_sets_for(set_bytes, timer.l2_bytes))
+        copies = {
+            op: copy_us(timer, nbytes(op, rows, hidden, group, element), reps)
+            for op in ("forward", "backward")
+        }
+        for impl in peers(hidden, group, norm_before_gate, dtype):
+            try:
+                times = time_impl(timer, impl, inputs, reps)
+            except Exception as exc:  # a peer failing at one shape is a row with its error
+                rows_out.append({"impl": impl.name, "rows": rows, "hidden": hidden, "error": repr(exc)})
+                continue
+            for op, us in times.items():
+                row = {
+                    "impl": impl.name,
+                    "op": op,
+                    "form": "norm_then_gate" if norm_before_gate else "gate_then_norm",
+                    "rows": rows,
+                    "hidden": hidden,
+                    "group_size": group,
+                    "dtype": str(dtype).removeprefix("torch."),
+                    "us": round(us, 2),
+                    "copy_us": round(copies[op], 2),
+                    "fraction_of_copy": round(copies[op] / us, 3),
+                }
+                rows_out.append(row)
+                print(json.dumps(row), flush=True)
+        del inputs
+        torch.cuda.empty_cache()
+    return rows_out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("output", type=Path, help="where the JSON results go")
+    parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
+    parser.add_argument("--reps", type=int, default=20, help="timed calls per median")
+    args = parser.parse_args(argv)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    results = run(dtype, args.reps)
+    doc = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "results": results}
+    args.output.write_text(json.dumps(doc, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

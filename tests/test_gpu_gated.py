@@ -1,0 +1,190 @@
+"""Gated RMSNorm kernels on the GPU, launched through ``cake_cute.gated_ops``: forward (y, rstd) and
+backward (dx, dz, dw) against the FP64 reference (``cake_cute.gated_reference``) by relative-norm
+error, for both forms, every dtype, head-dim and grouped full-width rows, T = 0 to 4096; caller-owned
+outputs poisoned with NaN before every run; strided rows; bitwise determinism across two runs and
+batch invariance (a row's results do not depend on T).
+
+The backward is given the FP64 reference's rstd rounded to FP32, so its checks do not depend on the
+forward kernel. Tolerances: y, dx, dz ``reference.tolerance(dtype)`` (one rounding to the dtype plus
+FP32 arithmetic); rstd 1e-5 and dw 1e-4 (FP32 outputs; dw sums up to 4096 FP32 terms per column).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cake_cute.gated_ops import gated_rmsnorm_backward, gated_rmsnorm_forward, rstd_shape
+from cake_cute.gated_reference import gated_backward_reference, gated_forward_reference
+from cake_cute.reference import rel_error, tolerance
+
+from ._helpers import DTYPE_IDS, EPS, assert_bitwise_equal, fixed_seed, poison, rand_weight  # noqa: F401
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# (H, group_size, norm_before_gate): head-dim rows normalized then gated, grouped rows gated then
+# normalized per group.
+SHAPES = [(64, None, True), (128, None, True), (256, None, True), (2048, 512, False), (4096, 1024, False)]
+ROWS = (0, 1, 2, 129, 4096)
+RSTD_TOLERANCE = 1e-5
+DW_TOLERANCE = 1e-4
+
+
+def _shape_id(shape) -> str:
+    hidden, group, nbg = shape
+    return f"H{hidden}-" + ("nbg" if nbg else f"gbn{group}")
+
+
+def _inputs(rows, hidden, dtype):
+    """x, z (scaled so the gate covers silu's curved range), g."""
+    x = torch.randn(rows, hidden, device="cuda").to(dtype)
+    z = (torch.randn(rows, hidden, device="cuda") * 2).to(dtype)
+    g = torch.randn(rows, hidden, device="cuda").to(dtype)
+    return x, z, g
+
+
+def _options(shape, weight_offset=0.0):
+    _, group_size, norm_before_gate = shape
+    return dict(group_size=group_size, norm_before_gate=norm_before_gate, weight_offset=weight_offset)
+
+
+def run_forward(x, z, w, options):
+    """The forward into NaN-poisoned caller-owned outputs."""
+    group_size = options["group_size"] or x.shape[-1]
+    y = poison(x.shape, x.dtype)
+    rstd = poison(rstd_shape(x, group_size), torch.float32)
+    return gated_rmsnorm_forward(x, z, w, EPS, **options, out=y, rstd=rstd)
+
+
+def run_backward(g, x, z, w, rstd, options):
+    """The backward into NaN-poisoned caller-owned outputs."""
+    dx, dz = poison(x.shape, x.dtype), poison(x.shape, x.dtype)
+    dw = poison((x.shape[-1],), torch.float32)
+    return gated_rmsnorm_backward(g, x, z, w, rstd, **options, dx=dx, dz=dz, dw=dw)
+
+
+def reference_rstd(x, z, w, options) -> torch.Tensor:
+    """The FP64 reference's rstd, rounded to FP32, in the kernels' shape."""
+    _, rstd = gated_forward_reference(x, z, w, EPS, **options)
+    group_size = options["group_size"] or x.shape[-1]
+    return rstd.float().reshape(rstd_shape(x, group_size))
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("shape", SHAPES, ids=_shape_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
+def test_forward_matches_fp64(dtype, shape, rows):
+    x, z, _ = _inputs(rows, shape[0], dtype)
+    w = rand_weight(shape[0], dtype)
+    options = _options(shape)
+    y, rstd = run_forward(x, z, w, options)
+    y64, rstd64 = gated_forward_reference(x, z, w, EPS, **options)
+    assert not y.isnan().any() and not rstd.isnan().any()
+    assert rel_error(y, y64) <= tolerance(dtype)
+    assert rel_error(rstd, rstd64) <= RSTD_TOLERANCE
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("shape", SHAPES, ids=_shape_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
+def test_backward_matches_fp64(dtype, shape, rows):
+    x, z, g = _inputs(rows, shape[0], dtype)
+    w = rand_weight(shape[0], dtype)
+    options = _options(shape)
+    dx, dz, dw = run_backward(g, x, z, w, reference_rstd(x, z, w, options), options)
+    dx64, dz64, dw64 = gated_backward_reference(g, x, z, w, EPS, **options)
+    for name, got in (("dx", dx), ("dz", dz), ("dw", dw)):
+        assert not got.isnan().any(), f"{name} has unwritten (NaN) elements"
+    assert rel_error(dx, dx64) <= tolerance(dtype)
+    assert rel_error(dz, dz64) <= tolerance(dtype)
+    if rows == 0:
+        assert not dw.any()
+    else:
+        assert rel_error(dw, dw64) <= DW_TOLERANCE
+
+
+@pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[3]], ids=_shape_id)
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=DTYPE_IDS.get)
+def test_fp32_weight_and_offset(dtype, shape):
+    """w in FP32 next to 16-bit rows (autocast's master weights), with a ``1 + w`` offset."""
+    x, z, g = _inputs(129, shape[0], dtype)
+    w = rand_weight(shape[0], torch.float32) - 1.0
+    options = _options(shape, weight_offset=1.0)
+    y, rstd = run_forward(x, z, w, options)
+    y64, _ = gated_forward_reference(x, z, w, EPS, **options)
+    assert rel_error(y, y64) <= tolerance(dtype)
+    dx, dz, dw = run_backward(g, x, z, w, rstd, options)
+    dx64, dz64, dw64 = gated_backward_reference(g, x, z, w, EPS, **options)
+    assert rel_error(dx, dx64) <= tolerance(dtype) and rel_error(dz, dz64) <= tolerance(dtype)
+    assert rel_error(dw, dw64) <= DW_TOLERANCE
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=_shape_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
+def test_strided_rows_read_in_place(dtype, shape):
+    """Rows of a wider buffer (row stride != H, a multiple of 16 bytes): bitwise the contiguous
+    results, y and rstd, dx, dz and dw."""
+    hidden = shape[0]
+    pad = 16 // torch.tensor([], dtype=dtype).element_size()
+    x, z, g = (t[:, :hidden] for t in _inputs(129, hidden + pad, dtype))
+    w = rand_weight(hidden, dtype)
+    options = _options(shape)
+    strided = run_forward(x, z, w, options)
+    contiguous = run_forward(x.contiguous(), z.contiguous(), w, options)
+    for name, a, b in zip(("y", "rstd"), strided, contiguous):
+        assert_bitwise_equal(a, b, name)
+    rstd = contiguous[1]
+    strided = run_backward(g, x, z, w, rstd, options)
+    contiguous = run_backward(g.contiguous(), x.contiguous(), z.contiguous(), w, rstd, options)
+    for name, a, b in zip(("dx", "dz", "dw"), strided, contiguous):
+        assert_bitwise_equal(a, b, name)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=_shape_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
+def test_bitwise_deterministic(dtype, shape):
+    x, z, g = _inputs(4096, shape[0], dtype)
+    w = rand_weight(shape[0], dtype)
+    options = _options(shape)
+    first, second = run_forward(x, z, w, options), run_forward(x, z, w, options)
+    for name, a, b in zip(("y", "rstd"), first, second):
+        assert_bitwise_equal(a, b, name)
+    rstd = first[1]
+    first, second = run_backward(g, x, z, w, rstd, options), run_backward(g, x, z, w, rstd, options)
+    for name, a, b in zip(("dx", "dz", "dw"), first, second):
+        assert_bitwise_equal(a, b, name)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=_shape_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
+def test_batch_invariant(dtype, shape):
+    """The first rows' y, rstd, dx and dz are bitwise the same in a call of 4096 rows and in calls of
+    1, 2 and 129 rows."""
+    x, z, g = _inputs(4096, shape[0], dtype)
+    w = rand_weight(shape[0], dtype)
+    options = _options(shape)
+    y, rstd = run_forward(x, z, w, options)
+    dx, dz, _ = run_backward(g, x, z, w, rstd, options)
+    for rows in (1, 2, 129):
+        y_part, rstd_part = run_forward(x[:rows], z[:rows], w, options)
+        dx_part, dz_part, _ = run_backward(g[:rows], x[:rows], z[:rows], w, rstd[:rows], options)
+        assert_bitwise_equal(y_part, y[:rows], f"y of {rows} rows")
+        assert_bitwise_equal(rstd_part, rstd[:rows], f"rstd of {rows} rows")
+        assert_bitwise_equal(dx_part, dx[:rows], f"dx of {rows} rows")
+        assert_bitwise_equal(dz_part, dz[:rows], f"dz of {rows} rows")
+
+
+def test_leading_dims_collapse_into_rows():
+    """[T, heads, head_dim] input (the linear-attention output norm): rows of head_dim, rstd [T, heads]."""
+    x, z, g = (t.view(64, 16, 128) for t in _inputs(64 * 16, 128, torch.bfloat16))
+    w = rand_weight(128, torch.bfloat16)
+    options = _options(SHAPES[1])
+    y, rstd = run_forward(x, z, w, options)
+    assert y.shape == x.shape and rstd.shape == (64, 16)
+    flat = run_forward(x.reshape(-1, 128), z.reshape(-1, 128), w, options)
+    assert_bitwise_equal(y.reshape(-1, 128), flat[0], "y")
+    dx, dz, dw = run_backward(g, x, z, w, rstd, options)
+    flat = run_backward(g.reshape(-1, 128), x.reshape(-1, 128), z.reshape(-1, 128), w, flat[1], options)
+    assert_bitwise_equal(dx.reshape(-1, 128), flat[0], "dx")
+    assert_bitwise_equal(dw, flat[2], "dw")
