@@ -41,6 +41,7 @@ from cake_cute import CakeRMSNorm  # noqa: E402
 from cake_cute.integrations import megatron as cake_megatron  # noqa: E402
 from cake_cute.integrations.megatron import (  # noqa: E402
     CakeSpecProvider,
+    MegatronCakeInputRMSNorm,
     MegatronCakeQKRMSNorm,
     MegatronCakeResidualRMSNorm,
     MegatronCakeRMSNorm,
@@ -117,7 +118,7 @@ def assert_gradients_close(actual: dict, expected: dict) -> None:
 
 
 def get_submodules(spec):
-    """A sublayer spec's submodules: a ModuleSpec's, or those of a functools.partial (0.17+ MLPs)."""
+    """A sublayer spec's submodules: a ModuleSpec's, or those of a functools.partial (0.18+ MLPs)."""
     return spec.keywords["submodules"] if isinstance(spec, functools.partial) else spec.submodules
 
 
@@ -209,6 +210,18 @@ def test_qk_norm_refuses_qk_l2_norm():
     config = with_fields(make_config(), qk_l2_norm=True)
     with pytest.raises(ValueError, match=r"config\.qk_l2_norm"):
         MegatronCakeQKRMSNorm(config=config, hidden_size=HIDDEN // HEADS)
+
+
+def test_qk_norm_refuses_a_config_without_qk_layernorm():
+    with pytest.raises(ValueError, match=r"config\.qk_layernorm is off"):
+        MegatronCakeQKRMSNorm(config=make_config(qk_layernorm=False), hidden_size=HIDDEN // HEADS)
+
+
+def test_spec_without_qk_norms_refuses_qk_layernorm(megatron_cpu):
+    """Megatron would build the layer without q/k norms (0.19: an IdentityOp in their place): the input
+    norm of a spec without them refuses the config instead."""
+    with pytest.raises(ValueError, match=r"config\.qk_layernorm is set"):
+        _gpt(make_config(qk_layernorm=True), get_gpt_layer_spec(qk_layernorm=False))
 
 
 def test_persist_layer_norm_is_accepted_and_changes_nothing():
@@ -303,7 +316,7 @@ def test_spec_objects_for_the_spec_flag():
     """``--spec cake_cute.integrations.megatron <name>``: Megatron-LM imports the attribute itself."""
     plain = import_module(("cake_cute.integrations.megatron", "gpt_layer_spec"))
     qk = import_module(("cake_cute.integrations.megatron", "gpt_layer_spec_qk_norm"))
-    assert plain.submodules.input_layernorm is MegatronCakeResidualRMSNorm
+    assert plain.submodules.input_layernorm is MegatronCakeInputRMSNorm
     assert plain.submodules.self_attention.submodules.q_layernorm in (None, cake_megatron.IdentityOp)
     assert qk.submodules.self_attention.submodules.q_layernorm is MegatronCakeQKRMSNorm
 

@@ -37,7 +37,13 @@ except ModuleNotFoundError as error:
 else:
     HAS_MEGATRON = True
 
-__all__ = ["MegatronCakeRMSNorm", "MegatronCakeResidualRMSNorm", "MegatronCakeQKRMSNorm", "HAS_MEGATRON"]
+__all__ = [
+    "HAS_MEGATRON",
+    "MegatronCakeInputRMSNorm",
+    "MegatronCakeQKRMSNorm",
+    "MegatronCakeRMSNorm",
+    "MegatronCakeResidualRMSNorm",
+]
 
 
 def _config_flag(config, name: str) -> bool:
@@ -189,7 +195,8 @@ class MegatronCakeQKRMSNorm(MegatronCakeRMSNorm):
     ------
     ValueError
         ``config.qk_l2_norm`` is set: those norms are Megatron's weightless ``L2Norm``, which a spec
-        keeps (a learned scale here would change the model).
+        keeps (a learned scale here would change the model); or ``config.qk_layernorm`` is off (Megatron
+        0.19 refuses such a spec itself; older versions would build the norms anyway).
     """
 
     def __init__(self, *, config, hidden_size, eps=None, has_residual=False):
@@ -197,6 +204,31 @@ class MegatronCakeQKRMSNorm(MegatronCakeRMSNorm):
             raise ValueError(
                 "config.qk_l2_norm is set, so the q/k norms are Megatron's weightless L2Norm; use a spec "
                 "whose q/k norms are L2Norm (get_gpt_layer_spec(qk_l2_norm=True)) instead of cake norms"
+            )
+        if not _config_flag(config, "qk_layernorm"):
+            raise ValueError(
+                "config.qk_layernorm is off but the layer spec has q/k norms: use gpt_layer_spec (or "
+                "get_gpt_layer_spec(qk_layernorm=False)), or set qk_layernorm"
+            )
+        super().__init__(config=config, hidden_size=hidden_size, eps=eps, has_residual=has_residual)
+
+
+class MegatronCakeInputRMSNorm(MegatronCakeResidualRMSNorm):
+    """``MegatronCakeResidualRMSNorm`` as the input norm of a layer spec without q/k norms. Megatron builds
+    such a layer without them whatever ``config.qk_layernorm`` says (0.19 puts an ``IdentityOp`` in their
+    place), so this norm, built once per layer, refuses that config. Parameters as for the base class.
+
+    Raises
+    ------
+    ValueError
+        ``config.qk_layernorm`` is set.
+    """
+
+    def __init__(self, *, config, hidden_size, eps=None, has_residual=True):
+        if _config_flag(config, "qk_layernorm"):
+            raise ValueError(
+                "config.qk_layernorm is set but the layer spec has no q/k norms: use gpt_layer_spec_qk_norm "
+                "(or get_gpt_layer_spec(qk_layernorm=True))"
             )
         super().__init__(config=config, hidden_size=hidden_size, eps=eps, has_residual=has_residual)
 
@@ -261,7 +293,7 @@ if HAS_MEGATRON:
         return None
 
     def _submodules(spec):
-        """The submodules of a sublayer spec: a ``ModuleSpec``, or (Megatron 0.17+ MLPs) a
+        """The submodules of a sublayer spec: a ``ModuleSpec``, or (Megatron 0.18+ MLPs) a
         ``functools.partial`` of the module class with ``submodules=``; None for anything else."""
         if isinstance(spec, functools.partial):
             return spec.keywords.get("submodules")
@@ -290,11 +322,24 @@ if HAS_MEGATRON:
             return spec, False
         return _with_submodules(spec, dataclasses.replace(subs, **changes)), unfused is not None
 
+    def _has_qk_norms(attention) -> bool:
+        """Whether an attention spec has q/k norm slots holding a norm (L2Norm included), or is not an
+        attention spec with such slots at all (then there is nothing to check)."""
+        subs = _submodules(attention)
+        slots = [
+            getattr(subs, name)
+            for name in ("q_layernorm", "k_layernorm", "kv_layernorm")
+            if hasattr(subs, name)
+        ]
+        return not slots or any(slot not in (None, IdentityOp) for slot in slots)
+
     def with_cake_norms(spec):
         """A GPT layer spec (or a block spec) with its RMSNorms replaced by cake norms.
 
-        The input and pre-MLP norms become ``MegatronCakeResidualRMSNorm``, the per-head q/k norms
-        ``MegatronCakeQKRMSNorm`` (``L2Norm`` stays), a block's final norm ``MegatronCakeRMSNorm``.
+        The input and pre-MLP norms become ``MegatronCakeResidualRMSNorm`` (the input norm of a layer
+        without q/k norms ``MegatronCakeInputRMSNorm``, which refuses ``config.qk_layernorm``), the
+        per-head q/k norms ``MegatronCakeQKRMSNorm`` (``L2Norm`` stays), a block's final norm
+        ``MegatronCakeRMSNorm``.
         Where Transformer Engine's ``TELayerNormColumnParallelLinear`` holds the input or pre-MLP
         norm, it becomes ``TEColumnParallelLinear`` after a cake norm (TE's other layers stay), and the
         norm keeps the checkpoint name the fused layer used.
@@ -334,9 +379,13 @@ if HAS_MEGATRON:
         mlp, fc1_unfused = _with_cake_sublayer(subs.mlp, "linear_fc1", {})
         changes = {"self_attention": attention, "mlp": mlp}
         keys = dict(getattr(subs, "sharded_state_dict_keys_map", None) or {})
-        for name, unfused in (("input_layernorm", qkv_unfused), ("pre_mlp_layernorm", fc1_unfused)):
+        input_norm = MegatronCakeResidualRMSNorm if _has_qk_norms(attention) else MegatronCakeInputRMSNorm
+        for name, unfused, builder in (
+            ("input_layernorm", qkv_unfused, input_norm),
+            ("pre_mlp_layernorm", fc1_unfused, MegatronCakeResidualRMSNorm),
+        ):
             if unfused or _is_norm_builder(getattr(subs, name)):
-                changes[name] = MegatronCakeResidualRMSNorm
+                changes[name] = builder
             if unfused:
                 keys[f"{name}."] = _FUSED_NORM_KEYS[f"{name}."]
         if qkv_unfused or fc1_unfused:
@@ -431,7 +480,7 @@ if HAS_MEGATRON:
         return with_cake_norms(stock)
 
     # What ``--spec cake_cute.integrations.megatron <name>`` imports: Megatron-LM passes the attribute
-    # itself (not a call's result) as the layer spec, and attention refuses q/k norm builders when
+    # itself (not a call's result) as the layer spec, and attention (0.19) refuses q/k norm builders when
     # qk_layernorm is off, so the two settings are two objects.
     gpt_layer_spec = get_gpt_layer_spec()
     gpt_layer_spec_qk_norm = get_gpt_layer_spec(qk_layernorm=True)
