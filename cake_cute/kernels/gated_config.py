@@ -23,7 +23,7 @@ from functools import cache
 
 from ..vocab import dtype_bytes
 from .config import resident_ctas_per_sm
-from .tiling import MAX_THREADS_PER_CTA, SMEM_STATIC_PER_CTA, RowTiling, vector_width
+from .tiling import MAX_THREADS_PER_CTA, REGISTERS_PER_SM, SMEM_STATIC_PER_CTA, RowTiling, vector_width
 
 # Elements of each operand one lane holds (the forward holds x, z, the gate and w in 72-85 registers).
 SEGMENT_ELEMS_PER_LANE = 16
@@ -31,6 +31,11 @@ MAX_SEGMENT = MAX_THREADS_PER_CTA * SEGMENT_ELEMS_PER_LANE
 # Elements per lane of a backward that holds its terms across the row sum: 8 take 72-75 registers
 # (sm_90a, bf16 H = 128), 16 took 136-168 (spilling under the 128-register cap).
 HELD_ELEMS_PER_LANE = 8
+# Registers per thread such a backward of 2-byte rows is held to (the ``min_blocks_per_mp`` hint), so
+# that three 256-thread CTAs share an SM: the persistent grid launches as many programs as are
+# resident, and each program has one row tile in flight, so residency is what keeps bytes in flight.
+# FP32 rows keep 128 (H = 128 spills under 80 on sm_100a).
+HELD_REGISTER_BUDGET = 80
 # Threads of a CTA whose segments are short enough to share it (the plain forward's and the plain
 # several-rows backward's CTA sizes).
 FORWARD_CTA_THREADS = 128
@@ -108,10 +113,11 @@ def gated_forward_config(act_dtype: str, hidden: int, group_size: int) -> GatedC
 
 @cache
 def gated_backward_config(act_dtype: str, hidden: int, group_size: int) -> GatedConfig:
-    """The gated backward's config: ``HELD_ELEMS_PER_LANE`` elements per lane where ``MAX_THREADS_PER_CTA``
-    lanes cover the segment, else ``SEGMENT_ELEMS_PER_LANE`` with g, x and z re-read after the row
-    sum; twice the forward's threads per CTA when segments are short (more bytes in flight per
-    program); and its residency for the persistent grid.
+    """The gated backward's config: ``HELD_ELEMS_PER_LANE`` elements per lane (2-byte rows held to
+    ``HELD_REGISTER_BUDGET`` registers) where ``MAX_THREADS_PER_CTA`` lanes cover the segment, else
+    ``SEGMENT_ELEMS_PER_LANE`` with g, x and z re-read after the row sum (128 registers); twice the
+    forward's threads per CTA when segments are short (more bytes in flight per program); and its
+    residency for the persistent grid.
 
     Raises
     ------
@@ -122,5 +128,8 @@ def gated_backward_config(act_dtype: str, hidden: int, group_size: int) -> Gated
     reread = group_size > MAX_THREADS_PER_CTA * HELD_ELEMS_PER_LANE
     elems = SEGMENT_ELEMS_PER_LANE if reread else HELD_ELEMS_PER_LANE
     tiling = segment_tiling(group_size, act_dtype, BACKWARD_CTA_THREADS, elems)
-    per_sm = resident_ctas_per_sm(tiling, backward_smem_bytes(tiling, reread), tiling.min_ctas_per_sm)
-    return GatedConfig(tiling, tiling.min_ctas_per_sm, per_sm, reread)
+    min_ctas = tiling.min_ctas_per_sm
+    if not reread and dtype_bytes(act_dtype) == 2:
+        min_ctas = max(min_ctas, REGISTERS_PER_SM // (HELD_REGISTER_BUDGET * tiling.threads_per_cta))
+    per_sm = resident_ctas_per_sm(tiling, backward_smem_bytes(tiling, reread), min_ctas)
+    return GatedConfig(tiling, min_ctas, per_sm, reread)
