@@ -169,13 +169,30 @@ class CpuAdam:
         return True, float(grad_norm), None
 
 
+def optimizer_for(args, model):
+    """Megatron's optimizer as its training setup configures it for bf16 (Adam, FP32 main weights in
+    the distributed optimizer, gradient clipping 1.0); ``CpuAdam`` on the CPU."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    if args.device == "cpu":
+        return CpuAdam(model, args.lr)
+    config = OptimizerConfig(
+        optimizer="adam",
+        lr=args.lr,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        use_distributed_optimizer=True,
+        clip_grad=1.0,
+    )
+    return get_megatron_optimizer(config, [model])
+
+
 def build(args, name: str):
-    """``(model, optimizer, config)``: GPTModel in Float16Module in Megatron's DDP, and Megatron's
-    optimizer over it, as Megatron-LM's training setup builds them for bf16."""
+    """``(model, optimizer)``: GPTModel in Float16Module in Megatron's DDP (FP32 gradient buffers, for the
+    distributed optimizer), and the optimizer over it."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.module import Float16Module
 
     config = transformer_config(args, fused_residual=name == "cake-fused-residual")
@@ -189,29 +206,14 @@ def build(args, name: str):
         share_embeddings_and_output_weights=False,
     )
     if args.device == "cuda":
-        model.cuda(torch.cuda.current_device())
-    model = Float16Module(config, model)
+        model.cuda(torch.cuda.current_device())  # torch.nn.RMSNorm (the stock norm) is built on the CPU
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True
     )
-    model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
-    if args.device == "cpu":
-        optimizer = CpuAdam(model, args.lr)
-    else:
-        optimizer = get_megatron_optimizer(
-            OptimizerConfig(
-                optimizer="adam",
-                lr=args.lr,
-                bf16=True,
-                params_dtype=torch.bfloat16,
-                use_distributed_optimizer=True,
-                clip_grad=1.0,
-            ),
-            [model],
-        )
+    model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=Float16Module(config, model))
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = model.no_sync
-    return model, optimizer, config
+    return model, optimizer_for(args, model)
 
 
 def batch(args, step: int) -> dict:
@@ -258,21 +260,22 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def train(args, name: str, cpu_shims: bool) -> dict:
-    from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
+def release_memory(device: str) -> None:
+    """Free what earlier runs left (Megatron's config holds the DDP model through ``no_sync_func``: a
+    reference cycle that only the collector frees)."""
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
 
-    if name == "cake-fused-residual" and not has_fused_residual_layer():
-        return {"name": name, "skipped": "fused_residual_rmsnorm needs Megatron-Core 0.17+"}
-    if args.device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    model, optimizer, _ = build(args, name)
-    if cpu_shims:
-        import megatron_cpu
 
-        attention_mask = megatron_cpu.causal_mask(args.seq).to(args.device)
-    else:
-        attention_mask = None  # Megatron's local attention builds its causal mask on the GPU
-    forward_backward = cpu_forward_backward if cpu_shims else get_forward_backward_func()
+def parameter_checksum(model) -> float:
+    """The FP64 sum of every parameter: equal across runs when they start from the same weights."""
+    with torch.no_grad():
+        return float(sum(p.double().sum() for p in model.parameters()))
+
+
+def run_steps(args, model, optimizer, attention_mask, forward_backward, name: str):
+    """``(losses, step_ms)`` of ``args.steps`` training steps."""
     losses, step_ms = [], []
     for step in range(args.steps):
         synchronize(args.device)
@@ -295,20 +298,38 @@ def train(args, name: str, cpu_shims: bool) -> dict:
         if not update_successful:
             raise RuntimeError(f"{name}: the optimizer skipped step {step}")
         losses.append(float(reduced[0]["lm loss"]))
-    norms = sorted({type(m).__name__ for m in model.modules() if "Norm" in type(m).__name__})
-    run = {
+    return losses, step_ms
+
+
+def train(args, name: str, cpu_shims: bool) -> dict:
+    """One run: build, train ``args.steps`` steps, and report losses, times and peak memory."""
+    from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
+
+    if name == "cake-fused-residual" and not has_fused_residual_layer():
+        return {"name": name, "skipped": "fused_residual_rmsnorm needs Megatron-Core 0.17+"}
+    release_memory(args.device)
+    if args.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    model, optimizer = build(args, name)
+    checksum = parameter_checksum(model)
+    if cpu_shims:
+        import megatron_cpu
+
+        attention_mask = megatron_cpu.causal_mask(args.seq).to(args.device)
+        forward_backward = cpu_forward_backward
+    else:
+        attention_mask = None  # Megatron's local attention builds its causal mask on the GPU
+        forward_backward = get_forward_backward_func()
+    losses, step_ms = run_steps(args, model, optimizer, attention_mask, forward_backward, name)
+    return {
         "name": name,
-        "norm_classes": norms,
+        "norm_classes": sorted({type(m).__name__ for m in model.modules() if "Norm" in type(m).__name__}),
+        "init_checksum": checksum,
         "losses": losses,
         "step_ms": step_ms,
         "median_step_ms": statistics.median(step_ms[args.warmup :]),
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else None,
     }
-    del model, optimizer
-    gc.collect()
-    if args.device == "cuda":
-        torch.cuda.empty_cache()
-    return run
 
 
 def max_difference(losses, reference) -> float:
@@ -341,19 +362,24 @@ def environment(args) -> dict:
 
 
 def print_table(report: dict) -> None:
+    """One line per run: first and last loss, the largest loss difference from the stock run over all
+    steps, whether the run started from the stock run's weights, median step time, peak memory."""
     runs = [run for run in report["runs"] if "losses" in run]
     stock = next((run for run in runs if run["name"] == "stock"), None)
-    header = [("first loss", 12), ("last loss", 12), ("max |d| vs stock", 18)]
+    header = [("first loss", 12), ("last loss", 12), ("max |d| vs stock", 18), ("same init", 11)]
     header += [("median ms", 11), ("peak GiB", 10)]
     print(f"{'run':<22}" + "".join(f"{title:>{width}}" for title, width in header))
     for run in report["runs"]:
         if "skipped" in run:
             print(f"{run['name']:<22}skipped: {run['skipped']}")
             continue
-        diff = "" if stock is None else f"{max_difference(run['losses'], stock['losses']):.3e}"
+        diff = same = ""
+        if stock is not None:
+            diff = f"{max_difference(run['losses'], stock['losses']):.3e}"
+            same = "yes" if run["init_checksum"] == stock["init_checksum"] else "NO"
         peak = "" if run["peak_gib"] is None else f"{run['peak_gib']:.2f}"
         print(
-            f"{run['name']:<22}{run['losses'][0]:>12.5f}{run['losses'][-1]:>12.5f}{diff:>18}"
+            f"{run['name']:<22}{run['losses'][0]:>12.5f}{run['losses'][-1]:>12.5f}{diff:>18}{same:>11}"
             f"{run['median_step_ms']:>11.2f}{peak:>10}"
         )
 

@@ -594,6 +594,7 @@ def test_training_script_smoke_on_cpu(tmp_path):
     for run in runs.values():
         assert len(run["losses"]) == 3 and all(loss > 0 for loss in run["losses"])
     assert "MegatronCakeRMSNorm" in runs["cake"]["norm_classes"]
+    assert len({run["init_checksum"] for run in runs.values()}) == 1  # one seed, the same start
     assert runs["stock-again"]["losses"] == runs["stock"]["losses"]
     assert runs["cake"]["losses"][0] == runs["stock"]["losses"][0]
     torch.testing.assert_close(runs["cake"]["losses"], runs["stock"]["losses"], rtol=1e-4, atol=0)
