@@ -33,6 +33,7 @@ pytest.importorskip("megatron.core")
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
 from megatron.core.models.gpt.gpt_model import GPTModel  # noqa: E402
+from megatron.core.transformer.identity_op import IdentityOp  # noqa: E402
 from megatron.core.transformer.spec_utils import build_module, import_module  # noqa: E402
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
@@ -238,6 +239,16 @@ def test_cuda_initialization_without_cuda_is_a_named_error():
         MegatronCakeRMSNorm(config=config, hidden_size=HIDDEN)
 
 
+def test_perform_initialization_off_still_starts_from_the_constant():
+    """The norm's start (ones; zeros with zero-centered gamma) draws no random numbers, so there is
+    nothing for perform_initialization=False to skip, as for TE's and torch's norms."""
+    config = make_config(perform_initialization=False)
+    assert torch.equal(MegatronCakeRMSNorm(config=config, hidden_size=HIDDEN).weight, torch.ones(HIDDEN))
+    state = torch.get_rng_state()
+    MegatronCakeRMSNorm(config=make_config(), hidden_size=HIDDEN)
+    assert torch.equal(torch.get_rng_state(), state)
+
+
 def test_meta_device_initialization():
     config = with_fields(make_config(), use_cpu_initialization=False, init_model_with_meta_device=True)
     assert MegatronCakeRMSNorm(config=config, hidden_size=HIDDEN).weight.is_meta
@@ -317,7 +328,7 @@ def test_spec_objects_for_the_spec_flag():
     plain = import_module(("cake_cute.integrations.megatron", "gpt_layer_spec"))
     qk = import_module(("cake_cute.integrations.megatron", "gpt_layer_spec_qk_norm"))
     assert plain.submodules.input_layernorm is MegatronCakeInputRMSNorm
-    assert plain.submodules.self_attention.submodules.q_layernorm in (None, cake_megatron.IdentityOp)
+    assert plain.submodules.self_attention.submodules.q_layernorm in (None, IdentityOp)
     assert qk.submodules.self_attention.submodules.q_layernorm is MegatronCakeQKRMSNorm
 
 
@@ -344,7 +355,6 @@ def test_te_fused_norm_linear_is_unfused(monkeypatch):
     (its norm slots hold ``IdentityOp``): the cake spec keeps TE's plain linear after a cake norm, under the
     fused layer's checkpoint names. Checked on the spec (TE does not run here)."""
     from megatron.core.extensions import transformer_engine as te_ext
-    from megatron.core.transformer.identity_op import IdentityOp
 
     monkeypatch.setattr(cake_megatron, "HAS_TE", True)
     local = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
