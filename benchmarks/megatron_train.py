@@ -393,9 +393,14 @@ def main(argv=None) -> None:
             import megatron_cpu
 
             stack.enter_context(megatron_cpu.cuda_calls_on_cpu())
+        print(json.dumps(report["environment"]), flush=True)
         for name in args.runs:
-            report["runs"].append(train(args, name, cpu_shims))
+            begin = time.perf_counter()
+            run = train(args, name, cpu_shims)
+            report["runs"].append(run)
             args.out.write_text(json.dumps(report, indent=1))  # a partial report survives a later failure
+            done = run.get("skipped") or f"median step {run['median_step_ms']:.2f} ms"
+            print(f"{name}: {done} ({time.perf_counter() - begin:.0f} s in all)", flush=True)
     print_table(report)
     torch.distributed.destroy_process_group()
 
