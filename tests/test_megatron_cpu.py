@@ -422,6 +422,7 @@ def test_layer_matches_stock_local_layer_bitwise(megatron_cpu):
     cake = build_module(get_gpt_layer_spec(qk_layernorm=True), config=config, layer_number=1)
     cake.load_state_dict(stock.state_dict())
     assert type(cake.self_attention.q_layernorm) is MegatronCakeQKRMSNorm
+    assert cake.self_attention.k_layernorm.normalized_shape == (HIDDEN // HEADS,)  # the head size
     x = torch.randn(SEQ, BATCH, HIDDEN)
     outs = []
     for layer in (stock, cake):
