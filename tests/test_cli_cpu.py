@@ -231,10 +231,73 @@ def test_warmup_builds_the_native_host_path(python_path, tmp_path, monkeypatch, 
     monkeypatch.setattr(warmup, "get_kernel_and_source", lambda spec: (None, "compiled"))
     assert cli.main([*ONE_ARCH_PLAIN, "--cache-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
+    summary = out.splitlines()[-1]
     if python_path:
         assert "native host path: not built (CAKE_CUTE_PYTHON_PATH=1)" in out
+        assert "; native host path skipped (0.0s); " in summary
     else:
         assert f"native host path: {native.library_path()}" in out and native.library_path().exists()
+        assert re.search(r"; native host path (already )?built \(\d+\.\ds\); ", summary), summary
+    assert re.fullmatch(r"warmup: 4 variants, .* \(\d+\.\ds\); native host path .*; total \d+\.\ds", summary)
+
+
+def _fake_native_build(monkeypatch, tmp_path, events: list, fails: bool = False):
+    """native.build replaced by one that records the output printed before it ran and takes 0.2 s,
+    for a library not on disk yet."""
+    import io
+
+    from cake_cute import native
+
+    library = tmp_path / "native.so"
+    progress = io.StringIO()
+
+    def build():
+        events.append(("build", progress.getvalue()))
+        time.sleep(0.2)
+        if fails:
+            raise RuntimeError("no C++ compiler")
+        library.write_bytes(b"")
+        return library
+
+    monkeypatch.delenv(native.PYTHON_PATH_ENV, raising=False)
+    monkeypatch.setattr(native, "library_path", lambda: library)
+    monkeypatch.setattr(native, "build", build)
+    return progress
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["built", "failed"])
+def test_the_native_build_is_announced_before_it_starts_and_timed(fails, tmp_path, monkeypatch):
+    events = []
+    progress = _fake_native_build(monkeypatch, tmp_path, events, fails)
+    done = warmup.build_native(progress)
+    assert events == [("build", warmup.NATIVE_ANNOUNCEMENT + "\n")]
+    assert done.seconds >= 0.2
+    if fails:
+        assert done.status == warmup.NOT_BUILT and "no C++ compiler" in done.line()
+    else:
+        assert done.status == warmup.BUILT and done.line() == f"native host path: {tmp_path / 'native.so'}"
+        again = warmup.build_native(progress)  # on disk now: nothing announced, nothing built
+        assert again.status == warmup.ON_DISK and len(events) == 2
+        assert progress.getvalue().count(warmup.NATIVE_ANNOUNCEMENT) == 1
+    assert done.summary() == f"native host path {done.status} ({done.seconds:.1f}s)"
+
+
+def test_warmup_announces_each_step_and_sums_them_up(tmp_path, monkeypatch, capsys):
+    """The bare warmup's output: the kernels' step announced before the first compile, the native
+    build announced before it starts, and a last line with each step's count and time and the total."""
+    events = []
+    _fake_native_build(monkeypatch, tmp_path, events)
+    monkeypatch.setattr(warmup, "get_kernel_and_source", lambda spec: (None, "compiled"))
+    assert cli.main([*ONE_ARCH_PLAIN, "--cache-dir", str(tmp_path / "cache")]) == 0
+    out, err = capsys.readouterr()
+    assert err.splitlines()[0] == "4 variants: 0 cached, 4 to compile, compiling them in 1 process ..."
+    assert err.splitlines()[-1] == warmup.NATIVE_ANNOUNCEMENT
+    summary = out.splitlines()[-1]
+    kernels, native_part, total = summary.split("; ")
+    assert kernels.startswith("warmup: 4 variants, compiled 4, ")
+    assert re.fullmatch(r"native host path built \(0\.[2-9]s\)", native_part), native_part
+    seconds = [float(t) for t in re.findall(r"\((\d+\.\d)s\)", summary)]
+    assert float(total.removeprefix("total ").removesuffix("s")) >= sum(seconds) - 0.1
 
 
 def test_version_and_help_say_what_a_bare_command_does():

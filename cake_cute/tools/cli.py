@@ -10,6 +10,7 @@ import argparse
 import math
 import os
 import sys
+import time
 
 from . import EXIT_USAGE  # also for a bad --cache-dir and a missing GPU
 from .bench.cases import RESIDUAL_MODES
@@ -187,8 +188,9 @@ def cmd_warmup(args) -> int:
     or is a persistent kernel whose programs cannot share an SM at once (CI gates on these);
     exit 2 before compiling anything when the cache directory cannot be used."""
     from .cubin import spill_free
-    from .warmup import collect_reports, format_report, local_archs, variant_specs, warm
+    from .warmup import build_native, collect_reports, format_report, local_archs, variant_specs, warm
 
+    start = time.perf_counter()
     problem = _use_cache_dir(args.cache_dir)
     if problem:
         print(f"cake-cute warmup: cannot use the cache directory: {problem}", file=sys.stderr)
@@ -210,17 +212,23 @@ def cmd_warmup(args) -> int:
             archs, args.dtype, args.hidden, residuals, args.fp8, weight_offset=args.weight_offset
         )
     result = warm(specs, args.jobs)
-    print(_native_line())
+    native_build = build_native()
+    print(native_build.line())
+    parts = [result.summary(), native_build.summary()]
     for outcome in result.failed:
         print(f"FAILED {outcome.spec.name()}:\n  " + outcome.error.replace("\n", "\n  "), file=sys.stderr)
     spilling = atomic = crowded = []
     if args.report:
         failed = {o.spec for o in result.failed}
+        reported = [s for s in specs if s not in failed]
+        print(f"reading the cubins of {len(reported)} kernels (cuobjdump, nvdisasm) ...", file=sys.stderr)
+        report_start = time.perf_counter()
         try:
-            reports = collect_reports([s for s in specs if s not in failed], args.jobs)
+            reports = collect_reports(reported, args.jobs)
         except Exception as exc:  # e.g. cuobjdump missing: say so, do not dump a traceback
             print(f"cake-cute warmup --report: {exc}", file=sys.stderr)
             return EXIT_FAILED
+        parts.append(f"reports of {len(reports)} kernels ({time.perf_counter() - report_start:.1f}s)")
         print(format_report(reports))
         spilling = [r["name"] for r in reports if not spill_free(r) or r["local_loads"] or r["local_stores"]]
         atomic = [r["name"] for r in reports if r["global_atomics"]]
@@ -234,21 +242,10 @@ def cmd_warmup(args) -> int:
                 f"{len(crowded)} persistent kernel(s) hold too many registers for their programs per SM: "
             )
             print(message + ", ".join(crowded), file=sys.stderr)
-    print(result.summary())
+    # Every step this command took, with its time, and the whole (the kernels' part comes first: its
+    # counts are what scripts read).
+    print("; ".join([*parts, f"total {time.perf_counter() - start:.1f}s"]))
     return EXIT_FAILED if result.failed or spilling or atomic or crowded else 0
-
-
-def _native_line() -> str:
-    """Build the native host path ahead of time too; a failure is reported, not fatal (eager calls then
-    take the Python path)."""
-    from .. import native
-
-    if native.python_path_forced():
-        return f"native host path: not built ({native.PYTHON_PATH_ENV}=1)"
-    try:
-        return f"native host path: {native.build()}"
-    except Exception as err:
-        return f"native host path: not built, eager calls take the Python path ({err})"
 
 
 def cmd_check(args) -> int:
@@ -275,7 +272,11 @@ def cmd_default() -> int:
 
     problem = gpu_problem()
     if problem:
-        print(f"cake-cute: {problem}; running `cake-cute warmup` with its defaults", file=sys.stderr)
+        print(
+            f"cake-cute: {problem}; running `cake-cute warmup` with its defaults: compiling the kernels "
+            "into the cache, then building the native host path",
+            file=sys.stderr,
+        )
         return cmd_warmup(build_parser().parse_args(["warmup"]))
     return cmd_check(argparse.Namespace(quick=False)) or cmd_bench([])
 

@@ -196,9 +196,16 @@ def warm(specs: list[KernelSpec], jobs: int | None = None, progress: TextIO | No
     pending = []
     for spec in specs:
         (result.cached if is_cached_on_disk(spec) else pending).append(spec)
-    print(f"{len(specs)} variants: {len(result.cached)} cached, {len(pending)} to compile", file=progress)
+    jobs = jobs or default_jobs()
+    workers = min(jobs, len(pending)) if jobs > 1 and len(pending) > 1 else 1
+    compiling = f", compiling them in {workers} process{'es' if workers > 1 else ''} ..." if pending else ""
+    print(
+        f"{len(specs)} variants: {len(result.cached)} cached, {len(pending)} to compile{compiling}",
+        file=progress,
+        flush=True,
+    )
     width = len(str(len(pending)))
-    for i, outcome in enumerate(_compile_all(pending, jobs or default_jobs()), 1):
+    for i, outcome in enumerate(_compile_all(pending, jobs), 1):
         print(
             f"[{i:>{width}}/{len(pending)}] {outcome.status:<8} {outcome.spec.name()} {outcome.seconds:.1f}s",
             file=progress,
@@ -207,6 +214,69 @@ def warm(specs: list[KernelSpec], jobs: int | None = None, progress: TextIO | No
         result.add(outcome)
     result.seconds = time.perf_counter() - start
     return result
+
+
+BUILT, ON_DISK, SKIPPED, NOT_BUILT = "built", "already built", "skipped", "not built"
+
+
+@dataclass
+class NativeBuild:
+    """What ``build_native`` did: ``status`` is ``BUILT``, ``ON_DISK`` (built before), ``SKIPPED``
+    (``CAKE_CUTE_PYTHON_PATH=1``) or ``NOT_BUILT`` (the build failed); ``detail`` is the library's path,
+    or why there is none."""
+
+    status: str
+    detail: str
+    seconds: float
+
+    def line(self) -> str:
+        """The line ``cake-cute warmup`` prints once the step is over."""
+        if self.status in (BUILT, ON_DISK):
+            return f"native host path: {self.detail}"
+        if self.status == SKIPPED:
+            return f"native host path: not built ({self.detail})"
+        return f"native host path: not built, eager calls take the Python path ({self.detail})"
+
+    def summary(self) -> str:
+        """This step's part of the summary line."""
+        return f"native host path {self.status} ({self.seconds:.1f}s)"
+
+
+NATIVE_ANNOUNCEMENT = (
+    "building the native host path (the C++ extension, once per torch and Python; "
+    "a few minutes on a small CPU) ..."
+)
+
+
+def build_native(progress: TextIO | None = None) -> NativeBuild:
+    """Build the native host path ahead of time (``native.build``), announcing the build on
+    ``progress`` before it starts when it is not on disk yet; a failure is reported, not raised (eager
+    calls then take the Python path).
+
+    Parameters
+    ----------
+    progress : text stream, optional
+        Where the announcement goes (default: stderr at the time of the call).
+
+    Returns
+    -------
+    NativeBuild
+        What was done, and how long it took.
+    """
+    from .. import native
+
+    progress = progress or sys.stderr
+    if native.python_path_forced():
+        return NativeBuild(SKIPPED, f"{native.PYTHON_PATH_ENV}=1", 0.0)
+    start = time.perf_counter()
+    try:
+        on_disk = native.library_path().exists()
+        if not on_disk:
+            print(NATIVE_ANNOUNCEMENT, file=progress, flush=True)
+        path = native.build()
+    except Exception as err:  # no compiler, a failed build: said in the output, the warmup goes on
+        return NativeBuild(NOT_BUILT, str(err), time.perf_counter() - start)
+    return NativeBuild(ON_DISK if on_disk else BUILT, str(path), time.perf_counter() - start)
 
 
 def cache_dir_problem(path: Path, *, create_parents: bool) -> str | None:
