@@ -27,6 +27,7 @@ import torch
 
 from cake_cute.gated_ops import gated_rmsnorm_backward, gated_rmsnorm_forward
 from cake_cute.tools.bench.timing import DeviceTimer, Rotation, buffer_sets_for
+from cake_cute.vocab import DTYPE_NAMES, torch_dtype
 
 EPS = 1e-6
 HEAD_DIM_ROWS = [1 << k for k in range(16, 22)]
@@ -172,10 +173,10 @@ def run(dtype, reps) -> list[dict]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("output", type=Path, help="where the JSON results go")
-    parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
+    parser.add_argument("--dtype", choices=DTYPE_NAMES, default="bf16")
     parser.add_argument("--reps", type=int, default=20, help="timed calls per median")
     args = parser.parse_args(argv)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    dtype = torch_dtype(args.dtype)
     results = run(dtype, args.reps)
     doc = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "results": results}
     args.output.write_text(json.dumps(doc, indent=1))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from cake_cute import gated_ops
-from cake_cute.build import make_spec
+from cake_cute.build import config_for, make_spec
 from cake_cute.device import DeviceFacts
 from cake_cute.gated_reference import gated_backward_reference, gated_forward_reference
 from cake_cute.kernels.gated_config import gated_backward_config, gated_forward_config
@@ -238,12 +238,18 @@ def reports(tmp_path_factory):
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name())
 def test_compiled_variant(reports, spec):
-    """No spill, no atomic; 128-bit loads and stores wherever a segment is whole 16-byte vectors."""
+    """No spill, no atomic; 128-bit loads and stores wherever a segment is whole 16-byte vectors, and
+    there a re-reading backward prefetches its next rows of g, x and z into the L2 (one bulk
+    prefetch each)."""
     report = reports[spec]
     assert spill_free(report) and report["local_loads"] == report["local_stores"] == 0, report
     assert report["global_atomics"] == 0
-    if spec.group_size % 8 == 0:
+    vectorized = spec.group_size % 8 == 0
+    if vectorized:
         assert report["global_load_width_bits"] == report["global_store_width_bits"] == 128, report
+    if spec.kind == "gated_bwd":
+        reread = config_for(spec).reread
+        assert report["l2_bulk_prefetches"] == (3 if vectorized and reread else 0)
 
 
 class _Recorder:

@@ -24,10 +24,13 @@ Tiling (``gated_config.gated_backward_config``): a segment as in the forward, at
 each operand per lane (16 for segments wider than 4096), short segments 256 threads to a CTA. g, x
 and z of a tile are loaded straight into registers (no staging); the FP32 terms of dx and dz are
 formed before the row sum, the only synchronisation per row (``common.row_sum``, double-buffered by
-``slot``), and held across it. Lanes of 16 elements cannot hold them under 128 registers
-(``GatedConfig.reread``): they load g, x and z again after the row sum (an L2 hit) and recompute,
-and keep their dW accumulator in their own cells of shared memory (FP32 rows spill on sm_100a
-otherwise).
+``slot``), and held across it; 2-byte rows are held to 80 registers so that three CTAs share an
+SM (``gated_config.HELD_REGISTER_BUDGET``). Lanes of 16 elements cannot hold the terms under 128
+registers (``GatedConfig.reread``): they load g, x and z again after the row sum (an L2 hit) and
+recompute, keep their dW accumulator in their own cells of shared memory (FP32 rows spill on sm_100a
+otherwise), and, one 512-thread CTA holding a single row tile, prefetch the rows of their next tile
+into the L2 at the top of each iteration (``prefetch_next_row``), as the plain backward does for its
+widest rows. (Held-mode lanes would spill under 80 registers with the prefetch's addresses.)
 
 Bytes moved: reads g, x, z and writes dx, dz once: 5 * T*H*act_bytes, plus 4*T*H/L of rstd, plus
 the partial rows (P * H * 4, written here, read by dw_reduce).
@@ -41,7 +44,14 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
-from .common import allocate_reduction_buffers, broadcast_rows, copy_atom, global_row
+from .common import (
+    COPY_BITS,
+    allocate_reduction_buffers,
+    broadcast_rows,
+    copy_atom,
+    global_row,
+    prefetch_to_l2,
+)
 from .gated_fwd import GatedKernel, segment_columns
 from .rmsnorm_bwd import RMSNormBackward
 from .thread_tiles import ThreadTiles
@@ -121,6 +131,8 @@ class GatedRMSNormBackward(GatedKernel):
         visit = Int32(0)  # row tiles this program has visited
         for tile in cutlass.range(bidx, num_tiles, num_programs, unroll=1):
             row = tile * t.rows_per_cta + row_in_cta
+            if const_expr(self.config.reread):
+                self.prefetch_next_row(row + num_programs * t.rows_per_cta, rows, lane_in_row, (mG, mX, mZ))
             # Rows past T contribute zeros, never stale values.
             for frag in (tXrG, tXrX, tXrZ):
                 frag.fill(0)
@@ -148,6 +160,18 @@ class GatedRMSNormBackward(GatedKernel):
         if const_expr(t.rows_per_cta > 1):
             self.fold_row_groups(tt, sFold, tXrDW)
         self.write_dw_partial(tt, bidx, group, mPartial, tXrDW, pred)
+
+    @cute.jit
+    def prefetch_next_row(self, next_row, rows, lane_in_row, sources):
+        """A re-reading program has one row tile in flight: bring its next tile's rows of g, x and z
+        into the L2 now (one bulk prefetch per row and tensor, no registers held), so that the next
+        iteration's loads are L2 hits. Bulk prefetches need 16-byte aligned addresses and sizes,
+        which only 128-bit vector tilings guarantee; others skip it."""
+        t = self.tiling
+        if const_expr(t.vec * self.act_dtype.width == COPY_BITS):
+            if lane_in_row == 0 and next_row < rows:
+                for m in sources:
+                    prefetch_to_l2(m, next_row, 0, t.hidden, t.hidden)
 
     @cute.jit
     def row_terms(self, tXrG, tXrX, tXrZ, tXrW, rstd):
