@@ -323,3 +323,14 @@ def test_no_rows_launch_nothing(launches):
     assert not launches
     assert y.shape == dx.shape == (0, 128) and rstd.shape == (0,)
     assert dw.dtype == torch.float32 and not dw.any()
+
+
+def test_rows_are_no_part_of_the_variant(launches):
+    """T is a runtime value: calls of 1, 7 and 300 rows launch the one variant (no compile when T
+    changes)."""
+    w = torch.ones(256, dtype=torch.bfloat16)
+    for rows in (1, 7, 300):
+        x = torch.randn(rows, 256, dtype=torch.bfloat16)
+        y, rstd = gated_ops.gated_rmsnorm_forward(x, x, w)
+        gated_ops.gated_rmsnorm_backward(x, x, x, w, rstd)
+    assert len({fields for fields, _ in launches}) == 3  # the forward, the backward, dw's reduction
