@@ -51,6 +51,7 @@ from .common import (
     copy_atom,
     global_row,
     prefetch_to_l2,
+    tile_shape,
 )
 from .gated_fwd import GatedKernel, segment_columns
 from .rmsnorm_bwd import RMSNormBackward
@@ -116,8 +117,9 @@ class GatedRMSNormBackward(GatedKernel):
         mG, mX, mZ, mDX, mDZ, mW = [self.group_view(m, group) for m in (mG, mX, mZ, mDX, mDZ, mW)]
         thr, tXc0, pred, row_in_cta, lane_in_row = self.thread_slice(mG.shape, tidx)
         copy_act = partial(cute.copy, copy_atom(self.act_dtype, t.vec), pred=pred)
-        tt = ThreadTiles(thr, (t.rows_per_cta, t.cols_per_cta), 0, row_in_cta, copy_act, None)
-        tXrW = self.load_weight(mW, thr, pred)  # widened at each use: half the registers held
+        tt = ThreadTiles(thr, tile_shape(t), 0, row_in_cta, copy_act, None)
+        # w stays in its own dtype, widened at each use: half the registers held for 2-byte w.
+        tXrW = self.load_weight(mW, thr, tile_shape(t), 0, pred)
         # Fragments shaped like the coordinates (a static layout), so they stay in registers.
         tXrG, tXrX, tXrZ, tXrDX, tXrDZ = [cute.make_rmem_tensor_like(tXc0, self.act_dtype) for _ in range(5)]
         tXrDW = cute.make_rmem_tensor_like(tXc0, Float32)

@@ -37,13 +37,14 @@ from cutlass import Float32, Int32, const_expr
 from .common import (
     RowKernel,
     allocate_reduction_buffers,
-    broadcast_rows,
     column_predicate,
     copy_atom,
     row_sum,
     row_tiled_copy,
     tile_shape,
 )
+from .rmsnorm_fwd import RMSNormForward
+from .tiling import VECTOR_BYTES
 
 
 def segment_columns(m: cute.Tensor, first, width: int, align_elems: int) -> cute.Tensor:
@@ -52,7 +53,7 @@ def segment_columns(m: cute.Tensor, first, width: int, align_elems: int) -> cute
     view keeps the alignment of ``align_elems``-element vectors."""
     dtype = m.element_type
     start = (m.iterator + first).toint()
-    align = min(16, align_elems * dtype.width // 8)
+    align = min(VECTOR_BYTES, align_elems * dtype.width // 8)
     pointer = cute.make_ptr(dtype, start, cute.AddressSpace.gmem, assumed_align=align)
     if const_expr(cute.rank(m) == 1):
         return cute.make_tensor(pointer, cute.make_layout((width,)))
@@ -86,8 +87,8 @@ class GatedKernel(RowKernel):
     @cute.jit
     def gate(self, z: cute.TensorSSA) -> tuple:
         """(silu(z), silu'(z)) in FP32: s = sigmoid(z), silu = z * s, silu' = s * (1 + z * (1 - s)).
-        sigmoid through ex2.approx and rcp.approx, one MUFU instruction each (an IEEE division is a
-        sequence that held the backward above 128 registers)."""
+        sigmoid through ex2.approx and rcp.approx, one MUFU instruction each, rather than an IEEE
+        division's instruction sequence."""
         sigmoid = cute.make_rmem_tensor(z.shape, Float32)
         sigmoid.store(cute.math.exp(-z, fastmath=True) + 1.0)
         for i in cutlass.range_constexpr(cute.size(sigmoid)):
@@ -108,15 +109,8 @@ class GatedKernel(RowKernel):
             pred = column_predicate(tXc, t.hidden)
         return thr, tXc, pred, tidx // t.threads_per_row, tidx % t.threads_per_row
 
-    @cute.jit
-    def load_weight(self, mW: cute.Tensor, thr, pred) -> cute.Tensor:
-        """The thread's slice of the group's w in registers (zero past the segment)."""
-        t = self.tiling
-        tXgW = thr.partition_S(cute.local_tile(broadcast_rows(mW, t.rows_per_cta), tile_shape(t), (0, 0)))
-        tXrW = cute.make_rmem_tensor_like(tXgW)
-        tXrW.fill(0)
-        cute.copy(copy_atom(self.w_dtype, t.vec), tXgW, tXrW, pred=pred)
-        return tXrW
+    # The plain forward's load of the thread's slice of w (zero past the segment), at cluster rank 0.
+    load_weight = RMSNormForward.load_weight
 
     @cute.jit
     def segment_sum(self, val: Float32, buffers, row_in_cta, lane_in_row, slot) -> Float32:
@@ -176,7 +170,7 @@ class GatedRMSNormForward(GatedKernel):
         if row < rows:
             copy_act(tXgX, tXrX)
             copy_act(tXgZ, tXrZ)
-        tXrW = self.load_weight(mW, thr, pred)
+        tXrW = self.load_weight(mW, thr, tile_shape(t), 0, pred)
 
         silu, _ = self.gate(tXrZ.load().to(Float32))
         h = tXrX.load().to(Float32)
