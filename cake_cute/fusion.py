@@ -129,8 +129,11 @@ class _Handoff:
 
 
 def _checkpoint_enabled(layer: nn.Module) -> bool:
-    """``gradient_checkpointing_enable`` set this layer to checkpoint and the model is training."""
-    return getattr(layer, "gradient_checkpointing", False) and layer.training
+    """``gradient_checkpointing_enable`` set this layer to checkpoint and the model is training. In
+    newer transformers each layer (a ``GradientCheckpointingLayer``) holds the flag and checkpoints its
+    own call; in older ones (4.51) the model holding the layers holds it and checkpoints each call."""
+    holder = layer if hasattr(layer, "gradient_checkpointing") else layer._cake_fusion.stack_owner
+    return getattr(holder, "gradient_checkpointing", False) and layer.training
 
 
 def _checkpointing(layer: nn.Module) -> bool:
@@ -153,10 +156,12 @@ def _reentrant_first_pass(layer: nn.Module) -> bool:
 @dataclass(eq=False)
 class _LayerFusion:
     """What a fused layer instance needs besides its class's plan: the model's hand-off, the norm
-    that follows the layer, and (under non-reentrant checkpointing) the inputs it was handed a y for."""
+    that follows the layer, the module holding the layers (whose flag says whether transformers 4.x
+    checkpoints them), and (under non-reentrant checkpointing) the inputs it was handed a y for."""
 
     handoff: _Handoff
     next_norm: CakeRMSNorm | None
+    stack_owner: nn.Module | None = None
     handed_inputs: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
 
     def input_norm(self, layer: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -199,7 +204,7 @@ class _LayerFusion:
         return hidden_states
 
     def __getstate__(self):
-        return {"handoff": self.handoff, "next_norm": self.next_norm}
+        return {"handoff": self.handoff, "next_norm": self.next_norm, "stack_owner": self.stack_owner}
 
     def __setstate__(self, state):
         self.__dict__.update(state, handed_inputs=WeakIdKeyDictionary())
@@ -215,21 +220,19 @@ class _FusedDecoderLayer:
     def forward(self, hidden_states, *args, **kwargs):
         """The layer's forward with its residual adds in the norm kernels (see the module)."""
         plan, fusion = self._cake_plan, self._cake_fusion
-        attention_kwargs = plan.attention_kwargs(args, kwargs)
+        bound = plan.bind(self, args, kwargs)
         residual = hidden_states
         normed = fusion.input_norm(self, hidden_states)
-        branch, _ = self.self_attn(hidden_states=normed, **attention_kwargs)
+        branch, attention = self.self_attn(hidden_states=normed, **plan.attention_kwargs(bound))
         if plan.post_attention_norm is not None:
             branch = getattr(self, plan.post_attention_norm)(branch)
         branch = plan.attention_branch.apply(self, branch, residual)
         normed, residual = add_rmsnorm(getattr(self, plan.mid_norm), branch, residual)
-        branch = getattr(self, plan.mlp)(normed)
-        if plan.moe_tuple and self.is_moe_layer:
-            branch, _ = branch
+        branch, router = plan.split_mlp_output(self, getattr(self, plan.mlp)(normed))
         if plan.post_mlp_norm is not None:
             branch = getattr(self, plan.post_mlp_norm)(branch)
         branch = plan.mlp_branch.apply(self, branch, residual)
-        return fusion.end(self, branch, residual)
+        return plan.result(fusion.end(self, branch, residual), bound, attention, router)
 
     def __reduce_ex__(self, protocol):
         return _rebuild_fused, (self._cake_base,), self.__getstate__()
@@ -331,7 +334,7 @@ def _planned_patch(model: nn.Module):
             followers.append(final)
             for layer, next_norm in zip(layers, followers):
                 layer.__class__ = _fused_class(_base_class(layer))
-                layer._cake_fusion = _LayerFusion(handoff, next_norm)
+                layer._cake_fusion = _LayerFusion(handoff, next_norm, owner)
             if final is not None:
                 final.__class__ = _FinalRMSNorm
                 final._cake_handoff = handoff
