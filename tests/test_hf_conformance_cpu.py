@@ -48,6 +48,9 @@ class Family:
     refusal: str | None = None  # the ValueError fuse_residual_rmsnorm raises, when it refuses
     # transformers versions (prefixes) whose own model of this family does not run here, and why
     stock_fails: dict = field(default_factory=dict)
+    # transformers versions (prefixes) whose own model of this family does not come back from
+    # save_pretrained / from_pretrained as it was (the save and load check is skipped there), and why
+    reload_fails: dict = field(default_factory=dict)
 
 
 _MOE = {"num_experts_per_tok": 2}
@@ -72,7 +75,15 @@ FAMILIES = {
     "phi3": Family("Phi3Config", "Phi3ForCausalLM", 2, {"resid_pdrop": 0.1}),
     "granite": Family("GraniteConfig", "GraniteForCausalLM", 2, {"residual_multiplier": 0.5}),
     "smollm3": Family("SmolLM3Config", "SmolLM3ForCausalLM", 2),
-    "apertus": Family("ApertusConfig", "ApertusForCausalLM", 4),  # its norms have other names
+    "apertus": Family(  # its norms have other names
+        "ApertusConfig",
+        "ApertusForCausalLM",
+        4,
+        reload_fails={
+            "4.57.6": "the reloaded stock model's loss differs in the last bits",
+            "5.0.0": "from_pretrained fails building its xIELU activation on the meta device",
+        },
+    ),
     "deepseek_v3": Family(
         "DeepseekV3Config",
         "DeepseekV3ForCausalLM",
@@ -103,7 +114,9 @@ FAMILIES = {
             "use_qk_norm": False,
             "interleave_moe_layer_step": 2,
         },
-        stock_fails={"4.51.": "its eager attention multiplies a bf16 query by an fp32 key on CPU"},
+        stock_fails={
+            "4.51.": "does not run: its eager attention multiplies a bf16 query by an fp32 key on CPU"
+        },
     ),
     "olmo2": Family(
         "Olmo2Config", "Olmo2ForCausalLM", 4, refusal="Olmo2DecoderLayer: it is a post-norm layer"
@@ -116,14 +129,19 @@ COMPILED = ["llama", "qwen3", "gemma2"]  # one pre-norm, one with q/k norms, one
 FUSED = [name for name, family in FAMILIES.items() if family.refusal is None]
 
 
+def _skip_where(versions: dict, model: str) -> None:
+    """Skip, with the reason, where the installed transformers' version starts with a key of ``versions``."""
+    for prefix, reason in versions.items():
+        if transformers.__version__.startswith(prefix):
+            pytest.skip(f"{model} of transformers {transformers.__version__}: {reason}")
+
+
 def tiny(name: str, dtype=torch.float32) -> torch.nn.Module:
     """The family's tiny random-weight causal LM (norm weights random too, so a wrong dw shows)."""
     family = FAMILIES[name]
     if not hasattr(transformers, family.model):
         pytest.skip(f"transformers {transformers.__version__} has no {family.model}")
-    for prefix, reason in family.stock_fails.items():
-        if transformers.__version__.startswith(prefix):
-            pytest.skip(f"{family.model} of transformers {transformers.__version__} does not run: {reason}")
+    _skip_where(family.stock_fails, family.model)
     sizes = {
         "vocab_size": VOCAB,
         "hidden_size": HIDDEN,
@@ -280,6 +298,7 @@ def test_save_and_load(name, tmp_path):
     """state_dict keys unchanged; save_pretrained / from_pretrained round trip; the loaded model fuses;
     torch.save / torch.load of the whole fused model stays fused."""
     model = tiny(name)
+    _skip_where(FAMILIES[name].reload_fails, FAMILIES[name].model)
     fused, _ = converted(model, fuse=True)
     assert fused.state_dict().keys() == model.state_dict().keys()
     fused.save_pretrained(tmp_path)
