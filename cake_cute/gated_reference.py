@@ -18,8 +18,8 @@ import torch
 
 
 def _groups(t: torch.Tensor, group_size: int) -> torch.Tensor:
-    """(T, H) -> (T, H / group_size, group_size)."""
-    return t.reshape(t.shape[0], -1, group_size)
+    """(T, H) -> (T, H / group_size, group_size) (the group count named: T may be 0)."""
+    return t.reshape(t.shape[0], t.shape[1] // group_size, group_size)
 
 
 def _silu_and_derivative(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -41,6 +41,19 @@ def test_norm_then_gate_is_qwen3_next(hidden):
     assert rstd.shape == (5, 1)
 
 
+@pytest.mark.parametrize("norm_before_gate", [True, False])
+def test_reference_of_no_rows(norm_before_gate):
+    """T = 0: empty outputs of the right shapes, and a dW of zeros (nothing was summed)."""
+    x, z, w = (t[:, :256] for t in _inputs(0, 256))
+    w = torch.randn(256, dtype=torch.float64)
+    kwargs = dict(group_size=128, norm_before_gate=norm_before_gate)
+    y, rstd = gated_forward_reference(x, z, w, EPS, **kwargs)
+    assert y.shape == (0, 256) and rstd.shape == (0, 2)
+    dx, dz, dw = gated_backward_reference(torch.zeros_like(x), x, z, w, EPS, **kwargs)
+    assert dx.shape == dz.shape == (0, 256)
+    assert dw.shape == (256,) and not dw.any()
+
+
 @pytest.mark.parametrize("hidden, group_size", [(2048, 512), (4096, 1024), (256, 256)])
 def test_gate_then_norm_is_nemotron_h(hidden, group_size):
     from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHRMSNormGated
