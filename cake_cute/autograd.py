@@ -20,7 +20,7 @@ from .ops_fp8 import fp8_forward, op_outputs
 from .routing import NATIVE, OP, route
 
 
-def _forward(x, w, eps, residual, weight_offset, deterministic, direct):
+def _forward(x, w, eps, residual, weight_offset, direct):
     """``(y, rstd, h_new)``, h_new None in plain mode."""
     if direct:
         outs = train_forward_python(x, w, eps, residual, weight_offset=weight_offset)
@@ -28,7 +28,7 @@ def _forward(x, w, eps, residual, weight_offset, deterministic, direct):
     # The op's schema would turn a bad argument into a RuntimeError that names no argument.
     v.check_forward_arguments(x, w, eps, residual)
     weight_offset = v.check_weight_offset(weight_offset)
-    y, rstd, h_new = torch.ops.cake_cute.rmsnorm_fwd(x, w, eps, residual, weight_offset, deterministic)
+    y, rstd, h_new = torch.ops.cake_cute.rmsnorm_fwd(x, w, eps, residual, weight_offset)
     return y, rstd, (None if residual is None else h_new)
 
 
@@ -79,8 +79,8 @@ class CakeRMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, eps, residual=None, deterministic=True, weight_offset=0.0):
         direct = route(x, w, residual) is not OP
-        y, rstd, h_new = _forward(x, w, eps, residual, weight_offset, deterministic, direct)
-        save_for_backward(ctx, x, w, residual, rstd, h_new, weight_offset, deterministic, direct)
+        y, rstd, h_new = _forward(x, w, eps, residual, weight_offset, direct)
+        save_for_backward(ctx, x, w, residual, rstd, h_new, weight_offset, direct)
         # Unused outputs get None rather than a materialized zero tensor of size [T, H].
         ctx.set_materialize_grads(False)
         return y if residual is None else (y, h_new)
@@ -105,7 +105,7 @@ def _norm(cls, x, w, eps, residual, deterministic, weight_offset, trace_as_op):
             if out is not None:
                 return out
     elif path is OP and trace_as_op and torch.compiler.is_compiling():
-        return cake_rmsnorm_traceable(x, w, eps, residual, deterministic, weight_offset)
+        return cake_rmsnorm_traceable(x, w, eps, residual, weight_offset)
     return _function_apply(cls, x, w, eps, residual, deterministic, weight_offset)
 
 
@@ -121,7 +121,7 @@ class CakeRMSNormFp8Function(torch.autograd.Function):
         data, scales, y, rstd, h_new = fp8_forward(x, w, eps, residual, recipe, emit_y, weight_offset)
         direct = x.device.type == "cuda"  # the launched kernels take rstd as one value per row, flat
         saved_rstd = rstd.reshape(-1) if direct else rstd
-        save_for_backward(ctx, x, w, residual, saved_rstd, h_new, weight_offset, True, direct)
+        save_for_backward(ctx, x, w, residual, saved_rstd, h_new, weight_offset, direct)
         ctx.mark_non_differentiable(data, scales, rstd)
         ctx.set_materialize_grads(False)
         return op_outputs(x, data, scales, y, rstd, h_new)

@@ -45,12 +45,11 @@ from .reference import summed_gradient
 from .views import new_output
 
 _FWD_SCHEMA = (
-    "(Tensor x, Tensor w, float eps, Tensor? residual=None, float weight_offset=0.0, "
-    "bool deterministic=True) -> (Tensor, Tensor, Tensor)"
+    "(Tensor x, Tensor w, float eps, Tensor? residual=None, float weight_offset=0.0) "
+    "-> (Tensor, Tensor, Tensor)"
 )
 _BWD_ARGUMENTS = (
-    "Tensor x, Tensor w, Tensor rstd, Tensor? g_residual=None, float weight_offset=0.0, "
-    "bool deterministic=True) -> (Tensor, Tensor)"
+    "Tensor x, Tensor w, Tensor rstd, Tensor? g_residual=None, float weight_offset=0.0) -> (Tensor, Tensor)"
 )
 _FP8_SCHEMA = (
     "(Tensor x, Tensor w, float eps, Tensor? residual, str recipe, bool emit_y, float weight_offset) "
@@ -81,20 +80,20 @@ def define_op(name: str, schema: str, kernel, *, fake, cpu=None, backward=None, 
         torch.library.register_autograd(qualified, backward, setup_context=setup_context, lib=_LIB)
 
 
-def rmsnorm_fwd(x, w, eps, residual=None, weight_offset=0.0, deterministic=True):
-    """``(y, rstd, h_new)`` on CUDA. ``deterministic`` only travels to the backward through autograd."""
+def rmsnorm_fwd(x, w, eps, residual=None, weight_offset=0.0):
+    """``(y, rstd, h_new)`` on CUDA."""
     outs = cake_rmsnorm_train_forward(x, w, eps, residual=residual, weight_offset=weight_offset)
     rstd = outs[1].view(x.shape[:-1])
     return outs[0], rstd, (x.new_empty(0) if residual is None else outs[2])
 
 
-def _rmsnorm_fwd_cpu(x, w, eps, residual=None, weight_offset=0.0, deterministic=True):
+def _rmsnorm_fwd_cpu(x, w, eps, residual=None, weight_offset=0.0):
     v.check_forward_arguments(x, w, eps, residual)
     y, rstd, h_new = cpu.forward(x, w, eps, residual, v.check_weight_offset(weight_offset))
     return y, rstd, (x.new_empty(0) if h_new is None else h_new)
 
 
-def _rmsnorm_fwd_fake(x, w, eps, residual=None, weight_offset=0.0, deterministic=True):
+def _rmsnorm_fwd_fake(x, w, eps, residual=None, weight_offset=0.0):
     """The real op's outputs (``views.new_output``); argument errors surface while tracing."""
     v.check_forward_arguments(x, w, eps, residual)
     h_new = new_output(x) if residual is not None else x.new_empty(0)
@@ -122,47 +121,46 @@ def _rmsnorm_fp8_fwd_fake(x, w, eps, residual, recipe, emit_y, weight_offset):
     )
 
 
-def rmsnorm_bwd(g, x, w, rstd, g_residual=None, weight_offset=0.0, deterministic=True):
+def rmsnorm_bwd(g, x, w, rstd, g_residual=None, weight_offset=0.0):
     """``(dx, dw)`` on CUDA, dw in w's dtype; ``rstd`` is shaped ``x.shape[:-1]``."""
     return cake_rmsnorm_train_backward(
         g,
         x,
         w,
         rstd.reshape(-1),
-        deterministic=deterministic,
         g_residual=g_residual,
         weight_offset=weight_offset,
         dw_dtype=w.dtype,
     )
 
 
-def _rmsnorm_bwd_cpu(g, x, w, rstd, g_residual=None, weight_offset=0.0, deterministic=True):
+def _rmsnorm_bwd_cpu(g, x, w, rstd, g_residual=None, weight_offset=0.0):
     return cpu.backward(g, x, w, rstd, g_residual, weight_offset)
 
 
-def _rmsnorm_bwd_fake(g, x, w, rstd, g_residual=None, weight_offset=0.0, deterministic=True):
+def _rmsnorm_bwd_fake(g, x, w, rstd, g_residual=None, weight_offset=0.0):
     return new_output(x), new_output(w)
 
 
-def rmsnorm_bwd_parts(g, x, w, rstd, g_residual=None, weight_offset=0.0, deterministic=True):
+def rmsnorm_bwd_parts(g, x, w, rstd, g_residual=None, weight_offset=0.0):
     """``rmsnorm_bwd`` of the gradient whose summands are the list ``g`` (2 or 3 tensors, x's shape and
     dtype), summed in the kernel (FP32, left to right, rounded once): what ``graph_passes`` puts in
     place of an add of dgrads feeding ``rmsnorm_bwd`` in a compiled graph."""
-    return rmsnorm_bwd(tuple(g), x, w, rstd, g_residual, weight_offset, deterministic)
+    return rmsnorm_bwd(tuple(g), x, w, rstd, g_residual, weight_offset)
 
 
-def _rmsnorm_bwd_parts_cpu(g, x, w, rstd, g_residual=None, weight_offset=0.0, deterministic=True):
+def _rmsnorm_bwd_parts_cpu(g, x, w, rstd, g_residual=None, weight_offset=0.0):
     return cpu.backward(summed_gradient(g), x, w, rstd, g_residual, weight_offset)
 
 
-def _rmsnorm_bwd_parts_fake(g, x, w, rstd, g_residual=None, weight_offset=0.0, deterministic=True):
+def _rmsnorm_bwd_parts_fake(g, x, w, rstd, g_residual=None, weight_offset=0.0):
     return _rmsnorm_bwd_fake(g[0], x, w, rstd)
 
 
 # --- the save/backward logic of both autograd paths ------------------------------------------------
 
 
-def save_for_backward(ctx, x, w, residual, rstd, h_new, weight_offset, deterministic, direct) -> None:
+def save_for_backward(ctx, x, w, residual, rstd, h_new, weight_offset, direct) -> None:
     """Saves exactly (x or h_new, w, rstd) and the flags the backward needs.
 
     ``direct`` says the forward launched the kernels itself (plain CUDA tensors in eager), so the
@@ -170,7 +168,6 @@ def save_for_backward(ctx, x, w, residual, rstd, h_new, weight_offset, determini
     ctx.save_for_backward(x if residual is None else h_new, w, rstd)
     ctx.residual = residual is not None
     ctx.weight_offset = weight_offset
-    ctx.deterministic = deterministic
     ctx.direct = direct
 
 
@@ -186,37 +183,35 @@ def norm_backward(ctx, g, g_h_new):
     if ctx.direct:
         dx, dw = backward_from_saved(g, h, w, rstd, g_residual, ctx.weight_offset)
     else:
-        dx, dw = torch.ops.cake_cute.rmsnorm_bwd(
-            g, h, w, rstd, g_residual, ctx.weight_offset, ctx.deterministic
-        )
+        dx, dw = torch.ops.cake_cute.rmsnorm_bwd(g, h, w, rstd, g_residual, ctx.weight_offset)
     return dx, dw, (dx if ctx.residual else None)
 
 
-def _save_op_context(ctx, no_gradient, x, w, residual, rstd, h_new, weight_offset, deterministic) -> None:
+def _save_op_context(ctx, no_gradient, x, w, residual, rstd, h_new, weight_offset) -> None:
     """The op forms' side of ``save_for_backward``: the outputs in ``no_gradient``, and h_new in plain
     mode (an empty tensor), get no gradient. As on the eager paths, an unused output's gradient is
     None, not a [T, H] zero tensor (under torch.compile a zeros kernel, and a residual-mode backward
     reading it, for a final norm whose h_new nothing uses)."""
     ctx.set_materialize_grads(False)
     ctx.mark_non_differentiable(*no_gradient, *(() if residual is not None else (h_new,)))
-    save_for_backward(ctx, x, w, residual, rstd, h_new, weight_offset, deterministic, direct=False)
+    save_for_backward(ctx, x, w, residual, rstd, h_new, weight_offset, direct=False)
 
 
 def _setup_context(ctx, inputs, output):
-    x, w, _eps, residual, weight_offset, deterministic = inputs
+    x, w, _eps, residual, weight_offset = inputs
     _y, rstd, h_new = output
-    _save_op_context(ctx, (rstd,), x, w, residual, rstd, h_new, weight_offset, deterministic)
+    _save_op_context(ctx, (rstd,), x, w, residual, rstd, h_new, weight_offset)
 
 
 def _backward(ctx, g, _g_rstd, g_h_new):
     dx, dw, d_residual = norm_backward(ctx, g, g_h_new)
-    return dx, dw, None, d_residual, None, None
+    return dx, dw, None, d_residual, None
 
 
 def _setup_fp8_context(ctx, inputs, output):
     x, w, _eps, residual, _recipe, _emit_y, weight_offset = inputs
     data, scales, _y, rstd, h_new = output
-    _save_op_context(ctx, (data, scales, rstd), x, w, residual, rstd, h_new, weight_offset, True)
+    _save_op_context(ctx, (data, scales, rstd), x, w, residual, rstd, h_new, weight_offset)
 
 
 def fp8_backward(ctx, _g_data, _g_scales, g, _g_rstd, g_h_new):
@@ -254,7 +249,7 @@ define_op(
 native.provide_op_bodies(rmsnorm_fwd, rmsnorm_bwd, rmsnorm_bwd_parts, rmsnorm_fp8_fwd)
 
 
-def cake_rmsnorm_traceable(x, w, eps, residual=None, deterministic=True, weight_offset=0.0):
+def cake_rmsnorm_traceable(x, w, eps, residual=None, weight_offset=0.0):
     """``cake_rmsnorm`` through the custom op (torch.compile, DTensor, CPU): y, or (y, h_new)."""
-    y, _rstd, h_new = torch.ops.cake_cute.rmsnorm_fwd(x, w, eps, residual, weight_offset, deterministic)
+    y, _rstd, h_new = torch.ops.cake_cute.rmsnorm_fwd(x, w, eps, residual, weight_offset)
     return y if residual is None else (y, h_new)

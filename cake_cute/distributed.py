@@ -54,20 +54,20 @@ def _forward_strategies(x, residual, row_outputs: int, options: int):
 
 
 @register_sharding(torch.ops.cake_cute.rmsnorm_fwd.default)
-def _forward_sharding(x, w, eps, residual=None, weight_offset=0.0, deterministic=True):
-    """Outputs (y, rstd, h_new), inputs (x, w, eps, residual, weight_offset, deterministic)."""
-    return _forward_strategies(x, residual, row_outputs=2, options=2)
+def _forward_sharding(x, w, eps, residual=None, weight_offset=0.0):
+    """Outputs (y, rstd, h_new), inputs (x, w, eps, residual, weight_offset)."""
+    return _forward_strategies(x, residual, row_outputs=2, options=1)
 
 
 @register_sharding(torch.ops.cake_cute.rmsnorm_bwd.default)
-def _backward_sharding(g, x, w, rstd, g_residual=None, weight_offset=0.0, deterministic=True):
-    """Outputs (dx, dw), inputs (g, x, w, rstd, g_residual, weight_offset, deterministic)."""
+def _backward_sharding(g, x, w, rstd, g_residual=None, weight_offset=0.0):
+    """Outputs (dx, dw), inputs (g, x, w, rstd, g_residual, weight_offset)."""
     _refuse_a_sharded_hidden_dim(x)
     strategies = []
     for rows in _row_placements(x):
         dw = Replicate() if isinstance(rows, Replicate) else Partial()
         g_res = None if g_residual is None else rows
-        strategies.append(([rows, dw], [rows, rows, Replicate(), rows, g_res, None, None]))
+        strategies.append(([rows, dw], [rows, rows, Replicate(), rows, g_res, None]))
     return strategies
 
 

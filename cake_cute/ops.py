@@ -255,7 +255,7 @@ def cake_rmsnorm_train_backward(
     """
     extension = native.extension
     if extension is not None and workspace is None and dx is None and dw is None:
-        outs = extension.backward(g, x, w, rstd, g_residual, weight_offset, dw_dtype, deterministic)
+        outs = extension.backward(g, x, w, rstd, g_residual, weight_offset, dw_dtype)
         if outs is not None:
             return outs
     operands = known_operands(x, w)

@@ -133,7 +133,7 @@ def test_functional_native_matches_python_bitwise(dtype, residual, monkeypatch):
     g = torch.randn_like(x)
     h = python_fwd[2] if residual else x
     g_res = torch.randn_like(x) if residual else None
-    served = native.extension.backward(g, h, w, python_fwd[1], g_res, 0.0, torch.float32, True)
+    served = native.extension.backward(g, h, w, python_fwd[1], g_res, 0.0, torch.float32)
     assert served is not None, "the native path did not serve the backward"
     fast_bwd = cake_rmsnorm_train_backward(g, h, w, python_fwd[1], g_residual=g_res)
     monkeypatch.setattr(native, "extension", None)  # the same call on the Python path
@@ -264,18 +264,18 @@ def test_op_kernels_serve_registered_signatures_bitwise(dtype, residual, python_
     x, w, r = leaves(129, 4096, dtype, residual)
     x, w = x.detach().view(3, 43, 4096), w.detach()
     r = r.detach().view(3, 43, 4096) if residual else None
-    expected = custom_ops.rmsnorm_fwd(x, w, EPS, r, 1.0, True)  # registers the signature
+    expected = custom_ops.rmsnorm_fwd(x, w, EPS, r, 1.0)  # registers the signature
     python_bodies.update(fwd=0, bwd=0)
-    actual = torch.ops.cake_cute.rmsnorm_fwd(x, w, EPS, r, 1.0, True)
+    actual = torch.ops.cake_cute.rmsnorm_fwd(x, w, EPS, r, 1.0)
     assert actual[1].shape == x.shape[:-1] and actual[2].numel() == (x.numel() if residual else 0)
     for i, (a, b) in enumerate(zip(actual, expected)):
         assert_bitwise_equal(a, b, f"forward output {i}")
     g = torch.randn_like(x)
     g_res = torch.randn_like(x) if residual else None
     h = actual[2] if residual else x
-    got = torch.ops.cake_cute.rmsnorm_bwd(g, h, w, actual[1], g_res, 1.0, True)
+    got = torch.ops.cake_cute.rmsnorm_bwd(g, h, w, actual[1], g_res, 1.0)
     assert python_bodies == {"fwd": 0, "bwd": 0}, "a served signature reached the Python body"
-    want = custom_ops.rmsnorm_bwd(g, h, w, actual[1], g_res, 1.0, True)
+    want = custom_ops.rmsnorm_bwd(g, h, w, actual[1], g_res, 1.0)
     for i, (a, b) in enumerate(zip(got, want)):
         assert_bitwise_equal(a, b, f"backward output {i}")
 
@@ -306,7 +306,7 @@ def test_op_autograd_node_matches_the_eager_path_bitwise(residual):
     x, w, r = leaves(129, 4096, torch.bfloat16, residual)
     gy, gh = torch.randn_like(x), torch.randn_like(x)
     python_then_native(x, w, r)
-    outs = torch.ops.cake_cute.rmsnorm_fwd(x, w, EPS, r, 0.0, True)
+    outs = torch.ops.cake_cute.rmsnorm_fwd(x, w, EPS, r, 0.0)
     assert "OpNormFunction" in outs[0].grad_fn.name(), outs[0].grad_fn.name()
     assert not outs[1].requires_grad and outs[2].requires_grad == residual
     used = (outs[0], outs[2]) if residual else (outs[0],)
@@ -317,7 +317,7 @@ def test_op_autograd_node_matches_the_eager_path_bitwise(residual):
         assert_bitwise_equal(a, b, f"grad {i}")
     if residual:  # only h_new used: its gradient reaches x and residual unchanged, w gets none
         h_only = torch.autograd.grad(
-            torch.ops.cake_cute.rmsnorm_fwd(x, w, EPS, r, 0.0, True)[2], (x, w, r), gh, allow_unused=True
+            torch.ops.cake_cute.rmsnorm_fwd(x, w, EPS, r, 0.0)[2], (x, w, r), gh, allow_unused=True
         )
         assert h_only[1] is None
         assert_bitwise_equal(h_only[0], gh, "dx")
@@ -352,10 +352,10 @@ def test_opcheck_with_the_cpp_kernels(residual):
     with a served signature, so the C++ kernels answer."""
     x, w, r = leaves(64, 2048, torch.bfloat16, residual)
     python_then_native(x, w, r)
-    torch.library.opcheck(torch.ops.cake_cute.rmsnorm_fwd.default, (x, w, EPS, r, 0.0, True))
+    torch.library.opcheck(torch.ops.cake_cute.rmsnorm_fwd.default, (x, w, EPS, r, 0.0))
     rstd = torch.rand(64, device=DEV) + 0.5
     g_res = torch.randn_like(x) if residual else None
-    bwd_args = (torch.randn_like(x), x.detach(), w.detach(), rstd, g_res, 0.0, True)
+    bwd_args = (torch.randn_like(x), x.detach(), w.detach(), rstd, g_res, 0.0)
     torch.library.opcheck(torch.ops.cake_cute.rmsnorm_bwd.default, bwd_args)
 
 
@@ -371,19 +371,19 @@ def test_parts_op_kernel_serves_registered_signatures_bitwise(parts, residual, p
     gs = [torch.randn_like(x) for _ in range(parts)]
     g_res = torch.randn_like(x) if residual else None
     python_bodies.update(bwd=0)
-    got = torch.ops.cake_cute.rmsnorm_bwd_parts(gs, x, w, rstd, g_res, 0.0, True)
+    got = torch.ops.cake_cute.rmsnorm_bwd_parts(gs, x, w, rstd, g_res, 0.0)
     assert python_bodies["bwd"] == 0, "a served signature reached the Python body"
-    want = custom_ops.rmsnorm_bwd_parts(gs, x, w, rstd, g_res, 0.0, True)
+    want = custom_ops.rmsnorm_bwd_parts(gs, x, w, rstd, g_res, 0.0)
     for i, (a, b) in enumerate(zip(got, want)):
         assert_bitwise_equal(a, b, f"backward output {i}")
     strided = torch.randn(129, 8192, device=DEV).to(torch.bfloat16)[:, :4096]
     strided.copy_(gs[0])
     python_bodies.update(bwd=0)
-    handed = torch.ops.cake_cute.rmsnorm_bwd_parts([strided, *gs[1:]], x, w, rstd, g_res, 0.0, True)
+    handed = torch.ops.cake_cute.rmsnorm_bwd_parts([strided, *gs[1:]], x, w, rstd, g_res, 0.0)
     assert python_bodies["bwd"] == 1
     for i, (a, b) in enumerate(zip(handed, want)):
         assert_bitwise_equal(a, b, f"strided backward output {i}")
-    torch.library.opcheck(torch.ops.cake_cute.rmsnorm_bwd_parts.default, (gs, x, w, rstd, g_res, 0.0, True))
+    torch.library.opcheck(torch.ops.cake_cute.rmsnorm_bwd_parts.default, (gs, x, w, rstd, g_res, 0.0))
 
 
 # --- cake_cute::rmsnorm_fp8_fwd's C++ kernels ------------------------------------------------------

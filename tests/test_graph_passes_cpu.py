@@ -142,7 +142,7 @@ def test_parts_op_is_the_backward_of_the_rounded_sum(dtype, residual):
 def test_parts_op_opcheck():
     x, w, rstd, _, _ = _inputs()
     parts = [torch.randn(T, H) for _ in range(2)]
-    torch.library.opcheck(BWD_PARTS, (parts, x, w, rstd, None, 0.0, True))
+    torch.library.opcheck(BWD_PARTS, (parts, x, w, rstd, None, 0.0))
 
 
 def test_bad_gradient_parts_are_named():

@@ -554,7 +554,7 @@ def test_opcheck(kernels, residual):
 @pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
 def test_op_autograd_matches_the_eager_function(kernels, residual):
     def via_op(x, w, r):
-        y, _, h_new = torch.ops.cake_cute.rmsnorm_fwd(x, w, EPS, r, 0.5, True)
+        y, _, h_new = torch.ops.cake_cute.rmsnorm_fwd(x, w, EPS, r, 0.5)
         return y if r is None else (y, h_new)
 
     x, w, res, g_y, g_h = _problem(residual)

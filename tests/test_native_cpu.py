@@ -101,9 +101,8 @@ def test_routing_refuses_what_it_must_not_serve(module, monkeypatch):
     assert module.rmsnorm(x, w, "1e-6", None, 0.0) is None
     assert module.rmsnorm(x, w, 1e-6, None, "0") is None
     assert module.forward(x, w, 1e-6, None, 0.0) is None
-    assert module.backward(g, x, w, rstd, None, 0.0, torch.float32, True) is None
-    assert module.backward(g, x, w, rstd, None, 0.0, torch.int32, True) is None
-    assert module.backward(g, x, w, rstd, None, 0.0, torch.float32, 1) is None
+    assert module.backward(g, x, w, rstd, None, 0.0, torch.float32) is None
+    assert module.backward(g, x, w, rstd, None, 0.0, torch.int32) is None
     with pytest.raises(TypeError, match="rmsnorm takes 5 arguments"):
         module.rmsnorm(x, w)
     with pytest.raises(TypeError, match="register needs tensors"):

@@ -100,12 +100,12 @@ std::optional<at::ScalarType> gradient_dtype(PyObject* obj) {  // fp32, bf16 or 
   return t;
 }
 
-// backward(g, x, w, rstd, g_residual, weight_offset, dw_dtype, deterministic): (dx, dw) or None.
+// backward(g, x, w, rstd, g_residual, weight_offset, dw_dtype): (dx, dw) or None.
 PyObject* backward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  if (!check_count(nargs, 8, "backward")) return nullptr;
+  if (!check_count(nargs, 7, "backward")) return nullptr;
   const std::optional<at::ScalarType> dw_dtype = gradient_dtype(args[6]);
-  if (!plain_context() || !dw_dtype || (args[7] != Py_True && args[7] != Py_False)) Py_RETURN_NONE;
+  if (!plain_context() || !dw_dtype) Py_RETURN_NONE;
   const at::Tensor* g = plain_cuda(args[0]);
   const at::Tensor* x = plain_cuda(args[1]);
   const at::Tensor* w = plain_cuda(args[2]);
@@ -228,7 +228,7 @@ PyMethodDef methods[] = {
     {"forward", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(forward)), METH_FASTCALL,
      "forward(x, w, eps, residual, weight_offset): (y, rstd[, h_new]) or None"},
     {"backward", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(backward)), METH_FASTCALL,
-     "backward(g, x, w, rstd, g_residual, weight_offset, dw_dtype, deterministic): (dx, dw) or None"},
+     "backward(g, x, w, rstd, g_residual, weight_offset, dw_dtype): (dx, dw) or None"},
     {"register", register_signature, METH_VARARGS,
      "register(x, w, weight_offset, residual, forward_kernel, act_align, w_align, planner)"},
     {"register_fp8", register_fp8, METH_VARARGS,

@@ -161,10 +161,10 @@ struct ForwardCall {
 
 using ForwardResult = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
 using ForwardSchema = ForwardResult(const at::Tensor&, const at::Tensor&, double, const std::optional<at::Tensor>&,
-                                    double, bool);
+                                    double);
 using BackwardResult = std::tuple<at::Tensor, at::Tensor>;
 using BackwardSchema = BackwardResult(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                      const std::optional<at::Tensor>&, double, bool);
+                                      const std::optional<at::Tensor>&, double);
 
 // ---- launch.cpp ---------------------------------------------------------------------------------------
 

@@ -39,7 +39,7 @@ PyObject* wrap_optional(const std::optional<at::Tensor>& t) {
   Py_RETURN_NONE;
 }
 
-// Calls a Python op body with (tensors..., optional tensor, weight_offset, deterministic) in the schema's
+// Calls a Python op body with (tensors..., optional tensor, weight_offset) in the schema's
 // order and returns its tuple of tensors; its exception (a named TypeError / ValueError) is re-raised
 // at the op's caller. The caller holds the GIL (a GilScope).
 std::vector<at::Tensor> call_python_op(PyObject* body, std::initializer_list<PyObject*> args, size_t outputs) {
@@ -64,7 +64,7 @@ std::vector<at::Tensor> call_python_op(PyObject* body, std::initializer_list<PyO
 }
 
 ForwardResult forward_cuda(const at::Tensor& x, const at::Tensor& w, double eps,
-                           const std::optional<at::Tensor>& residual, double weight_offset, bool deterministic) {
+                           const std::optional<at::Tensor>& residual, double weight_offset) {
   const bool with_residual = residual.has_value() && residual->defined();
   const Signature* s = std::isfinite(eps) && eps >= 0 && x.layout() == at::kStrided ? find_signature(x, w, weight_offset)
                                                                                      : nullptr;
@@ -76,7 +76,7 @@ ForwardResult forward_cuda(const at::Tensor& x, const at::Tensor& w, double eps,
   GilScope gil;
   auto outs = call_python_op(python_forward_op,
                              {THPVariable_Wrap(x), THPVariable_Wrap(w), PyFloat_FromDouble(eps), wrap_optional(residual),
-                              PyFloat_FromDouble(weight_offset), PyBool_FromLong(deterministic)},
+                              PyFloat_FromDouble(weight_offset)},
                              3);
   return {outs[0], outs[1], outs[2]};
 }
@@ -101,7 +101,7 @@ at::Tensor optional_or_undefined(const std::optional<at::Tensor>& t) {
 }
 
 BackwardResult backward_cuda(const at::Tensor& g, const at::Tensor& x, const at::Tensor& w, const at::Tensor& rstd,
-                             const std::optional<at::Tensor>& g_residual, double weight_offset, bool deterministic) {
+                             const std::optional<at::Tensor>& g_residual, double weight_offset) {
   if (const Signature* s = served_backward({g}, x, w, rstd, g_residual, weight_offset)) {
     auto [dx, dw] = launch_backward(*s, g, x, w, rstd, optional_or_undefined(g_residual), w.scalar_type(), true);
     return {std::move(dx), std::move(dw)};
@@ -109,15 +109,14 @@ BackwardResult backward_cuda(const at::Tensor& g, const at::Tensor& x, const at:
   GilScope gil;
   auto outs = call_python_op(python_backward_op,
                              {THPVariable_Wrap(g), THPVariable_Wrap(x), THPVariable_Wrap(w), THPVariable_Wrap(rstd),
-                              wrap_optional(g_residual), PyFloat_FromDouble(weight_offset), PyBool_FromLong(deterministic)},
+                              wrap_optional(g_residual), PyFloat_FromDouble(weight_offset)},
                              2);
   return {outs[0], outs[1]};
 }
 
 // rmsnorm_bwd_parts: g given as its 2-3 summands (cake_cute.graph_passes puts it in compiled graphs).
 BackwardResult backward_parts_cuda(at::TensorList g, const at::Tensor& x, const at::Tensor& w, const at::Tensor& rstd,
-                                   const std::optional<at::Tensor>& g_residual, double weight_offset,
-                                   bool deterministic) {
+                                   const std::optional<at::Tensor>& g_residual, double weight_offset) {
   const bool parts_ok = g.size() >= 2 && int64_t(g.size()) <= kMaxGParts;
   if (const Signature* s = parts_ok ? served_backward(g, x, w, rstd, g_residual, weight_offset) : nullptr) {
     auto [dx, dw] = launch_backward(*s, g[0], x, w, rstd, optional_or_undefined(g_residual), w.scalar_type(), true,
@@ -129,7 +128,7 @@ BackwardResult backward_parts_cuda(at::TensorList g, const at::Tensor& x, const 
   for (size_t i = 0; i < g.size(); ++i) PyList_SET_ITEM(parts, Py_ssize_t(i), THPVariable_Wrap(g[i]));
   auto outs = call_python_op(python_backward_parts_op,
                              {parts, THPVariable_Wrap(x), THPVariable_Wrap(w), THPVariable_Wrap(rstd),
-                              wrap_optional(g_residual), PyFloat_FromDouble(weight_offset), PyBool_FromLong(deterministic)},
+                              wrap_optional(g_residual), PyFloat_FromDouble(weight_offset)},
                              2);
   return {outs[0], outs[1]};
 }
@@ -151,50 +150,44 @@ void save_norm_inputs(AutogradContext* ctx, std::vector<at::Tensor> non_differen
 // (dx, dw) of a node saved by save_norm_inputs, from y's gradient `g` (defined) and, in residual mode,
 // h_new's (undefined when h_new was unused): rmsnorm_bwd on the saved tensors.
 std::tuple<at::Tensor, at::Tensor> norm_gradients(AutogradContext* ctx, const at::Tensor& g,
-                                                  const at::Tensor& g_residual, bool deterministic) {
+                                                  const at::Tensor& g_residual) {
   const variable_list saved = ctx->get_saved_variables();
   std::optional<at::Tensor> g_res;
   if (ctx->saved_data["residual"].toBool()) g_res = g_residual;
-  return backward_op().call(g, saved[0], saved[1], saved[2], g_res, ctx->saved_data["weight_offset"].toDouble(),
-                            deterministic);
+  return backward_op().call(g, saved[0], saved[1], saved[2], g_res, ctx->saved_data["weight_offset"].toDouble());
 }
 
 // The op's autograd formula: one dx is the gradient of x and residual.
 struct OpNormFunction : public torch::autograd::Function<OpNormFunction> {
   static variable_list forward(AutogradContext* ctx, c10::DispatchKeySet keys, const at::Tensor& x, const at::Tensor& w,
-                               double eps, const std::optional<at::Tensor>& residual, double weight_offset,
-                               bool deterministic) {
-    auto [y, rstd, h_new] = below_autograd(keys, x, w, eps, residual, weight_offset, deterministic);
+                               double eps, const std::optional<at::Tensor>& residual, double weight_offset) {
+    auto [y, rstd, h_new] = below_autograd(keys, x, w, eps, residual, weight_offset);
     save_norm_inputs(ctx, {rstd}, x, w, rstd, h_new, residual, weight_offset);
-    ctx->saved_data["deterministic"] = deterministic;
     return {y, rstd, h_new};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const bool residual = ctx->saved_data["residual"].toBool();
     const at::Tensor g_residual = residual ? grads[2] : at::Tensor();
-    // One gradient per forward argument: (keys, x, w, eps, residual, weight_offset, deterministic).
-    if (!grads[0].defined()) return {{}, g_residual, {}, {}, g_residual, {}, {}};
-    auto [dx, dw] = norm_gradients(ctx, grads[0], g_residual, ctx->saved_data["deterministic"].toBool());
-    return {{}, dx, dw, {}, residual ? dx : at::Tensor(), {}, {}};
+    // One gradient per forward argument: (keys, x, w, eps, residual, weight_offset).
+    if (!grads[0].defined()) return {{}, g_residual, {}, {}, g_residual, {}};
+    auto [dx, dw] = norm_gradients(ctx, grads[0], g_residual);
+    return {{}, dx, dw, {}, residual ? dx : at::Tensor(), {}};
   }
 
   static ForwardResult below_autograd(c10::DispatchKeySet keys, const at::Tensor& x, const at::Tensor& w, double eps,
-                                      const std::optional<at::Tensor>& residual, double weight_offset,
-                                      bool deterministic) {
+                                      const std::optional<at::Tensor>& residual, double weight_offset) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    return forward_op().redispatch(keys & c10::after_ADInplaceOrView_keyset, x, w, eps, residual, weight_offset,
-                                   deterministic);
+    return forward_op().redispatch(keys & c10::after_ADInplaceOrView_keyset, x, w, eps, residual, weight_offset);
   }
 };
 
 ForwardResult forward_autograd_cuda(c10::DispatchKeySet keys, const at::Tensor& x, const at::Tensor& w, double eps,
-                                    const std::optional<at::Tensor>& residual, double weight_offset,
-                                    bool deterministic) {
+                                    const std::optional<at::Tensor>& residual, double weight_offset) {
   if (!records_graph(x, w, residual)) {
-    return OpNormFunction::below_autograd(keys, x, w, eps, residual, weight_offset, deterministic);
+    return OpNormFunction::below_autograd(keys, x, w, eps, residual, weight_offset);
   }
-  variable_list out = OpNormFunction::apply(keys, x, w, eps, residual, weight_offset, deterministic);
+  variable_list out = OpNormFunction::apply(keys, x, w, eps, residual, weight_offset);
   return {out[0], out[1], out[2]};
 }
 
@@ -262,7 +255,7 @@ struct OpFp8Function : public torch::autograd::Function<OpFp8Function> {
     const at::Tensor g_residual = residual ? grads[4] : at::Tensor();
     // One gradient per forward argument: (keys, x, w, eps, residual, recipe, emit_y, weight_offset).
     if (!grads[2].defined()) return {{}, g_residual, {}, {}, g_residual, {}, {}, {}};
-    auto [dx, dw] = norm_gradients(ctx, grads[2], g_residual, true);
+    auto [dx, dw] = norm_gradients(ctx, grads[2], g_residual);
     return {{}, dx, dw, {}, residual ? dx : at::Tensor(), {}, {}, {}};
   }
 
