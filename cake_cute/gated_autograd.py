@@ -1,0 +1,242 @@
+"""The gated RMSNorm kernels (``gated_ops``) as ``torch.library`` custom ops with autograd, their CPU
+kernels and DTensor sharding rules, and the public entry ``cake_gated_rmsnorm``.
+
+``cake_cute::gated_rmsnorm_fwd(x, z, w, eps, group_size, norm_before_gate, weight_offset)`` returns
+``(y, rstd)``: y like x (contiguous), rstd FP32 shaped ``gated_ops.rstd_shape`` (x's leading dims, then
+H / group_size when a row has several groups). ``cake_cute::gated_rmsnorm_bwd(g, x, z, w, rstd, ...)``
+returns ``(dx, dz, dw)``, dw in w's dtype (as autograd wants it). The registered autograd saves exactly
+``(x, z, w, rstd)``; the backward recomputes the gate and the normalized input from them.
+
+Every call goes through the ops: torch.compile sees two opaque nodes (the fake kernels give the output
+shapes, dtypes and strides without running anything), DTensor applies the sharding rules below, CPU
+tensors run the CPU kernels, CUDA tensors the CuTe DSL kernels (no host synchronization: the calls can
+be captured in a CUDA graph).
+
+The CPU kernels compute in FP32 with the operations of the Hugging Face classes (``silu`` is torch's,
+the mean square is ``pow(2).mean(-1)``, the products in the classes' order) and round each output once,
+so a swapped FP32 model on CPU computes bitwise what the stock one computes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import validation as v
+from .gated_ops import check_group_size, gated_rmsnorm_backward, gated_rmsnorm_forward, rstd_shape
+from .views import as_output, new_output
+
+__all__ = ["cake_gated_rmsnorm"]
+
+_FWD_SCHEMA = (
+    "gated_rmsnorm_fwd(Tensor x, Tensor z, Tensor w, float eps, int? group_size=None, "
+    "bool norm_before_gate=True, float weight_offset=0.0) -> (Tensor, Tensor)"
+)
+_BWD_SCHEMA = (
+    "gated_rmsnorm_bwd(Tensor g, Tensor x, Tensor z, Tensor w, Tensor rstd, int? group_size=None, "
+    "bool norm_before_gate=True, float weight_offset=0.0) -> (Tensor, Tensor, Tensor)"
+)
+
+# A fragment of the cake_cute namespace; keeps these registrations alive.
+_LIB = torch.library.Library("cake_cute", "FRAGMENT")
+
+
+def check_gated_arguments(
+    x, z, w, eps, group_size, norm_before_gate, weight_offset
+) -> tuple[int, float, float]:
+    """The gated norm's argument errors, before anything runs (the device excepted: the CUDA kernels
+    check it, CPU tensors run the CPU kernels).
+
+    Parameters
+    ----------
+    x, z, w, eps, group_size, norm_before_gate, weight_offset
+        As for ``cake_gated_rmsnorm``.
+
+    Returns
+    -------
+    (group_size, eps, weight_offset)
+        group_size resolved (None: H), eps and weight_offset as floats.
+
+    Raises
+    ------
+    TypeError, ValueError
+        The argument named, with what was expected.
+    """
+    v.check_activation(x)
+    v.check_like("z", z, x)
+    v.check_weight(w, x)
+    v.check_bool("norm_before_gate", norm_before_gate)
+    return check_group_size(group_size, x.shape[-1]), v.check_eps(eps), v.check_weight_offset(weight_offset)
+
+
+# --- CUDA (the kernels) ---------------------------------------------------------------------------
+
+
+def _forward_cuda(x, z, w, eps, group_size=None, norm_before_gate=True, weight_offset=0.0):
+    return gated_rmsnorm_forward(
+        x, z, w, eps, group_size=group_size, norm_before_gate=norm_before_gate, weight_offset=weight_offset
+    )
+
+
+def _backward_cuda(g, x, z, w, rstd, group_size=None, norm_before_gate=True, weight_offset=0.0):
+    dx, dz, dw = gated_rmsnorm_backward(
+        g,
+        x,
+        z,
+        w,
+        rstd,
+        group_size=group_size,
+        norm_before_gate=norm_before_gate,
+        weight_offset=weight_offset,
+    )
+    return dx, dz, (dw if w.dtype == torch.float32 else dw.to(w.dtype))
+
+
+# --- CPU (FP32, the Hugging Face classes' operations, one rounding) -------------------------------
+
+
+def _grouped(t: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[..., H] -> [..., H / group_size, group_size]."""
+    return t.reshape(*t.shape[:-1], t.shape[-1] // group_size, group_size)
+
+
+def _gate_terms(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(silu(z), silu'(z)) in FP32; silu is torch's, as the classes call it."""
+    s = torch.sigmoid(z)
+    return F.silu(z), s * (1 + z * (1 - s))
+
+
+def _scale(w: torch.Tensor, weight_offset: float) -> torch.Tensor:
+    wf = w.float()
+    return wf if weight_offset == 0.0 else wf + weight_offset
+
+
+def _forward_cpu(x, z, w, eps, group_size=None, norm_before_gate=True, weight_offset=0.0):
+    group_size, eps, weight_offset = check_gated_arguments(
+        x, z, w, eps, group_size, norm_before_gate, weight_offset
+    )
+    xf = x.float()
+    gate, _ = _gate_terms(z.float())
+    h = _grouped(xf if norm_before_gate else xf * gate, group_size)
+    rstd = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    y = (h * rstd).reshape(x.shape) * _scale(w, weight_offset)
+    if norm_before_gate:
+        y = y * gate
+    return as_output(y, x), as_output(rstd, x, rstd_shape(x, group_size), torch.float32)
+
+
+def _backward_cpu(g, x, z, w, rstd, group_size=None, norm_before_gate=True, weight_offset=0.0):
+    """The closed form the CUDA backward evaluates, in FP32 from the saved rstd."""
+    group_size = check_group_size(group_size, x.shape[-1])
+    gf, xf = g.float(), x.float()
+    gate, dgate = _gate_terms(z.float())
+    scale = _scale(w, weight_offset)
+    r = rstd.reshape(*x.shape[:-1], x.shape[-1] // group_size, 1)
+    h = xf if norm_before_gate else xf * gate
+    n = (_grouped(h, group_size) * r).reshape(x.shape)
+    a = gf * scale * gate if norm_before_gate else gf * scale
+    c = _grouped(a * n, group_size).mean(-1, keepdim=True)
+    dh = ((_grouped(a, group_size) - _grouped(n, group_size) * c) * r).reshape(x.shape)
+    rows = tuple(range(x.dim() - 1))
+    if norm_before_gate:
+        dx, dz, dw = dh, gf * n * scale * dgate, (gf * n * gate).sum(rows)
+    else:
+        dx, dz, dw = dh * gate, dh * xf * dgate, (gf * n).sum(rows)
+    return as_output(dx, x), as_output(dz, x), as_output(dw, w)
+
+
+# --- fake (tracing, meta tensors) -----------------------------------------------------------------
+
+
+def _forward_fake(x, z, w, eps, group_size=None, norm_before_gate=True, weight_offset=0.0):
+    """The real op's outputs (``views.new_output``); argument errors surface while tracing."""
+    group_size, _, _ = check_gated_arguments(x, z, w, eps, group_size, norm_before_gate, weight_offset)
+    return new_output(x), new_output(x, rstd_shape(x, group_size), torch.float32)
+
+
+def _backward_fake(g, x, z, w, rstd, group_size=None, norm_before_gate=True, weight_offset=0.0):
+    return new_output(x), new_output(x), new_output(w)
+
+
+# --- autograd -------------------------------------------------------------------------------------
+
+
+def _setup_context(ctx, inputs, output):
+    """Saves exactly (x, z, w, rstd); rstd gets no gradient, an unused y's gradient is None."""
+    x, z, w, _eps, group_size, norm_before_gate, weight_offset = inputs
+    _y, rstd = output
+    ctx.save_for_backward(x, z, w, rstd)
+    ctx.options = (group_size, norm_before_gate, weight_offset)
+    ctx.mark_non_differentiable(rstd)
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, g, _g_rstd):
+    if g is None:
+        return None, None, None, None, None, None, None
+    x, z, w, rstd = ctx.saved_tensors
+    dx, dz, dw = torch.ops.cake_cute.gated_rmsnorm_bwd(g, x, z, w, rstd, *ctx.options)
+    return dx, dz, dw, None, None, None, None
+
+
+def _register() -> None:
+    for schema, name, cuda, cpu, fake in (
+        (_FWD_SCHEMA, "gated_rmsnorm_fwd", _forward_cuda, _forward_cpu, _forward_fake),
+        (_BWD_SCHEMA, "gated_rmsnorm_bwd", _backward_cuda, _backward_cpu, _backward_fake),
+    ):
+        _LIB.define(schema)
+        _LIB.impl(name, cuda, "CompositeExplicitAutograd")
+        _LIB.impl(name, cpu, "CPU")
+        torch.library.register_fake(f"cake_cute::{name}", fake, lib=_LIB)
+    torch.library.register_autograd(
+        "cake_cute::gated_rmsnorm_fwd", _backward, setup_context=_setup_context, lib=_LIB
+    )
+
+
+_register()
+
+
+def cake_gated_rmsnorm(x, z, w, eps=1e-6, *, group_size=None, norm_before_gate=True, weight_offset=0.0):
+    """Gated RMSNorm with autograd, FP32 math and one rounding of y.
+
+    ``norm_before_gate=True`` (Qwen3-Next): ``y = x * rstd * (w + weight_offset) * silu(z)``;
+    ``False`` (Mamba-2, NemotronH): ``y = (x * silu(z)) * rstd_group * (w + weight_offset)``, the
+    statistics per group of ``group_size`` columns (either form takes groups).
+
+    Parameters
+    ----------
+    x, z : torch.Tensor
+        ``[..., H]`` input and gate (at least 2-D), bf16, fp16 or fp32, one dtype, shape and device;
+        CUDA (the kernels) or CPU; DTensors sharded on any dimension but the last, or replicated.
+    w : torch.Tensor
+        ``[H]`` weight in x's dtype or fp32 (``Replicate()`` for DTensor inputs).
+    eps : float
+        Added to the mean square; finite, >= 0.
+    group_size : int, optional
+        Columns per statistics group, dividing H (default H: one group per row).
+    norm_before_gate : bool
+        Normalize then gate (True) or gate then normalize (False).
+    weight_offset : float
+        The scale is ``w + weight_offset``.
+
+    Returns
+    -------
+    torch.Tensor
+        y like x. The backward gives x and z their gradients in x's dtype and w one in w's dtype
+        (``Partial()`` when x is a DTensor sharded on rows).
+
+    Raises
+    ------
+    TypeError, ValueError
+        An argument of the wrong kind, dtype, shape or value, named, before anything runs.
+    """
+    group_size, eps, weight_offset = check_gated_arguments(
+        x, z, w, eps, group_size, norm_before_gate, weight_offset
+    )
+    fwd = torch.ops.cake_cute.gated_rmsnorm_fwd
+    y, _rstd = fwd(x, z, w, eps, group_size, norm_before_gate, weight_offset)
+    return y
+
+
+if torch.distributed.is_available():
+    from . import gated_distributed  # noqa: E402, F401  (registers the sharding rules)

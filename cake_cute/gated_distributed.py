@@ -1,0 +1,49 @@
+"""DTensor sharding rules of the gated norm's custom ops (``cake_cute::gated_rmsnorm_fwd`` / ``_bwd``).
+
+The gated norm normalizes each row (or each group of a row) of ``[..., H]``: any dimension but the last
+may be sharded, e.g. the heads of ``[T, heads, head_dim]`` rows under tensor parallelism. For each such
+dimension d: x, z, g, y, rstd, dx and dz are ``Shard(d)``, w is ``Replicate()`` and dw ``Partial()``
+(each rank holds the sum over its own rows); everything ``Replicate()`` works too (dw ``Replicate()``).
+A sharded hidden dimension is refused: a row's statistics need all of it. No strategy needs a
+collective inside the norm. Imported by ``gated_autograd``, which defines the ops.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.experimental import register_sharding
+
+
+def _refuse_a_sharded_hidden_dim(x) -> None:
+    """``x`` is the DTensorSpec DTensor hands a sharding rule."""
+    hidden_dim = x.ndim - 1
+    for placement in x.placements:
+        if isinstance(placement, Shard) and placement.dim in (hidden_dim, -1):
+            raise ValueError(
+                f"the cake_cute gated RMSNorm normalizes over the last (hidden) dimension, which x shards "
+                f"({tuple(x.placements)} over a {x.ndim}-D tensor); shard another dimension (tokens, "
+                "heads), or redistribute x to Replicate() before the norm"
+            )
+
+
+def _row_placements(x):
+    """Replicate() and Shard(d) for every dimension d but the last."""
+    _refuse_a_sharded_hidden_dim(x)
+    return [Replicate(), *(Shard(d) for d in range(x.ndim - 1))]
+
+
+@register_sharding(torch.ops.cake_cute.gated_rmsnorm_fwd.default)
+def _forward_sharding(x, z, w, eps, group_size=None, norm_before_gate=True, weight_offset=0.0):
+    """Outputs (y, rstd); inputs (x, z, w, eps, group_size, norm_before_gate, weight_offset)."""
+    return [([rows, rows], [rows, rows, Replicate(), None, None, None, None]) for rows in _row_placements(x)]
+
+
+@register_sharding(torch.ops.cake_cute.gated_rmsnorm_bwd.default)
+def _backward_sharding(g, x, z, w, rstd, group_size=None, norm_before_gate=True, weight_offset=0.0):
+    """Outputs (dx, dz, dw); inputs (g, x, z, w, rstd, group_size, norm_before_gate, weight_offset)."""
+    strategies = []
+    for rows in _row_placements(x):
+        dw = Replicate() if isinstance(rows, Replicate) else Partial()
+        strategies.append(([rows, rows, dw], [rows, rows, rows, Replicate(), rows, None, None, None]))
+    return strategies
