@@ -17,13 +17,14 @@ from .ops import (  # noqa: E402
     cake_rmsnorm_train_forward,
 )
 from .swap import swap_rmsnorm  # noqa: E402
-from .validation import is_cake_rmsnorm_train_supported  # noqa: E402
+from .validation import ArgumentError, is_cake_rmsnorm_train_supported  # noqa: E402
 
 if torch.distributed.is_available():
     # Registers the DTensor sharding rules of the custom ops.
     from .distributed import SequenceParallelResidual  # noqa: E402, F401
 
 __all__ = [
+    "ArgumentError",
     "CakeRMSNorm",
     "CakeRMSNormFunction",
     "Fp8NormOutput",

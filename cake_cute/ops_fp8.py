@@ -52,7 +52,7 @@ def fp8_variant_specs(
 
 def check_arguments(x, w, eps, residual, recipe, emit_y, weight_offset, scale_layout="compact"):
     """Every argument of ``cake_rmsnorm_fp8``, before anything runs; returns (eps, weight_offset)."""
-    v.check_forward_arguments(x, w, eps, residual)
+    eps = v.check_forward_arguments(x, w, eps, residual)
     weight_offset = v.check_weight_offset(weight_offset)
     v.check_recipe(recipe)
     v.check_bool("emit_y", emit_y)
@@ -63,7 +63,7 @@ def check_arguments(x, w, eps, residual, recipe, emit_y, weight_offset, scale_la
             "takes scale_layout='compact' (convert each rank's local scales with "
             "cake_cute.fp8_numerics.to_scale_layout)"
         )
-    return v.check_eps(eps), weight_offset
+    return eps, weight_offset
 
 
 def placeholder(x: torch.Tensor) -> torch.Tensor:

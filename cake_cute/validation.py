@@ -1,7 +1,10 @@
 """The one place that validates and normalizes inputs, before anything is launched or written.
 
-Every check raises ``TypeError`` (wrong kind of object or dtype) or ``ValueError`` (wrong value, shape,
-device or alignment) naming the argument and what was expected.
+Every check names the argument (once) and what was expected. A tensor of the wrong dtype, shape or
+device raises ``ArgumentError``, which both ``except ValueError`` (FlashInfer's contract) and ``except
+TypeError`` (what cake_cute raised for a wrong dtype before) catch; an argument of the wrong kind (not a
+tensor, not a number) raises ``TypeError``, and a scalar out of range, an unusable alignment or an
+unsupported device ``ValueError``.
 """
 
 from __future__ import annotations
@@ -21,14 +24,32 @@ from .vocab import DTYPE_BY_TORCH
 SCALE_LAYOUTS = {"compact": tuple(QUANT_RECIPES), "cublas": ("mxfp8",), "deepgemm": ("1x128",)}
 
 
+class ArgumentError(ValueError, TypeError):
+    """A tensor argument of the wrong dtype, shape or device: caught by ``except ValueError`` and by
+    ``except TypeError`` alike."""
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
 def check_tensor(name: str, t, *, dtypes=None, device: torch.device | None = None) -> None:
+    """``t`` is a tensor (else ``TypeError``) of one of ``dtypes`` on ``device`` (else ``ArgumentError``).
+
+    Raises
+    ------
+    TypeError
+        ``t`` is not a tensor.
+    ArgumentError
+        A dtype not in ``dtypes`` (each allowed dtype named once), or another device than ``device``.
+    """
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if dtypes is not None and t.dtype not in dtypes:
-        allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
-        raise TypeError(f"{name} must have dtype {allowed}; got {str(t.dtype).replace('torch.', '')}")
+        allowed = ", ".join(dict.fromkeys(map(_dtype_name, dtypes)))  # w's (x.dtype, fp32) may repeat
+        raise ArgumentError(f"{name} must have dtype {allowed}; got {_dtype_name(t.dtype)}")
     if device is not None and t.device != device:
-        raise ValueError(f"{name} must be on the same device as x ({device}), got {t.device}")
+        raise ArgumentError(f"{name} must be on the same device as x ({device}), got {t.device}")
 
 
 def check_activation(x) -> None:
@@ -38,25 +59,32 @@ def check_activation(x) -> None:
     whole table of argument errors can be exercised on a machine without a GPU."""
     check_tensor("x", x, dtypes=DTYPE_BY_TORCH)
     if x.dim() < 2:
-        raise ValueError(f"x must have at least 2 dims [..., H], got shape {tuple(x.shape)}")
+        raise ArgumentError(f"x must have at least 2 dims [..., H], got shape {tuple(x.shape)}")
     hidden = x.shape[-1]
     if not 1 <= hidden <= MAX_HIDDEN:
-        raise ValueError(f"x's hidden size (last dim) must be in [1, {MAX_HIDDEN}], got {hidden}")
+        raise ArgumentError(f"x's hidden size (last dim) must be in [1, {MAX_HIDDEN}], got {hidden}")
 
 
 def check_weight(w, x) -> None:
     check_tensor("w", w, dtypes=(x.dtype, torch.float32), device=x.device)
     if w.dim() != 1 or w.shape[0] != x.shape[-1]:
-        raise ValueError(f"w must have shape ({x.shape[-1]},) to match x's last dim, got {tuple(w.shape)}")
+        raise ArgumentError(f"w must have shape ({x.shape[-1]},) to match x's last dim, got {tuple(w.shape)}")
 
 
-def check_forward_arguments(x, w, eps, residual) -> None:
-    """The forward's argument errors (TypeError / ValueError naming the argument), device excepted."""
+def check_forward_arguments(x, w, eps, residual) -> float:
+    """The forward's argument errors, device excepted; returns eps as a float.
+
+    Raises
+    ------
+    TypeError, ArgumentError, ValueError
+        As the checks of x, w, eps and residual raise them, naming the argument.
+    """
     check_activation(x)
     check_weight(w, x)
-    check_eps(eps)
+    eps = check_eps(eps)
     if residual is not None:
         check_like("residual", residual, x)
+    return eps
 
 
 def _check_real(name: str, value, rule: str = "a finite number", ok=math.isfinite) -> float:
@@ -98,7 +126,7 @@ def check_count(name: str, value, low: int, high: int | None = None) -> int:
 def check_output(name: str, t, shape, dtype, device) -> None:
     check_tensor(name, t, dtypes=(dtype,), device=device)
     if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+        raise ArgumentError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
 
 
 def check_like(name: str, t, x) -> None:
@@ -153,7 +181,9 @@ def check_bool(name: str, value) -> None:
 def check_rstd(rstd, rows: int, device) -> None:
     check_tensor("rstd", rstd, dtypes=(torch.float32,), device=device)
     if rstd.dim() != 1 or rstd.shape[0] != rows:
-        raise ValueError(f"rstd must have shape ({rows},) (one FP32 value per row), got {tuple(rstd.shape)}")
+        raise ArgumentError(
+            f"rstd must have shape ({rows},) (one FP32 value per row), got {tuple(rstd.shape)}"
+        )
 
 
 def check_workspace(workspace, device) -> None:

@@ -176,3 +176,34 @@ def test_workspace_bytes_device_that_names_nothing(device):
     with pytest.raises(ValueError, match=r"^device must name a CUDA device") as info:
         cake_rmsnorm_train_backward_workspace_bytes(T, H, device)
     assert type(info.value) is ValueError
+
+
+ALL_CASES = FORWARD_CASES + BACKWARD_CASES + ENTRY_CASES
+
+
+@pytest.mark.parametrize("case", ids(ALL_CASES))
+def test_each_error_is_caught_as_flashinfer_and_as_cake_cute_raise_it(case):
+    """FlashInfer's contract: a wrong dtype, shape or device is caught by ``except ValueError``; where
+    cake_cute raised TypeError (a wrong dtype), ``except TypeError`` still catches it; a non-tensor
+    argument stays a plain TypeError."""
+    call = case.make("cpu")
+    try:
+        call.invoke()
+    except (ValueError, TypeError) as error:
+        caught = error
+    else:
+        pytest.fail("no error")
+    if "must be a torch.Tensor" in str(caught):
+        assert type(caught) is TypeError
+    if type(caught) is cake_cute.ArgumentError or "must have dtype" in str(caught):
+        for clause in (ValueError, TypeError):
+            with pytest.raises(clause):
+                case.make("cpu").invoke()
+
+
+def test_a_dtype_message_names_each_allowed_dtype_once():
+    x = torch.zeros(T, H, dtype=F32)
+    with pytest.raises(cake_cute.ArgumentError) as info:
+        cake_cute.cake_rmsnorm(x, torch.zeros(H, dtype=BF16))
+    assert str(info.value) == "w must have dtype float32; got bfloat16"
+    assert str(info.value).count("w ") == 1
