@@ -76,8 +76,32 @@ def test_override_keeps_init_and_sharding(targets):
             == stock[fqn].sharding_config.in_src_shardings["input"]
         )
         assert cfg.sharding_config.out_src_shardings == stock[fqn].sharding_config.out_src_shardings
+        # The residual is declared beside the input where torchtitan binds the input's layout: where
+        # it keys it by the forward's parameter name (not with torch 2.13's `x`, for torchtitan 0.3.0).
+        input_bound = INPUT_NAME in stock[fqn].sharding_config.in_src_shardings
         residual_declared = "residual" in cfg.sharding_config.in_src_shardings
-        assert residual_declared == (targets is FUSED and fqn.endswith("ffn_norm")), fqn
+        assert residual_declared == (targets is FUSED and fqn.endswith("ffn_norm") and input_bound), fqn
+
+
+def test_the_residual_layout_follows_the_inputs_under_its_name():
+    """A norm config whose input layout is keyed by the forward's parameter name gets the same layout
+    for the residual; one keyed by another name (torchtitan 0.3.0's `input` on torch 2.13) gets none,
+    so that x and the residual reach the norm alike."""
+    from dataclasses import replace
+
+    from cake_cute.integrations import torchtitan as integration
+
+    stock = _norm_configs(_model_config([]))
+    ffn_norm = next(cfg for fqn, cfg in stock.items() if fqn.endswith("ffn_norm"))
+    layout = next(iter(ffn_norm.sharding_config.in_src_shardings.values()))
+    for key in ("input", "x"):
+        cfg = integration._cake_norm_config(ffn_norm)
+        cfg.sharding_config = replace(cfg.sharding_config, in_src_shardings={key: layout})
+        in_src = integration._with_residual_input(cfg).sharding_config.in_src_shardings
+        if key == INPUT_NAME:
+            assert in_src == {key: layout, "residual": layout}
+        else:
+            assert in_src == {key: layout}
 
 
 def _built(targets: list[str], seed: int = 0):

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from importlib.util import find_spec
 
-from ..module import CakeRMSNorm
+from ..module import INPUT_NAME, CakeRMSNorm
 from ..swap import swap_rmsnorm
 
 __all__: list[str] = []
@@ -90,11 +90,14 @@ if HAS_OVERRIDES:
         return derive(cfg, TorchtitanCakeRMSNorm.Config)
 
     def _with_residual_input(norm_cfg: TorchtitanCakeRMSNorm.Config) -> TorchtitanCakeRMSNorm.Config:
-        """The residual arrives in the same layout as the input (both are the block's activations)."""
+        """The residual arrives in the same layout as the input (both are the block's activations), and
+        is declared where the input is: torchtitan binds the layouts by the forward's parameter names,
+        and keys the norm's input ``input`` while torch 2.13 names it ``x`` (there neither is bound,
+        as for torchtitan's own norm)."""
         sharding = norm_cfg.sharding_config
-        if sharding is None or not sharding.in_src_shardings:
+        layout = None if sharding is None else (sharding.in_src_shardings or {}).get(INPUT_NAME)
+        if layout is None:
             return norm_cfg
-        layout = sharding.in_src_shardings["input"]
         in_src = {**sharding.in_src_shardings, "residual": layout}
         norm_cfg.sharding_config = replace(sharding, in_src_shardings=in_src)
         return norm_cfg
