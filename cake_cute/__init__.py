@@ -7,14 +7,13 @@ __version__ = _installed_version("cake-cute")  # the one source: pyproject.toml
 import torch  # noqa: E402
 
 from .autograd import CakeRMSNormFunction, cake_rmsnorm  # noqa: E402
+from .dispatch import cake_rmsnorm_train_backward, cake_rmsnorm_train_forward, prepare  # noqa: E402
 from .fp8 import Fp8NormOutput, cake_rmsnorm_fp8  # noqa: E402
 from .fusion import add_rmsnorm, fuse_residual_rmsnorm  # noqa: E402
 from .module import CakeRMSNorm  # noqa: E402
 from .ops import (  # noqa: E402
-    cake_rmsnorm_train_backward,
     cake_rmsnorm_train_backward_workspace,
     cake_rmsnorm_train_backward_workspace_bytes,
-    cake_rmsnorm_train_forward,
 )
 from .swap import swap_rmsnorm  # noqa: E402
 from .validation import ArgumentError, is_cake_rmsnorm_train_supported  # noqa: E402
@@ -38,5 +37,6 @@ __all__ = [
     "cake_rmsnorm_train_forward",
     "fuse_residual_rmsnorm",
     "is_cake_rmsnorm_train_supported",
+    "prepare",
     "swap_rmsnorm",
 ]

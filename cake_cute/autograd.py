@@ -12,18 +12,17 @@ from __future__ import annotations
 
 import torch
 
-from . import native
+from . import dispatch
 from . import validation as v
 from .custom_ops import cake_rmsnorm_traceable, fp8_backward, norm_backward, save_for_backward
-from .ops import train_forward_python
-from .ops_fp8 import fp8_forward, op_outputs
+from .ops_fp8 import op_outputs
 from .routing import NATIVE, OP, route
 
 
 def _forward(x, w, eps, residual, weight_offset, direct):
     """``(y, rstd, h_new)``, h_new None in plain mode."""
     if direct:
-        outs = train_forward_python(x, w, eps, residual, weight_offset=weight_offset)
+        outs = dispatch.python_forward(x, w, eps, residual, weight_offset=weight_offset)
         return outs if residual is not None else (*outs, None)
     # The op's schema would turn a bad argument into a RuntimeError that names no argument.
     v.check_forward_arguments(x, w, eps, residual)
@@ -101,7 +100,7 @@ def _norm(cls, x, w, eps, residual, deterministic, weight_offset, trace_as_op):
     path = route(x, w, residual)
     if path is NATIVE:
         if cls is CakeRMSNormFunction:  # a subclass keeps its own forward
-            out = native.extension.rmsnorm(x, w, eps, residual, weight_offset)
+            out = dispatch.native_rmsnorm(x, w, eps, residual, weight_offset)
             if out is not None:
                 return out
     elif path is OP and trace_as_op and torch.compiler.is_compiling():
@@ -118,7 +117,9 @@ class CakeRMSNormFp8Function(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, eps, residual, recipe, emit_y, weight_offset):
-        data, scales, y, rstd, h_new = fp8_forward(x, w, eps, residual, recipe, emit_y, weight_offset)
+        data, scales, y, rstd, h_new = dispatch.fp8_forward(
+            x, w, eps, residual, recipe, emit_y, weight_offset
+        )
         direct = x.device.type == "cuda"  # the launched kernels take rstd as one value per row, flat
         saved_rstd = rstd.reshape(-1) if direct else rstd
         save_for_backward(ctx, x, w, residual, saved_rstd, h_new, weight_offset, direct)

@@ -34,13 +34,13 @@ from __future__ import annotations
 
 import torch
 
-from . import cpu, native
+from . import cpu, dispatch
 from . import validation as v
 from .fp8_numerics import scale_blocks
 from .kernels.quant_config import QUANT_RECIPES
-from .ops import backward_from_saved, cake_rmsnorm_train_backward, cake_rmsnorm_train_forward
+from .ops import backward_from_saved
 from .ops_fp8 import check_arguments as check_fp8_arguments
-from .ops_fp8 import fp8_forward, op_outputs, placeholder
+from .ops_fp8 import op_outputs, placeholder
 from .reference import summed_gradient
 from .views import new_output
 
@@ -82,7 +82,7 @@ def define_op(name: str, schema: str, kernel, *, fake, cpu=None, backward=None, 
 
 def rmsnorm_fwd(x, w, eps, residual=None, weight_offset=0.0):
     """``(y, rstd, h_new)`` on CUDA."""
-    outs = cake_rmsnorm_train_forward(x, w, eps, residual=residual, weight_offset=weight_offset)
+    outs = dispatch.cake_rmsnorm_train_forward(x, w, eps, residual=residual, weight_offset=weight_offset)
     rstd = outs[1].view(x.shape[:-1])
     return outs[0], rstd, (x.new_empty(0) if residual is None else outs[2])
 
@@ -104,7 +104,7 @@ def rmsnorm_fp8_fwd(x, w, eps, residual, recipe, emit_y, weight_offset):
     """``(data, compact scales, y, rstd, h_new)``: y is the act-dtype output (emit_y) or the
     zero-memory placeholder, h_new an empty tensor in plain mode (a schema has a fixed number of
     outputs)."""
-    return op_outputs(x, *fp8_forward(x, w, eps, residual, recipe, emit_y, weight_offset))
+    return op_outputs(x, *dispatch.fp8_forward(x, w, eps, residual, recipe, emit_y, weight_offset))
 
 
 def _rmsnorm_fp8_fwd_fake(x, w, eps, residual, recipe, emit_y, weight_offset):
@@ -123,7 +123,7 @@ def _rmsnorm_fp8_fwd_fake(x, w, eps, residual, recipe, emit_y, weight_offset):
 
 def rmsnorm_bwd(g, x, w, rstd, g_residual=None, weight_offset=0.0):
     """``(dx, dw)`` on CUDA, dw in w's dtype; ``rstd`` is shaped ``x.shape[:-1]``."""
-    return cake_rmsnorm_train_backward(
+    return dispatch.cake_rmsnorm_train_backward(
         g,
         x,
         w,
@@ -246,7 +246,7 @@ define_op(
     cpu=_rmsnorm_bwd_parts_cpu,
     fake=_rmsnorm_bwd_parts_fake,
 )
-native.provide_op_bodies(rmsnorm_fwd, rmsnorm_bwd, rmsnorm_bwd_parts, rmsnorm_fp8_fwd)
+dispatch.provide_op_bodies(rmsnorm_fwd, rmsnorm_bwd, rmsnorm_bwd_parts, rmsnorm_fp8_fwd)
 
 
 def cake_rmsnorm_traceable(x, w, eps, residual=None, weight_offset=0.0):

@@ -26,7 +26,7 @@ from .autograd import CakeRMSNormFp8Function
 from .custom_ops import rmsnorm_fp8_fwd
 from .fp8_numerics import to_scale_layout
 from .ops_fp8 import check_arguments, fp8_forward, fp8_variant_specs
-from .routing import PYTHON, route
+from .routing import PYTHON, DTensor, route
 
 __all__ = [
     "CakeRMSNormFp8Function",
@@ -114,6 +114,12 @@ def cake_rmsnorm_fp8(
     """
     path = route(x, w, residual)
     eps, weight_offset = check_arguments(x, w, eps, residual, recipe, emit_y, weight_offset, scale_layout)
+    if scale_layout != "compact" and isinstance(x, DTensor):
+        raise ValueError(
+            f"scale_layout={scale_layout!r} arranges the scales of all rows for one GEMM; a DTensor x "
+            "takes scale_layout='compact' (convert each rank's local scales with "
+            "cake_cute.fp8_numerics.to_scale_layout)"
+        )
     forward = CakeRMSNormFp8Function.apply if path is PYTHON else torch.ops.cake_cute.rmsnorm_fp8_fwd
     data, scales, y, rstd, h_new = forward(x, w, eps, residual, recipe, emit_y, weight_offset)
     return Fp8NormOutput(

@@ -16,9 +16,13 @@ recorded (see the source).
 
 The extension is built once per (source, torch, TVM-FFI, Python) into torch's extension directory with the
 C++ compiler (``$CXX``, else ``c++``); it needs no CUDA headers, so ``cake-cute warmup`` builds it on a
-machine without a GPU. It is loaded when the Python path first registers a signature. Without a
+machine without a GPU. It is built only outside a training step: by ``cake-cute warmup``,
+``cake_cute.prepare()`` or ``load()``. A library already built is loaded when the Python path first
+hands a signature over (``load_built``); a process that finds none keeps the Python path. Without a
 compiler, or when the build fails, one warning says so and everything takes the Python path;
 ``CAKE_CUTE_PYTHON_PATH=1`` chooses the Python path without building anything.
+
+Which calls come here, and when a signature is handed over, is ``cake_cute.dispatch``'s decision.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ PYTHON_PATH_ENV = "CAKE_CUTE_PYTHON_PATH"
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
 # The translation units, compiled together into one extension; the build hash covers every file of
 # ``SOURCE_DIR`` (the shared header ``native.h`` too).
-SOURCES = tuple(sorted(SOURCE_DIR.glob("*.cpp")))
+CPP_SOURCES = tuple(sorted(SOURCE_DIR.glob("*.cpp")))
 MODULE_NAME = "cake_cute_native"  # the name the source's PyInit_ function carries
 
 extension = None  # the loaded extension module, or None while calls take the Python path
@@ -141,7 +145,7 @@ def _compile(output: str) -> None:
     """Each source compiled to an object side by side (each parses torch's headers, the bulk of the
     time), then one link into ``output``; the compiler's output goes to ``<library>.log``."""
     compiler, compile_flags, link_flags = _toolchain()
-    objects = [f"{output}.{source.stem}.o" for source in SOURCES]
+    objects = [f"{output}.{source.stem}.o" for source in CPP_SOURCES]
     log = Path(output).with_name(library_path().name + ".log")
     try:
         compiles = [
@@ -151,7 +155,7 @@ def _compile(output: str) -> None:
                 stderr=subprocess.STDOUT,
                 text=True,
             )
-            for source, obj in zip(SOURCES, objects)
+            for source, obj in zip(CPP_SOURCES, objects)
         ]
         messages = [job.communicate()[0] for job in compiles]
         failed = next((job.returncode for job in compiles if job.returncode != 0), 0)
@@ -179,7 +183,8 @@ def _import(path: Path):
 
 
 def load():
-    """The extension, built and loaded on the first call; None when calls take the Python path.
+    """The extension, built (when it is not on disk yet) and loaded on the first call; None when calls
+    take the Python path.
 
     Returns
     -------
@@ -202,6 +207,24 @@ def load():
                     stacklevel=2,
                 )
     return extension
+
+
+_looked_for_library = False
+
+
+def load_built():
+    """``load`` when the library is already on disk, else None (the Python path serves until
+    ``cake_cute.prepare()`` or ``cake-cute warmup`` builds it): what a call inside a training step uses,
+    so no step ever compiles. Looks on disk once per process."""
+    global _looked_for_library
+    if extension is not None or _tried or _looked_for_library:
+        return extension
+    _looked_for_library = True
+    try:
+        built = not python_path_forced() and library_path().exists()
+    except RuntimeError:  # no C++ compiler: nothing can have been built for it
+        built = False
+    return load() if built else None
 
 
 _op_bodies: tuple | None = None  # the custom ops' Python bodies (``custom_ops`` hands them over)
@@ -286,7 +309,7 @@ def register_fp8(
 def _hand_over(variant: tuple, operands, x, w, weight_offset: float, kernel, plan_backward, send) -> None:
     """``send(module, handle, act_align, w_align, planner)`` once per (signature, ``variant``), when the
     extension is loaded and ``kernel`` has a TVM-FFI handle."""
-    module = load()
+    module = load_built()
     key = (operands, weight_offset, *variant)
     if module is None or key in _registered:
         return
@@ -297,6 +320,12 @@ def _hand_over(variant: tuple, operands, x, w, weight_offset: float, kernel, pla
     act_align, w_align = vec * x.element_size(), vector_align_bytes(vec, w.element_size())
     send(module, handle, act_align, w_align, partial(plan_backward, operands, weight_offset))
     _registered.add(key)
+
+
+def handed_over(operands, weight_offset: float, *variant) -> bool:
+    """Whether the signature (with ``variant``: ``(residual,)``, or the FP8 forward's ``(residual,
+    recipe, emit_y, persistent)``) is already registered with the extension."""
+    return (operands, weight_offset, *variant) in _registered
 
 
 def kernel_handle(kernel) -> int:

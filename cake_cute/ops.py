@@ -1,9 +1,9 @@
-"""The functional API: validate, pick the compiled variant, launch. No autograd, no tiling here.
+"""The Python launch path of the plain norm: validate, pick the compiled variant, launch. No autograd,
+no tiling, no routing here (the public functional entries and the native path are ``dispatch``'s).
 
 The hot path is written for the host: (x, w) properties seen before are recognised with one dict lookup
 (``operands.known_operands``), outputs come from ``torch.empty_like``, and a 2-D contiguous input
-goes to the kernel as it is. Plain calls of a signature this path has launched once are served by the
-native path (``native``) before any of this runs.
+goes to the kernel as it is.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import launch_plan, native
+from . import launch_plan
 from . import validation as v
 from .compile_cache import kernel
 from .device import device_arch, device_facts, on_device
@@ -24,56 +24,15 @@ from .views import aligned_vector, finish, kernel_view, output_like, rows_view, 
 from .vocab import DTYPE_NAMES, dtype_name
 
 
-def cake_rmsnorm_train_forward(
-    x, w, eps, *, residual=None, out=None, rstd=None, residual_out=None, weight_offset: float = 0.0
-):
-    """RMSNorm forward, optionally fused with the residual add, in one pass.
-
-    Per row: ``h = round(x + residual)`` (residual mode), ``rstd = 1 / sqrt(mean(h^2) + eps)`` in FP32,
-    ``y = round(h * rstd * (w + weight_offset))``.
-
-    Parameters
-    ----------
-    x : torch.Tensor
-        ``[..., H]`` activations on a supported CUDA device, bf16 / fp16 / fp32, 1 <= H <= 262144;
-        leading dims collapse into rows.
-    w : torch.Tensor
-        ``[H]`` weight, x's dtype or fp32, on x's device.
-    eps : float
-        Finite, >= 0.
-    residual : torch.Tensor, optional
-        Same shape, dtype and device as x: normalize ``h = x + residual`` and return it as h_new.
-    out, rstd, residual_out : torch.Tensor, optional
-        Caller-owned outputs (y: x's shape and dtype; rstd: FP32 ``[rows]``; h_new: x's shape and
-        dtype, residual mode only). Contiguous aligned ones are written directly, others receive a
-        copy; the returned tensors are these.
-    weight_offset : float, default 0.0
-        Added to w in FP32 (1.0 gives Gemma's ``1 + w``); each distinct value is a compiled variant.
-
-    Returns
-    -------
-    tuple of torch.Tensor
-        ``(y, rstd)``, or ``(y, rstd, h_new)`` in residual mode; rstd is FP32 with one value per row.
-
-    Raises
-    ------
-    TypeError
-        An argument of the wrong kind or dtype (x, w, residual, an output, eps, weight_offset).
-    ValueError
-        A wrong shape or device, x on the CPU or an unsupported GPU, ``residual_out`` without
-        ``residual``, a negative or non-finite eps; raised before any launch, with no output written.
-    """
-    extension = native.extension
-    if extension is not None and out is None and rstd is None and residual_out is None:
-        outs = extension.forward(x, w, eps, residual, weight_offset)
-        if outs is not None:
-            return outs
-    return train_forward_python(x, w, eps, residual, out, rstd, residual_out, weight_offset)
+def forward_kernel(operands, residual: bool, weight_offset: float):
+    """The compiled forward of validated (x, w) facts, mode and offset."""
+    return kernel(
+        "fwd", operands.arch, operands.act, operands.w_name, operands.hidden, residual, weight_offset
+    )
 
 
 def train_forward_python(x, w, eps, residual=None, out=None, rstd=None, residual_out=None, weight_offset=0.0):
-    """``cake_rmsnorm_train_forward`` on the Python path: validation, then the launch; a signature it
-    launched is registered with the native path, which serves its later plain calls."""
+    """``cake_rmsnorm_train_forward`` on the Python path: validation, then the launch."""
     operands = known_operands(x, w)
     if operands is None:
         v.check_activation(x)
@@ -97,9 +56,7 @@ def train_forward_python(x, w, eps, residual=None, out=None, rstd=None, residual
         h_new, h_copy = output_like(residual_out, x, vec)
 
     if rows > 0:
-        fn = kernel(
-            "fwd", operands.arch, operands.act, operands.w_name, hidden, residual is not None, weight_offset
-        )
+        fn = forward_kernel(operands, residual is not None, weight_offset)
         with on_device(operands.device):
             fn(
                 kernel_view(x, vec),
@@ -110,7 +67,6 @@ def train_forward_python(x, w, eps, residual=None, out=None, rstd=None, residual
                 r,
                 eps,
             )
-        native.register(operands, x, w, weight_offset, residual is not None, fn, native_backward_plan)
     if residual is None:
         return finish(y, y_copy), finish(r, r_copy)
     return finish(y, y_copy), finish(r, r_copy), finish(h_new, h_copy)
@@ -181,7 +137,7 @@ def cake_rmsnorm_train_backward_workspace(rows, hidden, device, *, residual=Fals
     return torch.zeros(nbytes, dtype=torch.uint8, device=device)
 
 
-def _partials(workspace, partial_rows: int, hidden: int, device) -> torch.Tensor:
+def _partial_rows_view(workspace, partial_rows: int, hidden: int, device) -> torch.Tensor:
     """The FP32 (partial_rows, H) view (row stride padded to 4) the backward writes dW rows into: carved
     from the caller's workspace, or freshly allocated."""
     stride = launch_plan.partial_row_stride(hidden)
@@ -192,72 +148,20 @@ def _partials(workspace, partial_rows: int, hidden: int, device) -> torch.Tensor
     return partials if stride == hidden else partials[:, :hidden]
 
 
-def cake_rmsnorm_train_backward(
+def train_backward_python(
     g,
     x,
     w,
     rstd,
-    *,
-    deterministic=True,
     g_residual=None,
     workspace=None,
     dx=None,
     dw=None,
-    weight_offset: float = 0.0,
-    dw_dtype: torch.dtype = torch.float32,
+    weight_offset=0.0,
+    dw_dtype=torch.float32,
 ):
-    """RMSNorm backward: dx in one pass, dw as a fixed-order sum of FP32 partial rows.
-
-    Per row: ``a = g * (w + weight_offset)``, ``xhat = x * rstd``, ``c = sum(a * xhat) / H``,
-    ``dx = round(rstd * (a - xhat * c) [+ g_residual])``; ``dw = sum over rows of g * xhat`` in FP32.
-
-    Parameters
-    ----------
-    g : torch.Tensor or sequence of torch.Tensor
-        dL/dy, x's shape, dtype and device; or 2 to 3 such tensors whose sum is dL/dy (the dgrads of
-        the layers that read y): the kernel sums them in FP32, left to right, and rounds the sum once
-        to x's dtype -- what torch.compile's fused add of them stores -- instead of a separate add.
-    x : torch.Tensor
-        What the forward normalized: x, or h_new in residual mode (``[..., H]``, bf16 / fp16 / fp32).
-    w : torch.Tensor
-        ``[H]`` weight, x's dtype or fp32.
-    rstd : torch.Tensor
-        FP32 ``[rows]`` from the forward.
-    deterministic : bool, default True
-        Accepted for API compatibility; both values run the same deterministic kernels (an atomic
-        dW measured slower: perf/results/2026-11-30-h200-atomic-dw-experiment/).
-    g_residual : torch.Tensor, optional
-        dL/dh_new in residual mode (x's shape and dtype), added into dx: dx is then the gradient of
-        both x and residual.
-    workspace : torch.Tensor, optional
-        A contiguous 1-D uint8 tensor, 16-byte aligned, of at least
-        ``cake_rmsnorm_train_backward_workspace_bytes(rows, H, device)`` bytes; without one, the
-        partial rows are allocated per call.
-    dx, dw : torch.Tensor, optional
-        Caller-owned outputs (dx: x's shape and dtype; dw: ``[H]`` of ``dw_dtype``).
-    weight_offset : float, default 0.0
-        The forward's offset.
-    dw_dtype : torch.dtype, default torch.float32
-        dw's dtype (fp32, bf16 or fp16; autograd asks for w's); the sum is FP32, rounded once.
-
-    Returns
-    -------
-    tuple of torch.Tensor
-        ``(dx, dw)``.
-
-    Raises
-    ------
-    TypeError
-        An argument of the wrong kind or dtype (including ``deterministic`` that is not a bool).
-    ValueError
-        A wrong shape or device, an unaligned or too small workspace, x on the CPU or an unsupported
-        GPU; raised before any launch, with no output written.
-    """
-    extension = native.extension
-    if extension is not None and workspace is None and dx is None and dw is None:
-        outs = extension.backward(g, x, w, rstd, g_residual, weight_offset, dw_dtype)
-        if outs is not None:
-            return outs
+    """``cake_rmsnorm_train_backward`` on the Python path (``deterministic`` checked at the edge):
+    validation, then the launch."""
     operands = known_operands(x, w)
     if operands is None:
         v.check_activation(x)
@@ -269,7 +173,6 @@ def cake_rmsnorm_train_backward(
     v.check_rstd(rstd, rows, x.device)
     if g_residual is not None:
         v.check_like("g_residual", g_residual, x)
-    v.check_bool("deterministic", deterministic)
     weight_offset = v.check_weight_offset(weight_offset)
     dw_dtype = v.check_dw_dtype(dw_dtype)
     if dx is not None or dw is not None:
@@ -297,7 +200,7 @@ class _BackwardPlan(NamedTuple):
 
 
 @lru_cache(maxsize=4096)
-def _backward_plan(operands, rows, residual) -> _BackwardPlan:
+def backward_launch_plan(operands, rows, residual) -> _BackwardPlan:
     """The launch shape of a backward call (g in summands or not), looked up once per distinct
     (operands, T, residual)."""
     programs, partial_rows = launch_plan.backward_launch(
@@ -311,10 +214,10 @@ def _backward_plan(operands, rows, residual) -> _BackwardPlan:
     )
 
 
-on_override_change(_backward_plan.cache_clear)
+on_override_change(backward_launch_plan.cache_clear)
 
 
-def _backward_kernels(operands, residual: bool, weight_offset: float, dw_dtype, g_parts: int = 1):
+def backward_kernels(operands, residual: bool, weight_offset: float, dw_dtype, g_parts: int = 1):
     """The backward's two kernels: dx with the FP32 partial rows of dW (from ``g_parts`` summands of
     g), and their reduction."""
     parts = (g_parts,) if g_parts > 1 else ()  # the one-summand variant keeps its field tuple
@@ -333,25 +236,12 @@ def _backward_kernels(operands, residual: bool, weight_offset: float, dw_dtype, 
     )
 
 
-def native_backward_plan(
-    operands, weight_offset: float, rows: int, residual: bool, dw_dtype, g_parts: int = 1
-):
-    """The native path's planner: the kernels (TVM-FFI handles) and launch plan of one backward shape
-    (of g in ``g_parts`` summands), the very ones ``_backward`` launches with."""
-    plan = _backward_plan(operands, rows, residual)
-    kernels = _backward_kernels(operands, residual, weight_offset, dw_dtype, g_parts)
-    handles = tuple(map(native.kernel_handle, kernels))
-    if 0 in handles:
-        raise RuntimeError("cake_cute: a backward kernel has no TVM-FFI function handle")
-    return (*handles, plan.programs, plan.partial_rows, launch_plan.partial_row_stride(operands.hidden))
-
-
 def _backward(operands, g_parts, x, w, rstd, g_residual, workspace, dx, dw, weight_offset, dw_dtype):
     """The launch of a validated backward; ``g_parts``: the tuple of g's summands (usually one)."""
     hidden = operands.hidden
     rows = x.numel() // hidden
     residual = g_residual is not None
-    plan = _backward_plan(operands, rows, residual)
+    plan = backward_launch_plan(operands, rows, residual)
     vec = plan.vec
     if workspace is not None:
         v.check_workspace_size(workspace, plan.workspace_bytes)
@@ -361,8 +251,8 @@ def _backward(operands, g_parts, x, w, rstd, g_residual, workspace, dx, dw, weig
     if rows == 0:  # nothing to launch (and nothing to compile)
         dw_t.zero_()
     else:
-        bwd, reduce = _backward_kernels(operands, residual, weight_offset, dw_dtype, len(g_parts))
-        partials = _partials(workspace, plan.partial_rows, hidden, operands.device)
+        bwd, reduce = backward_kernels(operands, residual, weight_offset, dw_dtype, len(g_parts))
+        partials = _partial_rows_view(workspace, plan.partial_rows, hidden, operands.device)
         with on_device(operands.device):
             bwd(
                 kernel_view(g_parts[0], vec),

@@ -12,7 +12,7 @@ from itertools import product
 
 import torch
 
-from . import launch_plan, native
+from . import launch_plan
 from . import validation as v
 from .build import quant_kind
 from .compile_cache import kernel
@@ -21,8 +21,6 @@ from .fp8_numerics import RECIPES, rmsnorm_fp8_reference, scale_blocks
 from .kernels.quant_config import QUANT_RECIPES
 from .operands import known_operands
 from .operands import operands as validated_operands
-from .ops import native_backward_plan
-from .routing import DTensor
 from .specs import KernelSpec
 from .views import aligned_vector, kernel_view
 
@@ -57,12 +55,6 @@ def check_arguments(x, w, eps, residual, recipe, emit_y, weight_offset, scale_la
     v.check_recipe(recipe)
     v.check_bool("emit_y", emit_y)
     v.check_scale_layout(scale_layout, recipe)
-    if scale_layout != "compact" and isinstance(x, DTensor):
-        raise ValueError(
-            f"scale_layout={scale_layout!r} arranges the scales of all rows for one GEMM; a DTensor x "
-            "takes scale_layout='compact' (convert each rank's local scales with "
-            "cake_cute.fp8_numerics.to_scale_layout)"
-        )
     return eps, weight_offset
 
 
@@ -89,6 +81,15 @@ def _empty(shape, dtype, device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+def forward_kernel(operands, rows: int, residual: bool, recipe: str, emit_y: bool, weight_offset: float):
+    """``(compiled kernel, programs)`` of a forward to FP8 of ``rows`` rows: programs 0 for the one-tile
+    kernel, else the persistent kernel's program count (``launch_plan.fp8_forward_programs``)."""
+    programs = launch_plan.fp8_forward_programs(rows, operands.hidden, operands.act, residual, operands.facts)
+    kind = quant_kind(recipe, emit_y, persistent=programs > 0)
+    fn = kernel(kind, operands.arch, operands.act, operands.w_name, operands.hidden, residual, weight_offset)
+    return fn, programs
+
+
 def _forward_cuda(x, w, eps, residual, recipe, emit_y, weight_offset):
     operands = known_operands(x, w) or validated_operands(x, w)
     hidden = x.shape[-1]
@@ -103,13 +104,7 @@ def _forward_cuda(x, w, eps, residual, recipe, emit_y, weight_offset):
     y = _empty((rows, hidden), x.dtype, device) if emit_y else None
     h_new = _empty((rows, hidden), x.dtype, device) if residual is not None else None
     if rows > 0:
-        programs = launch_plan.fp8_forward_programs(
-            rows, hidden, operands.act, residual is not None, operands.facts
-        )
-        kind = quant_kind(recipe, emit_y, persistent=programs > 0)
-        fn = kernel(
-            kind, operands.arch, operands.act, operands.w_name, hidden, residual is not None, weight_offset
-        )
+        fn, programs = forward_kernel(operands, rows, residual is not None, recipe, emit_y, weight_offset)
         with on_device(device):
             fn(
                 kernel_view(x, vec),
@@ -123,18 +118,6 @@ def _forward_cuda(x, w, eps, residual, recipe, emit_y, weight_offset):
                 eps,
                 *((programs,) if programs else ()),
             )
-        native.register_fp8(
-            operands,
-            x,
-            w,
-            weight_offset,
-            residual is not None,
-            recipe,
-            emit_y,
-            programs,
-            fn,
-            native_backward_plan,
-        )
     lead = x.shape[:-1]
     data = data.view(torch.float8_e4m3fn).view(x.shape)
     scales = scales.view(*lead, scales.shape[-1])

@@ -1,7 +1,7 @@
 """The native host path on a GPU: bit for bit the Python path's results (forward, backward, plain and
 residual, every dtype, odd H, a weight offset), CUDA-graph capture, the named errors, and the calls it
 hands back to the Python path (views, partial gradients). The Python path is the engine's apply of
-``CakeRMSNormFunction`` (``python_apply``, below its routing) and ``train_forward_python``; the native
+``CakeRMSNormFunction`` (``python_apply``, below its routing) and ``dispatch.python_forward``; the native
 path serves ``cake_rmsnorm`` and ``CakeRMSNormFunction.apply`` once the Python path registered the
 signature (their grad_fn then is the C++ node). The custom ops' C++ kernels (CUDA and AutogradCUDA keys,
 what torch.compile's graphs call), the FP8 forward's included, against the ops' Python bodies and the
@@ -27,7 +27,7 @@ from cake_cute import (
     ops_fp8,
 )
 from cake_cute.device import device_facts
-from cake_cute.ops import train_forward_python
+from cake_cute.dispatch import python_forward
 
 from ._helpers import (  # noqa: F401 (fixed_seed, prewarm_kernels: fixtures)
     DTYPE_IDS,
@@ -123,7 +123,7 @@ def test_autograd_weight_offset_and_fp32_weight(residual):
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
 def test_functional_native_matches_python_bitwise(dtype, residual, monkeypatch):
     x, w, r = (t.detach() if t is not None else None for t in leaves(129, 4096, dtype, residual))
-    python_fwd = train_forward_python(x, w, EPS, r)  # registers the signature
+    python_fwd = python_forward(x, w, EPS, r)  # registers the signature
     assert native.extension.forward(x, w, EPS, r, 0.0) is not None, (
         "the native path did not serve the forward"
     )

@@ -18,7 +18,16 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import cake_cute
-from cake_cute import CakeRMSNorm, CakeRMSNormFunction, autograd, cake_rmsnorm, cpu, custom_ops, swap_rmsnorm
+from cake_cute import (
+    CakeRMSNorm,
+    CakeRMSNormFunction,
+    autograd,
+    cake_rmsnorm,
+    cpu,
+    custom_ops,
+    dispatch,
+    swap_rmsnorm,
+)
 from cake_cute.reference import backward_reference, forward_reference, rel_error, tolerance
 from cake_cute.routing import OP, PYTHON
 
@@ -29,7 +38,7 @@ _CPU_FORWARD, _CPU_BACKWARD = cpu.forward, cpu.backward
 
 
 def _direct_forward(x, w, eps, residual=None, *, weight_offset=0.0):
-    """``ops.train_forward_python``'s results (rstd ``[T]``) from the CPU math."""
+    """``dispatch.python_forward``'s results (rstd ``[T]``) from the CPU math."""
     y, rstd, h_new = _CPU_FORWARD(x, w, eps, residual, weight_offset)
     return (y, rstd.reshape(-1)) if residual is None else (y, rstd.reshape(-1), h_new)
 
@@ -52,7 +61,7 @@ def kernels(monkeypatch):
     monkeypatch.setattr(
         autograd, "route", lambda x, w, residual=None: OP if torch.compiler.is_compiling() else PYTHON
     )
-    monkeypatch.setattr(autograd, "train_forward_python", counted("eager.fwd", _direct_forward))
+    monkeypatch.setattr(dispatch, "python_forward", counted("eager.fwd", _direct_forward))
     monkeypatch.setattr(custom_ops, "backward_from_saved", counted("eager.bwd", _CPU_BACKWARD))
     torch._dynamo.reset()
     yield calls

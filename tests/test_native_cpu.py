@@ -21,6 +21,7 @@ def fresh_native(monkeypatch):
     """The loader as in a new process (not tried yet, nothing registered); restored afterwards."""
     monkeypatch.setattr(native, "extension", None)
     monkeypatch.setattr(native, "_tried", False)
+    monkeypatch.setattr(native, "_looked_for_library", False)
     monkeypatch.setattr(native, "_registered", set())
     monkeypatch.delenv(native.PYTHON_PATH_ENV, raising=False)
 

@@ -11,7 +11,7 @@ import textwrap
 import pytest
 import torch
 
-from cake_cute import compile_cache, device, native, ops
+from cake_cute import compile_cache, device, dispatch, native
 from cake_cute.specs import KernelSpec, ReduceSpec
 from cake_cute.vocab import dtype_name
 
@@ -73,8 +73,8 @@ def test_ops_build_the_same_specs_for_every_row_count(recorded_specs, dtype):
         rstd = torch.ones(x.numel() // hidden)
         compile_cache._by_fields.clear()  # the hot-path cache would answer later row counts itself
         start = len(recorded_specs)
-        ops.cake_rmsnorm_train_forward(x, w, 1e-6, residual=res)
-        ops.cake_rmsnorm_train_backward(g, x, w, rstd, g_residual=g_res)
+        dispatch.cake_rmsnorm_train_forward(x, w, 1e-6, residual=res)
+        dispatch.cake_rmsnorm_train_backward(g, x, w, rstd, g_residual=g_res)
         per_rows[rows] = recorded_specs[start:]
     assert per_rows[0] == []  # an empty batch launches nothing
     expected = [
@@ -99,8 +99,8 @@ def test_row_counts_compile_each_variant_once(tmp_path, monkeypatch):
     w = torch.randn(hidden, device="cuda", dtype=torch.bfloat16)
     for rows in ROWS:
         x, res, g, g_res = (torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-        _, rstd, h = ops.cake_rmsnorm_train_forward(x, w, 1e-6, residual=res)
-        ops.cake_rmsnorm_train_backward(g, h, w, rstd, g_residual=g_res)
+        _, rstd, h = dispatch.cake_rmsnorm_train_forward(x, w, 1e-6, residual=res)
+        dispatch.cake_rmsnorm_train_backward(g, h, w, rstd, g_residual=g_res)
     torch.cuda.synchronize()
     assert compile_cache.compile_count - before == 3  # forward, backward, dW reduction
 

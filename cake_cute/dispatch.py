@@ -1,0 +1,199 @@
+"""The one dispatch layer: the path each call takes, carried out here.
+
+``routing.route`` states the rule; this module carries it out for the functional entries and is the only
+one that talks to the native extension (``native``):
+
+* the public functional ``cake_rmsnorm_train_forward`` / ``_backward`` ask the extension first (plain
+  calls without caller-owned outputs), then take the Python launch (``ops``);
+* a signature the Python path launched is handed to the extension (``python_forward``,
+  ``fp8_forward``), with the backward's planner (``backward_plan``), so that its later plain calls run
+  in C++ (the eager autograd node, the functional calls, the custom ops' CUDA kernels);
+* ``native_rmsnorm`` is the C++ autograd node's call for ``autograd`` on the ``NATIVE`` route;
+* the extension is built only outside a training step: ``prepare()`` (``cake_cute.prepare``), ``cake-cute
+  warmup``; a call in a step loads a library already on disk (``native.load_built``) and never compiles.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import launch_plan, native, ops, ops_fp8
+from . import validation as v
+from .operands import known_operands
+
+
+def prepare() -> bool:
+    """Build (when needed) and load the native host path now, outside any training step.
+
+    Returns
+    -------
+    bool
+        Whether the native path is loaded; False with ``CAKE_CUTE_PYTHON_PATH=1`` or when the build
+        failed (warned once), in which case eager calls take the Python path.
+    """
+    return native.load() is not None
+
+
+def native_rmsnorm(x, w, eps, residual, weight_offset):
+    """The C++ autograd node's ``y`` / ``(y, h_new)`` for a call on the ``NATIVE`` route, or None when the
+    extension does not serve it (the caller then takes the Python Function)."""
+    return native.extension.rmsnorm(x, w, eps, residual, weight_offset)
+
+
+def cake_rmsnorm_train_forward(
+    x, w, eps, *, residual=None, out=None, rstd=None, residual_out=None, weight_offset: float = 0.0
+):
+    """RMSNorm forward, optionally fused with the residual add, in one pass.
+
+    Per row: ``h = round(x + residual)`` (residual mode), ``rstd = 1 / sqrt(mean(h^2) + eps)`` in FP32,
+    ``y = round(h * rstd * (w + weight_offset))``.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        ``[..., H]`` activations on a supported CUDA device, bf16 / fp16 / fp32, 1 <= H <= 262144;
+        leading dims collapse into rows.
+    w : torch.Tensor
+        ``[H]`` weight, x's dtype or fp32, on x's device.
+    eps : float
+        Finite, >= 0.
+    residual : torch.Tensor, optional
+        Same shape, dtype and device as x: normalize ``h = x + residual`` and return it as h_new.
+    out, rstd, residual_out : torch.Tensor, optional
+        Caller-owned outputs (y: x's shape and dtype; rstd: FP32 ``[rows]``; h_new: x's shape and
+        dtype, residual mode only). Contiguous aligned ones are written directly, others receive a
+        copy; the returned tensors are these.
+    weight_offset : float, default 0.0
+        Added to w in FP32 (1.0 gives Gemma's ``1 + w``); each distinct value is a compiled variant.
+
+    Returns
+    -------
+    tuple of torch.Tensor
+        ``(y, rstd)``, or ``(y, rstd, h_new)`` in residual mode; rstd is FP32 with one value per row.
+
+    Raises
+    ------
+    TypeError
+        An argument of the wrong kind or dtype (x, w, residual, an output, eps, weight_offset).
+    ValueError
+        A wrong shape or device, x on the CPU or an unsupported GPU, ``residual_out`` without
+        ``residual``, a negative or non-finite eps; raised before any launch, with no output written.
+    """
+    extension = native.extension
+    if extension is not None and out is None and rstd is None and residual_out is None:
+        outs = extension.forward(x, w, eps, residual, weight_offset)
+        if outs is not None:
+            return outs
+    return python_forward(x, w, eps, residual, out, rstd, residual_out, weight_offset)
+
+
+def cake_rmsnorm_train_backward(
+    g,
+    x,
+    w,
+    rstd,
+    *,
+    deterministic=True,
+    g_residual=None,
+    workspace=None,
+    dx=None,
+    dw=None,
+    weight_offset: float = 0.0,
+    dw_dtype: torch.dtype = torch.float32,
+):
+    """RMSNorm backward: dx in one pass, dw as a fixed-order sum of FP32 partial rows.
+
+    Per row: ``a = g * (w + weight_offset)``, ``xhat = x * rstd``, ``c = sum(a * xhat) / H``,
+    ``dx = round(rstd * (a - xhat * c) [+ g_residual])``; ``dw = sum over rows of g * xhat`` in FP32.
+
+    Parameters
+    ----------
+    g : torch.Tensor or sequence of torch.Tensor
+        dL/dy, x's shape, dtype and device; or 2 to 3 such tensors whose sum is dL/dy (the dgrads of
+        the layers that read y): the kernel sums them in FP32, left to right, and rounds the sum once
+        to x's dtype -- what torch.compile's fused add of them stores -- instead of a separate add.
+    x : torch.Tensor
+        What the forward normalized: x, or h_new in residual mode (``[..., H]``, bf16 / fp16 / fp32).
+    w : torch.Tensor
+        ``[H]`` weight, x's dtype or fp32.
+    rstd : torch.Tensor
+        FP32 ``[rows]`` from the forward.
+    deterministic : bool, default True
+        Accepted for API compatibility; both values run the same deterministic kernels (an atomic
+        dW measured slower: perf/results/2026-11-30-h200-atomic-dw-experiment/).
+    g_residual : torch.Tensor, optional
+        dL/dh_new in residual mode (x's shape and dtype), added into dx: dx is then the gradient of
+        both x and residual.
+    workspace : torch.Tensor, optional
+        A contiguous 1-D uint8 tensor, 16-byte aligned, of at least
+        ``cake_rmsnorm_train_backward_workspace_bytes(rows, H, device)`` bytes; without one, the
+        partial rows are allocated per call.
+    dx, dw : torch.Tensor, optional
+        Caller-owned outputs (dx: x's shape and dtype; dw: ``[H]`` of ``dw_dtype``).
+    weight_offset : float, default 0.0
+        The forward's offset.
+    dw_dtype : torch.dtype, default torch.float32
+        dw's dtype (fp32, bf16 or fp16; autograd asks for w's); the sum is FP32, rounded once.
+
+    Returns
+    -------
+    tuple of torch.Tensor
+        ``(dx, dw)``.
+
+    Raises
+    ------
+    TypeError
+        An argument of the wrong kind or dtype (including ``deterministic`` that is not a bool).
+    ValueError
+        A wrong shape or device, an unaligned or too small workspace, x on the CPU or an unsupported
+        GPU; raised before any launch, with no output written.
+    """
+    v.check_bool("deterministic", deterministic)  # accepted and ignored: every backward is deterministic
+    extension = native.extension
+    if extension is not None and workspace is None and dx is None and dw is None:
+        outs = extension.backward(g, x, w, rstd, g_residual, weight_offset, dw_dtype)
+        if outs is not None:
+            return outs
+    return ops.train_backward_python(g, x, w, rstd, g_residual, workspace, dx, dw, weight_offset, dw_dtype)
+
+
+def python_forward(x, w, eps, residual=None, out=None, rstd=None, residual_out=None, weight_offset=0.0):
+    """The Python launch (``ops.train_forward_python``), then the signature handed to the native path."""
+    outs = ops.train_forward_python(x, w, eps, residual, out, rstd, residual_out, weight_offset)
+    if x.numel() > 0 and native.load_built() is not None:
+        operands, offset, mode = known_operands(x, w), float(weight_offset), residual is not None
+        if not native.handed_over(operands, offset, mode):
+            kernel = ops.forward_kernel(operands, mode, offset)
+            native.register(operands, x, w, offset, mode, kernel, backward_plan)
+    return outs
+
+
+def fp8_forward(x, w, eps, residual, recipe, emit_y, weight_offset):
+    """``ops_fp8.fp8_forward`` (arguments checked by ``ops_fp8.check_arguments``), then, on CUDA, the
+    signature of this recipe, emit_y and mode handed to the native path."""
+    outs = ops_fp8.fp8_forward(x, w, eps, residual, recipe, emit_y, weight_offset)
+    if x.device.type == "cuda" and x.numel() > 0 and native.load_built() is not None:
+        operands = known_operands(x, w)
+        rows, mode = x.numel() // operands.hidden, residual is not None
+        kernel, programs = ops_fp8.forward_kernel(operands, rows, mode, recipe, emit_y, weight_offset)
+        native.register_fp8(
+            operands, x, w, weight_offset, mode, recipe, emit_y, programs, kernel, backward_plan
+        )
+    return outs
+
+
+def backward_plan(operands, weight_offset: float, rows: int, residual: bool, dw_dtype, g_parts: int = 1):
+    """The native path's planner: the kernels (TVM-FFI handles) and launch plan of one backward shape
+    (of g in ``g_parts`` summands), the very ones ``ops`` launches with."""
+    plan = ops.backward_launch_plan(operands, rows, residual)
+    kernels = ops.backward_kernels(operands, residual, weight_offset, dw_dtype, g_parts)
+    handles = tuple(map(native.kernel_handle, kernels))
+    if 0 in handles:
+        raise RuntimeError("cake_cute: a backward kernel has no TVM-FFI function handle")
+    return (*handles, plan.programs, plan.partial_rows, launch_plan.partial_row_stride(operands.hidden))
+
+
+def provide_op_bodies(forward_body, backward_body, backward_parts_body, fp8_forward_body) -> None:
+    """The custom ops' Python bodies, for the C++ kernels to call for what they do not serve
+    (``native.provide_op_bodies``)."""
+    native.provide_op_bodies(forward_body, backward_body, backward_parts_body, fp8_forward_body)
