@@ -152,7 +152,7 @@ def test_a_program_writes_one_partial_row(hidden, residual):
 def test_the_fold_adds_every_row_group_into_group_zero_once(groups):
     """``fold_levels``' tree: each level's adders read groups nobody writes in that level, and group 0
     ends holding every group's sum exactly once."""
-    from cake_cute.kernels.rmsnorm_bwd import fold_levels
+    from cake_cute.kernels.dw_partial_rows import fold_levels
 
     held = [[g] for g in range(groups)]
     for adders, stride in fold_levels(groups):

@@ -47,7 +47,7 @@ The kernel body reads as its steps: ``fill_ring`` (the first row tiles), ``prolo
 accumulator, after the ring's copies are issued so that the round trips overlap), then per row tile
 ``issue_g_residual``, ``load_rstd``, ``prefetch_next_row`` (without a ring: the next row into the L2),
 ``refill_ring``, ``reduce_row`` (dW and the row sum) and ``write_dx``; at the end
-``fold_row_groups`` (several row groups per CTA) and ``write_dw_partial_row``.
+``fold_row_groups`` (several row groups per CTA) and ``write_dw_partial_row`` (both in ``dw_partial_rows``).
 
 Bytes moved: reads g's n parts, h (+ g_residual) and writes dx once: T*H*(n + 2 [+ 1])*act_bytes, plus 4*T
 of rstd, plus the partial rows (num_programs * H * 4, written here, read by dw_reduce). With n parts that
@@ -71,7 +71,6 @@ from .common import (
     broadcast_rows,
     column_predicate,
     copy_atom,
-    global_row,
     init_cluster_reduction,
     prefetch_to_l2,
     row_sum,
@@ -79,22 +78,11 @@ from .common import (
     staging_atom,
     tile_shape,
 )
+from .dw_partial_rows import PartialRowWriter
 from .thread_tiles import ThreadTiles, issue_row_tile
 
 
-def fold_levels(groups: int) -> list[tuple[int, int]]:
-    """The tree that sums ``groups`` row groups' dW into group 0, as (adders, stride) per level: groups
-    r < adders add group r + stride. Each level halves the groups still holding a share (rounding up),
-    so any count works."""
-    levels = []
-    while groups > 1:
-        stride = -(-groups // 2)
-        levels.append((groups - stride, stride))
-        groups = stride
-    return levels
-
-
-class RMSNormBackward(RowKernel):
+class RMSNormBackward(PartialRowWriter, RowKernel):
     """One compiled backward per (arch, dtypes, H, residual, weight_offset, g_parts) and its
     ``config.BackwardConfig``; T and the number of programs are runtime values."""
 
@@ -401,32 +389,3 @@ class RMSNormBackward(RowKernel):
         if const_expr(len(tXrGs) > 1):
             g = g.to(self.act_dtype).to(Float32)
         return g
-
-    @cute.jit
-    def fold_row_groups(self, tt: ThreadTiles, sFold, tXrDW):
-        """Sum the dW accumulators of the CTA's row groups into row group 0's registers: through shared
-        memory, a tree over the groups with a fixed pairing (``fold_levels``), so the order of every
-        addition is fixed by the tiling. A program then writes one partial row instead of one per row
-        group (at bf16 H = 64, 32 times fewer for dw_reduce to read)."""
-        cols = self.tiling.cols_per_cta
-        tXsFold = tt.thr.partition_D(sFold)
-        cute.autovec_copy(tXrDW, tXsFold)
-        cute.arch.barrier()
-        for adders, stride in fold_levels(self.tiling.rows_per_cta):
-            if tt.row_in_cta < adders:
-                partner = cute.make_tensor(sFold.iterator + stride * cols, sFold.layout)
-                tXsFold.store(tXsFold.load() + tt.thr.partition_D(partner).load())
-            cute.arch.barrier()
-        cute.autovec_copy(tXsFold, tXrDW)
-
-    @cute.jit
-    def write_dw_partial_row(self, tt: ThreadTiles, bidx, mPartial, tXrDW, tXDW, pred):
-        """Program b owns partial row b: its row group 0 writes it (after ``fold_row_groups``, which
-        summed every row group into it)."""
-        t = self.tiling
-        tXgP = tt.of(broadcast_rows(global_row(mPartial, bidx, t.hidden), t.rows_per_cta), 0)
-        if const_expr(self.config.dw_in_smem):
-            cute.autovec_copy(tXDW, tXrDW)
-        store = partial(cute.copy, copy_atom(Float32, t.vec), pred=pred)
-        if tt.row_in_cta == 0:
-            store(tXrDW, tXgP)
