@@ -10,6 +10,9 @@ from .autograd import CakeRMSNormFunction, cake_rmsnorm  # noqa: E402
 from .dispatch import cake_rmsnorm_train_backward, cake_rmsnorm_train_forward, prepare  # noqa: E402
 from .fp8 import Fp8NormOutput, cake_rmsnorm_fp8  # noqa: E402
 from .fusion import add_rmsnorm, fuse_residual_rmsnorm  # noqa: E402
+from .gated_autograd import cake_gated_rmsnorm  # noqa: E402
+from .gated_module import CakeGatedRMSNorm  # noqa: E402
+from .gated_swap import GatedNormNotServed, swap_gated_rmsnorm  # noqa: E402
 from .module import CakeRMSNorm  # noqa: E402
 from .ops import (  # noqa: E402
     cake_rmsnorm_train_backward_workspace,
@@ -23,6 +26,10 @@ if torch.distributed.is_available():
     from .distributed import SequenceParallelResidual  # noqa: E402, F401
 
 __all__ = [
+    "CakeGatedRMSNorm",
+    "GatedNormNotServed",
+    "cake_gated_rmsnorm",
+    "swap_gated_rmsnorm",
     "ArgumentError",
     "CakeRMSNorm",
     "CakeRMSNormFunction",

@@ -188,3 +188,146 @@ def test_leading_dims_collapse_into_rows():
     flat = run_backward(g.reshape(-1, 128), x.reshape(-1, 128), z.reshape(-1, 128), w, flat[1], options)
     assert_bitwise_equal(dx.reshape(-1, 128), flat[0], "dx")
     assert_bitwise_equal(dw, flat[2], "dw")
+
+
+# --- autograd, torch.compile, CUDA graphs, swapped modules (cake_gated_rmsnorm, CakeGatedRMSNorm) ---
+
+AUTOGRAD_SHAPES = [SHAPES[1], SHAPES[3], (256, 64, True)]
+
+
+def _autograd_run(fn, x, z, w, g, options):
+    """y and the gradients of fresh leaves (x, z, w)."""
+    xl, zl, wl = (t.detach().clone().requires_grad_() for t in (x, z, w))
+    y = fn(xl, zl, wl, EPS, **options)
+    y.backward(g)
+    return y, xl.grad, zl.grad, wl.grad
+
+
+@pytest.mark.parametrize("shape", AUTOGRAD_SHAPES, ids=_shape_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
+def test_autograd_matches_fp64(dtype, shape):
+    """cake_gated_rmsnorm through the custom ops: y, dx, dz against FP64; dw in w's dtype against the
+    FP64 sum (FP32 accumulation, one rounding to w's dtype: the dtype's tolerance, at least DW's)."""
+    from cake_cute.gated_autograd import cake_gated_rmsnorm
+
+    x, z, g = (t.view(8, -1, shape[0]) for t in _inputs(8 * 33, shape[0], dtype))
+    w = rand_weight(shape[0], dtype)
+    options = _options(shape)
+    y, dx, dz, dw = _autograd_run(cake_gated_rmsnorm, x, z, w, g, options)
+    rows = [t.reshape(-1, shape[0]) for t in (x, z, g)]
+    y64, _ = gated_forward_reference(rows[0], rows[1], w, EPS, **options)
+    dx64, dz64, dw64 = gated_backward_reference(rows[2], rows[0], rows[1], w, EPS, **options)
+    assert dw.dtype == dtype and y.shape == x.shape
+    for got, want in ((y, y64), (dx, dx64), (dz, dz64)):
+        assert rel_error(got.reshape(want.shape), want) <= tolerance(dtype)
+    assert rel_error(dw, dw64) <= max(tolerance(dtype), DW_TOLERANCE)
+
+
+@pytest.mark.parametrize("shape", AUTOGRAD_SHAPES, ids=_shape_id)
+def test_compiled_fullgraph_is_bitwise_eager(shape):
+    from cake_cute.gated_autograd import cake_gated_rmsnorm
+
+    x, z, g = _inputs(257, shape[0], torch.bfloat16)
+    w = rand_weight(shape[0], torch.bfloat16)
+    options = _options(shape)
+    torch._dynamo.reset()
+    compiled = torch.compile(cake_gated_rmsnorm, fullgraph=True)
+    eager = _autograd_run(cake_gated_rmsnorm, x, z, w, g, options)
+    for name, a, b in zip(("y", "dx", "dz", "dw"), _autograd_run(compiled, x, z, w, g, options), eager):
+        assert_bitwise_equal(a, b, name)
+
+
+@pytest.mark.parametrize("shape", AUTOGRAD_SHAPES, ids=_shape_id)
+def test_cuda_graph_capture_and_replay(shape):
+    """A forward + backward step captured in a CUDA graph (no host synchronization in either), replayed
+    on new inputs copied into the static ones: bitwise the eager step on those inputs."""
+    from cake_cute.gated_autograd import cake_gated_rmsnorm
+
+    from ._helpers import warm_up_before_capture
+
+    dtype = torch.bfloat16
+    x, z, g = _inputs(129, shape[0], dtype)
+    w = rand_weight(shape[0], dtype)
+    options = _options(shape)
+    xs, zs, ws = (t.clone().requires_grad_() for t in (x, z, w))
+
+    def step():
+        for t in (xs, zs, ws):
+            t.grad = None
+        y = cake_gated_rmsnorm(xs, zs, ws, EPS, **options)
+        y.backward(g)
+        return y
+
+    warm_up_before_capture(step)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y_static = step()
+    x2, z2, _ = _inputs(129, shape[0], dtype)
+    with torch.no_grad():
+        xs.copy_(x2)
+        zs.copy_(z2)
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = _autograd_run(cake_gated_rmsnorm, x2, z2, w, g, options)
+    for name, a, b in zip(("y", "dx", "dz", "dw"), (y_static, xs.grad, zs.grad, ws.grad), eager):
+        assert_bitwise_equal(a, b, name)
+
+
+def _hf_norm(family: str, cls: str, **kwargs):
+    transformers = pytest.importorskip("transformers")
+    module = getattr(getattr(transformers.models, family), f"modeling_{family}")
+    if not hasattr(module, cls):
+        pytest.skip(f"transformers {transformers.__version__} has no {cls}")
+    try:
+        return getattr(module, cls)(**kwargs)
+    except TypeError as error:  # an older signature (transformers 5.17's MambaRMSNormGated has no groups)
+        pytest.skip(f"transformers {transformers.__version__}'s {cls}: {error}")
+
+
+# (family, class, constructor arguments): a norm-then-gate class rounding twice, a grouped
+# gate-then-norm one rounding before its weight, FalconH1 (one rounding).
+SWAPPED = [
+    ("qwen3_next", "Qwen3NextRMSNormGated", dict(hidden_size=128)),
+    ("mamba2", "MambaRMSNormGated", dict(hidden_size=2048, group_size=512)),
+    ("falcon_h1", "FalconH1RMSNormGated", dict(hidden_size=2048, n_groups=4, norm_before_gate=False)),
+]
+
+
+@pytest.mark.parametrize(("family", "cls", "kwargs"), SWAPPED, ids=[s[1] for s in SWAPPED])
+def test_swapped_module_against_the_hf_class(family, cls, kwargs):
+    """The swapped module against the class it replaced on bf16 rows: y within one bf16 ulp of the
+    class's output (its statistics are summed in another order), gradients within the dtype's
+    tolerance of the class's FP32 autograd; compiled (fullgraph) within the same bounds of eager."""
+    from torch import nn
+
+    from cake_cute.gated_swap import swap_gated_rmsnorm
+
+    holder = nn.Module()
+    holder.norm = _hf_norm(family, cls, eps=EPS, **kwargs).to(device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        holder.norm.weight.uniform_(0.5, 1.5)
+    stock = holder.norm
+    assert swap_gated_rmsnorm(holder) == 1 and holder.norm.weight is stock.weight
+    hidden = kwargs["hidden_size"]
+    x, z, g = (t.view(4, -1, hidden) for t in _inputs(4 * 64, hidden, torch.bfloat16))
+
+    def run(module):
+        xl, zl = (t.detach().clone().requires_grad_() for t in (x, z))
+        module.zero_grad()
+        y = module(xl, zl)
+        y.backward(g)
+        return y, xl.grad, zl.grad, module.weight.grad.clone()
+
+    got, want = run(holder.norm), run(stock)
+    assert got[0].dtype == want[0].dtype
+    assert (got[0].float() - want[0].float()).abs().le(want[0].float().abs() * 2.0**-7 + 1e-6).all()
+    for a, b in zip(got[1:], want[1:]):
+        assert rel_error(a, b.double()) <= tolerance(torch.bfloat16)
+    # Compiled: the kernels' ops stay opaque, and inductor fuses the torch operations a class's casts
+    # add around them (Qwen3-Next's weight and gate products), keeping their intermediate in FP32 as
+    # it does for the stock class: within the same bound as eager against the class.
+    torch._dynamo.reset()
+    compiled = run(torch.compile(holder.norm, fullgraph=True))
+    assert (compiled[0].float() - got[0].float()).abs().le(got[0].float().abs() * 2.0**-7 + 1e-6).all()
+    for a, b in zip(compiled[1:], got[1:]):
+        assert rel_error(a, b.double()) <= tolerance(torch.bfloat16)

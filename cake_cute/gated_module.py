@@ -1,0 +1,171 @@
+"""``CakeGatedRMSNorm``: the gated RMSNorm as a module, ``forward(hidden_states, gate=None)`` as the
+Hugging Face gated norm classes call it, with their roundings (``cast_policy``).
+
+The cast policies (the Hugging Face classes are listed in docs/gated.md):
+
+* ``"one_rounding"``: FP32 math, y rounded once to x's dtype: the kernels' own arithmetic (Lara-mini,
+  FalconH1 compute this way).
+* ``"round_then_scale"``: the normalized values rounded to x's dtype, then scaled by the weight in
+  torch's promoted dtype. Gate then norm (Mamba-2, NemotronH, Bamba, GraniteMoeHybrid, Zamba2):
+  ``y = w * round(rmsnorm_g(x * silu(z)))``, the output in the promotion of w's and x's dtypes: the
+  gated kernel with a unit weight, then torch's multiply. Norm then gate (Qwen3-Next, Qwen3.5,
+  OLMo-hybrid, ...): ``y = round((w * round(x * rstd)) * silu(z))``: the plain norm kernel with a unit
+  weight, then torch's operations for the weight and the gate (the gate comes after a rounding, so
+  the gated kernel, which rounds once, cannot serve it). With FP32 activations and weight every
+  rounding but the last is exact and both policies run the gated kernel directly.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import validation as v
+from .autograd import cake_rmsnorm
+from .gated_autograd import cake_gated_rmsnorm
+from .gated_ops import check_group_size
+
+ONE_ROUNDING = "one_rounding"
+ROUND_THEN_SCALE = "round_then_scale"
+GATED_CAST_POLICIES = (ONE_ROUNDING, ROUND_THEN_SCALE)
+
+
+def check_gated_cast_policy(name: str, value) -> str:
+    """``value`` if it is one of ``GATED_CAST_POLICIES``, else a ValueError naming ``name``."""
+    if value not in GATED_CAST_POLICIES:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, GATED_CAST_POLICIES))}; got {value!r}")
+    return value
+
+
+class CakeGatedRMSNorm(nn.Module):
+    """Gated RMSNorm over the last dimension with the cake_cute kernels.
+
+    ``forward(hidden_states, gate=None)``: ``norm_before_gate=True`` gives
+    ``x * rstd * (w + weight_offset) * silu(gate)``, ``False`` gives
+    ``rmsnorm_group(x * silu(gate)) * (w + weight_offset)``, rounded as ``cast_policy`` says. Without a
+    gate it is the (grouped) RMSNorm with the same casts.
+
+    Parameters
+    ----------
+    hidden_size : int
+        H, the weight's size.
+    eps : float
+        Added to the mean square; finite, >= 0.
+    group_size : int, optional
+        Columns per statistics group, dividing H (default H).
+    norm_before_gate : bool
+        The order of the norm and the gate.
+    weight_offset : float
+        The scale is ``weight + weight_offset``.
+    cast_policy : str
+        ``"one_rounding"`` (default) or ``"round_then_scale"`` (module docstring).
+    device, dtype : optional
+        Of the weight.
+
+    Raises
+    ------
+    TypeError, ValueError
+        A hidden_size that is not a positive int, a group_size not dividing it, eps / weight_offset
+        out of range, norm_before_gate not a bool, an unknown cast_policy.
+    """
+
+    def __init__(
+        self,
+        hidden_size,
+        eps=1e-6,
+        *,
+        group_size=None,
+        norm_before_gate=True,
+        weight_offset=0.0,
+        cast_policy=ONE_ROUNDING,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        self.hidden_size = v.check_count("hidden_size", hidden_size, 1)
+        self.group_size = check_group_size(group_size, hidden_size)
+        self.eps = v.check_eps(eps)
+        v.check_bool("norm_before_gate", norm_before_gate)
+        self.norm_before_gate = norm_before_gate
+        self.weight_offset = v.check_weight_offset(weight_offset)
+        self.cast_policy = check_gated_cast_policy("cast_policy", cast_policy)
+        self.weight = nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype))
+        self.reset_parameters()
+
+    @property
+    def variance_epsilon(self) -> float:
+        """eps under the Hugging Face classes' name: the Mamba-2 mixers hand ``norm.weight`` and
+        ``norm.variance_epsilon`` to a fused scan kernel (mamba_ssm's) when they take that path, which
+        then does the norm itself."""
+        return self.eps
+
+    def reset_parameters(self) -> None:
+        """weight = 1 - weight_offset: the scale starts at 1."""
+        nn.init.constant_(self.weight, 1.0 - self.weight_offset)
+
+    def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        """The gated norm of ``hidden_states`` ([..., H]) by ``gate`` (its shape), or the plain grouped
+        norm when gate is None.
+
+        Returns
+        -------
+        torch.Tensor
+            Shaped like hidden_states; x's dtype, or the promotion of the weight's and x's dtypes
+            for ``"round_then_scale"`` gate-then-norm without a final rounding.
+
+        Raises
+        ------
+        TypeError, ValueError
+            The errors of ``cake_gated_rmsnorm`` (hidden_states named x, gate named z).
+        """
+        v.check_tensor("hidden_states", hidden_states)
+        if hidden_states.dim() == 1:
+            row = None if gate is None else gate.unsqueeze(0)
+            return self.forward(hidden_states.unsqueeze(0), row).squeeze(0)
+        if gate is None:
+            return self._ungated(hidden_states)
+        x, w = hidden_states, self.weight
+        if self.cast_policy == ONE_ROUNDING or x.dtype == w.dtype == torch.float32:
+            return self._gated(x, gate, w if w.dtype in (x.dtype, torch.float32) else w.float())
+        if not self.norm_before_gate:
+            # w * round(rmsnorm_g(x * silu(z))): the gated kernel with a unit scale, then torch's product.
+            return self._scale() * self._gated(x, gate, x.new_ones(x.shape[-1]), weight_offset=0.0)
+        # round((w * round(x * rstd)) * silu(z)), grouped when group_size < H.
+        normalized = self._normalized(x, x.dtype)
+        return ((self._scale() * normalized) * F.silu(gate.float())).to(x.dtype)
+
+    def _gated(self, x, gate, w, weight_offset=None):
+        return cake_gated_rmsnorm(
+            x,
+            gate,
+            w,
+            self.eps,
+            group_size=self.group_size,
+            norm_before_gate=self.norm_before_gate,
+            weight_offset=self.weight_offset if weight_offset is None else weight_offset,
+        )
+
+    def _scale(self) -> torch.Tensor:
+        return self.weight if self.weight_offset == 0.0 else self.weight + self.weight_offset
+
+    def _normalized(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``x * rstd`` per group, from x in ``dtype`` and rounded to it (the plain norm kernel, unit
+        scale: the product by 1 is exact)."""
+        source = x if dtype == x.dtype else x.to(dtype)
+        groups = source.reshape(*x.shape[:-1], self.hidden_size // self.group_size, self.group_size)
+        return cake_rmsnorm(groups, groups.new_ones(self.group_size), self.eps).reshape(x.shape)
+
+    def _ungated(self, x: torch.Tensor) -> torch.Tensor:
+        """The grouped RMSNorm without a gate, under the same casts: FP32 normalized values scaled in
+        FP32 and rounded once, or rounded to x's dtype before the scale."""
+        if self.cast_policy == ONE_ROUNDING:
+            return (self._normalized(x, torch.float32) * self._scale().float()).to(x.dtype)
+        return self._scale() * self._normalized(x, torch.float32).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        group = "" if self.group_size == self.hidden_size else f", group_size={self.group_size}"
+        return (
+            f"{self.hidden_size}, eps={self.eps}{group}, norm_before_gate={self.norm_before_gate}, "
+            f"weight_offset={self.weight_offset}, cast_policy={self.cast_policy}"
+        )

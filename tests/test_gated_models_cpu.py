@@ -1,0 +1,405 @@
+"""The gated norms of the Hugging Face hybrid and linear-attention families on CPU: ``swap_gated_rmsnorm``
+on tiny random-init models (2 layers, hidden 64, vocab 128, 8 tokens; no download) against the untouched
+model, and ``CakeGatedRMSNorm`` in place of each installed gated norm class, one by one.
+
+What is checked, and the bounds:
+
+* a swapped model's FP32 logits are bitwise the stock model's (the CPU kernels do the classes'
+  FP32 operations in their order and round once, which is what each class does in FP32);
+* its gradients are within rtol 1e-4 / atol 1e-6 of the stock model's: the backward is the kernels'
+  closed form, not autograd's chain through the class's operations (a few FP32 ulps per norm, grown
+  through the rest of the model's backward);
+* per class, in FP32 and bf16: the swapped module's y bitwise the class's (each class's casts
+  followed), dx / dz / dw within the same bound of the class's autograd (bf16: bitwise on these
+  shapes, checked within the bf16 tolerance);
+* the classes that gate with another activation than SiLU, and group sizes not dividing H, are refused
+  by name (``GatedNormNotServed``);
+* ``cast_policy="one_rounding"`` on a class that rounds twice (Qwen3-Next): within 2**-6 relative of
+  the class (docs/gated.md: three bf16 roundings against one);
+* numerics against FP64, determinism, and ``torch.compile(fullgraph=True)`` of a swapped module
+  bitwise its eager run.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import warnings
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+from torch import nn
+
+from cake_cute.gated_module import CakeGatedRMSNorm
+from cake_cute.gated_reference import gated_forward_reference
+from cake_cute.gated_swap import GatedNormNotServed, is_gated_norm, swap_gated_rmsnorm
+from cake_cute.reference import rel_error, tolerance
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, HIDDEN, LAYERS, TOKENS = 128, 64, 2, 8
+EPS = 1e-6
+GRAD_RTOL, GRAD_ATOL = 1e-4, 1e-6
+
+
+@dataclass(frozen=True)
+class Family:
+    """A family's config and causal-LM classes, what makes it tiny, its gated norm class and how the
+    swap serves it (cast policy, norm before gate)."""
+
+    config: str
+    model: str
+    norm: str
+    policy: str
+    norm_before_gate: bool
+    extra: dict = field(default_factory=dict)
+
+
+_LINEAR = dict(
+    layer_types=["linear_attention", "full_attention"],
+    linear_num_value_heads=4,
+    linear_num_key_heads=2,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    head_dim=16,
+)
+_MOE = dict(
+    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32
+)
+_MAMBA = dict(mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=16, mamba_chunk_size=8)
+RTS, ONE = "round_then_scale", "one_rounding"
+FAMILIES = {
+    "qwen3_next": Family(
+        "Qwen3NextConfig", "Qwen3NextForCausalLM", "Qwen3NextRMSNormGated", RTS, True, {**_LINEAR, **_MOE}
+    ),
+    "qwen3_5": Family("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", "Qwen3_5RMSNormGated", RTS, True, _LINEAR),
+    "qwen3_5_moe": Family(
+        "Qwen3_5MoeTextConfig",
+        "Qwen3_5MoeForCausalLM",
+        "Qwen3_5MoeRMSNormGated",
+        RTS,
+        True,
+        {**_LINEAR, **_MOE},
+    ),
+    "olmo_hybrid": Family(
+        "OlmoHybridConfig",
+        "OlmoHybridForCausalLM",
+        "OlmoHybridRMSNormGated",
+        RTS,
+        True,
+        dict(pad_token_id=0, layer_types=["linear_attention", "full_attention"]),
+    ),
+    "lara_mini": Family("LaraMiniConfig", "LaraMiniForCausalLM", "LaraMiniRMSNormGated", ONE, True),
+    "mamba2": Family(
+        "Mamba2Config",
+        "Mamba2ForCausalLM",
+        "MambaRMSNormGated",
+        RTS,
+        False,
+        dict(num_heads=8, head_dim=16, n_groups=2, state_size=16, expand=2, chunk_size=8),
+    ),
+    "nemotron_h": Family("NemotronHConfig", "NemotronHForCausalLM", "NemotronHRMSNormGated", RTS, False),
+    "bamba": Family(
+        "BambaConfig",
+        "BambaForCausalLM",
+        "BambaRMSNormGated",
+        RTS,
+        False,
+        dict(attn_layer_indices=[1], **_MAMBA),
+    ),
+    "granitemoehybrid": Family(
+        "GraniteMoeHybridConfig",
+        "GraniteMoeHybridForCausalLM",
+        "GraniteMoeHybridRMSNormGated",
+        RTS,
+        False,
+        dict(layer_types=["mamba", "attention"], **_MAMBA),
+    ),
+    "zamba2": Family(
+        "Zamba2Config",
+        "Zamba2ForCausalLM",
+        "Zamba2RMSNormGated",
+        RTS,
+        False,
+        dict(
+            layers_block_type=["mamba", "hybrid"],
+            mamba_headdim=16,
+            n_mamba_heads=8,
+            mamba_ngroups=2,
+            mamba_d_state=16,
+            chunk_size=8,
+        ),
+    ),
+    "falcon_h1": Family(
+        "FalconH1Config", "FalconH1ForCausalLM", "FalconH1RMSNormGated", ONE, True, dict(mamba_rms_norm=True)
+    ),
+}
+
+# Gated norm classes of the installed transformers, one by one: (family, class, constructor arguments,
+# cast policy, norm_before_gate), or the reason it is refused.
+CLASSES = [
+    ("qwen3_next", "Qwen3NextRMSNormGated", {}, RTS, True),
+    ("qwen3_5", "Qwen3_5RMSNormGated", {}, RTS, True),
+    ("qwen3_5_moe", "Qwen3_5MoeRMSNormGated", {}, RTS, True),
+    ("olmo_hybrid", "OlmoHybridRMSNormGated", {}, RTS, True),
+    ("qwen4_exp", "Qwen4ExpTextRMSNormGated", {}, RTS, True),
+    ("lara_mini", "LaraMiniRMSNormGated", {}, ONE, True),
+    ("mamba2", "MambaRMSNormGated", dict(group_size=16), RTS, False),
+    ("nemotron_h", "NemotronHRMSNormGated", dict(group_size=16), RTS, False),
+    ("bamba", "BambaRMSNormGated", dict(group_size=16), RTS, False),
+    ("granitemoehybrid", "GraniteMoeHybridRMSNormGated", dict(group_size=16), RTS, False),
+    ("zamba2", "Zamba2RMSNormGated", dict(group_size=64), RTS, False),
+    ("falcon_h1", "FalconH1RMSNormGated", dict(n_groups=4, norm_before_gate=False), ONE, False),
+    ("falcon_h1", "FalconH1RMSNormGated", dict(n_groups=4, norm_before_gate=True), ONE, True),
+]
+REFUSED = [
+    ("kimi_linear", "KimiLinearRMSNormGated", {}, "gate activation is 'sigmoid', not SiLU"),
+    ("bailing_hybrid", "BailingHybridRMSNormGated", {}, "gate activation is 'sigmoid', not SiLU"),
+    ("glm5_next", "Glm5NextTextRMSNormGated", {}, "gate activation is 'sigmoid', not SiLU"),
+    ("qwen4_exp", "Qwen4ExpTextRMSNormGated", dict(activation="sigmoid"), "'sigmoid', not SiLU"),
+    ("falcon_h1", "FalconH1RMSNormGated", dict(n_groups=3), "n_groups 3 does not divide the hidden size 64"),
+    ("mamba2", "MambaRMSNormGated", dict(group_size=24), "group_size 24 does not divide the hidden size 64"),
+]
+
+
+def _class_id(entry) -> str:
+    return f"{entry[1]}-{'-'.join(f'{k}{v}' for k, v in entry[2].items())}".rstrip("-")
+
+
+def _hf_class(family: str, name: str):
+    try:
+        module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    except ImportError:
+        pytest.skip(f"transformers {transformers.__version__} has no {family}")
+    if not hasattr(module, name):
+        pytest.skip(f"transformers {transformers.__version__} has no {name}")
+    return getattr(module, name)
+
+
+def _holding(norm: nn.Module) -> nn.Module:
+    holder = nn.Module()
+    holder.norm = norm
+    return holder
+
+
+def _tiny_model(name: str) -> nn.Module:
+    family = FAMILIES[name]
+    module = importlib.import_module(f"transformers.models.{name}")
+    config = getattr(module, family.config)(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        **family.extra,
+    )
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = getattr(module, family.model)(config).float()
+    _randomize_norm_weights(model)
+    return model.train()
+
+
+def _randomize_norm_weights(model: nn.Module) -> None:
+    """Weights other than ones, so a weight applied at the wrong point would show."""
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for module in model.modules():
+            if is_gated_norm(module):
+                module.weight.copy_(torch.rand(module.weight.shape, generator=gen) + 0.5)
+
+
+def _loss_and_grads(model: nn.Module, ids: torch.Tensor):
+    """Logits and gradients of a step; asserts that the model called its gated norm modules (a
+    model may hand a norm's weight to a fused scan instead, which would make the comparison vacuous)."""
+    calls = []
+    hooks = [
+        m.register_forward_hook(lambda *_: calls.append(1))
+        for m in model.modules()
+        if isinstance(m, CakeGatedRMSNorm) or is_gated_norm(m)
+    ]
+    model.zero_grad()
+    logits = model(ids).logits
+    for hook in hooks:
+        hook.remove()
+    assert calls, "the gated norms were not called"
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), ids.flatten())
+    loss.backward()
+    return logits, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def swapped_pair(request):
+    name = request.param
+    stock = _tiny_model(name)
+    swapped = copy.deepcopy(stock)
+    gated = {type(m).__name__ for m in stock.modules() if is_gated_norm(m)}
+    assert gated == {FAMILIES[name].norm}
+    count = swap_gated_rmsnorm(swapped)
+    return name, stock, swapped, count
+
+
+def test_every_gated_norm_is_swapped_with_the_family_casts(swapped_pair):
+    name, stock, swapped, count = swapped_pair
+    family = FAMILIES[name]
+    news = [m for m in swapped.modules() if isinstance(m, CakeGatedRMSNorm)]
+    assert count == len(news) == len([m for m in stock.modules() if is_gated_norm(m)]) >= 1
+    assert not any(is_gated_norm(m) for m in swapped.modules())
+    for m in news:
+        assert (m.cast_policy, m.norm_before_gate) == (family.policy, family.norm_before_gate)
+
+
+def test_fp32_logits_bitwise_and_gradients_within_bound(swapped_pair):
+    _, stock, swapped, _ = swapped_pair
+    ids = torch.randint(0, VOCAB, (2, TOKENS), generator=torch.Generator().manual_seed(2))
+    want_logits, want = _loss_and_grads(stock, ids)
+    got_logits, got = _loss_and_grads(swapped, ids)
+    assert torch.equal(got_logits, want_logits)
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=GRAD_RTOL, atol=GRAD_ATOL, msg=name)
+
+
+def test_swapped_model_is_deterministic(swapped_pair):
+    _, _, swapped, _ = swapped_pair
+    ids = torch.randint(0, VOCAB, (2, TOKENS), generator=torch.Generator().manual_seed(3))
+    (first_logits, first), (second_logits, second) = (_loss_and_grads(swapped, ids) for _ in range(2))
+    assert torch.equal(first_logits, second_logits)
+    for name in first:
+        assert torch.equal(first[name], second[name]), name
+
+
+# --- class by class -----------------------------------------------------------------------------
+
+
+def _class_pair(family, name, kwargs, dtype):
+    torch.manual_seed(0)
+    stock = _hf_class(family, name)(HIDDEN, eps=EPS, **kwargs).to(dtype)
+    with torch.no_grad():
+        stock.weight.uniform_(0.5, 1.5)
+    holder = _holding(copy.deepcopy(stock))
+    assert swap_gated_rmsnorm(holder) == 1
+    return stock, holder.norm
+
+
+def _norm_inputs(dtype, shape=(2, 3, HIDDEN)):
+    gen = torch.Generator().manual_seed(4)
+    x, z, g = (torch.randn(shape, generator=gen) * s for s in (1, 2, 1))
+    return x.to(dtype), z.to(dtype), g.to(dtype)
+
+
+def _run_norm(module, x, z, g):
+    xl, zl = (t.detach().clone().requires_grad_() for t in (x, z))
+    module.zero_grad()
+    y = module(xl, zl)
+    y.backward(g.to(y.dtype))
+    return y, xl.grad, zl.grad, module.weight.grad.clone()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("entry", CLASSES, ids=_class_id)
+def test_class_swapped_forward_bitwise_gradients_within_bound(entry, dtype):
+    family, name, kwargs, policy, norm_before_gate = entry
+    stock, swapped = _class_pair(family, name, kwargs, dtype)
+    assert (swapped.cast_policy, swapped.norm_before_gate) == (policy, norm_before_gate)
+    assert swapped.weight is not stock.weight  # the deep copy's own Parameter, which the swap kept
+    x, z, g = _norm_inputs(dtype)
+    got, want = _run_norm(swapped, x, z, g), _run_norm(stock, x, z, g)
+    assert got[0].dtype == want[0].dtype and torch.equal(got[0], want[0])
+    for a, b in zip(got[1:], want[1:]):
+        if dtype == torch.float32:
+            torch.testing.assert_close(a, b, rtol=GRAD_RTOL, atol=GRAD_ATOL)
+        else:
+            assert a.dtype == b.dtype and rel_error(a.double(), b.double()) <= tolerance(dtype)
+
+
+@pytest.mark.parametrize("entry", REFUSED, ids=_class_id)
+def test_unserved_classes_are_refused_by_name(entry):
+    family, name, kwargs, reason = entry
+    stock = _hf_class(family, name)(HIDDEN, eps=EPS, **kwargs)
+    holder = _holding(stock)
+    with pytest.raises(GatedNormNotServed, match=f"Module.norm \\({name}\\) is not swapped: .*{reason}"):
+        swap_gated_rmsnorm(holder)
+    assert holder.norm is stock
+
+
+def test_one_rounding_on_a_twice_rounding_class_within_the_stated_bound():
+    stock, _ = _class_pair("qwen3_next", "Qwen3NextRMSNormGated", {}, torch.bfloat16)
+    holder = _holding(copy.deepcopy(stock))
+    swap_gated_rmsnorm(holder, cast_policy=ONE)
+    x, z, _ = _norm_inputs(torch.bfloat16, (64, 8, HIDDEN))
+    got, want = holder.norm(x, z).double(), stock(x, z).double()
+    assert (got - want).abs().le(want.abs() * 2.0**-6).all()
+    assert not torch.equal(got, want)  # the two policies differ on these rows: the test measures something
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("policy", [ONE, RTS])
+@pytest.mark.parametrize(("group_size", "norm_before_gate"), [(None, True), (16, False), (16, True)])
+def test_module_against_fp64(dtype, policy, group_size, norm_before_gate):
+    """y against the FP64 reference: one rounding (FP32: 1e-6; bf16: the dtype's tolerance) or,
+    rounding before the scale, two roundings (twice the tolerance)."""
+    norm = CakeGatedRMSNorm(
+        HIDDEN,
+        eps=EPS,
+        group_size=group_size,
+        norm_before_gate=norm_before_gate,
+        cast_policy=policy,
+        dtype=dtype,
+    )
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x, z, _ = _norm_inputs(dtype, (16, HIDDEN))
+    y = norm(x, z)
+    want, _ = gated_forward_reference(
+        x, z, norm.weight, EPS, group_size=group_size, norm_before_gate=norm_before_gate
+    )
+    bound = 1e-6 if dtype == torch.float32 else tolerance(dtype) * (1 if policy == ONE else 2)
+    assert rel_error(y.double(), want) <= bound
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("entry", [CLASSES[0], CLASSES[6], CLASSES[11]], ids=_class_id)
+def test_compiled_swapped_module(entry, dtype):
+    """fullgraph, no break. The kernels' op is opaque to inductor: one rounding (and every FP32 call)
+    is bitwise eager. Where the class's casts add torch operations around it (bf16 "round_then_scale"),
+    inductor fuses them and keeps their intermediates in FP32, as it does for the stock class: y within
+    2**-7 relative of eager, gradients within the bf16 tolerance."""
+    family, name, kwargs, policy, _ = entry
+    _, swapped = _class_pair(family, name, kwargs, dtype)
+    x, z, g = _norm_inputs(dtype)
+    eager = _run_norm(swapped, x, z, g)
+    torch._dynamo.reset()
+    compiled = _run_norm(torch.compile(swapped, fullgraph=True), x, z, g)
+    if policy == ONE or dtype == torch.float32:
+        for a, b in zip(compiled, eager):
+            assert torch.equal(a, b)
+        return
+    assert (compiled[0].double() - eager[0].double()).abs().le(eager[0].double().abs() * 2.0**-7).all()
+    for a, b in zip(compiled[1:], eager[1:]):
+        assert rel_error(a.double(), b.double()) <= tolerance(dtype)
+
+
+def test_ungated_call_is_the_grouped_norm():
+    """gate=None (the Mamba-2 classes accept it): the grouped RMSNorm with the class's casts, within
+    one bf16 rounding of the class (the plain kernel's statistics are torch's rms_norm's)."""
+    stock, swapped = _class_pair("mamba2", "MambaRMSNormGated", dict(group_size=16), torch.bfloat16)
+    x, _, _ = _norm_inputs(torch.bfloat16)
+    got, want = swapped(x).double(), stock(x).double()
+    assert (got - want).abs().le(want.abs() * 2.0**-7).all()
+
+
+def test_argument_errors():
+    with pytest.raises(ValueError, match="group_size must divide"):
+        CakeGatedRMSNorm(HIDDEN, group_size=24)
+    with pytest.raises(ValueError, match="cast_policy must be one of"):
+        CakeGatedRMSNorm(HIDDEN, cast_policy="twice")
+    with pytest.raises(ValueError, match="cast_policy must be None or one of"):
+        swap_gated_rmsnorm(nn.Linear(2, 2), cast_policy="twice")
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        swap_gated_rmsnorm(object())
+    with pytest.raises(TypeError, match="z must have dtype"):
+        CakeGatedRMSNorm(HIDDEN)(torch.randn(2, HIDDEN), torch.randn(2, HIDDEN, dtype=torch.bfloat16))
