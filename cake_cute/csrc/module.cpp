@@ -14,7 +14,7 @@ struct NormFunction : public torch::autograd::Function<NormFunction> {
     ForwardOutputs out = launch_forward(*s, x, w, residual ? &*residual : nullptr, eps);
     ctx->set_materialize_grads(false);
     ctx->saved_data["signature"] = reinterpret_cast<int64_t>(s);
-    ctx->save_for_backward({residual ? out.h_new : x, w, out.rstd});
+    ctx->save_for_backward(norm_saved_tensors(x, w, out.rstd, out.h_new, residual.has_value()));
     if (residual) return {out.y, out.h_new};
     return {out.y};
   }

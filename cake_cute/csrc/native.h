@@ -13,8 +13,10 @@
 //   * it has the plain layout the kernels read in place: CUDA tensors that are contiguous and
 //     vector-aligned, with no tensor subclass, torch function or dispatch mode, functorch wrapper,
 //     conjugate / negative / zero view, and at least one row.
-// Anything else answers None and the caller takes the Python path, which raises the named
-// TypeError / ValueError before any launch and handles views, copies and caller-owned outputs. The
+// Anything else answers None and the caller takes the Python path, which raises the named error
+// (cake_cute/validation.py, the one place that validates) before any launch and handles views, copies
+// and caller-owned outputs. The checks here guard memory safety (a layout, length, device and alignment
+// the compiled kernels can read in place) or decline what Python would refuse; none raises. The
 // backward's launch plan (kernels, programs, FP32 partial rows of dW) also comes from Python, asked
 // once per (signature, T, residual, dw dtype) and cached here, so the kernels and the plan are
 // exactly those the Python path launches with.
@@ -166,6 +168,14 @@ using BackwardResult = std::tuple<at::Tensor, at::Tensor>;
 using BackwardSchema = BackwardResult(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                       const std::optional<at::Tensor>&, double);
 
+// What every norm autograd node saves (NormFunction, OpNormFunction, OpFp8Function): exactly (x or h_new, w,
+// rstd), the rule cake_cute/custom_ops.py states once (save_for_backward); tests/test_gpu_native.py checks
+// the nodes against the Python Function bit for bit.
+inline variable_list norm_saved_tensors(const at::Tensor& x, const at::Tensor& w, const at::Tensor& rstd,
+                                        const at::Tensor& h_new, bool residual) {
+  return {residual ? h_new : x, w, rstd};
+}
+
 // ---- launch.cpp ---------------------------------------------------------------------------------------
 
 // rstd is `[rows]`, or x's shape without its last dimension when `row_shaped_rstd` (the custom op's form).
@@ -184,6 +194,7 @@ std::pair<at::Tensor, at::Tensor> launch_backward(const Signature& s, const at::
 bool plain_context();
 const at::Tensor* plain_cuda(PyObject* obj);
 bool like(const at::Tensor& t, const at::Tensor& x, int64_t align);
+bool valid_eps(double eps);
 SignatureKey signature_key(const at::Tensor& x, const at::Tensor& w, double weight_offset);
 const Signature* find_signature(const at::Tensor& x, const at::Tensor& w, double weight_offset);
 const Signature* find_signature(const at::Tensor& x, const at::Tensor& w, PyObject* weight_offset);

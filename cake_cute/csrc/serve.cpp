@@ -61,6 +61,10 @@ std::optional<double> number(PyObject* obj) {  // an exact float or int; bools a
   return std::nullopt;
 }
 
+// The one copy of validation.check_eps's rule on this side (the functional entries and both forward ops'
+// kernels use it): not a memory-safety check but a decline, so that Python raises its named ValueError.
+bool valid_eps(double eps) { return std::isfinite(eps) && eps >= 0; }
+
 SignatureKey signature_key(const at::Tensor& x, const at::Tensor& w, double weight_offset) {
   SignatureKey key{x.scalar_type(), w.scalar_type(), x.dim(), x.size(-1), x.device().index(), 0};
   std::memcpy(&key.offset_bits, &weight_offset, sizeof(double));
@@ -68,7 +72,9 @@ SignatureKey signature_key(const at::Tensor& x, const at::Tensor& w, double weig
 }
 
 // The registered signature of (x, w, weight_offset) when x and w have the layout the kernels read in
-// place, else nullptr.
+// place, else nullptr. Memory safety: the kernels were compiled for this signature's H and alignments and
+// read x, w in place, so w's length and device, x's rows (at least one), contiguity and alignment are
+// checked here on every call; `like` does the same for every other activation-shaped tensor.
 const Signature* find_signature(const at::Tensor& x, const at::Tensor& w, double weight_offset) {
   if (x.dim() < 2) return nullptr;
   const Signature* s = nullptr;
@@ -97,7 +103,7 @@ std::optional<ForwardCall> forward_call(PyObject* const* args) {
   const std::optional<double> eps = number(args[2]);
   const bool residual = args[3] != Py_None;
   const at::Tensor* r = residual ? plain_cuda(args[3]) : nullptr;
-  if (x == nullptr || w == nullptr || (residual && r == nullptr) || !eps || !std::isfinite(*eps) || *eps < 0) {
+  if (x == nullptr || w == nullptr || (residual && r == nullptr) || !eps || !valid_eps(*eps)) {
     return std::nullopt;
   }
   const Signature* s = find_signature(*x, *w, args[4]);
