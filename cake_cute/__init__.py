@@ -13,11 +13,11 @@ from .fusion import add_rmsnorm, fuse_residual_rmsnorm  # noqa: E402
 from .gated_autograd import cake_gated_rmsnorm  # noqa: E402
 from .gated_module import CakeGatedRMSNorm  # noqa: E402
 from .gated_swap import GatedNormNotServed, swap_gated_rmsnorm  # noqa: E402
-from .module import CakeRMSNorm  # noqa: E402
-from .ops import (  # noqa: E402
+from .launch import (  # noqa: E402
     cake_rmsnorm_train_backward_workspace,
     cake_rmsnorm_train_backward_workspace_bytes,
 )
+from .module import CakeRMSNorm  # noqa: E402
 from .swap import swap_rmsnorm  # noqa: E402
 from .validation import ArgumentError, is_cake_rmsnorm_train_supported  # noqa: E402
 

@@ -2,9 +2,9 @@
 
 Which path a call takes is ``cake_cute.routing``'s rule: on ``NATIVE`` the C++ autograd node (plain
 layouts of a signature the Python path has validated), on ``PYTHON`` the Function launching the kernels
-directly (``ops``, ``ops_fp8``), on ``OP`` the ``cake_cute::`` custom ops (under torch.compile, for
+directly (``launch``, ``launch_fp8``), on ``OP`` the ``cake_cute::`` custom ops (under torch.compile, for
 DTensor inputs, for CPU tensors). The eager Functions and the ops' registered autograd share one
-save/backward helper (``custom_ops.save_for_backward`` and ``custom_ops.norm_backward``): adding a
+save/backward helper (``library_ops.save_for_backward`` and ``library_ops.norm_backward``): adding a
 forward kind is a Function here whose backward is ``norm_backward``.
 """
 
@@ -14,8 +14,8 @@ import torch
 
 from . import dispatch
 from . import validation as v
-from .custom_ops import cake_rmsnorm_traceable, fp8_backward, norm_backward, save_for_backward
-from .ops_fp8 import op_outputs
+from .launch_fp8 import op_outputs
+from .library_ops import cake_rmsnorm_traceable, fp8_backward, norm_backward, save_for_backward
 from .routing import NATIVE, OP, route
 
 
@@ -113,7 +113,7 @@ class CakeRMSNormFp8Function(torch.autograd.Function):
     ``(data, compact scales, y or placeholder, rstd, h_new or empty)``; saves (x or h_new, w, rstd).
 
     The eager form of ``cake_cute::rmsnorm_fp8_fwd`` (``cake_rmsnorm_fp8`` calls it on the routing
-    rule's ``PYTHON``); arguments are checked by the caller (``ops_fp8.check_arguments``)."""
+    rule's ``PYTHON``); arguments are checked by the caller (``launch_fp8.check_arguments``)."""
 
     @staticmethod
     def forward(ctx, x, w, eps, residual, recipe, emit_y, weight_offset):

@@ -4,7 +4,7 @@
 one that talks to the native extension (``native``):
 
 * the public functional ``cake_rmsnorm_train_forward`` / ``_backward`` ask the extension first (plain
-  calls without caller-owned outputs), then take the Python launch (``ops``);
+  calls without caller-owned outputs), then take the Python launch (``launch``);
 * a signature the Python path launched is handed to the extension (``python_forward``,
   ``fp8_forward``), with the backward's planner (``backward_plan``), so that its later plain calls run
   in C++ (the eager autograd node, the functional calls, the custom ops' CUDA kernels);
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from . import launch_plan, native, ops, ops_fp8
+from . import launch, launch_fp8, launch_plan, native
 from . import validation as v
 from .operands import known_operands
 
@@ -154,28 +154,28 @@ def cake_rmsnorm_train_backward(
         outs = extension.backward(g, x, w, rstd, g_residual, weight_offset, dw_dtype)
         if outs is not None:
             return outs
-    return ops.train_backward_python(g, x, w, rstd, g_residual, workspace, dx, dw, weight_offset, dw_dtype)
+    return launch.train_backward_python(g, x, w, rstd, g_residual, workspace, dx, dw, weight_offset, dw_dtype)
 
 
 def python_forward(x, w, eps, residual=None, out=None, rstd=None, residual_out=None, weight_offset=0.0):
-    """The Python launch (``ops.train_forward_python``), then the signature handed to the native path."""
-    outs = ops.train_forward_python(x, w, eps, residual, out, rstd, residual_out, weight_offset)
+    """The Python launch (``launch.train_forward_python``), then the signature handed to the native path."""
+    outs = launch.train_forward_python(x, w, eps, residual, out, rstd, residual_out, weight_offset)
     if x.numel() > 0 and native.load_built() is not None:
         operands, offset, mode = known_operands(x, w), float(weight_offset), residual is not None
         if not native.handed_over(operands, offset, mode):
-            kernel = ops.forward_kernel(operands, mode, offset)
+            kernel = launch.forward_kernel(operands, mode, offset)
             native.register(operands, x, w, offset, mode, kernel, backward_plan)
     return outs
 
 
 def fp8_forward(x, w, eps, residual, recipe, emit_y, weight_offset):
-    """``ops_fp8.fp8_forward`` (arguments checked by ``ops_fp8.check_arguments``), then, on CUDA, the
+    """``launch_fp8.fp8_forward`` (arguments checked by ``launch_fp8.check_arguments``), then, on CUDA, the
     signature of this recipe, emit_y and mode handed to the native path."""
-    outs = ops_fp8.fp8_forward(x, w, eps, residual, recipe, emit_y, weight_offset)
+    outs = launch_fp8.fp8_forward(x, w, eps, residual, recipe, emit_y, weight_offset)
     if x.device.type == "cuda" and x.numel() > 0 and native.load_built() is not None:
         operands = known_operands(x, w)
         rows, mode = x.numel() // operands.hidden, residual is not None
-        kernel, programs = ops_fp8.forward_kernel(operands, rows, mode, recipe, emit_y, weight_offset)
+        kernel, programs = launch_fp8.forward_kernel(operands, rows, mode, recipe, emit_y, weight_offset)
         native.register_fp8(
             operands, x, w, weight_offset, mode, recipe, emit_y, programs, kernel, backward_plan
         )
@@ -184,9 +184,9 @@ def fp8_forward(x, w, eps, residual, recipe, emit_y, weight_offset):
 
 def backward_plan(operands, weight_offset: float, rows: int, residual: bool, dw_dtype, g_parts: int = 1):
     """The native path's planner: the kernels (TVM-FFI handles) and launch plan of one backward shape
-    (of g in ``g_parts`` summands), the very ones ``ops`` launches with."""
-    plan = ops.backward_launch_plan(operands, rows, residual)
-    kernels = ops.backward_kernels(operands, residual, weight_offset, dw_dtype, g_parts)
+    (of g in ``g_parts`` summands), the very ones ``launch`` launches with."""
+    plan = launch.backward_launch_plan(operands, rows, residual)
+    kernels = launch.backward_kernels(operands, residual, weight_offset, dw_dtype, g_parts)
     handles = tuple(map(native.kernel_handle, kernels))
     if 0 in handles:
         raise RuntimeError("cake_cute: a backward kernel has no TVM-FFI function handle")

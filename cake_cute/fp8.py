@@ -10,8 +10,8 @@ The numerics (rounding, saturation, NaN/Inf) and the scale layouts (``scale_layo
 ``"cublas"``, ``"deepgemm"``) are specified in ``cake_cute.fp8_numerics``, which holds the torch
 reference the kernel ``kernels/rmsnorm_fwd_quant.py`` agrees with bitwise and the layout converters.
 
-It follows the plain norm's layers: the launch in ``ops_fp8``, the op ``cake_cute::rmsnorm_fp8_fwd``
-in ``custom_ops``, the Function ``CakeRMSNormFp8Function`` in ``autograd`` (with the plain norm's
+It follows the plain norm's layers: the launch in ``launch_fp8``, the op ``cake_cute::rmsnorm_fp8_fwd``
+in ``library_ops``, the Function ``CakeRMSNormFp8Function`` in ``autograd`` (with the plain norm's
 save/backward helpers), and the path of a call by ``routing``'s rule. On CPU tensors the op runs the
 torch reference (forward and backward), so it, its autograd and torch.compile work without a GPU.
 """
@@ -23,9 +23,9 @@ from typing import NamedTuple
 import torch
 
 from .autograd import CakeRMSNormFp8Function
-from .custom_ops import rmsnorm_fp8_fwd
 from .fp8_numerics import to_scale_layout
-from .ops_fp8 import check_arguments, fp8_forward, fp8_variant_specs
+from .launch_fp8 import check_arguments, fp8_forward, fp8_variant_specs
+from .library_ops import rmsnorm_fp8_fwd
 from .routing import PYTHON, DTensor, route
 
 __all__ = [

@@ -8,7 +8,7 @@ of that signature with the plain layout the kernels read in place run in C++. Ev
 first one, bad arguments, views and copies, caller-owned outputs, DTensor, CPU — keeps taking the Python
 path, so the named errors and every other guarantee stay where they are tested.
 
-Loading it also gives the custom ops (``custom_ops``, the forward to FP8's too: what torch.compile's
+Loading it also gives the custom ops (``library_ops``, the forward to FP8's too: what torch.compile's
 graphs and DTensor call) C++ kernels for CUDA tensors: the same served signatures launch from C++ (an FP8
 forward once the Python path has launched that recipe, emit_y and mode: ``register_fp8``), everything
 else goes to the ops' Python bodies, and the forwards' autograd formula is a C++ node when a graph is
@@ -227,11 +227,11 @@ def load_built():
     return load() if built else None
 
 
-_op_bodies: tuple | None = None  # the custom ops' Python bodies (``custom_ops`` hands them over)
+_op_bodies: tuple | None = None  # the custom ops' Python bodies (``library_ops`` hands them over)
 
 
 def provide_op_bodies(forward_body, backward_body, backward_parts_body, fp8_forward_body) -> None:
-    """Called by ``custom_ops`` once it has defined the ops: their Python bodies (``rmsnorm_fwd``,
+    """Called by ``library_ops`` once it has defined the ops: their Python bodies (``rmsnorm_fwd``,
     ``rmsnorm_bwd``, ``rmsnorm_bwd_parts``, ``rmsnorm_fp8_fwd``), which the C++ kernels call for what
     they do not serve. Installs the kernels now if the extension is already loaded."""
     global _op_bodies

@@ -9,8 +9,8 @@ are not tensors).
 * ``NATIVE`` for plain CUDA tensors in eager once the C++ extension is loaded: the extension first
   (``native``), which serves the signatures the Python path registered, in the plain layout, and
   answers None for anything else, which then takes the Python launch;
-* ``PYTHON`` for plain CUDA tensors in eager without the extension: the Python launch (``ops``,
-  ``ops_fp8``) under the ``autograd.Function``.
+* ``PYTHON`` for plain CUDA tensors in eager without the extension: the Python launch (``launch``,
+  ``launch_fp8``) under the ``autograd.Function``.
 
 Per entry: ``cake_rmsnorm`` and ``CakeRMSNormFunction.apply`` take the C++ autograd node on ``NATIVE``
 and ``CakeRMSNormFunction`` otherwise (its forward calls the op on ``OP``; under tracing

@@ -1,6 +1,6 @@
 """FP8 forward on the GPU: the kernel's data and scale bytes bitwise equal to the torch reference.
 
-Every output the kernel path allocates is NaN / 0xFF-poisoned first (``ops_fp8._empty``), so an element it
+Every output the kernel path allocates is NaN / 0xFF-poisoned first (``launch_fp8._empty``), so an element it
 fails to write shows up. The reference quantizes the FP32 normalized value computed from the kernel's
 own h_new (residual mode) and rstd: a torch sum of squares does not reproduce the kernel's fixed
 reduction order, so rstd itself is checked against FP64 (1e-5 relative, per row) and bitwise against
@@ -19,9 +19,9 @@ from cake_cute import (
     cake_rmsnorm_train_forward,
     fp8,
     fp8_numerics,
+    launch_fp8,
     launch_plan,
     native,
-    ops_fp8,
 )
 from cake_cute.device import device_facts
 from cake_cute.reference import forward_reference
@@ -38,7 +38,7 @@ ROWS = (0, 1, 2, 129)
 
 @pytest.fixture(autouse=True)
 def poisoned_outputs(monkeypatch):
-    monkeypatch.setattr(ops_fp8, "_empty", lambda shape, dtype, device: poison(shape, dtype, device))
+    monkeypatch.setattr(launch_fp8, "_empty", lambda shape, dtype, device: poison(shape, dtype, device))
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -20,11 +20,11 @@ from cake_cute import (
     cake_rmsnorm_fp8,
     cake_rmsnorm_train_backward,
     cake_rmsnorm_train_forward,
-    custom_ops,
     fp8,
+    launch_fp8,
     launch_plan,
+    library_ops,
     native,
-    ops_fp8,
 )
 from cake_cute.device import device_facts
 from cake_cute.dispatch import python_forward
@@ -252,7 +252,7 @@ def python_bodies(monkeypatch):
         ("fwd", "cake_rmsnorm_train_forward", cake_rmsnorm_train_forward),
         ("bwd", "cake_rmsnorm_train_backward", cake_rmsnorm_train_backward),
     ):
-        monkeypatch.setattr(custom_ops, attribute, counted(name, fn))
+        monkeypatch.setattr(library_ops, attribute, counted(name, fn))
     return calls
 
 
@@ -264,7 +264,7 @@ def test_op_kernels_serve_registered_signatures_bitwise(dtype, residual, python_
     x, w, r = leaves(129, 4096, dtype, residual)
     x, w = x.detach().view(3, 43, 4096), w.detach()
     r = r.detach().view(3, 43, 4096) if residual else None
-    expected = custom_ops.rmsnorm_fwd(x, w, EPS, r, 1.0)  # registers the signature
+    expected = library_ops.rmsnorm_fwd(x, w, EPS, r, 1.0)  # registers the signature
     python_bodies.update(fwd=0, bwd=0)
     actual = torch.ops.cake_cute.rmsnorm_fwd(x, w, EPS, r, 1.0)
     assert actual[1].shape == x.shape[:-1] and actual[2].numel() == (x.numel() if residual else 0)
@@ -275,7 +275,7 @@ def test_op_kernels_serve_registered_signatures_bitwise(dtype, residual, python_
     h = actual[2] if residual else x
     got = torch.ops.cake_cute.rmsnorm_bwd(g, h, w, actual[1], g_res, 1.0)
     assert python_bodies == {"fwd": 0, "bwd": 0}, "a served signature reached the Python body"
-    want = custom_ops.rmsnorm_bwd(g, h, w, actual[1], g_res, 1.0)
+    want = library_ops.rmsnorm_bwd(g, h, w, actual[1], g_res, 1.0)
     for i, (a, b) in enumerate(zip(got, want)):
         assert_bitwise_equal(a, b, f"backward output {i}")
 
@@ -284,7 +284,7 @@ def test_op_kernels_hand_other_calls_to_python(python_bodies):
     """A strided view and an unregistered H reach the Python bodies; bad arguments raise their named
     errors through the dispatcher."""
     x, w, _ = (t.detach() if t is not None else None for t in leaves(64, 4096, torch.bfloat16, False))
-    custom_ops.rmsnorm_fwd(x, w, EPS)  # registers the signature
+    library_ops.rmsnorm_fwd(x, w, EPS)  # registers the signature
     python_bodies.update(fwd=0)
     wide = torch.randn(64, 8192, device=DEV).to(torch.bfloat16)
     y_view = torch.ops.cake_cute.rmsnorm_fwd(wide[:, :4096], w, EPS)[0]
@@ -366,14 +366,14 @@ def test_parts_op_kernel_serves_registered_signatures_bitwise(parts, residual, p
     entering it; a strided summand is handed to the Python body; opcheck with the C++ kernel answering."""
     x, w, _ = leaves(129, 4096, torch.bfloat16, False)
     x, w = x.detach(), w.detach()
-    custom_ops.rmsnorm_fwd(x, w, EPS)  # registers the signature
+    library_ops.rmsnorm_fwd(x, w, EPS)  # registers the signature
     rstd = torch.rand(129, device=DEV) + 0.5
     gs = [torch.randn_like(x) for _ in range(parts)]
     g_res = torch.randn_like(x) if residual else None
     python_bodies.update(bwd=0)
     got = torch.ops.cake_cute.rmsnorm_bwd_parts(gs, x, w, rstd, g_res, 0.0)
     assert python_bodies["bwd"] == 0, "a served signature reached the Python body"
-    want = custom_ops.rmsnorm_bwd_parts(gs, x, w, rstd, g_res, 0.0)
+    want = library_ops.rmsnorm_bwd_parts(gs, x, w, rstd, g_res, 0.0)
     for i, (a, b) in enumerate(zip(got, want)):
         assert_bitwise_equal(a, b, f"backward output {i}")
     strided = torch.randn(129, 8192, device=DEV).to(torch.bfloat16)[:, :4096]
@@ -391,15 +391,15 @@ def test_parts_op_kernel_serves_registered_signatures_bitwise(parts, residual, p
 
 @pytest.fixture
 def fp8_bodies(monkeypatch):
-    """Counts the FP8 op's launches from Python (``ops_fp8._forward_cuda``: the C++ kernel's fallback)."""
+    """Counts the FP8 op's launches from Python (``launch_fp8._forward_cuda``: the C++ kernel's fallback)."""
     calls = {"fp8": 0}
-    launch = ops_fp8._forward_cuda
+    launch = launch_fp8._forward_cuda
 
     def counted(*args):
         calls["fp8"] += 1
         return launch(*args)
 
-    monkeypatch.setattr(ops_fp8, "_forward_cuda", counted)
+    monkeypatch.setattr(launch_fp8, "_forward_cuda", counted)
     return calls
 
 

@@ -24,8 +24,8 @@ from cake_cute import (
     autograd,
     cake_rmsnorm,
     cpu,
-    custom_ops,
     dispatch,
+    library_ops,
     swap_rmsnorm,
 )
 from cake_cute.reference import backward_reference, forward_reference, rel_error, tolerance
@@ -62,7 +62,7 @@ def kernels(monkeypatch):
         autograd, "route", lambda x, w, residual=None: OP if torch.compiler.is_compiling() else PYTHON
     )
     monkeypatch.setattr(dispatch, "python_forward", counted("eager.fwd", _direct_forward))
-    monkeypatch.setattr(custom_ops, "backward_from_saved", counted("eager.bwd", _CPU_BACKWARD))
+    monkeypatch.setattr(library_ops, "backward_from_saved", counted("eager.bwd", _CPU_BACKWARD))
     torch._dynamo.reset()
     yield calls
     torch._dynamo.reset()

@@ -55,7 +55,7 @@ def test_loading_installs_the_op_kernels(fresh_native):
         )
         for key in keys:
             assert "csrc/op_kernels.cpp" in table[key], (op, key, table[key])
-        assert "custom_ops.py" in table["CompositeExplicitAutograd[alias]"]
+        assert "library_ops.py" in table["CompositeExplicitAutograd[alias]"]
 
 
 @pytest.mark.parametrize("compiler", ["/nonexistent/c++", "false"], ids=["no-compiler", "build-fails"])

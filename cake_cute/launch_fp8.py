@@ -1,7 +1,7 @@
 """The forward to rowwise block-scaled FP8 (e4m3) on one device: check, pick the compiled variant, launch.
 
-The launch layer of ``cake_rmsnorm_fp8`` (``cake_cute.fp8``), beside ``ops`` for the plain norm: no
-autograd here (``autograd.CakeRMSNormFp8Function``), no op definition (``custom_ops``), no tiling
+The launch layer of ``cake_rmsnorm_fp8`` (``cake_cute.fp8``), beside ``launch`` for the plain norm: no
+autograd here (``autograd.CakeRMSNormFp8Function``), no op definition (``library_ops``), no tiling
 (``launch_plan``). CUDA tensors run the kernel ``kernels/rmsnorm_fwd_quant.py`` (or its persistent form),
 other devices the torch reference of ``fp8_numerics``, which the kernel agrees with bitwise.
 """

@@ -38,9 +38,9 @@ from . import cpu, dispatch
 from . import validation as v
 from .fp8_numerics import scale_blocks
 from .kernels.quant_config import QUANT_RECIPES
-from .ops import backward_from_saved
-from .ops_fp8 import check_arguments as check_fp8_arguments
-from .ops_fp8 import op_outputs, placeholder
+from .launch import backward_from_saved
+from .launch_fp8 import check_arguments as check_fp8_arguments
+from .launch_fp8 import op_outputs, placeholder
 from .reference import summed_gradient
 from .views import new_output
 
