@@ -15,6 +15,7 @@ from torch import nn
 
 from . import validation as v
 from .autograd import cake_rmsnorm
+from .dispatch import prepare
 from .reference import forward_reference
 
 # torch.nn.RMSNorm's eps=None: the epsilon of ATen's compute type (opmath), FP32 for bf16, fp16 and fp32.
@@ -244,6 +245,8 @@ class CakeRMSNorm(nn.Module):
             # Not persistent: the state dict matches torch.nn.RMSNorm's, which has no weight here.
             self.register_buffer("weight", weight, persistent=False)
         self.reset_parameters()
+        if torch.cuda.is_available():
+            prepare()  # the native host path is built at construction, before any step, never in one
 
     def reset_parameters(self) -> None:
         """weight = 1 - weight_offset, so the scale starts at 1 (ones by default, zeros for Gemma)."""
