@@ -289,3 +289,14 @@ def test_kernels_accept_the_native_argument_conventions(hidden):
         assert error.startswith("RuntimeError") and "Cuda" in error, f"{name}: {error}"
     wrong_h = [act(hidden + 8), none, vec(bf16, hidden), act(), none, vec(f32, rows), eps]
     assert _call(forward, wrong_h).startswith("ValueError: Mismatched")
+
+
+def test_a_call_never_builds_the_extension(fresh_native, monkeypatch, tmp_path):
+    """``native.load_built`` (what a call in a step uses) loads only a library already on disk: with none
+    there it answers None and builds nothing; ``cake_cute.prepare()`` is where the build happens."""
+    monkeypatch.setattr(native, "_looked_for_library", False)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(native, "build", lambda: pytest.fail("a call must not build the extension"))
+    assert native.load_built() is None
+    assert native.load_built() is None  # looked once
+    assert not native._tried  # an explicit prepare() may still build and load it
