@@ -23,7 +23,8 @@ from .operands import known_operands
 
 
 def prepare() -> bool:
-    """Build (when needed) and load the native host path now, outside any training step.
+    """Build (when needed) and load the native host path now, outside any training step (``cake-cute
+    warmup`` and a ``CakeRMSNorm``'s construction on a CUDA machine do the same).
 
     Returns
     -------
@@ -73,11 +74,14 @@ def cake_rmsnorm_train_forward(
 
     Raises
     ------
+    ArgumentError
+        A tensor (x, w, residual, an output) of the wrong dtype, shape or device: a ``ValueError`` and a
+        ``TypeError``.
     TypeError
-        An argument of the wrong kind or dtype (x, w, residual, an output, eps, weight_offset).
+        An argument of the wrong kind (not a tensor; eps or weight_offset not a number).
     ValueError
-        A wrong shape or device, x on the CPU or an unsupported GPU, ``residual_out`` without
-        ``residual``, a negative or non-finite eps; raised before any launch, with no output written.
+        x on the CPU or an unsupported GPU, ``residual_out`` without ``residual``, a negative or
+        non-finite eps; every error is raised before any launch, with no output written.
     """
     extension = native.extension
     if extension is not None and out is None and rstd is None and residual_out is None:
@@ -142,11 +146,13 @@ def cake_rmsnorm_train_backward(
 
     Raises
     ------
+    ArgumentError
+        A tensor of the wrong dtype, shape or device: a ``ValueError`` and a ``TypeError``.
     TypeError
-        An argument of the wrong kind or dtype (including ``deterministic`` that is not a bool).
+        An argument of the wrong kind (including ``deterministic`` that is not a bool).
     ValueError
-        A wrong shape or device, an unaligned or too small workspace, x on the CPU or an unsupported
-        GPU; raised before any launch, with no output written.
+        An unaligned or too small workspace, x on the CPU or an unsupported GPU; every error is raised
+        before any launch, with no output written.
     """
     v.check_bool("deterministic", deterministic)  # accepted and ignored: every backward is deterministic
     extension = native.extension
