@@ -21,6 +21,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.experimental import register_sharding
 from torch.distributed.tensor.parallel import SequenceParallel
 
+from .module import INPUT_NAME
+
 __all__ = ["SequenceParallelResidual"]
 
 
@@ -115,7 +117,7 @@ class SequenceParallelResidual(SequenceParallel):
             args = tuple(convert(a) if isinstance(a, torch.Tensor) else a for a in args)
             tensors = {
                 k: convert(kwargs[k])
-                for k in ("input", "residual")
+                for k in (INPUT_NAME, "residual")  # the module's input by keyword: torch's name for it
                 if isinstance(kwargs.get(k), torch.Tensor)
             }
             kwargs = {**kwargs, **tensors}

@@ -31,6 +31,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 
 from cake_cute import CakeRMSNorm, SequenceParallelResidual, cake_rmsnorm, cake_rmsnorm_fp8, swap_rmsnorm
+from cake_cute.module import INPUT_NAME
 
 REPO = Path(__file__).resolve().parents[1]
 MATRIX = "tests.distributed_harness.matrix"
@@ -130,7 +131,7 @@ def test_a_sharded_hidden_dimension_is_refused(mesh):
 
 def test_sequence_parallel_residual_shards_both_inputs(mesh):
     x, r, _, _, _ = _inputs()
-    for call in (lambda n: n(x, residual=r), lambda n: n(input=x, residual=r)):
+    for call in (lambda n: n(x, residual=r), lambda n: n(**{INPUT_NAME: x}, residual=r)):
         norm = CakeRMSNorm(32, eps=EPS)
         parallelize_module(norm, mesh, SequenceParallelResidual())
         assert isinstance(norm.weight, DTensor) and norm.weight.placements == (Replicate(),)

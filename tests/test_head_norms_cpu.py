@@ -24,6 +24,7 @@ from torch._functorch.aot_autograd import aot_module_simplified
 
 from cake_cute import CakeRMSNorm, fuse_residual_rmsnorm, swap_rmsnorm
 from cake_cute import module as cake_module
+from cake_cute.module import INPUT_NAME
 
 from ._hf_helpers import NormCalls
 
@@ -66,7 +67,7 @@ def _head_input(dtype, seed=1) -> torch.Tensor:
 def test_the_compiled_graph_holds_the_kernel_only_when_asked(compiled_as, residual):
     norm = CakeRMSNorm(HEAD_DIM, compiled_as=compiled_as)
     x = _head_input(torch.float32).requires_grad_()
-    inputs = {"input": x, "residual": _head_input(torch.float32, seed=2)} if residual else {"input": x}
+    inputs = {INPUT_NAME: x, "residual": _head_input(torch.float32, seed=2)} if residual else {INPUT_NAME: x}
     graphs = _traced_graphs(norm, inputs)
     assert len(graphs) == 2  # the forward and the backward
     ops = _cake_ops(graphs)
