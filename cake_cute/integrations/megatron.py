@@ -26,6 +26,7 @@ import functools
 
 import torch
 
+from ..library_ops import norm_backward, save_for_backward
 from ..module import CakeRMSNorm  # importing it registers the torch.ops.cake_cute ops used below
 
 try:
@@ -85,19 +86,19 @@ def _weight_device(config) -> torch.device:
 class _NormKeepingInput(torch.autograd.Function):
     """``(y, x)``: the norm of x and x itself, whose two gradients the norm's backward adds in its own
     last step (one rounding), as Megatron's ``fused_residual_rmsnorm`` asks of a norm whose input is
-    also the residual. ``forward(ctx, x, w, eps, weight_offset)``."""
+    also the residual. ``forward(ctx, x, w, eps, weight_offset)``. The save list and the backward are
+    the package's residual-mode rule (``library_ops``), with x in the place of h_new: the tensor the
+    norm normalized and returned."""
 
     @staticmethod
     def forward(ctx, x, w, eps, weight_offset):
         y, rstd, _ = torch.ops.cake_cute.rmsnorm_fwd(x, w, eps, None, weight_offset)
-        ctx.save_for_backward(x, w, rstd)
-        ctx.weight_offset = weight_offset
+        save_for_backward(ctx, x, w, x, rstd, x, weight_offset, direct=False)
         return y, x
 
     @staticmethod
     def backward(ctx, g, g_residual):
-        x, w, rstd = ctx.saved_tensors
-        dx, dw = torch.ops.cake_cute.rmsnorm_bwd(g, x, w, rstd, g_residual, ctx.weight_offset)
+        dx, dw, _ = norm_backward(ctx, g, g_residual)
         return dx, dw, None, None
 
 
