@@ -124,7 +124,7 @@ def cake_rmsnorm_train_backward(
         FP32 ``[rows]`` from the forward.
     deterministic : bool, default True
         Accepted for API compatibility; both values run the same deterministic kernels (an atomic
-        dW measured slower: perf/results/2026-11-30-h200-atomic-dw-experiment/).
+        dW measured slower: evidence/kernel-rules-h200-2026-12-01/atomic-dw/).
     g_residual : torch.Tensor, optional
         dL/dh_new in residual mode (x's shape and dtype), added into dx: dx is then the gradient of
         both x and residual.

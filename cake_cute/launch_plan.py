@@ -34,7 +34,7 @@ def partial_rows_bytes(partial_rows: int, hidden: int) -> int:
 
 # From this many row tiles on, when all of them fit on the GPU at once, programs take two tiles each:
 # that halves the partial rows dw_reduce reads, which outweighs one more row of latency per program
-# at large T but not at small T (perf/results/2026-11-30-h200-atomic-dw-experiment/tune_programs-c420c68.log).
+# at large T but not at small T (evidence/kernel-rules-h200-2026-12-01/atomic-dw/tune_programs-c420c68.log).
 PAIR_TILES_FROM = 64
 
 
@@ -92,7 +92,7 @@ def most_partial_rows(
 
 # Up to this many bytes of x per call the forward to FP8 runs persistent programs (2^26 2-byte or 2^25
 # FP32 elements); above it the one-tile grid keeps more bytes in flight
-# (perf/results/2026-12-01-persistent-forward/).
+# (evidence/kernel-rules-h200-2026-12-01/persistent-forward/).
 PERSISTENT_FP8_MAX_BYTES = 1 << 27
 
 

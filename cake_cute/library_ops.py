@@ -69,7 +69,7 @@ def define_op(name: str, schema: str, kernel, *, fake, cpu=None, backward=None, 
     and ``backward`` / ``setup_context`` as its autograd formula. ``torch.library.custom_op`` registers
     the same and also wraps every call in a Python layer that checks the outputs: under torch.compile,
     where every call goes through the op, that layer was the largest own time of a compiled step's
-    host profile, twice our native launch (perf/results/2026-12-01-h200-compiled-host-profile/)."""
+    host profile, twice our native launch (evidence/compiled-host-profile-h200-2026-12-01/)."""
     _LIB.define(name + schema)
     _LIB.impl(name, kernel, "CompositeExplicitAutograd")
     if cpu is not None:

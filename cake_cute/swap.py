@@ -312,7 +312,8 @@ def swap_rmsnorm(
     head_dim of the attention module holding it, or a weightless one named as a q / k / v norm there),
     get ``compiled_as=compiled_head_norms``. By default a compiled graph runs them as their PyTorch
     math, which inductor fuses with the reshape, transpose and RoPE around them, and eager calls run
-    the kernel: the Qwen3 steps of perf/results/2026-12-02-nvidia-h200-model-step-qwen3.json (eager,
+    the kernel: the Qwen3 steps of
+    evidence/model-step-qwen3-h200-2026-12-02/2026-12-02-nvidia-h200-model-step-qwen3.json (eager,
     and compiled per layer, each way) are the measurement behind this default (README: Performance).
 
     A module used in several places is replaced by one CakeRMSNorm everywhere. Hooks registered on the

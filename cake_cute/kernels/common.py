@@ -30,7 +30,7 @@ from .tiling import VECTOR_BYTES
 COPY_BITS = 8 * VECTOR_BYTES
 REDUCTION_SLOTS = 2
 # Clusters of at least this many CTAs push a row's partial sum to their peers from as many lanes; pairs
-# push from one lane (the A/B behind both: perf/results/2026-11-30-h200-cluster-push/).
+# push from one lane (the A/B behind both: evidence/kernel-rules-h200-2026-12-01/cluster-push/).
 PARALLEL_PUSH_CLUSTER = 4
 
 

@@ -14,11 +14,11 @@ invariance: see ``tiling``). ``describe()`` is what ``cake-cute warmup --report`
 print.
 
 Where the rules differ by architecture, the rule says so (``forward_register_hint``,
-``backward_register_budget``); the measurements behind each rule are in the perf/results folder its
+``backward_register_budget``); the measurements behind each rule are in the evidence/ folder its
 docstring names.
 
 Overrides: ``overridden(kind, arch, dtype, hidden, **choices)`` replaces some of the choices for one
-(kind, arch, dtype, H) while the context is open (``perf/tune.py`` uses it to compile and time
+(kind, arch, dtype, H) while the context is open (``benchmarks/tune.py`` uses it to compile and time
 candidate configs); values derived from the choices (CTAs per SM, shared memory) follow them.
 Code that caches anything derived from a config registers with ``on_override_change``.
 """
@@ -230,8 +230,8 @@ def backward_ring_depth(tiling: RowTiling, act_dtype: str, residual: bool) -> in
     tile early), cluster tilings (a CTA that has the SM to itself waits out every DSMEM row sum), and
     one-row CTAs whose lanes hold one 2-byte vector each (bf16/fp16 H = 1024-4096): 16 warps of them
     lose 2% at T * H = 2^27, and narrower ones, which gain 1% there from 4 stages, lose 3-10% at
-    T = 256-16384, the training shapes. Measurements: perf/results/2026-11-30-h200-stages-scan/,
-    perf/results/2026-12-01-h200-backward-scans/."""
+    T = 256-16384, the training shapes. Measurements: evidence/kernel-rules-h200-2026-12-01/stages-scan/,
+    evidence/kernel-rules-h200-2026-12-01/backward-scans/."""
     if residual or tiling.cluster_n > 1:
         return 2
     if tiling.vecs_per_thread == 1 and tiling.rows_per_cta == 1 and dtype_bytes(act_dtype) == 2:
@@ -256,7 +256,7 @@ def backward_register_budget(tiling: RowTiling, arch: str) -> int:
     needs no column predicates and shares its CTA with at most one other row, so more CTAs fit on an
     SM to hide the per-row latency: 80, or 64 for 512-thread CTAs (two per SM rather than one).
     Narrower tilings spill under 80, and so do some sm_100a variants, which keep 128 (the lean
-    budgets are tuned on Hopper only: perf/results/2026-11-30-h200-tiling-scans/)."""
+    budgets are tuned on Hopper only: evidence/kernel-rules-h200-2026-12-01/tiling-scans/)."""
     lean = tiling.vecs_per_thread <= 2 and tiling.covers_row_exactly and tiling.rows_per_cta <= 2
     if not lean or arch != HOPPER:
         return MAX_REGISTERS_PER_THREAD
@@ -358,7 +358,7 @@ def reduce_config(arch: str, out_dtype: str, hidden: int) -> ReduceConfig:
     vectors when H allows, column lanes halved for narrow rows so that even H = 1024 spreads over a
     few hundred CTAs; where one column lane per CTA still leaves at most ``NARROW_REDUCE_MAX_CTAS``
     CTAs, ``NARROW_REDUCE_THREADS`` threads with ``NARROW_REDUCE_ROWS_IN_FLIGHT`` partial rows in
-    flight per lane (``perf/headdim_scan.py`` times this as candidate dw1024-batch8 against the
+    flight per lane (``benchmarks/headdim_scan.py`` times this as candidate dw1024-batch8 against the
     one-row loop)."""
     vec = 4 if hidden % 4 == 0 else 1
     choices = override_choices("dw", arch, out_dtype, hidden)

@@ -16,7 +16,7 @@ even H = 1024 spreads over a few hundred CTAs.
 Launch (``ReduceConfig.after_backward``): with programmatic dependent launch, so that the grid is
 set up while the backward finishes (which allows it once its row loop is done) and its launch
 latency is hidden; each CTA waits at ``griddepcontrol.wait`` until the backward's grid has completed
-and its partial rows are visible (measured: perf/results/2026-12-01-h200-backward-scans/).
+and its partial rows are visible (measured: evidence/kernel-rules-h200-2026-12-01/backward-scans/).
 
 Bytes moved: reads P * H * 4, writes H * out_bytes.
 """

@@ -80,7 +80,7 @@ def blocks_nest(tiling: RowTiling, block: int) -> bool:
 # up to FP32_FOUR_PER_SM_MAX_TILE, two up to FP32_TWO_PER_SM_MAX_TILE (at 8192 elements four would not
 # fit the SM's shared memory; at 4096 two ran 1-2% faster than four), none above or for narrower
 # vectors (not measured).
-# Measurements: perf/results/2026-12-01-persistent-forward/.
+# Measurements: evidence/kernel-rules-h200-2026-12-01/persistent-forward/.
 PERSISTENT_FOUR_PER_SM_MAX_TILE = 5120
 PERSISTENT_TWO_PER_SM_MAX_TILE = 8192
 PERSISTENT_FP32_FOUR_PER_SM_MAX_TILE = 2048
@@ -120,7 +120,7 @@ def quant_forward_config(
     """The quantizing forward's tiling and register hint: the forward's (up to 64 values per thread;
     with the reduce-scatter of the block maxima they cost 80 registers, 3 CTAs of 256 threads per SM,
     and on the H200 run plain-mode rows wider than 8192 3-7% faster than tilings held to 32 values,
-    residual ones 1-2% slower: perf/results/2026-12-01-h200-fp8-epilogue/), plus the recipe's block
+    residual ones 1-2% slower: evidence/kernel-rules-h200-2026-12-01/fp8-epilogue/), plus the recipe's block
     width and scale type. Both recipes share one override entry (kind ``"quant"``). Every such tiling
     nests with both block widths (its k-slices are a power of two or, for the exact covers of a
     non-power-of-two warp count, a multiple of 128 columns; tests/test_fp8_cpu.py checks every H).

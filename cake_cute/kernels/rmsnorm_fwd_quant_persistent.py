@@ -16,7 +16,8 @@ them. w is loaded once per program.
 Why: a grid of one-tile CTAs makes every CTA wait out its own tile's load before it computes, and at
 the training shapes its few waves end in a partial one; the persistent programs overlap the two and
 spread the tiles evenly. At large T the one-tile grid keeps more bytes in flight, so ``launch_plan``
-runs this kernel only up to a number of elements per call (perf/results/2026-12-01-persistent-forward/).
+runs this kernel only up to a number of elements per call
+(evidence/kernel-rules-h200-2026-12-01/persistent-forward/).
 
 Bytes moved: the one-tile kernel's -- x and w read (w once per program), T*H e4m3 bytes, the scales,
 4*T bytes of rstd and (with ``emit_y``) y written.

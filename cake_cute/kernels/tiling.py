@@ -132,7 +132,7 @@ def forward_tiling(hidden: int, act_dtype: str) -> RowTiling:
     power-of-two lane count covers only raggedly (H = 7168: 896 vectors over 256 lanes) gets the
     whole number of warps nearest to it that covers the row exactly (7 warps of 4 vectors): no
     column predicates and no idle lanes in the last pass (the scans behind this choice:
-    perf/results/2026-11-30-h200-tiling-scans/)."""
+    evidence/kernel-rules-h200-2026-12-01/tiling-scans/)."""
     tiling = row_tiling(hidden, dtype_bytes(act_dtype), bytes_per_thread=128, target_vecs=4)
     if tiling.is_short_row:
         return _short_row_forward_tiling(tiling, dtype_bytes(act_dtype))
@@ -146,7 +146,7 @@ def _short_row_forward_tiling(tiling: RowTiling, act_bytes: int) -> RowTiling:
     vectors per lane in twice the lanes where that still covers the row exactly: a CTA then has twice
     the rows' loads in flight per lane's work, which took the H200 from 0.72-0.91 of a device copy to
     0.99-1.05 at bf16 H = 32 and 64 and gained 0-2% at H = 128 and 256 (plain and residual, 2^16-2^20
-    rows; perf/results/2026-12-02-h200-headdim-scan/, candidate fwd-half). Ragged covers (H = 80, 96,
+    rows; evidence/headdim-scan-h200-2026-12-02/, candidate fwd-half). Ragged covers (H = 80, 96,
     192) keep four vectors: they already run at the copy's speed there."""
     short = row_tiling(tiling.hidden, act_bytes, bytes_per_thread=128, target_vecs=2)
     return short if short.covers_row_exactly else tiling
@@ -163,10 +163,10 @@ def backward_tiling(hidden: int, act_dtype: str, residual: bool = False) -> RowT
     it exactly with one or two vectors each (up to 16 warps; H = 1024 -> 4 warps x 1, 7168 -> 14
     warps x 2): short per-thread work and many loads in flight per row hide the row-sum latency
     best. Cluster tilings keep 256 lanes of 4 vectors (the scans behind these choices:
-    perf/results/2026-11-30-h200-tiling-scans/), except FP32 rows split over 4 or 8 CTAs (H = 16384,
+    evidence/kernel-rules-h200-2026-12-01/tiling-scans/), except FP32 rows split over 4 or 8 CTAs (H = 16384,
     32768), whose lanes hold 8 vectors (128 bytes) in half as many lanes: on the H200 that took plain
     mode from 0.86-0.91 of a device copy to 0.94-0.97 (residual mode within 1%), where clusters of 2
-    and 16 (H = 8192, 65536) lost 0-3% (perf/results/2026-12-01-h200-fp32-tilings/). Not where the
+    and 16 (H = 8192, 65536) lost 0-3% (evidence/kernel-rules-h200-2026-12-01/fp32-tilings/). Not where the
     tiles cover the row raggedly: with their column predicates, 8 vectors need more than 128
     registers (the residual variant spills). Rows of fewer than 128 vectors, several per CTA, depend
     on the dtype and the mode (``residual``): ``_several_rows_backward_tiling``."""
@@ -187,10 +187,10 @@ def _several_rows_backward_tiling(tiling: RowTiling, act_dtype: str, residual: b
     2-byte rows in residual mode, whose ring holds two tiles and a g_residual tile: they keep 128
     threads. On the H200 the 256-thread CTAs took bf16 plain rows of H = 80-256 from 0.72-0.91 of a
     device copy to 0.77-0.97 (2^16-2^20 rows; H = 32 and 64 within 2%), while bf16 residual rows gained
-    nothing (perf/results/2026-12-02-h200-headdim-scan/, candidate bwd-rows2x); 128-thread CTAs took
+    nothing (evidence/headdim-scan-h200-2026-12-02/, candidate bwd-rows2x); 128-thread CTAs took
     1.03-1.19x the time of 256-thread ones for bf16 plain rows of H = 512-1000 (residual: within 2%) and
     1.00-1.12x for FP32 rows of H = 32-384 in 46 of 48 cases of both modes, within 2% in the other two
-    (perf/results/2026-12-02-h200-headdim-candidates/)."""
+    (evidence/headdim-candidates-h200-2026-12-02/)."""
     if residual and dtype_bytes(act_dtype) == 2:
         return tiling
     return replace(tiling, rows_per_cta=2 * tiling.rows_per_cta)
