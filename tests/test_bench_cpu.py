@@ -279,7 +279,7 @@ def test_default_json_path(tmp_path):
         return results.default_json_path("NVIDIA H200", "2025-01-02", root=tmp_path, **kw).name
 
     assert results.default_json_path("NVIDIA H200", "2025-01-02", root=tmp_path) == (
-        tmp_path / "perf" / "results" / "2025-01-02-nvidia-h200.json"
+        tmp_path / "evidence" / "2025-01-02-nvidia-h200.json"
     )
     assert name(grid="training") == "2025-01-02-nvidia-h200-training-shapes.json"
     assert name(grid="small") == "2025-01-02-nvidia-h200-small.json"
@@ -505,7 +505,7 @@ def _cuda_available() -> bool:
 def test_main_without_gpu_fails_clearly(capsys):
     assert main(["--hidden", "4096", "--vs", "none"]) == 2
     err = capsys.readouterr().err
-    assert "no CUDA GPU" in err and "perf/plot.py" in err
+    assert "no CUDA GPU" in err and "benchmarks/plot.py" in err
 
 
 @pytest.mark.skipif(_cuda_available(), reason="a GPU is present: the script would run the sweep")

@@ -1,4 +1,4 @@
-"""``cake-cute bench`` / ``python perf/sweep.py``: the arguments of a sweep and its entry point."""
+"""``cake-cute bench`` / ``python benchmarks/sweep.py``: the arguments of a sweep and its entry point."""
 
 from __future__ import annotations
 
@@ -35,7 +35,8 @@ def build_parser(prog: str = "cake-cute bench") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog,
         description="RMSNorm training performance sweep: cake_cute vs torch eager, torch.compile, Liger and "
-        "quack, with a device-copy ceiling of the same bytes. See perf/README.md for the method and fields.",
+        "quack, with a device-copy ceiling of the same bytes. See benchmarks/README.md for the method and "
+        "fields.",
     )
     p.add_argument(
         "--grid",
@@ -67,7 +68,7 @@ def build_parser(prog: str = "cake-cute bench") -> argparse.ArgumentParser:
     )
     p.add_argument("--no-cake", action="store_true", help="do not time cake_cute (peers only)")
     p.add_argument("--ops", type=_choice_list(OPS), default=list(OPS), help="fwd,bwd (default both)")
-    p.add_argument("--json", type=Path, help="output JSON (default perf/results/<date>-<gpu>[-<grid>].json)")
+    p.add_argument("--json", type=Path, help="output JSON (default evidence/<date>-<gpu>[-<grid>].json)")
     p.add_argument(
         "--append", action="store_true", help="merge into an existing --json file (same keys replaced)"
     )
@@ -103,8 +104,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``cake-cute bench`` and ``python perf/sweep.py``; returns the exit status (2 without
-    a GPU)."""
+    """Entry point of ``cake-cute bench`` and ``python benchmarks/sweep.py``; returns the exit status (2
+    without a GPU)."""
     t_start = time.perf_counter()
     args = parse_args(argv)
     try:
@@ -116,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             "cake-cute bench: no CUDA GPU is available (torch.cuda.is_available() is False). The sweep "
             "times kernels on an NVIDIA GPU (Hopper or Blackwell for cake_cute); run it on a GPU machine. "
-            "To plot an existing results file without a GPU use: python perf/plot.py <results.json>",
+            "To plot an existing results file without a GPU use: python benchmarks/plot.py <results.json>",
             file=sys.stderr,
         )
         return EXIT_USAGE

@@ -1,4 +1,4 @@
-"""The PNG of a sweep, and ``perf/plot.py`` (table + PNG from results files; no torch, no GPU).
+"""The PNG of a sweep, and ``benchmarks/plot.py`` (table + PNG from results files; no torch, no GPU).
 
 Two panels, fwd and bwd; y = tbps / copy_tbps; one colour per implementation, residual off solid and on
 dashed. x is H on a log2 axis, with one line per T when a grid has several T per H (the training grid);
@@ -161,9 +161,10 @@ def merged_document(docs: list[dict], paths: list[Path]) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The arguments of ``perf/plot.py``."""
+    """The arguments of ``benchmarks/plot.py``."""
     p = argparse.ArgumentParser(
-        prog="perf/plot.py", description="Print and plot cake-cute bench results JSON files (no GPU needed)."
+        prog="benchmarks/plot.py",
+        description="Print and plot cake-cute bench results JSON files (no GPU needed).",
     )
     p.add_argument("json", type=Path, nargs="+", help="results JSON written by cake-cute bench")
     p.add_argument("-o", "--output", type=Path, help="PNG path (default: the (merged) JSON path with .png)")
@@ -174,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python perf/plot.py results.json [more.json ...] [-o out.png] [--write-json merged.json]``.
+    """``python benchmarks/plot.py results.json [more.json ...] [-o out.png] [--write-json merged.json]``.
 
     Returns
     -------
@@ -187,7 +188,10 @@ def main(argv: list[str] | None = None) -> int:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            print(f"perf/plot.py: {MATPLOTLIB_HINT}; or pass --no-plot for the table alone", file=sys.stderr)
+            print(
+                f"benchmarks/plot.py: {MATPLOTLIB_HINT}; or pass --no-plot for the table alone",
+                file=sys.stderr,
+            )
             return EXIT_NO_MATPLOTLIB
     try:
         docs = [load_json(path) for path in args.json]

@@ -54,14 +54,14 @@ def slugify(text: str) -> str:
 def default_json_path(
     gpu: str, date: str, grid: str = "standard", dtypes: tuple[str, ...] = ("bf16",), root: Path | None = None
 ) -> Path:
-    """``perf/results/<date>-<gpu>[-small|-training-shapes|-headdim][-<dtypes>].json`` (bf16 alone has no
+    """``evidence/<date>-<gpu>[-small|-training-shapes|-headdim][-<dtypes>].json`` (bf16 alone has no
     dtype suffix) under the repository, or under the working directory when the package is installed."""
     if root is None:
-        root = REPO if (REPO / "perf").is_dir() and (REPO / "pyproject.toml").is_file() else Path.cwd()
+        root = REPO if (REPO / "evidence").is_dir() and (REPO / "pyproject.toml").is_file() else Path.cwd()
     suffix = {"standard": "", "small": "-small", "training": "-training-shapes", "headdim": "-headdim"}[grid]
     if list(dtypes) != ["bf16"]:
         suffix += "-" + "-".join(dtypes)
-    return Path(root) / "perf" / "results" / f"{date}-{slugify(gpu)}{suffix}.json"
+    return Path(root) / "evidence" / f"{date}-{slugify(gpu)}{suffix}.json"
 
 
 def _git(*args: str) -> str | None:
