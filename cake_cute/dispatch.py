@@ -166,8 +166,10 @@ def cake_rmsnorm_train_backward(
 def python_forward(x, w, eps, residual=None, out=None, rstd=None, residual_out=None, weight_offset=0.0):
     """The Python launch (``launch.train_forward_python``), then the signature handed to the native path."""
     outs = launch.train_forward_python(x, w, eps, residual, out, rstd, residual_out, weight_offset)
-    if x.numel() > 0 and native.load_built() is not None:
-        operands, offset, mode = known_operands(x, w), float(weight_offset), residual is not None
+    # Only operands the launch remembered (CUDA ones) have a signature the native path can serve.
+    operands = known_operands(x, w) if x.numel() > 0 else None
+    if operands is not None and native.load_built() is not None:
+        offset, mode = float(weight_offset), residual is not None
         if not native.handed_over(operands, offset, mode):
             kernel = launch.forward_kernel(operands, mode, offset)
             native.register(operands, x, w, offset, mode, kernel, backward_plan)
