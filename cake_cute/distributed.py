@@ -26,29 +26,30 @@ from .module import INPUT_NAME
 __all__ = ["SequenceParallelResidual"]
 
 
-def _refuse_a_sharded_hidden_dim(x) -> None:
-    """``x`` is the DTensorSpec DTensor hands a sharding rule."""
+def _refuse_a_sharded_hidden_dim(x, norm: str) -> None:
+    """``x`` is the DTensorSpec DTensor hands a sharding rule; ``norm`` names the norm in the error."""
     hidden_dim = x.ndim - 1
     for placement in x.placements:
         if isinstance(placement, Shard) and placement.dim in (hidden_dim, -1):
             raise ValueError(
-                f"cake_cute RMSNorm normalizes over the last (hidden) dimension, which this DTensor shards "
-                f"({tuple(x.placements)} over a {x.ndim}-D tensor); shard a sequence or batch dimension, "
-                "or redistribute to Replicate() before the norm"
+                f"cake_cute {norm} normalizes over the last (hidden) dimension, which this DTensor shards "
+                f"({tuple(x.placements)} over a {x.ndim}-D tensor); shard another dimension (sequence, "
+                "batch, heads), or redistribute to Replicate() before the norm"
             )
 
 
-def _row_placements(x):
-    """Replicate() and Shard(d) for every non-hidden dimension d."""
+def row_placements(x, norm: str = "RMSNorm"):
+    """Replicate() and Shard(d) for every non-hidden dimension d of ``x`` (a DTensorSpec); a sharded
+    hidden dimension is refused. The row placements of every cake_cute norm's sharding rules."""
+    _refuse_a_sharded_hidden_dim(x, norm)
     return [Replicate(), *(Shard(d) for d in range(x.ndim - 1))]
 
 
 def _forward_strategies(x, residual, row_outputs: int, options: int):
     """A forward op's strategies: per row placement, ``row_outputs`` outputs placed like the rows, then
     h_new; inputs (x, w, eps, residual) and ``options`` non-tensor arguments after them."""
-    _refuse_a_sharded_hidden_dim(x)
     strategies = []
-    for rows in _row_placements(x):
+    for rows in row_placements(x):
         # In plain mode h_new is an empty tensor: replicated, whatever x is.
         h_new, res = (Replicate(), None) if residual is None else (rows, rows)
         strategies.append(([*[rows] * row_outputs, h_new], [rows, Replicate(), None, res, *[None] * options]))
@@ -64,9 +65,8 @@ def _forward_sharding(x, w, eps, residual=None, weight_offset=0.0):
 @register_sharding(torch.ops.cake_cute.rmsnorm_bwd.default)
 def _backward_sharding(g, x, w, rstd, g_residual=None, weight_offset=0.0):
     """Outputs (dx, dw), inputs (g, x, w, rstd, g_residual, weight_offset)."""
-    _refuse_a_sharded_hidden_dim(x)
     strategies = []
-    for rows in _row_placements(x):
+    for rows in row_placements(x):
         dw = Replicate() if isinstance(rows, Replicate) else Partial()
         g_res = None if g_residual is None else rows
         strategies.append(([rows, dw], [rows, rows, Replicate(), rows, g_res, None]))

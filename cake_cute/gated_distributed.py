@@ -11,26 +11,14 @@ collective inside the norm. Imported by ``gated_autograd``, which defines the op
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate
 from torch.distributed.tensor.experimental import register_sharding
 
-
-def _refuse_a_sharded_hidden_dim(x) -> None:
-    """``x`` is the DTensorSpec DTensor hands a sharding rule."""
-    hidden_dim = x.ndim - 1
-    for placement in x.placements:
-        if isinstance(placement, Shard) and placement.dim in (hidden_dim, -1):
-            raise ValueError(
-                f"the cake_cute gated RMSNorm normalizes over the last (hidden) dimension, which x shards "
-                f"({tuple(x.placements)} over a {x.ndim}-D tensor); shard another dimension (tokens, "
-                "heads), or redistribute x to Replicate() before the norm"
-            )
+from .distributed import row_placements
 
 
 def _row_placements(x):
-    """Replicate() and Shard(d) for every dimension d but the last."""
-    _refuse_a_sharded_hidden_dim(x)
-    return [Replicate(), *(Shard(d) for d in range(x.ndim - 1))]
+    return row_placements(x, norm="gated RMSNorm")
 
 
 @register_sharding(torch.ops.cake_cute.gated_rmsnorm_fwd.default)
