@@ -27,6 +27,10 @@
 #                layer at H = 2048 torch, cake_cute (q/k norms left to inductor, the default rule) and
 #                cake_cute_qk_kernel (q/k norms on the kernel) (about 2 minutes)
 #   qkmodelmore  the rest of the compiled Qwen3 steps: quack and Liger at H = 2048, everything at H = 4096
+#   megatron     benchmarks/megatron_train.py: Megatron-Core's training loop, every run (stock, stock-again,
+#                stock-compiled-norms, cake, cake-fused-residual); needs the megatron-core wheel in .device/wheels/
+#   gated        benchmarks/gated_bench.py (bf16), fla-core and einops from .device/wheels/ where present
+#   hostbound    benchmarks/hostbound.py, eager only (the host cost of one step next to F.rms_norm's)
 #   torchtitan022  benchmarks/torchtitan_022_gpu.py: torchtitan 0.2.2's llama3 debug model, stock norm against the
 #                converter cake_rmsnorm, 10 steps; needs the wheels of benchmarks/torchtitan_022_kit.sh in .device/tt/
 # $CAKE_CUTE_COMMIT labels every results file (a copied tree's .git may be stale).
@@ -156,6 +160,31 @@ section_qkmodelmore() {
     --compile-scope layers --hidden 2048 --impls quack,liger --warmup 3 --steps 8
   bounded 200 "$d/compile_4096.log" python3 benchmarks/model_step.py "$out" --append --model qwen3 --modes compile \
     --compile-scope layers --hidden 4096 --warmup 3 --steps 8
+}
+
+install_wheels() {  # install_wheels NAME...: the staged wheels of those names, offline, never fatal
+  local name
+  for name in "$@"; do
+    ls .device/wheels/"$name"-*.whl > /dev/null 2>&1 &&
+      python3 -m pip install -q --no-index --no-deps .device/wheels/"$name"-*.whl >> "$RES/pip.log" 2>&1
+  done
+}
+
+section_megatron() {
+  local d=$RES/megatron && mkdir -p "$d"
+  install_wheels megatron_core
+  bounded 420 "$d/train.log" python3 benchmarks/megatron_train.py "$d/$day-nvidia-h200-megatron-train.json"
+}
+
+section_gated() {
+  local d=$RES/gated && mkdir -p "$d"
+  install_wheels einops fla_core
+  bounded 300 "$d/bench.log" python3 benchmarks/gated_bench.py "$d/$day-nvidia-h200-gated.json"
+}
+
+section_hostbound() {
+  local d=$RES/hostbound && mkdir -p "$d"
+  bounded 150 "$d/hostbound.log" python3 benchmarks/hostbound.py "$d/$day-nvidia-h200-hostbound.json" --modes eager
 }
 
 section_torchtitan022() {
