@@ -82,9 +82,10 @@ def hf_module(hidden, group, norm_before_gate, dtype):
         from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNormGated
 
         return Qwen3NextRMSNormGated(hidden, eps=EPS).to("cuda", dtype)
-    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHRMSNormGated
+    # Mamba-2's grouped class, of which NemotronH's (5.18+) is a copy.
+    from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated
 
-    return NemotronHRMSNormGated(hidden, group, eps=EPS).to("cuda", dtype)
+    return MambaRMSNormGated(hidden, group, eps=EPS).to("cuda", dtype)
 
 
 def fla_module(hidden, dtype):
@@ -96,21 +97,27 @@ def fla_module(hidden, dtype):
 _compiled: dict = {}
 
 
-def peers(hidden, group, norm_before_gate, dtype) -> list:
-    """The implementations timed at one shape; a peer that cannot be built is left out (with a note)."""
-    impls = [
-        Cake(hidden, group, norm_before_gate, dtype),
-        Module("hf_eager", hf_module(hidden, group, norm_before_gate, dtype)),
-    ]
+def compiled_hf_module(hidden, group, norm_before_gate, dtype):
     key = (hidden, group, norm_before_gate, dtype)
     if key not in _compiled:
         _compiled[key] = torch.compile(hf_module(hidden, group, norm_before_gate, dtype), dynamic=True)
-    impls.append(Module("hf_compiled", _compiled[key]))
+    return _compiled[key]
+
+
+def peers(hidden, group, norm_before_gate, dtype) -> list:
+    """The implementations timed at one shape; a peer that cannot be built is left out (with a note)."""
+    impls = [Cake(hidden, group, norm_before_gate, dtype)]
+    builders = {
+        "hf_eager": lambda: hf_module(hidden, group, norm_before_gate, dtype),
+        "hf_compiled": lambda: compiled_hf_module(hidden, group, norm_before_gate, dtype),
+    }
     if norm_before_gate:
+        builders["fla"] = lambda: fla_module(hidden, dtype)
+    for name, build in builders.items():
         try:
-            impls.append(Module("fla", fla_module(hidden, dtype)))
-        except Exception as exc:  # fla missing or unbuildable here: recorded once, never fatal
-            print(f"fla left out: {exc!r}", file=sys.stderr)
+            impls.append(Module(name, build()))
+        except Exception as exc:  # a peer missing or unbuildable here: noted, never fatal
+            print(f"{name} left out: {exc!r}", file=sys.stderr)
     return impls
 
 
