@@ -17,6 +17,8 @@ head_dim), RoPE and a SwiGLU of 3 H. Implementations (peers skipped when they do
 * ``liger`` / ``quack``: every RMSNorm calls that library's RMSNorm (the adapters of
   ``cake_cute.tools.bench.peers``, patched on the instances so nothing global changes between
   implementations);
+* ``cake_cute_memory_efficient`` (on request): ``cake_cute`` with ``memory_efficient=True``, the norms
+  saving their output (which the next Linear keeps) instead of their input;
 * ``cake_cute_qk_kernel`` (Qwen3 default, else on request): ``cake_cute`` with
   ``compiled_head_norms="kernel"``, the per-head q / k norms the kernel under ``torch.compile`` too (a
   custom op, which inductor cannot fuse with its neighbours): the other side of the rule. In eager it
@@ -31,6 +33,9 @@ no peak memory) to check the script end to end. ``--hidden 2048`` runs one of th
 ``--append`` keeps OUT's rows, so a long run can be split over several commands into one file.
 ``--seq N`` shortens the sequences (batch 4 x N tokens): at a few hundred tokens a step is host-bound,
 which is where the gradient-sum pass's host cost shows (``--no-gradient-sums`` for the A/B).
+``--optimizer adamw`` makes the step a training step: ``torch.optim.AdamW`` (its default foreach
+implementation, states in the parameters' bf16) steps after the backward, inside the timed step and
+the peak memory.
 ``--profile DIR`` writes, per run, every kernel of a step with its time (torch.profiler), longest
 first: where two implementations' steps differ. ``--compile-scope layers`` compiles each decoder layer
 (``nn.Module.compile``: one inductor compile serves every layer) instead of the whole model, which
@@ -62,7 +67,7 @@ from sweep import _use_source_tree  # noqa: E402
 
 IMPLS = ("torch", "cake_cute", "liger", "quack")
 QWEN3_IMPLS = ("torch", "cake_cute", "cake_cute_qk_kernel", "liger", "quack")
-ALL_IMPLS = (*IMPLS, "cake_cute_unfused", "cake_cute_qk_kernel")
+ALL_IMPLS = (*IMPLS, "cake_cute_unfused", "cake_cute_qk_kernel", "cake_cute_memory_efficient")
 MODELS = ("llama", "qwen3")
 EPS = 1e-5
 QWEN3_HEAD_DIM = 128
@@ -226,6 +231,10 @@ def prepare_norms(model: nn.Module, impl: str, fused: bool) -> None:
 
     if impl == "cake_cute_qk_kernel":
         cake_cute.fuse_residual_rmsnorm(model, weight_offset=0.0, compiled_head_norms="kernel")
+    elif impl == "cake_cute_memory_efficient" and fused:
+        cake_cute.fuse_residual_rmsnorm(model, weight_offset=0.0, memory_efficient=True)
+    elif impl == "cake_cute_memory_efficient":
+        cake_cute.swap_rmsnorm(model, weight_offset=0.0, memory_efficient=True)
     elif impl == "cake_cute" and fused:
         cake_cute.fuse_residual_rmsnorm(model, weight_offset=0.0)
     elif impl.startswith("cake_cute"):
@@ -258,12 +267,14 @@ def _clock(device):
     return lambda: begin.append(time.perf_counter()), stop_host
 
 
-def time_steps(model, loss, device, warmup: int, steps: int) -> tuple[float, float | None]:
-    """(median step ms, peak GiB or None on CPU) of forward + loss + backward."""
+def time_steps(model, loss, device, warmup: int, steps: int, optimizer=None) -> tuple[float, float | None]:
+    """(median step ms, peak GiB or None on CPU) of forward + loss + backward (+ ``optimizer.step()``)."""
 
     def step():
         model.zero_grad(set_to_none=True)
         loss(model).backward()
+        if optimizer is not None:
+            optimizer.step()
 
     for _ in range(warmup):
         step()
@@ -273,9 +284,8 @@ def time_steps(model, loss, device, warmup: int, steps: int) -> tuple[float, flo
     start, stop = _clock(device)
     times = []
     for _ in range(steps):
-        model.zero_grad(set_to_none=True)
         start()
-        loss(model).backward()
+        step()
         times.append(stop())
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
     return statistics.median(times), peak
@@ -349,8 +359,11 @@ def run(args, save=None) -> list[dict]:
                 stepped = model
                 if mode == "compile":
                     stepped = compiled(model, impl, args.gradient_sums, args.compile_scope)
-                step_ms, peak = time_steps(stepped, loss, device, args.warmup, args.steps)
+                optimizer = torch.optim.AdamW(model.parameters()) if args.optimizer == "adamw" else None
+                step_ms, peak = time_steps(stepped, loss, device, args.warmup, args.steps, optimizer)
                 row = dict(impl=impl, mode=mode, layers=shape.layers, H=shape.hidden, tokens=shape.tokens)
+                if optimizer is not None:
+                    row["optimizer"] = args.optimizer
                 if args.model != "llama" or args.compile_scope != "model":
                     row |= dict(model=args.model, compile_scope=args.compile_scope)
                 if args.model == "qwen3":
@@ -363,7 +376,7 @@ def run(args, save=None) -> list[dict]:
                     args.profile.mkdir(parents=True, exist_ok=True)
                     profile_path = args.profile / f"{impl}-{mode}-H{shape.hidden}.txt"
                     write_profile(profile_path, kernel_profile(stepped, loss))
-                del model, stepped, loss
+                del model, stepped, loss, optimizer
                 gc.collect()
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
@@ -404,6 +417,12 @@ def main(argv=None) -> int:
     )
     p.add_argument("--append", action="store_true", help="keep the rows already in OUT (other shapes)")
     p.add_argument("--seq", type=int, default=FULL_SHAPES[0].seq, help="tokens per sequence (batch 4)")
+    p.add_argument(
+        "--optimizer",
+        choices=("none", "adamw"),
+        default="none",
+        help="step an optimizer after the backward (default none: forward + loss + backward)",
+    )
     p.add_argument("--profile", type=Path, help="write each run's kernels and their time per step here")
     p.add_argument(
         "--no-gradient-sums",
