@@ -27,12 +27,7 @@ import torch
 from torch import nn
 
 from .gated_module import GATED_CAST_POLICIES, ONE_ROUNDING, ROUND_THEN_SCALE, CakeGatedRMSNorm
-
-# The plain swap's readers of a Hugging Face norm: its forward's source (one line, no comments), its eps,
-# its one 1-D weight.
-from .swap import _forward_source
-from .swap import _hf_eps as _eps
-from .swap import _hf_weight as _only_weight
+from .hf_norm_reading import forward_source, hf_eps, hf_weight
 
 __all__ = ["GatedNormNotServed", "swap_gated_rmsnorm"]
 
@@ -53,9 +48,9 @@ def is_gated_norm(module: nn.Module) -> bool:
     """Whether ``module`` is a Hugging Face-style gated RMSNorm (the module docstring's shape test)."""
     if isinstance(module, CakeGatedRMSNorm) or not type(module).__name__.endswith("NormGated"):
         return False
-    if _eps(module) is None or _only_weight(module) is None or next(module.children(), None) is not None:
+    if hf_eps(module) is None or hf_weight(module) is None or next(module.children(), None) is not None:
         return False
-    source = _forward_source(type(module))
+    source = forward_source(type(module))
     if source is None or "gate" not in source or "rsqrt" not in source:
         return False
     return bool(_MEAN_OF_SQUARES.search(source))
@@ -101,14 +96,14 @@ def _cast_policy(source: str) -> str:
 def _replacement(module: nn.Module, cast_policy: str | None) -> CakeGatedRMSNorm:
     """The CakeGatedRMSNorm following ``module`` (holding its weight Parameter); GatedNormNotServed
     with the reason when that is not possible."""
-    source = _forward_source(type(module))
+    source = forward_source(type(module))
     refusal = _gate_refusal(module, source)
     if refusal is not None:
         raise GatedNormNotServed(refusal)
     weight = module.weight
     new = CakeGatedRMSNorm(
         weight.shape[0],
-        eps=_eps(module),
+        eps=hf_eps(module),
         group_size=_group_size(module, weight.shape[0]),
         norm_before_gate=_norm_before_gate(module, source),
         cast_policy=_cast_policy(source) if cast_policy is None else cast_policy,

@@ -14,7 +14,6 @@ transpose and RoPE around them (``_is_per_head`` says which norms those are).
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import re
 import warnings
@@ -23,6 +22,9 @@ import torch
 from torch import nn
 
 from . import validation as v
+from .hf_norm_reading import forward_source as _forward_source
+from .hf_norm_reading import hf_eps as _hf_eps
+from .hf_norm_reading import hf_weight as _hf_weight
 from .module import (
     ROUND_THEN_SCALE,
     SCALE_THEN_ROUND,
@@ -39,22 +41,6 @@ _ONE_PLUS_WEIGHT = re.compile(
 )
 
 
-def _hf_eps(module: nn.Module) -> float | None:
-    for name in ("variance_epsilon", "eps"):
-        value = getattr(module, name, None)
-        if isinstance(value, float):
-            return value
-    return None
-
-
-def _hf_weight(module: nn.Module) -> nn.Parameter | None:
-    """The module's one 1-D ``weight`` Parameter, if that is all it learns."""
-    weight = getattr(module, "weight", None)
-    if not isinstance(weight, nn.Parameter) or weight.dim() != 1:
-        return None
-    return weight if all(p is weight for p in module.parameters(recurse=False)) else None
-
-
 def _is_hf_norm_shaped(module: nn.Module) -> bool:
     """A Hugging Face-style norm module: a class name ending in "Norm", a float ``variance_epsilon`` or
     ``eps``, no submodules, and one 1-D ``weight`` Parameter or nothing learnable at all (biased or
@@ -65,22 +51,6 @@ def _is_hf_norm_shaped(module: nn.Module) -> bool:
         and next(module.children(), None) is None
         and (_hf_weight(module) is not None or next(module.parameters(recurse=False), None) is None)
     )
-
-
-def _forward_source(cls: type) -> str | None:
-    """The source of ``cls.forward`` and of its ``_norm`` helper, if any, on one line with single spaces
-    and without comments or docstrings; None when it cannot be read."""
-    parts = []
-    for name in ("_norm", "forward"):
-        function = getattr(cls, name, None)
-        if function is None:
-            continue
-        try:
-            parts.append(inspect.getsource(function))
-        except (OSError, TypeError):
-            return None
-    text = re.sub(r'""".*?"""|#[^\n]*', "", "\n".join(parts), flags=re.S)
-    return " ".join(text.split())
 
 
 # What a forward's source must show to be an RMSNorm (the squares averaged over the last dimension and

@@ -1,0 +1,46 @@
+"""Readers of a Hugging Face norm module: its eps, its one weight and its forward's source.
+
+Hugging Face norms are plain modules with no common base class, so the swaps recognize them by what
+they hold and by what their forward's source shows. ``swap`` (plain norms) and ``gated_swap`` (gated
+norms) read a module the same way; this module is that one reading.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+
+from torch import nn
+
+
+def hf_eps(module: nn.Module) -> float | None:
+    """The module's float ``variance_epsilon`` (or ``eps``); None when it holds neither."""
+    for name in ("variance_epsilon", "eps"):
+        value = getattr(module, name, None)
+        if isinstance(value, float):
+            return value
+    return None
+
+
+def hf_weight(module: nn.Module) -> nn.Parameter | None:
+    """The module's one 1-D ``weight`` Parameter, if that is all it learns."""
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, nn.Parameter) or weight.dim() != 1:
+        return None
+    return weight if all(p is weight for p in module.parameters(recurse=False)) else None
+
+
+def forward_source(cls: type) -> str | None:
+    """The source of ``cls.forward`` and of its ``_norm`` helper, if any, on one line with single spaces
+    and without comments or docstrings; None when it cannot be read."""
+    parts = []
+    for name in ("_norm", "forward"):
+        function = getattr(cls, name, None)
+        if function is None:
+            continue
+        try:
+            parts.append(inspect.getsource(function))
+        except (OSError, TypeError):
+            return None
+    text = re.sub(r'""".*?"""|#[^\n]*', "", "\n".join(parts), flags=re.S)
+    return " ".join(text.split())
