@@ -147,7 +147,10 @@ def _backward_kernel(spec: KernelSpec, config):
     from .kernels.rmsnorm_bwd import RMSNormBackward
 
     dtypes = cutlass_dtype(spec.act_dtype), cutlass_dtype(spec.w_dtype)
-    return RMSNormBackward(config, *dtypes, spec.residual, spec.weight_offset, spec.g_parts).entry_point()
+    backward = RMSNormBackward(
+        config, *dtypes, spec.residual, spec.weight_offset, spec.g_parts, spec.from_output
+    )
+    return backward.entry_point()
 
 
 def _reduce_kernel(spec: ReduceSpec, config):
@@ -199,7 +202,9 @@ KINDS: dict[str, KernelKind] = {
     ),
     "bwd": KernelKind(
         partial(KernelSpec, "bwd"),
-        lambda s: backward_config(s.arch, s.act_dtype, s.w_dtype, s.hidden, s.residual, s.g_parts),
+        lambda s: backward_config(
+            s.arch, s.act_dtype, s.w_dtype, s.hidden, s.residual, s.g_parts, s.from_output
+        ),
         _backward_kernel,
         _backward_arguments,
     ),
@@ -229,7 +234,8 @@ KINDS: dict[str, KernelKind] = {
 
 def make_spec(kind: str, *fields):
     """The spec of ``kind`` from the fields after the kind (``("fwd", arch, act, w, H, residual,
-    offset)``, ``("bwd", arch, act, w, H, residual, offset[, g_parts])``, ``("dw", arch, out_dtype, H)``)."""
+    offset)``, ``("bwd", arch, act, w, H, residual, offset[, g_parts[, from_output]])``, ``("dw",
+    arch, out_dtype, H)``)."""
     return KINDS[kind].spec(*fields)
 
 

@@ -2,8 +2,8 @@
 an override table for tuning.
 
 - ``forward_config(arch, act_dtype, hidden)`` -> ``ForwardConfig`` (``rmsnorm_fwd``),
-- ``backward_config(arch, act_dtype, w_dtype, hidden, residual, g_parts=1)`` -> ``BackwardConfig``
-  (``rmsnorm_bwd``),
+- ``backward_config(arch, act_dtype, w_dtype, hidden, residual, g_parts=1, from_output=False)`` ->
+  ``BackwardConfig`` (``rmsnorm_bwd``),
 - ``reduce_config(arch, out_dtype, hidden)`` -> ``ReduceConfig`` (``dw_reduce``);
 - the forward to block-scaled FP8's ``quant_forward_config`` is in ``kernels.quant_config``, built on
   the forward's rules here and overridden through the same table (kind ``"quant"``).
@@ -50,6 +50,14 @@ HOPPER = "sm_90a"
 MAX_HINTED_REGISTERS = 255  # what a thread may hold when the register hint allows one CTA per SM
 # The backward reads its upstream gradient as up to this many summands (``rmsnorm_bwd``: q/k/v dgrads).
 MAX_G_PARTS = 3
+# The memory-efficient backward (``rmsnorm_bwd``, ``from_output``) recomputes xhat = y / s from the saved
+# y, with s = w + weight_offset clamped in magnitude to at least this FP32 value, as Apex's
+# FusedRMSNorm(memory_efficient=True) clamps (by its eps there). Not eps: the backward never sees eps,
+# and one constant keeps one variant. 2^-20 (about 1e-6): small enough that no scale a model
+# initializes or trains reaches it, a power of two so that a clamped column's y is scaled exactly, and
+# it turns s = 0 (y = 0) into xhat = 0 instead of 0 / 0. A column with |s| below it gets a wrong xhat,
+# so a wrong dW and dx, by construction (docs/memory.md).
+SCALE_FLOOR = 2.0**-20
 
 
 @dataclass(frozen=True)
@@ -282,18 +290,21 @@ def backward_smem_bytes(
     g_parts: int,
     ring_depth: int,
     dw_in_smem: bool,
+    from_output: bool = False,
 ) -> int:
-    """Shared memory of one backward CTA (``rmsnorm_bwd``), an upper bound: reduction slots, the w tile,
-    one tile of g_residual, either the ring (per slot a tile of each part of g and one of h) or the
-    FP32 dW tile, the FP32 tile in which several row groups fold their dW, and the DSL's static
-    kilobyte. w's own dtype counts: under autocast w is FP32 next to bf16 rows, and its tile can
-    decide whether two CTAs fit on an SM (bf16 H = 8192, residual)."""
+    """Shared memory of one backward CTA (``rmsnorm_bwd``), an upper bound: reduction slots, the w tile
+    (and, reading y in h's place, ``from_output``, the FP32 tile of 1 / s), one tile of g_residual,
+    either the ring (per slot a tile of each part of g and one of h) or the FP32 dW tile, the FP32 tile
+    in which several row groups fold their dW, and the DSL's static kilobyte. w's own dtype counts:
+    under autocast w is FP32 next to bf16 rows, and its tile can decide whether two CTAs fit on an SM
+    (bf16 H = 8192, residual)."""
     tile = tiling.rows_per_cta * tiling.cols_per_cta
     reduction = 4 * 2 * tiling.rows_per_cta * (tiling.warps_per_row + 1) + 64
     act_bytes = dtype_bytes(act_dtype)
     staging = (1 if residual else 0) * tile * act_bytes
     staging += 4 * tile if dw_in_smem else ring_depth * (g_parts + 1) * tile * act_bytes
     staging += 4 * tile if tiling.rows_per_cta > 1 else 0
+    staging += 4 * tile if from_output else 0
     return reduction + dtype_bytes(w_dtype) * tile + staging + SMEM_STATIC_PER_CTA + 256
 
 
@@ -306,10 +317,18 @@ def resident_ctas_per_sm(tiling: RowTiling, smem_bytes: int, min_ctas_per_sm: in
 
 @cache
 def backward_config(
-    arch: str, act_dtype: str, w_dtype: str, hidden: int, residual: bool, g_parts: int = 1
+    arch: str,
+    act_dtype: str,
+    w_dtype: str,
+    hidden: int,
+    residual: bool,
+    g_parts: int = 1,
+    from_output: bool = False,
 ) -> BackwardConfig:
     """The backward's config; ``g_parts`` (1 to ``MAX_G_PARTS``) is how many summands g arrives as. An
     overridden ``ring_depth`` is the one-g ring's; a parts variant cuts it like the rule's.
+    ``from_output`` (the memory-efficient mode: y read in h's place) keeps the tiling, ring and register
+    budget and adds its FP32 tile of 1 / s to the shared memory, which may lower ``ctas_per_sm``.
 
     Raises
     ------
@@ -329,7 +348,9 @@ def backward_config(
         raise ValueError(f"residual mode keeps a ring of 2 row tiles, got ring_depth={ring_depth}")
     if not dw_in_smem:
         ring_depth = parts_ring_depth(ring_depth, g_parts)
-    smem = backward_smem_bytes(tiling, act_dtype, w_dtype, residual, g_parts, ring_depth, dw_in_smem)
+    smem = backward_smem_bytes(
+        tiling, act_dtype, w_dtype, residual, g_parts, ring_depth, dw_in_smem, from_output
+    )
     budget = choices.get("register_budget") or backward_register_budget(tiling, arch)
     if g_parts > 1 and "register_budget" not in choices:
         budget = parts_register_budget(tiling, budget, smem)

@@ -6,6 +6,7 @@ Math, per row t (FP32 arithmetic, one rounding at the end):
     g    = round(((g0 + g1) [+ g2]) in FP32, from the left)   (one rounding to the activation dtype)
     a    = g * (w + weight_offset)
     xhat = h * rstd                        (h: the saved x, or h_new in residual mode)
+    xhat = y * inv_s                       (``from_output``: the memory-efficient mode, see below)
     c    = sum_j a_j * xhat_j / H
     dx   = round(rstd * (a - xhat * c) [+ g_residual])
     dW_partial[b] += g * xhat              (FP32, over the rows that program b visits)
@@ -18,6 +19,19 @@ rows: several per CTA) fold their accumulators in shared memory by a fixed tree 
 and the program writes one FP32 row of the workspace ``partials[num_programs, H_pad]``, which
 ``dw_reduce`` sums in a fixed order (launched behind this kernel with programmatic dependent launch,
 allowed once a program's row loop is done). No atomics anywhere.
+
+Memory-efficient mode (``from_output``, a compile-time flag of the variant): the tensor read in h's
+place is the forward's output y, and xhat = y * inv_s with inv_s = 1 / clamp(s), s = w + weight_offset
+in FP32, |s| raised to at least ``config.SCALE_FLOOR`` with its sign kept (s = 0 counts as positive),
+as Apex's memory-efficient norm clamps. ``prologue`` computes inv_s once per CTA, from the w it loads,
+into a second shared-memory tile (FP32, each thread's own cells, like w's); rstd still scales dx. The
+rest -- a, c, dx, dW, the ring, the partial rows -- is the default's, and the default variant's code
+is unchanged (every difference is behind ``const_expr``). y = round(xhat * s) carries one rounding to
+the activation dtype, so the recomputed xhat has y's relative error where h * rstd had h's; a column
+whose |s| is below the floor gets a wrong xhat (dW and dx of that column) by construction. The
+variant launches the default variant's number of programs (``launch_plan.backward_programs``): the
+same partition of rows and order of the dW sum; where its extra tile lowers the CTAs resident per SM,
+the programs beyond them run in a second wave.
 
 Parts of g: the sum is what torch inductor's fused elementwise add of the parts stores, so dx and dW
 are bitwise those of the unfused compiled graph, without its add kernel. Runtime arguments (TVM-FFI;
@@ -50,7 +64,8 @@ accumulator, after the ring's copies are issued so that the round trips overlap)
 ``fold_row_groups`` (several row groups per CTA) and ``write_dw_partial_row`` (both in ``dw_partial_rows``).
 
 Bytes moved: reads g's n parts, h (+ g_residual) and writes dx once: T*H*(n + 2 [+ 1])*act_bytes, plus 4*T
-of rstd, plus the partial rows (num_programs * H * 4, written here, read by dw_reduce). With n parts that
+of rstd, plus the partial rows (num_programs * H * 4, written here, read by dw_reduce). The
+memory-efficient mode moves the same bytes: it reads y instead of h. With n parts that
 is (n - 1)*T*H*act_bytes more than one g, and 2*T*H*act_bytes less than an add kernel (reads n, writes g)
 in front of a one-g backward.
 """
@@ -63,8 +78,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
+from .backward_staging import RowStaging
 from .common import (
-    COPY_BITS,
     RowKernel,
     allocate_reduction_buffers,
     allocate_tile,
@@ -72,23 +87,34 @@ from .common import (
     column_predicate,
     copy_atom,
     init_cluster_reduction,
-    prefetch_to_l2,
     row_sum,
     row_tiled_copy,
     staging_atom,
     tile_shape,
 )
+from .config import SCALE_FLOOR
 from .dw_partial_rows import PartialRowWriter
-from .thread_tiles import ThreadTiles, issue_row_tile
+from .thread_tiles import ThreadTiles
 
 
-class RMSNormBackward(PartialRowWriter, RowKernel):
-    """One compiled backward per (arch, dtypes, H, residual, weight_offset, g_parts) and its
-    ``config.BackwardConfig``; T and the number of programs are runtime values."""
+class RMSNormBackward(RowStaging, PartialRowWriter, RowKernel):
+    """One compiled backward per (arch, dtypes, H, residual, weight_offset, g_parts, from_output) and
+    its ``config.BackwardConfig``; T and the number of programs are runtime values. ``from_output``: the
+    tensor in h's place is the forward's output y (the memory-efficient mode)."""
 
-    def __init__(self, config, act_dtype, w_dtype, residual: bool, weight_offset: float, g_parts: int = 1):
+    def __init__(
+        self,
+        config,
+        act_dtype,
+        w_dtype,
+        residual: bool,
+        weight_offset: float,
+        g_parts: int = 1,
+        from_output: bool = False,
+    ):
         super().__init__(config, act_dtype, w_dtype, residual, weight_offset)
         self.g_parts = g_parts
+        self.from_output = from_output
 
     def entry_point(self):
         """What ``cute.compile`` traces: ``__call__`` for one g, else the launcher of ``g_parts`` parts.
@@ -181,7 +207,7 @@ class RMSNormBackward(PartialRowWriter, RowKernel):
             sH = allocate_tile(smem, self.act_dtype, t, ring_depth)
             self.fill_ring(tt, bidx, num_programs, rows, (*mGs, mH), (*sGs, sH))
         # After the first row tiles are issued, so that w's round trip overlaps theirs.
-        tXsW, tXrDW, tXDW = self.prologue(smem, thr, tiler, rank, tXc0, mW, pred)
+        tXsW, tXsInvS, tXrDW, tXDW = self.prologue(smem, thr, tiler, rank, tXc0, mW, pred)
         sFold = None  # the row groups' dW accumulators, summed at the end
         if const_expr(t.rows_per_cta > 1):
             sFold = smem.allocate_tensor(
@@ -217,11 +243,12 @@ class RMSNormBackward(PartialRowWriter, RowKernel):
                 tXsrcH = tt.in_smem(sH, ring_slot)
             c = self.reduce_row(
                 tt, row, rows, rstd, reduction_slot, phase, lane_in_row, tXsrcGs, tXsrcH, tXrGs, tXrH, tXDW,
-                tXsW, warp_sums, cta_sums, mbars,
+                tXsW, tXsInvS, warp_sums, cta_sums, mbars,
             )  # fmt: skip
             self.write_dx(
-                tt, row, rows, rstd, c, tXsrcGs, tXsrcH, tXsGR, tXrGs, tXrH, tXrGR, tXrDX, tXsW, tXgDX
-            )
+                tt, row, rows, rstd, c, tXsrcGs, tXsrcH, tXsGR, tXrGs, tXrH, tXrGR, tXrDX, tXsW, tXsInvS,
+                tXgDX,
+            )  # fmt: skip
             visit = visit + 1
 
         # The dW reduction may start launching (it waits for this grid's memory before reading).
@@ -234,8 +261,10 @@ class RMSNormBackward(PartialRowWriter, RowKernel):
     def prologue(self, smem, thr, tiler, rank, tXc0, mW, pred):
         """w once per CTA into this thread's own cells of shared memory (no barrier needed: no other
         thread touches them), widened to FP32 at each use; keeping it out of registers is what lets
-        128 registers per thread suffice. The FP32 dW accumulator starts at zero, in registers or
-        (``dw_in_smem``) in shared memory. Returns (w cells, dW registers, dW accumulator)."""
+        128 registers per thread suffice. With ``from_output``, 1 / clamp(w + offset) goes into a second
+        tile of FP32 cells beside it (None otherwise). The FP32 dW accumulator starts at zero, in
+        registers or (``dw_in_smem``) in shared memory. Returns (w cells, 1 / s cells, dW registers,
+        dW accumulator)."""
         t = self.tiling
         cta_tile = cute.make_ordered_layout(tiler, order=(1, 0))
         tXgW = thr.partition_S(cute.local_tile(broadcast_rows(mW, t.rows_per_cta), tiler, (0, rank)))
@@ -244,73 +273,29 @@ class RMSNormBackward(PartialRowWriter, RowKernel):
         tXrW.fill(0)
         cute.copy(copy_atom(self.w_dtype, t.vec), tXgW, tXrW, pred=pred)
         cute.autovec_copy(tXrW, tXsW)
+        tXsInvS = None
+        if const_expr(self.from_output):
+            tXsInvS = thr.partition_D(smem.allocate_tensor(Float32, cta_tile, byte_alignment=16))
+            tXsInvS.store(self.inverse_scale(self.widen_weight(tXrW.load())))
         tXrDW = cute.make_rmem_tensor_like(tXc0, Float32)
         tXrDW.fill(0.0)
         tXDW = tXrDW
         if const_expr(self.config.dw_in_smem):
             tXDW = thr.partition_S(smem.allocate_tensor(Float32, cta_tile, byte_alignment=16))
             cute.autovec_copy(tXrDW, tXDW)
-        return tXsW, tXrDW, tXDW
+        return tXsW, tXsInvS, tXrDW, tXDW
 
     @cute.jit
-    def fill_ring(self, tt: ThreadTiles, bidx, num_programs, rows, sources, ring_tiles):
-        """Issue the program's first ``ring_depth - 1`` row tiles of ``sources`` (g's parts, h), one
-        cp.async group each. Each thread later reads back only the cells it issued itself, so no
-        barrier is needed."""
-        for ahead in cutlass.range_constexpr(self.config.ring_depth - 1):
-            if (bidx + ahead * num_programs) * self.tiling.rows_per_cta + tt.row_in_cta < rows:
-                issue_row_tile(tt, bidx + ahead * num_programs, ahead, sources, ring_tiles)
-            cute.arch.cp_async_commit_group()
-
-    @cute.jit
-    def issue_g_residual(self, tt: ThreadTiles, tile, row, rows, mGRes, sGR):
-        """Issue this tile's g_residual into its shared-memory tile (its own cp.async group)."""
-        tXgGR = tt.of(mGRes, tile)
-        tXsGR = tt.in_smem(sGR, 0)
-        if row < rows:
-            tt.async_copy(tXgGR, tXsGR)
-        cute.arch.cp_async_commit_group()
-        return tXsGR
-
-    @cute.jit
-    def prefetch_next_row(self, tt: ThreadTiles, tile, rank, lane_in_row, rows, mGs, mH, mGRes):
-        """Without a ring, the program's next row would start with a round trip to HBM: bring its
-        g (every part) and h (and g_residual) into the L2 now, one bulk prefetch per row slice and
-        tensor. A bulk prefetch needs 16-byte aligned addresses and sizes, which only 128-bit vector
-        tilings guarantee (every row start and H are then multiples of 16 bytes); other tilings skip
-        it."""
-        t = self.tiling
-        if const_expr(t.vec * self.act_dtype.width == COPY_BITS):
-            row = tile * t.rows_per_cta + tt.row_in_cta
-            if lane_in_row == 0 and row < rows:
-                for m in (*mGs, mH, mGRes) if const_expr(self.residual) else (*mGs, mH):
-                    prefetch_to_l2(m, row, rank * t.cols_per_cta, t.cols_per_cta, t.hidden)
-
-    @cute.jit
-    def load_rstd(self, mRstd, row, rows) -> Float32:
-        """rstd of ``row``, or 0 past the last row."""
-        rstd = Float32(0.0)
-        if row < rows:
-            rstd = mRstd[row]
-        return rstd
-
-    @cute.jit
-    def refill_ring(self, tt: ThreadTiles, tile, visit, num_programs, rows, sources, ring_tiles):
-        """Issue the tile ``ring_depth - 1`` visits ahead of ``sources`` (g's parts, h) into the slot
-        the previous tile freed, then wait for this tile's."""
-        ring_depth = self.config.ring_depth
-        last_tile = tile + (ring_depth - 1) * num_programs
-        if last_tile * self.tiling.rows_per_cta + tt.row_in_cta < rows:
-            issue_row_tile(tt, last_tile, (visit + ring_depth - 1) % ring_depth, sources, ring_tiles)
-        cute.arch.cp_async_commit_group()
-        # Pending, oldest first: this tile's g (all parts) and h, the next ring_depth - 2 tiles' (each
-        # one group), this tile's g_residual, the g and h of the tile just issued.
-        cute.arch.cp_async_wait_group(ring_depth - 1 + (1 if const_expr(self.residual) else 0))
+    def inverse_scale(self, s: cute.TensorSSA) -> cute.TensorSSA:
+        """1 / s with |s| raised to at least ``SCALE_FLOOR``, its sign kept (0 counts as positive)."""
+        floor = Float32(SCALE_FLOOR)
+        clamped = cute.where(s >= 0.0, cute.where(s < floor, floor, s), cute.where(s > -floor, -floor, s))
+        return 1.0 / clamped
 
     @cute.jit
     def reduce_row(
         self, tt: ThreadTiles, row, rows, rstd, reduction_slot, phase, lane_in_row, tXsrcGs, tXsrcH,
-        tXrGs, tXrH, tXDW, tXsW, warp_sums, cta_sums, mbars,
+        tXrGs, tXrH, tXDW, tXsW, tXsInvS, warp_sums, cta_sums, mbars,
     ) -> Float32:  # fmt: skip
         """Add this row's g * xhat into the dW accumulator and return c = sum(a * xhat) / H.
 
@@ -325,7 +310,7 @@ class RMSNormBackward(PartialRowWriter, RowKernel):
         if row < rows:
             tt.read((*tXsrcGs, tXsrcH), (*tXrGs, tXrH))
         g = self.gradient(tXrGs)
-        xhat = tXrH.load().to(Float32) * rstd
+        xhat = self.normalized(tXrH, rstd, tXsInvS)
         tXDW.store(tXDW.load() + g * xhat)
         dot = row_sum(
             (g * self.widen_weight(tXsW.load()) * xhat).reduce(cute.ReductionOp.ADD, Float32(0.0), 0),
@@ -357,6 +342,7 @@ class RMSNormBackward(PartialRowWriter, RowKernel):
         tXrGR,
         tXrDX,
         tXsW,
+        tXsInvS,
         tXgDX,
     ):
         """Re-read g's parts and h (from the ring, or from global memory), compute dx (+ g_residual),
@@ -369,13 +355,21 @@ class RMSNormBackward(PartialRowWriter, RowKernel):
             tt.read((*tXsrcGs, tXsrcH), (*tXrGs, tXrH))
             if const_expr(self.residual):
                 tt.copy_act(tXsGR, tXrGR)
-        xhat = tXrH.load().to(Float32) * rstd
+        xhat = self.normalized(tXrH, rstd, tXsInvS)
         dx = (self.gradient(tXrGs) * self.widen_weight(tXsW.load()) - xhat * c) * rstd
         if const_expr(self.residual):
             dx = dx + tXrGR.load().to(Float32)
         tXrDX.store(dx.to(self.act_dtype))
         if row < rows:
             tt.copy_act(tXrDX, tXgDX)
+
+    @cute.jit
+    def normalized(self, tXrH, rstd, tXsInvS) -> cute.TensorSSA:
+        """xhat in FP32 from this thread's registers of h (h * rstd), or, ``from_output``, of y (y / s,
+        by the cells of 1 / s)."""
+        if const_expr(self.from_output):
+            return tXrH.load().to(Float32) * tXsInvS.load()
+        return tXrH.load().to(Float32) * rstd
 
     @cute.jit
     def gradient(self, tXrGs) -> cute.TensorSSA:
