@@ -175,7 +175,7 @@ def render(results) -> str:
         "",
         f"### Every decoder layer of transformers {transformers.__version__} beside an RMSNorm",
         "",
-        "The template each class's forward matches (`cake_cute.fusion_plans._TEMPLATES`), read from its "
+        "The template each class's forward matches (`cake_cute.fusion_templates.TEMPLATES`), read from its "
         "source; a refused class runs with `swap_rmsnorm` alone. Not run, only classified.",
         "",
         "| model | decoder layer | fusion |",
