@@ -1,0 +1,209 @@
+"""The Megatron-Core norm builders: ``CakeRMSNorm`` built from a ``TransformerConfig`` through
+Megatron's norm-builder protocol (keyword-only ``config``, ``hidden_size``, ``eps``), one class for each
+norm slot of a GPT layer spec (plain, residual, q/k, the input norm of a layer without q/k norms).
+
+They read the norm fields of the config and refuse by name what they cannot honour; none of this needs
+Megatron-Core itself, so the builders import (and are tested against a plain config object) without it.
+The specs that hold them are ``cake_cute.integrations.megatron``'s.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..library_ops import norm_backward, save_for_backward
+from ..module import CakeRMSNorm  # importing it registers the torch.ops.cake_cute ops used below
+
+__all__ = [
+    "MegatronCakeInputRMSNorm",
+    "MegatronCakeQKRMSNorm",
+    "MegatronCakeRMSNorm",
+    "MegatronCakeResidualRMSNorm",
+]
+
+
+def _config_flag(config, name: str) -> bool:
+    """A boolean field of a Megatron config; False where this Megatron version has no such field."""
+    return bool(getattr(config, name, False))
+
+
+def _check_norm_config(config) -> None:
+    """Refuse, by field name, a config whose norm cake_cute would compute differently."""
+    normalization = getattr(config, "normalization", None)
+    if normalization != "RMSNorm":
+        raise ValueError(
+            f"config.normalization must be 'RMSNorm' for a cake_cute norm, got {normalization!r}: "
+            "cake_cute implements RMSNorm only; keep Megatron's own norm spec for other norms"
+        )
+    if _config_flag(config, "memory_efficient_layer_norm"):
+        raise ValueError(
+            "config.memory_efficient_layer_norm must be False for a cake_cute norm: its backward reads the "
+            "saved input (x, w, rstd), not the output, so it keeps the memory this option would save"
+        )
+
+
+def _weight_device(config) -> torch.device:
+    """Where Megatron puts a norm's weight at construction (as Transformer Engine's norm does): the CPU
+    with ``use_cpu_initialization``, the meta device with ``init_model_with_meta_device``, else the
+    current CUDA device."""
+    if _config_flag(config, "use_cpu_initialization"):
+        return torch.device("cpu")
+    if _config_flag(config, "init_model_with_meta_device"):
+        return torch.device("meta")
+    if not torch.cuda.is_available():
+        raise ValueError(
+            "config.use_cpu_initialization is False, so the norm's weight goes on the current CUDA "
+            "device, but CUDA is not available; set use_cpu_initialization=True to build on the CPU"
+        )
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+class _NormKeepingInput(torch.autograd.Function):
+    """``(y, x)``: the norm of x and x itself, whose two gradients the norm's backward adds in its own
+    last step (one rounding), as Megatron's ``fused_residual_rmsnorm`` asks of a norm whose input is
+    also the residual. ``forward(ctx, x, w, eps, weight_offset)``. The save list and the backward are
+    the package's residual-mode rule (``library_ops``), with x in the place of h_new: the tensor the
+    norm normalized and returned."""
+
+    @staticmethod
+    def forward(ctx, x, w, eps, weight_offset):
+        y, rstd, _ = torch.ops.cake_cute.rmsnorm_fwd(x, w, eps, None, weight_offset)
+        save_for_backward(ctx, x, w, x, rstd, x, weight_offset, direct=False)
+        return y, x
+
+    @staticmethod
+    def backward(ctx, g, g_residual):
+        dx, dw, _ = norm_backward(ctx, g, g_residual)
+        return dx, dw, None, None
+
+
+class MegatronCakeRMSNorm(CakeRMSNorm):
+    """``CakeRMSNorm`` built from a Megatron ``TransformerConfig`` through Megatron's norm-builder
+    protocol (``LayerNormBuilder``: keyword-only ``config``, ``hidden_size``, ``eps``), as a layer spec
+    names ``TENorm`` or ``WrappedTorchNorm``.
+
+    Parameters
+    ----------
+    config : megatron.core.transformer.TransformerConfig
+        Read at construction: ``normalization`` must be ``"RMSNorm"``; ``layernorm_zero_centered_gamma``
+        scales by ``1 + weight`` (weight starts at zeros); ``sequence_parallel`` marks
+        ``weight.sequence_parallel``, which ``finalize_model_grads`` all-reduces over the
+        tensor-parallel group; ``fused_residual_rmsnorm`` (with ``has_residual``) returns
+        ``(output, residual)``; ``params_dtype`` is the weight's dtype; ``use_cpu_initialization`` /
+        ``init_model_with_meta_device`` choose its device (else the current CUDA device);
+        ``persist_layer_norm`` (a choice among Apex LayerNorm kernels) changes nothing here;
+        ``memory_efficient_layer_norm`` is refused.
+    hidden_size : int
+        The normalized (last) dimension: the model's hidden size, or the attention head size for q/k
+        norms.
+    eps : float, optional
+        Added to the mean square; Megatron passes ``config.layernorm_epsilon``, which is also the
+        default.
+    has_residual : bool
+        This norm's input is also the layer's residual (the input and pre-MLP norms of a GPT layer).
+        With ``config.fused_residual_rmsnorm`` the forward returns ``(output, input)`` and its backward
+        adds the residual's gradient into dx in the same pass, which ``TransformerLayer`` (Megatron
+        0.17+) accepts from a norm; otherwise it has no effect.
+
+    Raises
+    ------
+    ValueError
+        ``config.normalization`` is not ``"RMSNorm"``, ``config.memory_efficient_layer_norm`` is set,
+        the weight would go on CUDA where CUDA is not available, or the errors of ``CakeRMSNorm``
+        (hidden_size, eps).
+    """
+
+    def __init__(self, *, config, hidden_size, eps=None, has_residual=False):
+        _check_norm_config(config)
+        zero_centered = _config_flag(config, "layernorm_zero_centered_gamma")
+        super().__init__(
+            hidden_size,
+            eps=config.layernorm_epsilon if eps is None else eps,
+            device=_weight_device(config),
+            dtype=getattr(config, "params_dtype", None),
+            weight_offset=1.0 if zero_centered else 0.0,
+            sequence_parallel=_config_flag(config, "sequence_parallel"),
+        )
+        self.fused_residual = bool(has_residual) and _config_flag(config, "fused_residual_rmsnorm")
+
+    def forward(self, input: torch.Tensor, *, residual: torch.Tensor | None = None):
+        """The normalized input, or ``(normalized, input)`` where the fused residual form is on.
+
+        Parameters
+        ----------
+        input : torch.Tensor
+            ``[s, b, h]`` hidden states (the local sequence shard under sequence parallelism).
+        residual : torch.Tensor, optional
+            As for ``CakeRMSNorm`` (not used by Megatron's layers).
+
+        Returns
+        -------
+        torch.Tensor or tuple of torch.Tensor
+            y; ``(y, input)`` in the fused residual form; ``(y, input + residual)`` with ``residual``.
+
+        Raises
+        ------
+        TypeError, ValueError
+            The errors of ``CakeRMSNorm.forward``.
+        """
+        if not self.fused_residual or residual is not None:
+            return super().forward(input, residual=residual)
+        w = self.weight if self.weight.dtype in (input.dtype, torch.float32) else self.weight.float()
+        return _NormKeepingInput.apply(input, w, self.eps, self.weight_offset)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (", fused_residual=True" if self.fused_residual else "")
+
+
+class MegatronCakeResidualRMSNorm(MegatronCakeRMSNorm):
+    """``MegatronCakeRMSNorm`` with ``has_residual=True``: the input and pre-MLP norms of a layer spec
+    (Megatron's TE backend names ``_TENormWithResidual`` there). Parameters as for the base class."""
+
+    def __init__(self, *, config, hidden_size, eps=None, has_residual=True):
+        super().__init__(config=config, hidden_size=hidden_size, eps=eps, has_residual=has_residual)
+
+
+class MegatronCakeQKRMSNorm(MegatronCakeRMSNorm):
+    """``MegatronCakeRMSNorm`` for the per-head q/k norms (``qk_layernorm``; built at the attention head
+    size). Parameters as for the base class.
+
+    Raises
+    ------
+    ValueError
+        ``config.qk_l2_norm`` is set: those norms are Megatron's weightless ``L2Norm``, which a spec
+        keeps (a learned scale here would change the model); or ``config.qk_layernorm`` is off (Megatron
+        0.19 refuses such a spec itself; older versions would build the norms anyway).
+    """
+
+    def __init__(self, *, config, hidden_size, eps=None, has_residual=False):
+        if _config_flag(config, "qk_l2_norm"):
+            raise ValueError(
+                "config.qk_l2_norm is set, so the q/k norms are Megatron's weightless L2Norm; use a spec "
+                "whose q/k norms are L2Norm (get_gpt_layer_spec(qk_l2_norm=True)) instead of cake norms"
+            )
+        if not _config_flag(config, "qk_layernorm"):
+            raise ValueError(
+                "config.qk_layernorm is off but the layer spec has q/k norms: use gpt_layer_spec (or "
+                "get_gpt_layer_spec(qk_layernorm=False)), or set qk_layernorm"
+            )
+        super().__init__(config=config, hidden_size=hidden_size, eps=eps, has_residual=has_residual)
+
+
+class MegatronCakeInputRMSNorm(MegatronCakeResidualRMSNorm):
+    """``MegatronCakeResidualRMSNorm`` as the input norm of a layer spec without q/k norms. Megatron builds
+    such a layer without them whatever ``config.qk_layernorm`` says (0.19 puts an ``IdentityOp`` in their
+    place), so this norm, built once per layer, refuses that config. Parameters as for the base class.
+
+    Raises
+    ------
+    ValueError
+        ``config.qk_layernorm`` is set.
+    """
+
+    def __init__(self, *, config, hidden_size, eps=None, has_residual=True):
+        if _config_flag(config, "qk_layernorm"):
+            raise ValueError(
+                "config.qk_layernorm is set but the layer spec has no q/k norms: use gpt_layer_spec_qk_norm "
+                "(or get_gpt_layer_spec(qk_layernorm=True))"
+            )
+        super().__init__(config=config, hidden_size=hidden_size, eps=eps, has_residual=has_residual)
