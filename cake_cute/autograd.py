@@ -1,4 +1,5 @@
-"""Autograd: the ``torch.autograd.Function`` of each forward kind, saving exactly (x or h_new, w, rstd).
+"""Autograd: the ``torch.autograd.Function`` of each forward kind, saving exactly (x or h_new, w, rstd),
+or in the memory-efficient mode (``memory_efficient=True``) exactly (y, w, rstd).
 
 Which path a call takes is ``cake_cute.routing``'s rule: on ``NATIVE`` the C++ autograd node (plain
 layouts of a signature the Python path has validated), on ``PYTHON`` the Function launching the kernels
@@ -34,7 +35,8 @@ def _forward(x, w, eps, residual, weight_offset, direct):
 class CakeRMSNormFunction(torch.autograd.Function):
     """Fused RMSNorm as a ``torch.autograd.Function``.
 
-    ``CakeRMSNormFunction.apply(x, w, eps, residual=None, deterministic=True, weight_offset=0.0)``
+    ``CakeRMSNormFunction.apply(x, w, eps, residual=None, deterministic=True, weight_offset=0.0,
+    memory_efficient=False)``
 
     Parameters
     ----------
@@ -51,6 +53,9 @@ class CakeRMSNormFunction(torch.autograd.Function):
         Accepted for API compatibility; the kernels are deterministic either way.
     weight_offset : float
         The scale is ``w + weight_offset`` (1.0 for Gemma's ``1 + w``).
+    memory_efficient : bool
+        Save the returned y instead of x (or h_new); the backward recomputes xhat from y and w
+        (docs/memory.md states its error).
 
     Returns
     -------
@@ -61,25 +66,33 @@ class CakeRMSNormFunction(torch.autograd.Function):
     Raises
     ------
     TypeError, ValueError
-        A wrong dtype, shape or device, named by argument, before any launch.
+        A wrong dtype, shape or device, named by argument, before any launch; ``memory_efficient``
+        not a bool.
 
     Notes
     -----
-    Saves exactly ``(x or h_new, w, rstd)``; gradients that are not needed are not materialized.
+    Saves exactly ``(x or h_new, w, rstd)``, or ``(y, w, rstd)`` with ``memory_efficient``; gradients
+    that are not needed are not materialized.
     ``apply`` follows the routing rule as ``cake_rmsnorm`` does (``cake_cute.routing``): on the native
     path it records the C++ autograd node, which saves the same tensors and computes the same bits.
     """
 
     @classmethod
-    def apply(cls, x, w, eps, residual=None, deterministic=True, weight_offset=0.0):  # noqa: D102
+    def apply(  # noqa: D102
+        cls, x, w, eps, residual=None, deterministic=True, weight_offset=0.0, memory_efficient=False
+    ):
         # The routing rule decides here as in ``cake_rmsnorm``: the C++ node where it serves the call.
-        return _norm(cls, x, w, eps, residual, deterministic, weight_offset, trace_as_op=False)
+        return _norm(
+            cls, x, w, eps, residual, deterministic, weight_offset, memory_efficient, trace_as_op=False
+        )
 
     @staticmethod
-    def forward(ctx, x, w, eps, residual=None, deterministic=True, weight_offset=0.0):
+    def forward(ctx, x, w, eps, residual=None, deterministic=True, weight_offset=0.0, memory_efficient=False):
         direct = route(x, w, residual) is not OP
         y, rstd, h_new = _forward(x, w, eps, residual, weight_offset, direct)
-        save_for_backward(ctx, x, w, residual, rstd, h_new, weight_offset, direct)
+        save_for_backward(
+            ctx, x, w, residual, rstd, h_new, weight_offset, direct, y if memory_efficient else None
+        )
         # Unused outputs get None rather than a materialized zero tensor of size [T, H].
         ctx.set_materialize_grads(False)
         return y if residual is None else (y, h_new)
@@ -87,25 +100,26 @@ class CakeRMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g, *g_h_new):
         dx, dw, d_residual = norm_backward(ctx, g, g_h_new[0] if ctx.residual else None)
-        return dx, dw, None, d_residual, None, None
+        return dx, dw, None, d_residual, None, None, None
 
 
 _function_apply = torch.autograd.Function.apply.__func__  # the engine's apply, below the routing
 
 
-def _norm(cls, x, w, eps, residual, deterministic, weight_offset, trace_as_op):
+def _norm(cls, x, w, eps, residual, deterministic, weight_offset, memory_efficient, trace_as_op):
     """``cake_rmsnorm`` and ``CakeRMSNormFunction.apply`` by the routing rule: the C++ node on
     ``NATIVE`` when it serves the call, the op itself while tracing when ``trace_as_op``, else the
     Function ``cls``."""
+    v.check_memory_efficient(memory_efficient)
     path = route(x, w, residual)
     if path is NATIVE:
         if cls is CakeRMSNormFunction:  # a subclass keeps its own forward
-            out = dispatch.native_rmsnorm(x, w, eps, residual, weight_offset)
+            out = dispatch.native_rmsnorm(x, w, eps, residual, weight_offset, memory_efficient)
             if out is not None:
                 return out
     elif path is OP and trace_as_op and torch.compiler.is_compiling():
-        return cake_rmsnorm_traceable(x, w, eps, residual, weight_offset)
-    return _function_apply(cls, x, w, eps, residual, deterministic, weight_offset)
+        return cake_rmsnorm_traceable(x, w, eps, residual, weight_offset, memory_efficient)
+    return _function_apply(cls, x, w, eps, residual, deterministic, weight_offset, memory_efficient)
 
 
 class CakeRMSNormFp8Function(torch.autograd.Function):
@@ -130,7 +144,9 @@ class CakeRMSNormFp8Function(torch.autograd.Function):
     backward = staticmethod(fp8_backward)
 
 
-def cake_rmsnorm(x, w, eps=1e-6, residual=None, deterministic=True, weight_offset=0.0):
+def cake_rmsnorm(
+    x, w, eps=1e-6, residual=None, deterministic=True, weight_offset=0.0, memory_efficient=False
+):
     """Fused RMSNorm with autograd, optionally after a fused residual add.
 
     Parameters
@@ -148,6 +164,10 @@ def cake_rmsnorm(x, w, eps=1e-6, residual=None, deterministic=True, weight_offse
         Accepted for API compatibility; results are deterministic either way.
     weight_offset : float
         The scale is ``w + weight_offset``.
+    memory_efficient : bool
+        Save the returned y (which the next layer keeps anyway) instead of x or h_new for the backward,
+        which recomputes xhat = y / (w + weight_offset), |w + weight_offset| clamped away from zero;
+        its error against FP64 and the columns it cannot serve are in docs/memory.md.
 
     Returns
     -------
@@ -158,7 +178,8 @@ def cake_rmsnorm(x, w, eps=1e-6, residual=None, deterministic=True, weight_offse
     Raises
     ------
     TypeError, ValueError
-        Bad arguments (named), before any launch; a DTensor sharded on its last dimension.
+        Bad arguments (named), before any launch; a DTensor sharded on its last dimension;
+        ``memory_efficient`` not a bool.
 
     Notes
     -----
@@ -166,4 +187,14 @@ def cake_rmsnorm(x, w, eps=1e-6, residual=None, deterministic=True, weight_offse
     autograd; in eager it is the native autograd node for plain calls of a signature seen before
     (``cake_cute.native``), else ``CakeRMSNormFunction``.
     """
-    return _norm(CakeRMSNormFunction, x, w, eps, residual, deterministic, weight_offset, trace_as_op=True)
+    return _norm(
+        CakeRMSNormFunction,
+        x,
+        w,
+        eps,
+        residual,
+        deterministic,
+        weight_offset,
+        memory_efficient,
+        trace_as_op=True,
+    )

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from .kernels.config import SCALE_FLOOR
 from .reference import forward_reference
 from .views import as_output
 
@@ -43,3 +44,32 @@ def backward(g, h, w, rstd, g_residual, weight_offset):
     if g_residual is not None:
         dx = dx + g_residual.float()
     return as_output(dx, h), as_output(dw, w)
+
+
+def backward_from_output(g, y, w, rstd, g_residual, weight_offset):
+    """``(dx, dw)`` from the saved output ``y`` (the memory-efficient mode); dw in w's dtype.
+
+    The kernels' FP32 math: xhat = y / clamp(w + offset) (``xhat_from_output``), then
+    c = sum(a * xhat) / H, dx = rstd * (a - xhat * c) [+ g_residual], dw = sum over rows of g * xhat."""
+    hidden = y.shape[-1]
+    gf = g.float()
+    r = rstd.reshape(*y.shape[:-1], 1)
+    a = gf * (w.float() + weight_offset)
+    xhat = xhat_from_output(y, w, weight_offset)
+    c = (a * xhat).sum(dim=-1, keepdim=True) / hidden
+    dx = r * (a - xhat * c)
+    if g_residual is not None:
+        dx = dx + g_residual.float()
+    products = gf * xhat
+    dw = products.sum(dim=tuple(range(y.dim() - 1))) if y.dim() > 1 else products
+    return as_output(dx, y), as_output(dw, w)
+
+
+def xhat_from_output(y, w, weight_offset, compute_dtype=torch.float32) -> torch.Tensor:
+    """xhat recomputed from the norm's output as the memory-efficient backward kernel does it: y times
+    1 / s, s = w + weight_offset in ``compute_dtype`` with |s| raised to at least
+    ``kernels.config.SCALE_FLOOR``, its sign kept (0 counts as positive)."""
+    s = w.to(compute_dtype) + weight_offset
+    floor = torch.full_like(s, SCALE_FLOOR)
+    clamped = torch.where(s >= 0, torch.maximum(s, floor), torch.minimum(s, -floor))
+    return y.to(compute_dtype) * clamped.reciprocal()

@@ -35,9 +35,12 @@ def prepare() -> bool:
     return native.load() is not None
 
 
-def native_rmsnorm(x, w, eps, residual, weight_offset):
+def native_rmsnorm(x, w, eps, residual, weight_offset, memory_efficient=False):
     """The C++ autograd node's ``y`` / ``(y, h_new)`` for a call on the ``NATIVE`` route, or None when the
-    extension does not serve it (the caller then takes the Python Function)."""
+    extension does not serve it (the caller then takes the Python Function). The node saves x or h_new,
+    so it declines the memory-efficient mode, which the Python Function serves."""
+    if memory_efficient:
+        return None
     return native.extension.rmsnorm(x, w, eps, residual, weight_offset)
 
 

@@ -56,13 +56,18 @@ def _forward_strategies(x, residual, row_outputs: int, options: int):
     return strategies
 
 
-@register_sharding(torch.ops.cake_cute.rmsnorm_fwd.default)
+# The memory-efficient mode's ops (``library_ops``) take the default ops' rules.
+@register_sharding(
+    [torch.ops.cake_cute.rmsnorm_fwd.default, torch.ops.cake_cute.rmsnorm_fwd_saving_output.default]
+)
 def _forward_sharding(x, w, eps, residual=None, weight_offset=0.0):
     """Outputs (y, rstd, h_new), inputs (x, w, eps, residual, weight_offset)."""
     return _forward_strategies(x, residual, row_outputs=2, options=1)
 
 
-@register_sharding(torch.ops.cake_cute.rmsnorm_bwd.default)
+@register_sharding(
+    [torch.ops.cake_cute.rmsnorm_bwd.default, torch.ops.cake_cute.rmsnorm_bwd_from_output.default]
+)
 def _backward_sharding(g, x, w, rstd, g_residual=None, weight_offset=0.0):
     """Outputs (dx, dw), inputs (g, x, w, rstd, g_residual, weight_offset)."""
     strategies = []

@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 import torch
 
+from . import validation as v
 from .autograd import CakeRMSNormFp8Function
 from .fp8_numerics import to_scale_layout
 from .launch_fp8 import check_arguments, fp8_forward, fp8_variant_specs
@@ -74,6 +75,7 @@ def cake_rmsnorm_fp8(
     emit_y=False,
     weight_offset=0.0,
     scale_layout="compact",
+    memory_efficient=False,
 ) -> Fp8NormOutput:
     """RMSNorm (optionally ``h = x + residual`` first) written as rowwise block-scaled e4m3.
 
@@ -96,6 +98,9 @@ def cake_rmsnorm_fp8(
         Gemma-style offset: the weight is ``w + weight_offset``, added in FP32.
     scale_layout : {"compact", "cublas", "deepgemm"}
         Compact row-major scales, cuBLAS's swizzled MXFP8 layout or DeepGEMM's MN-major FP32 layout.
+    memory_efficient : bool
+        Only False: the forward to FP8 saves x (or h_new), as ``cake_rmsnorm`` does by default; True
+        is refused by name (xhat cannot be recomputed from e4m3 data within the mode's error bound).
 
     Returns
     -------
@@ -110,8 +115,9 @@ def cake_rmsnorm_fp8(
     ------
     TypeError, ValueError
         For a bad argument, naming it, before anything runs; a scale layout other than ``"compact"``
-        for a DTensor x.
+        for a DTensor x; ``memory_efficient=True``.
     """
+    v.refuse_memory_efficient_fp8(memory_efficient)
     path = route(x, w, residual)
     eps, weight_offset = check_arguments(x, w, eps, residual, recipe, emit_y, weight_offset, scale_layout)
     if scale_layout != "compact" and isinstance(x, DTensor):

@@ -56,6 +56,7 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from . import validation as v
 from .fusion_plans import _layer_plan, _LayerPlan
 from .module import INPUT_NAME, TORCH_MATH, CakeRMSNorm, check_compiled_as, with_input_named
 from .routing import DTensor
@@ -343,7 +344,11 @@ def _planned_patch(model: nn.Module):
 
 
 def fuse_residual_rmsnorm(
-    model: nn.Module, weight_offset: float | None = None, *, compiled_head_norms: str = TORCH_MATH
+    model: nn.Module,
+    weight_offset: float | None = None,
+    *,
+    compiled_head_norms: str = TORCH_MATH,
+    memory_efficient: bool = False,
 ) -> int:
     """Swap the RMSNorm modules of a Hugging Face decoder for ``CakeRMSNorm`` (``swap_rmsnorm``) and fuse
     every residual add that feeds a norm into that norm. The layers are checked before anything is
@@ -359,6 +364,9 @@ def fuse_residual_rmsnorm(
     compiled_head_norms : str
         As in ``swap_rmsnorm``: what a compiled graph runs for the per-head q / k norms, ``"torch"``
         (the default: their PyTorch math, left to inductor) or ``"kernel"``.
+    memory_efficient : bool
+        As in ``swap_rmsnorm``: every norm saves its output instead of its input (in residual mode
+        h_new is then not saved by the norm).
 
     Returns
     -------
@@ -373,11 +381,14 @@ def fuse_residual_rmsnorm(
         line that differs); a layer's norm is not one ``swap_rmsnorm`` replaces; ``swap_rmsnorm``'s errors
         (compiled_head_norms is checked first).
     TypeError
-        weight_offset is not a number.
+        weight_offset is not a number; memory_efficient is not a bool (checked before anything else).
     """
     check_compiled_as("compiled_head_norms", compiled_head_norms)
+    v.check_memory_efficient(memory_efficient)
     patch = _planned_patch(model)
     # Called directly from here, so that its warnings name this function and point at its caller.
-    swapped = _swap_norms(model, weight_offset, compiled_head_norms, "fuse_residual_rmsnorm")
+    swapped = _swap_norms(
+        model, weight_offset, compiled_head_norms, "fuse_residual_rmsnorm", memory_efficient
+    )
     patch()
     return swapped

@@ -159,9 +159,11 @@ def train_backward_python(
     dw=None,
     weight_offset=0.0,
     dw_dtype=torch.float32,
+    from_output=False,
 ):
     """``cake_rmsnorm_train_backward`` on the Python path (``deterministic`` checked at the edge):
-    validation, then the launch."""
+    validation, then the launch. ``from_output``: x is the forward's output y (the memory-efficient
+    mode's backward, ``kernels.rmsnorm_bwd``)."""
     operands = known_operands(x, w)
     if operands is None:
         v.check_activation(x)
@@ -181,15 +183,23 @@ def train_backward_python(
         v.check_workspace(workspace, x.device)
     if operands is None:
         operands = validated_operands(x, w)
-    return _backward(operands, g_parts, x, w, rstd, g_residual, workspace, dx, dw, weight_offset, dw_dtype)
+    outputs = (workspace, dx, dw)
+    return _backward(operands, g_parts, x, w, rstd, g_residual, outputs, weight_offset, dw_dtype, from_output)
 
 
-def backward_from_saved(g, h, w, rstd, g_residual, weight_offset: float):
-    """The backward for autograd: h, w, rstd are what the forward validated and saved, and the engine
-    has already matched g (and g_residual) to the outputs' shape, dtype and device, so only the
-    (x, w) facts are looked up again. dw comes back in w's dtype."""
+def backward_from_saved(g, h, w, rstd, g_residual, weight_offset: float, from_output: bool = False):
+    """The backward for autograd: h, w, rstd are what the forward validated and saved (h is y when
+    ``from_output``: the memory-efficient mode), and the engine has already matched g (and g_residual)
+    to the outputs' shape, dtype and device, so only the (x, w) facts are looked up again. dw comes
+    back in w's dtype."""
     operands = known_operands(h, w) or validated_operands(h, w)
-    return _backward(operands, (g,), h, w, rstd, g_residual, None, None, None, weight_offset, w.dtype)
+    outputs = (None, None, None)
+    return _backward(operands, (g,), h, w, rstd, g_residual, outputs, weight_offset, w.dtype, from_output)
+
+
+def backward_from_saved_output(g, y, w, rstd, g_residual, weight_offset: float):
+    """``backward_from_saved`` of the memory-efficient mode, whose saved tensor is the output y."""
+    return backward_from_saved(g, y, w, rstd, g_residual, weight_offset, from_output=True)
 
 
 class _BackwardPlan(NamedTuple):
@@ -217,10 +227,13 @@ def backward_launch_plan(operands, rows, residual) -> _BackwardPlan:
 on_override_change(backward_launch_plan.cache_clear)
 
 
-def backward_kernels(operands, residual: bool, weight_offset: float, dw_dtype, g_parts: int = 1):
+def backward_kernels(
+    operands, residual: bool, weight_offset: float, dw_dtype, g_parts: int = 1, from_output: bool = False
+):
     """The backward's two kernels: dx with the FP32 partial rows of dW (from ``g_parts`` summands of
-    g), and their reduction."""
-    parts = (g_parts,) if g_parts > 1 else ()  # the one-summand variant keeps its field tuple
+    g; reading y in h's place when ``from_output``), and their reduction."""
+    # The default variant (one summand, reading h) keeps its field tuple.
+    parts = (g_parts, True) if from_output else (g_parts,) if g_parts > 1 else ()
     return (
         kernel(
             "bwd",
@@ -236,8 +249,10 @@ def backward_kernels(operands, residual: bool, weight_offset: float, dw_dtype, g
     )
 
 
-def _backward(operands, g_parts, x, w, rstd, g_residual, workspace, dx, dw, weight_offset, dw_dtype):
-    """The launch of a validated backward; ``g_parts``: the tuple of g's summands (usually one)."""
+def _backward(operands, g_parts, x, w, rstd, g_residual, outputs, weight_offset, dw_dtype, from_output):
+    """The launch of a validated backward; ``g_parts``: the tuple of g's summands (usually one);
+    ``outputs``: the caller's (workspace, dx, dw), each None when not given."""
+    workspace, dx, dw = outputs
     hidden = operands.hidden
     rows = x.numel() // hidden
     residual = g_residual is not None
@@ -251,7 +266,7 @@ def _backward(operands, g_parts, x, w, rstd, g_residual, workspace, dx, dw, weig
     if rows == 0:  # nothing to launch (and nothing to compile)
         dw_t.zero_()
     else:
-        bwd, reduce = backward_kernels(operands, residual, weight_offset, dw_dtype, len(g_parts))
+        bwd, reduce = backward_kernels(operands, residual, weight_offset, dw_dtype, len(g_parts), from_output)
         partials = _partial_rows_view(workspace, plan.partial_rows, hidden, operands.device)
         with on_device(operands.device):
             bwd(

@@ -3,11 +3,16 @@
 ``cake_cute::rmsnorm_fwd`` returns ``(y, rstd, h_new)``, ``cake_cute::rmsnorm_fp8_fwd`` returns ``(data,
 compact scales, y, rstd, h_new)`` (the forward to FP8, ``cake_cute.fp8``) and ``cake_cute::rmsnorm_bwd``
 returns ``(dx, dw)``, the backward of both forwards; ``cake_cute::rmsnorm_bwd_parts`` is
-``rmsnorm_bwd`` of a gradient given as its summands (``graph_passes``). rstd is shaped ``x.shape[:-1]``
-at the op boundary (the functional kernels use one row per value, ``[T]``; the ops view it), so an N-D
-input stays N-D and a DTensor sharded on any non-hidden dimension needs no redistribution. dw comes
-back in w's dtype, as autograd wants it. A schema has a fixed number of outputs, so in plain mode (no
-residual) ``h_new`` is an empty tensor.
+``rmsnorm_bwd`` of a gradient given as its summands (``graph_passes``). The memory-efficient mode has
+its own pair: ``cake_cute::rmsnorm_fwd_saving_output`` is ``rmsnorm_fwd`` (same schema, body, CPU and
+fake kernels, sharding rules) whose autograd saves y instead of x or h_new, and
+``cake_cute::rmsnorm_bwd_from_output`` is ``rmsnorm_bwd`` reading y in place of the input (its kernel
+recomputes xhat = y / clamp(w + offset)). Separate ops keep the C++ kernels of the default ops (typed
+on their schemas) as they are; the mode's ops have none, so they always reach the Python bodies.
+rstd is shaped ``x.shape[:-1]`` at the op boundary (the functional kernels use one row per value,
+``[T]``; the ops view it), so an N-D input stays N-D and a DTensor sharded on any non-hidden dimension
+needs no redistribution. dw comes back in w's dtype, as autograd wants it. A schema has a fixed number
+of outputs, so in plain mode (no residual) ``h_new`` is an empty tensor.
 
 Where the ops are used:
 
@@ -38,7 +43,7 @@ from . import cpu, dispatch
 from . import validation as v
 from .fp8_numerics import scale_blocks
 from .kernels.quant_config import QUANT_RECIPES
-from .launch import backward_from_saved
+from .launch import backward_from_saved, backward_from_saved_output, train_backward_python
 from .launch_fp8 import check_arguments as check_fp8_arguments
 from .launch_fp8 import op_outputs, placeholder
 from .reference import summed_gradient
@@ -142,6 +147,17 @@ def _rmsnorm_bwd_fake(g, x, w, rstd, g_residual=None, weight_offset=0.0):
     return new_output(x), new_output(w)
 
 
+def rmsnorm_bwd_from_output(g, y, w, rstd, g_residual=None, weight_offset=0.0):
+    """``(dx, dw)`` on CUDA from the saved output y (the memory-efficient mode), dw in w's dtype."""
+    return train_backward_python(
+        g, y, w, rstd.reshape(-1), g_residual, weight_offset=weight_offset, dw_dtype=w.dtype, from_output=True
+    )
+
+
+def _rmsnorm_bwd_from_output_cpu(g, y, w, rstd, g_residual=None, weight_offset=0.0):
+    return cpu.backward_from_output(g, y, w, rstd, g_residual, weight_offset)
+
+
 def rmsnorm_bwd_parts(g, x, w, rstd, g_residual=None, weight_offset=0.0):
     """``rmsnorm_bwd`` of the gradient whose summands are the list ``g`` (2 or 3 tensors, x's shape and
     dtype), summed in the kernel (FP32, left to right, rounded once): what ``graph_passes`` puts in
@@ -160,19 +176,23 @@ def _rmsnorm_bwd_parts_fake(g, x, w, rstd, g_residual=None, weight_offset=0.0):
 # --- the save/backward logic of both autograd paths ------------------------------------------------
 
 
-def save_for_backward(ctx, x, w, residual, rstd, h_new, weight_offset, direct) -> None:
-    """Saves exactly (x or h_new, w, rstd) and the flags the backward needs.
+def save_for_backward(ctx, x, w, residual, rstd, h_new, weight_offset, direct, y=None) -> None:
+    """Saves exactly (x or h_new, w, rstd), or in the memory-efficient mode (``y`` given: the output
+    returned to the caller) exactly (y, w, rstd), and the flags the backward needs.
 
     ``direct`` says the forward launched the kernels itself (plain CUDA tensors in eager), so the
-    backward does too and rstd is ``[T]``; otherwise the backward goes through ``rmsnorm_bwd``."""
-    ctx.save_for_backward(x if residual is None else h_new, w, rstd)
+    backward does too and rstd is ``[T]``; otherwise the backward goes through ``rmsnorm_bwd`` (or
+    ``rmsnorm_bwd_from_output``)."""
+    ctx.from_output = y is not None
+    ctx.save_for_backward(y if ctx.from_output else x if residual is None else h_new, w, rstd)
     ctx.residual = residual is not None
     ctx.weight_offset = weight_offset
     ctx.direct = direct
 
 
 def norm_backward(ctx, g, g_h_new):
-    """``(dx, dw, d_residual)`` for a context ``save_for_backward`` filled.
+    """``(dx, dw, d_residual)`` for a context ``save_for_backward`` filled; from a saved y (the
+    memory-efficient mode) the kernel recomputes xhat from y and w.
 
     In residual mode one dx is the gradient of both x and residual (h_new = x + residual). When only
     h_new was used (``g`` is None), its gradient reaches x and residual unchanged and w gets none."""
@@ -181,26 +201,39 @@ def norm_backward(ctx, g, g_h_new):
     if g is None:
         return g_residual, None, g_residual
     if ctx.direct:
-        dx, dw = backward_from_saved(g, h, w, rstd, g_residual, ctx.weight_offset)
+        backward = backward_from_saved_output if ctx.from_output else backward_from_saved
+        dx, dw = backward(g, h, w, rstd, g_residual, ctx.weight_offset)
     else:
-        dx, dw = torch.ops.cake_cute.rmsnorm_bwd(g, h, w, rstd, g_residual, ctx.weight_offset)
+        op = (
+            torch.ops.cake_cute.rmsnorm_bwd_from_output
+            if ctx.from_output
+            else torch.ops.cake_cute.rmsnorm_bwd
+        )
+        dx, dw = op(g, h, w, rstd, g_residual, ctx.weight_offset)
     return dx, dw, (dx if ctx.residual else None)
 
 
-def _save_op_context(ctx, no_gradient, x, w, residual, rstd, h_new, weight_offset) -> None:
+def _save_op_context(ctx, no_gradient, x, w, residual, rstd, h_new, weight_offset, y=None) -> None:
     """The op forms' side of ``save_for_backward``: the outputs in ``no_gradient``, and h_new in plain
     mode (an empty tensor), get no gradient. As on the eager paths, an unused output's gradient is
     None, not a [T, H] zero tensor (under torch.compile a zeros kernel, and a residual-mode backward
     reading it, for a final norm whose h_new nothing uses)."""
     ctx.set_materialize_grads(False)
     ctx.mark_non_differentiable(*no_gradient, *(() if residual is not None else (h_new,)))
-    save_for_backward(ctx, x, w, residual, rstd, h_new, weight_offset, direct=False)
+    save_for_backward(ctx, x, w, residual, rstd, h_new, weight_offset, direct=False, y=y)
 
 
 def _setup_context(ctx, inputs, output):
     x, w, _eps, residual, weight_offset = inputs
     _y, rstd, h_new = output
     _save_op_context(ctx, (rstd,), x, w, residual, rstd, h_new, weight_offset)
+
+
+def _setup_output_saving_context(ctx, inputs, output):
+    """``rmsnorm_fwd_saving_output``'s: saves its y output (the memory-efficient mode)."""
+    x, w, _eps, residual, weight_offset = inputs
+    y, rstd, h_new = output
+    _save_op_context(ctx, (rstd,), x, w, residual, rstd, h_new, weight_offset, y=y)
 
 
 def _backward(ctx, g, _g_rstd, g_h_new):
@@ -231,6 +264,15 @@ define_op(
     setup_context=_setup_context,
 )
 define_op(
+    "rmsnorm_fwd_saving_output",
+    _FWD_SCHEMA,
+    rmsnorm_fwd,
+    cpu=_rmsnorm_fwd_cpu,
+    fake=_rmsnorm_fwd_fake,
+    backward=_backward,
+    setup_context=_setup_output_saving_context,
+)
+define_op(
     "rmsnorm_fp8_fwd",
     _FP8_SCHEMA,
     rmsnorm_fp8_fwd,
@@ -239,6 +281,13 @@ define_op(
     setup_context=_setup_fp8_context,
 )
 define_op("rmsnorm_bwd", _BWD_SCHEMA, rmsnorm_bwd, cpu=_rmsnorm_bwd_cpu, fake=_rmsnorm_bwd_fake)
+define_op(
+    "rmsnorm_bwd_from_output",
+    _BWD_SCHEMA,
+    rmsnorm_bwd_from_output,
+    cpu=_rmsnorm_bwd_from_output_cpu,
+    fake=_rmsnorm_bwd_fake,
+)
 define_op(
     "rmsnorm_bwd_parts",
     _BWD_PARTS_SCHEMA,
@@ -249,7 +298,10 @@ define_op(
 dispatch.provide_op_bodies(rmsnorm_fwd, rmsnorm_bwd, rmsnorm_bwd_parts, rmsnorm_fp8_fwd)
 
 
-def cake_rmsnorm_traceable(x, w, eps, residual=None, weight_offset=0.0):
-    """``cake_rmsnorm`` through the custom op (torch.compile, DTensor, CPU): y, or (y, h_new)."""
-    y, _rstd, h_new = torch.ops.cake_cute.rmsnorm_fwd(x, w, eps, residual, weight_offset)
+def cake_rmsnorm_traceable(x, w, eps, residual=None, weight_offset=0.0, memory_efficient=False):
+    """``cake_rmsnorm`` through the custom op (torch.compile, DTensor, CPU): y, or (y, h_new);
+    ``memory_efficient`` takes the op whose autograd saves y."""
+    ops = torch.ops.cake_cute
+    forward = ops.rmsnorm_fwd_saving_output if memory_efficient else ops.rmsnorm_fwd
+    y, _rstd, h_new = forward(x, w, eps, residual, weight_offset)
     return y if residual is None else (y, h_new)

@@ -61,11 +61,13 @@ def check_compiled_as(name: str, value) -> str:
     return value
 
 
-def _torch_math(x, w, eps, residual=None, deterministic=True, weight_offset=0.0):
+def _torch_math(x, w, eps, residual=None, deterministic=True, weight_offset=0.0, memory_efficient=False):
     """``cake_rmsnorm`` (same arguments, same checks, same outputs) in PyTorch operations, for a
     compiled graph: the SPEC's math at the kernels' rounding points (``reference.forward_reference``
     in FP32: h rounded to x's dtype, y rounded once), differentiated by autograd. ``deterministic``
-    is accepted as ``cake_rmsnorm`` accepts it."""
+    is accepted as ``cake_rmsnorm`` accepts it, and ``memory_efficient`` checked and accepted: what
+    these operations save is inductor's choice (it recomputes what is cheap to recompute)."""
+    v.check_memory_efficient(memory_efficient)
     v.check_forward_arguments(x, w, eps, residual)
     y, _, h = forward_reference(x, w, eps, residual, weight_offset, compute_dtype=torch.float32)
     y = y.to(x.dtype)
@@ -203,6 +205,10 @@ class CakeRMSNorm(nn.Module):
         which inductor fuses with the operations around the norm (``swap_rmsnorm`` chooses it for
         per-head q / k norms). Eager calls run the kernels either way. Also an attribute, read when a
         call is traced.
+    memory_efficient : bool
+        Save the norm's output y for the backward instead of its input (x, or input + residual), which
+        the backward then recomputes from y and the weight (``cake_rmsnorm``; its error and where y's
+        storage is the next layer's saved input: docs/memory.md). Also an attribute, read per call.
 
     Raises
     ------
@@ -210,11 +216,12 @@ class CakeRMSNorm(nn.Module):
         ``normalized_shape`` is not one positive int, eps / weight_offset out of range, an unknown
         cast_policy or compiled_as.
     TypeError
-        eps or weight_offset is not a number.
+        eps or weight_offset is not a number; memory_efficient is not a bool.
     """
 
     # The default of an instance pickled before ``compiled_as`` existed (torch.save of a whole model).
     compiled_as = KERNEL
+    memory_efficient = False
 
     def __init__(
         self,
@@ -227,6 +234,7 @@ class CakeRMSNorm(nn.Module):
         sequence_parallel=False,
         cast_policy=TORCH,
         compiled_as=KERNEL,
+        memory_efficient=False,
     ):
         super().__init__()
         self.elementwise_affine = bool(elementwise_affine)
@@ -236,6 +244,7 @@ class CakeRMSNorm(nn.Module):
         self.weight_offset = v.check_weight_offset(weight_offset)
         self.cast_policy = _check_cast_policy(cast_policy)
         self.compiled_as = check_compiled_as("compiled_as", compiled_as)
+        self.memory_efficient = v.check_memory_efficient(memory_efficient)
         weight = None if hidden is None else torch.empty(self.normalized_shape, device=device, dtype=dtype)
         if self.elementwise_affine:
             self.weight = nn.Parameter(weight)
@@ -299,16 +308,19 @@ class CakeRMSNorm(nn.Module):
             # rounds before and after a bf16/fp16 scale, the last bit may differ). A weight in neither
             # x's dtype nor FP32 joins the FP32 compute exactly.
             w = w if w.dtype in (x.dtype, torch.float32) else w.float()
-            return norm(x, w, eps, residual, True, self.weight_offset)
+            return norm(x, w, eps, residual, True, self.weight_offset, self.memory_efficient)
         # The replaced module rounds the normalized values to `rounding`, then scales in torch's
-        # promoted dtype: torch's add, then the kernel, then (below FP32) torch's multiply.
+        # promoted dtype: torch's add, then the kernel, then (below FP32) torch's multiply. In the
+        # memory-efficient mode the kernel saves its own output: in the FP32 branch that is the
+        # module's y, below FP32 the unit-scale xhat before the multiply (docs/memory.md).
         h = x if residual is None else x + residual
         if rounding == torch.float32:
             # FP32 normalized values times the scale, rounded to FP32 once: the kernel's FP32 math.
-            y = norm(h.float(), w.float(), eps, None, True, self.weight_offset)
+            y = norm(h.float(), w.float(), eps, None, True, self.weight_offset, self.memory_efficient)
         else:
             source = h if rounding == h.dtype else h.float()
-            xhat = norm(source, source.new_ones(h.shape[-1]), eps).to(rounding)
+            ones = source.new_ones(h.shape[-1])
+            xhat = norm(source, ones, eps, None, True, 0.0, self.memory_efficient).to(rounding)
             y = (w if self.weight_offset == 0.0 else w + self.weight_offset) * xhat
         return y if residual is None else (y, h)
 
@@ -328,7 +340,8 @@ class CakeRMSNorm(nn.Module):
     def extra_repr(self) -> str:
         policy = "" if self.cast_policy == TORCH else f", cast_policy={self.cast_policy}"
         compiled = "" if self.compiled_as == KERNEL else f", compiled_as={self.compiled_as}"
+        saving = ", memory_efficient=True" if self.memory_efficient else ""
         return (
             f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}, "
-            f"weight_offset={self.weight_offset}{policy}{compiled}"
+            f"weight_offset={self.weight_offset}{policy}{compiled}{saving}"
         )

@@ -270,7 +270,11 @@ def _model_device(model: nn.Module) -> torch.device:
 
 
 def swap_rmsnorm(
-    model: nn.Module, weight_offset: float | None = None, *, compiled_head_norms: str = TORCH_MATH
+    model: nn.Module,
+    weight_offset: float | None = None,
+    *,
+    compiled_head_norms: str = TORCH_MATH,
+    memory_efficient: bool = False,
 ) -> int:
     """Replace, in place, every ``torch.nn.RMSNorm`` over one dimension and every Hugging Face-style
     RMSNorm-shaped module of ``model`` (``...RMSNorm``, ``T5LayerNorm`` and its copies, weightless ones
@@ -304,6 +308,9 @@ def swap_rmsnorm(
         What a compiled graph runs for the per-head norms this call replaces: ``"torch"`` (the
         default), their PyTorch math, left to inductor; ``"kernel"``, the kernel, as every other norm.
         Each norm's choice stays changeable afterwards (``CakeRMSNorm.compiled_as``).
+    memory_efficient : bool
+        Every swapped norm saves its output instead of its input for the backward
+        (``CakeRMSNorm.memory_efficient``, docs/memory.md).
 
     Returns
     -------
@@ -317,17 +324,20 @@ def swap_rmsnorm(
         or sharded before the swap); weight_offset is not finite; compiled_head_norms is neither
         ``"torch"`` nor ``"kernel"``.
     TypeError
-        model is not a torch.nn.Module; weight_offset is not a number.
+        model is not a torch.nn.Module; weight_offset is not a number; memory_efficient is not a bool.
     """
-    return _swap_norms(model, weight_offset, compiled_head_norms, "swap_rmsnorm")
+    return _swap_norms(model, weight_offset, compiled_head_norms, "swap_rmsnorm", memory_efficient)
 
 
-def _swap_norms(model: nn.Module, weight_offset, compiled_head_norms: str, entry: str) -> int:
+def _swap_norms(
+    model: nn.Module, weight_offset, compiled_head_norms: str, entry: str, memory_efficient: bool = False
+) -> int:
     """``swap_rmsnorm``'s work, called straight from each public entry point ``entry`` (its name is
     in the warnings, which point at the entry point's caller: ``_CALLER``)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     check_compiled_as("compiled_head_norms", compiled_head_norms)
+    v.check_memory_efficient(memory_efficient)
     if _is_swappable(model):
         raise ValueError("model is itself an RMSNorm; construct a CakeRMSNorm instead of swapping in place")
     found = [
@@ -345,6 +355,7 @@ def _swap_norms(model: nn.Module, weight_offset, compiled_head_norms: str, entry
     for parent, name, child in found:
         if child not in replaced:
             replaced[child] = _replacement(child, device, offsets[child])
+            replaced[child].memory_efficient = memory_efficient
         if _is_per_head(parent, name, child):
             replaced[child].compiled_as = compiled_head_norms
         setattr(parent, name, replaced[child])

@@ -178,6 +178,36 @@ def check_bool(name: str, value) -> None:
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
 
 
+def check_memory_efficient(memory_efficient) -> bool:
+    """The memory-efficient mode's switch (save y instead of the norm's input): a bool.
+
+    Raises
+    ------
+    TypeError
+        ``memory_efficient`` is not a bool (an int or a string is refused too).
+    """
+    check_bool("memory_efficient", memory_efficient)
+    return memory_efficient
+
+
+def refuse_memory_efficient_fp8(memory_efficient) -> None:
+    """The forward to FP8 has no memory-efficient mode: its y is e4m3 data, from which xhat cannot be
+    recomputed within the mode's error bound.
+
+    Raises
+    ------
+    TypeError
+        ``memory_efficient`` is not a bool.
+    ValueError
+        ``memory_efficient`` is True.
+    """
+    if check_memory_efficient(memory_efficient):
+        raise ValueError(
+            "memory_efficient=True is not available for cake_rmsnorm_fp8: the mode recomputes xhat from the "
+            "saved output, and an e4m3 output would lose its error bound; the FP8 forward saves x (or h_new)"
+        )
+
+
 def check_rstd(rstd, rows: int, device) -> None:
     check_tensor("rstd", rstd, dtypes=(torch.float32,), device=device)
     if rstd.dim() != 1 or rstd.shape[0] != rows:
