@@ -1,0 +1,441 @@
+#!/usr/bin/env python
+"""``python benchmarks/gated_model_step.py OUT.json``: what a Qwen3-Next-style model's training step
+(forward, loss, backward, AdamW) costs with each gated RMSNorm in its linear-attention layers, eager
+and under ``torch.compile``, in one process.
+
+The model: Hugging Face's ``Qwen3NextForCausalLM`` from a ``Qwen3NextConfig``, random init (seed 0),
+bf16, sdpa attention, no cache. 8 layers at hidden 2048, the config's default pattern of one
+full-attention layer every 4 (layers 4 and 8; the others are Gated DeltaNet linear attention: 16 key
+heads and 32 value heads of 128, so every gated norm normalizes 32 rows of 128 per token), full
+attention with 16 query heads of 256 and 2 key/value heads, a dense SwiGLU MLP of 5632 in every layer
+(``num_experts=0``: no router, so the step is the same work for every implementation), vocabulary
+32000. About 0.7 B parameters: with AdamW's states and 8192 tokens' activations well under 30 GB, a
+step a few hundred ms on one H200. 8192 tokens per step (batch 1 x sequence 8192), the same batch every
+step.
+
+Implementations (only the linear-attention layers' gated norm differs; the plain norms are below):
+
+* ``stock-torch``: Hugging Face's ``Qwen3NextRMSNormGated`` in every gated-norm slot. Transformers
+  5.17 and later build that class there whether fla is installed or not (fla's
+  ``FusedRMSNormGated`` reaches it only through the ``kernels`` hub mapping, ``kernelize`` /
+  ``use_kernels=True``, which needs the hub); 5.0 and older build fla's module when fla imports. The
+  slot is made the Hugging Face class either way (same weight Parameter);
+* ``fla``: fla's ``FusedRMSNormGated`` (``activation="silu"``) in those slots, as older transformers
+  built it; a row with ``skipped`` when fla does not import;
+* ``cake``: ``swap_gated_rmsnorm(model)``, the default cast policy, which follows the Hugging Face
+  class's roundings (the plain kernel with a unit weight, then torch's products);
+* ``cake-one-rounding``: ``swap_gated_rmsnorm(model, cast_policy="one_rounding")``, the fused kernel
+  rounding once (docs/gated.md: within 2**-6 of |y| of the class's three bf16 roundings).
+
+``--plain-norms``: ``stock`` (default) leaves the model's plain ``Qwen3NextRMSNorm`` modules (the
+layers' two norms, the q / k head norms, the final norm) as Hugging Face builds them; ``cake`` applies
+``swap_rmsnorm(model)`` to them in every run, as a user applying both swaps would (weight offset 1
+read from the class). Either way every implementation runs the same plain norms, so the difference
+between rows of one ``plain_norms`` is the gated norm's.
+
+Which linear-attention kernels ran is in the output (``linear_attention``): transformers takes
+``chunk_gated_delta_rule`` from fla when ``fla.ops.gated_delta_rule`` imports, else its torch
+implementation (much slower), and ``causal_conv1d_fn`` from the ``causal_conv1d`` package, else torch's
+conv1d. ``default_gated_norm`` names the class the model builds in the slot when left alone.
+
+Timing and memory are benchmarks/model_step.py's (``time_steps``): CUDA events around each step after
+``--warmup`` steps (which include the compile), median over ``--steps``; ``peak_gib`` is
+``torch.cuda.max_memory_allocated`` over the timed steps (AdamW's states included); tokens/s is
+tokens / median step. ``--compile-scope layers`` (default) compiles each decoder layer in place (fla's
+delta rule is a ``torch.compiler.disable`` region, so a layer is two graphs around it); ``model``
+compiles the whole model. Every run starts from the same seed and batch: ``losses`` are its first
+``--loss-steps`` losses (warm-up steps included), ``loss_diff_vs_stock`` their largest difference from
+``stock-torch``'s of the same mode and plain norms.
+
+``--device cpu`` is a smoke mode: a tiny model (hidden 64, 2 layers, one of each kind, 32 tokens),
+eager, 1 warm-up and 2 timed steps by default, host clock, no peak memory; with ``--dtype fp32`` the
+cake runs' first loss is bitwise stock-torch's (the CPU path does the class's FP32 operations).
+
+Rows: ``{impl, mode, plain_norms, gated_norm, tokens, step_ms, tokens_per_s, peak_gib, losses,
+loss_diff_vs_stock}``; ``error`` instead of the numbers when a run raised, ``skipped`` when its
+implementation does not import. The results file is rewritten after every run; ``--append`` keeps
+OUT's rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib
+import json
+import sys
+from dataclasses import asdict, dataclass
+from importlib import metadata
+from pathlib import Path
+
+import torch
+from torch import nn
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from model_step import compiled, decoder_layers, time_steps  # noqa: E402
+from results_doc import kept_rows, write_results  # noqa: E402
+from sweep import _use_source_tree  # noqa: E402
+
+IMPLS = ("stock-torch", "fla", "cake", "cake-one-rounding")
+STOCK = "stock-torch"
+PLAIN_NORMS = ("stock", "cake")
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class Size:
+    """A Qwen3NextConfig's sizes, and the batch."""
+
+    hidden: int
+    layers: int
+    full_attention_interval: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    linear_key_heads: int
+    linear_value_heads: int
+    linear_head_dim: int
+    intermediate: int
+    vocab: int
+    batch: int
+    seq: int
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq
+
+    @property
+    def layer_types(self) -> list[str]:
+        """The config's default pattern: every ``full_attention_interval``-th layer full attention."""
+        return [
+            "full_attention" if (i + 1) % self.full_attention_interval == 0 else "linear_attention"
+            for i in range(self.layers)
+        ]
+
+
+FULL = Size(
+    hidden=2048,
+    layers=8,
+    full_attention_interval=4,
+    heads=16,
+    kv_heads=2,
+    head_dim=256,
+    linear_key_heads=16,
+    linear_value_heads=32,
+    linear_head_dim=128,
+    intermediate=5632,
+    vocab=32000,
+    batch=1,
+    seq=8192,
+)
+# One layer of each kind, so the smoke run goes through both mixers.
+TINY = Size(
+    hidden=64,
+    layers=2,
+    full_attention_interval=2,
+    heads=4,
+    kv_heads=2,
+    head_dim=16,
+    linear_key_heads=2,
+    linear_value_heads=4,
+    linear_head_dim=16,
+    intermediate=128,
+    vocab=128,
+    batch=1,
+    seq=32,
+)
+
+
+def qwen3_next_config(size: Size):
+    import transformers
+
+    return transformers.Qwen3NextConfig(
+        vocab_size=size.vocab,
+        hidden_size=size.hidden,
+        intermediate_size=size.intermediate,
+        num_hidden_layers=size.layers,
+        num_attention_heads=size.heads,
+        num_key_value_heads=size.kv_heads,
+        head_dim=size.head_dim,
+        linear_key_head_dim=size.linear_head_dim,
+        linear_value_head_dim=size.linear_head_dim,
+        linear_num_key_heads=size.linear_key_heads,
+        linear_num_value_heads=size.linear_value_heads,
+        num_experts=0,  # a dense MLP in every layer
+        layer_types=size.layer_types,
+        max_position_embeddings=size.seq,
+        use_cache=False,  # a training step: no recurrent state or KV cache kept
+        attn_implementation="sdpa",
+    )
+
+
+def linear_mixers(model: nn.Module) -> list[nn.Module]:
+    """The Gated DeltaNet mixers of the model, each holding one gated norm as ``.norm``."""
+    return [layer.linear_attn for layer in decoder_layers(model) if hasattr(layer, "linear_attn")]
+
+
+def hf_gated_norm(mixer: nn.Module) -> nn.Module:
+    """The mixer's gated norm as Hugging Face's ``Qwen3NextRMSNormGated``, holding the same weight: the
+    module itself when it already is one (transformers 5.17+), else a new one (older transformers
+    built fla's there when fla imports)."""
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNormGated
+
+    if isinstance(mixer.norm, Qwen3NextRMSNormGated):
+        return mixer.norm
+    with torch.device("meta"):
+        norm = Qwen3NextRMSNormGated(mixer.head_v_dim, eps=mixer.layer_norm_epsilon)
+    norm.weight = mixer.norm.weight
+    return norm
+
+
+def fla_gated_norm(mixer: nn.Module) -> nn.Module:
+    """fla's ``FusedRMSNormGated`` as transformers 5.0 built it in the slot, holding the same weight."""
+    from fla.modules import FusedRMSNormGated
+
+    norm = FusedRMSNormGated(mixer.head_v_dim, eps=mixer.layer_norm_epsilon, activation="silu", device="meta")
+    norm.weight = mixer.norm.weight
+    return norm
+
+
+def install_gated_norms(model: nn.Module, impl: str) -> None:
+    """Put ``impl``'s gated norm in every linear-attention layer (the weight Parameters are kept)."""
+    import cake_cute
+
+    mixers = linear_mixers(model)
+    for mixer in mixers:
+        mixer.norm = fla_gated_norm(mixer) if impl == "fla" else hf_gated_norm(mixer)
+    if impl.startswith("cake"):
+        policy = "one_rounding" if impl == "cake-one-rounding" else None
+        swapped = cake_cute.swap_gated_rmsnorm(model, cast_policy=policy)
+        if swapped != len(mixers):
+            raise RuntimeError(f"swap_gated_rmsnorm replaced {swapped} gated norms of {len(mixers)}")
+
+
+def build_model(size: Size, impl: str, plain_norms: str, dtype, device) -> nn.Module:
+    """The seeded random-init model with ``impl``'s gated norms and ``plain_norms``' plain norms."""
+    import transformers
+
+    import cake_cute
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.Qwen3NextForCausalLM(qwen3_next_config(size)).to(dtype)
+    if plain_norms == "cake":
+        # Before the gated norms: swap_rmsnorm leaves Hugging Face's gated class alone (not an RMSNorm's
+        # forward), and fla's module is never offered to it.
+        cake_cute.swap_rmsnorm(model)
+    install_gated_norms(model, impl)
+    return model.train()
+
+
+def batch_loss(size: Size, device):
+    """loss(model) of one fixed batch (seeded): Hugging Face's causal-LM loss from ``labels=``."""
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, size.vocab, (size.batch, size.seq), generator=generator).to(device)
+
+    def loss(model):
+        return model(input_ids=ids, labels=ids).loss
+
+    return loss
+
+
+def recording(loss, count: int):
+    """(loss function, list): the wrapped function keeps its first ``count`` losses, detached (no host
+    synchronization inside the steps)."""
+    first: list[torch.Tensor] = []
+
+    def loss_and_record(model):
+        value = loss(model)
+        if len(first) < count:
+            first.append(value.detach())
+        return value
+
+    return loss_and_record, first
+
+
+def fla_import_error() -> str | None:
+    try:
+        importlib.import_module("fla.modules")
+    except Exception as exc:  # fla missing, or its Triton / torch too old: the peer is skipped
+        return repr(exc)
+    return None
+
+
+def _resolved_by_package(function) -> bool | None:
+    """Whether a function wrapped by transformers' ``use_kernel_func_from_hub_with_fallback`` runs
+    the package's implementation (its closure's ``is_new_implementation``), looking through any
+    wrapper that keeps ``__wrapped__``; None when no such closure is found."""
+    while function is not None:
+        code, closure = getattr(function, "__code__", None), getattr(function, "__closure__", None)
+        if code is not None and closure:
+            cells = dict(zip(code.co_freevars, closure))
+            if "is_new_implementation" in cells:
+                return cells["is_new_implementation"].cell_contents
+        function = getattr(function, "__wrapped__", None)
+    return None
+
+
+def linear_attention_paths() -> dict:
+    """Which implementation transformers' Qwen3-Next calls for its linear-attention functions."""
+    from transformers.models.qwen3_next import modeling_qwen3_next as hf
+
+    packages = {"torch_chunk_gated_delta_rule": "fla", "causal_conv1d_fn": "causal_conv1d"}
+    paths = {}
+    for name, package in packages.items():
+        resolved = _resolved_by_package(getattr(hf, name, None))
+        paths[name] = "unknown" if resolved is None else (package if resolved else "torch")
+    return paths
+
+
+def default_gated_norm(size: Size) -> str:
+    """The class transformers builds in the gated-norm slot when nothing is swapped (meta device)."""
+    import transformers
+
+    with torch.device("meta"):
+        model = transformers.Qwen3NextForCausalLM(qwen3_next_config(size))
+    return type(linear_mixers(model)[0].norm).__name__
+
+
+def measure(size, impl, plain_norms, mode, args, device) -> dict:
+    """One run's timing, peak memory and first losses."""
+    torch._dynamo.reset()
+    model = build_model(size, impl, plain_norms, DTYPES[args.dtype], device)
+    gated_norm = type(linear_mixers(model)[0].norm).__name__
+    stepped = compiled(model, impl, False, args.compile_scope) if mode == "compile" else model
+    loss, first_losses = recording(batch_loss(size, device), args.loss_steps)
+    optimizer = torch.optim.AdamW(model.parameters())
+    step_ms, peak = time_steps(stepped, loss, device, args.warmup, args.steps, optimizer)
+    return dict(
+        gated_norm=gated_norm,
+        step_ms=round(step_ms, 3),
+        tokens_per_s=round(size.tokens / step_ms * 1e3),
+        peak_gib=peak and round(peak, 3),
+        losses=[value.item() for value in first_losses],
+    )
+
+
+def with_loss_diff(row: dict, rows: list[dict]) -> dict:
+    """``row`` with its losses' largest difference from stock-torch's of the same mode and plain norms."""
+    stock = next(
+        (
+            r
+            for r in rows
+            if r["impl"] == STOCK and r["mode"] == row["mode"] and r["plain_norms"] == row["plain_norms"]
+        ),
+        None,
+    )
+    if "losses" not in row or stock is None or "losses" not in stock:
+        return row
+    diffs = [abs(a - b) for a, b in zip(row["losses"], stock["losses"])]
+    return {**row, "loss_diff_vs_stock": max(diffs, default=None)}
+
+
+def run(args, size: Size, save=None) -> list[dict]:
+    """Every (plain norms, mode, implementation) of ``args``; ``save(rows)`` after each run."""
+    device = torch.device(args.device)
+    fla_missing = fla_import_error()
+    rows: list[dict] = []
+    for plain_norms in args.plain_norms:
+        for mode in args.modes:
+            for impl in args.impls:
+                row = dict(impl=impl, mode=mode, plain_norms=plain_norms, tokens=size.tokens)
+                if impl == "fla" and fla_missing is not None:
+                    row["skipped"] = f"fla does not import: {fla_missing}"
+                else:
+                    try:
+                        row |= measure(size, impl, plain_norms, mode, args, device)
+                    except Exception as exc:  # one implementation failing must not cost the others' rows
+                        row["error"] = repr(exc)
+                rows.append(with_loss_diff(row, rows))
+                print(json.dumps(rows[-1]), flush=True)
+                if save is not None:
+                    save(rows)
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    return rows
+
+
+def _version(*distributions: str) -> str | None:
+    for name in distributions:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return None
+
+
+def _list_of(choices):
+    def parse(text: str) -> list[str]:
+        values = text.split(",")
+        if unknown := set(values) - set(choices):
+            raise argparse.ArgumentTypeError(f"unknown {sorted(unknown)}, expected a subset of {choices}")
+        return values
+
+    return parse
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("out", type=Path, help="JSON file to write")
+    p.add_argument("--device", default="cuda", help="cuda, or cpu: the tiny smoke model, eager")
+    p.add_argument("--tiny", action="store_true", help="the tiny model (implied by --device cpu)")
+    p.add_argument("--impls", type=_list_of(IMPLS), default=list(IMPLS), help=f"subset of {','.join(IMPLS)}")
+    p.add_argument(
+        "--plain-norms",
+        type=_list_of(PLAIN_NORMS),
+        default=["stock"],
+        help="stock (Hugging Face's plain norms, default), cake (swap_rmsnorm in every run), or both",
+    )
+    p.add_argument("--modes", type=_list_of(("eager", "compile")), help="default eager,compile (cpu: eager)")
+    p.add_argument("--compile-scope", choices=("layers", "model"), default="layers")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
+    p.add_argument("--warmup", type=int, help="steps before the timed ones (default 3; cpu: 1)")
+    p.add_argument("--steps", type=int, help="timed steps (default 10; cpu: 2)")
+    p.add_argument("--loss-steps", type=int, default=3, help="how many first losses each row keeps")
+    p.add_argument("--append", action="store_true", help="keep the rows already in OUT")
+    args = p.parse_args(argv)
+    cpu = args.device == "cpu"
+    args.tiny = args.tiny or cpu
+    args.modes = args.modes or (["eager"] if cpu else ["eager", "compile"])
+    args.warmup = (1 if cpu else 3) if args.warmup is None else args.warmup
+    args.steps = (2 if cpu else 10) if args.steps is None else args.steps
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    _use_source_tree()
+    size = TINY if args.tiny else FULL
+    paths = linear_attention_paths()
+    default_norm = default_gated_norm(size)
+    print(f"linear attention: {paths}; the gated-norm slot's default class: {default_norm}", flush=True)
+    kept = kept_rows(args.out, args.append)
+    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device
+
+    def save(rows: list[dict]) -> None:
+        write_results(
+            args.out,
+            "benchmarks/gated_model_step.py",
+            device,
+            kept + rows,
+            model="Qwen3NextForCausalLM",
+            size=asdict(size),
+            dtype=args.dtype,
+            optimizer="adamw",
+            compile_scope=args.compile_scope,
+            warmup=args.warmup,
+            steps=args.steps,
+            transformers=_version("transformers"),
+            fla=_version("fla-core", "flash-linear-attention"),
+            linear_attention=paths,
+            default_gated_norm=default_norm,
+        )
+
+    save(run(args, size, save))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

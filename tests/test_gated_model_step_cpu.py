@@ -1,0 +1,75 @@
+"""benchmarks/gated_model_step.py without a GPU: its smoke mode end to end (a tiny Qwen3-Next, FP32,
+eager, in its own process), and the gated-norm slot made Hugging Face's class whatever transformers
+built there.
+
+The first-step loss of both cake runs is asserted bitwise equal to stock-torch's. Same seed, same
+batch, so the first forward differs only in the gated norms, and in FP32 on CPU they compute what the
+class computes: the CPU path does ``Qwen3NextRMSNormGated``'s FP32 operations in its order
+(docs/gated.md: a swapped model's FP32 logits are bitwise the stock model's), and in FP32 the class's
+roundings to the input dtype are exact, so ``one_rounding`` is the same arithmetic. Later losses are
+not compared bitwise: the backward is the kernels' closed form (gradients within rtol 1e-4 of
+autograd's chain), and AdamW carries that into the next steps.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def smoke_rows(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("gated-model-step") / "step.json"
+    command = [sys.executable, str(BENCHMARKS / "gated_model_step.py"), str(out), "--device", "cpu"]
+    subprocess.run([*command, "--dtype", "fp32"], check=True, capture_output=True, timeout=600)
+    doc = json.loads(out.read_text())
+    assert doc["default_gated_norm"] == "Qwen3NextRMSNormGated"
+    assert set(doc["linear_attention"]) == {"torch_chunk_gated_delta_rule", "causal_conv1d_fn"}
+    return doc["rows"]
+
+
+def test_smoke_run_has_a_row_per_implementation(smoke_rows):
+    assert [(r["impl"], r["mode"], r["plain_norms"]) for r in smoke_rows] == [
+        (impl, "eager", "stock") for impl in ("stock-torch", "fla", "cake", "cake-one-rounding")
+    ]
+    for row in smoke_rows:
+        if row["impl"] == "fla" and "skipped" in row:  # fla-core is not a dependency
+            continue
+        assert "error" not in row, row
+        assert row["step_ms"] > 0 and row["tokens_per_s"] > 0 and row["peak_gib"] is None
+        assert len(row["losses"]) == 3
+
+
+def test_smoke_run_cake_first_loss_is_stock_torchs(smoke_rows):
+    rows = {r["impl"]: r for r in smoke_rows}
+    assert rows["stock-torch"]["gated_norm"] == "Qwen3NextRMSNormGated"
+    for impl in ("cake", "cake-one-rounding"):
+        assert rows[impl]["gated_norm"] == "CakeGatedRMSNorm"
+        assert rows[impl]["losses"][0] == rows["stock-torch"]["losses"][0]  # bitwise: module docstring
+
+
+def test_stock_torch_puts_the_hugging_face_class_in_a_slot_holding_another_module(monkeypatch):
+    """Transformers 5.0 and older build fla's FusedRMSNormGated in the slot when fla imports: the
+    stock-torch run replaces it by Hugging Face's class on the same weight."""
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNormGated
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import gated_model_step as bench
+
+    model = bench.build_model(bench.TINY, "stock-torch", "stock", torch.float32, "cpu")
+    (mixer,) = bench.linear_mixers(model)
+    weight = mixer.norm.weight
+    mixer.norm = torch.nn.Module()  # stands for fla's module: a weight, another class
+    mixer.norm.weight = weight
+    bench.install_gated_norms(model, "stock-torch")
+    assert type(mixer.norm) is Qwen3NextRMSNormGated and mixer.norm.weight is weight
+    assert mixer.norm.variance_epsilon == model.config.rms_norm_eps
