@@ -30,6 +30,8 @@
 #   megatron     benchmarks/megatron_train.py: Megatron-Core's training loop, every run (stock, stock-again,
 #                stock-compiled-norms, cake, cake-fused-residual); needs the megatron-core wheel in .device/wheels/
 #   gated        benchmarks/gated_bench.py (bf16), fla-core and einops from .device/wheels/ where present
+#   gatedmodel   benchmarks/gated_model_step.py: a Qwen3-Next training step with stock, fla and cake gated norms;
+#                eager with both plain-norm variants, then compiled per layer (fla-core and einops as for gated)
 #   hostbound    benchmarks/hostbound.py, eager only (the host cost of one step next to F.rms_norm's)
 #   torchtitan022  benchmarks/torchtitan_022_gpu.py: torchtitan 0.2.2's llama3 debug model, stock norm against the
 #                converter cake_rmsnorm, 10 steps; needs the wheels of benchmarks/torchtitan_022_kit.sh in .device/tt/
@@ -180,6 +182,15 @@ section_gated() {
   local d=$RES/gated && mkdir -p "$d"
   install_wheels einops fla_core
   bounded 300 "$d/bench.log" python3 benchmarks/gated_bench.py "$d/$day-nvidia-h200-gated.json"
+}
+
+section_gatedmodel() {
+  local d=$RES/gatedmodel && mkdir -p "$d"
+  local out=$d/$day-nvidia-h200-gated-model-step.json
+  install_wheels einops fla_core
+  # Eager first, both plain-norm variants: a compile that runs long then costs only compiled rows.
+  bounded 180 "$d/eager.log" python3 benchmarks/gated_model_step.py "$out" --modes eager --plain-norms stock,cake
+  bounded 300 "$d/compile.log" python3 benchmarks/gated_model_step.py "$out" --append --modes compile
 }
 
 section_hostbound() {
