@@ -32,6 +32,8 @@
 #   gated        benchmarks/gated_bench.py (bf16), fla-core and einops from .device/wheels/ where present
 #   gatedmodel   benchmarks/gated_model_step.py: a Qwen3-Next training step with stock, fla and cake gated norms;
 #                eager with both plain-norm variants, then compiled per layer (fla-core and einops as for gated)
+#   memory       the memory-efficient mode: benchmarks/model_step.py (Llama, H = 4096, AdamW; torch, Liger,
+#                cake_cute and cake_cute_memory_efficient, eager and compiled) and benchmarks/memory_bench.py
 #   hostbound    benchmarks/hostbound.py, eager only (the host cost of one step next to F.rms_norm's)
 #   torchtitan022  benchmarks/torchtitan_022_gpu.py: torchtitan 0.2.2's llama3 debug model, stock norm against the
 #                converter cake_rmsnorm, 10 steps; needs the wheels of benchmarks/torchtitan_022_kit.sh in .device/tt/
@@ -191,6 +193,13 @@ section_gatedmodel() {
   # Eager first, both plain-norm variants: a compile that runs long then costs only compiled rows.
   bounded 180 "$d/eager.log" python3 benchmarks/gated_model_step.py "$out" --modes eager --plain-norms stock,cake
   bounded 300 "$d/compile.log" python3 benchmarks/gated_model_step.py "$out" --append --modes compile
+}
+
+section_memory() {
+  local d=$RES/memory && mkdir -p "$d"
+  bounded 330 "$d/model_step.log" python3 benchmarks/model_step.py "$d/$day-nvidia-h200-model-step-memory.json" \
+    --hidden 4096 --optimizer adamw --impls torch,liger,cake_cute,cake_cute_memory_efficient
+  bounded 150 "$d/bench.log" python3 benchmarks/memory_bench.py "$d/$day-nvidia-h200-memory-bench.json"
 }
 
 section_hostbound() {
