@@ -285,6 +285,16 @@ def test_a_parts_backward_launches_the_one_g_program_count():
     assert launch_plan.backward_launch(10**6, 8192, "bf16", "bf16", True, H200) == (264, 264)
 
 
+def test_a_memory_efficient_backward_launches_its_own_residency():
+    """bf16 H = 8192 in residual mode again: the tile of 1 / s leaves the memory-efficient backward one
+    CTA per SM, and it launches that many programs (132), not the default's 264 in two waves."""
+    default = backward_config("sm_90a", "bf16", "bf16", 8192, True)
+    from_output = backward_config("sm_90a", "bf16", "bf16", 8192, True, from_output=True)
+    assert (default.ctas_per_sm, from_output.ctas_per_sm) == (2, 1)
+    assert launch_plan.backward_launch(10**6, 8192, "bf16", "bf16", True, H200) == (264, 264)
+    assert launch_plan.backward_launch(10**6, 8192, "bf16", "bf16", True, H200, True) == (132, 132)
+
+
 def test_reduce_config_spreads_narrow_rows():
     assert [reduce_config("sm_90a", "fp32", h).col_lanes for h in (1, 1024, 4096, 65536, 262144)] == [
         1,

@@ -29,9 +29,9 @@ rest -- a, c, dx, dW, the ring, the partial rows -- is the default's, and the de
 is unchanged (every difference is behind ``const_expr``). y = round(xhat * s) carries one rounding to
 the activation dtype, so the recomputed xhat has y's relative error where h * rstd had h's; a column
 whose |s| is below the floor gets a wrong xhat (dW and dx of that column) by construction. The
-variant launches the default variant's number of programs (``launch_plan.backward_programs``): the
-same partition of rows and order of the dW sum; where its extra tile lowers the CTAs resident per SM,
-the programs beyond them run in a second wave.
+variant launches as many programs as its own residency allows (``launch_plan.backward_programs``):
+where its extra tile lowers the CTAs resident per SM, fewer programs than the default's (one wave,
+each visiting more row tiles), in a partition as fixed as the default's.
 
 Parts of g: the sum is what torch inductor's fused elementwise add of the parts stores, so dx and dW
 are bitwise those of the unfused compiled graph, without its add kernel. Runtime arguments (TVM-FFI;
