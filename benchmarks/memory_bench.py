@@ -30,7 +30,15 @@ from cake_cute.vocab import DTYPE_NAMES, torch_dtype
 
 EPS = 1e-6
 # (T, H): every call moves at least 64 MB in bf16.
-SHAPES = [(8192, 2048), (16384, 2048), (8192, 4096), (16384, 4096), (32768, 4096), (8192, 8192)]
+SHAPES = [
+    (8192, 2048),
+    (16384, 2048),
+    (8192, 4096),
+    (16384, 4096),
+    (32768, 4096),
+    (8192, 8192),
+    (4096, 16384),
+]
 MODES = {"default": False, "memory_efficient": True}
 
 
