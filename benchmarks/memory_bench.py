@@ -6,11 +6,11 @@ saves its input), each as a fraction of a device copy of the bytes it must move.
 Both backwards read g and one saved [T, H] tensor (x or h_new by default, y in the mode), read
 g_residual in residual mode, and write dx: ``(3 [+ 1]) * T * H * act_bytes + 4 * T`` bytes, the same for
 both. ``fraction`` = (device time of a copy of those bytes) / (device time of the backward): 1.0 runs at
-the copy's speed. The backward runs through autograd (``torch.autograd.backward`` of y, and of h_new in
-residual mode, the forward run untimed before each call), x the only input that asks for a gradient
-besides w, so its time is the backward kernel, the dW reduction and dW's cast to w's dtype, for both
-modes alike. Device times are medians of ``--reps`` calls (``cake_cute.tools.bench.timing.DeviceTimer``:
-a spin kernel hides the host; inputs rotate through enough sets to exceed twice the L2).
+the copy's speed. The backward runs through autograd (``torch.autograd.grad`` of y, and of h_new
+in residual mode, for x and w; the forward run untimed before each call), so its time is the
+backward kernel, the dW reduction and dW's cast to w's dtype, for both modes alike. Device times are
+medians of ``--reps`` calls (``cake_cute.tools.bench.timing.DeviceTimer``: a spin kernel hides the
+host; inputs rotate through enough sets to exceed twice the L2).
 
     python benchmarks/memory_bench.py results.json [--dtypes bf16,fp16,fp32] [--reps 20]
 """
@@ -65,20 +65,24 @@ class Case:
         return tensor().requires_grad_(), extra(), tensor(), extra()
 
     def forward(self, memory_efficient: bool):
-        """(outputs, their gradients) of the next set's forward, ready for one backward."""
+        """(outputs, their gradients, the inputs asking for one) of the next set's forward."""
         x, residual, g, g_residual = self.sets[self.rotation.next()]
-        x.grad = self.w.grad = None
         out = cake_rmsnorm(x, self.w, EPS, residual=residual, memory_efficient=memory_efficient)
         if self.residual:
-            return list(out), [g, g_residual]
-        return [out], [g]
+            return list(out), [g, g_residual], [x, self.w]
+        return [out], [g], [x, self.w]
+
+    @staticmethod
+    def backward(call):
+        # autograd.grad, not backward: no accumulation into .grad, and retain_graph because the timer
+        # runs a call again when the host was late the first time.
+        outputs, grads, inputs = call
+        return torch.autograd.grad(outputs, inputs, grads, retain_graph=True)
 
     def time(self, timer, memory_efficient: bool, reps: int) -> float:
         for _ in range(len(self.sets)):  # compiles, caches, every set touched once
-            torch.autograd.backward(*self.forward(memory_efficient))
-        return timer.device_us(
-            lambda pair: torch.autograd.backward(*pair), reps, setup=lambda: self.forward(memory_efficient)
-        )
+            self.backward(self.forward(memory_efficient))
+        return timer.device_us(self.backward, reps, setup=lambda: self.forward(memory_efficient))
 
 
 def run(dtypes, reps) -> list[dict]:

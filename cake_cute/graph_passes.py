@@ -7,7 +7,8 @@ one elementwise kernel (it reads the summands and writes their sum, which the no
 reads again), where with torch's own norm it folds them into its norm-backward kernel.
 ``fold_gradient_sums`` rewrites ``rmsnorm_bwd(add(add(a, b), c), ...)`` into
 ``rmsnorm_bwd_parts([a, b, c], ...)``, whose kernel reads the summands itself: per norm, the sum's
-write and read (2 x T x H elements) and one launch less.
+write and read (2 x T x H elements) and one launch less. The memory-efficient mode's
+``rmsnorm_bwd_from_output`` folds the same way into ``rmsnorm_bwd_from_output_parts``.
 
 Bits: inductor's fused add sums in FP32 and rounds once when it stores (its default; with
 ``emulate_precision_casts`` it rounds each add and this pass folds nothing); the kernel sums in
@@ -75,8 +76,9 @@ def _summands(g, x) -> list:
 
 
 def fold_gradient_sums(graph: torch.fx.Graph) -> int:
-    """Rewrite each ``rmsnorm_bwd`` whose gradient is a foldable sum (see the module docstring) into
-    ``rmsnorm_bwd_parts`` of its summands.
+    """Rewrite each ``rmsnorm_bwd`` (``rmsnorm_bwd_from_output``) whose gradient is a foldable sum (see
+    the module docstring) into ``rmsnorm_bwd_parts`` (``rmsnorm_bwd_from_output_parts``) of its
+    summands.
 
     Parameters
     ----------
@@ -90,15 +92,21 @@ def fold_gradient_sums(graph: torch.fx.Graph) -> int:
     """
     if torch._inductor.config.emulate_precision_casts:
         return 0
+    ops = torch.ops.cake_cute
+    folded_ops = {
+        ops.rmsnorm_bwd.default: ops.rmsnorm_bwd_parts.default,
+        ops.rmsnorm_bwd_from_output.default: ops.rmsnorm_bwd_from_output_parts.default,
+    }
+    backward_calls = [node for op in folded_ops for node in graph.find_nodes(op="call_function", target=op)]
     folded = 0
-    for node in list(graph.find_nodes(op="call_function", target=torch.ops.cake_cute.rmsnorm_bwd.default)):
+    for node in backward_calls:
         g, x = node.args[0], _value(node.args[1])
         parts = _summands(g, x)
         if not 2 <= len(parts) <= MAX_GRADIENT_PARTS or not all(map(_materialized, parts)):
             continue
         with graph.inserting_before(node):
             folded_call = graph.call_function(
-                torch.ops.cake_cute.rmsnorm_bwd_parts.default, (parts, *node.args[1:]), dict(node.kwargs)
+                folded_ops[node.target], (parts, *node.args[1:]), dict(node.kwargs)
             )
         folded_call.meta.update(node.meta)
         if "eager_input_vals" in node.meta:  # the traced argument values inductor lays outputs out by

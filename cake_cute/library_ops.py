@@ -158,6 +158,16 @@ def _rmsnorm_bwd_from_output_cpu(g, y, w, rstd, g_residual=None, weight_offset=0
     return cpu.backward_from_output(g, y, w, rstd, g_residual, weight_offset)
 
 
+def rmsnorm_bwd_from_output_parts(g, y, w, rstd, g_residual=None, weight_offset=0.0):
+    """``rmsnorm_bwd_from_output`` of the gradient whose summands are the list ``g``, summed in the kernel
+    as ``rmsnorm_bwd_parts`` sums them."""
+    return rmsnorm_bwd_from_output(tuple(g), y, w, rstd, g_residual, weight_offset)
+
+
+def _rmsnorm_bwd_from_output_parts_cpu(g, y, w, rstd, g_residual=None, weight_offset=0.0):
+    return cpu.backward_from_output(summed_gradient(g), y, w, rstd, g_residual, weight_offset)
+
+
 def rmsnorm_bwd_parts(g, x, w, rstd, g_residual=None, weight_offset=0.0):
     """``rmsnorm_bwd`` of the gradient whose summands are the list ``g`` (2 or 3 tensors, x's shape and
     dtype), summed in the kernel (FP32, left to right, rounded once): what ``graph_passes`` puts in
@@ -293,6 +303,13 @@ define_op(
     _BWD_PARTS_SCHEMA,
     rmsnorm_bwd_parts,
     cpu=_rmsnorm_bwd_parts_cpu,
+    fake=_rmsnorm_bwd_parts_fake,
+)
+define_op(
+    "rmsnorm_bwd_from_output_parts",
+    _BWD_PARTS_SCHEMA,
+    rmsnorm_bwd_from_output_parts,
+    cpu=_rmsnorm_bwd_from_output_parts_cpu,
     fake=_rmsnorm_bwd_parts_fake,
 )
 dispatch.provide_op_bodies(rmsnorm_fwd, rmsnorm_bwd, rmsnorm_bwd_parts, rmsnorm_fp8_fwd)

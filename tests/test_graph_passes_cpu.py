@@ -18,6 +18,15 @@ from cake_cute.reference import summed_gradient
 T, H = 6, 32
 BWD = torch.ops.cake_cute.rmsnorm_bwd.default
 BWD_PARTS = torch.ops.cake_cute.rmsnorm_bwd_parts.default
+# (backward, its op of summands): the default mode's, and the memory-efficient mode's (y in x's place).
+BACKWARDS = [
+    (BWD, BWD_PARTS),
+    (
+        torch.ops.cake_cute.rmsnorm_bwd_from_output.default,
+        torch.ops.cake_cute.rmsnorm_bwd_from_output_parts.default,
+    ),
+]
+BACKWARD_IDS = ["default", "from_output"]
 
 
 def _inputs(dtype=torch.float32, parts=3):
@@ -50,19 +59,20 @@ def _assert_bitwise(actual, expected):
         assert torch.equal(a, e)
 
 
+@pytest.mark.parametrize("backward, backward_parts", BACKWARDS, ids=BACKWARD_IDS)
 @pytest.mark.parametrize("parts", [2, 3])
-def test_dgrad_sums_are_folded_in_order(parts):
+def test_dgrad_sums_are_folded_in_order(parts, backward, backward_parts):
     x, w, rstd, acts, mats = _inputs(parts=parts)
 
     def step(x, w, rstd, acts, mats):
         g = acts[0] @ mats[0]
         for a, m in zip(acts[1:], mats[1:]):
             g = g + a @ m
-        return BWD(g, x, w, rstd)
+        return backward(g, x, w, rstd)
 
     expected, actual, graph, folded = _fold(step, x, w, rstd, acts, mats)
-    assert folded == 1 and not _calls(graph, BWD) and not _calls(graph, torch.ops.aten.add.Tensor)
-    (call,) = _calls(graph, BWD_PARTS)
+    assert folded == 1 and not _calls(graph, backward) and not _calls(graph, torch.ops.aten.add.Tensor)
+    (call,) = _calls(graph, backward_parts)
     assert call.args[0] == _calls(graph, torch.ops.aten.mm.default)  # the products, in order
     _assert_bitwise(actual, expected)  # FP32: the eager adds round like the folded sum
 
@@ -127,22 +137,24 @@ def test_nothing_is_folded_when_inductor_rounds_each_add():
         assert _fold(step, x, w, rstd, acts, mats)[3] == 0
 
 
+@pytest.mark.parametrize("backward, backward_parts", BACKWARDS, ids=BACKWARD_IDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
-def test_parts_op_is_the_backward_of_the_rounded_sum(dtype, residual):
+def test_parts_op_is_the_backward_of_the_rounded_sum(dtype, residual, backward, backward_parts):
     x, w, rstd, _, _ = _inputs(dtype)
     parts = [torch.randn(T, H).to(dtype) for _ in range(3)]
     g_res = torch.randn(T, H).to(dtype) if residual else None
-    expected = BWD(summed_gradient(parts), x, w, rstd, g_res, 1.0)
-    _assert_bitwise(BWD_PARTS(parts, x, w, rstd, g_res, 1.0), expected)
+    expected = backward(summed_gradient(parts), x, w, rstd, g_res, 1.0)
+    _assert_bitwise(backward_parts(parts, x, w, rstd, g_res, 1.0), expected)
     if dtype == torch.bfloat16:  # rounded once: not the eager chain of adds, which rounds twice
         assert not torch.equal(summed_gradient(parts), parts[0] + parts[1] + parts[2])
 
 
-def test_parts_op_opcheck():
+@pytest.mark.parametrize("backward_parts", [parts for _, parts in BACKWARDS], ids=BACKWARD_IDS)
+def test_parts_op_opcheck(backward_parts):
     x, w, rstd, _, _ = _inputs()
     parts = [torch.randn(T, H) for _ in range(2)]
-    torch.library.opcheck(BWD_PARTS, (parts, x, w, rstd, None, 0.0))
+    torch.library.opcheck(backward_parts, (parts, x, w, rstd, None, 0.0))
 
 
 def test_bad_gradient_parts_are_named():
@@ -180,9 +192,10 @@ def compiled_with_and_without_the_pass(make_model):
     return results, counts
 
 
-def test_compiled_llama_is_bitwise_with_and_without_the_pass():
+@pytest.mark.parametrize("memory_efficient", [False, True], ids=["default", "memory_efficient"])
+def test_compiled_llama_is_bitwise_with_and_without_the_pass(memory_efficient):
     """A fused bf16 Llama compiled by inductor on CPU: the pass folds each layer's two sums (q/k/v,
-    gate/up) and the loss and every gradient keep their bits."""
+    gate/up) in either mode and the loss and every gradient keep their bits."""
     pytest.importorskip("transformers")
     from cake_cute import fuse_residual_rmsnorm
 
@@ -190,7 +203,7 @@ def test_compiled_llama_is_bitwise_with_and_without_the_pass():
 
     def fused_llama():
         model = _tiny("llama", dtype=torch.bfloat16)
-        fuse_residual_rmsnorm(model)
+        fuse_residual_rmsnorm(model, memory_efficient=memory_efficient)
         return model
 
     ((loss, _, grads), (loss_folded, _, grads_folded)), counts = compiled_with_and_without_the_pass(

@@ -80,8 +80,8 @@ def errors(
 @pytest.mark.parametrize("rows, hidden", [(0, 7), (1, 1), (2, 7), (129, 4097), (129, 64)])
 def test_error_against_fp64_beside_the_default_mode(dtype, w_fp32, residual, kind, rows, hidden):
     """The mode's dx and dw stay within the dtype's tolerance of the FP64 reference, and within three
-    times the default mode's error or three units of roundoff of the activation dtype, whichever is
-    larger: xhat = y / s carries y's rounding, which the default's xhat = h * rstd has not (so where
+    times the default mode's error or three units of roundoff of the activation dtype (plus eight
+    FP32 units), whichever is larger: xhat = y / s carries y's rounding, which the default's xhat = h * rstd has not (so where
     the default's result is not rounded to the activation dtype -- dw in an FP32 w, dx at H = 1 --
     the mode's error is that rounding's, not a multiple of the default's)."""
     w_dtype = torch.float32 if w_fp32 else None
@@ -94,10 +94,14 @@ def assert_within_the_modes_bound(rows, hidden, dtype, w_dtype, residual, kind, 
         errors(rows, hidden, dtype, w_dtype, residual, kind, me, measure="terms", device=device)
         for me in (False, True)
     )
-    roundoff = torch.finfo(dtype).eps / 2
+    # y's rounding (three units of the activation dtype's roundoff), plus the FP32 roundings of the
+    # recomputed xhat (1 / s, then y * (1 / s)), which reach dx through a and through xhat * c: eight
+    # FP32 units. Beside bf16 or fp16 these vanish; in FP32, where every rounding is one unit, they
+    # are the bound (GPU, T = 1, H = 1: 3.6e-7, six units).
+    roundoff = 3 * torch.finfo(dtype).eps / 2 + 8 * torch.finfo(torch.float32).eps / 2
     for name, d, m in zip(("dx", "dw"), default, mode):
         assert m <= tolerance(dtype), (name, m)
-        assert m <= max(3 * d, 3 * roundoff), (name, m, d)
+        assert m <= max(3 * d, roundoff), (name, m, d)
 
 
 def test_t_zero_gives_empty_dx_and_zero_dw():
