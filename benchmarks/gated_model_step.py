@@ -36,7 +36,10 @@ between rows of one ``plain_norms`` is the gated norm's.
 Which linear-attention kernels ran is in the output (``linear_attention``): transformers takes
 ``chunk_gated_delta_rule`` from fla when ``fla.ops.gated_delta_rule`` imports, else its torch
 implementation (much slower), and ``causal_conv1d_fn`` from the ``causal_conv1d`` package, else torch's
-conv1d. ``default_gated_norm`` names the class the model builds in the slot when left alone.
+conv1d; ``--linear-attention torch`` makes the layers call transformers' torch delta rule even where
+fla imports (fla 0.6 refuses its gated delta-rule backward on Hopper with Triton below 3.7.1, and
+the fla norm needs only fla's norm module). ``default_gated_norm`` names the class the model builds
+in the slot when left alone.
 
 Timing and memory are benchmarks/model_step.py's (``time_steps``): CUDA events around each step after
 ``--warmup`` steps (which include the compile), median over ``--steps``; ``peak_gib`` is
@@ -288,6 +291,18 @@ def linear_attention_paths() -> dict:
     return paths
 
 
+def force_torch_delta_rule() -> None:
+    """Make Qwen3-Next's layers call transformers' own torch ``chunk_gated_delta_rule`` even where fla
+    imports (fla 0.6 refuses its gated backward on Hopper with Triton below 3.7.1): the module global
+    the layers call, unwrapped down to the torch function its decorators wrap."""
+    from transformers.models.qwen3_next import modeling_qwen3_next as hf
+
+    function = hf.torch_chunk_gated_delta_rule
+    while hasattr(function, "__wrapped__"):
+        function = function.__wrapped__
+    hf.torch_chunk_gated_delta_rule = function
+
+
 def default_gated_norm(size: Size) -> str:
     """The class transformers builds in the gated-norm slot when nothing is swapped (meta device)."""
     import transformers
@@ -394,6 +409,12 @@ def parse_args(argv):
     p.add_argument("--warmup", type=int, help="steps before the timed ones (default 3; cpu: 1)")
     p.add_argument("--steps", type=int, help="timed steps (default 10; cpu: 2)")
     p.add_argument("--loss-steps", type=int, default=3, help="how many first losses each row keeps")
+    p.add_argument(
+        "--linear-attention",
+        choices=("default", "torch"),
+        default="default",
+        help="torch: transformers' torch delta rule even where fla imports (default: its own pick)",
+    )
     p.add_argument("--append", action="store_true", help="keep the rows already in OUT")
     args = p.parse_args(argv)
     cpu = args.device == "cpu"
@@ -409,6 +430,9 @@ def main(argv=None) -> int:
     _use_source_tree()
     size = TINY if args.tiny else FULL
     paths = linear_attention_paths()
+    if args.linear_attention == "torch":
+        force_torch_delta_rule()
+        paths["torch_chunk_gated_delta_rule"] = "torch (forced)"
     default_norm = default_gated_norm(size)
     print(f"linear attention: {paths}; the gated-norm slot's default class: {default_norm}", flush=True)
     kept = kept_rows(args.out, args.append)

@@ -191,12 +191,15 @@ section_gatedmodel() {
   local out=$d/$day-nvidia-h200-gated-model-step.json
   install_wheels einops fla_core
   # Eager first, both plain-norm variants: a compile that runs long then costs only compiled rows.
-  bounded 180 "$d/eager.log" python3 benchmarks/gated_model_step.py "$out" --modes eager --plain-norms stock,cake
-  bounded 300 "$d/compile.log" python3 benchmarks/gated_model_step.py "$out" --append --modes compile
+  bounded 180 "$d/eager.log" python3 benchmarks/gated_model_step.py "$out" --modes eager --plain-norms stock,cake \
+    --linear-attention torch
+  bounded 300 "$d/compile.log" python3 benchmarks/gated_model_step.py "$out" --append --modes compile \
+    --linear-attention torch
 }
 
 section_memory() {
   local d=$RES/memory && mkdir -p "$d"
+  install_wheels liger_kernel
   bounded 330 "$d/model_step.log" python3 benchmarks/model_step.py "$d/$day-nvidia-h200-model-step-memory.json" \
     --hidden 4096 --optimizer adamw --impls torch,liger,cake_cute,cake_cute_memory_efficient
   bounded 150 "$d/bench.log" python3 benchmarks/memory_bench.py "$d/$day-nvidia-h200-memory-bench.json"
