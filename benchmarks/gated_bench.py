@@ -74,7 +74,8 @@ class Module:
     def backward_call(self, x, z, g):
         x, z = x.detach().requires_grad_(), z.detach().requires_grad_()
         y = self.module(x, z)
-        return lambda: torch.autograd.grad(y, (x, z, *self.module.parameters()), g)
+        # retain_graph: the timer runs a call again when the host was late the first time.
+        return lambda: torch.autograd.grad(y, (x, z, *self.module.parameters()), g, retain_graph=True)
 
 
 def hf_module(hidden, group, norm_before_gate, dtype):
