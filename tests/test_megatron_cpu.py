@@ -186,7 +186,6 @@ def test_zero_centered_gamma_scales_by_one_plus_weight():
     "fields, named",
     [
         (dict(normalization="LayerNorm"), "config.normalization"),
-        (dict(memory_efficient_layer_norm=True), "config.memory_efficient_layer_norm"),
     ],
 )
 def test_unsupported_norm_fields_are_named_errors(fields, named):
@@ -289,6 +288,49 @@ def test_fused_residual_form_returns_the_input_and_adds_its_gradient(dtype):
         assert_bitwise_equal(x.grad, x_ref.grad, "dx")
     else:  # the fused backward rounds (norm dx + residual grad) once, autograd rounds each then the sum
         torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-2, atol=1e-2)
+
+
+def _saved_tensors(call):
+    """(what ``call()`` returns, the tensors autograd saved while it ran)."""
+    saved = []
+
+    def pack(tensor):
+        saved.append(tensor)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        return call(), saved
+
+
+@pytest.mark.parametrize("fused_residual", [False, True], ids=["plain", "fused-residual"])
+def test_memory_efficient_layer_norm_saves_the_output(fused_residual):
+    """``memory_efficient_layer_norm`` is the memory-efficient mode: the norm saves its output y (which
+    the next linear layer keeps), not its input, and its gradients are the default mode's within the
+    mode's stated bound (FP32 here: a few units of roundoff)."""
+    fields = dict(fused_residual_rmsnorm=True) if fused_residual else {}
+    norms = [
+        MegatronCakeResidualRMSNorm(config=with_fields(make_config(), **fields, **mode), hidden_size=HIDDEN)
+        for mode in ({}, dict(memory_efficient_layer_norm=True))
+    ]
+    assert [norm.memory_efficient for norm in norms] == [False, True]
+    with torch.no_grad():
+        norms[0].weight.normal_()
+        norms[1].weight.copy_(norms[0].weight)
+    x = torch.randn(SEQ, BATCH, HIDDEN)
+    g = torch.randn_like(x)
+    grads = []
+    for norm in norms:
+        h = x.clone().requires_grad_()
+        out, saved = _saved_tensors(lambda: norm(h))  # noqa: B023 (called at once)
+        y = out[0] if fused_residual else out
+        saved_ptrs = {t.data_ptr() for t in saved}
+        assert (y.data_ptr() in saved_ptrs, h.data_ptr() in saved_ptrs) == (
+            (True, False) if norm.memory_efficient else (False, True)
+        )
+        (y * g).sum().backward()
+        grads.append((h.grad, norm.weight.grad))
+    for mode, default in zip(grads[1], grads[0]):
+        torch.testing.assert_close(mode, default, rtol=1e-5, atol=1e-5)
 
 
 def test_fused_residual_needs_has_residual_and_the_field():

@@ -35,11 +35,6 @@ def _check_norm_config(config) -> None:
             f"config.normalization must be 'RMSNorm' for a cake_cute norm, got {normalization!r}: "
             "cake_cute implements RMSNorm only; keep Megatron's own norm spec for other norms"
         )
-    if _config_flag(config, "memory_efficient_layer_norm"):
-        raise ValueError(
-            "config.memory_efficient_layer_norm must be False for a cake_cute norm: its backward reads the "
-            "saved input (x, w, rstd), not the output, so it keeps the memory this option would save"
-        )
 
 
 def _weight_device(config) -> torch.device:
@@ -61,20 +56,21 @@ def _weight_device(config) -> torch.device:
 class _NormKeepingInput(torch.autograd.Function):
     """``(y, x)``: the norm of x and x itself, whose two gradients the norm's backward adds in its own
     last step (one rounding), as Megatron's ``fused_residual_rmsnorm`` asks of a norm whose input is
-    also the residual. ``forward(ctx, x, w, eps, weight_offset)``. The save list and the backward are
-    the package's residual-mode rule (``library_ops``), with x in the place of h_new: the tensor the
-    norm normalized and returned."""
+    also the residual. ``forward(ctx, x, w, eps, weight_offset, memory_efficient)``. The save list and
+    the backward are the package's residual-mode rule (``library_ops``), with x in the place of h_new:
+    the tensor the norm normalized and returned; in the memory-efficient mode y in its place."""
 
     @staticmethod
-    def forward(ctx, x, w, eps, weight_offset):
+    def forward(ctx, x, w, eps, weight_offset, memory_efficient):
         y, rstd, _ = torch.ops.cake_cute.rmsnorm_fwd(x, w, eps, None, weight_offset)
-        save_for_backward(ctx, x, w, x, rstd, x, weight_offset, direct=False)
+        saved_output = y if memory_efficient else None
+        save_for_backward(ctx, x, w, x, rstd, x, weight_offset, direct=False, y=saved_output)
         return y, x
 
     @staticmethod
     def backward(ctx, g, g_residual):
         dx, dw, _ = norm_backward(ctx, g, g_residual)
-        return dx, dw, None, None
+        return dx, dw, None, None, None
 
 
 class MegatronCakeRMSNorm(CakeRMSNorm):
@@ -92,7 +88,8 @@ class MegatronCakeRMSNorm(CakeRMSNorm):
         ``(output, residual)``; ``params_dtype`` is the weight's dtype; ``use_cpu_initialization`` /
         ``init_model_with_meta_device`` choose its device (else the current CUDA device);
         ``persist_layer_norm`` (a choice among Apex LayerNorm kernels) changes nothing here;
-        ``memory_efficient_layer_norm`` is refused.
+        ``memory_efficient_layer_norm`` is cake_cute's memory-efficient mode (the norm saves its output
+        and recomputes the normalized input from it, as Apex's memory-efficient norm does).
     hidden_size : int
         The normalized (last) dimension: the model's hidden size, or the attention head size for q/k
         norms.
@@ -108,8 +105,8 @@ class MegatronCakeRMSNorm(CakeRMSNorm):
     Raises
     ------
     ValueError
-        ``config.normalization`` is not ``"RMSNorm"``, ``config.memory_efficient_layer_norm`` is set,
-        the weight would go on CUDA where CUDA is not available, or the errors of ``CakeRMSNorm``
+        ``config.normalization`` is not ``"RMSNorm"``, the weight would go on CUDA where CUDA is not
+        available, or the errors of ``CakeRMSNorm``
         (hidden_size, eps).
     """
 
@@ -123,6 +120,7 @@ class MegatronCakeRMSNorm(CakeRMSNorm):
             dtype=getattr(config, "params_dtype", None),
             weight_offset=1.0 if zero_centered else 0.0,
             sequence_parallel=_config_flag(config, "sequence_parallel"),
+            memory_efficient=_config_flag(config, "memory_efficient_layer_norm"),
         )
         self.fused_residual = bool(has_residual) and _config_flag(config, "fused_residual_rmsnorm")
 
@@ -149,7 +147,7 @@ class MegatronCakeRMSNorm(CakeRMSNorm):
         if not self.fused_residual or residual is not None:
             return super().forward(input, residual=residual)
         w = self.weight if self.weight.dtype in (input.dtype, torch.float32) else self.weight.float()
-        return _NormKeepingInput.apply(input, w, self.eps, self.weight_offset)
+        return _NormKeepingInput.apply(input, w, self.eps, self.weight_offset, self.memory_efficient)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + (", fused_residual=True" if self.fused_residual else "")
