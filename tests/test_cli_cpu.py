@@ -1,6 +1,7 @@
 """The ``cake-cute`` command without a GPU: warmup (cold, then warm, concurrent), info, check, and
 every way an argument can be refused."""
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -11,8 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from cake_cute.build import make_spec
+from cake_cute.compile_cache import is_cached_on_disk
 from cake_cute.specs import KernelSpec, ReduceSpec
-from cake_cute.tools import cli, info, warmup
+from cake_cute.tools import cli, info, kernel_report, warmup
+from cake_cute.tools.cubin import spill_free
 from cake_cute.vocab import SUPPORTED_ARCHS
 
 WARMUP = ["warmup", "--arch", "sm_90a,sm_100a", "--dtype", "bf16", "--hidden", "4096,65536"]
@@ -65,7 +69,7 @@ def test_cold_warmup_compiles_everything_spill_free_and_vectorized(cold_and_warm
     assert all(c.startswith("vec=") for c in configs.values()), configs
     assert all(re.search(r" regs<=\d+ smem=\d+B ", c) for n, c in configs.items() if n.startswith("cake_bwd"))
     assert all(" col_lanes=" in c for n, c in configs.items() if n.startswith("cake_dw")), configs
-    assert warmup.REPORT_LEGEND in proc.stdout
+    assert kernel_report.REPORT_LEGEND in proc.stdout
     assert proc.returncode == 0, proc.stderr  # --report exits 1 on a spill
 
 
@@ -222,6 +226,71 @@ def test_fp8_adds_the_quantizing_forwards(tmp_path, monkeypatch, capsys):
     ]
 
 
+# Two archs, bf16 and FP32 rows, w in x's dtype and in FP32, residual off and on, Gemma's offset:
+# 12 (arch, x dtype, w dtype, residual), bf16 rows taking both w dtypes (FP32 rows' two are one).
+MANY_SETTINGS = ["warmup", "--arch", "sm_90a,sm_100a", "--dtype", "bf16,fp32", "--w-dtype", "both"]
+MANY_SETTINGS += ["--weight-offset", "1", "--jobs", "1"]
+
+
+def _warmed_specs(monkeypatch, tmp_path, *args) -> list:
+    """The specs ``cake-cute *args`` brings into the cache, in order (compiling nothing)."""
+    asked = []
+    monkeypatch.setattr(warmup, "get_kernel_and_source", lambda spec: (asked.append(spec), "compiled"))
+    assert cli.main([*args, "--cache-dir", str(tmp_path)]) == 0
+    return asked
+
+
+def test_memory_efficient_adds_exactly_the_from_output_backwards(tmp_path, monkeypatch, capsys):
+    default = _warmed_specs(monkeypatch, tmp_path, *MANY_SETTINGS)
+    both = _warmed_specs(monkeypatch, tmp_path, *MANY_SETTINGS, "--memory-efficient")
+    assert len(default) == 12 * 2 + 2 * 2  # (fwd, bwd) each, and dW into FP32 and into bf16 per arch
+    assert not any(getattr(s, "from_output", False) for s in default)
+    added = [s for s in both if s not in default]
+    assert [s for s in both if s in default] == default  # the default variants unchanged, in order
+    # One per default backward, with the fields launch.backward_kernels looks the mode's up by:
+    # (g_parts, True), one summand of g when no graph pass folds a sum into the backward.
+    assert added == [dataclasses.replace(s, from_output=True) for s in default if s.kind == "bwd"]
+    assert len(added) == 12 and len(both) == 40
+    assert {(s.kind, s.g_parts, s.from_output, s.weight_offset) for s in added} == {("bwd", 1, True, 1.0)}
+    assert all(s.name().endswith("_off1_fromy") for s in added)
+    assert "warmup: 40 variants, compiled 40, " in capsys.readouterr().out.splitlines()[-1]
+
+
+def test_memory_efficient_backwards_are_reported(tmp_path, monkeypatch, capsys):
+    reported = []
+
+    def fake_reports(specs, jobs=None):
+        reported.extend(specs)
+        return [dict(CLEAN_REPORT, name=s.name()) for s in specs]
+
+    monkeypatch.setattr(kernel_report, "collect_reports", fake_reports)
+    _warmed_specs(monkeypatch, tmp_path, *ONE_ARCH_PLAIN, "--memory-efficient", "--report")
+    out = capsys.readouterr().out
+    assert [s.name() for s in reported] == [
+        "cake_fwd_sm_90a_bf16_wbf16_h4096_off0",
+        "cake_bwd_sm_90a_bf16_wbf16_h4096_off0",
+        "cake_bwd_sm_90a_bf16_wbf16_h4096_off0_fromy",
+        "cake_dw_sm_90a_fp32_h4096",
+        "cake_dw_sm_90a_bf16_h4096",
+    ]
+    assert re.search(r"^cake_bwd_sm_90a_bf16_wbf16_h4096_off0_fromy\s", out, re.M), out
+
+
+def test_a_memory_efficient_backward_compiles_without_a_gpu(tmp_path, monkeypatch):
+    """One from_output backward compiled for sm_90a by the warmup's code path, then read back as
+    ``--report`` reads it: spill-free, no global atomics, 128-bit global accesses."""
+    monkeypatch.setenv("CAKE_CUTE_CACHE_DIR", str(tmp_path))
+    spec = make_spec("bwd", "sm_90a", "bf16", "bf16", 4096, False, 0.0, 1, True)  # as the mode looks it up
+    assert spec in warmup.variant_specs(["sm_90a"], ["bf16"], [4096], memory_efficient=True)
+    result = warmup.warm([spec], jobs=1)
+    assert [o.spec for o in result.compiled] == [spec], [o.error for o in result.failed]
+    assert is_cached_on_disk(spec)
+    (report,) = kernel_report.collect_reports([spec], jobs=1)
+    assert spill_free(report) and (report["local_loads"], report["local_stores"]) == (0, 0), report
+    assert report["global_atomics"] == 0, report
+    assert report["global_load_width_bits"] == report["global_store_width_bits"] == 128, report
+
+
 @pytest.mark.parametrize("python_path", [False, True], ids=["native", "python-path"])
 def test_warmup_builds_the_native_host_path(python_path, tmp_path, monkeypatch, capsys):
     from cake_cute import native
@@ -326,11 +395,12 @@ def test_info_shows_the_config_per_kind(capsys):
     # the 2 persistent ones at H = 4096 (rows split over clusters have none).
     assert len(lines) == 2 * 9 + 2
     width = info.CONFIG_LABEL_WIDTH
-    expected = warmup.describe_config(KernelSpec("bwd", "sm_90a", "bf16", "bf16", 65536, True))
+    expected = kernel_report.describe_config(KernelSpec("bwd", "sm_90a", "bf16", "bf16", 65536, True))
     assert f"{'sm_90a bf16 H=65536 bwd residual':<{width}}{expected}" in lines
-    reduce = warmup.describe_config(ReduceSpec("sm_90a", "fp32", 4096))
+    reduce = kernel_report.describe_config(ReduceSpec("sm_90a", "fp32", 4096))
     assert f"{'sm_90a bf16 H=4096 dw':<{width}}{reduce}" in lines
-    persistent = warmup.describe_config(KernelSpec("fwd_1x128_persistent", "sm_90a", "bf16", "bf16", 4096))
+    persistent_spec = KernelSpec("fwd_1x128_persistent", "sm_90a", "bf16", "bf16", 4096)
+    persistent = kernel_report.describe_config(persistent_spec)
     assert f"{'sm_90a bf16 H=4096 fwd 1x128 persistent':<{width}}{persistent}" in lines
     assert "persistent 4/SM" in persistent
     assert all("vec=" in line for line in lines)
@@ -356,11 +426,11 @@ CLEAN_REPORT = dict(
 def test_report_has_units_a_legend_and_the_config():
     config = "vec=8 tpr=256 vpt=2 cluster=2 rows/cta=1 stages=2 regs<=128"
     report = dict(CLEAN_REPORT, name="cake_bwd_x", config=config)
-    lines = warmup.format_report([report]).splitlines()
+    lines = kernel_report.format_report([report]).splitlines()
     header = "kernel regs stack B local B LDL/STL atomics cluster threads ld bits st bits config"
     assert lines[0].split() == header.split()
     assert lines[1].split() == "cake_bwd_x 80 0 0 0/0 0 2 256 128 128".split() + report["config"].split()
-    assert lines[2] == warmup.REPORT_LEGEND and "smem" not in lines[0]
+    assert lines[2] == kernel_report.REPORT_LEGEND and "smem" not in lines[0]
 
 
 def test_describe_config_is_the_config_values_description():
@@ -371,8 +441,9 @@ def test_describe_config_is_the_config_values_description():
         KernelSpec("bwd", "sm_100a", "fp32", "fp32", 65536, True),
         ReduceSpec("sm_90a", "fp32", 4096),
     ):
-        assert warmup.describe_config(spec) == config_for(spec).describe()
-    assert warmup.describe_config(KernelSpec("bwd", "sm_90a", "bf16", "bf16", 4096)).startswith("vec=8 ")
+        assert kernel_report.describe_config(spec) == config_for(spec).describe()
+    backward = KernelSpec("bwd", "sm_90a", "bf16", "bf16", 4096)
+    assert kernel_report.describe_config(backward).startswith("vec=8 ")
 
 
 def test_concurrent_warmups_report_what_each_did(tmp_path):
@@ -431,7 +502,7 @@ def test_report_exits_1_when_a_kernel_spills_or_has_atomics(tmp_path, monkeypatc
         return [dict(CLEAN_REPORT, name=s.name(), **(bad if s.kind == "bwd" else {})) for s in specs]
 
     monkeypatch.setattr(warmup, "get_kernel_and_source", lambda spec: (None, "compiled"))
-    monkeypatch.setattr(warmup, "collect_reports", fake_reports)
+    monkeypatch.setattr(kernel_report, "collect_reports", fake_reports)
     code = cli.main([*ONE_ARCH_PLAIN, "--report", "--cache-dir", str(tmp_path)])
     out, err = capsys.readouterr()
     assert code == 1

@@ -14,7 +14,8 @@ import pytest
 
 from cake_cute.build import config_for, make_spec
 from cake_cute.tools.cubin import spill_free
-from cake_cute.tools.warmup import collect_reports, variant_specs, warm
+from cake_cute.tools.kernel_report import collect_reports
+from cake_cute.tools.warmup import variant_specs, warm
 from cake_cute.vocab import dtype_bytes
 
 ARCHS = ("sm_90a", "sm_100a")

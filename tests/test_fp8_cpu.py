@@ -12,7 +12,8 @@ import torch
 from cake_cute import cake_rmsnorm_fp8, fp8, fp8_numerics
 from cake_cute.kernels.quant_config import E4M3_MAX, QUANT_RECIPES
 from cake_cute.tools.cubin import spill_free
-from cake_cute.tools.warmup import collect_reports, programs_fit, warm
+from cake_cute.tools.kernel_report import collect_reports, programs_fit
+from cake_cute.tools.warmup import warm
 from cake_cute.vocab import dtype_bytes
 
 F32 = torch.float32

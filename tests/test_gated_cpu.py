@@ -11,7 +11,8 @@ from cake_cute.device import DeviceFacts
 from cake_cute.gated_reference import gated_backward_reference, gated_forward_reference
 from cake_cute.kernels.gated_config import gated_backward_config, gated_forward_config
 from cake_cute.tools.cubin import spill_free
-from cake_cute.tools.warmup import collect_reports, warm
+from cake_cute.tools.kernel_report import collect_reports
+from cake_cute.tools.warmup import warm
 
 EPS = 1e-6
 

@@ -135,6 +135,12 @@ def _add_warmup(sub) -> None:
         help="also the quantizing forwards of these recipes (mxfp8,1x128), with and without y",
     )
     p.add_argument(
+        "--memory-efficient",
+        action="store_true",
+        help="also the backwards of the memory-efficient mode (memory_efficient=True), which read the "
+        "forward's output",
+    )
+    p.add_argument(
         "--cache-dir", help="kernel cache directory (default $CAKE_CUTE_CACHE_DIR or ~/.cache/cake_cute)"
     )
     p.add_argument(
@@ -188,7 +194,8 @@ def cmd_warmup(args) -> int:
     or is a persistent kernel whose programs cannot share an SM at once (CI gates on these);
     exit 2 before compiling anything when the cache directory cannot be used."""
     from .cubin import spill_free
-    from .warmup import build_native, collect_reports, format_report, local_archs, variant_specs, warm
+    from .kernel_report import collect_reports, format_report
+    from .warmup import build_native, local_archs, variant_specs, warm
 
     start = time.perf_counter()
     problem = _use_cache_dir(args.cache_dir)
@@ -203,6 +210,7 @@ def cmd_warmup(args) -> int:
         RESIDUAL_MODES[args.residual],
         W_MODES[args.w_dtype],
         weight_offset=args.weight_offset,
+        memory_efficient=args.memory_efficient,
     )
     if args.fp8:
         from ..fp8 import fp8_variant_specs

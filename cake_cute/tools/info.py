@@ -76,7 +76,7 @@ def config_lines(archs, dtypes, hiddens) -> list[str]:
     persistent one where it applies); each with the config it compiles with."""
     from ..fp8 import fp8_variant_specs
     from ..specs import KernelSpec, ReduceSpec
-    from .warmup import describe_config
+    from .kernel_report import describe_config
 
     lines = []
     for arch, dtype, hidden in itertools.product(archs, dtypes, hiddens):

@@ -2,7 +2,8 @@
 
 A training job then loads every kernel from disk and never compiles on its hot path. Compiling is
 CPU-bound and independent per variant, so it runs in worker processes (spawned: the DSL's state is
-not fork-safe); a variant that is already on disk costs one ``stat``.
+not fork-safe); a variant that is already on disk costs one ``stat``. What ``--report`` prints per
+kernel is ``kernel_report``'s.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterable, Iterator
-from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, as_completed
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
@@ -65,6 +66,7 @@ def variant_specs(
     residuals: Iterable[bool] = (False, True),
     w_modes: Iterable[str] = ("same",),
     weight_offset: float = 0.0,
+    memory_efficient: bool = False,
 ) -> list[KernelSpec]:
     """Every kernel a training step can launch for these settings.
 
@@ -78,18 +80,26 @@ def variant_specs(
         w in the activation dtype, in FP32, or both.
     weight_offset : float
         The constant added to w (compiled into the forward and backward; 1.0 for Gemma).
+    memory_efficient : bool
+        Also the memory-efficient mode's backward (``from_output``: it reads the forward's output y),
+        which the default mode never launches.
 
     Returns
     -------
     list of KernelSpec
-        Forward and backward per (arch, dtype, w dtype, H, residual), and the dW reduction for both
-        outputs it is asked for (FP32 from the functional API, w's dtype from autograd); duplicates
-        removed, order kept.
+        Forward and backward (and the ``from_output`` backward when asked) per (arch, dtype, w dtype,
+        H, residual), and the dW reduction for both outputs it is asked for (FP32 from the functional
+        API, w's dtype from autograd; the two modes share it); duplicates removed, order kept.
     """
+    from_outputs = (False, True) if memory_efficient else (False,)
     specs = []
     for arch, act, hidden, residual, w_mode in itertools.product(archs, dtypes, hiddens, residuals, w_modes):
         w = act if w_mode == "same" else "fp32"
-        specs += [KernelSpec(kind, arch, act, w, hidden, residual, weight_offset) for kind in ("fwd", "bwd")]
+        specs.append(KernelSpec("fwd", arch, act, w, hidden, residual, weight_offset))
+        specs += [
+            KernelSpec("bwd", arch, act, w, hidden, residual, weight_offset, from_output=from_output)
+            for from_output in from_outputs
+        ]
         specs += [ReduceSpec(arch, out, hidden) for out in ("fp32", w)]
     return list(dict.fromkeys(specs))
 
@@ -313,93 +323,3 @@ def cache_dir_problem(path: Path, *, create_parents: bool) -> str | None:
     except OSError as exc:
         return f"{path} is not writable ({exc.strerror})"
     return None
-
-
-def describe_config(spec: KernelSpec | ReduceSpec) -> str:
-    """The configuration ``spec`` compiles with, as text: ``build.config_for(spec).describe()``."""
-    from ..build import config_for
-
-    return config_for(spec).describe()
-
-
-def programs_fit(spec: KernelSpec | ReduceSpec, registers: int) -> bool:
-    """Whether a persistent kernel whose config sets ``programs_per_sm`` (the forward to FP8's) can hold
-    all of an SM's programs at once with the ``registers`` per thread its compile took (a program
-    waiting for a slot would run its row tiles after the others finished theirs); True for others."""
-    from ..build import config_for
-    from ..kernels.tiling import REGISTERS_PER_SM
-
-    config = config_for(spec)
-    programs = getattr(config, "programs_per_sm", 0)
-    return not programs or registers * programs * config.tiling.threads_per_cta <= REGISTERS_PER_SM
-
-
-def collect_reports(specs: list[KernelSpec], jobs: int | None = None, *, sass: bool = True) -> list[dict]:
-    """Cubin reports of variants (compiled first where missing) with their configuration.
-
-    Parameters
-    ----------
-    specs : list of KernelSpec
-    jobs : int, optional
-        Threads (the tools run as subprocesses, so threads parallelize them; default: the CPU count).
-    sass : bool
-        Also disassemble (access widths, local accesses, atomics), about 0.3 s a kernel.
-
-    Returns
-    -------
-    list of dict
-        ``cubin.kernel_report`` of each spec plus ``config`` (``describe_config``) and ``programs_fit``
-        (``programs_fit``), in order.
-    """
-    from .cubin import kernel_report
-
-    def report(spec: KernelSpec) -> dict:
-        found = kernel_report(spec, sass=sass)
-        return {
-            **found,
-            "config": describe_config(spec),
-            "programs_fit": programs_fit(spec, found["registers"]),
-        }
-
-    with ThreadPoolExecutor(max_workers=jobs or default_jobs()) as pool:
-        return list(pool.map(report, specs))
-
-
-REPORT_COLUMNS = (
-    ("kernel", lambda r: r["name"]),
-    ("regs", lambda r: r["registers"]),
-    ("stack B", lambda r: r["stack_bytes"]),
-    ("local B", lambda r: r["local_bytes"]),
-    ("LDL/STL", lambda r: f"{r['local_loads']}/{r['local_stores']}"),
-    ("atomics", lambda r: r["global_atomics"]),
-    ("cluster", lambda r: r["cluster_n"]),
-    ("threads", lambda r: r["threads"] if r["threads"] is not None else "?"),
-    ("ld bits", lambda r: r["global_load_width_bits"]),
-    ("st bits", lambda r: r["global_store_width_bits"]),
-    ("config", lambda r: r["config"]),
-)
-TEXT_COLUMNS = ("kernel", "config")
-REPORT_LEGEND = (
-    "regs: registers per thread; stack B / local B: stack frame and local memory per thread in bytes "
-    "(non-zero means spills); LDL/STL: local loads/stores in the SASS; atomics: global atomics in the "
-    "SASS (non-zero breaks determinism); cluster: CTAs per cluster; "
-    "threads: per CTA; ld/st bits: widest global load/store per thread; config: the config value the "
-    "kernel compiles with (vec: elements per vector, tpr: threads per row, vpt: vectors per thread, "
-    "rows/cta: rows per CTA, min_ctas/SM: register hint, ring: staged row tiles, regs<=: register "
-    "budget, smem: shared memory per CTA in bytes (sized at launch, so the cubin does not record it), "
-    "ctas/SM: resident CTAs, col_lanes/row_lanes: the dW reduction's lanes over columns / partial rows)."
-)
-
-
-def format_report(reports: list[dict]) -> str:
-    """A plain-text table of ``collect_reports`` output (text left-aligned, numbers right-aligned),
-    followed by ``REPORT_LEGEND``."""
-    rows = [[str(get(r)) for _, get in REPORT_COLUMNS] for r in reports]
-    header = [name for name, _ in REPORT_COLUMNS]
-    widths = [max(len(c) for c in column) for column in zip(header, *rows)]
-    left = [name in TEXT_COLUMNS for name in header]
-
-    def line(cells):
-        return "  ".join(c.ljust(w) if lj else c.rjust(w) for c, w, lj in zip(cells, widths, left)).rstrip()
-
-    return "\n".join([line(header)] + [line(r) for r in rows] + [REPORT_LEGEND])
