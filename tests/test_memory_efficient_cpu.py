@@ -81,9 +81,10 @@ def errors(
 def test_error_against_fp64_beside_the_default_mode(dtype, w_fp32, residual, kind, rows, hidden):
     """The mode's dx and dw stay within the dtype's tolerance of the FP64 reference, and within three
     times the default mode's error or three units of roundoff of the activation dtype (plus eight
-    FP32 units), whichever is larger: xhat = y / s carries y's rounding, which the default's xhat = h * rstd has not (so where
-    the default's result is not rounded to the activation dtype -- dw in an FP32 w, dx at H = 1 --
-    the mode's error is that rounding's, not a multiple of the default's)."""
+    FP32 units), whichever is larger: xhat = y / s carries y's rounding, which the default's
+    xhat = h * rstd has not (so where the default's result is not rounded to the activation dtype --
+    dw in an FP32 w, dx at H = 1 -- the mode's error is that rounding's, not a multiple of the
+    default's)."""
     w_dtype = torch.float32 if w_fp32 else None
     assert_within_the_modes_bound(rows, hidden, dtype, w_dtype, residual, kind, "cpu")
 
