@@ -288,3 +288,16 @@ def suite_grid(rows) -> list:
 def rows_for(hidden: int, rows) -> list[int]:
     """The row counts tested at ``hidden``: ``rows``, capped at 129 for wide rows, duplicates dropped."""
     return list(dict.fromkeys(t if hidden < WIDE else min(t, 129) for t in rows))
+
+
+def saved_by(fn):
+    """(what ``fn()`` returns, the tensors autograd saved for the backward while it ran)."""
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, saved

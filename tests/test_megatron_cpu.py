@@ -51,7 +51,7 @@ from cake_cute.integrations.megatron import (  # noqa: E402
     with_cake_norms,
 )
 
-from ._helpers import assert_bitwise_equal, fixed_seed  # noqa: E402, F401
+from ._helpers import assert_bitwise_equal, fixed_seed, saved_by  # noqa: E402, F401
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 HIDDEN, HEADS, VOCAB, SEQ, BATCH = 64, 4, 96, 12, 2
@@ -290,18 +290,6 @@ def test_fused_residual_form_returns_the_input_and_adds_its_gradient(dtype):
         torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-2, atol=1e-2)
 
 
-def _saved_tensors(call):
-    """(what ``call()`` returns, the tensors autograd saved while it ran)."""
-    saved = []
-
-    def pack(tensor):
-        saved.append(tensor)
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        return call(), saved
-
-
 @pytest.mark.parametrize("fused_residual", [False, True], ids=["plain", "fused-residual"])
 def test_memory_efficient_layer_norm_saves_the_output(fused_residual):
     """``memory_efficient_layer_norm`` is the memory-efficient mode: the norm saves its output y (which
@@ -321,7 +309,7 @@ def test_memory_efficient_layer_norm_saves_the_output(fused_residual):
     grads = []
     for norm in norms:
         h = x.clone().requires_grad_()
-        out, saved = _saved_tensors(lambda: norm(h))  # noqa: B023 (called at once)
+        out, saved = saved_by(lambda: norm(h))  # noqa: B023 (called at once)
         y = out[0] if fused_residual else out
         saved_ptrs = {t.data_ptr() for t in saved}
         assert (y.data_ptr() in saved_ptrs, h.data_ptr() in saved_ptrs) == (

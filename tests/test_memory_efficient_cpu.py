@@ -22,7 +22,7 @@ from cake_cute.cpu import xhat_from_output
 from cake_cute.kernels.config import SCALE_FLOOR
 from cake_cute.reference import backward_reference, forward_reference, rel_error, tolerance
 
-from ._helpers import grad_rel_error, sum_rel_error
+from ._helpers import grad_rel_error, saved_by, sum_rel_error
 
 EPS = 1e-6
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -151,19 +151,6 @@ def test_cpu_backward_is_the_kernel_formula():
 # --- what autograd saves -----------------------------------------------------------------------------
 
 
-def _saved_by(fn):
-    """(outputs of ``fn()``, the tensors autograd saved while it ran)."""
-    saved = []
-
-    def pack(t):
-        saved.append(t)
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return out, saved
-
-
 def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
@@ -199,7 +186,7 @@ def _module(w, memory_efficient):
 @pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
 def test_saves_exactly_y_w_rstd_with_y_the_returned_tensor(entry, residual):
     x, r, w = _norm_inputs(residual)
-    out, saved = _saved_by(lambda: ENTRIES[entry](x, w, r, True))
+    out, saved = saved_by(lambda: ENTRIES[entry](x, w, r, True))
     y = out[0] if residual else out
     assert len(saved) == 3
     assert _shares_storage(saved[0], y) and saved[0].shape == y.shape
@@ -211,7 +198,7 @@ def test_saves_exactly_y_w_rstd_with_y_the_returned_tensor(entry, residual):
 @pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
 def test_the_default_mode_still_saves_its_input(residual):
     x, r, w = _norm_inputs(residual)
-    out, saved = _saved_by(lambda: cake_rmsnorm(x, w, EPS, r))
+    out, saved = saved_by(lambda: cake_rmsnorm(x, w, EPS, r))
     assert len(saved) == 3 and _shares_storage(saved[0], out[1] if residual else x)
 
 
@@ -220,7 +207,7 @@ def test_a_following_linear_shares_the_saved_y():
     x, _, w = _norm_inputs(False)
     linear = nn.Linear(16, 4)
     ys = []
-    _, saved = _saved_by(lambda: linear(ys.append(cake_rmsnorm(x, w, EPS, memory_efficient=True)) or ys[0]))
+    _, saved = saved_by(lambda: linear(ys.append(cake_rmsnorm(x, w, EPS, memory_efficient=True)) or ys[0]))
     assert sum(_shares_storage(t, ys[0]) for t in saved) == 2  # the norm's y and the Linear's input
 
 
