@@ -31,6 +31,7 @@ def test_kernel_specs_have_no_row_count():
         "residual",
         "weight_offset",
         "g_parts",
+        "from_output",
     }
     assert {f.name for f in dataclasses.fields(ReduceSpec)} == {"arch", "out_dtype", "hidden"}
 
