@@ -37,8 +37,7 @@ def backward(g, h, w, rstd, g_residual, weight_offset):
     gf, hf = g.float(), h.float()
     r = rstd.reshape(*h.shape[:-1], 1)
     a = gf * (w.float() + weight_offset)
-    products = gf * (hf * r)
-    dw = products.sum(dim=tuple(range(h.dim() - 1))) if h.dim() > 1 else products
+    dw = _summed_over_rows(gf * (hf * r))
     d_mean_square = ((a * hf).sum(dim=-1, keepdim=True) * -0.5) * r.pow(3)
     dx = a * r + (d_mean_square.expand(h.shape) / hidden) * (hf * 2.0)
     if g_residual is not None:
@@ -60,9 +59,7 @@ def backward_from_output(g, y, w, rstd, g_residual, weight_offset):
     dx = r * (a - xhat * c)
     if g_residual is not None:
         dx = dx + g_residual.float()
-    products = gf * xhat
-    dw = products.sum(dim=tuple(range(y.dim() - 1))) if y.dim() > 1 else products
-    return as_output(dx, y), as_output(dw, w)
+    return as_output(dx, y), as_output(_summed_over_rows(gf * xhat), w)
 
 
 def xhat_from_output(y, w, weight_offset, compute_dtype=torch.float32) -> torch.Tensor:
@@ -70,6 +67,10 @@ def xhat_from_output(y, w, weight_offset, compute_dtype=torch.float32) -> torch.
     1 / s, s = w + weight_offset in ``compute_dtype`` with |s| raised to at least
     ``kernels.config.SCALE_FLOOR``, its sign kept (0 counts as positive)."""
     s = w.to(compute_dtype) + weight_offset
-    floor = torch.full_like(s, SCALE_FLOOR)
-    clamped = torch.where(s >= 0, torch.maximum(s, floor), torch.minimum(s, -floor))
+    clamped = torch.where(s >= 0, s.clamp(min=SCALE_FLOOR), s.clamp(max=-SCALE_FLOOR))
     return y.to(compute_dtype) * clamped.reciprocal()
+
+
+def _summed_over_rows(products: torch.Tensor) -> torch.Tensor:
+    """dw's FP32 sum of the per-row products over every leading dimension (an [H] input is one row)."""
+    return products.sum(dim=tuple(range(products.dim() - 1))) if products.dim() > 1 else products

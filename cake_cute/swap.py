@@ -330,7 +330,7 @@ def swap_rmsnorm(
 
 
 def _swap_norms(
-    model: nn.Module, weight_offset, compiled_head_norms: str, entry: str, memory_efficient: bool = False
+    model: nn.Module, weight_offset, compiled_head_norms: str, entry: str, memory_efficient: bool
 ) -> int:
     """``swap_rmsnorm``'s work, called straight from each public entry point ``entry`` (its name is
     in the warnings, which point at the entry point's caller: ``_CALLER``)."""
