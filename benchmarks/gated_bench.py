@@ -84,9 +84,11 @@ def hf_module(hidden, group, norm_before_gate, dtype):
 
         return Qwen3NextRMSNormGated(hidden, eps=EPS).to("cuda", dtype)
     # Mamba-2's grouped class, of which NemotronH's (5.18+) is a copy.
-    from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated
+    from transformers.models.mamba2 import modeling_mamba2
 
-    return MambaRMSNormGated(hidden, group, eps=EPS).to("cuda", dtype)
+    # Renamed Mamba2RMSNormGated in transformers 5.25.
+    cls = getattr(modeling_mamba2, "Mamba2RMSNormGated", None) or modeling_mamba2.MambaRMSNormGated
+    return cls(hidden, group, eps=EPS).to("cuda", dtype)
 
 
 def fla_module(hidden, dtype):

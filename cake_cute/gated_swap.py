@@ -1,6 +1,6 @@
 """``swap_gated_rmsnorm``: ``CakeGatedRMSNorm`` in place of the gated RMSNorm modules of a Hugging Face
-model (Qwen3-Next's ``Qwen3NextRMSNormGated`` and its copies, Mamba-2's ``MambaRMSNormGated``,
-NemotronH, Bamba, FalconH1, GraniteMoeHybrid, Zamba2, ...).
+model (Qwen3-Next's ``Qwen3NextRMSNormGated`` and its copies, Mamba-2's ``Mamba2RMSNormGated``, named
+``MambaRMSNormGated`` before transformers 5.25, NemotronH, Bamba, FalconH1, GraniteMoeHybrid, Zamba2, ...).
 
 A module is a gated norm when its class name ends in "NormGated", it learns one 1-D ``weight`` and
 nothing else, holds a float ``variance_epsilon`` (or ``eps``), and its forward takes a ``gate`` and

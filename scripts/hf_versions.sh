@@ -10,8 +10,8 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 root=$PWD
 # The oldest declared minor's last release, and the newest release this machine's index can install
-# (5.25.0 needs kernels>=0.19.1, which is not on it).
-versions=${HF_VERSIONS:-"4.51.3 5.24.0"}
+# (5.25.0, which brings kernels 0.19 as a dependency).
+versions=${HF_VERSIONS:-"4.51.3 5.25.0"}
 venvs=${HF_VENVS:-$root/.cache/hf-venvs}
 tests=(tests/test_hf_conformance_cpu.py tests/test_fusion_cpu.py tests/test_fusion_plans_cpu.py)
 export TMPDIR=${TMPDIR:-$root/.cache/tmp} CUTE_DSL_CACHE_DIR=${CUTE_DSL_CACHE_DIR:-$root/.cache/cute-dsl}

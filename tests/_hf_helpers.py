@@ -1,6 +1,9 @@
-"""Helpers shared by the Hugging Face fusion tests: counting the norm kernel calls a model makes."""
+"""Helpers shared by the Hugging Face tests: counting the norm kernel calls a model makes, and class
+names that moved between transformers releases."""
 
 from __future__ import annotations
+
+import importlib
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -43,3 +46,13 @@ def _three_d_pair(args) -> bool:
         and all(isinstance(a, torch.Tensor) and a.dim() == 3 for a in args[:2])
         and args[0].shape == args[1].shape
     )
+
+
+def mamba2_gated_norm() -> str:
+    """The name of Mamba-2's gated norm class in the installed transformers: ``Mamba2RMSNormGated`` from
+    5.25, ``MambaRMSNormGated`` before (the same module under its old name)."""
+    try:
+        module = importlib.import_module("transformers.models.mamba2.modeling_mamba2")
+    except ImportError:
+        return "Mamba2RMSNormGated"
+    return "Mamba2RMSNormGated" if hasattr(module, "Mamba2RMSNormGated") else "MambaRMSNormGated"

@@ -558,7 +558,11 @@ def test_compiled_fullgraph_with_checkpointing(reentrant):
     fused = _swapped(model, fuse=True)
     eager_loss, _, eager_grads = _step(fused)
     torch._dynamo.reset()
-    loss, _, grads = _step(torch.compile(fused, fullgraph=True, backend="aot_eager"))
+    # transformers 5.25's kernel-hub wrapper sets a ContextVar in every attention forward, a side effect
+    # dynamo refuses inside a checkpointed region for the stock model too; its hint is this setting (the
+    # variable only selects the hub kernel, so not replaying it in the recomputation changes nothing).
+    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+        loss, _, grads = _step(torch.compile(fused, fullgraph=True, backend="aot_eager"))
     assert torch.equal(loss, eager_loss)
     _assert_grads(grads, eager_grads, exact=True)
 

@@ -36,6 +36,8 @@ from cake_cute.gated_reference import gated_forward_reference
 from cake_cute.gated_swap import GatedNormNotServed, is_gated_norm, swap_gated_rmsnorm
 from cake_cute.reference import rel_error, tolerance
 
+from ._hf_helpers import mamba2_gated_norm
+
 transformers = pytest.importorskip("transformers")
 
 VOCAB, HIDDEN, LAYERS, TOKENS = 128, 64, 2, 8
@@ -69,6 +71,7 @@ _MOE = dict(
 )
 _MAMBA = dict(mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=16, mamba_chunk_size=8)
 RTS, ONE = "round_then_scale", "one_rounding"
+MAMBA2_NORM = mamba2_gated_norm()
 FAMILIES = {
     "qwen3_next": Family(
         "Qwen3NextConfig", "Qwen3NextForCausalLM", "Qwen3NextRMSNormGated", RTS, True, {**_LINEAR, **_MOE}
@@ -94,7 +97,7 @@ FAMILIES = {
     "mamba2": Family(
         "Mamba2Config",
         "Mamba2ForCausalLM",
-        "MambaRMSNormGated",
+        MAMBA2_NORM,
         RTS,
         False,
         dict(num_heads=8, head_dim=16, n_groups=2, state_size=16, expand=2, chunk_size=8),
@@ -145,7 +148,7 @@ CLASSES = [
     ("olmo_hybrid", "OlmoHybridRMSNormGated", {}, RTS, True),
     ("qwen4_exp", "Qwen4ExpTextRMSNormGated", {}, RTS, True),
     ("lara_mini", "LaraMiniRMSNormGated", {}, ONE, True),
-    ("mamba2", "MambaRMSNormGated", dict(group_size=16), RTS, False),
+    ("mamba2", MAMBA2_NORM, dict(group_size=16), RTS, False),
     ("nemotron_h", "NemotronHRMSNormGated", dict(group_size=16), RTS, False),
     ("bamba", "BambaRMSNormGated", dict(group_size=16), RTS, False),
     ("granitemoehybrid", "GraniteMoeHybridRMSNormGated", dict(group_size=16), RTS, False),
@@ -159,7 +162,7 @@ REFUSED = [
     ("glm5_next", "Glm5NextTextRMSNormGated", {}, "gate activation is 'sigmoid', not SiLU"),
     ("qwen4_exp", "Qwen4ExpTextRMSNormGated", dict(activation="sigmoid"), "'sigmoid', not SiLU"),
     ("falcon_h1", "FalconH1RMSNormGated", dict(n_groups=3), "n_groups 3 does not divide the hidden size 64"),
-    ("mamba2", "MambaRMSNormGated", dict(group_size=24), "group_size 24 does not divide the hidden size 64"),
+    ("mamba2", MAMBA2_NORM, dict(group_size=24), "group_size 24 does not divide the hidden size 64"),
 ]
 
 
@@ -386,7 +389,7 @@ def test_compiled_swapped_module(entry, dtype):
 def test_ungated_call_is_the_grouped_norm():
     """gate=None (the Mamba-2 classes accept it): the grouped RMSNorm with the class's casts, within
     one bf16 rounding of the class (the plain kernel's statistics are torch's rms_norm's)."""
-    stock, swapped = _class_pair("mamba2", "MambaRMSNormGated", dict(group_size=16), torch.bfloat16)
+    stock, swapped = _class_pair("mamba2", MAMBA2_NORM, dict(group_size=16), torch.bfloat16)
     x, _, _ = _norm_inputs(torch.bfloat16)
     got, want = swapped(x).double(), stock(x).double()
     assert (got - want).abs().le(want.abs() * 2.0**-7).all()

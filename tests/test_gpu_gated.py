@@ -19,6 +19,7 @@ from cake_cute.gated_reference import gated_backward_reference, gated_forward_re
 from cake_cute.reference import rel_error, tolerance
 
 from ._helpers import DTYPE_IDS, EPS, assert_bitwise_equal, fixed_seed, poison, rand_weight  # noqa: F401
+from ._hf_helpers import mamba2_gated_norm
 
 pytestmark = pytest.mark.gpu
 
@@ -280,15 +281,17 @@ def _hf_norm(family: str, cls: str, **kwargs):
         pytest.skip(f"transformers {transformers.__version__} has no {cls}")
     try:
         return getattr(module, cls)(**kwargs)
-    except TypeError as error:  # an older signature (transformers 5.17's MambaRMSNormGated has no groups)
+    except TypeError as error:  # an older signature (transformers 5.17's Mamba-2 class has no groups)
         pytest.skip(f"transformers {transformers.__version__}'s {cls}: {error}")
 
+
+MAMBA2_NORM = mamba2_gated_norm()
 
 # (family, class, constructor arguments): a norm-then-gate class rounding twice, a grouped
 # gate-then-norm one rounding before its weight, FalconH1 (one rounding).
 SWAPPED = [
     ("qwen3_next", "Qwen3NextRMSNormGated", dict(hidden_size=128)),
-    ("mamba2", "MambaRMSNormGated", dict(hidden_size=2048, group_size=512)),
+    ("mamba2", MAMBA2_NORM, dict(hidden_size=2048, group_size=512)),
     ("falcon_h1", "FalconH1RMSNormGated", dict(hidden_size=2048, n_groups=4, norm_before_gate=False)),
 ]
 
