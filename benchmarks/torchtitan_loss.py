@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """``python benchmarks/torchtitan_loss.py OUT.json [--cases 1proc,fsdp2,tp2_sp_compile]``: torchtitan's own
 trainer on its llama3 debug model, 10 steps on CPU (gloo), stock RMSNorm against cake_cute enabled by
-its override line (and the Llama 3 fused-residual override), loss curves step by step.
+its override line (and the Llama 3 fused-residual override, and the memory-efficient keyword), loss
+curves step by step.
 
 The runs and the CPU settings are those of ``tests/torchtitan_harness`` (the same as
 ``CAKE_CUTE_TORCHTITAN_RUNS=1 python -m pytest tests/test_torchtitan_cpu.py``); each case trains with

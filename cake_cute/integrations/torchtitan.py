@@ -13,6 +13,11 @@ transformer blocks, so the final norm needs its own target (overrides may not cl
 ``--override.imports`` with the two targets ``cake_cute.integrations.torchtitan.cake_llama3_fused_residual``
 and ``cake_cute.integrations.torchtitan.cake_final_rmsnorm``, comma-separated (docs/integrations.md).
 
+Each target takes torchtitan's keyword form for the memory-efficient mode (the norms save their output
+instead of their input; docs/memory.md)::
+
+    --override.imports 'cake_cute.integrations.torchtitan.cake_rmsnorm={"memory_efficient": true}'
+
 With torchtitan 0.2.x (which has no overrides) importing this module registers the model converter
 ``cake_rmsnorm`` instead, which swaps the built model's ``torch.nn.RMSNorm`` modules before parallelize::
 
@@ -28,6 +33,7 @@ from importlib.util import find_spec
 
 from ..module import INPUT_NAME, CakeRMSNorm
 from ..swap import swap_rmsnorm
+from ..validation import check_memory_efficient
 
 __all__: list[str] = []
 
@@ -53,7 +59,7 @@ if HAS_OVERRIDES:
     class TorchtitanCakeRMSNorm(CakeRMSNorm, Module):
         """``CakeRMSNorm`` as a torchtitan ``Module``, built from a config with the fields of
         torchtitan's ``RMSNorm.Config`` (``normalized_shape``, ``eps``, ``elementwise_affine``,
-        ``param_init``, ``sharding_config``).
+        ``param_init``, ``sharding_config``) and ``memory_efficient`` (``CakeRMSNorm``'s argument).
 
         Its forward is ``CakeRMSNorm.forward(input, *, residual=None)``, its first parameter named as
         the running torch names ``torch.nn.RMSNorm.forward``'s (``x`` in torch 2.13, ``input`` before):
@@ -62,11 +68,14 @@ if HAS_OVERRIDES:
 
         @dataclass(kw_only=True, slots=True)
         class Config(RMSNorm.Config):
-            pass
+            memory_efficient: bool = False
 
         def __init__(self, config: Config):
             super().__init__(
-                config.normalized_shape, eps=config.eps, elementwise_affine=config.elementwise_affine
+                config.normalized_shape,
+                eps=config.eps,
+                elementwise_affine=config.elementwise_affine,
+                memory_efficient=config.memory_efficient,
             )
 
     class CakeLlama3TransformerBlock(Llama3TransformerBlock):
@@ -86,8 +95,10 @@ if HAS_OVERRIDES:
             y, h = self.ffn_norm(attention_out, residual=x)
             return h + self.feed_forward(y)
 
-    def _cake_norm_config(cfg: RMSNorm.Config) -> TorchtitanCakeRMSNorm.Config:
-        return derive(cfg, TorchtitanCakeRMSNorm.Config)
+    def _cake_norm_config(cfg: RMSNorm.Config, memory_efficient: bool) -> TorchtitanCakeRMSNorm.Config:
+        return derive(
+            cfg, TorchtitanCakeRMSNorm.Config, memory_efficient=check_memory_efficient(memory_efficient)
+        )
 
     def _with_residual_input(norm_cfg: TorchtitanCakeRMSNorm.Config) -> TorchtitanCakeRMSNorm.Config:
         """The residual arrives in the same layout as the input (both are the block's activations), and
@@ -105,7 +116,7 @@ if HAS_OVERRIDES:
     # exact: subclasses of RMSNorm.Config configure norms with a forward of their own (a gain-centred
     # scale, say), which CakeRMSNorm does not reproduce.
     @override(target=RMSNorm.Config, exact=True, description="cake_cute fused RMSNorm (CakeRMSNorm)")
-    def cake_rmsnorm(cfg: RMSNorm.Config) -> TorchtitanCakeRMSNorm.Config:
+    def cake_rmsnorm(cfg: RMSNorm.Config, *, memory_efficient: bool = False) -> TorchtitanCakeRMSNorm.Config:
         """Every torchtitan ``RMSNorm`` becomes a ``TorchtitanCakeRMSNorm`` with the same fields,
         ``param_init`` and ``sharding_config``.
 
@@ -113,20 +124,30 @@ if HAS_OVERRIDES:
         ----------
         cfg : RMSNorm.Config
             The matched norm config (exactly ``RMSNorm.Config``).
+        memory_efficient : bool
+            The norms save their output instead of their input (``CakeRMSNorm``'s argument): the
+            command-line form is in the module docstring.
 
         Returns
         -------
         TorchtitanCakeRMSNorm.Config
             The replacement.
+
+        Raises
+        ------
+        TypeError
+            ``memory_efficient`` is not a bool.
         """
-        return _cake_norm_config(cfg)
+        return _cake_norm_config(cfg, memory_efficient)
 
     @override(
         target=Llama3TransformerBlock.Config,
         exact=True,
         description="cake_cute RMSNorm with the attention residual add fused into ffn_norm",
     )
-    def cake_llama3_fused_residual(cfg: Llama3TransformerBlock.Config) -> CakeLlama3TransformerBlock.Config:
+    def cake_llama3_fused_residual(
+        cfg: Llama3TransformerBlock.Config, *, memory_efficient: bool = False
+    ) -> CakeLlama3TransformerBlock.Config:
         """A Llama 3 block becomes a ``CakeLlama3TransformerBlock`` whose two norms are
         ``TorchtitanCakeRMSNorm``; ``ffn_norm``'s sharding also declares the residual input.
 
@@ -134,17 +155,24 @@ if HAS_OVERRIDES:
         ----------
         cfg : Llama3TransformerBlock.Config
             The matched block config.
+        memory_efficient : bool
+            Both norms save their output instead of their input (``ffn_norm`` then keeps no h).
 
         Returns
         -------
         CakeLlama3TransformerBlock.Config
             The replacement block config; attention and feed-forward configs are shared with ``cfg``.
+
+        Raises
+        ------
+        TypeError
+            ``memory_efficient`` is not a bool.
         """
         return derive(
             cfg,
             CakeLlama3TransformerBlock.Config,
-            attention_norm=_cake_norm_config(cfg.attention_norm),
-            ffn_norm=_with_residual_input(_cake_norm_config(cfg.ffn_norm)),
+            attention_norm=_cake_norm_config(cfg.attention_norm, memory_efficient),
+            ffn_norm=_with_residual_input(_cake_norm_config(cfg.ffn_norm, memory_efficient)),
         )
 
     # The decoder's final norm: FQN "norm" under the model config, "model_spec.model" under the trainer's.
@@ -154,7 +182,9 @@ if HAS_OVERRIDES:
         exact=True,
         description="cake_cute final RMSNorm",
     )
-    def cake_final_rmsnorm(cfg: RMSNorm.Config) -> TorchtitanCakeRMSNorm.Config:
+    def cake_final_rmsnorm(
+        cfg: RMSNorm.Config, *, memory_efficient: bool = False
+    ) -> TorchtitanCakeRMSNorm.Config:
         """The decoder's final norm becomes a ``TorchtitanCakeRMSNorm``; the companion
         of ``cake_llama3_fused_residual``, which replaces the norms inside the blocks.
 
@@ -162,13 +192,20 @@ if HAS_OVERRIDES:
         ----------
         cfg : RMSNorm.Config
             The matched norm config.
+        memory_efficient : bool
+            The norm saves its output instead of its input.
 
         Returns
         -------
         TorchtitanCakeRMSNorm.Config
             The replacement with the same fields, ``param_init`` and ``sharding_config``.
+
+        Raises
+        ------
+        TypeError
+            ``memory_efficient`` is not a bool.
         """
-        return _cake_norm_config(cfg)
+        return _cake_norm_config(cfg, memory_efficient)
 
     __all__ += [
         "CakeLlama3TransformerBlock",

@@ -23,7 +23,16 @@ FUSED_RESIDUAL_LINE = (
     "cake_cute.integrations.torchtitan.cake_llama3_fused_residual,"
     "cake_cute.integrations.torchtitan.cake_final_rmsnorm",
 )
-VARIANTS = {"cake_cute": CAKE_CUTE_LINE, "cake_cute_fused_residual": FUSED_RESIDUAL_LINE}
+# The keyword form of a target (one argument, no shell quoting needed here).
+MEMORY_EFFICIENT_LINE = (
+    "--override.imports",
+    'cake_cute.integrations.torchtitan.cake_rmsnorm={"memory_efficient": true}',
+)
+VARIANTS = {
+    "cake_cute": CAKE_CUTE_LINE,
+    "cake_cute_fused_residual": FUSED_RESIDUAL_LINE,
+    "cake_cute_memory_efficient": MEMORY_EFFICIENT_LINE,
+}
 # torch 2.13's fully_shard takes DTensor parameters, which torchtitan's default spmd_types backend does
 # not make (its multi-process runs stop in fully_shard, stock norm included): the two-process cases use
 # partial_dtensor, where the norm receives DTensors. With tensor parallelism and compile, activation
@@ -34,7 +43,7 @@ VARIANTS = {"cake_cute": CAKE_CUTE_LINE, "cake_cute_fused_residual": FUSED_RESID
 _DTENSOR = ("--parallelism.spmd_backend", "partial_dtensor")
 # case: (processes, torchtitan arguments, the variants compared with the stock norm)
 CASES = {
-    "1proc": (1, (), ("cake_cute", "cake_cute_fused_residual")),
+    "1proc": (1, (), ("cake_cute", "cake_cute_fused_residual", "cake_cute_memory_efficient")),
     "fsdp2": (2, (*_DTENSOR, "--parallelism.data_parallel_shard_degree", "2"), ("cake_cute",)),
     "tp2_sp_compile": (
         2,
