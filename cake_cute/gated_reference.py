@@ -14,6 +14,8 @@ against autograd of the forward.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 
@@ -27,7 +29,21 @@ def _silu_and_derivative(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return z * s, s * (1 + z * (1 - s))
 
 
-def gated_forward_reference(
+class _Forward(NamedTuple):
+    """The forward's values in the compute dtype; the backward recomputes them from x and z, as the
+    kernel does, and uses them all."""
+
+    x: torch.Tensor
+    silu: torch.Tensor
+    dsilu: torch.Tensor  # silu'(z)
+    w: torch.Tensor  # w + weight_offset
+    rstd: torch.Tensor  # (T, H / group_size)
+    n: torch.Tensor  # the normalized values: (x, or x * silu(z)) * rstd per group
+    group_size: int
+    norm_before_gate: bool
+
+
+def _forward(
     x: torch.Tensor,
     z: torch.Tensor,
     w: torch.Tensor,
@@ -37,6 +53,21 @@ def gated_forward_reference(
     norm_before_gate: bool = True,
     weight_offset: float = 0.0,
     compute_dtype: torch.dtype = torch.float64,
+) -> _Forward:
+    """The values both references start from (options: ``gated_forward_reference``'s)."""
+    group_size = group_size or x.shape[-1]
+    x, z = x.to(compute_dtype), z.to(compute_dtype)
+    silu, dsilu = _silu_and_derivative(z)
+    h = x if norm_before_gate else x * silu
+    hg = _groups(h, group_size)
+    rstd = torch.rsqrt(hg.square().mean(-1) + eps)
+    n = (hg * rstd.unsqueeze(-1)).reshape(h.shape)
+    w = w.to(compute_dtype) + weight_offset
+    return _Forward(x, silu, dsilu, w, rstd, n, group_size, norm_before_gate)
+
+
+def gated_forward_reference(
+    x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float, **options
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated RMSNorm forward of (T, H) rows.
 
@@ -48,43 +79,36 @@ def gated_forward_reference(
         (H,) weight.
     eps : float
         Added to the mean square.
-    group_size : int, optional
-        Columns per statistics group (default H: one per row).
-    norm_before_gate : bool
-        Normalize, then gate (Qwen3-Next); False: gate, then normalize (NemotronH, Mamba-2).
-    weight_offset : float
-        Added to w (1.0 for a ``1 + w`` weight).
-    compute_dtype : torch.dtype
-        Every operation's dtype: FP64 for the reference, FP32 for the kernels' arithmetic.
+    **options
+        Keyword only, each optional:
+
+        group_size : int
+            Columns per statistics group (default H: one per row).
+        norm_before_gate : bool
+            Normalize, then gate (Qwen3-Next, the default); False: gate, then normalize (NemotronH,
+            Mamba-2).
+        weight_offset : float
+            Added to w (1.0 for a ``1 + w`` weight; default 0.0).
+        compute_dtype : torch.dtype
+            Every operation's dtype: FP64 (the default) for the reference, FP32 for the kernels'
+            arithmetic.
 
     Returns
     -------
     (y, rstd) : y (T, H) and rstd (T, H / group_size), both in ``compute_dtype`` (unrounded).
+
+    Raises
+    ------
+    TypeError
+        An option not named here.
     """
-    group_size = group_size or x.shape[-1]
-    x, z = x.to(compute_dtype), z.to(compute_dtype)
-    w = w.to(compute_dtype) + weight_offset
-    silu, _ = _silu_and_derivative(z)
-    h = x if norm_before_gate else x * silu
-    hg = _groups(h, group_size)
-    rstd = torch.rsqrt(hg.square().mean(-1) + eps)
-    y = (hg * rstd.unsqueeze(-1)).reshape(h.shape) * w
-    if norm_before_gate:
-        y = y * silu
-    return y, rstd
+    f = _forward(x, z, w, eps, **options)
+    y = f.n * f.w
+    return (y * f.silu if f.norm_before_gate else y), f.rstd
 
 
 def gated_backward_reference(
-    g: torch.Tensor,
-    x: torch.Tensor,
-    z: torch.Tensor,
-    w: torch.Tensor,
-    eps: float,
-    *,
-    group_size: int | None = None,
-    norm_before_gate: bool = True,
-    weight_offset: float = 0.0,
-    compute_dtype: torch.dtype = torch.float64,
+    g: torch.Tensor, x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float, **options
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gated RMSNorm backward, recomputing the gate and the statistics from x and z.
 
@@ -92,25 +116,24 @@ def gated_backward_reference(
     ----------
     g : torch.Tensor
         (T, H) gradient of y.
-    x, z, w, eps, group_size, norm_before_gate, weight_offset, compute_dtype
+    x, z, w, eps, **options
         As for ``gated_forward_reference``.
 
     Returns
     -------
     (dx, dz, dw) : (T, H), (T, H) and (H,), in ``compute_dtype`` (unrounded).
+
+    Raises
+    ------
+    TypeError
+        As for ``gated_forward_reference``.
     """
-    group_size = group_size or x.shape[-1]
-    _, rstd = gated_forward_reference(
-        x, z, w, eps, group_size=group_size, norm_before_gate=norm_before_gate, compute_dtype=compute_dtype
-    )
-    g, x, z = (t.to(compute_dtype) for t in (g, x, z))
-    w = w.to(compute_dtype) + weight_offset
-    silu, dsilu = _silu_and_derivative(z)
-    h = x if norm_before_gate else x * silu
-    n = (_groups(h, group_size) * rstd.unsqueeze(-1)).reshape(h.shape)
-    a = g * w * silu if norm_before_gate else g * w
-    c = _groups(a * n, group_size).mean(-1, keepdim=True)
-    dn = ((_groups(a, group_size) - _groups(n, group_size) * c) * rstd.unsqueeze(-1)).reshape(h.shape)
-    if norm_before_gate:
-        return dn, g * n * w * dsilu, (g * n * silu).sum(0)
-    return dn * silu, dn * x * dsilu, (g * n).sum(0)
+    f = _forward(x, z, w, eps, **options)
+    g = g.to(f.n.dtype)
+    a = g * f.w * f.silu if f.norm_before_gate else g * f.w
+    a_groups, n_groups = _groups(a, f.group_size), _groups(f.n, f.group_size)
+    c = (a_groups * n_groups).mean(-1, keepdim=True)
+    dn = ((a_groups - n_groups * c) * f.rstd.unsqueeze(-1)).reshape(f.n.shape)
+    if f.norm_before_gate:
+        return dn, g * f.n * f.w * f.dsilu, (g * f.n * f.silu).sum(0)
+    return dn * f.silu, dn * f.x * f.dsilu, (g * f.n).sum(0)
