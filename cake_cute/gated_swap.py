@@ -27,12 +27,11 @@ import torch
 from torch import nn
 
 from .gated_module import GATED_CAST_POLICIES, ONE_ROUNDING, ROUND_THEN_SCALE, CakeGatedRMSNorm
-from .hf_norm_reading import forward_source, hf_eps, hf_weight
+from .hf_norm_reading import averages_squares, forward_source, hf_eps, hf_weight
 
 __all__ = ["GatedNormNotServed", "swap_gated_rmsnorm"]
 
 _SILU_NAMES = ("silu", "swish")
-_MEAN_OF_SQUARES = re.compile(r"(pow\(2\)|square\(\)|\*\* ?2)\)?\.mean\((dim=)?-1")
 _SILU_CALL = re.compile(r"\bsilu\(")
 _ACT2FN_GATE = re.compile(r"ACT2FN\[self\.activation\]\(gate")
 _ROUND_THEN_SCALE = re.compile(r"self\.weight \* hidden_states\.to\(input_dtype\)")
@@ -53,7 +52,7 @@ def is_gated_norm(module: nn.Module) -> bool:
     source = forward_source(type(module))
     if source is None or "gate" not in source or "rsqrt" not in source:
         return False
-    return bool(_MEAN_OF_SQUARES.search(source))
+    return averages_squares(source)
 
 
 def _gate_refusal(module: nn.Module, source: str) -> str | None:
@@ -132,7 +131,7 @@ def swap_gated_rmsnorm(model: nn.Module, *, cast_policy: str | None = None) -> i
     Returns
     -------
     int
-        How many modules were replaced.
+        How many gated norms were replaced (a module used in several places counts once).
 
     Raises
     ------

@@ -1,4 +1,5 @@
-"""Readers of a Hugging Face norm module: its eps, its one weight and its forward's source.
+"""Readers of a Hugging Face norm module: its eps, its one weight, its forward's source and whether
+that source averages squares over the last dimension (as every RMSNorm, gated or not, does).
 
 Hugging Face norms are plain modules with no common base class, so the swaps recognize them by what
 they hold and by what their forward's source shows. ``swap`` (plain norms) and ``gated_swap`` (gated
@@ -11,6 +12,10 @@ import inspect
 import re
 
 from torch import nn
+
+# The squares averaged over the last dimension: "x.pow(2).mean(-1", "x.square().mean(dim=-1",
+# "(x ** 2).mean(-1".
+_MEAN_OF_SQUARES = re.compile(r"(pow\(2\)|square\(\)|\*\* ?2)\)?\.mean\((dim=)?-1")
 
 
 def hf_eps(module: nn.Module) -> float | None:
@@ -44,3 +49,8 @@ def forward_source(cls: type) -> str | None:
             return None
     text = re.sub(r'""".*?"""|#[^\n]*', "", "\n".join(parts), flags=re.S)
     return " ".join(text.split())
+
+
+def averages_squares(source: str) -> bool:
+    """Whether a forward's source (``forward_source``) averages squares over the last dimension."""
+    return bool(_MEAN_OF_SQUARES.search(source))

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from . import validation as v
+from .hf_norm_reading import averages_squares as _averages_squares
 from .hf_norm_reading import forward_source as _forward_source
 from .hf_norm_reading import hf_eps as _hf_eps
 from .hf_norm_reading import hf_weight as _hf_weight
@@ -53,9 +54,8 @@ def _is_hf_norm_shaped(module: nn.Module) -> bool:
     )
 
 
-# What a forward's source must show to be an RMSNorm (the squares averaged over the last dimension and
-# a reciprocal square root), and what the recognized forms differ by.
-_MEAN_OF_SQUARES = re.compile(r"(pow\(2\)|square\(\)|\*\* ?2)\)?\.mean\((dim=)?-1")
+# A forward's source is an RMSNorm's when it shows a reciprocal square root of the squares averaged over
+# the last dimension (``_averages_squares``); these tell the recognized forms apart.
 _SUM_OF_SQUARES = re.compile(r"(pow\(2\)|square\(\)|\*\* ?2)\)?\.sum\((dim=)?-1")
 _MEAN_SUBTRACTED = re.compile(r"- mean\b|\.var\(")
 _RSTD_ROUNDED = re.compile(r"rsqrt\(.*?keepdim=True\) \+ self\.\w+\)\.(to|type_as)\(")
@@ -89,7 +89,7 @@ def _hf_form(module: nn.Module) -> str | None:
 
 def _computes_an_rms(source: str) -> bool:
     """A reciprocal square root of the mean of the squares over the last dimension, no mean subtracted."""
-    return "rsqrt" in source and bool(_MEAN_OF_SQUARES.search(source)) and not _MEAN_SUBTRACTED.search(source)
+    return "rsqrt" in source and _averages_squares(source) and not _MEAN_SUBTRACTED.search(source)
 
 
 def _hf_refusal(module: nn.Module, source: str | None) -> str | None:
@@ -97,7 +97,7 @@ def _hf_refusal(module: nn.Module, source: str | None) -> str | None:
     when it is an RMSNorm (or computes no rsqrt at all: then it is no business of swap_rmsnorm)."""
     if source is None or "rsqrt" not in source or _MEAN_SUBTRACTED.search(source):
         return None
-    if not _MEAN_OF_SQUARES.search(source):
+    if not _averages_squares(source):
         if _SUM_OF_SQUARES.search(source):
             return "it divides by the root of the sum of squares (an L2 norm), not of their mean"
         return "its forward does not average the squares over the last dimension"
