@@ -75,18 +75,21 @@ def backward_programs(
 
 
 @lru_cache(maxsize=4096)
-def backward_launch(
-    rows: int,
-    hidden: int,
-    act_dtype: str,
-    w_dtype: str,
-    residual: bool,
-    device: DeviceFacts,
-    from_output: bool = False,
-) -> tuple[int, int]:
+def backward_launch(*arguments, **keywords) -> tuple[int, int]:
     """(programs, FP32 partial rows of dW the backward writes: one per program, whose row groups fold
-    their sums first), the same for g in summands (their variants keep the one-g tiling)."""
-    programs = backward_programs(rows, hidden, act_dtype, w_dtype, residual, device, from_output)
+    their sums first), the same for g in summands (their variants keep the one-g tiling).
+
+    Parameters
+    ----------
+    *arguments, **keywords
+        Those of ``backward_programs``, which counts the programs.
+
+    Returns
+    -------
+    tuple of int
+        ``(programs, partial rows)``.
+    """
+    programs = backward_programs(*arguments, **keywords)
     return programs, programs
 
 
