@@ -114,7 +114,7 @@ def tune_backward(args, arch: str) -> None:
             with overridden("bwd", arch, act, H, **choices):
                 config = backward_config(arch, act, act, H, residual)
                 us = device_us(_backward(g, h, w, rstd, gr), args.reps)
-                programs = launch_plan.backward_launch(T, H, act, act, residual, device_facts(x.device))[0]
+                programs = launch_plan.backward_programs(T, H, act, act, residual, device_facts(x.device))
                 label = f"bwd {act} H={H} res={residual} {config.describe()} programs={programs}"
                 _report(label, us, T * H * dtype_bytes(act) * (4 if residual else 3))
 
@@ -133,7 +133,7 @@ def tune_ring(args, arch: str) -> None:
             choices = {k: v for k, v in (("ring_depth", depth), ("ctas_per_sm", ctas)) if v}
             with overridden("bwd", arch, act, H, **choices):
                 config = backward_config(arch, act, act, H, False)
-                programs = launch_plan.backward_launch(T, H, act, act, False, device_facts(x.device))[0]
+                programs = launch_plan.backward_programs(T, H, act, act, False, device_facts(x.device))
                 backward = _backward(g, h, w, rstd)
                 out = backward()
                 same = ""
@@ -238,7 +238,7 @@ def _scan_case(timer, arch: str, act: str, T: int, H: int, residual: bool, args)
             err = ((dw.double() - dw_ref).norm() / dw_ref.norm()).item()
             call = _rotated_backward(sets, w, workspace)
             us = timer.device_us(call, args.reps)
-            programs = launch_plan.backward_launch(T, H, act, act, residual, device_facts(device))[0]
+            programs = launch_plan.backward_programs(T, H, act, act, residual, device_facts(device))
             label = f"scan {act} T={T} H={H} res={residual} cand={candidate} programs={programs}"
             checks = f"dx_bitwise={torch.equal(dx, reference_dx)} dw_rel_err={err:.2e}"
             kernels = ""

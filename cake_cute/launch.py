@@ -213,9 +213,10 @@ class _BackwardPlan(NamedTuple):
 def backward_launch_plan(operands, rows, residual, from_output=False) -> _BackwardPlan:
     """The launch shape of a backward call (g in summands or not; reading y when ``from_output``),
     looked up once per distinct (operands, T, residual, from_output)."""
-    programs, partial_rows = launch_plan.backward_launch(
+    programs = launch_plan.backward_programs(
         max(rows, 1), operands.hidden, operands.act, operands.w_name, residual, operands.facts, from_output
     )
+    partial_rows = programs  # one FP32 partial row of dW per program: its row groups fold theirs first
     return _BackwardPlan(
         programs,
         partial_rows,

@@ -74,35 +74,17 @@ def backward_programs(
     return min(tiles, resident)
 
 
-@lru_cache(maxsize=4096)
-def backward_launch(*arguments, **keywords) -> tuple[int, int]:
-    """(programs, FP32 partial rows of dW the backward writes: one per program, whose row groups fold
-    their sums first), the same for g in summands (their variants keep the one-g tiling).
-
-    Parameters
-    ----------
-    *arguments, **keywords
-        Those of ``backward_programs``, which counts the programs.
-
-    Returns
-    -------
-    tuple of int
-        ``(programs, partial rows)``.
-    """
-    programs = backward_programs(*arguments, **keywords)
-    return programs, programs
-
-
 def most_partial_rows(
     rows: int, hidden: int, act_dtype: str, w_dtype: str, residual: bool, device: DeviceFacts
 ) -> int:
     """The most partial rows any backward of up to ``rows`` rows writes (what a workspace for ``rows``
-    must hold): the program count grows with T except where pairing starts, so the largest count is
-    at ``rows`` or just below ``PAIR_TILES_FROM`` tiles."""
+    must hold): one per program (a program's row groups fold their dW first); the program count grows
+    with T except where pairing starts, so the largest count is at ``rows`` or just below
+    ``PAIR_TILES_FROM`` tiles."""
     rows_per_cta = backward_config(device.arch, act_dtype, w_dtype, hidden, residual).tiling.rows_per_cta
     below_pairing = (PAIR_TILES_FROM - 1) * rows_per_cta
     return max(
-        backward_launch(r, hidden, act_dtype, w_dtype, residual, device)[1]
+        backward_programs(r, hidden, act_dtype, w_dtype, residual, device)
         for r in {max(rows, 1), max(min(rows, below_pairing), 1)}
     )
 
@@ -164,5 +146,4 @@ def vector_elems(hidden: int, act_dtype: str) -> int:
 @on_override_change
 def _clear_launch_plans() -> None:
     backward_programs.cache_clear()
-    backward_launch.cache_clear()
     fp8_persistent_programs.cache_clear()

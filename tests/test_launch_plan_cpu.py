@@ -7,6 +7,7 @@ from dataclasses import replace
 from itertools import product
 
 import pytest
+import torch
 
 from cake_cute import launch_plan
 from cake_cute.build import config_for, make_spec
@@ -20,6 +21,8 @@ from cake_cute.kernels.config import (
     reduce_config,
 )
 from cake_cute.kernels.tiling import backward_tiling, forward_tiling
+from cake_cute.launch import backward_launch_plan
+from cake_cute.operands import Operands
 
 H200 = DeviceFacts(0, "stand-in H200", (9, 0), "sm_90a", 132)
 
@@ -32,11 +35,9 @@ def occupancy_without_a_driver(monkeypatch):
         "resident_clusters",
         lambda index, capability, threads, cluster, per_sm, sms: sms * per_sm // cluster,
     )
-    for cached in (launch_plan.backward_programs, launch_plan.backward_launch):
-        cached.cache_clear()
+    launch_plan.backward_programs.cache_clear()
     yield
-    for cached in (launch_plan.backward_programs, launch_plan.backward_launch):
-        cached.cache_clear()
+    launch_plan.backward_programs.cache_clear()
 
 
 def _programs(rows, hidden=4096):
@@ -71,7 +72,7 @@ def test_fp32_cluster_backward_tilings(hidden, lanes, vecs, cluster):
 def test_workspace_rows_cover_every_smaller_call(hidden):
     most_so_far = 0
     for rows in range(0, 1500):
-        launched = launch_plan.backward_launch(max(rows, 1), hidden, "bf16", "bf16", False, H200)[1]
+        launched = launch_plan.backward_programs(max(rows, 1), hidden, "bf16", "bf16", False, H200)
         most_so_far = max(most_so_far, launched)
         assert launch_plan.most_partial_rows(rows, hidden, "bf16", "bf16", False, H200) == most_so_far, rows
 
@@ -143,9 +144,12 @@ def test_backward_ctas_of_several_rows(act, hidden):
 def test_a_program_writes_one_partial_row(hidden, residual):
     """The row groups of a CTA fold their dW before the program writes it: as many partial rows as
     programs, whatever the rows per CTA."""
+    operands = Operands(torch.device("cuda"), hidden, "sm_90a", "bf16", "bf16", H200)
     for rows in (1, 100, 5000, 10**6):
-        programs, partial_rows = launch_plan.backward_launch(rows, hidden, "bf16", "bf16", residual, H200)
-        assert partial_rows == programs
+        plan = backward_launch_plan(operands, rows, residual)
+        assert plan.partial_rows == plan.programs
+        assert plan.programs == launch_plan.backward_programs(rows, hidden, "bf16", "bf16", residual, H200)
+        assert plan.workspace_bytes == launch_plan.partial_rows_bytes(plan.programs, hidden)
 
 
 @pytest.mark.parametrize("groups", range(1, 300))
@@ -179,10 +183,10 @@ def test_an_override_changes_one_entry_and_leaves_with_its_context():
 
 
 def test_an_override_clears_the_launch_plans_built_from_the_config():
-    before = launch_plan.backward_launch(4096, 1024, "bf16", "bf16", False, H200)
+    before = launch_plan.backward_programs(4096, 1024, "bf16", "bf16", False, H200)
     with overridden("bwd", "sm_90a", "bf16", 1024, ctas_per_sm=1):
-        assert launch_plan.backward_launch(4096, 1024, "bf16", "bf16", False, H200) == (132, 132)
-    assert launch_plan.backward_launch(4096, 1024, "bf16", "bf16", False, H200) == before != (132, 132)
+        assert launch_plan.backward_programs(4096, 1024, "bf16", "bf16", False, H200) == 132
+    assert launch_plan.backward_programs(4096, 1024, "bf16", "bf16", False, H200) == before != 132
 
 
 @pytest.mark.parametrize(
@@ -282,7 +286,7 @@ def test_a_parts_backward_launches_the_one_g_program_count():
     two_parts = backward_config("sm_90a", "bf16", "bf16", 8192, True, 2)
     assert (one_g.ctas_per_sm, two_parts.ctas_per_sm) == (2, 1)
     assert two_parts.tiling == one_g.tiling
-    assert launch_plan.backward_launch(10**6, 8192, "bf16", "bf16", True, H200) == (264, 264)
+    assert launch_plan.backward_programs(10**6, 8192, "bf16", "bf16", True, H200) == 264
 
 
 def test_a_memory_efficient_backward_launches_its_own_residency():
@@ -291,8 +295,8 @@ def test_a_memory_efficient_backward_launches_its_own_residency():
     default = backward_config("sm_90a", "bf16", "bf16", 8192, True)
     from_output = backward_config("sm_90a", "bf16", "bf16", 8192, True, from_output=True)
     assert (default.ctas_per_sm, from_output.ctas_per_sm) == (2, 1)
-    assert launch_plan.backward_launch(10**6, 8192, "bf16", "bf16", True, H200) == (264, 264)
-    assert launch_plan.backward_launch(10**6, 8192, "bf16", "bf16", True, H200, True) == (132, 132)
+    assert launch_plan.backward_programs(10**6, 8192, "bf16", "bf16", True, H200) == 264
+    assert launch_plan.backward_programs(10**6, 8192, "bf16", "bf16", True, H200, True) == 132
 
 
 def test_reduce_config_spreads_narrow_rows():
