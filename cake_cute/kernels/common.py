@@ -19,6 +19,7 @@ Reduction buffers are double-buffered (``slot``), so a persistent loop needs one
 from __future__ import annotations
 
 import operator
+from functools import partial
 
 import cutlass
 import cutlass.cute as cute
@@ -36,8 +37,9 @@ PARALLEL_PUSH_CLUSTER = 4
 
 class RowKernel:
     """What the forward and backward kernel classes share: their compile-time parameters (the config
-    value from ``config``, the dtypes, the mode), the launch shape, and w widened to FP32 with the
-    Gemma-style offset folded in."""
+    value from ``config``, the dtypes, the mode), the launch shape, where a thread sits in it, the
+    thread's slice of a row tile and its copies, w loaded and widened to FP32 with the Gemma-style
+    offset folded in, and the row sum with the kernel's tiling."""
 
     def __init__(self, config, act_dtype, w_dtype, residual: bool, weight_offset: float):
         self.config = config
@@ -47,17 +49,75 @@ class RowKernel:
         self.residual = residual
         self.weight_offset = weight_offset
 
+    def ctas_along_y(self) -> int:
+        """CTAs of the grid along y: the cluster's, each holding a slice of the row's columns."""
+        return self.tiling.cluster_n
+
     def launch_shape(self, ctas) -> dict:
-        """Launch keywords for ``ctas`` row programs times ``cluster_n`` CTAs along y. The shared
+        """Launch keywords for ``ctas`` row programs times ``ctas_along_y`` CTAs along y. The shared
         memory carveout is given explicitly so that compiling needs no GPU to look it up."""
         t = self.tiling
         return dict(
-            grid=[ctas, t.cluster_n, 1],
+            grid=[ctas, self.ctas_along_y(), 1],
             block=[t.threads_per_cta, 1, 1],
             cluster=[1, t.cluster_n, 1] if t.cluster_n > 1 else None,
             min_blocks_per_mp=self.config.min_ctas_per_sm,
             preferred_smem_carveout=100,
         )
+
+    @cute.jit
+    def cta_position(self):
+        """(the thread's index in its CTA, the CTA's row program along x, its index along y); the
+        last is the constant 0 where the grid has one CTA along y (compiled in, never read)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, along_y, _ = cute.arch.block_idx()
+        if const_expr(self.ctas_along_y() == 1):
+            along_y = 0
+        return tidx, bidx, along_y
+
+    @cute.jit
+    def thread_slice(self, shape, tidx, tile):
+        """The thread's slice of the row tiled copy, its cells of the tile ``tile`` (row tile, column
+        tile) of a ``shape`` tensor as coordinates (what register fragments are shaped like), the
+        column predicate of its fragments (None where the tiles cover the row exactly), its row
+        within the CTA and its lane in that row."""
+        t = self.tiling
+        thr = row_tiled_copy(self.act_dtype, t).get_slice(tidx)
+        tXc = thr.partition_S(cute.local_tile(cute.make_identity_tensor(shape), tile_shape(t), tile))
+        pred = None
+        if const_expr(not t.covers_row_exactly):
+            pred = column_predicate(tXc, t.hidden)
+        return thr, tXc, pred, tidx // t.threads_per_row, tidx % t.threads_per_row
+
+    def row_copy(self, pred):
+        """Copy activation vectors between registers and memory, predicated on the columns (``pred``,
+        or None). Bind it outside dynamic branches: a None captured into one would become an IR value."""
+        return partial(cute.copy, copy_atom(self.act_dtype, self.tiling.vec), pred=pred)
+
+    def staging_copy(self, pred):
+        """``row_copy`` from global into shared memory (``staging_atom``)."""
+        return partial(cute.copy, staging_atom(self.act_dtype, self.tiling.vec), pred=pred)
+
+    def weight_cells(self, mW: cute.Tensor, thr, tiler, rank) -> cute.Tensor:
+        """The thread's slice of w in global memory (w broadcast over the tile's rows), at cluster
+        rank ``rank``."""
+        w_rows = broadcast_rows(mW, self.tiling.rows_per_cta)
+        return thr.partition_S(cute.local_tile(w_rows, tiler, (0, rank)))
+
+    @cute.jit
+    def load_weight(self, tXgW: cute.Tensor, pred) -> cute.Tensor:
+        """The thread's slice of w (``weight_cells``) in registers, in w's dtype, zero past H."""
+        tXrW = cute.make_rmem_tensor_like(tXgW)
+        tXrW.fill(0)
+        cute.copy(copy_atom(self.w_dtype, self.tiling.vec), tXgW, tXrW, pred=pred)
+        return tXrW
+
+    @cute.jit
+    def row_total(self, val: Float32, buffers, row_in_cta, lane_in_row, slot, phase) -> Float32:
+        """``row_sum`` of ``val`` over the thread's row with this kernel's tiling, ``buffers`` the
+        reduction's (warp sums, CTA sums, mbarriers)."""
+        t = self.tiling
+        return row_sum(val, *buffers, row_in_cta, lane_in_row, slot, phase, t.threads_per_row, t.cluster_n)
 
     @cute.jit
     def widen_weight(self, w: cute.TensorSSA) -> cute.TensorSSA:

@@ -85,23 +85,10 @@ class GatedRMSNormBackward(GatedKernel):
         )
 
     @cute.kernel
-    def kernel(
-        self,
-        mG: cute.Tensor,
-        mX: cute.Tensor,
-        mZ: cute.Tensor,
-        mW: cute.Tensor,
-        mRstd: cute.Tensor,
-        mDX: cute.Tensor,
-        mDZ: cute.Tensor,
-        mPartial: cute.Tensor,
-    ):
+    def kernel(self, mG, mX, mZ, mW, mRstd, mDX, mDZ, mPartial):
         t = self.tiling
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, group, _ = cute.arch.block_idx()
+        tidx, bidx, group = self.cta_position()
         num_programs, _, _ = cute.arch.grid_dim()
-        if const_expr(self.groups == 1):
-            group = 0
         rows = mG.shape[0]
         num_tiles = cute.ceil_div(rows, t.rows_per_cta)
         smem = cutlass.memory.SmemAllocator()
@@ -115,11 +102,11 @@ class GatedRMSNormBackward(GatedKernel):
             )
 
         mG, mX, mZ, mDX, mDZ, mW = [self.group_view(m, group) for m in (mG, mX, mZ, mDX, mDZ, mW)]
-        thr, tXc0, pred, row_in_cta, lane_in_row = self.thread_slice(mG.shape, tidx)
-        copy_act = partial(cute.copy, copy_atom(self.act_dtype, t.vec), pred=pred)
+        thr, tXc0, pred, row_in_cta, lane_in_row = self.thread_slice(mG.shape, tidx, (0, 0))
+        copy_act = self.row_copy(pred)
         tt = ThreadTiles(thr, tile_shape(t), 0, row_in_cta, copy_act, None)
         # w stays in its own dtype, widened at each use: half the registers held for 2-byte w.
-        tXrW = self.load_weight(mW, thr, tile_shape(t), 0, pred)
+        tXrW = self.load_weight(self.weight_cells(mW, thr, tile_shape(t), 0), pred)
         # Fragments shaped like the coordinates (a static layout), so they stay in registers.
         tXrG, tXrX, tXrZ, tXrDX, tXrDZ = [cute.make_rmem_tensor_like(tXc0, self.act_dtype) for _ in range(5)]
         tXrDW = cute.make_rmem_tensor_like(tXc0, Float32)
@@ -194,9 +181,8 @@ class GatedRMSNormBackward(GatedKernel):
         """Add this row's dW terms into the accumulator and return c = sum(a * n) / L."""
         a, n, dw_term = terms[0], terms[1], terms[2]
         tXDW.store(tXDW.load() + dw_term)
-        dot = self.segment_sum(
-            (a * n).reduce(cute.ReductionOp.ADD, Float32(0.0), 0), buffers, row_in_cta, lane_in_row, slot
-        )
+        own_dot = (a * n).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+        dot = self.row_total(own_dot, buffers, row_in_cta, lane_in_row, slot, Int32(0))
         return dot / self.tiling.hidden
 
     @cute.jit

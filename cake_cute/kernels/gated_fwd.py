@@ -28,22 +28,11 @@ bytes of rstd per segment: 3 * T*H*act_bytes + 4*T*H/L from HBM.
 
 from __future__ import annotations
 
-from functools import partial
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
-from .common import (
-    RowKernel,
-    allocate_reduction_buffers,
-    column_predicate,
-    copy_atom,
-    row_sum,
-    row_tiled_copy,
-    tile_shape,
-)
-from .rmsnorm_fwd import RMSNormForward
+from .common import RowKernel, allocate_reduction_buffers, tile_shape
 from .tiling import VECTOR_BYTES
 
 
@@ -62,19 +51,18 @@ def segment_columns(m: cute.Tensor, first, width: int, align_elems: int) -> cute
 
 class GatedKernel(RowKernel):
     """What the gated forward and backward share: the form (``norm_before_gate``), the number of
-    groups per row (1 in the norm-then-gate form), the launch shape with the groups along y, the
-    views of one group's columns and the gate."""
+    groups per row (1 in the norm-then-gate form), the groups along the grid's y, the views of one
+    group's columns and the gate. A segment is tiled like a row (one CTA, no cluster), so the
+    thread's slice, w's load and the row sum are the plain kernels' (``common.RowKernel``)."""
 
     def __init__(self, config, act_dtype, w_dtype, weight_offset: float, groups: int, norm_before_gate: bool):
         super().__init__(config, act_dtype, w_dtype, False, weight_offset)
         self.groups = groups
         self.norm_before_gate = norm_before_gate
 
-    def launch_shape(self, ctas) -> dict:
-        """``ctas`` row programs along x, one per group along y."""
-        shape = super().launch_shape(ctas)
-        shape["grid"] = [ctas, self.groups, 1]
-        return shape
+    def ctas_along_y(self) -> int:
+        """One CTA per group along y."""
+        return self.groups
 
     @cute.jit
     def group_view(self, m: cute.Tensor, group) -> cute.Tensor:
@@ -96,27 +84,6 @@ class GatedKernel(RowKernel):
         s = sigmoid.load()
         return z * s, s * (1.0 + z * (1.0 - s))
 
-    @cute.jit
-    def thread_slice(self, shape, tidx):
-        """The thread's slice of the tiled copy, its cells of the first tile as coordinates (what
-        register fragments are shaped like), the column predicate of its fragments (None where the
-        tiles cover the segment exactly), its segment row within a CTA and its lane in that row."""
-        t = self.tiling
-        thr = row_tiled_copy(self.act_dtype, t).get_slice(tidx)
-        tXc = thr.partition_S(cute.local_tile(cute.make_identity_tensor(shape), tile_shape(t), (0, 0)))
-        pred = None
-        if const_expr(not t.covers_row_exactly):
-            pred = column_predicate(tXc, t.hidden)
-        return thr, tXc, pred, tidx // t.threads_per_row, tidx % t.threads_per_row
-
-    # The plain forward's load of the thread's slice of w (zero past the segment), at cluster rank 0.
-    load_weight = RMSNormForward.load_weight
-
-    @cute.jit
-    def segment_sum(self, val: Float32, buffers, row_in_cta, lane_in_row, slot) -> Float32:
-        """The fixed-order sum of ``val`` over the segment's lanes (``common.row_sum``, one CTA)."""
-        return row_sum(val, *buffers, row_in_cta, lane_in_row, slot, Int32(0), self.tiling.threads_per_row, 1)
-
 
 class GatedRMSNormForward(GatedKernel):
     """One compiled forward per (arch, dtypes, H, group size, form, weight_offset) and its
@@ -137,28 +104,17 @@ class GatedRMSNormForward(GatedKernel):
         self.kernel(mX, mZ, mW, mY, mRstd, eps).launch(**self.launch_shape(ctas), stream=stream)
 
     @cute.kernel
-    def kernel(
-        self,
-        mX: cute.Tensor,
-        mZ: cute.Tensor,
-        mW: cute.Tensor,
-        mY: cute.Tensor,
-        mRstd: cute.Tensor,
-        eps: Float32,
-    ):
+    def kernel(self, mX, mZ, mW, mY, mRstd, eps: Float32):
         t = self.tiling
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, group, _ = cute.arch.block_idx()
-        if const_expr(self.groups == 1):
-            group = 0
+        tidx, bidx, group = self.cta_position()
         rows = mX.shape[0]
         smem = cutlass.memory.SmemAllocator()
         buffers = allocate_reduction_buffers(smem, t)
 
         mX, mZ, mY, mW = [self.group_view(m, group) for m in (mX, mZ, mY, mW)]
-        thr, _, pred, row_in_cta, lane_in_row = self.thread_slice(mX.shape, tidx)
+        thr, _, pred, row_in_cta, lane_in_row = self.thread_slice(mX.shape, tidx, (0, 0))
         row = bidx * t.rows_per_cta + row_in_cta
-        copy_act = partial(cute.copy, copy_atom(self.act_dtype, t.vec), pred=pred)
+        copy_act = self.row_copy(pred)
         tXgX, tXgZ, tXgY = [
             thr.partition_S(cute.local_tile(m, tile_shape(t), (bidx, 0))) for m in (mX, mZ, mY)
         ]
@@ -170,15 +126,14 @@ class GatedRMSNormForward(GatedKernel):
         if row < rows:
             copy_act(tXgX, tXrX)
             copy_act(tXgZ, tXrZ)
-        tXrW = self.load_weight(mW, thr, tile_shape(t), 0, pred)
+        tXrW = self.load_weight(self.weight_cells(mW, thr, tile_shape(t), 0), pred)
 
         silu, _ = self.gate(tXrZ.load().to(Float32))
         h = tXrX.load().to(Float32)
         if const_expr(not self.norm_before_gate):
             h = h * silu
-        sum_sq = self.segment_sum(
-            (h * h).reduce(cute.ReductionOp.ADD, Float32(0.0), 0), buffers, row_in_cta, lane_in_row, Int32(0)
-        )
+        own_sum = (h * h).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+        sum_sq = self.row_total(own_sum, buffers, row_in_cta, lane_in_row, Int32(0), Int32(0))
         rstd = cute.math.rsqrt(sum_sq / t.hidden + eps)
         if row < rows and lane_in_row == 0:
             mRstd[row, group] = rstd

@@ -72,26 +72,12 @@ in front of a one-g backward.
 
 from __future__ import annotations
 
-from functools import partial
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from .backward_staging import RowStaging
-from .common import (
-    RowKernel,
-    allocate_reduction_buffers,
-    allocate_tile,
-    broadcast_rows,
-    column_predicate,
-    copy_atom,
-    init_cluster_reduction,
-    row_sum,
-    row_tiled_copy,
-    staging_atom,
-    tile_shape,
-)
+from .common import RowKernel, allocate_reduction_buffers, allocate_tile, init_cluster_reduction, tile_shape
 from .config import SCALE_FLOOR
 from .dw_partial_rows import PartialRowWriter
 from .thread_tiles import ThreadTiles
@@ -155,27 +141,13 @@ class RMSNormBackward(RowStaging, PartialRowWriter, RowKernel):
         )
 
     @cute.kernel
-    def kernel(
-        self,
-        mG: cute.Tensor,
-        mH: cute.Tensor,
-        mW: cute.Tensor,
-        mRstd: cute.Tensor,
-        mGRes: cute.Tensor,
-        mDX: cute.Tensor,
-        mPartial: cute.Tensor,
-        mG1: cute.Tensor,
-        mG2: cute.Tensor,
-    ):
+    def kernel(self, mG, mH, mW, mRstd, mGRes, mDX, mPartial, mG1, mG2):
         t = self.tiling
         mGs = (mG, mG1, mG2)[: self.g_parts]  # g's parts, in summation order
         uses_ring = not self.config.dw_in_smem
         ring_depth = self.config.ring_depth
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, rank, _ = cute.arch.block_idx()
+        tidx, bidx, rank = self.cta_position()
         num_programs, _, _ = cute.arch.grid_dim()
-        if const_expr(t.cluster_n == 1):
-            rank = 0
         rows = mG.shape[0]
         num_tiles = cute.ceil_div(rows, t.rows_per_cta)
 
@@ -183,23 +155,15 @@ class RMSNormBackward(RowStaging, PartialRowWriter, RowKernel):
         warp_sums, cta_sums, mbars = allocate_reduction_buffers(smem, t)
 
         tiler = tile_shape(t)
-        thr = row_tiled_copy(self.act_dtype, t).get_slice(tidx)
-        row_in_cta = tidx // t.threads_per_row
-        lane_in_row = tidx % t.threads_per_row
-        identity = cute.make_identity_tensor(mG.shape)
-        tXc0 = thr.partition_S(cute.local_tile(identity, tiler, (0, rank)))
-        pred = None
-        if const_expr(not t.covers_row_exactly):
-            pred = column_predicate(tXc0, t.hidden)
-        copy_act = partial(cute.copy, copy_atom(self.act_dtype, t.vec), pred=pred)
+        thr, tXc0, pred, row_in_cta, lane_in_row = self.thread_slice(mG.shape, tidx, (0, rank))
+        copy_act = self.row_copy(pred)
 
         tXrGs = [cute.make_rmem_tensor_like(tXc0, self.act_dtype) for _ in mGs]
         tXrH = cute.make_rmem_tensor_like(tXc0, self.act_dtype)
         tXrDX = cute.make_rmem_tensor_like(tXc0, self.act_dtype)
         tXrGR = cute.make_rmem_tensor_like(tXc0, self.act_dtype)
 
-        async_copy = partial(cute.copy, staging_atom(self.act_dtype, t.vec), pred=pred)
-        tt = ThreadTiles(thr, tiler, rank, row_in_cta, copy_act, async_copy)
+        tt = ThreadTiles(thr, tiler, rank, row_in_cta, copy_act, self.staging_copy(pred))
         # g_residual is needed only after the row sum: one tile, issued at the top of its iteration.
         sGR = allocate_tile(smem, self.act_dtype, t) if const_expr(self.residual) else None
         if const_expr(uses_ring):
@@ -243,7 +207,7 @@ class RMSNormBackward(RowStaging, PartialRowWriter, RowKernel):
                 tXsrcH = tt.in_smem(sH, ring_slot)
             c = self.reduce_row(
                 tt, row, rows, rstd, reduction_slot, phase, lane_in_row, tXsrcGs, tXsrcH, tXrGs, tXrH, tXDW,
-                tXsW, tXsInvS, warp_sums, cta_sums, mbars,
+                tXsW, tXsInvS, (warp_sums, cta_sums, mbars),
             )  # fmt: skip
             self.write_dx(
                 tt, row, rows, rstd, c, tXsrcGs, tXsrcH, tXsGR, tXrGs, tXrH, tXrGR, tXrDX, tXsW, tXsInvS,
@@ -265,13 +229,12 @@ class RMSNormBackward(RowStaging, PartialRowWriter, RowKernel):
         tile of FP32 cells beside it (None otherwise). The FP32 dW accumulator starts at zero, in
         registers or (``dw_in_smem``) in shared memory. Returns (w cells, 1 / s cells, dW registers,
         dW accumulator)."""
-        t = self.tiling
         cta_tile = cute.make_ordered_layout(tiler, order=(1, 0))
-        tXgW = thr.partition_S(cute.local_tile(broadcast_rows(mW, t.rows_per_cta), tiler, (0, rank)))
+        # w's global slice, its shared cells, then the load: allocating the cells first, or after the
+        # load, changes the schedule ptxas picks (bf16 H = 1024 from_output, fp32 H = 131072).
+        tXgW = self.weight_cells(mW, thr, tiler, rank)
         tXsW = thr.partition_D(smem.allocate_tensor(self.w_dtype, cta_tile, byte_alignment=16))
-        tXrW = cute.make_rmem_tensor_like(tXgW)
-        tXrW.fill(0)
-        cute.copy(copy_atom(self.w_dtype, t.vec), tXgW, tXrW, pred=pred)
+        tXrW = self.load_weight(tXgW, pred)
         cute.autovec_copy(tXrW, tXsW)
         tXsInvS = None
         if const_expr(self.from_output):
@@ -295,14 +258,13 @@ class RMSNormBackward(RowStaging, PartialRowWriter, RowKernel):
     @cute.jit
     def reduce_row(
         self, tt: ThreadTiles, row, rows, rstd, reduction_slot, phase, lane_in_row, tXsrcGs, tXsrcH,
-        tXrGs, tXrH, tXDW, tXsW, tXsInvS, warp_sums, cta_sums, mbars,
+        tXrGs, tXrH, tXDW, tXsW, tXsInvS, buffers,
     ) -> Float32:  # fmt: skip
         """Add this row's g * xhat into the dW accumulator and return c = sum(a * xhat) / H.
 
         Everything before the row sum is folded into the dot product and the accumulator; a and xhat
         are recomputed from g and h afterwards (``write_dx``), so nothing of the row is held in
-        registers across the barrier."""
-        t = self.tiling
+        registers across the barrier; ``buffers`` are the row sum's (warp sums, CTA sums, mbarriers)."""
         # Rows past T contribute zeros, never stale values.
         for tXrG in tXrGs:
             tXrG.fill(0)
@@ -312,19 +274,9 @@ class RMSNormBackward(RowStaging, PartialRowWriter, RowKernel):
         g = self.gradient(tXrGs)
         xhat = self.normalized(tXrH, rstd, tXsInvS)
         tXDW.store(tXDW.load() + g * xhat)
-        dot = row_sum(
-            (g * self.widen_weight(tXsW.load()) * xhat).reduce(cute.ReductionOp.ADD, Float32(0.0), 0),
-            warp_sums,
-            cta_sums,
-            mbars,
-            tt.row_in_cta,
-            lane_in_row,
-            reduction_slot,
-            phase,
-            t.threads_per_row,
-            t.cluster_n,
-        )
-        return dot / t.hidden
+        own_dot = (g * self.widen_weight(tXsW.load()) * xhat).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+        dot = self.row_total(own_dot, buffers, tt.row_in_cta, lane_in_row, reduction_slot, phase)
+        return dot / self.tiling.hidden
 
     @cute.jit
     def write_dx(

@@ -24,7 +24,6 @@ Bytes moved: reads x (+ residual) once and w once per CTA (an L2 hit after the f
 
 from __future__ import annotations
 
-from functools import partial
 from typing import NamedTuple
 
 import cutlass
@@ -35,13 +34,8 @@ from .common import (
     RowKernel,
     allocate_reduction_buffers,
     allocate_tile,
-    broadcast_rows,
-    column_predicate,
     copy_atom,
     init_cluster_reduction,
-    row_sum,
-    row_tiled_copy,
-    staging_atom,
     tile_shape,
 )
 
@@ -93,18 +87,7 @@ class RMSNormForward(RowKernel):
         )
 
     @cute.kernel
-    def kernel(
-        self,
-        mX: cute.Tensor,
-        mRes: cute.Tensor,
-        mW: cute.Tensor,
-        mY: cute.Tensor,
-        mHOut: cute.Tensor,
-        mRstd: cute.Tensor,
-        mQ: cute.Tensor,
-        mScale: cute.Tensor,
-        eps: Float32,
-    ):
+    def kernel(self, mX, mRes, mW, mY, mHOut, mRstd, mQ, mScale, eps: Float32):
         smem = cutlass.memory.SmemAllocator()
         tile = self.normalize(smem, mX, mRes, mW, mHOut, mRstd, eps)
         self.epilogue(smem, tile, mY, mQ, mScale)
@@ -141,21 +124,16 @@ class RMSNormForward(RowKernel):
     ) -> NormalizedTile:
         """Stage the tile, write h_new and rstd, and return the FP32 normalized values."""
         t = self.tiling
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, rank, _ = cute.arch.block_idx()
-        if const_expr(t.cluster_n == 1):
-            rank = 0
+        tidx, bidx, rank = self.cta_position()
         rows = mX.shape[0]
 
         warp_sums, cta_sums, mbars = allocate_reduction_buffers(smem, t)
         sX = allocate_tile(smem, self.act_dtype, t)[None, None, 0]
 
-        tiler, thr, row, pred = self.row_tile(mX, tidx, bidx, rank)
-        row_in_cta = tidx // t.threads_per_row
-        lane_in_row = tidx % t.threads_per_row
-        # Bound outside the dynamic branches: a None captured into a branch would become an IR value.
-        copy_act = partial(cute.copy, copy_atom(self.act_dtype, t.vec), pred=pred)
-        async_copy = partial(cute.copy, staging_atom(self.act_dtype, t.vec), pred=pred)
+        tiler = tile_shape(t)
+        thr, tXc, pred, row_in_cta, lane_in_row = self.thread_slice(mX.shape, tidx, (bidx, rank))
+        row = tXc[0][0]
+        copy_act, async_copy = self.row_copy(pred), self.staging_copy(pred)
 
         tXgX = thr.partition_S(cute.local_tile(mX, tiler, (bidx, rank)))
         tXsX = thr.partition_D(sX)
@@ -171,7 +149,7 @@ class RMSNormForward(RowKernel):
         init_cluster_reduction(mbars, t.cluster_n)
 
         # w's load overlaps the staging copies.
-        tXrW = self.load_weight(mW, thr, tiler, rank, pred)
+        tXrW = self.load_weight(self.weight_cells(mW, thr, tiler, rank), pred)
 
         cute.arch.cp_async_wait_group(0)
         # Columns past H stay zero in registers (they were never staged).
@@ -200,42 +178,9 @@ class RMSNormForward(RowKernel):
         return NormalizedTile(y, tXgX, thr, tiler, bidx, rank, row, rows, pred, row_in_cta, lane_in_row)
 
     @cute.jit
-    def row_tile(self, mX: cute.Tensor, tidx, bidx, rank):
-        """Where row tile ``bidx`` (cluster CTA ``rank``) lies: the tiler, the thread's slice of the
-        tiled copy, the thread's row and its column predicate (None where the tiles cover H)."""
-        t = self.tiling
-        tiler = tile_shape(t)
-        coords = cute.local_tile(cute.make_identity_tensor(mX.shape), tiler, (bidx, rank))
-        thr = row_tiled_copy(self.act_dtype, t).get_slice(tidx)
-        tXc = thr.partition_S(coords)
-        pred = None
-        if const_expr(not t.covers_row_exactly):
-            pred = column_predicate(tXc, t.hidden)
-        return tiler, thr, tXc[0][0], pred
-
-    @cute.jit
-    def load_weight(self, mW: cute.Tensor, thr, tiler, rank, pred) -> cute.Tensor:
-        """The thread's slice of w in registers (zero past H)."""
-        t = self.tiling
-        tXgW = thr.partition_S(cute.local_tile(broadcast_rows(mW, t.rows_per_cta), tiler, (0, rank)))
-        tXrW = cute.make_rmem_tensor_like(tXgW)
-        tXrW.fill(0)
-        cute.copy(copy_atom(self.w_dtype, t.vec), tXgW, tXrW, pred=pred)
-        return tXrW
-
-    @cute.jit
     def row_rstd(self, h: cute.TensorSSA, buffers, row_in_cta, lane_in_row, slot, eps) -> Float32:
         """1 / sqrt(mean(h^2) + eps) of the thread's row, ``buffers`` the reduction's (warp sums, CTA
-        sums, mbarriers) and ``slot`` the one this row uses (``row_sum``)."""
-        t = self.tiling
-        sum_sq = row_sum(
-            (h * h).reduce(cute.ReductionOp.ADD, Float32(0.0), 0),
-            *buffers,
-            row_in_cta,
-            lane_in_row,
-            slot,
-            Int32(0),
-            t.threads_per_row,
-            t.cluster_n,
-        )
-        return cute.math.rsqrt(sum_sq / t.hidden + eps)
+        sums, mbarriers) and ``slot`` the one this row uses (``row_total``)."""
+        own_sum = (h * h).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+        sum_sq = self.row_total(own_sum, buffers, row_in_cta, lane_in_row, slot, Int32(0))
+        return cute.math.rsqrt(sum_sq / self.tiling.hidden + eps)

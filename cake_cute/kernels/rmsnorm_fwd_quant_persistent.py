@@ -25,13 +25,11 @@ Bytes moved: the one-tile kernel's -- x and w read (w once per program), T*H e4m
 
 from __future__ import annotations
 
-from functools import partial
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from .common import allocate_reduction_buffers, allocate_tile, copy_atom, staging_atom
+from .common import allocate_reduction_buffers, allocate_tile, tile_shape
 from .rmsnorm_fwd import NormalizedTile
 from .rmsnorm_fwd_quant import RMSNormForwardQuant
 
@@ -73,16 +71,14 @@ class RMSNormForwardQuantPersistent(RMSNormForwardQuant):
         buffers = allocate_reduction_buffers(smem, t)
         sX = allocate_tile(smem, self.act_dtype, t, slots=2)
         # The column predicate depends on the columns only: one for every tile of the program.
-        tiler, thr, _, pred = self.row_tile(mX, tidx, first, 0)
-        row_in_cta = tidx // t.threads_per_row
-        lane_in_row = tidx % t.threads_per_row
+        tiler = tile_shape(t)
+        thr, _, pred, row_in_cta, lane_in_row = self.thread_slice(mX.shape, tidx, (first, 0))
         # Bound outside the dynamic loop: a None captured into it would become an IR value.
-        copy_act = partial(cute.copy, copy_atom(self.act_dtype, t.vec), pred=pred)
-        async_copy = partial(cute.copy, staging_atom(self.act_dtype, t.vec), pred=pred)
+        copy_act, async_copy = self.row_copy(pred), self.staging_copy(pred)
 
         self.stage(mX, sX, thr, tiler, async_copy, first, 0, row_in_cta)
         cute.arch.cp_async_commit_group()
-        tXrW = self.load_weight(mW, thr, tiler, 0, pred)
+        tXrW = self.load_weight(self.weight_cells(mW, thr, tiler, 0), pred)
 
         for i in cutlass.range((tiles - first + programs - 1) // programs, unroll=1):
             tile = first + i * programs
