@@ -120,6 +120,14 @@ class RowKernel:
         return row_sum(val, *buffers, row_in_cta, lane_in_row, slot, phase, t.threads_per_row, t.cluster_n)
 
     @cute.jit
+    def row_rstd(self, h: cute.TensorSSA, buffers, row_in_cta, lane_in_row, slot, eps) -> Float32:
+        """1 / sqrt(mean(h^2) + eps) of the thread's row (a gated kernel's: of its segment), ``buffers``
+        the reduction's (warp sums, CTA sums, mbarriers) and ``slot`` the one this row uses."""
+        own_sum = (h * h).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+        sum_sq = self.row_total(own_sum, buffers, row_in_cta, lane_in_row, slot, Int32(0))
+        return cute.math.rsqrt(sum_sq / self.tiling.hidden + eps)
+
+    @cute.jit
     def widen_weight(self, w: cute.TensorSSA) -> cute.TensorSSA:
         w = w.to(Float32)
         if const_expr(self.weight_offset != 0.0):

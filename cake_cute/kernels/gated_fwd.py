@@ -132,9 +132,7 @@ class GatedRMSNormForward(GatedKernel):
         h = tXrX.load().to(Float32)
         if const_expr(not self.norm_before_gate):
             h = h * silu
-        own_sum = (h * h).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-        sum_sq = self.row_total(own_sum, buffers, row_in_cta, lane_in_row, Int32(0), Int32(0))
-        rstd = cute.math.rsqrt(sum_sq / t.hidden + eps)
+        rstd = self.row_rstd(h, buffers, row_in_cta, lane_in_row, Int32(0), eps)
         if row < rows and lane_in_row == 0:
             mRstd[row, group] = rstd
 

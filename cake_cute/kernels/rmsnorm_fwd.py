@@ -176,11 +176,3 @@ class RMSNormForward(RowKernel):
         w = self.widen_weight(self.widen(tXrW))
         y = self.widen(tXrX) * rstd * w
         return NormalizedTile(y, tXgX, thr, tiler, bidx, rank, row, rows, pred, row_in_cta, lane_in_row)
-
-    @cute.jit
-    def row_rstd(self, h: cute.TensorSSA, buffers, row_in_cta, lane_in_row, slot, eps) -> Float32:
-        """1 / sqrt(mean(h^2) + eps) of the thread's row, ``buffers`` the reduction's (warp sums, CTA
-        sums, mbarriers) and ``slot`` the one this row uses (``row_total``)."""
-        own_sum = (h * h).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-        sum_sq = self.row_total(own_sum, buffers, row_in_cta, lane_in_row, slot, Int32(0))
-        return cute.math.rsqrt(sum_sq / self.tiling.hidden + eps)
