@@ -13,9 +13,10 @@ import re
 
 from torch import nn
 
-# The squares averaged over the last dimension: "x.pow(2).mean(-1", "x.square().mean(dim=-1",
-# "(x ** 2).mean(-1".
-_MEAN_OF_SQUARES = re.compile(r"(pow\(2\)|square\(\)|\*\* ?2)\)?\.mean\((dim=)?-1")
+# Squares as a forward's source writes them ("x.pow(2)", "x.square()", "(x ** 2)"), and their average
+# over the last dimension (".mean(-1" or ".mean(dim=-1").
+SQUARES = r"(pow\(2\)|square\(\)|\*\* ?2)\)?"
+_MEAN_OF_SQUARES = re.compile(SQUARES + r"\.mean\((dim=)?-1")
 
 
 def hf_eps(module: nn.Module) -> float | None:

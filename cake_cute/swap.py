@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from . import validation as v
+from .hf_norm_reading import SQUARES as _SQUARES
 from .hf_norm_reading import averages_squares as _averages_squares
 from .hf_norm_reading import forward_source as _forward_source
 from .hf_norm_reading import hf_eps as _hf_eps
@@ -56,7 +57,7 @@ def _is_hf_norm_shaped(module: nn.Module) -> bool:
 
 # A forward's source is an RMSNorm's when it shows a reciprocal square root of the squares averaged over
 # the last dimension (``_averages_squares``); these tell the recognized forms apart.
-_SUM_OF_SQUARES = re.compile(r"(pow\(2\)|square\(\)|\*\* ?2)\)?\.sum\((dim=)?-1")
+_SUM_OF_SQUARES = re.compile(_SQUARES + r"\.sum\((dim=)?-1")
 _MEAN_SUBTRACTED = re.compile(r"- mean\b|\.var\(")
 _RSTD_ROUNDED = re.compile(r"rsqrt\(.*?keepdim=True\) \+ self\.\w+\)\.(to|type_as)\(")
 _NORM_OF_INPUT = re.compile(r"self\._norm\((x|hidden_states)(\.float\(\)|\.to\(torch\.float32\))?\)")
