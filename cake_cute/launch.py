@@ -210,11 +210,11 @@ class _BackwardPlan(NamedTuple):
 
 
 @lru_cache(maxsize=4096)
-def backward_launch_plan(operands, rows, residual, from_output=False) -> _BackwardPlan:
-    """The launch shape of a backward call (g in summands or not; reading y when ``from_output``),
-    looked up once per distinct (operands, T, residual, from_output)."""
+def backward_launch_plan(operands, rows, residual) -> _BackwardPlan:
+    """The launch shape of a backward call (g in summands or not, reading h or y), looked up once per
+    distinct (operands, T, residual)."""
     programs = launch_plan.backward_programs(
-        max(rows, 1), operands.hidden, operands.act, operands.w_name, residual, operands.facts, from_output
+        max(rows, 1), operands.hidden, operands.act, operands.w_name, residual, operands.facts
     )
     partial_rows = programs  # one FP32 partial row of dW per program: its row groups fold theirs first
     return _BackwardPlan(
@@ -257,7 +257,7 @@ def _backward(operands, g_parts, x, w, rstd, g_residual, outputs, weight_offset,
     hidden = operands.hidden
     rows = x.numel() // hidden
     residual = g_residual is not None
-    plan = backward_launch_plan(operands, rows, residual, from_output)
+    plan = backward_launch_plan(operands, rows, residual)
     vec = plan.vec
     if workspace is not None:
         v.check_workspace_size(workspace, plan.workspace_bytes)

@@ -46,17 +46,15 @@ def backward_programs(
     w_dtype: str,
     residual: bool,
     device: DeviceFacts,
-    from_output: bool = False,
 ) -> int:
     """Programs (clusters) of the persistent backward: as many as are resident at once, never more
     than there are row tiles (two tiles each from ``PAIR_TILES_FROM`` tiles up to a full GPU). The
     partition of rows -- and so dw's bits -- is fixed by this number, which depends only on T, the GPU
     model and the variant (dtypes, H, mode). A backward of g in summands launches the one-g variant's
     count (its own residency may be lower: those programs run in a second wave), so that its dw is
-    bitwise the dw of their rounded sum. The memory-efficient backward (``from_output``) has no such
-    twin to match and launches as many programs as its own residency allows: its FP32 tile of 1 / s
-    may leave one CTA per SM where the default fits two, and a second wave would double its time."""
-    config = backward_config(device.arch, act_dtype, w_dtype, hidden, residual, from_output=from_output)
+    bitwise the dw of their rounded sum. The memory-efficient backward has the default's residency
+    (``config.backward_config``), so the same count."""
+    config = backward_config(device.arch, act_dtype, w_dtype, hidden, residual)
     tiling = config.tiling
     tiles = -(-rows // tiling.rows_per_cta)
     if tiles <= 1:

@@ -142,8 +142,11 @@ def test_segment_tilings(act, hidden, group_size, forward, backward):
     assert gated_forward_config(act, hidden, group_size).tiling.describe() == forward
     config = gated_backward_config(act, hidden, group_size)
     assert config.tiling.describe() == backward
-    # Only segments wider than 512 lanes of 8 elements re-read their row after the row sum.
+    # Only segments wider than 512 lanes of 8 elements re-read their row after the row sum; segments
+    # of 1024 columns and more (at most two to a CTA) prefetch later rows into the L2, except rows of
+    # one segment narrower than 2048.
     assert config.reread == (group_size > 4096)
+    assert config.prefetch == (group_size >= 1024 and not group_size == hidden < 2048)
 
 
 @pytest.mark.parametrize("hidden, group_size", [(4096, 3000), (32768, 16384), (128, 0)])
@@ -253,8 +256,8 @@ def reports(tmp_path_factory):
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name())
 def test_compiled_variant(reports, spec):
     """No spill, no atomic; 128-bit loads and stores wherever a segment is whole 16-byte vectors, and
-    there a re-reading backward prefetches its next rows of g, x and z into the L2 (one bulk
-    prefetch each)."""
+    there a wide-segment backward prefetches later rows of g, x and z into the L2 (one bulk prefetch
+    each, at two places)."""
     report = reports[spec]
     assert spill_free(report) and report["local_loads"] == report["local_stores"] == 0, report
     assert report["global_atomics"] == 0
@@ -262,8 +265,9 @@ def test_compiled_variant(reports, spec):
     if vectorized:
         assert report["global_load_width_bits"] == report["global_store_width_bits"] == 128, report
     if spec.kind == "gated_bwd":
-        reread = config_for(spec).reread
-        assert report["l2_bulk_prefetches"] == (3 if vectorized and reread else 0)
+        prefetch = config_for(spec).prefetch
+        # g, x and z of the second tile before the loop, and of the tile two ahead in it.
+        assert report["l2_bulk_prefetches"] == (6 if vectorized and prefetch else 0)
 
 
 class _Recorder:

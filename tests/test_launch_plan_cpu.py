@@ -289,14 +289,24 @@ def test_a_parts_backward_launches_the_one_g_program_count():
     assert launch_plan.backward_programs(10**6, 8192, "bf16", "bf16", True, H200) == 264
 
 
-def test_a_memory_efficient_backward_launches_its_own_residency():
-    """bf16 H = 8192 in residual mode again: the tile of 1 / s leaves the memory-efficient backward one
-    CTA per SM, and it launches that many programs (132), not the default's 264 in two waves."""
-    default = backward_config("sm_90a", "bf16", "bf16", 8192, True)
-    from_output = backward_config("sm_90a", "bf16", "bf16", 8192, True, from_output=True)
-    assert (default.ctas_per_sm, from_output.ctas_per_sm) == (2, 1)
-    assert launch_plan.backward_programs(10**6, 8192, "bf16", "bf16", True, H200) == 264
-    assert launch_plan.backward_programs(10**6, 8192, "bf16", "bf16", True, H200, True) == 132
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+@pytest.mark.parametrize("act", ["bf16", "fp32"])
+@pytest.mark.parametrize("hidden", [7, 1024, 4096, 8192, 16384, 131072])
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+def test_a_memory_efficient_backward_keeps_the_default_residency(arch, act, hidden, residual):
+    """The memory-efficient variant recomputes 1 / s from w's cells and keeps no tile of its own: its
+    tiling, ring, shared memory and residency are the default's, so it launches the default's
+    programs (at bf16 H = 8192 in residual mode two CTAs per SM too). Only its register budget may
+    grow, and only to the share shared memory leaves free."""
+    fields = (arch, act, act, hidden, residual, 0.0, 1)
+    default = config_for(make_spec("bwd", *fields))
+    mode = config_for(make_spec("bwd", *fields, True))
+    registers = {"register_budget": default.register_budget, "min_ctas_per_sm": default.min_ctas_per_sm}
+    assert replace(mode, **registers) == default
+    assert mode.register_budget >= default.register_budget
+    assert mode.ctas_per_sm * mode.register_budget * default.tiling.threads_per_cta <= 65536
+    if (arch, act, hidden, residual) == ("sm_90a", "bf16", 8192, True):
+        assert default.ctas_per_sm == 2
 
 
 def test_reduce_config_spreads_narrow_rows():

@@ -271,12 +271,14 @@ def backward_register_budget(tiling: RowTiling, arch: str) -> int:
     return 64 if tiling.threads_per_cta >= MAX_THREADS_PER_CTA else 80
 
 
-def parts_register_budget(tiling: RowTiling, budget: int, smem_bytes: int) -> int:
-    """Registers per thread of a backward of g in parts: every part is one more register fragment in
-    the row sum and in dx. Where shared memory lets fewer CTAs onto an SM than ``budget``'s register
-    hint asks for, the hint would only squeeze registers: the budget grows to those CTAs' share of the
+def smem_bound_register_budget(tiling: RowTiling, budget: int, smem_bytes: int) -> int:
+    """Registers per thread of a backward variant that needs more than the default: g in parts (every
+    part is one more register fragment in the row sum and in dx) or the memory-efficient mode (its
+    reciprocals of s). Where shared memory lets fewer CTAs onto an SM than ``budget``'s register hint
+    asks for, the hint would only squeeze registers: the budget grows to those CTAs' share of the
     register file, at most ``MAX_HINTED_REGISTERS`` (sm_100a bf16 H = 8192 with three parts spills
-    under 128 and takes 130). Residency is unchanged: shared memory already decided it."""
+    under 128 and takes 130; so does sm_90a 2-byte H = 8192 reading y). Residency is unchanged: shared
+    memory already decided it."""
     fit = resident_ctas_per_sm(tiling, smem_bytes, MAX_CTAS_PER_SM)
     share = REGISTERS_PER_SM // (fit * tiling.threads_per_cta)
     return max(budget, min(MAX_HINTED_REGISTERS, share))
@@ -290,10 +292,9 @@ def backward_smem_bytes(
     g_parts: int,
     ring_depth: int,
     dw_in_smem: bool,
-    from_output: bool = False,
 ) -> int:
-    """Shared memory of one backward CTA (``rmsnorm_bwd``), an upper bound: reduction slots, the w tile
-    (and, reading y in h's place, ``from_output``, the FP32 tile of 1 / s), one tile of g_residual,
+    """Shared memory of one backward CTA (``rmsnorm_bwd``), an upper bound: reduction slots, the w tile,
+    one tile of g_residual,
     either the ring (per slot a tile of each part of g and one of h) or the FP32 dW tile, the FP32 tile
     in which several row groups fold their dW, and the DSL's static kilobyte. w's own dtype counts:
     under autocast w is FP32 next to bf16 rows, and its tile can decide whether two CTAs fit on an SM
@@ -304,7 +305,6 @@ def backward_smem_bytes(
     staging = (1 if residual else 0) * tile * act_bytes
     staging += 4 * tile if dw_in_smem else ring_depth * (g_parts + 1) * tile * act_bytes
     staging += 4 * tile if tiling.rows_per_cta > 1 else 0
-    staging += 4 * tile if from_output else 0
     return reduction + dtype_bytes(w_dtype) * tile + staging + SMEM_STATIC_PER_CTA + 256
 
 
@@ -326,9 +326,10 @@ def backward_config(
     from_output: bool = False,
 ) -> BackwardConfig:
     """The backward's config; ``g_parts`` (1 to ``MAX_G_PARTS``) is how many summands g arrives as. An
-    overridden ``ring_depth`` is the one-g ring's; a parts variant cuts it like the rule's.
-    ``from_output`` (the memory-efficient mode: y read in h's place) keeps the tiling, ring and register
-    budget and adds its FP32 tile of 1 / s to the shared memory, which may lower ``ctas_per_sm``.
+    overridden ``ring_depth`` is the one-g ring's; a parts variant cuts it like the rule's. The
+    memory-efficient variant (``from_output``: y read in h's place) keeps the default's tiling, ring,
+    shared memory and residency; like a parts variant it may take more registers where shared memory
+    leaves them free (``smem_bound_register_budget``).
 
     Raises
     ------
@@ -348,12 +349,10 @@ def backward_config(
         raise ValueError(f"residual mode keeps a ring of 2 row tiles, got ring_depth={ring_depth}")
     if not dw_in_smem:
         ring_depth = parts_ring_depth(ring_depth, g_parts)
-    smem = backward_smem_bytes(
-        tiling, act_dtype, w_dtype, residual, g_parts, ring_depth, dw_in_smem, from_output
-    )
+    smem = backward_smem_bytes(tiling, act_dtype, w_dtype, residual, g_parts, ring_depth, dw_in_smem)
     budget = choices.get("register_budget") or backward_register_budget(tiling, arch)
-    if g_parts > 1 and "register_budget" not in choices:
-        budget = parts_register_budget(tiling, budget, smem)
+    if (g_parts > 1 or from_output) and "register_budget" not in choices:
+        budget = smem_bound_register_budget(tiling, budget, smem)
     min_ctas = max(1, REGISTERS_PER_SM // (budget * tiling.threads_per_cta))
     per_sm = choices.get("ctas_per_sm") or resident_ctas_per_sm(tiling, smem, min_ctas)
     return BackwardConfig(tiling, dw_in_smem, ring_depth, budget, min_ctas, smem, per_sm)

@@ -27,10 +27,12 @@ formed before the row sum, the only synchronisation per row (``common.row_sum``,
 ``slot``), and held across it; 2-byte rows are held to 80 registers so that three CTAs share an
 SM (``gated_config.HELD_REGISTER_BUDGET``). Lanes of 16 elements cannot hold the terms under 128
 registers (``GatedConfig.reread``): they load g, x and z again after the row sum (an L2 hit) and
-recompute, keep their dW accumulator in their own cells of shared memory (FP32 rows spill on sm_100a
-otherwise), and, one 512-thread CTA holding a single row tile, prefetch the rows of their next tile
-into the L2 at the top of each iteration (``prefetch_next_row``), as the plain backward does for its
-widest rows. (Held-mode lanes would spill under 80 registers with the prefetch's addresses.)
+recompute, and keep their dW accumulator in their own cells of shared memory (FP32 rows spill on
+sm_100a otherwise). Wide segments (at most two to a CTA: groups of 1024 columns and more) prefetch
+their rows of a later tile into the L2 (``prefetch_row``), as the plain backward does for its widest
+rows: the second tile before the loop, then at the end of each iteration the tile two ahead, so that
+every tile after the first was asked for an iteration before it is loaded. Short segments do not
+(``gated_config``).
 
 Bytes moved: reads g, x, z and writes dx, dz once: 5 * T*H*act_bytes, plus 4*T*H/L of rstd, plus
 the partial rows (P * H * 4, written here, read by dw_reduce).
@@ -117,11 +119,12 @@ class GatedRMSNormBackward(GatedKernel):
             tXDW = thr.partition_D(smem.allocate_tensor(Float32, cta_tile, byte_alignment=16))
             cute.autovec_copy(tXrDW, tXDW)
 
+        step = num_programs * t.rows_per_cta  # rows between this program's consecutive row tiles
+        if const_expr(self.config.prefetch):
+            self.prefetch_row(bidx * t.rows_per_cta + row_in_cta + step, rows, lane_in_row, (mG, mX, mZ))
         visit = Int32(0)  # row tiles this program has visited
         for tile in cutlass.range(bidx, num_tiles, num_programs, unroll=1):
             row = tile * t.rows_per_cta + row_in_cta
-            if const_expr(self.config.reread):
-                self.prefetch_next_row(row + num_programs * t.rows_per_cta, rows, lane_in_row, (mG, mX, mZ))
             # Rows past T contribute zeros, never stale values.
             for frag in (tXrG, tXrX, tXrZ):
                 frag.fill(0)
@@ -140,6 +143,10 @@ class GatedRMSNormBackward(GatedKernel):
             if row < rows:
                 copy_act(tXrDX, tt.of(mDX, tile))
                 copy_act(tXrDZ, tt.of(mDZ, tile))
+            if const_expr(self.config.prefetch):
+                # Two tiles ahead: the next one was asked for an iteration ago. Here, after the stores,
+                # the tile's registers are free for the addresses (at the top, 80-register lanes spill).
+                self.prefetch_row(row + 2 * step, rows, lane_in_row, (mG, mX, mZ))
             visit = visit + 1
 
         # The dW reduction may start launching (it waits for this grid's memory before reading).
@@ -151,16 +158,16 @@ class GatedRMSNormBackward(GatedKernel):
         self.write_dw_partial(tt, bidx, group, mPartial, tXrDW, pred)
 
     @cute.jit
-    def prefetch_next_row(self, next_row, rows, lane_in_row, sources):
-        """A re-reading program has one row tile in flight: bring its next tile's rows of g, x and z
-        into the L2 now (one bulk prefetch per row and tensor, no registers held), so that the next
-        iteration's loads are L2 hits. Bulk prefetches need 16-byte aligned addresses and sizes,
-        which only 128-bit vector tilings guarantee; others skip it."""
+    def prefetch_row(self, row, rows, lane_in_row, sources):
+        """A program has one row tile in flight: bring the rows of g, x and z of a tile it visits later
+        into the L2 now (one bulk prefetch per segment row and tensor, no registers held), so that
+        those loads are L2 hits. Bulk prefetches need 16-byte aligned addresses and sizes, which only
+        128-bit vector tilings guarantee; others skip it."""
         t = self.tiling
         if const_expr(t.vec * self.act_dtype.width == COPY_BITS):
-            if lane_in_row == 0 and next_row < rows:
+            if lane_in_row == 0 and row < rows:
                 for m in sources:
-                    prefetch_to_l2(m, next_row, 0, t.hidden, t.hidden)
+                    prefetch_to_l2(m, row, 0, t.hidden, t.hidden)
 
     @cute.jit
     def row_terms(self, tXrG, tXrX, tXrZ, tXrW, rstd):

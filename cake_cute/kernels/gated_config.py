@@ -36,6 +36,14 @@ HELD_ELEMS_PER_LANE = 8
 # resident, and each program has one row tile in flight, so residency is what keeps bytes in flight.
 # FP32 rows keep 128 (H = 128 spills under 80 on sm_100a).
 HELD_REGISTER_BUDGET = 80
+# A backward whose CTA holds at most this many segments (segments of 1024 columns and more) prefetches
+# its later row tiles into the L2, one bulk prefetch per segment and operand: a program has one row
+# tile in flight, and its loads then wait on the L2 instead of HBM. Short segments (head_dim rows, 16
+# to a CTA) are left without: 48 prefetches of 256 bytes per tile. So are whole rows of fewer than
+# PREFETCH_MIN_ROW columns (the norm-then-gate form, or one group): with w in FP32 next to fp16 rows,
+# sm_100a's 80-register lanes spill with the prefetch's addresses at H = 1024.
+PREFETCH_MAX_SEGMENTS_PER_CTA = 2
+PREFETCH_MIN_ROW = 2048
 # Threads of a CTA whose segments are short enough to share it (the plain forward's and the plain
 # several-rows backward's CTA sizes).
 FORWARD_CTA_THREADS = 128
@@ -53,11 +61,15 @@ class GatedConfig:
     ctas_per_sm: int
     # Backward: g, x and z are loaded again after the row sum (an L2 hit), dW kept in shared memory.
     reread: bool = False
+    # Backward: g, x and z of the program's later row tiles are prefetched into the L2.
+    prefetch: bool = False
 
     def describe(self) -> str:
         reread = " reread" if self.reread else ""
+        prefetch = " prefetch" if self.prefetch else ""
         return (
-            f"{self.tiling.describe()} min_ctas/SM={self.min_ctas_per_sm} ctas/SM={self.ctas_per_sm}{reread}"
+            f"{self.tiling.describe()} min_ctas/SM={self.min_ctas_per_sm} ctas/SM={self.ctas_per_sm}"
+            f"{reread}{prefetch}"
         )
 
 
@@ -116,7 +128,8 @@ def gated_backward_config(act_dtype: str, hidden: int, group_size: int) -> Gated
     """The gated backward's config: ``HELD_ELEMS_PER_LANE`` elements per lane (2-byte rows held to
     ``HELD_REGISTER_BUDGET`` registers) where ``MAX_THREADS_PER_CTA`` lanes cover the segment, else
     ``SEGMENT_ELEMS_PER_LANE`` with g, x and z re-read after the row sum (128 registers); twice the
-    forward's threads per CTA when segments are short (more bytes in flight per program); and its
+    forward's threads per CTA when segments are short (more bytes in flight per program); the L2
+    prefetch of later row tiles for wide segments (``PREFETCH_MAX_SEGMENTS_PER_CTA``); and its
     residency for the persistent grid.
 
     Raises
@@ -132,4 +145,6 @@ def gated_backward_config(act_dtype: str, hidden: int, group_size: int) -> Gated
     if not reread and dtype_bytes(act_dtype) == 2:
         min_ctas = max(min_ctas, REGISTERS_PER_SM // (HELD_REGISTER_BUDGET * tiling.threads_per_cta))
     per_sm = resident_ctas_per_sm(tiling, backward_smem_bytes(tiling, reread), min_ctas)
-    return GatedConfig(tiling, min_ctas, per_sm, reread)
+    one_segment_rows = group_size == hidden and hidden < PREFETCH_MIN_ROW
+    prefetch = tiling.rows_per_cta <= PREFETCH_MAX_SEGMENTS_PER_CTA and not one_segment_rows
+    return GatedConfig(tiling, min_ctas, per_sm, reread, prefetch)

@@ -23,15 +23,15 @@ allowed once a program's row loop is done). No atomics anywhere.
 Memory-efficient mode (``from_output``, a compile-time flag of the variant): the tensor read in h's
 place is the forward's output y, and xhat = y * inv_s with inv_s = 1 / clamp(s), s = w + weight_offset
 in FP32, |s| raised to at least ``config.SCALE_FLOOR`` with its sign kept (s = 0 counts as positive),
-as Apex's memory-efficient norm clamps. ``prologue`` computes inv_s once per CTA, from the w it loads,
-into a second shared-memory tile (FP32, each thread's own cells, like w's); rstd still scales dx. The
-rest -- a, c, dx, dW, the ring, the partial rows -- is the default's, and the default variant's code
-is unchanged (every difference is behind ``const_expr``). y = round(xhat * s) carries one rounding to
-the activation dtype, so the recomputed xhat has y's relative error where h * rstd had h's; a column
-whose |s| is below the floor gets a wrong xhat (dW and dx of that column) by construction. The
-variant launches as many programs as its own residency allows (``launch_plan.backward_programs``):
-where its extra tile lowers the CTAs resident per SM, fewer programs than the default's (one wave,
-each visiting more row tiles), in a partition as fixed as the default's.
+as Apex's memory-efficient norm clamps. inv_s is recomputed at each use from the cells of w the thread
+reads anyway (``normalized``, by rcp.approx): a reciprocal per element costs less than the FP32 tile
+of 1 / s it replaces, which took shared-memory bandwidth on every row and, at some H, a resident CTA
+per SM. rstd still scales dx. The rest -- a, c, dx, dW, the ring, the partial rows, the config
+(registers aside: ``config.backward_config``) and the launch -- is the default's, and the default
+variant's code is unchanged (every difference is behind ``const_expr``). y = round(xhat * s) carries
+one rounding to the activation dtype, so the recomputed xhat has y's relative error where h * rstd
+had h's; a column whose |s| is below the floor gets a wrong xhat (dW and dx of that column) by
+construction.
 
 Parts of g: the sum is what torch inductor's fused elementwise add of the parts stores, so dx and dW
 are bitwise those of the unfused compiled graph, without its add kernel. Runtime arguments (TVM-FFI;
@@ -171,7 +171,7 @@ class RMSNormBackward(RowStaging, PartialRowWriter, RowKernel):
             sH = allocate_tile(smem, self.act_dtype, t, ring_depth)
             self.fill_ring(tt, bidx, num_programs, rows, (*mGs, mH), (*sGs, sH))
         # After the first row tiles are issued, so that w's round trip overlaps theirs.
-        tXsW, tXsInvS, tXrDW, tXDW = self.prologue(smem, thr, tiler, rank, tXc0, mW, pred)
+        tXsW, tXrDW, tXDW = self.prologue(smem, thr, tiler, rank, tXc0, mW, pred)
         sFold = None  # the row groups' dW accumulators, summed at the end
         if const_expr(t.rows_per_cta > 1):
             sFold = smem.allocate_tensor(
@@ -207,11 +207,10 @@ class RMSNormBackward(RowStaging, PartialRowWriter, RowKernel):
                 tXsrcH = tt.in_smem(sH, ring_slot)
             c = self.reduce_row(
                 tt, row, rows, rstd, reduction_slot, phase, lane_in_row, tXsrcGs, tXsrcH, tXrGs, tXrH, tXDW,
-                tXsW, tXsInvS, (warp_sums, cta_sums, mbars),
+                tXsW, (warp_sums, cta_sums, mbars),
             )  # fmt: skip
             self.write_dx(
-                tt, row, rows, rstd, c, tXsrcGs, tXsrcH, tXsGR, tXrGs, tXrH, tXrGR, tXrDX, tXsW, tXsInvS,
-                tXgDX,
+                tt, row, rows, rstd, c, tXsrcGs, tXsrcH, tXsGR, tXrGs, tXrH, tXrGR, tXrDX, tXsW, tXgDX,
             )  # fmt: skip
             visit = visit + 1
 
@@ -225,10 +224,8 @@ class RMSNormBackward(RowStaging, PartialRowWriter, RowKernel):
     def prologue(self, smem, thr, tiler, rank, tXc0, mW, pred):
         """w once per CTA into this thread's own cells of shared memory (no barrier needed: no other
         thread touches them), widened to FP32 at each use; keeping it out of registers is what lets
-        128 registers per thread suffice. With ``from_output``, 1 / clamp(w + offset) goes into a second
-        tile of FP32 cells beside it (None otherwise). The FP32 dW accumulator starts at zero, in
-        registers or (``dw_in_smem``) in shared memory. Returns (w cells, 1 / s cells, dW registers,
-        dW accumulator)."""
+        128 registers per thread suffice. The FP32 dW accumulator starts at zero, in registers or
+        (``dw_in_smem``) in shared memory. Returns (w cells, dW registers, dW accumulator)."""
         cta_tile = cute.make_ordered_layout(tiler, order=(1, 0))
         # w's global slice, its shared cells, then the load: allocating the cells first, or after the
         # load, changes the schedule ptxas picks (bf16 H = 1024 from_output, fp32 H = 131072).
@@ -236,29 +233,32 @@ class RMSNormBackward(RowStaging, PartialRowWriter, RowKernel):
         tXsW = thr.partition_D(smem.allocate_tensor(self.w_dtype, cta_tile, byte_alignment=16))
         tXrW = self.load_weight(tXgW, pred)
         cute.autovec_copy(tXrW, tXsW)
-        tXsInvS = None
-        if const_expr(self.from_output):
-            tXsInvS = thr.partition_D(smem.allocate_tensor(Float32, cta_tile, byte_alignment=16))
-            tXsInvS.store(self.inverse_scale(self.widen_weight(tXrW.load())))
         tXrDW = cute.make_rmem_tensor_like(tXc0, Float32)
         tXrDW.fill(0.0)
         tXDW = tXrDW
         if const_expr(self.config.dw_in_smem):
             tXDW = thr.partition_S(smem.allocate_tensor(Float32, cta_tile, byte_alignment=16))
             cute.autovec_copy(tXrDW, tXDW)
-        return tXsW, tXsInvS, tXrDW, tXDW
+        return tXsW, tXrDW, tXDW
 
     @cute.jit
     def inverse_scale(self, s: cute.TensorSSA) -> cute.TensorSSA:
-        """1 / s with |s| raised to at least ``SCALE_FLOOR``, its sign kept (0 counts as positive)."""
+        """1 / s with |s| raised to at least ``SCALE_FLOOR``, its sign kept (0 counts as positive), by
+        rcp.approx: one MUFU instruction, within one FP32 unit of the correctly rounded reciprocal
+        (the mode's stated bound holds with twice that: docs/memory.md). Not an IEEE division, whose
+        slow-path call holds registers across every use: the wide tilings spilled with it."""
         floor = Float32(SCALE_FLOOR)
         clamped = cute.where(s >= 0.0, cute.where(s < floor, floor, s), cute.where(s > -floor, -floor, s))
-        return 1.0 / clamped
+        inverse = cute.make_rmem_tensor(clamped.shape, Float32)
+        inverse.store(clamped)
+        for i in cutlass.range_constexpr(cute.size(inverse)):
+            inverse[i] = cute.arch.rcp_approx(inverse[i])
+        return inverse.load()
 
     @cute.jit
     def reduce_row(
         self, tt: ThreadTiles, row, rows, rstd, reduction_slot, phase, lane_in_row, tXsrcGs, tXsrcH,
-        tXrGs, tXrH, tXDW, tXsW, tXsInvS, buffers,
+        tXrGs, tXrH, tXDW, tXsW, buffers,
     ) -> Float32:  # fmt: skip
         """Add this row's g * xhat into the dW accumulator and return c = sum(a * xhat) / H.
 
@@ -272,7 +272,7 @@ class RMSNormBackward(RowStaging, PartialRowWriter, RowKernel):
         if row < rows:
             tt.read((*tXsrcGs, tXsrcH), (*tXrGs, tXrH))
         g = self.gradient(tXrGs)
-        xhat = self.normalized(tXrH, rstd, tXsInvS)
+        xhat = self.normalized(tXrH, rstd, tXsW)
         tXDW.store(tXDW.load() + g * xhat)
         own_dot = (g * self.widen_weight(tXsW.load()) * xhat).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
         dot = self.row_total(own_dot, buffers, tt.row_in_cta, lane_in_row, reduction_slot, phase)
@@ -294,7 +294,6 @@ class RMSNormBackward(RowStaging, PartialRowWriter, RowKernel):
         tXrGR,
         tXrDX,
         tXsW,
-        tXsInvS,
         tXgDX,
     ):
         """Re-read g's parts and h (from the ring, or from global memory), compute dx (+ g_residual),
@@ -307,7 +306,7 @@ class RMSNormBackward(RowStaging, PartialRowWriter, RowKernel):
             tt.read((*tXsrcGs, tXsrcH), (*tXrGs, tXrH))
             if const_expr(self.residual):
                 tt.copy_act(tXsGR, tXrGR)
-        xhat = self.normalized(tXrH, rstd, tXsInvS)
+        xhat = self.normalized(tXrH, rstd, tXsW)
         dx = (self.gradient(tXrGs) * self.widen_weight(tXsW.load()) - xhat * c) * rstd
         if const_expr(self.residual):
             dx = dx + tXrGR.load().to(Float32)
@@ -316,11 +315,11 @@ class RMSNormBackward(RowStaging, PartialRowWriter, RowKernel):
             tt.copy_act(tXrDX, tXgDX)
 
     @cute.jit
-    def normalized(self, tXrH, rstd, tXsInvS) -> cute.TensorSSA:
-        """xhat in FP32 from this thread's registers of h (h * rstd), or, ``from_output``, of y (y / s,
-        by the cells of 1 / s)."""
+    def normalized(self, tXrH, rstd, tXsW) -> cute.TensorSSA:
+        """xhat in FP32 from this thread's registers of h (h * rstd), or, ``from_output``, of y
+        (y * (1 / s), s = w + offset widened to FP32 from the thread's cells of w)."""
         if const_expr(self.from_output):
-            return tXrH.load().to(Float32) * tXsInvS.load()
+            return tXrH.load().to(Float32) * self.inverse_scale(self.widen_weight(tXsW.load()))
         return tXrH.load().to(Float32) * rstd
 
     @cute.jit
