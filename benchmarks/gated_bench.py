@@ -103,6 +103,9 @@ _compiled: dict = {}
 def compiled_hf_module(hidden, group, norm_before_gate, dtype):
     key = (hidden, group, norm_before_gate, dtype)
     if key not in _compiled:
+        # The timer's retried backward keeps its graph (``Module.backward_call``), which a compiled
+        # backward that donates its buffers refuses.
+        torch._functorch.config.donated_buffer = False
         _compiled[key] = torch.compile(hf_module(hidden, group, norm_before_gate, dtype), dynamic=True)
     return _compiled[key]
 
