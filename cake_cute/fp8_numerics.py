@@ -36,29 +36,17 @@ from __future__ import annotations
 import torch
 
 from . import validation as v
-from .kernels.quant_config import (
-    AMAX_BITS_E8M0_ZERO,
-    E4M3_MAX,
-    E8M0_EXPONENT_OFFSET,
-    E8M0_MAX_FINITE,
-    E8M0_NAN,
-    E8M0_ONE,
-    E8M0_SIGNIFICAND_CARRY,
-    FP32_BITS_OF_2_POW_M127,
-    FP32_INF_BITS,
-    FP32_NAN_BITS,
-    QUANT_RECIPES,
-)
+from .kernels import quant_config as qc  # the kernels' constants: this file mirrors their bit steps
 from .views import as_output
 
-RECIPES = tuple(QUANT_RECIPES)
+RECIPES = tuple(qc.QUANT_RECIPES)
 _CUBLAS_TILE = (128, 4)
 _DEEPGEMM_ROW_ALIGN = 4  # 16 bytes of FP32 scales per TMA row
 
 
 def block_of(recipe: str) -> int:
     """Columns per scale block of ``recipe``."""
-    return QUANT_RECIPES[recipe][0]
+    return qc.QUANT_RECIPES[recipe][0]
 
 
 def scale_blocks(hidden: int, recipe: str) -> int:
@@ -82,14 +70,14 @@ def e8m0_round_up(amax: torch.Tensor) -> torch.Tensor:
     amax = amax.view(torch.float32) if amax.dtype == torch.int32 else amax.float()
     # A tensor divisor: torch's CUDA division by a Python scalar multiplies by its rounded
     # reciprocal, which is not the IEEE quotient the kernel rounds.
-    quotient = amax / torch.full_like(amax, E4M3_MAX)
+    quotient = amax / torch.full_like(amax, qc.E4M3_MAX)
     bits = quotient.view(torch.int32)
     exponent = bits >> 23
     mantissa = bits & 0x7FFFFF
-    normal = torch.clamp(exponent + (mantissa != 0).int(), max=E8M0_MAX_FINITE)
-    subnormal = (mantissa > FP32_BITS_OF_2_POW_M127).int()
+    normal = torch.clamp(exponent + (mantissa != 0).int(), max=qc.E8M0_MAX_FINITE)
+    subnormal = (mantissa > qc.FP32_BITS_OF_2_POW_M127).int()
     e = torch.where(exponent == 0, subnormal, normal)
-    return torch.where(torch.isnan(quotient), E8M0_NAN, e).int()
+    return torch.where(torch.isnan(quotient), qc.E8M0_NAN, e).int()
 
 
 def e8m0_round_up_from_bits(amax_bits: torch.Tensor) -> torch.Tensor:
@@ -102,25 +90,25 @@ def e8m0_round_up_from_bits(amax_bits: torch.Tensor) -> torch.Tensor:
     e = E + 127 - 8, plus one when amax's fraction bits exceed 0x600000, i.e. when adding 0x1FFFFF
     to amax's bits carries into its exponent. Below 2^-118 the quotient is an FP32 subnormal, whose
     coarser grid rounds it to 2^-127 or less (e = 0) up to amax = (1.75 + 2^-23) * 2^-119
-    (``AMAX_BITS_E8M0_ZERO``) and above 2^-127 (e = 1) past it. Infinity gives 254, NaN 255."""
-    finite = torch.clamp(amax_bits, max=FP32_INF_BITS)
-    e = ((finite + E8M0_SIGNIFICAND_CARRY) >> 23) - E8M0_EXPONENT_OFFSET
-    e = torch.where(amax_bits <= AMAX_BITS_E8M0_ZERO, 0, e)
-    e = torch.where(amax_bits == FP32_INF_BITS, E8M0_MAX_FINITE, e)
-    return torch.where(amax_bits > FP32_INF_BITS, E8M0_NAN, e).int()
+    (``quant_config.AMAX_BITS_E8M0_ZERO``) and above 2^-127 (e = 1) past it. Infinity gives 254, NaN 255."""
+    finite = torch.clamp(amax_bits, max=qc.FP32_INF_BITS)
+    e = ((finite + qc.E8M0_SIGNIFICAND_CARRY) >> 23) - qc.E8M0_EXPONENT_OFFSET
+    e = torch.where(amax_bits <= qc.AMAX_BITS_E8M0_ZERO, 0, e)
+    e = torch.where(amax_bits == qc.FP32_INF_BITS, qc.E8M0_MAX_FINITE, e)
+    return torch.where(amax_bits > qc.FP32_INF_BITS, qc.E8M0_NAN, e).int()
 
 
 def inverse_scale(e: torch.Tensor) -> torch.Tensor:
     """2^(127 - e) as FP32, exactly (NaN for e = 255)."""
-    bits = torch.where(e == E8M0_MAX_FINITE, FP32_BITS_OF_2_POW_M127, (E8M0_MAX_FINITE - e) << 23)
-    return torch.where(e == E8M0_NAN, FP32_NAN_BITS, bits).int().view(torch.float32)
+    bits = torch.where(e == qc.E8M0_MAX_FINITE, qc.FP32_BITS_OF_2_POW_M127, (qc.E8M0_MAX_FINITE - e) << 23)
+    return torch.where(e == qc.E8M0_NAN, qc.FP32_NAN_BITS, bits).int().view(torch.float32)
 
 
 def scale_exponent(amax: torch.Tensor, recipe: str) -> torch.Tensor:
     """The biased exponent of each block's scale under ``recipe`` (``amax`` as bits, int32)."""
     e = e8m0_round_up(amax)
-    if QUANT_RECIPES[recipe][1]:
-        e = torch.where(amax == 0, E8M0_ONE, torch.clamp(e, min=1)).int()
+    if qc.QUANT_RECIPES[recipe][1]:
+        e = torch.where(amax == 0, qc.E8M0_ONE, torch.clamp(e, min=1)).int()
     return e
 
 
@@ -128,7 +116,7 @@ def quantize_rows_reference(y: torch.Tensor, recipe: str) -> tuple[torch.Tensor,
     """Rowwise block-scaled e4m3 of FP32 ``y`` (…, H): ``(data float8_e4m3fn like y, compact scales)``."""
     v.check_recipe(recipe)
     data, scales = quantize_rows_bytes(y, recipe)
-    return data, scales if QUANT_RECIPES[recipe][1] else scales.view(torch.float8_e8m0fnu)
+    return data, scales if qc.QUANT_RECIPES[recipe][1] else scales.view(torch.float8_e8m0fnu)
 
 
 def quantize_rows_bytes(y: torch.Tensor, recipe: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,10 +129,10 @@ def quantize_rows_bytes(y: torch.Tensor, recipe: str) -> tuple[torch.Tensor, tor
     padded = padded.reshape(*y.shape[:-1], blocks, block)
     e = scale_exponent(amax_bits(padded), recipe)
     scaled = padded * inverse_scale(e).unsqueeze(-1)
-    data = scaled.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    data = scaled.clamp(-qc.E4M3_MAX, qc.E4M3_MAX).to(torch.float8_e4m3fn)
     data = data.reshape(*y.shape[:-1], blocks * block)[..., :hidden]
-    if QUANT_RECIPES[recipe][1]:
-        scales = torch.where(e == E8M0_NAN, FP32_NAN_BITS, e << 23).int().view(torch.float32)
+    if qc.QUANT_RECIPES[recipe][1]:
+        scales = torch.where(e == qc.E8M0_NAN, qc.FP32_NAN_BITS, e << 23).int().view(torch.float32)
     else:
         scales = e.to(torch.uint8)
     return data.contiguous(), scales
