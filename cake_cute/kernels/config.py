@@ -294,11 +294,10 @@ def backward_smem_bytes(
     dw_in_smem: bool,
 ) -> int:
     """Shared memory of one backward CTA (``rmsnorm_bwd``), an upper bound: reduction slots, the w tile,
-    one tile of g_residual,
-    either the ring (per slot a tile of each part of g and one of h) or the FP32 dW tile, the FP32 tile
-    in which several row groups fold their dW, and the DSL's static kilobyte. w's own dtype counts:
-    under autocast w is FP32 next to bf16 rows, and its tile can decide whether two CTAs fit on an SM
-    (bf16 H = 8192, residual)."""
+    one tile of g_residual, either the ring (per slot a tile of each part of g and one of h) or the
+    FP32 dW tile, the FP32 tile in which several row groups fold their dW, and the DSL's static
+    kilobyte. w's own dtype counts: under autocast w is FP32 next to bf16 rows, and its tile can decide
+    whether two CTAs fit on an SM (bf16 H = 8192, residual)."""
     tile = tiling.rows_per_cta * tiling.cols_per_cta
     reduction = 4 * 2 * tiling.rows_per_cta * (tiling.warps_per_row + 1) + 64
     act_bytes = dtype_bytes(act_dtype)

@@ -32,7 +32,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
-from .common import RowKernel, allocate_reduction_buffers, tile_shape
+from .common import RowKernel, allocate_reduction_buffers, approx_reciprocal, tile_shape
 from .tiling import VECTOR_BYTES
 
 
@@ -77,11 +77,7 @@ class GatedKernel(RowKernel):
         """(silu(z), silu'(z)) in FP32: s = sigmoid(z), silu = z * s, silu' = s * (1 + z * (1 - s)).
         sigmoid through ex2.approx and rcp.approx, one MUFU instruction each, rather than an IEEE
         division's instruction sequence."""
-        sigmoid = cute.make_rmem_tensor(z.shape, Float32)
-        sigmoid.store(cute.math.exp(-z, fastmath=True) + 1.0)
-        for i in cutlass.range_constexpr(cute.size(sigmoid)):
-            sigmoid[i] = cute.arch.rcp_approx(sigmoid[i])
-        s = sigmoid.load()
+        s = approx_reciprocal(cute.math.exp(-z, fastmath=True) + 1.0)
         return z * s, s * (1.0 + z * (1.0 - s))
 
 

@@ -77,7 +77,14 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from .backward_staging import RowStaging
-from .common import RowKernel, allocate_reduction_buffers, allocate_tile, init_cluster_reduction, tile_shape
+from .common import (
+    RowKernel,
+    allocate_reduction_buffers,
+    allocate_tile,
+    approx_reciprocal,
+    init_cluster_reduction,
+    tile_shape,
+)
 from .config import SCALE_FLOOR
 from .dw_partial_rows import PartialRowWriter
 from .thread_tiles import ThreadTiles
@@ -228,7 +235,7 @@ class RMSNormBackward(RowStaging, PartialRowWriter, RowKernel):
         (``dw_in_smem``) in shared memory. Returns (w cells, dW registers, dW accumulator)."""
         cta_tile = cute.make_ordered_layout(tiler, order=(1, 0))
         # w's global slice, its shared cells, then the load: allocating the cells first, or after the
-        # load, changes the schedule ptxas picks (bf16 H = 1024 from_output, fp32 H = 131072).
+        # load, changed the schedule ptxas picks (fp32 H = 131072).
         tXgW = self.weight_cells(mW, thr, tiler, rank)
         tXsW = thr.partition_D(smem.allocate_tensor(self.w_dtype, cta_tile, byte_alignment=16))
         tXrW = self.load_weight(tXgW, pred)
@@ -244,16 +251,11 @@ class RMSNormBackward(RowStaging, PartialRowWriter, RowKernel):
     @cute.jit
     def inverse_scale(self, s: cute.TensorSSA) -> cute.TensorSSA:
         """1 / s with |s| raised to at least ``SCALE_FLOOR``, its sign kept (0 counts as positive), by
-        rcp.approx: one MUFU instruction, within one FP32 unit of the correctly rounded reciprocal
-        (the mode's stated bound holds with twice that: docs/memory.md). Not an IEEE division, whose
-        slow-path call holds registers across every use: the wide tilings spilled with it."""
+        ``approx_reciprocal`` (the mode's stated bound holds with twice its error: docs/memory.md; an
+        IEEE division spilled the wide tilings)."""
         floor = Float32(SCALE_FLOOR)
         clamped = cute.where(s >= 0.0, cute.where(s < floor, floor, s), cute.where(s > -floor, -floor, s))
-        inverse = cute.make_rmem_tensor(clamped.shape, Float32)
-        inverse.store(clamped)
-        for i in cutlass.range_constexpr(cute.size(inverse)):
-            inverse[i] = cute.arch.rcp_approx(inverse[i])
-        return inverse.load()
+        return approx_reciprocal(clamped)
 
     @cute.jit
     def reduce_row(
