@@ -22,7 +22,8 @@ from .swap import swap_rmsnorm  # noqa: E402
 from .validation import ArgumentError, is_cake_rmsnorm_train_supported  # noqa: E402
 
 if torch.distributed.is_available():
-    # Registers the DTensor sharding rules of the custom ops.
+    # Registers the DTensor sharding rules of the custom ops, plain and gated.
+    from . import gated_distributed  # noqa: E402, F401
     from .distributed import SequenceParallelResidual  # noqa: E402, F401
 
 __all__ = [

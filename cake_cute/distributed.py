@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.experimental import register_sharding
 from torch.distributed.tensor.parallel import SequenceParallel
 
-from .module import INPUT_NAME
+from .forward_names import INPUT_NAME
 
 __all__ = ["SequenceParallelResidual"]
 

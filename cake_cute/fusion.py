@@ -57,8 +57,9 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import validation as v
+from .forward_names import INPUT_NAME, with_input_named
 from .fusion_plans import _layer_plan, _LayerPlan
-from .module import INPUT_NAME, TORCH_MATH, CakeRMSNorm, check_compiled_as, with_input_named
+from .module import TORCH_MATH, CakeRMSNorm, check_compiled_as
 from .routing import DTensor
 from .swap import _is_swappable, _swap_norms
 from .vocab import DTYPE_BY_TORCH

@@ -236,7 +236,3 @@ def cake_gated_rmsnorm(x, z, w, eps=1e-6, *, group_size=None, norm_before_gate=T
     fwd = torch.ops.cake_cute.gated_rmsnorm_fwd
     y, _rstd = fwd(x, z, w, eps, group_size, norm_before_gate, weight_offset)
     return y
-
-
-if torch.distributed.is_available():
-    from . import gated_distributed  # noqa: E402, F401  (registers the sharding rules)

@@ -7,8 +7,6 @@ PyTorch math, which inductor can fuse with the operations around it.
 from __future__ import annotations
 
 import functools
-import inspect
-import types
 
 import torch
 from torch import nn
@@ -16,6 +14,7 @@ from torch import nn
 from . import validation as v
 from .autograd import cake_rmsnorm
 from .dispatch import prepare
+from .forward_names import INPUT_NAME, with_input_named
 from .reference import forward_reference
 
 # torch.nn.RMSNorm's eps=None: the epsilon of ATen's compute type (opmath), FP32 for bf16, fp16 and fp32.
@@ -72,80 +71,6 @@ def _torch_math(x, w, eps, residual=None, deterministic=True, weight_offset=0.0,
     y, _, h = forward_reference(x, w, eps, residual, weight_offset, compute_dtype=torch.float32)
     y = y.to(x.dtype)
     return y if residual is None else (y, h)
-
-
-def forward_input_name(forward) -> str:
-    """The name of ``forward``'s first parameter after ``self``.
-
-    Parameters
-    ----------
-    forward : callable
-        A module's ``forward`` taken from its class (``torch.nn.RMSNorm.forward``).
-
-    Returns
-    -------
-    str
-        ``"x"`` for torch 2.13's ``torch.nn.RMSNorm.forward``, ``"input"`` for earlier torch's.
-
-    Raises
-    ------
-    TypeError
-        ``forward`` takes no parameter after ``self``.
-    """
-    parameters = list(inspect.signature(forward).parameters)
-    if len(parameters) < 2:
-        raise TypeError(f"{forward.__qualname__} takes no input parameter after self")
-    return parameters[1]
-
-
-def with_input_named(forward, name: str):
-    """A copy of ``forward`` whose first parameter after ``self`` is called ``name``: the same code,
-    defaults and annotations, so it binds, reports a wrong keyword and traces under torch.compile as a
-    method written with that name would.
-
-    Parameters
-    ----------
-    forward : function
-        A plain function ``(self, <input>, ...)``.
-    name : str
-        The new name of its input parameter.
-
-    Returns
-    -------
-    function
-        ``forward`` itself if its input is already called ``name``, else the renamed copy.
-
-    Raises
-    ------
-    ValueError
-        ``name`` is not an identifier or is already the name of one of ``forward``'s local variables.
-    """
-    code = forward.__code__
-    old = code.co_varnames[1]
-    if name == old:
-        return forward
-    if not name.isidentifier() or name in code.co_varnames:
-        raise ValueError(f"cannot name {forward.__qualname__}'s input {name!r}")
-    # Local variables are read by index, so renaming the slot renames the parameter and nothing else.
-    varnames = (code.co_varnames[0], name, *code.co_varnames[2:])
-    renamed = types.FunctionType(
-        code.replace(co_varnames=varnames),
-        forward.__globals__,
-        forward.__name__,
-        forward.__defaults__,
-        forward.__closure__,  # the __class__ cell of a forward that calls super()
-    )
-    renamed.__kwdefaults__ = forward.__kwdefaults__
-    renamed.__qualname__ = forward.__qualname__
-    renamed.__doc__ = forward.__doc__
-    renamed.__module__ = forward.__module__
-    renamed.__annotations__ = {name if k == old else k: a for k, a in forward.__annotations__.items()}
-    return renamed
-
-
-# torch 2.13 renamed torch.nn.RMSNorm.forward's parameter from `input` to `x`: callers that pass it by
-# name (frameworks binding module arguments by name) need the running torch's name.
-INPUT_NAME = forward_input_name(nn.RMSNorm.forward)
 
 
 def _check_cast_policy(cast_policy) -> str:

@@ -31,7 +31,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 
 from cake_cute import CakeRMSNorm, SequenceParallelResidual, cake_rmsnorm, cake_rmsnorm_fp8, swap_rmsnorm
-from cake_cute.module import INPUT_NAME
+from cake_cute.forward_names import INPUT_NAME
 
 REPO = Path(__file__).resolve().parents[1]
 MATRIX = "tests.distributed_harness.matrix"

@@ -198,7 +198,7 @@ def test_a_guessed_offset_warns_once_at_the_callers_line(entry):
 
 def test_the_final_norm_takes_the_running_torchs_input_name():
     """The fused model's final norm is called by keyword as torch.nn.RMSNorm is (``x`` in torch 2.13)."""
-    from cake_cute.module import INPUT_NAME
+    from cake_cute.forward_names import INPUT_NAME
 
     model = _tiny("llama")
     fuse_residual_rmsnorm(model)

@@ -24,7 +24,7 @@ from torch._functorch.aot_autograd import aot_module_simplified
 
 from cake_cute import CakeRMSNorm, fuse_residual_rmsnorm, swap_rmsnorm
 from cake_cute import module as cake_module
-from cake_cute.module import INPUT_NAME
+from cake_cute.forward_names import INPUT_NAME
 
 from ._hf_helpers import NormCalls
 

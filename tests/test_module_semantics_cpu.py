@@ -25,7 +25,7 @@ try:  # newer transformers releases only
 except ImportError:
     DoryL2Norm = None
 
-from cake_cute import CakeRMSNorm, swap_rmsnorm
+from cake_cute import CakeRMSNorm, forward_names, swap_rmsnorm
 from cake_cute import module as cake_module
 
 H = 64
@@ -89,7 +89,7 @@ def test_input_by_keyword_and_residual_keyword_only():
     other name is the TypeError torch.nn.RMSNorm raises for it."""
     ref, cake = _pair(torch.float32)
     x, r = torch.randn(2, 3, H), torch.randn(2, 3, H)
-    name = cake_module.INPUT_NAME
+    name = forward_names.INPUT_NAME
     if torch.__version__ >= (2, 13):
         assert name == "x"
     assert torch.equal(cake(**{name: x}), cake(x))
@@ -125,11 +125,11 @@ class _RMSNormBefore213(nn.Module):
 def test_input_name_before_torch_213():
     """The name derived from a forward written as torch up to 2.12 wrote it, and a forward renamed to
     it: called by that name, by position, and refused under the other name."""
-    assert cake_module.forward_input_name(_RMSNormBefore213.forward) == "input"
-    assert cake_module.forward_input_name(nn.RMSNorm.forward) == cake_module.INPUT_NAME
+    assert forward_names.forward_input_name(_RMSNormBefore213.forward) == "input"
+    assert forward_names.forward_input_name(nn.RMSNorm.forward) == forward_names.INPUT_NAME
 
     class Norm(CakeRMSNorm):
-        forward = cake_module.with_input_named(CakeRMSNorm.forward, "input")
+        forward = forward_names.with_input_named(CakeRMSNorm.forward, "input")
 
     norm, x, r = Norm(H), torch.randn(2, H), torch.randn(2, H)
     assert list(inspect.signature(Norm.forward).parameters) == ["self", "input", "residual"]
@@ -142,8 +142,9 @@ def test_input_name_before_torch_213():
 
 def test_renaming_refuses_a_name_taken_by_a_local():
     with pytest.raises(ValueError, match="residual"):
-        cake_module.with_input_named(CakeRMSNorm.forward, "residual")
-    assert cake_module.with_input_named(CakeRMSNorm.forward, cake_module.INPUT_NAME) is CakeRMSNorm.forward
+        forward_names.with_input_named(CakeRMSNorm.forward, "residual")
+    unchanged = forward_names.with_input_named(CakeRMSNorm.forward, forward_names.INPUT_NAME)
+    assert unchanged is CakeRMSNorm.forward
 
 
 def test_1d_input_with_residual():
@@ -157,7 +158,7 @@ def test_1d_input_with_residual():
 @pytest.mark.parametrize("bad", [None, [1.0] * H, "x", 3.0])
 def test_non_tensor_arguments_name_the_argument(bad):
     cake = CakeRMSNorm(H)
-    expected = f"{cake_module.INPUT_NAME} must be a torch.Tensor, got {type(bad).__name__}"
+    expected = f"{forward_names.INPUT_NAME} must be a torch.Tensor, got {type(bad).__name__}"
     with pytest.raises(TypeError, match=expected):
         cake(bad)
     bad_residual = "r" if bad is None else bad  # None means no residual

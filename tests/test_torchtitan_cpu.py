@@ -26,8 +26,8 @@ try:
     from torchtitan.config import OverrideConfig, apply_overrides
     from torchtitan.models.common.nn_modules import RMSNorm
 
+    from cake_cute.forward_names import INPUT_NAME
     from cake_cute.integrations.torchtitan import CakeLlama3TransformerBlock, TorchtitanCakeRMSNorm
-    from cake_cute.module import INPUT_NAME
     from tests.torchtitan_harness.config_registry import llama3_debugmodel_cpu
     from tests.torchtitan_harness.runs import CAKE_CUTE_LINE, CASES, FUSED_RESIDUAL_LINE, compare_case
 except ImportError as error:  # torchtitan absent, or a version that does not import with this torch

@@ -31,7 +31,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from importlib.util import find_spec
 
-from ..module import INPUT_NAME, CakeRMSNorm
+from ..forward_names import INPUT_NAME
+from ..module import CakeRMSNorm
 from ..swap import swap_rmsnorm
 from ..validation import check_memory_efficient
 

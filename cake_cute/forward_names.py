@@ -1,0 +1,86 @@
+"""The name of a norm module's input parameter: torch 2.13 renamed ``torch.nn.RMSNorm.forward``'s first
+parameter from ``input`` to ``x``, and frameworks that bind module arguments by name (torchtitan's
+sharding layouts, DTensor's parallel styles) need the running torch's name. Here, below everything that
+needs it: the module, the residual fusion, the sharding rules and the integrations.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+
+from torch import nn
+
+
+def forward_input_name(forward) -> str:
+    """The name of ``forward``'s first parameter after ``self``.
+
+    Parameters
+    ----------
+    forward : callable
+        A module's ``forward`` taken from its class (``torch.nn.RMSNorm.forward``).
+
+    Returns
+    -------
+    str
+        ``"x"`` for torch 2.13's ``torch.nn.RMSNorm.forward``, ``"input"`` for earlier torch's.
+
+    Raises
+    ------
+    TypeError
+        ``forward`` takes no parameter after ``self``.
+    """
+    parameters = list(inspect.signature(forward).parameters)
+    if len(parameters) < 2:
+        raise TypeError(f"{forward.__qualname__} takes no input parameter after self")
+    return parameters[1]
+
+
+def with_input_named(forward, name: str):
+    """A copy of ``forward`` whose first parameter after ``self`` is called ``name``: the same code,
+    defaults and annotations, so it binds, reports a wrong keyword and traces under torch.compile as a
+    method written with that name would.
+
+    Parameters
+    ----------
+    forward : function
+        A plain function ``(self, <input>, ...)``.
+    name : str
+        The new name of its input parameter.
+
+    Returns
+    -------
+    function
+        ``forward`` itself if its input is already called ``name``, else the renamed copy.
+
+    Raises
+    ------
+    ValueError
+        ``name`` is not an identifier or is already the name of one of ``forward``'s local variables.
+    """
+    code = forward.__code__
+    old = code.co_varnames[1]
+    if name == old:
+        return forward
+    if not name.isidentifier() or name in code.co_varnames:
+        raise ValueError(f"cannot name {forward.__qualname__}'s input {name!r}")
+    # Local variables are read by index, so renaming the slot renames the parameter and nothing else.
+    varnames = (code.co_varnames[0], name, *code.co_varnames[2:])
+    renamed = types.FunctionType(
+        code.replace(co_varnames=varnames),
+        forward.__globals__,
+        forward.__name__,
+        forward.__defaults__,
+        forward.__closure__,  # the __class__ cell of a forward that calls super()
+    )
+    renamed.__kwdefaults__ = forward.__kwdefaults__
+    renamed.__qualname__ = forward.__qualname__
+    renamed.__doc__ = forward.__doc__
+    renamed.__module__ = forward.__module__
+    renamed.__annotations__ = {name if k == old else k: a for k, a in forward.__annotations__.items()}
+    return renamed
+
+
+# torch 2.13 renamed torch.nn.RMSNorm.forward's parameter from `input` to `x`: callers that pass it by
+# name (frameworks binding module arguments by name) need the running torch's name.
+INPUT_NAME = forward_input_name(nn.RMSNorm.forward)
