@@ -172,6 +172,7 @@ def python_forward(x, w, eps, residual=None, out=None, rstd=None, residual_out=N
     # Only operands the launch remembered (CUDA ones) have a signature the native path can serve.
     operands = known_operands(x, w) if x.numel() > 0 else None
     if operands is not None and native.load_built() is not None:
+        native.accept_eps(float(eps))  # the launch validated it
         offset, mode = float(weight_offset), residual is not None
         if not native.handed_over(operands, offset, mode):
             kernel = launch.forward_kernel(operands, mode, offset)
@@ -184,6 +185,7 @@ def fp8_forward(x, w, eps, residual, recipe, emit_y, weight_offset):
     signature of this recipe, emit_y and mode handed to the native path."""
     outs = launch_fp8.fp8_forward(x, w, eps, residual, recipe, emit_y, weight_offset)
     if x.device.type == "cuda" and x.numel() > 0 and native.load_built() is not None:
+        native.accept_eps(float(eps))  # the launch validated it
         operands = known_operands(x, w)
         rows, mode = x.numel() // operands.hidden, residual is not None
         kernel, programs = launch_fp8.forward_kernel(operands, rows, mode, recipe, emit_y, weight_offset)

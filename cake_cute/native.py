@@ -322,6 +322,24 @@ def _hand_over(variant: tuple, operands, x, w, weight_offset: float, kernel, pla
     _registered.add(key)
 
 
+_accepted_eps: set[float] = set()
+
+
+def accept_eps(eps: float) -> None:
+    """Hand the extension an eps the Python path has just validated (``validation.check_eps``) and
+    launched with: it serves calls with that eps from then on and declines any other, so that the rule
+    is kept in Python alone (a set lookup when already handed over or when there is no extension).
+
+    Parameters
+    ----------
+    eps : float
+        The validated eps.
+    """
+    if eps not in _accepted_eps and load_built() is not None:
+        extension.accept_eps(eps)
+        _accepted_eps.add(eps)
+
+
 def handed_over(operands, weight_offset: float, *variant) -> bool:
     """Whether the signature (with ``variant``: ``(residual,)``, or the FP8 forward's ``(residual,
     recipe, emit_y, persistent)``) is already registered with the extension."""

@@ -163,6 +163,19 @@ def test_native_step_captures_in_a_cuda_graph(residual):
     assert_same(eager, captured)
 
 
+def test_a_new_eps_is_checked_in_python_then_served():
+    """The native path serves only eps values the Python path validated: a new one takes the Python path
+    once (checked, launched, handed over), then the native one, with the same bits."""
+    x, w, r = leaves(16, 4096, torch.bfloat16, True)
+    python_then_native(x, w, r)
+    eps = 3.0e-4  # no other test hands this one over
+    first = cake_rmsnorm(x, w, eps, r)[0]
+    served = cake_rmsnorm(x, w, eps, r)[0]
+    assert "CakeRMSNormFunction" in first.grad_fn.name()
+    assert "CakeRMSNormFunction" not in served.grad_fn.name()
+    assert_bitwise_equal(served, first, "y")
+
+
 def test_named_errors_after_registration():
     x, w, r = leaves(16, 4096, torch.bfloat16, True)
     python_then_native(x, w, r)

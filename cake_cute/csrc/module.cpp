@@ -216,6 +216,14 @@ PyObject* clear(PyObject*, PyObject*) {
   Py_RETURN_NONE;
 }
 
+// accept_eps(eps): an eps the Python path has just validated; calls with it may take this path.
+PyObject* accept_eps_value(PyObject*, PyObject* eps) {
+  const double value = PyFloat_AsDouble(eps);
+  if (value == -1.0 && PyErr_Occurred()) return nullptr;
+  accept_eps(value);
+  Py_RETURN_NONE;
+}
+
 // signature_count(): how many signatures are registered (for tests).
 PyObject* signature_count(PyObject*, PyObject*) {
   std::shared_lock lock(signatures_mutex);
@@ -234,6 +242,7 @@ PyMethodDef methods[] = {
     {"register_fp8", register_fp8, METH_VARARGS,
      "register_fp8(x, w, weight_offset, residual, recipe, emit_y, persistent, programs, persistent_rows, kernel, "
      "act_align, w_align, planner)"},
+    {"accept_eps", accept_eps_value, METH_O, "accept_eps(eps): an eps the Python path validated"},
     {"clear", clear, METH_NOARGS, "forget every registered signature and plan"},
     {"install_op_kernels", install_op_kernels, METH_VARARGS,
      "install_op_kernels(forward_body, backward_body, backward_parts_body, fp8_forward_body): the custom ops' "

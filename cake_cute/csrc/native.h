@@ -48,6 +48,8 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/library.h>
 
+#include <array>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <mutex>
@@ -169,7 +171,7 @@ using BackwardSchema = BackwardResult(const at::Tensor&, const at::Tensor&, cons
                                       const std::optional<at::Tensor>&, double);
 
 // What every norm autograd node saves (NormFunction, OpNormFunction, OpFp8Function): exactly (x or h_new, w,
-// rstd), the rule cake_cute/custom_ops.py states once (save_for_backward); tests/test_gpu_native.py checks
+// rstd), the rule cake_cute/library_ops.py states once (save_for_backward); tests/test_gpu_native.py checks
 // the nodes against the Python Function bit for bit.
 inline variable_list norm_saved_tensors(const at::Tensor& x, const at::Tensor& w, const at::Tensor& rstd,
                                         const at::Tensor& h_new, bool residual) {
@@ -194,7 +196,8 @@ std::pair<at::Tensor, at::Tensor> launch_backward(const Signature& s, const at::
 bool plain_context();
 const at::Tensor* plain_cuda(PyObject* obj);
 bool like(const at::Tensor& t, const at::Tensor& x, int64_t align);
-bool valid_eps(double eps);
+bool validated_eps(double eps);
+void accept_eps(double eps);
 SignatureKey signature_key(const at::Tensor& x, const at::Tensor& w, double weight_offset);
 const Signature* find_signature(const at::Tensor& x, const at::Tensor& w, double weight_offset);
 const Signature* find_signature(const at::Tensor& x, const at::Tensor& w, PyObject* weight_offset);

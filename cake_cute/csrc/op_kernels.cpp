@@ -66,7 +66,7 @@ std::vector<at::Tensor> call_python_op(PyObject* body, std::initializer_list<PyO
 ForwardResult forward_cuda(const at::Tensor& x, const at::Tensor& w, double eps,
                            const std::optional<at::Tensor>& residual, double weight_offset) {
   const bool with_residual = residual.has_value() && residual->defined();
-  const Signature* s = valid_eps(eps) && x.layout() == at::kStrided ? find_signature(x, w, weight_offset) : nullptr;
+  const Signature* s = validated_eps(eps) && x.layout() == at::kStrided ? find_signature(x, w, weight_offset) : nullptr;
   if (s != nullptr && s->forward[with_residual] != nullptr && (!with_residual || like(*residual, x, s->act_align))) {
     ForwardOutputs out = launch_forward(*s, x, w, with_residual ? &*residual : nullptr, eps, true);
     if (!with_residual) out.h_new = at::empty({0}, x.options());
@@ -208,7 +208,7 @@ TVMFFIObjectHandle served_fp8(const at::Tensor& x, const at::Tensor& w, double e
                               const std::optional<at::Tensor>& residual, std::optional<int> recipe, bool emit_y,
                               double weight_offset, const Signature** signature, int64_t* programs) {
   const bool with_residual = residual.has_value() && residual->defined();
-  if (!recipe || !valid_eps(eps) || x.layout() != at::kStrided) return nullptr;
+  if (!recipe || !validated_eps(eps) || x.layout() != at::kStrided) return nullptr;
   const Signature* s = find_signature(x, w, weight_offset);
   if (s == nullptr || (with_residual && !like(*residual, x, s->act_align))) return nullptr;
   *signature = s;

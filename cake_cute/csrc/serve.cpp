@@ -61,9 +61,30 @@ std::optional<double> number(PyObject* obj) {  // an exact float or int; bools a
   return std::nullopt;
 }
 
-// The one copy of validation.check_eps's rule on this side (the functional entries and both forward ops'
-// kernels use it): not a memory-safety check but a decline, so that Python raises its named ValueError.
-bool valid_eps(double eps) { return std::isfinite(eps) && eps >= 0; }
+// The eps values the Python path validated (validation.check_eps) and handed over (accept_eps). This side
+// serves those and declines any other, so that Python checks it: launched and handed over if valid, refused
+// by name if not. The rule lives in Python alone. A slot is written once, before the count that publishes
+// it; values beyond the table's size keep the Python path.
+constexpr int kMaxAcceptedEps = 8;
+std::array<double, kMaxAcceptedEps> accepted_eps{};
+std::atomic<int> accepted_eps_count{0};
+std::mutex accepted_eps_mutex;
+
+bool validated_eps(double eps) {
+  const int count = accepted_eps_count.load(std::memory_order_acquire);
+  for (int i = 0; i < count; ++i) {
+    if (accepted_eps[i] == eps) return true;
+  }
+  return false;
+}
+
+void accept_eps(double eps) {
+  std::lock_guard<std::mutex> lock(accepted_eps_mutex);
+  const int count = accepted_eps_count.load(std::memory_order_relaxed);
+  if (validated_eps(eps) || count == kMaxAcceptedEps) return;
+  accepted_eps[count] = eps;
+  accepted_eps_count.store(count + 1, std::memory_order_release);
+}
 
 SignatureKey signature_key(const at::Tensor& x, const at::Tensor& w, double weight_offset) {
   SignatureKey key{x.scalar_type(), w.scalar_type(), x.dim(), x.size(-1), x.device().index(), 0};
@@ -103,7 +124,7 @@ std::optional<ForwardCall> forward_call(PyObject* const* args) {
   const std::optional<double> eps = number(args[2]);
   const bool residual = args[3] != Py_None;
   const at::Tensor* r = residual ? plain_cuda(args[3]) : nullptr;
-  if (x == nullptr || w == nullptr || (residual && r == nullptr) || !eps || !valid_eps(*eps)) {
+  if (x == nullptr || w == nullptr || (residual && r == nullptr) || !eps || !validated_eps(*eps)) {
     return std::nullopt;
   }
   const Signature* s = find_signature(*x, *w, args[4]);
