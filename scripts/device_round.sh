@@ -35,8 +35,12 @@
 #   memory       the memory-efficient mode: benchmarks/model_step.py (Llama, H = 4096, AdamW; torch, Liger,
 #                cake_cute and cake_cute_memory_efficient, eager and compiled) and benchmarks/memory_bench.py
 #   hostbound    benchmarks/hostbound.py, eager only (the host cost of one step next to F.rms_norm's)
-#   torchtitan022  benchmarks/torchtitan_022_gpu.py: torchtitan 0.2.2's llama3 debug model, stock norm against the
-#                converter cake_rmsnorm, 10 steps; needs the wheels of benchmarks/torchtitan_022_kit.sh in .device/tt/
+#   torchtitan022  benchmarks/torchtitan_022_gpu.py: torchtitan 0.2.2's llama3 training step with the stock norm,
+#                Liger's (liger_kernel from .device/wheels/ where present), the converter cake_rmsnorm and
+#                cake_rmsnorm_memory_efficient: the 1B shape at batch 4 x 2048 (8192 tokens), 10 steps each
+#                (loss curves, step times, peak memory), in torchtitan's single-device autocast and under
+#                its FSDP2 bf16 parameters on one rank; needs the wheels of benchmarks/torchtitan_022_kit.sh
+#                in .device/tt/
 # $CAKE_CUTE_COMMIT labels every results file (a copied tree's .git may be stale).
 set -uo pipefail
 : "${OUT:?set OUT to the folder that comes back}"
@@ -214,8 +218,17 @@ section_torchtitan022() {
   local d=$RES/torchtitan022 && mkdir -p "$d"
   rm -rf /tmp/tt  # --target does not replace what an earlier install left there
   bounded 60 "$d/pip.log" python3 -m pip install --no-index --no-deps --target /tmp/tt .device/tt/*.whl
-  bounded 180 "$d/run.log" env PYTHONPATH="/tmp/tt${PYTHONPATH:+:$PYTHONPATH}" python3 benchmarks/torchtitan_022_gpu.py \
-    --out "$d/$day-nvidia-h200-torchtitan-022.json"
+  install_wheels liger_kernel
+  local run=(env PYTHONPATH="/tmp/tt${PYTHONPATH:+:$PYTHONPATH}" python3 benchmarks/torchtitan_022_gpu.py
+    --flavor 1B --batch 4 --seq 2048)
+  # The converters' tests, which need 0.2.x installed (the CI has 0.3).
+  bounded 120 "$d/tests.log" env PYTHONPATH="/tmp/tt${PYTHONPATH:+:$PYTHONPATH}" python3 -m pytest -q \
+    tests/test_torchtitan_022_cpu.py -p no:cacheprovider
+  local precision
+  for precision in autocast fsdp; do
+    bounded 200 "$d/run_1b_$precision.log" "${run[@]}" --precision "$precision" \
+      --out "$d/$day-nvidia-h200-torchtitan-022-1b-$precision.json"
+  done
 }
 
 for section in "$@"; do

@@ -23,6 +23,10 @@ With torchtitan 0.2.x (which has no overrides) importing this module registers t
 
     --experimental.custom_import cake_cute.integrations.torchtitan --model.converters cake_rmsnorm
 
+and ``cake_rmsnorm_memory_efficient``, the same swap with the norms in the memory-efficient mode
+(0.2.x names converters without arguments, so the mode is a converter of its own): the same line with
+``--model.converters cake_rmsnorm_memory_efficient``.
+
 This module imports without torchtitan and then registers nothing.
 """
 
@@ -224,14 +228,24 @@ elif HAS_TORCHTITAN:
         built on the meta device, before parallelize. The swapped norms share the stock weights, and the
         model's ``init_weights`` initializes them through ``reset_parameters``."""
 
+        memory_efficient = False
+
         def __init__(self, job_config, parallel_dims):
             pass
 
         def convert(self, model) -> None:
-            swap_rmsnorm(model)
+            swap_rmsnorm(model, memory_efficient=self.memory_efficient)
 
         def post_optimizer_hook(self, model) -> None:
             pass
 
+    class CakeRMSNormMemoryEfficientConverter(CakeRMSNormConverter):
+        """torchtitan 0.2.x model converter ``cake_rmsnorm_memory_efficient``: the swap of
+        ``CakeRMSNormConverter`` with every norm in the memory-efficient mode (it saves its output
+        instead of its input; docs/memory.md)."""
+
+        memory_efficient = True
+
     register_model_converter(CakeRMSNormConverter, "cake_rmsnorm")
-    __all__ += ["CakeRMSNormConverter"]
+    register_model_converter(CakeRMSNormMemoryEfficientConverter, "cake_rmsnorm_memory_efficient")
+    __all__ += ["CakeRMSNormConverter", "CakeRMSNormMemoryEfficientConverter"]
