@@ -25,8 +25,16 @@ pytestmark = pytest.mark.gpu
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # (H, group_size, norm_before_gate): head-dim rows normalized then gated, grouped rows gated then
-# normalized per group.
-SHAPES = [(64, None, True), (128, None, True), (256, None, True), (2048, 512, False), (4096, 1024, False)]
+# normalized per group; groups of 8192 take the backward whose lanes re-read their rows from a
+# shared-memory ring.
+SHAPES = [
+    (64, None, True),
+    (128, None, True),
+    (256, None, True),
+    (2048, 512, False),
+    (4096, 1024, False),
+    (16384, 8192, False),
+]
 ROWS = (0, 1, 2, 129, 4096)
 RSTD_TOLERANCE = 1e-5
 DW_TOLERANCE = 1e-4
