@@ -142,14 +142,11 @@ def test_segment_tilings(act, hidden, group_size, forward, backward):
     assert gated_forward_config(act, hidden, group_size).tiling.describe() == forward
     config = gated_backward_config(act, hidden, group_size)
     assert config.tiling.describe() == backward
-    # Only segments wider than 512 lanes of 8 elements re-read their row after the row sum, from a
-    # shared-memory ring (two slots for FP32 rows, whose tiles are twice as large); the other segments
+    # Only segments wider than 512 lanes of 8 elements re-read their row after the row sum; segments
     # of 1024 columns and more (at most two to a CTA) prefetch later rows into the L2, except rows of
     # one segment narrower than 2048.
     assert config.reread == (group_size > 4096)
-    assert config.ring_depth == ((2 if act == "fp32" else 3) if config.reread else 0)
-    wide = group_size >= 1024 and not group_size == hidden < 2048
-    assert config.prefetch == (wide and not config.reread)
+    assert config.prefetch == (group_size >= 1024 and not group_size == hidden < 2048)
 
 
 @pytest.mark.parametrize("hidden, group_size", [(4096, 3000), (32768, 16384), (128, 0)])
@@ -270,7 +267,7 @@ def test_compiled_variant(reports, spec):
     if spec.kind == "gated_bwd":
         config = config_for(spec)
         # Held lanes: g, x and z of the second tile before the loop and of the tile two ahead in it;
-        # re-reading lanes without a ring: of the next tile, in the loop.
+        # re-reading lanes: of the next tile, in the loop.
         expected = (3 if config.reread else 6) if vectorized and config.prefetch else 0
         assert report["l2_bulk_prefetches"] == expected
 

@@ -25,8 +25,7 @@ pytestmark = pytest.mark.gpu
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # (H, group_size, norm_before_gate): head-dim rows normalized then gated, grouped rows gated then
-# normalized per group; groups of 8192 take the backward whose lanes re-read their rows from a
-# shared-memory ring.
+# normalized per group; groups of 8192 take the backward whose lanes re-read their rows after the row sum.
 SHAPES = [
     (64, None, True),
     (128, None, True),

@@ -9,9 +9,7 @@ segment gets up to ``MAX_THREADS_PER_CTA`` lanes, so segments of up to ``MAX_SEG
 (head_dim rows, and the groups of the Mamba-2 hybrids: ``intermediate_size // n_groups`` of 1024-8192).
 The backward holds about eleven registers per element across its row sum (the FP32 terms of dx and
 dz, dW, the raw fragments), so its lanes take ``HELD_ELEMS_PER_LANE`` elements where the segment
-allows, and otherwise twice that with g, x and z re-read after the row sum (``GatedConfig.reread``):
-from a shared-memory ring of row tiles where one fits beside the rest (``GatedConfig.ring_depth``),
-else from the L2.
+allows, and otherwise twice that with g, x and z re-read after the row sum (``GatedConfig.reread``).
 Short segments share a CTA (``rows_per_cta``), as the plain short-row tilings do.
 
 Like every config of the package, none depends on the number of rows T (batch invariance).
@@ -25,15 +23,7 @@ from functools import cache
 
 from ..vocab import dtype_bytes
 from .config import resident_ctas_per_sm
-from .tiling import (
-    MAX_THREADS_PER_CTA,
-    REGISTERS_PER_SM,
-    SMEM_PER_SM,
-    SMEM_RESERVED_PER_CTA,
-    SMEM_STATIC_PER_CTA,
-    RowTiling,
-    vector_width,
-)
+from .tiling import MAX_THREADS_PER_CTA, REGISTERS_PER_SM, SMEM_STATIC_PER_CTA, RowTiling, vector_width
 
 # Elements of each operand one lane holds (the forward holds x, z, the gate and w in 72-85 registers).
 SEGMENT_ELEMS_PER_LANE = 16
@@ -54,11 +44,6 @@ HELD_REGISTER_BUDGET = 80
 # sm_100a's 80-register lanes spill with the prefetch's addresses at H = 1024.
 PREFETCH_MAX_SEGMENTS_PER_CTA = 2
 PREFETCH_MIN_ROW = 2048
-# Row tiles of g, x and z a re-reading backward CTA (one per SM: 512 lanes of 128 registers) cycles
-# through in shared memory: two in flight while one is reduced, so the SM's loads never wait for the
-# row sum, and the re-read after it is a shared-memory read instead of an L2 round trip. Fewer when
-# shared memory does not hold them (FP32 rows: none, they re-read from the L2).
-REREAD_RING_DEPTH = 3
 # Threads of a CTA whose segments are short enough to share it (the plain forward's and the plain
 # several-rows backward's CTA sizes).
 FORWARD_CTA_THREADS = 128
@@ -78,17 +63,13 @@ class GatedConfig:
     reread: bool = False
     # Backward: g, x and z of the program's later row tiles are prefetched into the L2.
     prefetch: bool = False
-    # Backward of re-reading lanes: row tiles of g, x and z staged in a shared-memory ring of this
-    # many slots (cp.async), read from it before and after the row sum; 0: read from global memory.
-    ring_depth: int = 0
 
     def describe(self) -> str:
         reread = " reread" if self.reread else ""
         prefetch = " prefetch" if self.prefetch else ""
-        ring = f" ring={self.ring_depth}" if self.ring_depth else ""
         return (
             f"{self.tiling.describe()} min_ctas/SM={self.min_ctas_per_sm} ctas/SM={self.ctas_per_sm}"
-            f"{reread}{prefetch}{ring}"
+            f"{reread}{prefetch}"
         )
 
 
@@ -117,24 +98,14 @@ def segment_tiling(segment: int, act_dtype: str, cta_threads: int, elems_per_lan
     return RowTiling(segment, vec, lanes, -(-vecs // lanes), 1, max(1, cta_threads // lanes))
 
 
-def backward_smem_bytes(tiling: RowTiling, act_dtype: str, reread: bool, ring_depth: int = 0) -> int:
+def backward_smem_bytes(tiling: RowTiling, reread: bool) -> int:
     """Shared memory of one backward CTA: the row sums' two slots of warp sums, the FP32 tile in which
-    several segments fold their dW, the FP32 dW tile of a re-reading backward, its ring of g, x and z
-    row tiles, and the DSL's static kilobyte (an upper bound)."""
+    several segments fold their dW, the FP32 dW tile of a re-reading backward, and the DSL's static
+    kilobyte (an upper bound)."""
     reduction = 4 * 2 * tiling.rows_per_cta * (tiling.warps_per_row + 1) + 64
-    cells = tiling.rows_per_cta * tiling.cols_per_cta
-    fold = 4 * cells if tiling.rows_per_cta > 1 else 0
-    ring = 3 * ring_depth * cells * dtype_bytes(act_dtype)
-    return reduction + fold + (4 * cells if reread else 0) + ring + SMEM_STATIC_PER_CTA + 256
-
-
-def reread_ring_depth(tiling: RowTiling, act_dtype: str) -> int:
-    """The deepest ring of at most ``REREAD_RING_DEPTH`` slots a re-reading backward CTA holds in one
-    SM's shared memory; 0 where fewer than two slots fit (no tile could load while one is reduced)."""
-    for depth in range(REREAD_RING_DEPTH, 1, -1):
-        if backward_smem_bytes(tiling, act_dtype, True, depth) + SMEM_RESERVED_PER_CTA <= SMEM_PER_SM:
-            return depth
-    return 0
+    fp32_tile = 4 * tiling.rows_per_cta * tiling.cols_per_cta
+    fold = fp32_tile if tiling.rows_per_cta > 1 else 0
+    return reduction + fold + (fp32_tile if reread else 0) + SMEM_STATIC_PER_CTA + 256
 
 
 @cache
@@ -156,11 +127,10 @@ def gated_forward_config(act_dtype: str, hidden: int, group_size: int) -> GatedC
 def gated_backward_config(act_dtype: str, hidden: int, group_size: int) -> GatedConfig:
     """The gated backward's config: ``HELD_ELEMS_PER_LANE`` elements per lane (2-byte rows held to
     ``HELD_REGISTER_BUDGET`` registers) where ``MAX_THREADS_PER_CTA`` lanes cover the segment, else
-    ``SEGMENT_ELEMS_PER_LANE`` with g, x and z re-read after the row sum (128 registers), staged in a
-    shared-memory ring where it fits (``reread_ring_depth``); twice the forward's threads per CTA when
-    segments are short (more bytes in flight per program); the L2 prefetch of later row tiles for wide
-    segments without a ring (``PREFETCH_MAX_SEGMENTS_PER_CTA``); and its residency for the persistent
-    grid.
+    ``SEGMENT_ELEMS_PER_LANE`` with g, x and z re-read after the row sum (128 registers); twice the
+    forward's threads per CTA when segments are short (more bytes in flight per program); the L2
+    prefetch of later row tiles for wide segments (``PREFETCH_MAX_SEGMENTS_PER_CTA``); and its
+    residency for the persistent grid.
 
     Raises
     ------
@@ -174,10 +144,7 @@ def gated_backward_config(act_dtype: str, hidden: int, group_size: int) -> Gated
     min_ctas = tiling.min_ctas_per_sm
     if not reread and dtype_bytes(act_dtype) == 2:
         min_ctas = max(min_ctas, REGISTERS_PER_SM // (HELD_REGISTER_BUDGET * tiling.threads_per_cta))
-    ring_depth = reread_ring_depth(tiling, act_dtype) if reread else 0
-    smem = backward_smem_bytes(tiling, act_dtype, reread, ring_depth)
-    per_sm = resident_ctas_per_sm(tiling, smem, min_ctas)
+    per_sm = resident_ctas_per_sm(tiling, backward_smem_bytes(tiling, reread), min_ctas)
     one_segment_rows = group_size == hidden and hidden < PREFETCH_MIN_ROW
-    wide_segments = tiling.rows_per_cta <= PREFETCH_MAX_SEGMENTS_PER_CTA and not one_segment_rows
-    prefetch = wide_segments and not ring_depth
-    return GatedConfig(tiling, min_ctas, per_sm, reread, prefetch, ring_depth)
+    prefetch = tiling.rows_per_cta <= PREFETCH_MAX_SEGMENTS_PER_CTA and not one_segment_rows
+    return GatedConfig(tiling, min_ctas, per_sm, reread, prefetch)
