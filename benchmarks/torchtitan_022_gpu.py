@@ -280,7 +280,7 @@ def main() -> None:
     if options.precision == "fsdp":  # one rank: its collectives are local copies
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
-            torch.cuda.set_device(device)
+            torch.cuda.set_device(torch.cuda.current_device() if device.index is None else device.index)
         dist.init_process_group(backend, store=dist.HashStore(), world_size=1, rank=0)
     # The trainer sets max_seq_len to the training sequence length (RoPE's table is that long).
     args = dataclasses.replace(FLAVORS[options.flavor], max_seq_len=options.seq)
