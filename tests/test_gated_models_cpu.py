@@ -339,6 +339,31 @@ def test_one_rounding_on_a_twice_rounding_class_within_the_stated_bound():
     assert not torch.equal(got, want)  # the two policies differ on these rows: the test measures something
 
 
+def _bytes_kept_beyond(module, x, z) -> int:
+    """Bytes autograd keeps for ``module(x, z)``'s backward, beyond x and z themselves."""
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        module(x, z)
+    inputs = (x.data_ptr(), z.data_ptr())
+    return sum(t.numel() * t.element_size() for t in kept if t.data_ptr() not in inputs)
+
+
+def test_what_a_swapped_norm_keeps_for_the_backward():
+    """``one_rounding`` keeps x, z, w and rstd only; the class's own casts (``round_then_scale``, torch's
+    gate and products after the plain kernel) keep more, yet less than the stock class (docs/gated.md)."""
+    stock, _ = _class_pair("qwen3_next", "Qwen3NextRMSNormGated", {}, torch.bfloat16)
+    x, z, _ = _norm_inputs(torch.bfloat16, (64, 8, HIDDEN))
+    x, z = x.requires_grad_(), z.requires_grad_()
+    kept = {}
+    for policy in (ONE, RTS):
+        holder = _holding(copy.deepcopy(stock))
+        swap_gated_rmsnorm(holder, cast_policy=policy)
+        kept[policy] = _bytes_kept_beyond(holder.norm, x, z)
+    rows = x.numel() // HIDDEN
+    assert kept[ONE] == HIDDEN * stock.weight.element_size() + 4 * rows  # w and FP32 rstd
+    assert kept[ONE] < kept[RTS] < _bytes_kept_beyond(stock, x, z)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("policy", [ONE, RTS])
 @pytest.mark.parametrize(("group_size", "norm_before_gate"), [(None, True), (16, False), (16, True)])
