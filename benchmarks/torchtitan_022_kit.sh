@@ -11,7 +11,9 @@
 #   python3 -m pip install --no-index --no-deps --target /tmp/tt .device/tt/*.whl
 #   PYTHONPATH=/tmp/tt${PYTHONPATH:+:$PYTHONPATH} python3 benchmarks/torchtitan_022_gpu.py --out OUT.json
 #
-# /tmp/tt goes first on PYTHONPATH so that it wins over any other torchtitan installed there.
+# /tmp/tt goes first on PYTHONPATH so that it wins over any other torchtitan installed there. The list
+# assumes triton is installed (0.2.2's MoE kernels module imports it; CUDA builds of torch bring it):
+# for the CPU check (`--device cpu`, tests/test_torchtitan_022_cpu.py) add a triton wheel.
 # scripts/device_round.sh's section torchtitan022 does both steps.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
