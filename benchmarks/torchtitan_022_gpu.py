@@ -25,9 +25,9 @@ torchtitan's mixed precision of one of its two set-ups (``--precision``):
   bf16 parameters and FP32 gradient reduction, over a one-rank mesh (one process), no autocast. The
   activations are bf16 and the norm's output is the tensor the next Linear keeps.
 
- Per row: the loss curve, its largest relative difference from stock's, the
-median step time (the first step, the warm-up, left out), the peak allocated memory from the build on
-(``peak_gib``) and over the steps after the first (``steps_peak_gib``, optimizer states included).
+Per row: the loss curve, its largest relative difference from stock's, the median step time (the
+first step, the warm-up, left out), the peak allocated memory from the build on (``peak_gib``) and over
+the steps after the first (``steps_peak_gib``, optimizer states included).
 Rows run one after the other in one process; each row's model and optimizer are freed before the next.
 ``--out`` is rewritten after every row.
 

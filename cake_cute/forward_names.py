@@ -81,6 +81,4 @@ def with_input_named(forward, name: str):
     return renamed
 
 
-# torch 2.13 renamed torch.nn.RMSNorm.forward's parameter from `input` to `x`: callers that pass it by
-# name (frameworks binding module arguments by name) need the running torch's name.
-INPUT_NAME = forward_input_name(nn.RMSNorm.forward)
+INPUT_NAME = forward_input_name(nn.RMSNorm.forward)  # "x" from torch 2.13 on, "input" before

@@ -322,7 +322,7 @@ def _hand_over(variant: tuple, operands, x, w, weight_offset: float, kernel, pla
     _registered.add(key)
 
 
-_accepted_eps: set[float] = set()
+_handed_eps: set[float] = set()
 
 
 def accept_eps(eps: float) -> None:
@@ -335,9 +335,9 @@ def accept_eps(eps: float) -> None:
     eps : float
         The validated eps.
     """
-    if eps not in _accepted_eps and load_built() is not None:
+    if eps not in _handed_eps and load_built() is not None:
         extension.accept_eps(eps)
-        _accepted_eps.add(eps)
+        _handed_eps.add(eps)
 
 
 def handed_over(operands, weight_offset: float, *variant) -> bool:

@@ -23,7 +23,7 @@ def fresh_native(monkeypatch):
     monkeypatch.setattr(native, "_tried", False)
     monkeypatch.setattr(native, "_looked_for_library", False)
     monkeypatch.setattr(native, "_registered", set())
-    monkeypatch.setattr(native, "_accepted_eps", set())
+    monkeypatch.setattr(native, "_handed_eps", set())
     monkeypatch.delenv(native.PYTHON_PATH_ENV, raising=False)
 
 
