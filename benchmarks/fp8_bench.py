@@ -51,6 +51,7 @@ import torch
 from results_doc import kept_rows, write_results
 
 from cake_cute import cake_rmsnorm_fp8, cake_rmsnorm_train_forward, fp8, fp8_numerics, launch_plan, validation
+from cake_cute.calls import fp8_call
 from cake_cute.device import device_arch, device_facts
 from cake_cute.kernels.config import CHOICES, overridden
 from cake_cute.kernels.quant_config import QUANT_RECIPES, quant_forward_config
@@ -281,7 +282,7 @@ def impls(recipe: str, names) -> dict:
     """{impl name: f(x, w, residual)} for ``recipe``, of those in ``names`` that can run."""
 
     def fused(x, w, r):
-        return fp8.fp8_forward(x, w, EPS, r, recipe, False, 0.0)
+        return fp8.fp8_forward(fp8_call(x, w, EPS, r, recipe, False, 0.0, on_gpu=True))
 
     def then(quantize):
         def unfused(x, w, r):

@@ -15,20 +15,22 @@ import torch
 
 from . import dispatch
 from . import validation as v
+from .calls import Fp8Call, NormCall, norm_call
 from .launch_fp8 import op_outputs
 from .library_ops import cake_rmsnorm_traceable, fp8_backward, norm_backward, save_for_backward
+from .operands import operands_of
 from .routing import NATIVE, OP, route
 
 
 def _forward(x, w, eps, residual, weight_offset, direct):
     """``(y, rstd, h_new)``, h_new None in plain mode."""
     if direct:
-        outs = dispatch.python_forward(x, w, eps, residual, weight_offset=weight_offset)
+        outs = dispatch.python_forward(norm_call(x, w, eps, residual, weight_offset))
         return outs if residual is not None else (*outs, None)
-    # The op's schema would turn a bad argument into a RuntimeError that names no argument.
-    v.check_forward_arguments(x, w, eps, residual)
-    weight_offset = v.check_weight_offset(weight_offset)
-    y, rstd, h_new = torch.ops.cake_cute.rmsnorm_fwd(x, w, eps, residual, weight_offset)
+    # Checked here as well as in the op: its schema would turn a bad argument into a RuntimeError
+    # naming none, and a DTensor's sharding rule runs on the global shapes before the op's body.
+    call = norm_call(x, w, eps, residual, weight_offset, on_gpu=False)
+    y, rstd, h_new = torch.ops.cake_cute.rmsnorm_fwd(x, w, call.eps, residual, call.weight_offset)
     return y, rstd, (None if residual is None else h_new)
 
 
@@ -127,14 +129,14 @@ class CakeRMSNormFp8Function(torch.autograd.Function):
     ``(data, compact scales, y or placeholder, rstd, h_new or empty)``; saves (x or h_new, w, rstd).
 
     The eager form of ``cake_cute::rmsnorm_fp8_fwd`` (``cake_rmsnorm_fp8`` calls it on the routing
-    rule's ``PYTHON``); arguments are checked by the caller (``launch_fp8.check_arguments``)."""
+    rule's ``PYTHON``); the caller has validated the arguments (``calls.fp8_call``)."""
 
     @staticmethod
     def forward(ctx, x, w, eps, residual, recipe, emit_y, weight_offset):
-        data, scales, y, rstd, h_new = dispatch.fp8_forward(
-            x, w, eps, residual, recipe, emit_y, weight_offset
-        )
         direct = x.device.type == "cuda"  # the launched kernels take rstd as one value per row, flat
+        operands = operands_of(x, w) if direct else None
+        call = Fp8Call(NormCall(x, w, eps, residual, weight_offset, operands), recipe, emit_y)
+        data, scales, y, rstd, h_new = dispatch.fp8_forward(call)
         saved_rstd = rstd.reshape(-1) if direct else rstd
         save_for_backward(ctx, x, w, residual, saved_rstd, h_new, weight_offset, direct)
         ctx.mark_non_differentiable(data, scales, rstd)

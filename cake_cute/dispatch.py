@@ -19,7 +19,7 @@ import torch
 
 from . import launch, launch_fp8, launch_plan, native
 from . import validation as v
-from .operands import known_operands
+from .calls import Fp8Call, NormCall, backward_call, norm_call
 
 
 def prepare() -> bool:
@@ -91,7 +91,7 @@ def cake_rmsnorm_train_forward(
         outs = extension.forward(x, w, eps, residual, weight_offset)
         if outs is not None:
             return outs
-    return python_forward(x, w, eps, residual, out, rstd, residual_out, weight_offset)
+    return python_forward(norm_call(x, w, eps, residual, weight_offset, out, rstd, residual_out))
 
 
 def cake_rmsnorm_train_backward(
@@ -163,34 +163,47 @@ def cake_rmsnorm_train_backward(
         outs = extension.backward(g, x, w, rstd, g_residual, weight_offset, dw_dtype)
         if outs is not None:
             return outs
-    return launch.train_backward_python(g, x, w, rstd, g_residual, workspace, dx, dw, weight_offset, dw_dtype)
+    call = backward_call(g, x, w, rstd, g_residual, weight_offset, dw_dtype, workspace, dx, dw)
+    return launch.launch_backward(call)
 
 
-def python_forward(x, w, eps, residual=None, out=None, rstd=None, residual_out=None, weight_offset=0.0):
-    """The Python launch (``launch.train_forward_python``), then the signature handed to the native path."""
-    outs = launch.train_forward_python(x, w, eps, residual, out, rstd, residual_out, weight_offset)
-    # Only operands the launch remembered (CUDA ones) have a signature the native path can serve.
-    operands = known_operands(x, w) if x.numel() > 0 else None
-    if operands is not None and native.load_built() is not None:
-        native.accept_eps(float(eps))  # the launch validated it
-        offset, mode = float(weight_offset), residual is not None
+def python_forward(call: NormCall):
+    """The Python launch of a validated call (``launch.launch_forward``), then its signature handed to
+    the native path."""
+    outs = launch.launch_forward(call)
+    x, operands = call.x, call.operands
+    if x.numel() > 0 and native.load_built() is not None:
+        native.accept_eps(call.eps)
+        offset, mode = call.weight_offset, call.residual is not None
         if not native.handed_over(operands, offset, mode):
             kernel = launch.forward_kernel(operands, mode, offset)
-            native.register(operands, x, w, offset, mode, kernel, backward_plan)
+            native.register(operands, x, call.w, offset, mode, kernel, backward_plan)
     return outs
 
 
-def fp8_forward(x, w, eps, residual, recipe, emit_y, weight_offset):
-    """``launch_fp8.fp8_forward`` (arguments checked by ``launch_fp8.check_arguments``), then, on CUDA, the
-    signature of this recipe, emit_y and mode handed to the native path."""
-    outs = launch_fp8.fp8_forward(x, w, eps, residual, recipe, emit_y, weight_offset)
-    if x.device.type == "cuda" and x.numel() > 0 and native.load_built() is not None:
-        native.accept_eps(float(eps))  # the launch validated it
-        operands = known_operands(x, w)
-        rows, mode = x.numel() // operands.hidden, residual is not None
-        kernel, programs = launch_fp8.forward_kernel(operands, rows, mode, recipe, emit_y, weight_offset)
+def fp8_forward(call: Fp8Call):
+    """``launch_fp8.fp8_forward`` of a validated call, then, on CUDA, the signature of its recipe,
+    emit_y and mode handed to the native path."""
+    outs = launch_fp8.fp8_forward(call)
+    norm = call.norm
+    x, operands = norm.x, norm.operands
+    if operands is not None and x.numel() > 0 and native.load_built() is not None:
+        native.accept_eps(norm.eps)
+        rows, mode = x.numel() // operands.hidden, norm.residual is not None
+        kernel, programs = launch_fp8.forward_kernel(
+            operands, rows, mode, call.recipe, call.emit_y, norm.weight_offset
+        )
         native.register_fp8(
-            operands, x, w, weight_offset, mode, recipe, emit_y, programs, kernel, backward_plan
+            operands,
+            x,
+            norm.w,
+            norm.weight_offset,
+            mode,
+            call.recipe,
+            call.emit_y,
+            programs,
+            kernel,
+            backward_plan,
         )
     return outs
 

@@ -24,8 +24,9 @@ import torch
 
 from . import validation as v
 from .autograd import CakeRMSNormFp8Function
+from .calls import fp8_call
 from .fp8_numerics import to_scale_layout
-from .launch_fp8 import check_arguments, fp8_forward, fp8_variant_specs
+from .launch_fp8 import fp8_forward, fp8_variant_specs
 from .library_ops import rmsnorm_fp8_fwd
 from .routing import PYTHON, DTensor, route
 
@@ -33,7 +34,6 @@ __all__ = [
     "CakeRMSNormFp8Function",
     "Fp8NormOutput",
     "cake_rmsnorm_fp8",
-    "check_arguments",
     "fp8_forward",
     "fp8_variant_specs",
     "rmsnorm_fp8_fwd",
@@ -119,7 +119,9 @@ def cake_rmsnorm_fp8(
     """
     v.refuse_memory_efficient_fp8(memory_efficient)
     path = route(x, w, residual)
-    eps, weight_offset = check_arguments(x, w, eps, residual, recipe, emit_y, weight_offset, scale_layout)
+    norm = fp8_call(
+        x, w, eps, residual, recipe, emit_y, weight_offset, scale_layout, on_gpu=path is PYTHON
+    ).norm
     if scale_layout != "compact" and isinstance(x, DTensor):
         raise ValueError(
             f"scale_layout={scale_layout!r} arranges the scales of all rows for one GEMM; a DTensor x "
@@ -127,7 +129,7 @@ def cake_rmsnorm_fp8(
             "cake_cute.fp8_numerics.to_scale_layout)"
         )
     forward = CakeRMSNormFp8Function.apply if path is PYTHON else torch.ops.cake_cute.rmsnorm_fp8_fwd
-    data, scales, y, rstd, h_new = forward(x, w, eps, residual, recipe, emit_y, weight_offset)
+    data, scales, y, rstd, h_new = forward(x, w, norm.eps, residual, recipe, emit_y, norm.weight_offset)
     return Fp8NormOutput(
         data, to_scale_layout(scales, scale_layout), y, rstd, h_new if residual is not None else None
     )

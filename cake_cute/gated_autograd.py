@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from . import validation as v
-from .gated_ops import check_group_size, gated_rmsnorm_backward, gated_rmsnorm_forward, rstd_shape
+from .calls import gated_call
+from .gated_ops import gated_rmsnorm_backward, gated_rmsnorm_forward, rstd_shape
 from .views import as_output, new_output
 
 __all__ = ["cake_gated_rmsnorm"]
@@ -39,34 +40,6 @@ _BWD_SCHEMA = (
 
 # A fragment of the cake_cute namespace; keeps these registrations alive.
 _LIB = torch.library.Library("cake_cute", "FRAGMENT")
-
-
-def check_gated_arguments(
-    x, z, w, eps, group_size, norm_before_gate, weight_offset
-) -> tuple[int, float, float]:
-    """The gated norm's argument errors, before anything runs (the device excepted: the CUDA kernels
-    check it, CPU tensors run the CPU kernels).
-
-    Parameters
-    ----------
-    x, z, w, eps, group_size, norm_before_gate, weight_offset
-        As for ``cake_gated_rmsnorm``.
-
-    Returns
-    -------
-    (group_size, eps, weight_offset)
-        group_size resolved (None: H), eps and weight_offset as floats.
-
-    Raises
-    ------
-    TypeError, ValueError
-        The argument named, with what was expected.
-    """
-    v.check_activation(x)
-    v.check_like("z", z, x)
-    v.check_weight(w, x)
-    v.check_bool("norm_before_gate", norm_before_gate)
-    return check_group_size(group_size, x.shape[-1]), v.check_eps(eps), v.check_weight_offset(weight_offset)
 
 
 # --- CUDA (the kernels) ---------------------------------------------------------------------------
@@ -112,14 +85,13 @@ def _scale(w: torch.Tensor, weight_offset: float) -> torch.Tensor:
 
 
 def _forward_cpu(x, z, w, eps, group_size=None, norm_before_gate=True, weight_offset=0.0):
-    group_size, eps, weight_offset = check_gated_arguments(
-        x, z, w, eps, group_size, norm_before_gate, weight_offset
-    )
+    call = gated_call(x, z, w, eps, group_size, norm_before_gate, weight_offset)
+    group_size = call.group_size
     xf = x.float()
     gate, _ = _gate_terms(z.float())
     h = _grouped(xf if norm_before_gate else xf * gate, group_size)
-    rstd = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    y = (h * rstd).reshape(x.shape) * _scale(w, weight_offset)
+    rstd = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + call.eps)
+    y = (h * rstd).reshape(x.shape) * _scale(w, call.weight_offset)
     if norm_before_gate:
         y = y * gate
     return as_output(y, x), as_output(rstd, x, rstd_shape(x, group_size), torch.float32)
@@ -127,7 +99,7 @@ def _forward_cpu(x, z, w, eps, group_size=None, norm_before_gate=True, weight_of
 
 def _backward_cpu(g, x, z, w, rstd, group_size=None, norm_before_gate=True, weight_offset=0.0):
     """The closed form the CUDA backward evaluates, in FP32 from the saved rstd."""
-    group_size = check_group_size(group_size, x.shape[-1])
+    group_size = v.check_group_size(group_size, x.shape[-1])
     gf, xf = g.float(), x.float()
     gate, dgate = _gate_terms(z.float())
     scale = _scale(w, weight_offset)
@@ -150,8 +122,8 @@ def _backward_cpu(g, x, z, w, rstd, group_size=None, norm_before_gate=True, weig
 
 def _forward_fake(x, z, w, eps, group_size=None, norm_before_gate=True, weight_offset=0.0):
     """The real op's outputs (``views.new_output``); argument errors surface while tracing."""
-    group_size, _, _ = check_gated_arguments(x, z, w, eps, group_size, norm_before_gate, weight_offset)
-    return new_output(x), new_output(x, rstd_shape(x, group_size), torch.float32)
+    call = gated_call(x, z, w, eps, group_size, norm_before_gate, weight_offset)
+    return new_output(x), new_output(x, rstd_shape(x, call.group_size), torch.float32)
 
 
 def _backward_fake(g, x, z, w, rstd, group_size=None, norm_before_gate=True, weight_offset=0.0):
@@ -230,9 +202,8 @@ def cake_gated_rmsnorm(x, z, w, eps=1e-6, *, group_size=None, norm_before_gate=T
     TypeError, ValueError
         An argument of the wrong kind, dtype, shape or value, named, before anything runs.
     """
-    group_size, eps, weight_offset = check_gated_arguments(
-        x, z, w, eps, group_size, norm_before_gate, weight_offset
-    )
-    fwd = torch.ops.cake_cute.gated_rmsnorm_fwd
-    y, _rstd = fwd(x, z, w, eps, group_size, norm_before_gate, weight_offset)
+    # Checked here as well as in the op: its schema would turn a bad argument into a RuntimeError
+    # naming none, and a DTensor's sharding rule runs on the global shapes before the op's body.
+    call = gated_call(x, z, w, eps, group_size, norm_before_gate, weight_offset)
+    y, _rstd = torch.ops.cake_cute.gated_rmsnorm_fwd(*call)
     return y

@@ -24,7 +24,6 @@ from torch import nn
 from . import validation as v
 from .autograd import cake_rmsnorm
 from .gated_autograd import cake_gated_rmsnorm
-from .gated_ops import check_group_size
 
 ONE_ROUNDING = "one_rounding"
 ROUND_THEN_SCALE = "round_then_scale"
@@ -84,7 +83,7 @@ class CakeGatedRMSNorm(nn.Module):
     ):
         super().__init__()
         self.hidden_size = v.check_count("hidden_size", hidden_size, 1)
-        self.group_size = check_group_size(group_size, hidden_size)
+        self.group_size = v.check_group_size(group_size, hidden_size)
         self.eps = v.check_eps(eps)
         v.check_bool("norm_before_gate", norm_before_gate)
         self.norm_before_gate = norm_before_gate

@@ -12,45 +12,20 @@ from __future__ import annotations
 import torch
 
 from . import validation as v
+from .calls import GatedCall, gated_call
 from .compile_cache import kernel
 from .device import DeviceFacts, device_arch, device_facts, on_device, resident_clusters
-from .kernels.gated_config import MAX_SEGMENT, GatedConfig, gated_backward_config
+from .kernels.gated_config import GatedConfig, gated_backward_config
 from .kernels.tiling import vector_width
 from .launch_plan import partial_row_stride
 from .views import aligned_vector, is_direct_output, kernel_view, new_output, rows_view
 from .vocab import dtype_name
 
 
-def check_group_size(group_size, hidden: int) -> int:
-    """``group_size`` (None: H, one group per row) as an int dividing H, at most ``MAX_SEGMENT``.
-
-    Raises
-    ------
-    TypeError
-        Not an int.
-    ValueError
-        Out of range or not a divisor of H.
-    """
-    if group_size is None:
-        group_size = hidden
-    v.check_count("group_size", group_size, 1, MAX_SEGMENT)
-    if hidden % group_size:
-        raise ValueError(f"group_size must divide x's hidden size {hidden}, got {group_size}")
-    return group_size
-
-
 def rstd_shape(x: torch.Tensor, group_size: int) -> tuple[int, ...]:
     """rstd's shape: x's leading dims, then H / group_size when a row has several groups."""
     groups = x.shape[-1] // group_size
     return (*x.shape[:-1], *((groups,) if groups > 1 else ()))
-
-
-def _check_common(x, z, w, group_size, norm_before_gate, weight_offset) -> tuple[int, float]:
-    v.check_activation(x)
-    v.check_like("z", z, x)
-    v.check_weight(w, x)
-    v.check_bool("norm_before_gate", norm_before_gate)
-    return check_group_size(group_size, x.shape[-1]), v.check_weight_offset(weight_offset)
 
 
 def _check_output(name: str, t, shape, dtype, device, vec: int) -> None:
@@ -66,17 +41,18 @@ def _output(given, like: torch.Tensor, shape=None, dtype=None) -> torch.Tensor:
     return new_output(like, shape, dtype) if given is None else given
 
 
-def _variant(x, w, group_size: int, norm_before_gate: bool, weight_offset: float) -> tuple:
+def _variant(call: GatedCall) -> tuple:
     """The fields after the kind of the kernels' spec (``specs.GatedSpec``); checks the device."""
+    x = call.x
     arch = device_arch(x.device)
     return (
         arch,
         dtype_name(x.dtype),
-        dtype_name(w.dtype),
+        dtype_name(call.w.dtype),
         x.shape[-1],
-        group_size,
-        norm_before_gate,
-        weight_offset,
+        call.group_size,
+        call.norm_before_gate,
+        call.weight_offset,
     )
 
 
@@ -114,14 +90,14 @@ def gated_rmsnorm_forward(
         An argument of the wrong kind, dtype, shape or value, x not on a supported CUDA device
         (named in the message; nothing is launched).
     """
-    group_size, weight_offset = _check_common(x, z, w, group_size, norm_before_gate, weight_offset)
-    eps = v.check_eps(eps)
+    call = gated_call(x, z, w, eps, group_size, norm_before_gate, weight_offset)
+    group_size = call.group_size
     vec = vector_width(group_size, x.element_size())
     if out is not None:
         _check_output("out", out, x.shape, x.dtype, x.device, vec)
     if rstd is not None:
         _check_output("rstd", rstd, rstd_shape(x, group_size), torch.float32, x.device, 1)
-    fields = _variant(x, w, group_size, norm_before_gate, weight_offset)
+    fields = _variant(call)
     hidden = x.shape[-1]
     rows = x.numel() // hidden
     y = _output(out, x)
@@ -135,7 +111,7 @@ def gated_rmsnorm_forward(
                 aligned_vector(w, vec),
                 rows_view(y, hidden),
                 rstd.view(rows, hidden // group_size),
-                eps,
+                call.eps,
             )
     return y, rstd
 
@@ -180,7 +156,8 @@ def gated_rmsnorm_backward(
     TypeError, ValueError
         As ``gated_rmsnorm_forward``, and g or rstd of the wrong dtype, shape or device.
     """
-    group_size, weight_offset = _check_common(x, z, w, group_size, norm_before_gate, weight_offset)
+    call = gated_call(x, z, w, None, group_size, norm_before_gate, weight_offset)
+    group_size = call.group_size
     v.check_like("g", g, x)
     v.check_output("rstd", rstd, rstd_shape(x, group_size), torch.float32, x.device)
     vec = vector_width(group_size, x.element_size())
@@ -189,7 +166,7 @@ def gated_rmsnorm_backward(
             _check_output(name, given, x.shape, x.dtype, x.device, vec)
     if dw is not None:
         _check_output("dw", dw, (x.shape[-1],), torch.float32, x.device, 1)
-    fields = _variant(x, w, group_size, norm_before_gate, weight_offset)
+    fields = _variant(call)
     hidden = x.shape[-1]
     rows = x.numel() // hidden
     dx, dz, dw = _output(dx, x), _output(dz, x), _output(dw, x, (hidden,), torch.float32)

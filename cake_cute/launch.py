@@ -1,5 +1,6 @@
-"""The Python launch path of the plain norm: validate, pick the compiled variant, launch. No autograd,
-no tiling, no routing here (the public functional entries and the native path are ``dispatch``'s).
+"""The Python launch path of the plain norm: pick the compiled variant of a validated call
+(``calls``), launch. No checks of the arguments, no autograd, no tiling, no routing here (the public
+functional entries and the native path are ``dispatch``'s).
 
 The hot path is written for the host: (x, w) properties seen before are recognised with one dict lookup
 (``operands.known_operands``), outputs come from ``torch.empty_like``, and a 2-D contiguous input
@@ -15,11 +16,11 @@ import torch
 
 from . import launch_plan
 from . import validation as v
+from .calls import BackwardCall, NormCall
 from .compile_cache import kernel
 from .device import device_arch, device_facts, on_device
 from .kernels.config import on_override_change
-from .operands import known_operands
-from .operands import operands as validated_operands
+from .operands import operands_of
 from .views import aligned_vector, finish, kernel_view, output_like, rows_view, vector_output
 from .vocab import DTYPE_NAMES, dtype_name
 
@@ -31,41 +32,31 @@ def forward_kernel(operands, residual: bool, weight_offset: float):
     )
 
 
-def train_forward_python(x, w, eps, residual=None, out=None, rstd=None, residual_out=None, weight_offset=0.0):
-    """``cake_rmsnorm_train_forward`` on the Python path: validation, then the launch."""
-    operands = known_operands(x, w)
-    if operands is None:
-        v.check_activation(x)
-        v.check_weight(w, x)
-    eps = v.check_eps(eps)
-    weight_offset = v.check_weight_offset(weight_offset)
-    if residual is not None:
-        v.check_like("residual", residual, x)
-    hidden = x.shape[-1]
+def launch_forward(call: NormCall):
+    """The forward of a validated call (``calls.norm_call`` with ``on_gpu``): ``(y, rstd)``, or
+    ``(y, rstd, h_new)`` in residual mode; the caller's outputs are these when it gave them."""
+    x, residual, operands = call.x, call.residual, call.operands
+    hidden = operands.hidden
     rows = x.numel() // hidden
-    if out is not None or rstd is not None or residual_out is not None:
-        v.check_forward_outputs(x, rows, residual, out, rstd, residual_out)
-    if operands is None:
-        operands = validated_operands(x, w)
     vec = launch_plan.vector_elems(hidden, operands.act)
 
-    y, y_copy = output_like(out, x, vec)
-    r, r_copy = vector_output(rstd, rows, torch.float32, operands.device)
+    y, y_copy = output_like(call.out, x, vec)
+    r, r_copy = vector_output(call.rstd, rows, torch.float32, operands.device)
     h_new = h_copy = None
     if residual is not None:
-        h_new, h_copy = output_like(residual_out, x, vec)
+        h_new, h_copy = output_like(call.residual_out, x, vec)
 
     if rows > 0:
-        fn = forward_kernel(operands, residual is not None, weight_offset)
+        fn = forward_kernel(operands, residual is not None, call.weight_offset)
         with on_device(operands.device):
             fn(
                 kernel_view(x, vec),
                 None if residual is None else kernel_view(residual, vec),
-                aligned_vector(w, vec),
+                aligned_vector(call.w, vec),
                 rows_view(y, hidden),
                 None if residual is None else rows_view(h_new, hidden),
                 r,
-                eps,
+                call.eps,
             )
     if residual is None:
         return finish(y, y_copy), finish(r, r_copy)
@@ -148,53 +139,14 @@ def _partial_rows_view(workspace, partial_rows: int, hidden: int, device) -> tor
     return partials if stride == hidden else partials[:, :hidden]
 
 
-def train_backward_python(
-    g,
-    x,
-    w,
-    rstd,
-    g_residual=None,
-    workspace=None,
-    dx=None,
-    dw=None,
-    weight_offset=0.0,
-    dw_dtype=torch.float32,
-    from_output=False,
-):
-    """``cake_rmsnorm_train_backward`` on the Python path (``deterministic`` checked at the edge):
-    validation, then the launch. ``from_output``: x is the forward's output y (the memory-efficient
-    mode's backward, ``kernels.rmsnorm_bwd``)."""
-    operands = known_operands(x, w)
-    if operands is None:
-        v.check_activation(x)
-    g_parts = v.check_gradient_parts(g, x)
-    if operands is None:
-        v.check_weight(w, x)
-    hidden = x.shape[-1]
-    rows = x.numel() // hidden
-    v.check_rstd(rstd, rows, x.device)
-    if g_residual is not None:
-        v.check_like("g_residual", g_residual, x)
-    weight_offset = v.check_weight_offset(weight_offset)
-    dw_dtype = v.check_dw_dtype(dw_dtype)
-    if dx is not None or dw is not None:
-        v.check_backward_outputs(x, dx, dw, dw_dtype)
-    if workspace is not None:
-        v.check_workspace(workspace, x.device)
-    if operands is None:
-        operands = validated_operands(x, w)
-    outputs = (workspace, dx, dw)
-    return _backward(operands, g_parts, x, w, rstd, g_residual, outputs, weight_offset, dw_dtype, from_output)
-
-
 def backward_from_saved(g, h, w, rstd, g_residual, weight_offset: float, from_output: bool = False):
     """The backward for autograd: h, w, rstd are what the forward validated and saved (h is y when
     ``from_output``: the memory-efficient mode), and the engine has already matched g (and g_residual)
     to the outputs' shape, dtype and device, so only the (x, w) facts are looked up again. dw comes
     back in w's dtype."""
-    operands = known_operands(h, w) or validated_operands(h, w)
-    outputs = (None, None, None)
-    return _backward(operands, (g,), h, w, rstd, g_residual, outputs, weight_offset, w.dtype, from_output)
+    operands = operands_of(h, w)
+    call = BackwardCall((g,), h, w, rstd, g_residual, weight_offset, w.dtype, operands, from_output)
+    return launch_backward(call)
 
 
 def backward_from_saved_output(g, y, w, rstd, g_residual, weight_offset: float):
@@ -250,32 +202,35 @@ def backward_kernels(
     )
 
 
-def _backward(operands, g_parts, x, w, rstd, g_residual, outputs, weight_offset, dw_dtype, from_output):
-    """The launch of a validated backward; ``g_parts``: the tuple of g's summands (usually one);
-    ``outputs``: the caller's (workspace, dx, dw), each None when not given."""
-    workspace, dx, dw = outputs
+def launch_backward(call: BackwardCall):
+    """The backward of a validated call (``calls.backward_call``): ``(dx, dw)``, the caller's when it
+    gave them; dx from g's summands (usually one), dw the fixed-order sum of FP32 partial rows."""
+    operands, x, g_parts = call.operands, call.h, call.g_parts
     hidden = operands.hidden
     rows = x.numel() // hidden
-    residual = g_residual is not None
+    residual = call.g_residual is not None
     plan = backward_launch_plan(operands, rows, residual)
     vec = plan.vec
-    if workspace is not None:
-        v.check_workspace_size(workspace, plan.workspace_bytes)
-    dx_t, dx_copy = output_like(dx, x, vec)
-    dw_t, dw_copy = vector_output(dw, hidden, dw_dtype, operands.device)
+    if call.workspace is not None:
+        v.check_workspace_size(call.workspace, plan.workspace_bytes)
+    dx_t, dx_copy = output_like(call.dx, x, vec)
+    dw_t, dw_copy = vector_output(call.dw, hidden, call.dw_dtype, operands.device)
 
     if rows == 0:  # nothing to launch (and nothing to compile)
         dw_t.zero_()
     else:
-        bwd, reduce = backward_kernels(operands, residual, weight_offset, dw_dtype, len(g_parts), from_output)
-        partials = _partial_rows_view(workspace, plan.partial_rows, hidden, operands.device)
+        bwd, reduce = backward_kernels(
+            operands, residual, call.weight_offset, call.dw_dtype, len(g_parts), call.from_output
+        )
+        partials = _partial_rows_view(call.workspace, plan.partial_rows, hidden, operands.device)
+        rstd = call.rstd
         with on_device(operands.device):
             bwd(
                 kernel_view(g_parts[0], vec),
                 kernel_view(x, vec),
-                aligned_vector(w, vec),
+                aligned_vector(call.w, vec),
                 rstd if rstd.is_contiguous() else rstd.contiguous(),
-                kernel_view(g_residual, vec) if residual else None,
+                kernel_view(call.g_residual, vec) if residual else None,
                 rows_view(dx_t, hidden),
                 partials,
                 plan.programs,

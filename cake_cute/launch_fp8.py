@@ -1,4 +1,5 @@
-"""The forward to rowwise block-scaled FP8 (e4m3) on one device: check, pick the compiled variant, launch.
+"""The forward to rowwise block-scaled FP8 (e4m3) on one device: pick the compiled variant of a validated
+call (``calls.fp8_call``), launch.
 
 The launch layer of ``cake_rmsnorm_fp8`` (``cake_cute.fp8``), beside ``launch`` for the plain norm: no
 autograd here (``autograd.CakeRMSNormFp8Function``), no op definition (``library_ops``), no tiling
@@ -13,14 +14,12 @@ from itertools import product
 import torch
 
 from . import launch_plan
-from . import validation as v
 from .build import quant_kind
+from .calls import Fp8Call
 from .compile_cache import kernel
 from .device import on_device
 from .fp8_numerics import RECIPES, rmsnorm_fp8_reference, scale_blocks
 from .kernels.quant_config import QUANT_RECIPES
-from .operands import known_operands
-from .operands import operands as validated_operands
 from .specs import KernelSpec
 from .views import aligned_vector, kernel_view
 
@@ -46,16 +45,6 @@ def fp8_variant_specs(
         )
         if not persistent or launch_plan.has_persistent_fp8_kernel(arch, act, hidden, residual)
     ]
-
-
-def check_arguments(x, w, eps, residual, recipe, emit_y, weight_offset, scale_layout="compact"):
-    """Every argument of ``cake_rmsnorm_fp8``, before anything runs; returns (eps, weight_offset)."""
-    eps = v.check_forward_arguments(x, w, eps, residual)
-    weight_offset = v.check_weight_offset(weight_offset)
-    v.check_recipe(recipe)
-    v.check_bool("emit_y", emit_y)
-    v.check_scale_layout(scale_layout, recipe)
-    return eps, weight_offset
 
 
 def placeholder(x: torch.Tensor) -> torch.Tensor:
@@ -90,9 +79,10 @@ def forward_kernel(operands, rows: int, residual: bool, recipe: str, emit_y: boo
     return fn, programs
 
 
-def _forward_cuda(x, w, eps, residual, recipe, emit_y, weight_offset):
-    operands = known_operands(x, w) or validated_operands(x, w)
-    hidden = x.shape[-1]
+def _forward_cuda(call: Fp8Call):
+    norm, recipe, emit_y = call
+    x, residual, operands = norm.x, norm.residual, norm.operands
+    hidden = operands.hidden
     rows = x.numel() // hidden
     vec = launch_plan.vector_elems(hidden, operands.act)
     fp32_scales = QUANT_RECIPES[recipe][1]
@@ -104,18 +94,20 @@ def _forward_cuda(x, w, eps, residual, recipe, emit_y, weight_offset):
     y = _empty((rows, hidden), x.dtype, device) if emit_y else None
     h_new = _empty((rows, hidden), x.dtype, device) if residual is not None else None
     if rows > 0:
-        fn, programs = forward_kernel(operands, rows, residual is not None, recipe, emit_y, weight_offset)
+        fn, programs = forward_kernel(
+            operands, rows, residual is not None, recipe, emit_y, norm.weight_offset
+        )
         with on_device(device):
             fn(
                 kernel_view(x, vec),
                 None if residual is None else kernel_view(residual, vec),
-                aligned_vector(w, vec),
+                aligned_vector(norm.w, vec),
                 y,
                 h_new,
                 rstd,
                 data,
                 scales,
-                eps,
+                norm.eps,
                 *((programs,) if programs else ()),
             )
     lead = x.shape[:-1]
@@ -132,11 +124,15 @@ def _forward_cuda(x, w, eps, residual, recipe, emit_y, weight_offset):
     )
 
 
-def fp8_forward(x, w, eps, residual, recipe, emit_y, weight_offset):
-    """``(data, compact scales, y or None, rstd, h_new or None)``: the kernel on CUDA, the reference
-    elsewhere; rstd is shaped ``x.shape[:-1]``. Arguments are already checked (``check_arguments``)."""
-    if x.device.type == "cuda":
-        return _forward_cuda(x, w, eps, residual, recipe, emit_y, weight_offset)
-    data, scales, y, rstd, h_new = rmsnorm_fp8_reference(x, w, eps, residual, recipe, emit_y, weight_offset)
+def fp8_forward(call: Fp8Call):
+    """``(data, compact scales, y or None, rstd, h_new or None)`` of a validated call
+    (``calls.fp8_call``): the kernel on CUDA, the reference elsewhere; rstd is shaped
+    ``x.shape[:-1]``."""
+    if call.norm.operands is not None:
+        return _forward_cuda(call)
+    x, w, eps, residual, weight_offset = call.norm[:5]
+    data, scales, y, rstd, h_new = rmsnorm_fp8_reference(
+        x, w, eps, residual, call.recipe, call.emit_y, weight_offset
+    )
     lead = x.shape[:-1]
     return data, scales.reshape(*lead, scales.shape[-1]), y, rstd.reshape(lead), h_new

@@ -40,11 +40,10 @@ from __future__ import annotations
 import torch
 
 from . import cpu, dispatch
-from . import validation as v
+from .calls import backward_call, fp8_call, norm_call
 from .fp8_numerics import scale_blocks
 from .kernels.quant_config import QUANT_RECIPES
-from .launch import backward_from_saved, backward_from_saved_output, train_backward_python
-from .launch_fp8 import check_arguments as check_fp8_arguments
+from .launch import backward_from_saved, backward_from_saved_output, launch_backward
 from .launch_fp8 import op_outputs, placeholder
 from .reference import summed_gradient
 from .views import new_output
@@ -93,14 +92,14 @@ def rmsnorm_fwd(x, w, eps, residual=None, weight_offset=0.0):
 
 
 def _rmsnorm_fwd_cpu(x, w, eps, residual=None, weight_offset=0.0):
-    v.check_forward_arguments(x, w, eps, residual)
-    y, rstd, h_new = cpu.forward(x, w, eps, residual, v.check_weight_offset(weight_offset))
+    call = norm_call(x, w, eps, residual, weight_offset, on_gpu=False)
+    y, rstd, h_new = cpu.forward(*call[:5])
     return y, rstd, (x.new_empty(0) if h_new is None else h_new)
 
 
 def _rmsnorm_fwd_fake(x, w, eps, residual=None, weight_offset=0.0):
     """The real op's outputs (``views.new_output``); argument errors surface while tracing."""
-    v.check_forward_arguments(x, w, eps, residual)
+    norm_call(x, w, eps, residual, weight_offset, on_gpu=False)
     h_new = new_output(x) if residual is not None else x.new_empty(0)
     return new_output(x), new_output(x, x.shape[:-1], torch.float32), h_new
 
@@ -108,12 +107,13 @@ def _rmsnorm_fwd_fake(x, w, eps, residual=None, weight_offset=0.0):
 def rmsnorm_fp8_fwd(x, w, eps, residual, recipe, emit_y, weight_offset):
     """``(data, compact scales, y, rstd, h_new)``: y is the act-dtype output (emit_y) or the
     zero-memory placeholder, h_new an empty tensor in plain mode (a schema has a fixed number of
-    outputs)."""
-    return op_outputs(x, *dispatch.fp8_forward(x, w, eps, residual, recipe, emit_y, weight_offset))
+    outputs). The kernel on CUDA, the reference elsewhere."""
+    call = fp8_call(x, w, eps, residual, recipe, emit_y, weight_offset, on_gpu=x.device.type == "cuda")
+    return op_outputs(x, *dispatch.fp8_forward(call))
 
 
 def _rmsnorm_fp8_fwd_fake(x, w, eps, residual, recipe, emit_y, weight_offset):
-    check_fp8_arguments(x, w, eps, residual, recipe, emit_y, weight_offset)
+    fp8_call(x, w, eps, residual, recipe, emit_y, weight_offset, on_gpu=False)
     lead = x.shape[:-1]
     blocks = scale_blocks(x.shape[-1], recipe)
     scale_dtype = torch.float32 if QUANT_RECIPES[recipe][1] else torch.float8_e8m0fnu
@@ -149,9 +149,8 @@ def _rmsnorm_bwd_fake(g, x, w, rstd, g_residual=None, weight_offset=0.0):
 
 def rmsnorm_bwd_from_output(g, y, w, rstd, g_residual=None, weight_offset=0.0):
     """``(dx, dw)`` on CUDA from the saved output y (the memory-efficient mode), dw in w's dtype."""
-    return train_backward_python(
-        g, y, w, rstd.reshape(-1), g_residual, weight_offset=weight_offset, dw_dtype=w.dtype, from_output=True
-    )
+    call = backward_call(g, y, w, rstd.reshape(-1), g_residual, weight_offset, w.dtype, from_output=True)
+    return launch_backward(call)
 
 
 def _rmsnorm_bwd_from_output_cpu(g, y, w, rstd, g_residual=None, weight_offset=0.0):

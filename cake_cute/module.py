@@ -13,6 +13,7 @@ from torch import nn
 
 from . import validation as v
 from .autograd import cake_rmsnorm
+from .calls import norm_call
 from .dispatch import prepare
 from .forward_names import INPUT_NAME, with_input_named
 from .reference import forward_reference
@@ -67,8 +68,8 @@ def _torch_math(x, w, eps, residual=None, deterministic=True, weight_offset=0.0,
     is accepted as ``cake_rmsnorm`` accepts it, and ``memory_efficient`` checked and accepted: what
     these operations save is inductor's choice (it recomputes what is cheap to recompute)."""
     v.check_memory_efficient(memory_efficient)
-    v.check_forward_arguments(x, w, eps, residual)
-    y, _, h = forward_reference(x, w, eps, residual, weight_offset, compute_dtype=torch.float32)
+    call = norm_call(x, w, eps, residual, weight_offset, on_gpu=False)
+    y, _, h = forward_reference(*call[:5], compute_dtype=torch.float32)
     y = y.to(x.dtype)
     return y if residual is None else (y, h)
 

@@ -54,3 +54,9 @@ def operands(x, w) -> Operands:
     if device.type == "cuda":
         _known_operands[_operands_key(x, w)] = found
     return found
+
+
+def operands_of(x, w) -> Operands:
+    """The (x, w) facts of tensors validated before (a saved tensor, a caller's checked argument):
+    ``known_operands``, else ``operands``."""
+    return known_operands(x, w) or operands(x, w)

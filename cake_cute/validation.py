@@ -5,6 +5,9 @@ device raises ``ArgumentError``, which both ``except ValueError`` (FlashInfer's 
 TypeError`` (what cake_cute raised for a wrong dtype before) catch; an argument of the wrong kind (not a
 tensor, not a number) raises ``TypeError``, and a scalar out of range, an unusable alignment or an
 unsupported device ``ValueError``.
+
+The public entries do not call these checks one by one: each turns its arguments into one immutable
+call value (``calls``), which the layers below it take and trust.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import torch
 
 from .device import device_facts
 from .kernels.config import MAX_G_PARTS as MAX_GRADIENT_PARTS
+from .kernels.gated_config import MAX_SEGMENT
 from .kernels.quant_config import QUANT_RECIPES
 from .kernels.tiling import MAX_HIDDEN, VECTOR_BYTES
 from .vocab import DTYPE_BY_TORCH
@@ -69,22 +73,6 @@ def check_weight(w, x) -> None:
     check_tensor("w", w, dtypes=(x.dtype, torch.float32), device=x.device)
     if w.dim() != 1 or w.shape[0] != x.shape[-1]:
         raise ArgumentError(f"w must have shape ({x.shape[-1]},) to match x's last dim, got {tuple(w.shape)}")
-
-
-def check_forward_arguments(x, w, eps, residual) -> float:
-    """The forward's argument errors, device excepted; returns eps as a float.
-
-    Raises
-    ------
-    TypeError, ArgumentError, ValueError
-        As the checks of x, w, eps and residual raise them, naming the argument.
-    """
-    check_activation(x)
-    check_weight(w, x)
-    eps = check_eps(eps)
-    if residual is not None:
-        check_like("residual", residual, x)
-    return eps
 
 
 def _check_real(name: str, value, rule: str = "a finite number", ok=math.isfinite) -> float:
@@ -300,3 +288,21 @@ def is_cake_rmsnorm_train_supported(device, hidden=None) -> bool:
     except (TypeError, ValueError):
         return False
     return device_facts(device).arch is not None
+
+
+def check_group_size(group_size, hidden: int) -> int:
+    """``group_size`` (None: H, one group per row) as an int dividing H, at most ``MAX_SEGMENT``.
+
+    Raises
+    ------
+    TypeError
+        Not an int.
+    ValueError
+        Out of range or not a divisor of H.
+    """
+    if group_size is None:
+        group_size = hidden
+    check_count("group_size", group_size, 1, MAX_SEGMENT)
+    if hidden % group_size:
+        raise ValueError(f"group_size must divide x's hidden size {hidden}, got {group_size}")
+    return group_size

@@ -247,6 +247,25 @@ def test_bad_tensors_name_themselves():
         cake_rmsnorm_fp8(x, w, residual=x[:, :-1])
 
 
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(w=slice(None, -1)), "w must have shape"),
+        (dict(recipe="mxfp4"), "recipe must be one of"),
+        (dict(eps=float("nan")), "eps must be"),
+    ],
+)
+def test_the_op_called_directly_names_a_bad_argument(change, match):
+    """``torch.ops.cake_cute.rmsnorm_fp8_fwd`` is an entry of its own (compiled graphs and users call it)."""
+    x, w, _ = _inputs()
+    args = dict(x=x, w=w, eps=1e-6, residual=None, recipe="mxfp8", emit_y=False, weight_offset=0.0)
+    if "w" in change:
+        args["w"] = w[change.pop("w")]
+    args.update(change)
+    with pytest.raises(ValueError, match=match):
+        torch.ops.cake_cute.rmsnorm_fp8_fwd(*args.values())
+
+
 @pytest.mark.parametrize("recipe, layout", [("mxfp8", "compact"), ("mxfp8", "cublas"), ("1x128", "deepgemm")])
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("emit_y", [False, True])

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from cake_cute import cake_rmsnorm
-from cake_cute.launch import cake_rmsnorm_train_backward_workspace, train_backward_python
+from cake_cute.calls import backward_call
+from cake_cute.launch import cake_rmsnorm_train_backward_workspace, launch_backward
 
 from ._helpers import EPS, assert_bitwise_equal, fixed_seed, poison, rand_weight  # noqa: F401 (fixture)
 from .test_memory_efficient_cpu import WEIGHTS, assert_within_the_modes_bound
@@ -44,9 +45,8 @@ def _forward(rows, hidden, dtype, residual):
 
 def _backward(g, y, w, rstd, g_residual, outputs=(None, None, None)):
     workspace, dx, dw = outputs
-    return train_backward_python(
-        g, y, w, rstd, g_residual, workspace, dx, dw, dw_dtype=torch.float32, from_output=True
-    )
+    call = backward_call(g, y, w, rstd, g_residual, 0.0, torch.float32, workspace, dx, dw, from_output=True)
+    return launch_backward(call)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -27,6 +27,7 @@ from cake_cute import (
     library_ops,
     native,
 )
+from cake_cute.calls import norm_call
 from cake_cute.device import device_facts
 from cake_cute.dispatch import python_forward
 
@@ -124,7 +125,7 @@ def test_autograd_weight_offset_and_fp32_weight(residual):
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
 def test_functional_native_matches_python_bitwise(dtype, residual, monkeypatch):
     x, w, r = (t.detach() if t is not None else None for t in leaves(129, 4096, dtype, residual))
-    python_fwd = python_forward(x, w, EPS, r)  # registers the signature
+    python_fwd = python_forward(norm_call(x, w, EPS, r))  # registers the signature
     assert native.extension.forward(x, w, EPS, r, 0.0) is not None, (
         "the native path did not serve the forward"
     )

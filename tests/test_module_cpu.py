@@ -8,6 +8,7 @@ calls, so the tests see which path ran."""
 from __future__ import annotations
 
 import collections
+import functools
 import warnings
 
 import pytest
@@ -37,10 +38,10 @@ EPS = 1e-6
 _CPU_FORWARD, _CPU_BACKWARD = cpu.forward, cpu.backward
 
 
-def _direct_forward(x, w, eps, residual=None, *, weight_offset=0.0):
+def _direct_forward(call):
     """``dispatch.python_forward``'s results (rstd ``[T]``) from the CPU math."""
-    y, rstd, h_new = _CPU_FORWARD(x, w, eps, residual, weight_offset)
-    return (y, rstd.reshape(-1)) if residual is None else (y, rstd.reshape(-1), h_new)
+    y, rstd, h_new = _CPU_FORWARD(*call[:5])
+    return (y, rstd.reshape(-1)) if call.residual is None else (y, rstd.reshape(-1), h_new)
 
 
 @pytest.fixture
@@ -61,6 +62,7 @@ def kernels(monkeypatch):
     monkeypatch.setattr(
         autograd, "route", lambda x, w, residual=None: OP if torch.compiler.is_compiling() else PYTHON
     )
+    monkeypatch.setattr(autograd, "norm_call", functools.partial(cake_cute.calls.norm_call, on_gpu=False))
     monkeypatch.setattr(dispatch, "python_forward", counted("eager.fwd", _direct_forward))
     monkeypatch.setattr(library_ops, "backward_from_saved", counted("eager.bwd", _CPU_BACKWARD))
     torch._dynamo.reset()

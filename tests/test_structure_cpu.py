@@ -140,3 +140,30 @@ def test_no_import_cycles():
 
     for module in sorted(graph):
         visit(module)
+
+
+# The layers below the entries take a call value (``cake_cute.calls``) and check no argument again;
+# a caller's workspace against T's launch plan is the one check that needs the plan.
+_TRUSTING = {
+    "cake_cute/launch.py": ("launch_forward", "launch_backward", "backward_from_saved"),
+    "cake_cute/launch_fp8.py": ("fp8_forward", "_forward_cuda"),
+    "cake_cute/dispatch.py": ("python_forward", "fp8_forward"),
+}
+
+
+def _checks_called(function: ast.FunctionDef) -> set[str]:
+    names = set()
+    for node in ast.walk(function):
+        if isinstance(node, ast.Call):
+            name = getattr(node.func, "attr", None) or getattr(node.func, "id", "")
+            if name.startswith("check_") or name.endswith("_call"):
+                names.add(name)
+    return names
+
+
+@pytest.mark.parametrize("path", sorted(_TRUSTING))
+def test_the_launch_layers_trust_the_call_value(path):
+    tree = ast.parse((Path(cake_cute.__file__).parent.parent / path).read_text())
+    functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+    for name in _TRUSTING[path]:
+        assert _checks_called(functions[name]) <= {"check_workspace_size"}, f"{path}: {name} checks again"

@@ -132,7 +132,7 @@ std::optional<int> fp8_recipe(c10::string_view recipe) {
   return std::nullopt;
 }
 
-// The op's outputs, as custom_ops.rmsnorm_fp8_fwd returns them: e4m3 data in x's shape, compact scales
+// The op's outputs, as library_ops.rmsnorm_fp8_fwd returns them: e4m3 data in x's shape, compact scales
 // (x's leading dims, blocks; E8M0 or FP32), y or a zero-memory placeholder, rstd (x's leading dims),
 // h_new or empty.
 // ``programs`` > 0: the persistent kernel, which takes the most programs to run after eps.

@@ -14,13 +14,13 @@ namespace cake_cute_native {
 // take the CUDA keys: the CUDA kernels launch served signatures directly and hand every other call to
 // the op's Python body; the AutogradCUDA kernel redispatches below autograd when there is no graph to
 // record (a compiled graph's case) and otherwise records a C++ node whose backward calls `rmsnorm_bwd`,
-// as the Python registration does for the other devices (`custom_ops._setup_context` / `_backward`).
+// as the Python registration does for the other devices (`library_ops._setup_context` / `_backward`).
 
 
-PyObject* python_forward_op = nullptr;   // custom_ops.rmsnorm_fwd: every call these kernels do not serve
-PyObject* python_backward_op = nullptr;  // custom_ops.rmsnorm_bwd
-PyObject* python_backward_parts_op = nullptr;  // custom_ops.rmsnorm_bwd_parts
-PyObject* python_fp8_op = nullptr;             // custom_ops.rmsnorm_fp8_fwd
+PyObject* python_forward_op = nullptr;   // library_ops.rmsnorm_fwd: every call these kernels do not serve
+PyObject* python_backward_op = nullptr;  // library_ops.rmsnorm_bwd
+PyObject* python_backward_parts_op = nullptr;  // library_ops.rmsnorm_bwd_parts
+PyObject* python_fp8_op = nullptr;             // library_ops.rmsnorm_fp8_fwd
 
 const c10::TypedOperatorHandle<ForwardSchema>& forward_op() {
   static const auto op =
@@ -238,7 +238,7 @@ Fp8Result fp8_forward_cuda(const at::Tensor& x, const at::Tensor& w, double eps,
   return {outs[0], outs[1], outs[2], outs[3], outs[4]};
 }
 
-// The FP8 op's autograd formula (custom_ops._setup_fp8_context / _fp8_backward): data and scales get no gradient
+// The FP8 op's autograd formula (library_ops._setup_fp8_context / fp8_backward): data and scales get no gradient
 // either; y's gradient is the norm's.
 struct OpFp8Function : public torch::autograd::Function<OpFp8Function> {
   static variable_list forward(AutogradContext* ctx, c10::DispatchKeySet keys, const at::Tensor& x, const at::Tensor& w,
