@@ -54,10 +54,28 @@ compiles the whole model. Every run starts from the same seed and batch: ``losse
 eager, 1 warm-up and 2 timed steps by default, host clock, no peak memory; with ``--dtype fp32`` the
 cake runs' first loss is bitwise stock-torch's (the CPU path does the class's FP32 operations).
 
+``--seq N``: N tokens per step (batch 1) instead of 8192. Compiling takes most of a compiled run (minutes at
+8192 tokens: dynamo unrolls transformers' torch delta rule over its 64-token chunks into the linear-attention
+layer's graph), and fewer tokens give a smaller graph.
+
+``--profile DIR``: after a run's timed steps, 2 more under ``torch.profiler`` (CPU, and CUDA on a
+GPU); per run, named ``<impl>-<mode>`` (``-plain-cake`` added for ``--plain-norms cake``), a ``.txt`` of
+``key_averages()`` tables (the top 40 by self device time on a GPU, and by self CPU time) and a ``.json``
+of per-step numbers: ``host_ms`` (the host's time in a step, the profiler's own included),
+``device_span_ms`` (from the step's first device event to its last), ``device_ms`` (the device events'
+time) and its top 30 ``device_ms_by_name``, ``kernels`` (device events less copies and
+memsets), and ``markers``, the events naming a compiled frame (``Torch-Compiled Region: frame/compile``:
+a graph break's resumed code is a frame of its own), a dynamo cache lookup, an AOT-autograd function,
+an inductor graph call or a ``cake_cute::`` op; the row's ``profile`` names both files relative to
+OUT's folder. A compiled row has ``dynamo``, dynamo's counts over the run: ``unique_graphs``,
+``graph_breaks`` by reason, ``recompiles`` and their reasons, ``compile_s`` (forward and backward
+graphs) and inductor's FX graph cache hits and misses (a graph compiled before on the machine is
+loaded, not compiled).
+
 Rows: ``{impl, mode, plain_norms, gated_norm, tokens, step_ms, tokens_per_s, peak_gib, losses,
-loss_diff_vs_stock}``; ``error`` instead of the numbers when a run raised, ``skipped`` when its
-implementation does not import. The results file is rewritten after every run; ``--append`` keeps
-OUT's rows.
+loss_diff_vs_stock}``, ``dynamo`` and ``profile`` as above; ``error`` instead of the numbers when a
+run raised, ``skipped`` when its implementation does not import. The results file is rewritten after
+every run; ``--append`` keeps OUT's rows.
 """
 
 from __future__ import annotations
@@ -66,8 +84,10 @@ import argparse
 import gc
 import importlib
 import json
+import os
 import sys
-from dataclasses import asdict, dataclass
+from collections import Counter
+from dataclasses import asdict, dataclass, replace
 from importlib import metadata
 from pathlib import Path
 
@@ -84,6 +104,16 @@ IMPLS = ("stock-torch", "fla", "cake", "cake-one-rounding")
 STOCK = "stock-torch"
 PLAIN_NORMS = ("stock", "cake")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+PROFILE_STEPS = 2  # profiled after the timed steps under --profile
+STEP_REGION = "gated_model_step.step"  # the profiler's record_function around each profiled step
+# Substrings of the profiler event names counted in a profile's ``markers``.
+MARKERS = (
+    "Torch-Compiled Region",
+    "TorchDynamo Cache Lookup",
+    "CompiledFunction",
+    "CompiledFxGraph",
+    "cake_cute::",
+)
 
 
 @dataclass(frozen=True)
@@ -312,22 +342,120 @@ def default_gated_norm(size: Size) -> str:
     return type(linear_mixers(model)[0].norm).__name__
 
 
-def measure(size, impl, plain_norms, mode, args, device) -> dict:
-    """One run's timing, peak memory and first losses."""
+def reset_dynamo() -> None:
+    """Dynamo's caches, counters and compilation metrics cleared (``reset`` keeps the last two)."""
+    from torch._dynamo import utils
+
     torch._dynamo.reset()
+    utils.counters.clear()
+    utils.clear_compilation_metrics()
+
+
+def dynamo_stats() -> dict:
+    """What dynamo counted since ``reset_dynamo``: graphs, graph breaks and recompiles (with their
+    reasons), the frames' compile time in seconds (the backward's, compiled on first use, included) and
+    inductor's FX graph cache hits and misses."""
+    from torch._dynamo.utils import counters, get_compilation_metrics
+
+    metrics = get_compilation_metrics()
+    reasons = Counter(m.recompile_reason for m in metrics if m.recompile_reason)
+    return dict(
+        unique_graphs=counters["stats"]["unique_graphs"],  # a Counter: 0 when never counted
+        graph_breaks=dict(counters["graph_break"]),
+        recompiles=reasons.total(),
+        recompile_reasons=dict(reasons),
+        compile_s=round(sum(m.duration_us or 0 for m in metrics) / 1e6, 1),
+        fx_graph_cache_hits=counters["inductor"]["fxgraph_cache_hit"],
+        fx_graph_cache_misses=counters["inductor"]["fxgraph_cache_miss"],
+    )
+
+
+def profiled_steps(model, loss, optimizer, device, steps: int):
+    """torch.profiler's record of ``steps`` training steps, each inside a ``STEP_REGION`` range."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities, record_shapes=False, with_stack=False) as prof:
+        for _ in range(steps):
+            with record_function(STEP_REGION):
+                model.zero_grad(set_to_none=True)
+                loss(model).backward()
+                optimizer.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    return prof
+
+
+def profile_tables(prof, device) -> str:
+    """``key_averages()`` tables: the top 40 by self device time (when CUDA was profiled), by self CPU."""
+    sorts = (["self_device_time_total"] if device.type == "cuda" else []) + ["self_cpu_time_total"]
+    averages = prof.key_averages()
+    return "\n\n".join(f"sorted by {key}\n{averages.table(sort_by=key, row_limit=40)}" for key in sorts)
+
+
+def profile_summary(prof, steps: int) -> dict:
+    """Per step: the step's host time and device span, its device events' time (in all, and the top
+    30 names), kernels, the markers."""
+    from torch.autograd import DeviceType
+
+    events = prof.events()
+    on_host = [e for e in events if e.device_type == DeviceType.CPU]
+    on_device = [e for e in events if e.device_type != DeviceType.CPU and not e.is_user_annotation]
+    # On a GPU a record_function range is also a device annotation, from its first device event to its last.
+    annotations = [e for e in events if e.device_type != DeviceType.CPU and e.is_user_annotation]
+    device_us = Counter()
+    for event in on_device:
+        device_us[event.name] += event.time_range.elapsed_us()
+    kernels = [e for e in on_device if not e.name.startswith(("Memcpy", "Memset"))]
+    markers = Counter(e.name for e in on_host if any(m in e.name for m in MARKERS))
+
+    def step_ms(ranges) -> float:
+        return round(sum(e.time_range.elapsed_us() for e in ranges if e.name == STEP_REGION) / 1e3 / steps, 3)
+
+    return dict(
+        steps=steps,
+        host_ms=step_ms(on_host),
+        device_span_ms=step_ms(annotations),
+        device_ms=round(device_us.total() / 1e3 / steps, 3),
+        kernels=len(kernels) / steps,
+        device_ms_by_name={name: round(us / 1e3 / steps, 3) for name, us in device_us.most_common(30)},
+        markers={name: count / steps for name, count in sorted(markers.items())},
+    )
+
+
+def write_profile(prof, device, steps: int, stem: Path) -> list[Path]:
+    """``stem``.txt (the tables) and ``stem``.json (the summary)."""
+    text, summary = stem.with_suffix(".txt"), stem.with_suffix(".json")
+    text.write_text(profile_tables(prof, device) + "\n")
+    summary.write_text(json.dumps(profile_summary(prof, steps), indent=1) + "\n")
+    return [text, summary]
+
+
+def measure(size, impl, plain_norms, mode, args, device) -> dict:
+    """One run's timing, peak memory and first losses; dynamo's counts when compiled; the profile's
+    files under ``--profile``."""
+    reset_dynamo()
     model = build_model(size, impl, plain_norms, DTYPES[args.dtype], device)
     gated_norm = type(linear_mixers(model)[0].norm).__name__
     stepped = compiled(model, impl, False, args.compile_scope) if mode == "compile" else model
     loss, first_losses = recording(batch_loss(size, device), args.loss_steps)
     optimizer = torch.optim.AdamW(model.parameters())
     step_ms, peak = time_steps(stepped, loss, device, args.warmup, args.steps, optimizer)
-    return dict(
+    row = dict(
         gated_norm=gated_norm,
         step_ms=round(step_ms, 3),
         tokens_per_s=round(size.tokens / step_ms * 1e3),
         peak_gib=peak and round(peak, 3),
         losses=[value.item() for value in first_losses],
     )
+    if args.profile is not None:
+        prof = profiled_steps(stepped, loss, optimizer, device, PROFILE_STEPS)
+        stem = args.profile / (f"{impl}-{mode}" + ("-plain-cake" if plain_norms == "cake" else ""))
+        files = write_profile(prof, device, PROFILE_STEPS, stem)
+        row["profile"] = [os.path.relpath(path, args.out.parent) for path in files]
+    if mode == "compile":
+        row["dynamo"] = dynamo_stats()
+    return row
 
 
 def with_loss_diff(row: dict, rows: list[dict]) -> dict:
@@ -416,6 +544,8 @@ def parse_args(argv):
         help="torch: transformers' torch delta rule even where fla imports (default: its own pick)",
     )
     p.add_argument("--append", action="store_true", help="keep the rows already in OUT")
+    p.add_argument("--profile", type=Path, help="folder for each run's torch.profiler tables and summary")
+    p.add_argument("--seq", type=int, help="tokens per step (batch 1) instead of the size's own")
     args = p.parse_args(argv)
     cpu = args.device == "cpu"
     args.tiny = args.tiny or cpu
@@ -429,6 +559,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     _use_source_tree()
     size = TINY if args.tiny else FULL
+    if args.seq is not None:
+        size = replace(size, seq=args.seq)
     paths = linear_attention_paths()
     if args.linear_attention == "torch":
         force_torch_delta_rule()
@@ -436,6 +568,8 @@ def main(argv=None) -> int:
     default_norm = default_gated_norm(size)
     print(f"linear attention: {paths}; the gated-norm slot's default class: {default_norm}", flush=True)
     kept = kept_rows(args.out, args.append)
+    if args.profile is not None:
+        args.profile.mkdir(parents=True, exist_ok=True)
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device
 
     def save(rows: list[dict]) -> None:

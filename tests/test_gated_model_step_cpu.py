@@ -1,6 +1,6 @@
 """benchmarks/gated_model_step.py without a GPU: its smoke mode end to end (a tiny Qwen3-Next, FP32,
 eager, in its own process), and the gated-norm slot made Hugging Face's class whatever transformers
-built there.
+built there; also what ``--profile`` writes and the dynamo counts a compiled row keeps.
 
 The first-step loss of both cake runs is asserted bitwise equal to stock-torch's. Same seed, same
 batch, so the first forward differs only in the gated norms, and in FP32 on CPU they compute what the
@@ -55,6 +55,68 @@ def test_smoke_run_cake_first_loss_is_stock_torchs(smoke_rows):
     for impl in ("cake", "cake-one-rounding"):
         assert rows[impl]["gated_norm"] == "CakeGatedRMSNorm"
         assert rows[impl]["losses"][0] == rows["stock-torch"]["losses"][0]  # bitwise: module docstring
+
+
+def test_profile_writes_tables_and_a_summary_per_run(tmp_path):
+    out, folder = tmp_path / "step.json", tmp_path / "profile"
+    command = [sys.executable, str(BENCHMARKS / "gated_model_step.py"), str(out), "--device", "cpu"]
+    subprocess.run(
+        [*command, "--impls", "cake", "--profile", str(folder)], check=True, capture_output=True, timeout=600
+    )
+    (row,) = json.loads(out.read_text())["rows"]
+    assert "error" not in row, row
+    assert row["profile"] == ["profile/cake-eager.txt", "profile/cake-eager.json"]
+    tables = (folder / "cake-eager.txt").read_text()
+    assert "sorted by self_cpu_time_total" in tables and "gated_model_step.step" in tables
+    assert "self_device_time_total" not in tables  # no CUDA activity on CPU
+    summary = json.loads((folder / "cake-eager.json").read_text())
+    assert set(summary) == {
+        "steps",
+        "host_ms",
+        "device_span_ms",
+        "device_ms",
+        "kernels",
+        "device_ms_by_name",
+        "markers",
+    }
+    assert summary["steps"] == 2 and summary["host_ms"] > 0
+    assert summary["device_span_ms"] == summary["device_ms"] == summary["kernels"] == 0
+    assert summary["device_ms_by_name"] == {}
+    # The one linear-attention layer's norm: each of its ops (forward, backward) once a step.
+    markers = summary["markers"]
+    assert markers and all(name.startswith("cake_cute::") and n == 1 for name, n in markers.items())
+    assert "dynamo" not in row  # eager
+
+
+def test_dynamo_stats_counts_graphs_breaks_and_recompiles(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import gated_model_step as bench
+
+    def broken(x):
+        x = x + 1
+        torch._dynamo.graph_break()
+        return x * 2
+
+    bench.reset_dynamo()
+    compiled = torch.compile(broken, backend="eager")
+    compiled(torch.ones(3))
+    stats = bench.dynamo_stats()
+    assert stats["unique_graphs"] == 2 and sum(stats["graph_breaks"].values()) == 1
+    assert stats["recompiles"] == 0 and stats["recompile_reasons"] == {}
+    compiled(torch.ones(3, dtype=torch.float64))  # both frames' dtype guards fail
+    stats = bench.dynamo_stats()
+    assert stats["unique_graphs"] == 4 and stats["recompiles"] == 2
+    assert all("dtype mismatch" in reason for reason in stats["recompile_reasons"])
+    bench.reset_dynamo()
+    assert bench.dynamo_stats() == dict(
+        unique_graphs=0,
+        graph_breaks={},
+        recompiles=0,
+        recompile_reasons={},
+        compile_s=0.0,
+        fx_graph_cache_hits=0,
+        fx_graph_cache_misses=0,
+    )
 
 
 def test_stock_torch_puts_the_hugging_face_class_in_a_slot_holding_another_module(monkeypatch):
