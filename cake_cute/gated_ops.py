@@ -117,13 +117,19 @@ def gated_rmsnorm_forward(
 
 
 def backward_programs(rows: int, config: GatedConfig, groups: int, facts: DeviceFacts) -> int:
-    """Programs (along x; the grid has ``groups`` CTAs along y) of the persistent gated backward: as
-    many as are resident with the groups' CTAs beside them, never more than there are row tiles.
-    The partition of rows -- and so dw's bits -- depends only on T, the GPU model and the variant."""
+    """Programs (along x; the grid has ``groups`` CTAs, or clusters of a wide segment's CTAs, along y)
+    of the persistent gated backward: as many as are resident with the groups' beside them, never
+    more than there are row tiles. The partition of rows -- and so dw's bits -- depends only on T,
+    the GPU model and the variant."""
     tiling = config.tiling
     tiles = -(-rows // tiling.rows_per_cta)
     resident = resident_clusters(
-        facts.index, facts.capability, tiling.threads_per_cta, 1, config.ctas_per_sm, facts.sm_count
+        facts.index,
+        facts.capability,
+        tiling.threads_per_cta,
+        tiling.cluster_n,
+        config.ctas_per_sm,
+        facts.sm_count,
     )
     return max(1, min(tiles, resident // groups))
 

@@ -46,7 +46,8 @@ QUANT_HIDDEN = (4096, 5120, 7168, 65536)
 PERSISTENT_QUANT_HIDDEN = (2048, 4096)  # plain mode only
 GATED_KINDS = ("gated_fwd", "gated_bwd")
 # Norm then gate, the row one group: short rows several to a CTA, one CTA per row, and the backward's
-# re-reading segments (wider than 4096). Gate then norm: (H, group size), one group per row and several.
+# segments wider than 4096 (over a cluster). Gate then norm: (H, group size), one group per row and
+# several.
 NORM_THEN_GATE_HIDDEN = (7, 128, 4096, 8192)
 GATE_THEN_NORM_GROUPS = ((4096, 4096), (1024, 128), (65536, 8192))
 _FUNCTION = re.compile(r"^\s*Function : (\S+)", re.M)

@@ -13,6 +13,7 @@ from cake_cute.kernels.gated_config import gated_backward_config, gated_forward_
 from cake_cute.tools.cubin import spill_free
 from cake_cute.tools.kernel_report import collect_reports
 from cake_cute.tools.warmup import warm
+from cake_cute.vocab import dtype_bytes
 
 EPS = 1e-6
 
@@ -134,7 +135,21 @@ def test_fp32_reference_rounds_like_the_kernels():
             16384,
             8192,
             "vec=8 tpr=512 vpt=2 cluster=1 rows/cta=1",
-            "vec=8 tpr=512 vpt=2 cluster=1 rows/cta=1",
+            "vec=8 tpr=128 vpt=1 cluster=8 rows/cta=1",
+        ),
+        (
+            "fp32",
+            12288,
+            6144,
+            "vec=4 tpr=512 vpt=3 cluster=1 rows/cta=1",
+            "vec=4 tpr=128 vpt=2 cluster=6 rows/cta=1",
+        ),
+        (
+            "bf16",
+            8200,
+            4100,
+            "vec=4 tpr=512 vpt=3 cluster=1 rows/cta=1",
+            "vec=4 tpr=128 vpt=2 cluster=5 rows/cta=1",
         ),
     ],
 )
@@ -142,10 +157,10 @@ def test_segment_tilings(act, hidden, group_size, forward, backward):
     assert gated_forward_config(act, hidden, group_size).tiling.describe() == forward
     config = gated_backward_config(act, hidden, group_size)
     assert config.tiling.describe() == backward
-    # Only segments wider than 512 lanes of 8 elements re-read their row after the row sum; segments
-    # of 1024 columns and more (at most two to a CTA) prefetch later rows into the L2, except rows of
-    # one segment narrower than 2048.
-    assert config.reread == (group_size > 4096)
+    # Only segments wider than 512 lanes of 8 elements are split over a cluster; segments of 1024
+    # columns and more (at most two to a CTA) prefetch later rows into the L2, except rows of one
+    # segment narrower than 2048.
+    assert (config.tiling.cluster_n > 1) == (group_size > 4096)
     assert config.prefetch == (group_size >= 1024 and not group_size == hidden < 2048)
 
 
@@ -232,6 +247,7 @@ SHAPES = [
     (2048, 512, False),
     (4096, 1024, False),
     (16384, 8192, False),
+    (8200, 4100, False),  # a cluster of five CTAs, 8-byte vectors, the last CTA's columns predicated
 ]
 SPECS = [
     make_spec(kind, arch, act, w, hidden, group, nbg, 0.0)
@@ -261,14 +277,13 @@ def test_compiled_variant(reports, spec):
     report = reports[spec]
     assert spill_free(report) and report["local_loads"] == report["local_stores"] == 0, report
     assert report["global_atomics"] == 0
-    vectorized = spec.group_size % 8 == 0
+    vectorized = spec.group_size * dtype_bytes(spec.act_dtype) % 16 == 0  # whole 16-byte vectors
     if vectorized:
         assert report["global_load_width_bits"] == report["global_store_width_bits"] == 128, report
     if spec.kind == "gated_bwd":
         config = config_for(spec)
-        # Held lanes: g, x and z of the second tile before the loop and of the tile two ahead in it;
-        # re-reading lanes: of the next tile, in the loop.
-        expected = (3 if config.reread else 6) if vectorized and config.prefetch else 0
+        # g, x and z of the second tile before the loop and of the tile two ahead in it.
+        expected = 6 if vectorized and config.prefetch else 0
         assert report["l2_bulk_prefetches"] == expected
 
 

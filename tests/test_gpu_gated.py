@@ -25,7 +25,8 @@ pytestmark = pytest.mark.gpu
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # (H, group_size, norm_before_gate): head-dim rows normalized then gated, grouped rows gated then
-# normalized per group; groups of 8192 take the backward whose lanes re-read their rows after the row sum.
+# normalized per group; segments wider than 4096 columns take the backward over a cluster of CTAs
+# (8 for 8192, 6 for 6144, 5 for 4100 with predicated columns).
 SHAPES = [
     (64, None, True),
     (128, None, True),
@@ -33,6 +34,9 @@ SHAPES = [
     (2048, 512, False),
     (4096, 1024, False),
     (16384, 8192, False),
+    (8192, None, True),
+    (12288, 6144, False),
+    (8200, 4100, False),
 ]
 ROWS = (0, 1, 2, 129, 4096)
 RSTD_TOLERANCE = 1e-5

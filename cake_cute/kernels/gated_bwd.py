@@ -11,29 +11,30 @@ z, w and rstd (s = silu(z), s' = silu'(z), w' = w + weight_offset, g = dL/dy):
     norm then gate:  dx = round(dn)                     dz = round(g * n * w' * s')
     gate then norm:  dx = round(dn * s)                 dz = round(dn * x * s')
 
-Persistent grid (P, H / L): program (b, k) visits the row tiles b, b + P, ... of group k -- a fixed
-partition for a given (T, P), with P fixed by T and the GPU (``gated_ops``). Its lanes keep one FP32
-dW accumulator per column they own (their columns never change: a CTA only sees group k); at the
-end the CTA's segment rows fold their accumulators by the plain backward's fixed tree
-(``rmsnorm_bwd.RMSNormBackward.fold_row_groups``) and CTA (b, k) writes columns k*L .. of partial
+Persistent grid (P, H / L, times the cluster's C CTAs along y for segments wider than 4096 columns):
+program (b, k) visits the row tiles b, b + P, ... of group k -- a fixed partition for a given (T, P),
+with P fixed by T and the GPU (``gated_ops``). Its lanes keep one FP32 dW accumulator per column they
+own (their columns never change: a CTA only sees its slice of group k); at the end the CTA's segment
+rows fold their accumulators by the plain backward's fixed tree
+(``rmsnorm_bwd.RMSNormBackward.fold_row_groups``) and the CTA writes its columns of group k in partial
 row b of ``partials[P, H_pad]``, which ``dw_reduce`` sums in a fixed order (launched behind this
 kernel with programmatic dependent launch). No atomics anywhere: dx, dz, dW are bitwise reproducible,
 and a row's dx and dz do not depend on T.
 
 Tiling (``gated_config.gated_backward_config``): a segment as in the forward, at most 8 elements of
-each operand per lane (16 for segments wider than 4096), short segments 256 threads to a CTA. g, x
-and z of a tile are loaded straight into registers (no staging); the FP32 terms of dx and dz are
-formed before the row sum, the only synchronisation per row (``common.row_sum``, double-buffered by
-``slot``), and held across it; 2-byte rows are held to 80 registers so that three CTAs share an
-SM (``gated_config.HELD_REGISTER_BUDGET``). Lanes of 16 elements cannot hold the terms under 128
-registers (``GatedConfig.reread``): they load g, x and z again after the row sum (an L2 hit) and
-recompute, and keep their dW accumulator in their own cells of shared memory (FP32 rows spill on
-sm_100a otherwise). Wide segments (at most two to a CTA: groups of 1024 columns and more) prefetch
-their rows of a later tile into the L2 (``prefetch_row``), as the plain backward does for its widest
-rows. Held lanes ask for the second tile before the loop, then at the end of each iteration for the
-tile two ahead, so that every tile after the first was asked for an iteration before it is loaded;
-re-reading lanes ask for the next tile at the top of each iteration (moved to the end, two ahead, their
-backward at L = 8192 fell from 0.85 to 0.77 of the copy). Short segments do not (``gated_config``).
+each operand per lane, short segments 256 threads to a CTA. g, x and z of a tile are loaded straight
+into registers (no staging); the FP32 terms of dx and dz are formed before the row sum, the only
+synchronisation per row (``common.row_sum``, double-buffered by ``slot``), and held across it; 2-byte
+rows are held to 80 registers so that three 256-thread CTAs share an SM
+(``gated_config.HELD_REGISTER_BUDGET``). A segment wider than 512 such lanes cover (groups of 6144 and
+8192) is split over a cluster of 128-thread CTAs (``gated_config.cluster_segment_tiling``: eight for
+8192 columns, six to an SM), whose partial row sums meet in distributed shared memory (an ``st.async``
+push to every peer and a transaction mbarrier per slot, whose phase turns every two rows), as in the
+plain kernels' wide rows. Wide segments (at most two to a CTA: groups of 1024 columns and more)
+prefetch their rows (or the CTA's slice of them) of a later tile into the L2 (``prefetch_row``), as
+the plain backward does for its widest rows: the second tile before the loop, then at the end of each
+iteration the tile two ahead, so that every tile after the first was asked for an iteration before it
+is loaded. Short segments do not (``gated_config``).
 
 Bytes moved: reads g, x, z and writes dx, dz once: 5 * T*H*act_bytes, plus 4*T*H/L of rstd, plus
 the partial rows (P * H * 4, written here, read by dw_reduce).
@@ -53,6 +54,7 @@ from .common import (
     broadcast_rows,
     copy_atom,
     global_row,
+    init_cluster_reduction,
     prefetch_to_l2,
     tile_shape,
 )
@@ -90,7 +92,8 @@ class GatedRMSNormBackward(GatedKernel):
     @cute.kernel
     def kernel(self, mG, mX, mZ, mW, mRstd, mDX, mDZ, mPartial):
         t = self.tiling
-        tidx, bidx, group = self.cta_position()
+        tidx, bidx, along_y = self.cta_position()
+        group, rank = self.group_and_rank(along_y)
         num_programs, _, _ = cute.arch.grid_dim()
         rows = mG.shape[0]
         num_tiles = cute.ceil_div(rows, t.rows_per_cta)
@@ -105,30 +108,25 @@ class GatedRMSNormBackward(GatedKernel):
             )
 
         mG, mX, mZ, mDX, mDZ, mW = [self.group_view(m, group) for m in (mG, mX, mZ, mDX, mDZ, mW)]
-        thr, tXc0, pred, row_in_cta, lane_in_row = self.thread_slice(mG.shape, tidx, (0, 0))
+        thr, tXc0, pred, row_in_cta, lane_in_row = self.thread_slice(mG.shape, tidx, (0, rank))
         copy_act = self.row_copy(pred)
-        tt = ThreadTiles(thr, tile_shape(t), 0, row_in_cta, copy_act, None)
+        tt = ThreadTiles(thr, tile_shape(t), rank, row_in_cta, copy_act, None)
         # w stays in its own dtype, widened at each use: half the registers held for 2-byte w.
-        tXrW = self.load_weight(self.weight_cells(mW, thr, tile_shape(t), 0), pred)
+        tXrW = self.load_weight(self.weight_cells(mW, thr, tile_shape(t), rank), pred)
         # Fragments shaped like the coordinates (a static layout), so they stay in registers.
         tXrG, tXrX, tXrZ, tXrDX, tXrDZ = [cute.make_rmem_tensor_like(tXc0, self.act_dtype) for _ in range(5)]
         tXrDW = cute.make_rmem_tensor_like(tXc0, Float32)
         tXrDW.fill(0.0)
-        tXDW = tXrDW  # the dW accumulator: in registers, or re-reading lanes' own shared-memory cells
-        if const_expr(self.config.reread):
-            cta_tile = cute.make_ordered_layout((t.rows_per_cta, t.cols_per_cta), order=(1, 0))
-            tXDW = thr.partition_D(smem.allocate_tensor(Float32, cta_tile, byte_alignment=16))
-            cute.autovec_copy(tXrDW, tXDW)
 
         step = num_programs * t.rows_per_cta  # rows between this program's consecutive row tiles
-        held_prefetch = self.config.prefetch and not self.config.reread
-        if const_expr(held_prefetch):
-            self.prefetch_row(bidx * t.rows_per_cta + row_in_cta + step, rows, lane_in_row, (mG, mX, mZ))
+        if const_expr(self.config.prefetch):
+            self.prefetch_row(
+                bidx * t.rows_per_cta + row_in_cta + step, rows, lane_in_row, rank, (mG, mX, mZ)
+            )
+        init_cluster_reduction(buffers[2], t.cluster_n)
         visit = Int32(0)  # row tiles this program has visited
         for tile in cutlass.range(bidx, num_tiles, num_programs, unroll=1):
             row = tile * t.rows_per_cta + row_in_cta
-            if const_expr(self.config.reread):
-                self.prefetch_row(row + num_programs * t.rows_per_cta, rows, lane_in_row, (mG, mX, mZ))
             # Rows past T contribute zeros, never stale values.
             for frag in (tXrG, tXrX, tXrZ):
                 frag.fill(0)
@@ -137,41 +135,37 @@ class GatedRMSNormBackward(GatedKernel):
                 tt.read((tt.of(mG, tile), tt.of(mX, tile), tt.of(mZ, tile)), (tXrG, tXrX, tXrZ))
                 rstd = mRstd[row, group]
             terms = self.row_terms(tXrG, tXrX, tXrZ, tXrW, rstd)
-            c = self.reduce_row(terms, tXDW, buffers, row_in_cta, lane_in_row, visit & 1)
-            if const_expr(self.config.reread):
-                # Fresh loads after the barrier (an L2 hit): nothing of the row lives across it.
-                if row < rows:
-                    tt.read((tt.of(mG, tile), tt.of(mX, tile), tt.of(mZ, tile)), (tXrG, tXrX, tXrZ))
-                terms = self.row_terms(tXrG, tXrX, tXrZ, tXrW, rstd)
+            c = self.reduce_row(terms, tXrDW, buffers, row_in_cta, lane_in_row, visit)
             self.write_dx_dz(terms, tXrDX, tXrDZ, rstd, c)
             if row < rows:
                 copy_act(tXrDX, tt.of(mDX, tile))
                 copy_act(tXrDZ, tt.of(mDZ, tile))
-            if const_expr(held_prefetch):
+            if const_expr(self.config.prefetch):
                 # Two tiles ahead: the next one was asked for an iteration ago. Here, after the stores,
                 # the tile's registers are free for the addresses (at the top, 80-register lanes spill).
-                self.prefetch_row(row + 2 * step, rows, lane_in_row, (mG, mX, mZ))
+                self.prefetch_row(row + 2 * step, rows, lane_in_row, rank, (mG, mX, mZ))
             visit = visit + 1
 
         # The dW reduction may start launching (it waits for this grid's memory before reading).
         cute.arch.griddepcontrol_launch_dependents()
-        if const_expr(self.config.reread):
-            cute.autovec_copy(tXDW, tXrDW)
         if const_expr(t.rows_per_cta > 1):
             self.fold_row_groups(tt, sFold, tXrDW)
         self.write_dw_partial(tt, bidx, group, mPartial, tXrDW, pred)
 
     @cute.jit
-    def prefetch_row(self, row, rows, lane_in_row, sources):
+    def prefetch_row(self, row, rows, lane_in_row, rank, sources):
         """A program has one row tile in flight: bring the rows of g, x and z of a tile it visits later
-        into the L2 now (one bulk prefetch per segment row and tensor, no registers held), so that
-        those loads are L2 hits. Bulk prefetches need 16-byte aligned addresses and sizes, which only
-        128-bit vector tilings guarantee; others skip it."""
+        into the L2 now (one bulk prefetch per segment row, or per cluster CTA's columns of it, and
+        tensor; no registers held), so that those loads are L2 hits. Bulk prefetches need 16-byte
+        aligned addresses and sizes, which only 128-bit vector tilings guarantee; others skip it."""
         t = self.tiling
         if const_expr(t.vec * self.act_dtype.width == COPY_BITS):
             if lane_in_row == 0 and row < rows:
                 for m in sources:
-                    prefetch_to_l2(m, row, 0, t.hidden, t.hidden)
+                    if const_expr(t.cluster_n == 1):
+                        prefetch_to_l2(m, row, 0, t.hidden, t.hidden)
+                    else:
+                        prefetch_to_l2(m, row, rank * t.cols_per_cta, t.cols_per_cta, t.hidden)
 
     @cute.jit
     def row_terms(self, tXrG, tXrX, tXrZ, tXrW, rstd):
@@ -188,12 +182,16 @@ class GatedRMSNormBackward(GatedKernel):
         return g * w, n, g * n, silu, x * dsilu
 
     @cute.jit
-    def reduce_row(self, terms, tXDW, buffers, row_in_cta, lane_in_row, slot) -> Float32:
-        """Add this row's dW terms into the accumulator and return c = sum(a * n) / L."""
+    def reduce_row(self, terms, tXrDW, buffers, row_in_cta, lane_in_row, visit) -> Float32:
+        """Add this row's dW terms into the accumulator and return c = sum(a * n) / L; the reduction
+        buffers alternate per row tile visited, a cluster's mbarrier phase per two."""
         a, n, dw_term = terms[0], terms[1], terms[2]
-        tXDW.store(tXDW.load() + dw_term)
+        tXrDW.store(tXrDW.load() + dw_term)
         own_dot = (a * n).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-        dot = self.row_total(own_dot, buffers, row_in_cta, lane_in_row, slot, Int32(0))
+        phase = Int32(0)
+        if const_expr(self.tiling.cluster_n > 1):
+            phase = (visit >> 1) & 1
+        dot = self.row_total(own_dot, buffers, row_in_cta, lane_in_row, visit & 1, phase)
         return dot / self.tiling.hidden
 
     @cute.jit

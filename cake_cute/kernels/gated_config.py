@@ -3,13 +3,14 @@
 
 A gated kernel normalizes *segments*: the whole row in the norm-then-gate form (statistics per row), a
 group of ``group_size`` columns in the gate-then-norm form (statistics per group). A segment is tiled
-like one row of the plain kernels (``tiling.RowTiling``, the same vocabulary), always inside one CTA
-(``cluster_n == 1``): a lane holds at most ``SEGMENT_ELEMS_PER_LANE`` elements of each operand, and a
-segment gets up to ``MAX_THREADS_PER_CTA`` lanes, so segments of up to ``MAX_SEGMENT`` columns fit
-(head_dim rows, and the groups of the Mamba-2 hybrids: ``intermediate_size // n_groups`` of 1024-8192).
-The backward holds about eleven registers per element across its row sum (the FP32 terms of dx and
-dz, dW, the raw fragments), so its lanes take ``HELD_ELEMS_PER_LANE`` elements where the segment
-allows, and otherwise twice that with g, x and z re-read after the row sum (``GatedConfig.reread``).
+like one row of the plain kernels (``tiling.RowTiling``, the same vocabulary). In the forward a
+segment stays inside one CTA: a lane holds at most ``SEGMENT_ELEMS_PER_LANE`` elements of each
+operand, and a segment gets up to ``MAX_THREADS_PER_CTA`` lanes, so segments of up to ``MAX_SEGMENT``
+columns fit (head_dim rows, and the groups of the Mamba-2 hybrids: ``intermediate_size // n_groups``
+of 1024-8192). The backward holds about eleven registers per element across its row sum (the FP32
+terms of dx and dz, dW, the raw fragments), so its lanes take ``HELD_ELEMS_PER_LANE`` elements; a
+segment wider than one CTA of such lanes covers is split over a cluster of CTAs whose row sums meet
+in distributed shared memory, as the plain kernels' wide rows do (``cluster_segment_tiling``).
 Short segments share a CTA (``rows_per_cta``), as the plain short-row tilings do.
 
 Like every config of the package, none depends on the number of rows T (batch invariance).
@@ -44,6 +45,12 @@ HELD_REGISTER_BUDGET = 80
 # sm_100a's 80-register lanes spill with the prefetch's addresses at H = 1024.
 PREFETCH_MAX_SEGMENTS_PER_CTA = 2
 PREFETCH_MIN_ROW = 2048
+# Threads of each CTA of a cluster that shares a wide segment (groups of more than 4096 columns): 128
+# lanes of 8 elements, eight CTAs to a group of 8192, six CTAs on an SM. At groups of 6144 and 8192
+# the backward ran at 0.90-0.91 of a device copy with 128, 0.88-0.90 with 256 (four CTAs of 2048
+# columns) and 0.60-0.77 with 512, where one CTA of 512 lanes that held 16 elements each and read
+# their rows twice ran at 0.67-0.87 (bf16, H200: evidence/gated-gpu-h200-2026-12-04/cluster_ab.json).
+CLUSTER_CTA_THREADS = 128
 # Threads of a CTA whose segments are short enough to share it (the plain forward's and the plain
 # several-rows backward's CTA sizes).
 FORWARD_CTA_THREADS = 128
@@ -59,17 +66,14 @@ class GatedConfig:
     tiling: RowTiling
     min_ctas_per_sm: int
     ctas_per_sm: int
-    # Backward: g, x and z are loaded again after the row sum (an L2 hit), dW kept in shared memory.
-    reread: bool = False
     # Backward: g, x and z of the program's later row tiles are prefetched into the L2.
     prefetch: bool = False
 
     def describe(self) -> str:
-        reread = " reread" if self.reread else ""
         prefetch = " prefetch" if self.prefetch else ""
         return (
             f"{self.tiling.describe()} min_ctas/SM={self.min_ctas_per_sm} ctas/SM={self.ctas_per_sm}"
-            f"{reread}{prefetch}"
+            f"{prefetch}"
         )
 
 
@@ -98,14 +102,13 @@ def segment_tiling(segment: int, act_dtype: str, cta_threads: int, elems_per_lan
     return RowTiling(segment, vec, lanes, -(-vecs // lanes), 1, max(1, cta_threads // lanes))
 
 
-def backward_smem_bytes(tiling: RowTiling, reread: bool) -> int:
-    """Shared memory of one backward CTA: the row sums' two slots of warp sums, the FP32 tile in which
-    several segments fold their dW, the FP32 dW tile of a re-reading backward, and the DSL's static
-    kilobyte (an upper bound)."""
-    reduction = 4 * 2 * tiling.rows_per_cta * (tiling.warps_per_row + 1) + 64
-    fp32_tile = 4 * tiling.rows_per_cta * tiling.cols_per_cta
-    fold = fp32_tile if tiling.rows_per_cta > 1 else 0
-    return reduction + fold + (fp32_tile if reread else 0) + SMEM_STATIC_PER_CTA + 256
+def backward_smem_bytes(tiling: RowTiling) -> int:
+    """Shared memory of one backward CTA: the row sums' two slots of warp sums and of the cluster's CTA
+    sums, the FP32 tile in which several segments fold their dW, and the DSL's static kilobyte (an
+    upper bound)."""
+    reduction = 4 * 2 * tiling.rows_per_cta * (tiling.warps_per_row + tiling.cluster_n) + 64
+    fold = 4 * tiling.rows_per_cta * tiling.cols_per_cta if tiling.rows_per_cta > 1 else 0
+    return reduction + fold + SMEM_STATIC_PER_CTA + 256
 
 
 @cache
@@ -126,11 +129,10 @@ def gated_forward_config(act_dtype: str, hidden: int, group_size: int) -> GatedC
 @cache
 def gated_backward_config(act_dtype: str, hidden: int, group_size: int) -> GatedConfig:
     """The gated backward's config: ``HELD_ELEMS_PER_LANE`` elements per lane (2-byte rows held to
-    ``HELD_REGISTER_BUDGET`` registers) where ``MAX_THREADS_PER_CTA`` lanes cover the segment, else
-    ``SEGMENT_ELEMS_PER_LANE`` with g, x and z re-read after the row sum (128 registers); twice the
-    forward's threads per CTA when segments are short (more bytes in flight per program); the L2
-    prefetch of later row tiles for wide segments (``PREFETCH_MAX_SEGMENTS_PER_CTA``); and its
-    residency for the persistent grid.
+    ``HELD_REGISTER_BUDGET`` registers), in one CTA where ``MAX_THREADS_PER_CTA`` lanes cover the
+    segment, else over a cluster (``cluster_segment_tiling``); twice the forward's threads per CTA
+    when segments are short (more bytes in flight per program); the L2 prefetch of later row tiles
+    for wide segments (``PREFETCH_MAX_SEGMENTS_PER_CTA``); and its residency for the persistent grid.
 
     Raises
     ------
@@ -138,13 +140,27 @@ def gated_backward_config(act_dtype: str, hidden: int, group_size: int) -> Gated
         As ``check_segment``.
     """
     check_segment(hidden, group_size)
-    reread = group_size > MAX_THREADS_PER_CTA * HELD_ELEMS_PER_LANE
-    elems = SEGMENT_ELEMS_PER_LANE if reread else HELD_ELEMS_PER_LANE
-    tiling = segment_tiling(group_size, act_dtype, BACKWARD_CTA_THREADS, elems)
+    if group_size > MAX_THREADS_PER_CTA * HELD_ELEMS_PER_LANE:
+        tiling = cluster_segment_tiling(group_size, act_dtype)
+    else:
+        tiling = segment_tiling(group_size, act_dtype, BACKWARD_CTA_THREADS, HELD_ELEMS_PER_LANE)
     min_ctas = tiling.min_ctas_per_sm
-    if not reread and dtype_bytes(act_dtype) == 2:
+    if dtype_bytes(act_dtype) == 2:
         min_ctas = max(min_ctas, REGISTERS_PER_SM // (HELD_REGISTER_BUDGET * tiling.threads_per_cta))
-    per_sm = resident_ctas_per_sm(tiling, backward_smem_bytes(tiling, reread), min_ctas)
+    per_sm = resident_ctas_per_sm(tiling, backward_smem_bytes(tiling), min_ctas)
     one_segment_rows = group_size == hidden and hidden < PREFETCH_MIN_ROW
     prefetch = tiling.rows_per_cta <= PREFETCH_MAX_SEGMENTS_PER_CTA and not one_segment_rows
-    return GatedConfig(tiling, min_ctas, per_sm, reread, prefetch)
+    return GatedConfig(tiling, min_ctas, per_sm, prefetch)
+
+
+def cluster_segment_tiling(segment: int, act_dtype: str) -> RowTiling:
+    """A segment wider than one CTA of held lanes covers, over a cluster: CTAs of
+    ``CLUSTER_CTA_THREADS`` lanes of ``HELD_ELEMS_PER_LANE`` elements, as many as cover the segment
+    (at most 8: ``MAX_SEGMENT`` columns), each holding its slice of the columns; the row sum meets
+    through distributed shared memory as in the plain kernels' clusters (``common.row_sum``)."""
+    vec = vector_width(segment, dtype_bytes(act_dtype))
+    vecs_per_lane = max(1, HELD_ELEMS_PER_LANE // vec)
+    cluster = -(-segment // (CLUSTER_CTA_THREADS * vecs_per_lane * vec))
+    vecs = -(-segment // vec)
+    lanes = 1 << max(0, math.ceil(math.log2(-(-vecs // (cluster * vecs_per_lane)))))
+    return RowTiling(segment, vec, lanes, vecs_per_lane, cluster, 1)

@@ -61,8 +61,17 @@ class GatedKernel(RowKernel):
         self.norm_before_gate = norm_before_gate
 
     def ctas_along_y(self) -> int:
-        """One CTA per group along y."""
-        return self.groups
+        """One CTA per group along y, or one cluster per group (a backward's wide segments)."""
+        return self.groups * self.tiling.cluster_n
+
+    @cute.jit
+    def group_and_rank(self, along_y):
+        """(the CTA's group, its rank in the group's cluster) from its index along y; the rank is the
+        constant 0 without a cluster."""
+        group, rank = along_y, 0
+        if const_expr(self.tiling.cluster_n > 1):
+            group, rank = along_y // self.tiling.cluster_n, cute.arch.block_idx_in_cluster()
+        return group, rank
 
     @cute.jit
     def group_view(self, m: cute.Tensor, group) -> cute.Tensor:
