@@ -71,15 +71,15 @@ class CakeGatedRMSNorm(nn.Module):
 
     def __init__(
         self,
-        hidden_size,
-        eps=1e-6,
+        hidden_size: int,
+        eps: float = 1e-6,
         *,
-        group_size=None,
-        norm_before_gate=True,
-        weight_offset=0.0,
-        cast_policy=ONE_ROUNDING,
-        device=None,
-        dtype=None,
+        group_size: int | None = None,
+        norm_before_gate: bool = True,
+        weight_offset: float = 0.0,
+        cast_policy: str = ONE_ROUNDING,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ):
         super().__init__()
         self.hidden_size = v.check_count("hidden_size", hidden_size, 1)

@@ -27,8 +27,16 @@ def fold_levels(groups: int) -> list[tuple[int, int]]:
 
 
 class PartialRowWriter:
-    """``fold_row_groups`` and ``write_dw_partial_row`` for a row kernel with ``tiling`` (its
-    ``RowTiling``) and ``config`` (``dw_in_smem``)."""
+    """``end_rows``, ``fold_row_groups`` and ``write_dw_partial_row`` for a row kernel with ``tiling``
+    (its ``RowTiling``) and ``config`` (``dw_in_smem``)."""
+
+    @cute.jit
+    def end_rows(self, tt: ThreadTiles, sFold, tXrDW):
+        """After the program's last row tile: the dW reduction may start launching (it waits for this
+        grid's memory before reading), and the CTA's row groups fold their dW into row group 0's."""
+        cute.arch.griddepcontrol_launch_dependents()
+        if const_expr(self.tiling.rows_per_cta > 1):
+            self.fold_row_groups(tt, sFold, tXrDW)
 
     @cute.jit
     def fold_row_groups(self, tt: ThreadTiles, sFold, tXrDW):

@@ -68,7 +68,9 @@ class GatedRMSNormBackward(GatedKernel):
     ``gated_config.GatedConfig``; T and the number of programs are runtime values. Arguments: g, x, z,
     w, rstd (T, H / L), dx, dz, the partial rows, the number of programs."""
 
-    # The plain backward's fixed-order fold of a CTA's row groups' dW (it reads only the tiling).
+    # The plain backward's fixed-order fold of a CTA's row groups' dW, and its end of the rows (they
+    # read only the tiling).
+    end_rows = RMSNormBackward.end_rows
     fold_row_groups = RMSNormBackward.fold_row_groups
 
     @cute.jit
@@ -146,10 +148,7 @@ class GatedRMSNormBackward(GatedKernel):
                 self.prefetch_row(row + 2 * step, rows, lane_in_row, rank, (mG, mX, mZ))
             visit = visit + 1
 
-        # The dW reduction may start launching (it waits for this grid's memory before reading).
-        cute.arch.griddepcontrol_launch_dependents()
-        if const_expr(t.rows_per_cta > 1):
-            self.fold_row_groups(tt, sFold, tXrDW)
+        self.end_rows(tt, sFold, tXrDW)
         self.write_dw_partial(tt, bidx, group, mPartial, tXrDW, pred)
 
     @cute.jit

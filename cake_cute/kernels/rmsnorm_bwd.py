@@ -221,10 +221,7 @@ class RMSNormBackward(RowStaging, PartialRowWriter, RowKernel):
             )  # fmt: skip
             visit = visit + 1
 
-        # The dW reduction may start launching (it waits for this grid's memory before reading).
-        cute.arch.griddepcontrol_launch_dependents()
-        if const_expr(t.rows_per_cta > 1):
-            self.fold_row_groups(tt, sFold, tXrDW)
+        self.end_rows(tt, sFold, tXrDW)
         self.write_dw_partial_row(tt, bidx, mPartial, tXrDW, tXDW, pred)
 
     @cute.jit
