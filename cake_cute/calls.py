@@ -51,6 +51,12 @@ class NormCall(NamedTuple):
     rstd: torch.Tensor | None = None
     residual_out: torch.Tensor | None = None
 
+    @property
+    def math_arguments(self) -> tuple:
+        """``(x, w, eps, residual, weight_offset)``: what the SPEC's math takes
+        (``reference.forward_reference``, ``cpu.forward``, the FP8 reference)."""
+        return self.x, self.w, self.eps, self.residual, self.weight_offset
+
 
 def norm_call(
     x, w, eps, residual=None, weight_offset=0.0, out=None, rstd=None, residual_out=None, *, on_gpu=True

@@ -193,18 +193,8 @@ def fp8_forward(call: Fp8Call):
         kernel, programs = launch_fp8.forward_kernel(
             operands, rows, mode, call.recipe, call.emit_y, norm.weight_offset
         )
-        native.register_fp8(
-            operands,
-            x,
-            norm.w,
-            norm.weight_offset,
-            mode,
-            call.recipe,
-            call.emit_y,
-            programs,
-            kernel,
-            backward_plan,
-        )
+        variant = (mode, call.recipe, call.emit_y, programs)
+        native.register_fp8(operands, x, norm.w, norm.weight_offset, *variant, kernel, backward_plan)
     return outs
 
 

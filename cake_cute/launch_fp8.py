@@ -130,7 +130,7 @@ def fp8_forward(call: Fp8Call):
     ``x.shape[:-1]``."""
     if call.norm.operands is not None:
         return _forward_cuda(call)
-    x, w, eps, residual, weight_offset = call.norm[:5]
+    x, w, eps, residual, weight_offset = call.norm.math_arguments
     data, scales, y, rstd, h_new = rmsnorm_fp8_reference(
         x, w, eps, residual, call.recipe, call.emit_y, weight_offset
     )

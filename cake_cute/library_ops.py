@@ -93,7 +93,7 @@ def rmsnorm_fwd(x, w, eps, residual=None, weight_offset=0.0):
 
 def _rmsnorm_fwd_cpu(x, w, eps, residual=None, weight_offset=0.0):
     call = norm_call(x, w, eps, residual, weight_offset, on_gpu=False)
-    y, rstd, h_new = cpu.forward(*call[:5])
+    y, rstd, h_new = cpu.forward(*call.math_arguments)
     return y, rstd, (x.new_empty(0) if h_new is None else h_new)
 
 

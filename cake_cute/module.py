@@ -69,7 +69,7 @@ def _torch_math(x, w, eps, residual=None, deterministic=True, weight_offset=0.0,
     these operations save is inductor's choice (it recomputes what is cheap to recompute)."""
     v.check_memory_efficient(memory_efficient)
     call = norm_call(x, w, eps, residual, weight_offset, on_gpu=False)
-    y, _, h = forward_reference(*call[:5], compute_dtype=torch.float32)
+    y, _, h = forward_reference(*call.math_arguments, compute_dtype=torch.float32)
     y = y.to(x.dtype)
     return y if residual is None else (y, h)
 
