@@ -99,7 +99,8 @@ def train(nproc: int, args: tuple[str, ...], workdir: Path) -> tuple[list[float]
     (workdir / "log.txt").write_text(done.stdout + done.stderr)
     if done.returncode != 0 or not losses.exists():
         raise RuntimeError(
-            f"torchtitan run failed ({' '.join(args)}):\n{(done.stdout + done.stderr)[-4000:]}"
+            f"torchtitan run failed ({' '.join(args)}, exit {done.returncode}):\n"
+            f"stdout ends:\n{done.stdout[-2000:]}\nstderr ends:\n{done.stderr[-3000:]}"
         )
     return json.loads(losses.read_text())["loss"], seconds
 
