@@ -11,8 +11,9 @@ The cast policies (the Hugging Face classes are listed in docs/gated.md):
   gated kernel with a unit weight, then torch's multiply. Norm then gate (Qwen3-Next, Qwen3.5,
   OLMo-hybrid, ...): ``y = round((w * round(x * rstd)) * silu(z))``: the plain norm kernel with a unit
   weight, then torch's operations for the weight and the gate (the gate comes after a rounding, so
-  the gated kernel, which rounds once, cannot serve it). With FP32 activations and weight every
-  rounding but the last is exact and both policies run the gated kernel directly.
+  the gated kernel, which rounds once, cannot serve it); in eager mode the backward recomputes that
+  form's products rather than keeping them (x and z are all it keeps). With FP32 activations and
+  weight every rounding but the last is exact and both policies run the gated kernel directly.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from . import validation as v
 from .autograd import cake_rmsnorm
@@ -130,7 +132,16 @@ class CakeGatedRMSNorm(nn.Module):
         if not self.norm_before_gate:
             # w * round(rmsnorm_g(x * silu(z))): the gated kernel with a unit scale, then torch's product.
             return self._scale() * self._gated(x, gate, x.new_ones(x.shape[-1]), weight_offset=0.0)
-        # round((w * round(x * rstd)) * silu(z)), grouped when group_size < H.
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            # Autograd would keep torch's FP32 gate and products for the backward (12 bytes per
+            # element); the backward recomputes them instead, the same operations and so the same bits,
+            # and the norm keeps x and z alone. A compiled graph leaves that choice to its partitioner.
+            return checkpoint(self._norm_then_gate, x, gate, use_reentrant=False, preserve_rng_state=False)
+        return self._norm_then_gate(x, gate)
+
+    def _norm_then_gate(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """``round((w * round(x * rstd)) * silu(z))``, grouped when group_size < H: the plain norm
+        kernel with a unit scale, then torch's products."""
         normalized = self._normalized(x, x.dtype)
         return ((self._scale() * normalized) * F.silu(gate.float())).to(x.dtype)
 

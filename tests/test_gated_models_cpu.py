@@ -349,8 +349,9 @@ def _bytes_kept_beyond(module, x, z) -> int:
 
 
 def test_what_a_swapped_norm_keeps_for_the_backward():
-    """``one_rounding`` keeps x, z, w and rstd only; the class's own casts (``round_then_scale``, torch's
-    gate and products after the plain kernel) keep more, yet less than the stock class (docs/gated.md)."""
+    """``one_rounding`` keeps x, z, w and rstd only; the class's own casts (``round_then_scale``: the
+    plain kernel, then torch's gate and products, recomputed in the backward) keep x and z alone; the
+    stock class keeps more than either (docs/gated.md)."""
     stock, _ = _class_pair("qwen3_next", "Qwen3NextRMSNormGated", {}, torch.bfloat16)
     x, z, _ = _norm_inputs(torch.bfloat16, (64, 8, HIDDEN))
     x, z = x.requires_grad_(), z.requires_grad_()
@@ -361,7 +362,26 @@ def test_what_a_swapped_norm_keeps_for_the_backward():
         kept[policy] = _bytes_kept_beyond(holder.norm, x, z)
     rows = x.numel() // HIDDEN
     assert kept[ONE] == HIDDEN * stock.weight.element_size() + 4 * rows  # w and FP32 rstd
-    assert kept[ONE] < kept[RTS] < _bytes_kept_beyond(stock, x, z)
+    assert kept[RTS] == 0
+    assert _bytes_kept_beyond(stock, x, z) > 12 * x.numel()
+
+
+@pytest.mark.parametrize("group_size", [None, 16], ids=["whole", "grouped"])
+def test_recomputing_the_gate_in_the_backward_keeps_the_bits(group_size):
+    """The norm-then-gate ``round_then_scale`` forward keeps x and z only and its backward recomputes
+    the rest: y and every gradient bitwise those of the same operations recorded whole."""
+    norm = CakeGatedRMSNorm(HIDDEN, eps=EPS, group_size=group_size, cast_policy=RTS, dtype=torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.1)
+    x, z, dy = _norm_inputs(torch.bfloat16, (64, 8, HIDDEN))
+    x, z = x.requires_grad_(), z.requires_grad_()
+    got = norm(x, z)
+    want = norm._norm_then_gate(x, z)
+    assert torch.equal(got, want)
+    for a, b in zip(
+        torch.autograd.grad(got, (x, z, norm.weight), dy), torch.autograd.grad(want, (x, z, norm.weight), dy)
+    ):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
