@@ -384,6 +384,33 @@ def test_recomputing_the_gate_in_the_backward_keeps_the_bits(group_size):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_bf16_model_under_gradient_checkpointing_keeps_the_bits(use_reentrant):
+    """A swapped bf16 Qwen3-Next (its norms under the class's casts, recomputed in their own backward)
+    trained with Hugging Face's gradient checkpointing, either kind: the same logits and gradients,
+    bitwise, as without it."""
+    model = _tiny_model("qwen3_next").to(torch.bfloat16)
+    swap_gated_rmsnorm(model)
+    calls = []
+    for module in model.modules():
+        if isinstance(module, CakeGatedRMSNorm):
+            module.register_forward_hook(lambda *_: calls.append(1))
+    ids = torch.randint(0, VOCAB, (2, TOKENS), generator=torch.Generator().manual_seed(5))
+    want_logits, want = _loss_and_grads(model, ids)
+    plain_calls = len(calls)
+    kwargs = {"use_reentrant": use_reentrant}
+    if hasattr(model, "activation_checkpointing_enable"):  # its name from transformers 5.25
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    got_logits, got = _loss_and_grads(model, ids)
+    assert len(calls) == 3 * plain_calls  # the checkpointed layers ran their norms again
+    assert torch.equal(got_logits, want_logits)
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("policy", [ONE, RTS])
 @pytest.mark.parametrize(("group_size", "norm_before_gate"), [(None, True), (16, False), (16, True)])
