@@ -58,6 +58,13 @@ cake runs' first loss is bitwise stock-torch's (the CPU path does the class's FP
 8192 tokens: dynamo unrolls transformers' torch delta rule over its 64-token chunks into the linear-attention
 layer's graph), and fewer tokens give a smaller graph.
 
+``--interleave ROUNDS``: every run in one process, their timed steps taking turns, so that a drift of
+the machine (another host, clocks, the allocator's history) weighs on every row alike: round 0 builds,
+compiles and warms each run in turn and times its first ``--steps``; each of the other rounds times
+``--steps`` of every run in the same order. ``step_ms`` is then the median of the rounds' medians
+(``round_ms``), ``peak_gib`` is null (the other runs' models and optimizer states stay resident), and a
+compiled row's dynamo counts are its round 0's. Every run's model stays in memory to the end.
+
 ``--profile DIR``: after a run's timed steps, 2 more under ``torch.profiler`` (CPU, and CUDA on a
 GPU); per run, named ``<impl>-<mode>`` (``-plain-cake`` added for ``--plain-norms cake``), a ``.txt`` of
 ``key_averages()`` tables (the top 40 by self device time on a GPU, and by self CPU time) and a ``.json``
@@ -85,8 +92,10 @@ import gc
 import importlib
 import json
 import os
+import statistics
 import sys
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from importlib import metadata
 from pathlib import Path
@@ -342,13 +351,18 @@ def default_gated_norm(size: Size) -> str:
     return type(linear_mixers(model)[0].norm).__name__
 
 
-def reset_dynamo() -> None:
-    """Dynamo's caches, counters and compilation metrics cleared (``reset`` keeps the last two)."""
+def clear_dynamo_counts() -> None:
+    """Dynamo's counters and compilation metrics cleared, its compiled code kept."""
     from torch._dynamo import utils
 
-    torch._dynamo.reset()
     utils.counters.clear()
     utils.clear_compilation_metrics()
+
+
+def reset_dynamo() -> None:
+    """Dynamo's caches, counters and compilation metrics cleared (``reset`` keeps the last two)."""
+    torch._dynamo.reset()
+    clear_dynamo_counts()
 
 
 def dynamo_stats() -> dict:
@@ -431,31 +445,97 @@ def write_profile(prof, device, steps: int, stem: Path) -> list[Path]:
     return [text, summary]
 
 
-def measure(size, impl, plain_norms, mode, args, device) -> dict:
-    """One run's timing, peak memory and first losses; dynamo's counts when compiled; the profile's
-    files under ``--profile``."""
-    reset_dynamo()
+@dataclass
+class Prepared:
+    """A run ready to step: its model (``stepped``: compiled in place in mode compile), the loss
+    recording its first values, the optimizer, and the class in the gated-norm slot."""
+
+    stepped: nn.Module
+    loss: Callable[[nn.Module], torch.Tensor]
+    first_losses: list
+    optimizer: torch.optim.Optimizer
+    gated_norm: str
+
+    def time(self, device, warmup: int, steps: int) -> tuple[float, float | None]:
+        """``time_steps`` of this run: (median step ms, peak GiB or None)."""
+        return time_steps(self.stepped, self.loss, device, warmup, steps, self.optimizer)
+
+
+def prepare(size, impl, plain_norms, mode, args, device) -> Prepared:
+    """The run's model built (and compiled in mode compile), its loss and optimizer."""
     model = build_model(size, impl, plain_norms, DTYPES[args.dtype], device)
-    gated_norm = type(linear_mixers(model)[0].norm).__name__
     stepped = compiled(model, impl, False, args.compile_scope) if mode == "compile" else model
     loss, first_losses = recording(batch_loss(size, device), args.loss_steps)
-    optimizer = torch.optim.AdamW(model.parameters())
-    step_ms, peak = time_steps(stepped, loss, device, args.warmup, args.steps, optimizer)
+    gated_norm = type(linear_mixers(model)[0].norm).__name__
+    return Prepared(stepped, loss, first_losses, torch.optim.AdamW(model.parameters()), gated_norm)
+
+
+def finish(prepared: Prepared, key: tuple, step_ms: float, peak, args, size, device) -> dict:
+    """A run's row from its median step: tokens/s, peak memory, first losses; the profile's files
+    under ``--profile``."""
+    impl, mode, plain_norms = key
     row = dict(
-        gated_norm=gated_norm,
+        gated_norm=prepared.gated_norm,
         step_ms=round(step_ms, 3),
         tokens_per_s=round(size.tokens / step_ms * 1e3),
         peak_gib=peak and round(peak, 3),
-        losses=[value.item() for value in first_losses],
+        losses=[value.item() for value in prepared.first_losses],
     )
     if args.profile is not None:
-        prof = profiled_steps(stepped, loss, optimizer, device, PROFILE_STEPS)
+        prof = profiled_steps(prepared.stepped, prepared.loss, prepared.optimizer, device, PROFILE_STEPS)
         stem = args.profile / (f"{impl}-{mode}" + ("-plain-cake" if plain_norms == "cake" else ""))
         files = write_profile(prof, device, PROFILE_STEPS, stem)
         row["profile"] = [os.path.relpath(path, args.out.parent) for path in files]
+    return row
+
+
+def measure(size, key: tuple, args, device) -> dict:
+    """One run (``key``: impl, mode, plain norms) in a fresh dynamo: timing, peak memory and first
+    losses; dynamo's counts when compiled; the profile's files under ``--profile``."""
+    reset_dynamo()
+    impl, mode, plain_norms = key
+    prepared = prepare(size, impl, plain_norms, mode, args, device)
+    step_ms, peak = prepared.time(device, args.warmup, args.steps)
+    row = finish(prepared, key, step_ms, peak, args, size, device)
     if mode == "compile":
         row["dynamo"] = dynamo_stats()
     return row
+
+
+def measure_interleaved(size, keys: list[tuple], args, device, failed: dict) -> dict:
+    """Every run of ``keys`` in one process, their timed steps taking turns: round 0 builds, compiles
+    and warms each run in turn and times its first ``--steps``; each later round times ``--steps`` of
+    every run in the same order. ``step_ms`` is the median over rounds of each round's median, and
+    ``round_ms`` lists them; the peak is not kept (the other runs' models and optimizer states are
+    resident). Dynamo's counts of a compiled run are those of its round 0 (the compile). A run that
+    raises is recorded in ``failed`` and leaves the rounds. Returns {key: row}."""
+    reset_dynamo()
+    # Each run's layers are cache entries of the same code objects: room for all of them.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 8 * len(keys))
+    prepared, rounds, stats = {}, {}, {}
+    for key in keys:
+        impl, mode, plain_norms = key
+        clear_dynamo_counts()
+        try:
+            prepared[key] = prepare(size, impl, plain_norms, mode, args, device)
+            rounds[key] = [prepared[key].time(device, args.warmup, args.steps)[0]]
+        except Exception as exc:  # one implementation failing must not cost the others' rows
+            prepared.pop(key, None)
+            failed[key] = repr(exc)
+            continue
+        if mode == "compile":
+            stats[key] = dynamo_stats()
+    for _ in range(1, args.interleave):
+        for key in prepared:
+            rounds[key].append(prepared[key].time(device, 0, args.steps)[0])
+    rows = {}
+    for key, run in prepared.items():
+        row = finish(run, key, statistics.median(rounds[key]), None, args, size, device)
+        row["round_ms"] = [round(ms, 3) for ms in rounds[key]]
+        if key in stats:
+            row["dynamo"] = stats[key]
+        rows[key] = row
+    return rows
 
 
 def with_loss_diff(row: dict, rows: list[dict]) -> dict:
@@ -475,28 +555,36 @@ def with_loss_diff(row: dict, rows: list[dict]) -> dict:
 
 
 def run(args, size: Size, save=None) -> list[dict]:
-    """Every (plain norms, mode, implementation) of ``args``; ``save(rows)`` after each run."""
+    """Every (plain norms, mode, implementation) of ``args``, one after another or (``--interleave``)
+    taking turns; ``save(rows)`` after each row."""
     device = torch.device(args.device)
     fla_missing = fla_import_error()
+    keys = [(impl, mode, plain) for plain in args.plain_norms for mode in args.modes for impl in args.impls]
+    skipped = {key: f"fla does not import: {fla_missing}" for key in keys if key[0] == "fla" and fla_missing}
+    measured = [key for key in keys if key not in skipped]
+    failed: dict = {}
+    together = measure_interleaved(size, measured, args, device, failed) if args.interleave else {}
     rows: list[dict] = []
-    for plain_norms in args.plain_norms:
-        for mode in args.modes:
-            for impl in args.impls:
-                row = dict(impl=impl, mode=mode, plain_norms=plain_norms, tokens=size.tokens)
-                if impl == "fla" and fla_missing is not None:
-                    row["skipped"] = f"fla does not import: {fla_missing}"
-                else:
-                    try:
-                        row |= measure(size, impl, plain_norms, mode, args, device)
-                    except Exception as exc:  # one implementation failing must not cost the others' rows
-                        row["error"] = repr(exc)
-                rows.append(with_loss_diff(row, rows))
-                print(json.dumps(rows[-1]), flush=True)
-                if save is not None:
-                    save(rows)
-                gc.collect()
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
+    for key in keys:
+        impl, mode, plain_norms = key
+        row = dict(impl=impl, mode=mode, plain_norms=plain_norms, tokens=size.tokens)
+        if key in skipped:
+            row["skipped"] = skipped[key]
+        elif args.interleave:
+            row |= together.get(key) or {"error": failed[key]}
+        else:
+            try:
+                row |= measure(size, key, args, device)
+            except Exception as exc:  # one implementation failing must not cost the others' rows
+                row["error"] = repr(exc)
+        rows.append(with_loss_diff(row, rows))
+        print(json.dumps(rows[-1]), flush=True)
+        if save is not None:
+            save(rows)
+        if not args.interleave:
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     return rows
 
 
@@ -546,7 +634,15 @@ def parse_args(argv):
     p.add_argument("--append", action="store_true", help="keep the rows already in OUT")
     p.add_argument("--profile", type=Path, help="folder for each run's torch.profiler tables and summary")
     p.add_argument("--seq", type=int, help="tokens per step (batch 1) instead of the size's own")
+    p.add_argument(
+        "--interleave",
+        type=int,
+        metavar="ROUNDS",
+        help="every run in one process, their timed steps taking turns over ROUNDS rounds (>= 2)",
+    )
     args = p.parse_args(argv)
+    if args.interleave is not None and args.interleave < 2:
+        p.error(f"--interleave takes at least 2 rounds; got {args.interleave}")
     cpu = args.device == "cpu"
     args.tiny = args.tiny or cpu
     args.modes = args.modes or (["eager"] if cpu else ["eager", "compile"])

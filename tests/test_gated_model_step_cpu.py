@@ -1,6 +1,6 @@
 """benchmarks/gated_model_step.py without a GPU: its smoke mode end to end (a tiny Qwen3-Next, FP32,
 eager, in its own process), and the gated-norm slot made Hugging Face's class whatever transformers
-built there; also what ``--profile`` writes and the dynamo counts a compiled row keeps.
+built there; also what ``--profile`` writes, the dynamo counts a compiled row keeps, and ``--interleave``.
 
 The first-step loss of both cake runs is asserted bitwise equal to stock-torch's. Same seed, same
 batch, so the first forward differs only in the gated norms, and in FP32 on CPU they compute what the
@@ -86,6 +86,34 @@ def test_profile_writes_tables_and_a_summary_per_run(tmp_path):
     # forward, and its recomputation in the backward), its backward op once.
     assert summary["markers"] == {"cake_cute::rmsnorm_fwd": 2, "cake_cute::rmsnorm_bwd": 1}
     assert "dynamo" not in row  # eager
+
+
+def test_interleaved_runs_take_turns_and_keep_each_round(tmp_path):
+    """``--interleave 3``: every run's row with its three round medians and their median as the step;
+    no peak (the other runs stay resident); the same first losses as the runs one after another."""
+    command = [sys.executable, str(BENCHMARKS / "gated_model_step.py"), "--device", "cpu", "--dtype", "fp32"]
+    impls = ["--impls", "stock-torch,cake"]
+    out = {name: tmp_path / f"{name}.json" for name in ("apart", "together")}
+    subprocess.run([*command, str(out["apart"]), *impls], check=True, capture_output=True, timeout=600)
+    subprocess.run(
+        [*command, str(out["together"]), *impls, "--interleave", "3"],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
+    apart, together = (json.loads(out[name].read_text())["rows"] for name in ("apart", "together"))
+    assert [r["impl"] for r in together] == ["stock-torch", "cake"]
+    for alone, row in zip(apart, together):
+        assert "error" not in row, row
+        assert len(row["round_ms"]) == 3 and row["step_ms"] == sorted(row["round_ms"])[1]
+        assert row["peak_gib"] is None and "round_ms" not in alone
+        assert row["losses"] == alone["losses"]
+
+
+def test_interleave_needs_two_rounds():
+    command = [sys.executable, str(BENCHMARKS / "gated_model_step.py"), "out.json", "--interleave", "1"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--interleave takes at least 2 rounds; got 1" in done.stderr
 
 
 def test_dynamo_stats_counts_graphs_breaks_and_recompiles(monkeypatch):
