@@ -70,5 +70,6 @@ class GatedSpec:
 
     def name(self) -> str:
         offset = f"_off{self.weight_offset:g}".replace(".", "p").replace("-", "m")
-        form = "nbg" if self.norm_before_gate else f"gbn{self.group_size}"
+        groups = "" if self.group_size == self.hidden else str(self.group_size)
+        form = f"nbg{groups}" if self.norm_before_gate else f"gbn{self.group_size}"
         return f"cake_{self.kind}_{self.arch}_{self.act_dtype}_w{self.w_dtype}_h{self.hidden}_{form}{offset}"

@@ -12,12 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from cake_cute import gated_module, gated_ops
 from cake_cute.build import make_spec
+from cake_cute.calls import gated_call
 from cake_cute.compile_cache import is_cached_on_disk
+from cake_cute.gated_module import CakeGatedRMSNorm
 from cake_cute.specs import KernelSpec, ReduceSpec
 from cake_cute.tools import cli, info, kernel_report, warmup
 from cake_cute.tools.cubin import spill_free
-from cake_cute.vocab import SUPPORTED_ARCHS
+from cake_cute.vocab import SUPPORTED_ARCHS, dtype_name, torch_dtype
 
 WARMUP = ["warmup", "--arch", "sm_90a,sm_100a", "--dtype", "bf16", "--hidden", "4096,65536"]
 # One arch, bf16, H = 4096, plain mode: 4 variants (forward, backward, dW into FP32 and into bf16).
@@ -138,6 +141,10 @@ REFUSED += [
     ("--weight-offset", "inf", "argument --weight-offset: expected a finite number, got 'inf'"),
     ("--fp8", "", "argument --fp8: expected one or more FP8 recipes separated by commas, got ''"),
     ("--fp8", "nvfp4", "recipe must be one of ('mxfp8', '1x128'), got 'nvfp4'"),
+    ("--gated", "", "argument --gated: expected one or more gated forms separated by commas, got ''"),
+    ("--gated", "100/3", "group size 3 does not divide the hidden size 100"),
+    ("--gated", "128/x", "hidden size 'x' is not an integer"),
+    ("--gated", "0/0", "hidden size 0 is outside"),
 ]
 
 
@@ -224,6 +231,81 @@ def test_fp8_adds_the_quantizing_forwards(tmp_path, monkeypatch, capsys):
         "cake_fwd_mxfp8_y_sm_90a_bf16_wbf16_h4096_off1",
         "cake_fwd_mxfp8_y_persistent_sm_90a_bf16_wbf16_h4096_off1",
     ]
+
+
+def test_gated_adds_the_gated_norms_kernels(tmp_path, monkeypatch, capsys):
+    """``--gated 128,8192/1024``: per form the fused forward and backward in both orders, the FP32 dW
+    reduction, and what the class's own casts launch in bf16 (the gate-then-norm fused kernels with a
+    unit weight, the plain kernels at the group's width); the plain variants of --hidden first."""
+    plain = _warmed_specs(monkeypatch, tmp_path, *ONE_ARCH_PLAIN)
+    asked = _warmed_specs(monkeypatch, tmp_path, *ONE_ARCH_PLAIN, "--gated", "128,8192/1024")
+    assert asked[: len(plain)] == plain
+    assert [s.name() for s in asked[len(plain) :]] == [
+        "cake_gated_fwd_sm_90a_bf16_wbf16_h128_nbg_off0",
+        "cake_gated_fwd_sm_90a_bf16_wbf16_h128_gbn128_off0",
+        "cake_gated_bwd_sm_90a_bf16_wbf16_h128_nbg_off0",
+        "cake_gated_bwd_sm_90a_bf16_wbf16_h128_gbn128_off0",
+        "cake_dw_sm_90a_fp32_h128",
+        "cake_fwd_sm_90a_bf16_wbf16_h128_off0",
+        "cake_bwd_sm_90a_bf16_wbf16_h128_off0",
+        "cake_dw_sm_90a_bf16_h128",
+        "cake_gated_fwd_sm_90a_bf16_wbf16_h8192_nbg1024_off0",
+        "cake_gated_fwd_sm_90a_bf16_wbf16_h8192_gbn1024_off0",
+        "cake_gated_bwd_sm_90a_bf16_wbf16_h8192_nbg1024_off0",
+        "cake_gated_bwd_sm_90a_bf16_wbf16_h8192_gbn1024_off0",
+        "cake_dw_sm_90a_fp32_h8192",
+        "cake_fwd_sm_90a_bf16_wbf16_h1024_off0",
+        "cake_bwd_sm_90a_bf16_wbf16_h1024_off0",
+        "cake_dw_sm_90a_fp32_h1024",
+        "cake_dw_sm_90a_bf16_h1024",
+    ]
+    assert "warmup: 21 variants, compiled 21, " in capsys.readouterr().out.splitlines()[-1]
+
+
+@pytest.mark.parametrize("policy", ["one_rounding", "round_then_scale"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("w_mode", ["same", "fp32"])
+@pytest.mark.parametrize(("group_size", "norm_before_gate"), [(None, True), (16, False), (16, True)])
+def test_the_gated_warmup_holds_every_kernel_a_gated_module_launches(
+    monkeypatch, policy, dtype, w_mode, group_size, norm_before_gate
+):
+    """What a ``CakeGatedRMSNorm`` hands to the kernels (the gated entry, or the plain norm for the
+    class's own casts), as the launches name their variants (``gated_ops._variant``; the plain
+    launch's fields), is among ``gated_variant_specs`` of its form, dtype, weight dtype and offset."""
+    launched = []
+    real_gated, real_plain = gated_module.cake_gated_rmsnorm, gated_module.cake_rmsnorm
+
+    def gated(x, z, w, eps, **options):
+        call = gated_call(
+            x, z, w, eps, options["group_size"], options["norm_before_gate"], options["weight_offset"]
+        )
+        fields = gated_ops._variant(call)
+        launched.extend(make_spec(kind, *fields) for kind in warmup.GATED_KINDS)
+        launched.append(make_spec("dw", "sm_90a", "fp32", x.shape[-1]))
+        return real_gated(x, z, w, eps, **options)
+
+    def plain(x, w, eps):
+        fields = ("sm_90a", dtype_name(x.dtype), dtype_name(w.dtype), x.shape[-1], False, 0.0)
+        launched.extend([make_spec("fwd", *fields), make_spec("bwd", *fields)])
+        launched.append(make_spec("dw", "sm_90a", dtype_name(w.dtype), x.shape[-1]))
+        return real_plain(x, w, eps)
+
+    monkeypatch.setattr(gated_ops, "device_arch", lambda device: "sm_90a")
+    monkeypatch.setattr(gated_module, "cake_gated_rmsnorm", gated)
+    monkeypatch.setattr(gated_module, "cake_rmsnorm", plain)
+    act = torch_dtype(dtype)
+    norm = CakeGatedRMSNorm(
+        64,
+        group_size=group_size,
+        norm_before_gate=norm_before_gate,
+        weight_offset=0.5,
+        cast_policy=policy,
+        dtype=act if w_mode == "same" else torch.float32,
+    )
+    x, z = torch.randn(2, 3, 64, dtype=act), torch.randn(2, 3, 64, dtype=act)
+    norm(x, z)
+    warmed = warmup.gated_variant_specs(["sm_90a"], [dtype], [(64, group_size or 64)], [w_mode], 0.5)
+    assert launched and set(launched) <= set(warmed), set(launched) - set(warmed)
 
 
 # Two archs, bf16 and FP32 rows, w in x's dtype and in FP32, residual off and on, Gemma's offset:

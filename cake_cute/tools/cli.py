@@ -58,6 +58,16 @@ def _hidden(text: str) -> int:
     return check_hidden(value)
 
 
+def _gated_form(text: str) -> tuple[int, int]:
+    """``H`` -> (H, H); ``H/G`` -> (H, G), G dividing H."""
+    hidden_text, _, group_text = text.partition("/")
+    hidden = _hidden(hidden_text)
+    group = _hidden(group_text) if group_text else hidden
+    if hidden % group:
+        raise ValueError(f"group size {group} does not divide the hidden size {hidden}")
+    return hidden, group
+
+
 def _arch(name: str) -> str:
     from .warmup import normalize_arch
 
@@ -135,6 +145,13 @@ def _add_warmup(sub) -> None:
         help="also the quantizing forwards of these recipes (mxfp8,1x128), with and without y",
     )
     p.add_argument(
+        "--gated",
+        type=_csv(_gated_form, "gated forms"),
+        default=[],
+        help="also the gated norms' kernels for these forms: H (statistics over whole rows, as the "
+        "norm-then-gate classes) or H/G (per group of G columns, as the Mamba-2 family), e.g. 128,8192/1024",
+    )
+    p.add_argument(
         "--memory-efficient",
         action="store_true",
         help="also the backwards of the memory-efficient mode (memory_efficient=True), which read the "
@@ -195,7 +212,7 @@ def cmd_warmup(args) -> int:
     exit 2 before compiling anything when the cache directory cannot be used."""
     from .cubin import spill_free
     from .kernel_report import collect_reports, format_report
-    from .warmup import build_native, local_archs, variant_specs, warm
+    from .warmup import build_native, gated_variant_specs, local_archs, variant_specs, warm
 
     start = time.perf_counter()
     problem = _use_cache_dir(args.cache_dir)
@@ -219,6 +236,11 @@ def cmd_warmup(args) -> int:
         specs += fp8_variant_specs(
             archs, args.dtype, args.hidden, residuals, args.fp8, weight_offset=args.weight_offset
         )
+    if args.gated:
+        specs += gated_variant_specs(
+            archs, args.dtype, args.gated, W_MODES[args.w_dtype], weight_offset=args.weight_offset
+        )
+    specs = list(dict.fromkeys(specs))
     result = warm(specs, args.jobs)
     native_build = build_native()
     print(native_build.line())

@@ -22,6 +22,7 @@ from typing import TextIO
 
 from ..compile_cache import KernelSpec, ReduceSpec, get_kernel_and_source, is_cached_on_disk
 from ..kernels.tiling import MAX_HIDDEN
+from ..specs import GatedSpec
 from ..vocab import SUPPORTED_ARCHS
 
 DEFAULT_ARCHS = SUPPORTED_ARCHS  # without a GPU: every arch the kernels compile for
@@ -101,6 +102,52 @@ def variant_specs(
             for from_output in from_outputs
         ]
         specs += [ReduceSpec(arch, out, hidden) for out in ("fp32", w)]
+    return list(dict.fromkeys(specs))
+
+
+GATED_KINDS = ("gated_fwd", "gated_bwd")
+
+
+def gated_variant_specs(
+    archs: Iterable[str],
+    dtypes: Iterable[str],
+    forms: Iterable[tuple[int, int]],
+    w_modes: Iterable[str] = ("same",),
+    weight_offset: float = 0.0,
+) -> list[KernelSpec | GatedSpec | ReduceSpec]:
+    """Every kernel a gated norm (``CakeGatedRMSNorm``, ``cake_gated_rmsnorm``) of these forms can
+    launch when called with a gate, under either cast policy (``gated_module``; a module called
+    without a gate runs the plain kernels in FP32 at G, which ``variant_specs`` gives).
+
+    Parameters
+    ----------
+    archs, dtypes : iterables
+        Arch names and activation dtype names, as for ``variant_specs``.
+    forms : iterable of (int, int)
+        (H, G): rows of H columns, statistics per group of G columns (G = H: whole rows).
+    w_modes : iterable of {"same", "fp32"}
+        The weight in the activation dtype, in FP32, or both.
+    weight_offset : float
+        The constant added to w, compiled into the fused kernels.
+
+    Returns
+    -------
+    list
+        Per (arch, dtype, form): the fused forward and backward in both orders (norm then gate, gate
+        then norm) for each weight dtype, and the FP32 dW reduction; in bf16 and fp16 also what the
+        class's own casts (``"round_then_scale"``) launch: the fused kernels of the gate-then-norm
+        order with a unit weight of x's dtype and no offset, and for the norm-then-gate order the
+        plain norm's kernels at G (unit weight, no residual). Duplicates removed, order kept.
+    """
+    specs: list = []
+    for arch, act, (hidden, group), w_mode in itertools.product(archs, dtypes, forms, w_modes):
+        w = act if w_mode == "same" else "fp32"
+        for kind, norm_before_gate in itertools.product(GATED_KINDS, (True, False)):
+            specs.append(GatedSpec(kind, arch, act, w, hidden, group, norm_before_gate, weight_offset))
+        specs.append(ReduceSpec(arch, "fp32", hidden))
+        if act != "fp32":
+            specs += [GatedSpec(kind, arch, act, act, hidden, group, False) for kind in GATED_KINDS]
+            specs += variant_specs([arch], [act], [group], residuals=(False,))
     return list(dict.fromkeys(specs))
 
 
