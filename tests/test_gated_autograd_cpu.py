@@ -17,6 +17,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.debug import CommDebugMode
 
 from cake_cute.gated_autograd import cake_gated_rmsnorm
+from cake_cute.gated_module import CakeGatedRMSNorm
 from cake_cute.gated_ops import rstd_shape
 from cake_cute.gated_reference import gated_backward_reference, gated_forward_reference
 from cake_cute.reference import rel_error, tolerance
@@ -203,6 +204,40 @@ def test_dtensor_heads_sharded_placements_and_no_collectives(mesh, placement, fo
     want = _run(cake_gated_rmsnorm, x, z, w, g, **options)
     for got, expected in zip((y, xd.grad, zd.grad, wd.grad), want):
         assert torch.equal(got.full_tensor(), expected)
+
+
+def _module_run(norm, x, z, g):
+    """y and the gradients (dx, dz, dw) of ``norm`` on fresh leaves."""
+    xl, zl = _leaves(x, z)
+    y = norm(xl, zl)
+    y.backward(g)
+    return y, xl.grad, zl.grad, norm.weight.grad
+
+
+@pytest.mark.parametrize("placement", [Shard(0), Shard(1)], ids=str)
+@pytest.mark.parametrize("policy", ["round_then_scale", "one_rounding"])
+@pytest.mark.parametrize("form", FORMS[:3], ids=_form_id)
+def test_dtensor_module_under_either_cast_policy(mesh, placement, policy, form):
+    """A bf16 ``CakeGatedRMSNorm`` with a replicated weight on rows sharded as under tensor parallelism
+    (the class's casts: the plain kernel and torch's products, recomputed in the backward in eager
+    mode): the placements kept, w's gradient Partial, no collective, every value the local module's."""
+    group_size, nbg = form
+    x, z, w, g = _inputs(dtype=torch.bfloat16)
+
+    def module(weight):
+        norm = CakeGatedRMSNorm(HIDDEN, EPS, group_size=group_size, norm_before_gate=nbg, cast_policy=policy)
+        norm.weight = torch.nn.Parameter(weight)
+        return norm
+
+    want = _module_run(module(w.clone()), x, z, g)
+    xd, zd, gd = (distribute_tensor(t, mesh, [placement]) for t in (x, z, g))
+    norm = module(distribute_tensor(w.clone(), mesh, [Replicate()]))
+    with CommDebugMode() as comm:
+        got = _module_run(norm, xd, zd, gd)
+    assert comm.get_total_counts() == 0
+    assert all(t.placements == (placement,) for t in got[:3]) and got[3].placements == (Partial(),)
+    for a, b in zip(got, want):
+        assert torch.equal(a.full_tensor(), b)
 
 
 def test_dtensor_sharded_hidden_dim_is_refused(mesh):
