@@ -12,8 +12,15 @@ The cast policies (the Hugging Face classes are listed in docs/gated.md):
   OLMo-hybrid, ...): ``y = round((w * round(x * rstd)) * silu(z))``: the plain norm kernel with a unit
   weight, then torch's operations for the weight and the gate (the gate comes after a rounding, so
   the gated kernel, which rounds once, cannot serve it); in eager mode the backward recomputes that
-  form's products rather than keeping them (x and z are all it keeps). With FP32 activations and
-  weight every rounding but the last is exact and both policies run the gated kernel directly.
+  form's products rather than keeping them (x and z are all it keeps).
+* ``"scale_then_round"``: the normalized values scaled by the weight in FP32 and rounded to x's dtype,
+  then gated: norm then gate (torchtitan's Qwen3.5 ``RMSNormGated``; Megatron-core's Gated DeltaNet
+  normalizes and gates this way) ``y = round(round(x * rstd * w) * silu(z))``: the plain norm kernel
+  with the weight, then torch's gate, recomputed in the backward as above. Gate then norm rounds once,
+  as ``"one_rounding"``.
+
+With FP32 activations and weight every rounding but the last is exact and every policy runs the gated
+kernel directly.
 """
 
 from __future__ import annotations
@@ -29,7 +36,8 @@ from .gated_autograd import cake_gated_rmsnorm
 
 ONE_ROUNDING = "one_rounding"
 ROUND_THEN_SCALE = "round_then_scale"
-GATED_CAST_POLICIES = (ONE_ROUNDING, ROUND_THEN_SCALE)
+SCALE_THEN_ROUND = "scale_then_round"
+GATED_CAST_POLICIES = (ONE_ROUNDING, ROUND_THEN_SCALE, SCALE_THEN_ROUND)
 
 
 def check_gated_cast_policy(name: str, value) -> str:
@@ -60,7 +68,8 @@ class CakeGatedRMSNorm(nn.Module):
     weight_offset : float
         The scale is ``weight + weight_offset``.
     cast_policy : str
-        ``"one_rounding"`` (default) or ``"round_then_scale"`` (module docstring).
+        ``"one_rounding"`` (default), ``"round_then_scale"`` or ``"scale_then_round"`` (module
+        docstring).
     device, dtype : optional
         Of the weight.
 
@@ -127,7 +136,7 @@ class CakeGatedRMSNorm(nn.Module):
         if gate is None:
             return self._ungated(hidden_states)
         x, w = hidden_states, self.weight
-        if self.cast_policy == ONE_ROUNDING or x.dtype == w.dtype == torch.float32:
+        if self._rounds_once(x):
             return self._gated(x, gate, w if w.dtype in (x.dtype, torch.float32) else w.float())
         if not self.norm_before_gate:
             # w * round(rmsnorm_g(x * silu(z))): the gated kernel with a unit scale, then torch's product.
@@ -140,10 +149,31 @@ class CakeGatedRMSNorm(nn.Module):
         return self._norm_then_gate(x, gate)
 
     def _norm_then_gate(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        """``round((w * round(x * rstd)) * silu(z))``, grouped when group_size < H: the plain norm
-        kernel with a unit scale, then torch's products."""
-        normalized = self._normalized(x, x.dtype)
-        return ((self._scale() * normalized) * F.silu(gate.float())).to(x.dtype)
+        """``round((w * round(x * rstd)) * silu(z))`` (``"round_then_scale"``: the plain norm kernel with
+        a unit scale, then torch's products) or ``round(round(x * rstd * w) * silu(z))``
+        (``"scale_then_round"``), grouped when group_size < H."""
+        if self.cast_policy == ROUND_THEN_SCALE:
+            scaled = self._scale() * self._normalized(x, x.dtype)
+        else:
+            scaled = self._scaled(x)
+        return (scaled * F.silu(gate.float())).to(x.dtype)
+
+    def _scaled(self, x: torch.Tensor) -> torch.Tensor:
+        """``round(x * rstd * (w + weight_offset))`` per group, the product in FP32: the plain kernel
+        with the weight over whole rows, else the FP32 normalized values times the FP32 scale."""
+        w = self.weight
+        if self.group_size == self.hidden_size and w.dtype in (x.dtype, torch.float32):
+            return cake_rmsnorm(x, w, self.eps, weight_offset=self.weight_offset)
+        return (self._normalized(x, torch.float32) * (w.float() + self.weight_offset)).to(x.dtype)
+
+    def _rounds_once(self, x: torch.Tensor) -> bool:
+        """Whether y is the fused kernel's one rounding: under ``"one_rounding"``, for the gate-then-norm
+        form under ``"scale_then_round"``, and with FP32 activations and weight (other roundings exact)."""
+        if x.dtype == self.weight.dtype == torch.float32:
+            return True
+        return self.cast_policy == ONE_ROUNDING or (
+            self.cast_policy == SCALE_THEN_ROUND and not self.norm_before_gate
+        )
 
     def _gated(self, x, gate, w, weight_offset=None):
         return cake_gated_rmsnorm(
@@ -169,7 +199,7 @@ class CakeGatedRMSNorm(nn.Module):
     def _ungated(self, x: torch.Tensor) -> torch.Tensor:
         """The grouped RMSNorm without a gate, under the same casts: FP32 normalized values scaled in
         FP32 and rounded once, or rounded to x's dtype before the scale."""
-        if self.cast_policy == ONE_ROUNDING:
+        if self.cast_policy != ROUND_THEN_SCALE:
             return (self._normalized(x, torch.float32) * self._scale().float()).to(x.dtype)
         return self._scale() * self._normalized(x, torch.float32).to(x.dtype)
 

@@ -126,7 +126,8 @@ def swap_gated_rmsnorm(model: nn.Module, *, cast_policy: str | None = None) -> i
     cast_policy : str, optional
         None (default): each class's own roundings (module docstring). ``"one_rounding"``: the fused
         kernel's single rounding for every norm (faster for the norm-then-gate classes, whose own casts
-        round twice; docs/gated.md states the difference); ``"round_then_scale"``.
+        round twice; docs/gated.md states the difference); ``"round_then_scale"``;
+        ``"scale_then_round"`` (``gated_module``).
 
     Returns
     -------

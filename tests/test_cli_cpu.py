@@ -235,8 +235,9 @@ def test_fp8_adds_the_quantizing_forwards(tmp_path, monkeypatch, capsys):
 
 def test_gated_adds_the_gated_norms_kernels(tmp_path, monkeypatch, capsys):
     """``--gated 128,8192/1024``: per form the fused forward and backward in both orders, the FP32 dW
-    reduction, and what the class's own casts launch in bf16 (the gate-then-norm fused kernels with a
-    unit weight, the plain kernels at the group's width); the plain variants of --hidden first."""
+    reduction, and what the other cast policies launch in bf16 (the gate-then-norm fused kernels with a
+    unit weight, the plain kernels at the group's width, in FP32 too for groups under
+    ``"scale_then_round"``); the plain variants of --hidden first."""
     plain = _warmed_specs(monkeypatch, tmp_path, *ONE_ARCH_PLAIN)
     asked = _warmed_specs(monkeypatch, tmp_path, *ONE_ARCH_PLAIN, "--gated", "128,8192/1024")
     assert asked[: len(plain)] == plain
@@ -258,11 +259,13 @@ def test_gated_adds_the_gated_norms_kernels(tmp_path, monkeypatch, capsys):
         "cake_bwd_sm_90a_bf16_wbf16_h1024_off0",
         "cake_dw_sm_90a_fp32_h1024",
         "cake_dw_sm_90a_bf16_h1024",
+        "cake_fwd_sm_90a_fp32_wfp32_h1024_off0",
+        "cake_bwd_sm_90a_fp32_wfp32_h1024_off0",
     ]
-    assert "warmup: 21 variants, compiled 21, " in capsys.readouterr().out.splitlines()[-1]
+    assert "warmup: 23 variants, compiled 23, " in capsys.readouterr().out.splitlines()[-1]
 
 
-@pytest.mark.parametrize("policy", ["one_rounding", "round_then_scale"])
+@pytest.mark.parametrize("policy", ["one_rounding", "round_then_scale", "scale_then_round"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("w_mode", ["same", "fp32"])
 @pytest.mark.parametrize(("group_size", "norm_before_gate"), [(None, True), (16, False), (16, True)])
@@ -284,11 +287,11 @@ def test_the_gated_warmup_holds_every_kernel_a_gated_module_launches(
         launched.append(make_spec("dw", "sm_90a", "fp32", x.shape[-1]))
         return real_gated(x, z, w, eps, **options)
 
-    def plain(x, w, eps):
-        fields = ("sm_90a", dtype_name(x.dtype), dtype_name(w.dtype), x.shape[-1], False, 0.0)
+    def plain(x, w, eps, weight_offset=0.0):
+        fields = ("sm_90a", dtype_name(x.dtype), dtype_name(w.dtype), x.shape[-1], False, weight_offset)
         launched.extend([make_spec("fwd", *fields), make_spec("bwd", *fields)])
         launched.append(make_spec("dw", "sm_90a", dtype_name(w.dtype), x.shape[-1]))
-        return real_plain(x, w, eps)
+        return real_plain(x, w, eps, weight_offset=weight_offset)
 
     monkeypatch.setattr(gated_ops, "device_arch", lambda device: "sm_90a")
     monkeypatch.setattr(gated_module, "cake_gated_rmsnorm", gated)

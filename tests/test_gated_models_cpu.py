@@ -70,7 +70,7 @@ _MOE = dict(
     num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32
 )
 _MAMBA = dict(mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=16, mamba_chunk_size=8)
-RTS, ONE = "round_then_scale", "one_rounding"
+RTS, ONE, STR = "round_then_scale", "one_rounding", "scale_then_round"
 MAMBA2_NORM = mamba2_gated_norm()
 FAMILIES = {
     "qwen3_next": Family(
@@ -366,11 +366,13 @@ def test_what_a_swapped_norm_keeps_for_the_backward():
     assert _bytes_kept_beyond(stock, x, z) > 12 * x.numel()
 
 
+@pytest.mark.parametrize("policy", [RTS, STR])
 @pytest.mark.parametrize("group_size", [None, 16], ids=["whole", "grouped"])
-def test_recomputing_the_gate_in_the_backward_keeps_the_bits(group_size):
-    """The norm-then-gate ``round_then_scale`` forward keeps x and z only and its backward recomputes
-    the rest: y and every gradient bitwise those of the same operations recorded whole."""
-    norm = CakeGatedRMSNorm(HIDDEN, eps=EPS, group_size=group_size, cast_policy=RTS, dtype=torch.bfloat16)
+def test_recomputing_the_gate_in_the_backward_keeps_the_bits(group_size, policy):
+    """The norm-then-gate forward under the policies that gate after a rounding keeps x and z only and
+    its backward recomputes the rest: y and every gradient bitwise those of the same operations
+    recorded whole."""
+    norm = CakeGatedRMSNorm(HIDDEN, eps=EPS, group_size=group_size, cast_policy=policy, dtype=torch.bfloat16)
     with torch.no_grad():
         norm.weight.normal_(1.0, 0.1)
     x, z, dy = _norm_inputs(torch.bfloat16, (64, 8, HIDDEN))
@@ -382,6 +384,37 @@ def test_recomputing_the_gate_in_the_backward_keeps_the_bits(group_size):
         torch.autograd.grad(got, (x, z, norm.weight), dy), torch.autograd.grad(want, (x, z, norm.weight), dy)
     ):
         assert torch.equal(a, b)
+
+
+def _scaled_then_gated(x, z, w, eps):
+    """torchtitan's Qwen3.5 ``RMSNormGated`` (and Megatron-core's Gated DeltaNet norm and gate): the
+    normalized values times the FP32 weight rounded to x's dtype, times the FP32 SiLU of the gate,
+    rounded again."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return ((w.float() * h).to(x.dtype) * torch.nn.functional.silu(z.float())).to(x.dtype)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "w_dtype"),
+    [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)],
+    ids=["fp32", "bf16", "bf16-w_fp32"],
+)
+def test_scale_then_round_is_the_scaled_then_gated_form(dtype, w_dtype):
+    """``"scale_then_round"`` norm then gate: y bitwise the form's on CPU (the plain kernel with the
+    weight rounds once where it rounds first), gradients within the bound of its autograd chain."""
+    norm = CakeGatedRMSNorm(HIDDEN, eps=EPS, cast_policy=STR, dtype=w_dtype)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x, z, g = _norm_inputs(dtype, (64, 8, HIDDEN))
+    got = _run_norm(norm, x, z, g)
+    xl, zl, wl = (t.detach().clone().requires_grad_() for t in (x, z, norm.weight))
+    want_y = _scaled_then_gated(xl, zl, wl, EPS)
+    want_y.backward(g)
+    assert torch.equal(got[0], want_y)
+    rtol, atol = (GRAD_RTOL, GRAD_ATOL) if dtype == torch.float32 else (tolerance(dtype), tolerance(dtype))
+    for name, a, b in zip(("dx", "dz", "dw"), got[1:], (xl.grad, zl.grad, wl.grad)):
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=name)
 
 
 @pytest.mark.parametrize("use_reentrant", [False, True], ids=["non_reentrant", "reentrant"])
@@ -412,11 +445,11 @@ def test_bf16_model_under_gradient_checkpointing_keeps_the_bits(use_reentrant):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("policy", [ONE, RTS])
+@pytest.mark.parametrize("policy", [ONE, RTS, STR])
 @pytest.mark.parametrize(("group_size", "norm_before_gate"), [(None, True), (16, False), (16, True)])
 def test_module_against_fp64(dtype, policy, group_size, norm_before_gate):
-    """y against the FP64 reference: one rounding (FP32: 1e-6; bf16: the dtype's tolerance) or,
-    rounding before the scale, two roundings (twice the tolerance)."""
+    """y against the FP64 reference: one rounding (FP32: 1e-6; bf16: the dtype's tolerance) or, a
+    rounding before the scale or the gate, two roundings (twice the tolerance)."""
     norm = CakeGatedRMSNorm(
         HIDDEN,
         eps=EPS,

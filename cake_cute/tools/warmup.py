@@ -116,7 +116,7 @@ def gated_variant_specs(
     weight_offset: float = 0.0,
 ) -> list[KernelSpec | GatedSpec | ReduceSpec]:
     """Every kernel a gated norm (``CakeGatedRMSNorm``, ``cake_gated_rmsnorm``) of these forms can
-    launch when called with a gate, under either cast policy (``gated_module``; a module called
+    launch when called with a gate, under any cast policy (``gated_module``; a module called
     without a gate runs the plain kernels in FP32 at G, which ``variant_specs`` gives).
 
     Parameters
@@ -135,9 +135,11 @@ def gated_variant_specs(
     list
         Per (arch, dtype, form): the fused forward and backward in both orders (norm then gate, gate
         then norm) for each weight dtype, and the FP32 dW reduction; in bf16 and fp16 also what the
-        class's own casts (``"round_then_scale"``) launch: the fused kernels of the gate-then-norm
+        other policies launch: under ``"round_then_scale"`` the fused kernels of the gate-then-norm
         order with a unit weight of x's dtype and no offset, and for the norm-then-gate order the
-        plain norm's kernels at G (unit weight, no residual). Duplicates removed, order kept.
+        plain norm's kernels at G (unit weight, no residual); under ``"scale_then_round"`` the plain
+        kernels with the weight (whole rows) or the FP32 ones at G (groups). Duplicates removed,
+        order kept.
     """
     specs: list = []
     for arch, act, (hidden, group), w_mode in itertools.product(archs, dtypes, forms, w_modes):
@@ -148,7 +150,16 @@ def gated_variant_specs(
         if act != "fp32":
             specs += [GatedSpec(kind, arch, act, act, hidden, group, False) for kind in GATED_KINDS]
             specs += variant_specs([arch], [act], [group], residuals=(False,))
+            specs += _scale_then_round_specs(arch, act, hidden, group, w_mode, weight_offset)
     return list(dict.fromkeys(specs))
+
+
+def _scale_then_round_specs(arch, act, hidden, group, w_mode, weight_offset) -> list:
+    """The plain kernels of the norm-then-gate form under ``"scale_then_round"``: with the weight and
+    its offset over whole rows; per group, the FP32 ones with a unit weight."""
+    if group == hidden:
+        return variant_specs([arch], [act], [hidden], (False,), (w_mode,), weight_offset=weight_offset)
+    return variant_specs([arch], ["fp32"], [group], residuals=(False,))
 
 
 COMPILED, LOADED, FAILED = "compiled", "loaded", "FAILED"
