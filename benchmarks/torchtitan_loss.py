@@ -1,8 +1,9 @@
 #!/usr/bin/env python
-"""``python benchmarks/torchtitan_loss.py OUT.json [--cases 1proc,fsdp2,tp2_sp_compile]``: torchtitan's own
-trainer on its llama3 debug model, 10 steps on CPU (gloo), stock RMSNorm against cake_cute enabled by
-its override line (and the Llama 3 fused-residual override, and the memory-efficient keyword), loss
-curves step by step.
+"""``python benchmarks/torchtitan_loss.py OUT.json [--cases 1proc,fsdp2,tp2_sp_compile,qwen35_tp2]``:
+torchtitan's own trainer on its llama3 debug model (or, the ``qwen35_`` cases, its Qwen3.5 debug model),
+10 steps on CPU (gloo), the stock norms against cake_cute enabled by its override line (and the Llama
+3 fused-residual override, and the memory-efficient keyword; for Qwen3.5 its offset and gated norms'
+line), loss curves step by step.
 
 The runs and the CPU settings are those of ``tests/torchtitan_harness`` (the same as
 ``CAKE_CUTE_TORCHTITAN_RUNS=1 python -m pytest tests/test_torchtitan_cpu.py``); each case trains with
@@ -35,12 +36,11 @@ def main() -> None:
         "torchtitan": version("torchtitan"),
         "python": platform.python_version(),
         "machine": platform.machine(),
-        "model": "llama3 debugmodel (6 layers, dim 256, vocab 2048), bf16 FSDP2 mixed precision",
-        "config": "--module tests.torchtitan_harness --config llama3_debugmodel_cpu",
+        "module": "tests.torchtitan_harness",  # each case's --config is its "config"
         "cases": kept,  # cases not rerun are kept from an existing OUT
     }
     for case in options.cases.split(","):
-        results["cases"][case] = compare_case(case)
+        results["cases"][case] = {"config": CASES[case].config, **compare_case(case)}
         options.out.write_text(json.dumps(results, indent=1) + "\n")
         print(case, json.dumps({k: v["max_rel_diff"] for k, v in results["cases"][case]["variants"].items()}))
 

@@ -3,8 +3,9 @@ RMSNorm config of the llama3 debug model keeping its ``param_init`` and ``Shardi
 builds, passes ``verify_module_protocol``, initializes its norms, and computes the stock forward bitwise.
 
 The training runs (torchtitan's own trainer, one process and two: FSDP=2, TP=2 with sequence parallel
-and compile) take minutes on CPU and run when ``CAKE_CUTE_TORCHTITAN_RUNS`` is ``1`` (every case) or
-names cases (``1proc,fsdp2,tp2_sp_compile``)::
+and compile; and Qwen3.5's debug model with its offset and gated norms' line, in one process, FSDP=2
+and TP=2) take minutes on CPU and run when ``CAKE_CUTE_TORCHTITAN_RUNS`` is ``1`` (every case) or names
+cases (``1proc,fsdp2,tp2_sp_compile,qwen35_1proc,qwen35_fsdp2,qwen35_tp2``)::
 
     CAKE_CUTE_TORCHTITAN_RUNS=1 python -m pytest -q tests/test_torchtitan_cpu.py -k trainer
 """
@@ -19,7 +20,7 @@ import sys
 import pytest
 import torch
 
-from tests.torchtitan_harness.cpu import prepare
+from tests.torchtitan_harness.cpu import built_on_cpu, prepare
 
 try:
     prepare()
@@ -123,21 +124,8 @@ def test_the_residual_layout_follows_the_inputs_under_its_name():
             assert in_src == {key: layout}
 
 
-def _built(targets: list[str], seed: int = 0):
-    """The model built on the meta device as torchtitan's trainer does, then on CPU with NaN parameters,
-    then initialized by ``init_states`` from ``seed``."""
-    model_config = _model_config(targets)
-    with torch.device("meta"):
-        model = model_config.build()
-    model.verify_module_protocol()
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        for p in model.parameters():
-            p.fill_(math.nan)
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        model.init_states()
-    return model
+def _built(targets: list, seed: int = 0):
+    return built_on_cpu(_model_config(targets), seed)
 
 
 @ALL_FORMS

@@ -82,6 +82,23 @@ class AffineSequences(BaseDataLoader):
         pass
 
 
+class TextBatchesForQwen35(AffineSequences):
+    """``AffineSequences`` with what torchtitan's Qwen3.5 forward takes from a text batch besides the
+    tokens: the positions of its 1D RoPE, and the special tokens it looks images and videos up by (ids
+    outside the vocabulary: a text batch holds none)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(AffineSequences.Config):
+        pass
+
+    def __iter__(self):
+        special_tokens = {"image_id": VOCAB, "video_id": VOCAB + 1}
+        for inputs, labels in super().__iter__():
+            tokens = inputs["input"]
+            positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+            yield {"input": tokens, "positions": positions, "special_tokens": special_tokens}, labels
+
+
 def llama3_debugmodel_cpu() -> Trainer.Config:
     """torchtitan's ``llama3_debugmodel`` with dense causal attention, the local token dataset, a short
     sequence and a fixed seed."""
@@ -93,5 +110,45 @@ def llama3_debugmodel_cpu() -> Trainer.Config:
     config.training.seq_len = 64
     config.training.local_batch_size = 4
     config.training.steps = 10
+    config.debug.seed = 0
+    return config
+
+
+def qwen35_debugmodel_cpu() -> Trainer.Config:
+    """torchtitan's Qwen3.5 debug model (six Gated DeltaNet layers and two of full attention, offset
+    norms, the gated norm after the delta rule; its vision encoder built, never fed) with the
+    trainer settings of torchtitan's ``qwen35_debugmodel`` (whose module needs torchvision for its image
+    dataloader), the local token dataset and its vocabulary, dense causal attention, a short sequence
+    and a fixed seed."""
+    from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+    from torchtitan.components.metrics import MetricsProcessor
+    from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
+    from torchtitan.config import TrainingConfig
+    from torchtitan.distributed.activation_checkpoint import SelectiveAC
+
+    from .cpu import import_qwen35
+
+    import_qwen35()
+    from torchtitan.models.qwen3_5 import model_registry
+
+    model_spec = model_registry("debugmodel")
+    model = model_spec.model
+    model.vocab_size = model.tok_embeddings.num_embeddings = model.lm_head.out_features = VOCAB
+    for layer in model.layers:
+        if layer.attention is not None:
+            layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    config = Trainer.Config(
+        loss=ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=VOCAB)),
+        tokenizer=TokenIds.Config(),
+        metrics=MetricsProcessor.Config(log_freq=1),
+        model_spec=model_spec,
+        dataloader=TextBatchesForQwen35.Config(),
+        optimizer=default_adamw(lr=5e-3),
+        lr_scheduler=LRSchedulersContainer.Config(
+            warmup_steps=2, decay_ratio=0.8, decay_type="linear", min_lr_factor=0.0
+        ),
+        training=TrainingConfig(local_batch_size=4, seq_len=64, steps=10),
+        activation_checkpoint=SelectiveAC.Config(),
+    )
     config.debug.seed = 0
     return config

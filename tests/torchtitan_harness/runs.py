@@ -15,6 +15,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[2]
 CAKE_CUTE_LINE = ("--override.imports", "cake_cute.integrations.torchtitan.cake_rmsnorm")
@@ -28,10 +29,17 @@ MEMORY_EFFICIENT_LINE = (
     "--override.imports",
     'cake_cute.integrations.torchtitan.cake_rmsnorm={"memory_efficient": true}',
 )
+# Qwen3.5's norms are classes of its own (an offset norm and the gated norm): two targets, one line.
+QWEN35_LINE = (
+    "--override.imports",
+    "cake_cute.integrations.torchtitan_qwen35.cake_offset_rmsnorm,"
+    "cake_cute.integrations.torchtitan_qwen35.cake_rmsnorm_gated",
+)
 VARIANTS = {
     "cake_cute": CAKE_CUTE_LINE,
     "cake_cute_fused_residual": FUSED_RESIDUAL_LINE,
     "cake_cute_memory_efficient": MEMORY_EFFICIENT_LINE,
+    "cake_cute_qwen35": QWEN35_LINE,
 }
 # torch 2.13's fully_shard takes DTensor parameters, which torchtitan's default spmd_types backend does
 # not make (its multi-process runs stop in fully_shard, stock norm included): the two-process cases use
@@ -41,11 +49,22 @@ VARIANTS = {
 # code, not aten's kernel: such a case also trains the stock norm eagerly ("stock_eager"), which measures
 # what a change of the norm's rounding does to the curve in torch itself.
 _DTENSOR = ("--parallelism.spmd_backend", "partial_dtensor")
-# case: (processes, torchtitan arguments, the variants compared with the stock norm)
+
+
+class Case(NamedTuple):
+    """Processes, torchtitan arguments, the variants compared with the stock norm, and the trainer
+    config (a function of ``config_registry``)."""
+
+    processes: int
+    args: tuple[str, ...]
+    variants: tuple[str, ...]
+    config: str = "llama3_debugmodel_cpu"
+
+
 CASES = {
-    "1proc": (1, (), ("cake_cute", "cake_cute_fused_residual", "cake_cute_memory_efficient")),
-    "fsdp2": (2, (*_DTENSOR, "--parallelism.data_parallel_shard_degree", "2"), ("cake_cute",)),
-    "tp2_sp_compile": (
+    "1proc": Case(1, (), ("cake_cute", "cake_cute_fused_residual", "cake_cute_memory_efficient")),
+    "fsdp2": Case(2, (*_DTENSOR, "--parallelism.data_parallel_shard_degree", "2"), ("cake_cute",)),
+    "tp2_sp_compile": Case(
         2,
         (
             *_DTENSOR,
@@ -57,6 +76,19 @@ CASES = {
         ),
         ("cake_cute", "cake_cute_fused_residual"),
     ),
+    "qwen35_1proc": Case(1, (), ("cake_cute_qwen35",), "qwen35_debugmodel_cpu"),
+    "qwen35_fsdp2": Case(
+        2,
+        (*_DTENSOR, "--parallelism.data_parallel_shard_degree", "2"),
+        ("cake_cute_qwen35",),
+        "qwen35_debugmodel_cpu",
+    ),
+    "qwen35_tp2": Case(
+        2,
+        (*_DTENSOR, "--parallelism.tensor_parallel_degree", "2"),
+        ("cake_cute_qwen35",),
+        "qwen35_debugmodel_cpu",
+    ),
 }
 
 
@@ -66,8 +98,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def train(nproc: int, args: tuple[str, ...], workdir: Path) -> tuple[list[float], float]:
-    """Train the debug model once; returns (the loss of each step, wall seconds).
+def train(nproc: int, args: tuple[str, ...], workdir: Path, config: str) -> tuple[list[float], float]:
+    """Train the debug model of ``config`` once; returns (the loss of each step, wall seconds).
 
     Raises
     ------
@@ -87,7 +119,7 @@ def train(nproc: int, args: tuple[str, ...], workdir: Path) -> tuple[list[float]
         "--module",
         "tests.torchtitan_harness",
         "--config",
-        "llama3_debugmodel_cpu",
+        config,
         "--dump-folder",
         str(workdir / "out"),
         *args,
@@ -134,10 +166,10 @@ def compare_case(name: str, workdir: Path | None = None) -> dict:
         one), ``max_rel_diff``, where the case compiles ``max_rel_diff_eager`` (against the eager stock
         run), and ``seconds``.
     """
-    nproc, args, variants = CASES[name]
+    nproc, args, variants, config = CASES[name]
     workdir = Path(workdir or tempfile.mkdtemp(prefix=f"torchtitan-{name}-"))
-    stock, stock_s = train(nproc, args, workdir / "stock")
-    again, again_s = train(nproc, args, workdir / "stock_again")
+    stock, stock_s = train(nproc, args, workdir / "stock", config)
+    again, again_s = train(nproc, args, workdir / "stock_again", config)
     result = {
         "processes": nproc,
         "args": list(args),
@@ -150,13 +182,13 @@ def compare_case(name: str, workdir: Path | None = None) -> dict:
     }
     if "--compile.enable" in args:
         eager_args = tuple(a for a in args if a != "--compile.enable")
-        eager, eager_s = train(nproc, eager_args, workdir / "stock_eager")
+        eager, eager_s = train(nproc, eager_args, workdir / "stock_eager", config)
         result["stock_eager"], result["seconds"]["stock_eager"] = eager, eager_s
         result["torch_spread"] = max(result["torch_spread"], _max_rel_diff(stock, eager))
     for variant in variants:
         line = VARIANTS[variant]
         # The line goes first: tyro applies options after a subcommand (activation-checkpoint:none) to it.
-        loss, seconds = train(nproc, (*line, *args), workdir / variant)
+        loss, seconds = train(nproc, (*line, *args), workdir / variant, config)
         found = result["variants"][variant] = {
             "args": list(line),
             "loss": loss,
