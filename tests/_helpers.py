@@ -301,3 +301,12 @@ def saved_by(fn):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn()
     return out, saved
+
+
+def scaled_then_gated(x, z, w, eps):
+    """torchtitan's Qwen3.5 ``RMSNormGated`` (and Megatron-core's Gated DeltaNet norm and gate), the
+    ``"scale_then_round"`` form: the normalized values times the FP32 weight rounded to x's dtype,
+    times the FP32 SiLU of the gate, rounded again."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return ((w.float() * h).to(x.dtype) * torch.nn.functional.silu(z.float())).to(x.dtype)

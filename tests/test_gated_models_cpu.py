@@ -36,6 +36,7 @@ from cake_cute.gated_reference import gated_forward_reference
 from cake_cute.gated_swap import GatedNormNotServed, is_gated_norm, swap_gated_rmsnorm
 from cake_cute.reference import rel_error, tolerance
 
+from ._helpers import scaled_then_gated
 from ._hf_helpers import mamba2_gated_norm
 
 transformers = pytest.importorskip("transformers")
@@ -386,15 +387,6 @@ def test_recomputing_the_gate_in_the_backward_keeps_the_bits(group_size, policy)
         assert torch.equal(a, b)
 
 
-def _scaled_then_gated(x, z, w, eps):
-    """torchtitan's Qwen3.5 ``RMSNormGated`` (and Megatron-core's Gated DeltaNet norm and gate): the
-    normalized values times the FP32 weight rounded to x's dtype, times the FP32 SiLU of the gate,
-    rounded again."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return ((w.float() * h).to(x.dtype) * torch.nn.functional.silu(z.float())).to(x.dtype)
-
-
 @pytest.mark.parametrize(
     ("dtype", "w_dtype"),
     [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)],
@@ -409,7 +401,7 @@ def test_scale_then_round_is_the_scaled_then_gated_form(dtype, w_dtype):
     x, z, g = _norm_inputs(dtype, (64, 8, HIDDEN))
     got = _run_norm(norm, x, z, g)
     xl, zl, wl = (t.detach().clone().requires_grad_() for t in (x, z, norm.weight))
-    want_y = _scaled_then_gated(xl, zl, wl, EPS)
+    want_y = scaled_then_gated(xl, zl, wl, EPS)
     want_y.backward(g)
     assert torch.equal(got[0], want_y)
     rtol, atol = (GRAD_RTOL, GRAD_ATOL) if dtype == torch.float32 else (tolerance(dtype), tolerance(dtype))

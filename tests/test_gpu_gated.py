@@ -18,7 +18,15 @@ from cake_cute.gated_ops import gated_rmsnorm_backward, gated_rmsnorm_forward, r
 from cake_cute.gated_reference import gated_backward_reference, gated_forward_reference
 from cake_cute.reference import rel_error, tolerance
 
-from ._helpers import DTYPE_IDS, EPS, assert_bitwise_equal, fixed_seed, poison, rand_weight  # noqa: F401
+from ._helpers import (  # noqa: F401
+    DTYPE_IDS,
+    EPS,
+    assert_bitwise_equal,
+    fixed_seed,
+    poison,
+    rand_weight,
+    scaled_then_gated,
+)
 from ._hf_helpers import mamba2_gated_norm
 
 pytestmark = pytest.mark.gpu
@@ -342,6 +350,38 @@ def test_swapped_module_against_the_hf_class(family, cls, kwargs):
     # it does for the stock class: within the same bound as eager against the class.
     torch._dynamo.reset()
     compiled = run(torch.compile(holder.norm, fullgraph=True))
+    assert (compiled[0].float() - got[0].float()).abs().le(got[0].float().abs() * 2.0**-7 + 1e-6).all()
+    for a, b in zip(compiled[1:], got[1:]):
+        assert rel_error(a, b.double()) <= tolerance(torch.bfloat16)
+
+
+@pytest.mark.parametrize("hidden", [64, 128, 256])
+def test_scale_then_round_module_against_its_form(hidden):
+    """``"scale_then_round"`` (torchtitan's Qwen3.5 gated norm) on bf16 head-dim rows: y within one bf16
+    ulp of the form's torch operations (the statistics summed in another order), gradients within the
+    dtype's tolerance of their FP32 autograd; compiled (fullgraph) within the same bounds of eager."""
+    from cake_cute.gated_module import CakeGatedRMSNorm
+
+    norm = CakeGatedRMSNorm(hidden, EPS, cast_policy="scale_then_round", device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x, z, g = (t.view(4, -1, hidden) for t in _inputs(4 * 64, hidden, torch.bfloat16))
+
+    def run(fn, weight):
+        xl, zl = (t.detach().clone().requires_grad_() for t in (x, z))
+        weight.grad = None
+        y = fn(xl, zl)
+        y.backward(g)
+        return y, xl.grad, zl.grad, weight.grad.clone()
+
+    got = run(norm, norm.weight)
+    w = norm.weight.detach().clone().requires_grad_()
+    want = run(lambda a, b: scaled_then_gated(a, b, w, EPS), w)
+    assert (got[0].float() - want[0].float()).abs().le(want[0].float().abs() * 2.0**-7 + 1e-6).all()
+    for a, b in zip(got[1:], want[1:]):
+        assert rel_error(a, b.double()) <= tolerance(torch.bfloat16)
+    torch._dynamo.reset()
+    compiled = run(torch.compile(norm, fullgraph=True), norm.weight)
     assert (compiled[0].float() - got[0].float()).abs().le(got[0].float().abs() * 2.0**-7 + 1e-6).all()
     for a, b in zip(compiled[1:], got[1:]):
         assert rel_error(a, b.double()) <= tolerance(torch.bfloat16)
