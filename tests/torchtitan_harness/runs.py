@@ -1,8 +1,9 @@
-"""Run torchtitan's trainer (``torchtitan.train`` through the CPU launcher) on the llama3 debug model and
-compare loss curves, stock norm against cake_cute enabled by its one config line.
+"""Run torchtitan's trainer (``torchtitan.train`` through the CPU launcher) on the llama3 or Qwen3.5 debug
+model and compare loss curves, stock norms against cake_cute enabled by its one config line.
 
-Each case is a process count and torchtitan CLI arguments. ``compare_case`` trains stock twice (is
-torch reproducible here?) and with cake_cute once, and reports the curves and their differences.
+Each case is a process count, torchtitan CLI arguments, the variants and the config. ``compare_case``
+trains stock twice (is torch reproducible here?) and each variant once, and reports the curves and
+their differences.
 """
 
 from __future__ import annotations
