@@ -216,7 +216,7 @@ KINDS: dict[str, KernelKind] = {
     ),
     "gated_bwd": KernelKind(
         partial(GatedSpec, "gated_bwd"),
-        lambda s: gated_backward_config(s.act_dtype, s.hidden, s.group_size),
+        lambda s: gated_backward_config(s.arch, s.act_dtype, s.hidden, s.group_size),
         _gated_kernel,
         _gated_arguments,
     ),

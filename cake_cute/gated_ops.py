@@ -179,7 +179,7 @@ def gated_rmsnorm_backward(
     if rows == 0:
         return dx, dz, dw.zero_()
     groups = hidden // group_size
-    config = gated_backward_config(fields[1], hidden, group_size)
+    config = gated_backward_config(fields[0], fields[1], hidden, group_size)
     programs = backward_programs(rows, config, groups, device_facts(x.device))
     stride = partial_row_stride(hidden)
     partials = torch.empty((programs, stride), dtype=torch.float32, device=x.device)[:, :hidden]

@@ -155,7 +155,7 @@ def test_fp32_reference_rounds_like_the_kernels():
 )
 def test_segment_tilings(act, hidden, group_size, forward, backward):
     assert gated_forward_config(act, hidden, group_size).tiling.describe() == forward
-    config = gated_backward_config(act, hidden, group_size)
+    config = gated_backward_config("sm_90a", act, hidden, group_size)
     assert config.tiling.describe() == backward
     # Only segments wider than 512 lanes of 8 elements are split over a cluster; segments of 1024
     # columns and more (at most two to a CTA) prefetch later rows into the L2, except rows of one
@@ -224,6 +224,19 @@ def test_rstd_shape_follows_the_groups():
     assert gated_ops.rstd_shape(x, 512) == (2, 3, 4)
 
 
+@pytest.mark.parametrize(("hidden", "group"), [(128, 128), (1024, 1024), (8192, 1024)])
+def test_held_register_budget_by_arch(hidden, group):
+    """256-thread CTAs of 2-byte rows are held to 80 registers (three CTAs per SM), except rows of one
+    segment off sm_90a, which keep 128 (two); FP32 rows keep 128 everywhere."""
+    one_segment = group == hidden
+    assert gated_backward_config("sm_90a", "bf16", hidden, group).min_ctas_per_sm == 3
+    assert gated_backward_config("sm_100a", "bf16", hidden, group).min_ctas_per_sm == (
+        2 if one_segment else 3
+    )
+    for arch in ("sm_90a", "sm_100a"):
+        assert gated_backward_config(arch, "fp32", hidden, group).min_ctas_per_sm == 2
+
+
 @pytest.mark.parametrize(
     "rows, groups, resident, expected", [(1, 1, 264, 1), (4096, 1, 264, 256), (10**6, 4, 264, 66)]
 )
@@ -231,7 +244,7 @@ def test_backward_programs(monkeypatch, rows, groups, resident, expected):
     """Never more programs than row tiles; the groups' CTAs share the resident slots."""
     monkeypatch.setattr(gated_ops, "resident_clusters", lambda *args: resident)
     facts = DeviceFacts(0, "test", (9, 0), "sm_90a", 132)
-    config = gated_backward_config("bf16", 128 * groups, 128)  # 16 rows per CTA
+    config = gated_backward_config("sm_90a", "bf16", 128 * groups, 128)  # 16 rows per CTA
     assert gated_ops.backward_programs(rows, config, groups, facts) == expected
 
 
@@ -239,11 +252,16 @@ def test_backward_programs(monkeypatch, rows, groups, resident, expected):
 
 ARCHS = ("sm_90a", "sm_100a")
 DTYPES = ("bf16", "fp16", "fp32")
-# (H, group_size, norm_before_gate): head-dim rows, grouped full-width rows, the widest segment.
+# (H, group_size, norm_before_gate): head-dim rows, grouped full-width rows, the widest segment; rows
+# of one segment in the gate-then-norm form and norm then gate at 512 (on sm_100a these held lanes
+# spilled under 80 registers: gated_config.HELD_REGISTER_BUDGET).
 SHAPES = [
     (64, 64, True),
     (128, 128, True),
     (256, 256, True),
+    (512, 512, True),
+    (128, 128, False),
+    (1024, 1024, False),
     (2048, 512, False),
     (4096, 1024, False),
     (16384, 8192, False),
@@ -341,7 +359,7 @@ def test_backward_launch_arguments(launches):
     (bwd_fields, bwd_args), (dw_fields, dw_args) = launches
     assert bwd_fields == ("gated_bwd", "sm_90a", "fp32", "fp32", hidden, hidden, True, 0.0)
     assert dw_fields == ("dw", "sm_90a", "fp32", hidden)
-    config = gated_backward_config("fp32", hidden, hidden)
+    config = gated_backward_config("sm_90a", "fp32", hidden, hidden)
     programs = min(300, 264)  # one row per CTA at this width: one tile per row
     assert config.tiling.rows_per_cta == 1
     *_, partials, launched_programs = bwd_args

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from functools import cache
 
 from ..vocab import dtype_bytes
-from .config import resident_ctas_per_sm
+from .config import HOPPER, resident_ctas_per_sm
 from .tiling import MAX_THREADS_PER_CTA, REGISTERS_PER_SM, SMEM_STATIC_PER_CTA, RowTiling, vector_width
 
 # Elements of each operand one lane holds (the forward holds x, z, the gate and w in 72-85 registers).
@@ -35,7 +35,10 @@ HELD_ELEMS_PER_LANE = 8
 # Registers per thread such a backward of 2-byte rows is held to (the ``min_blocks_per_mp`` hint), so
 # that three 256-thread CTAs share an SM: the persistent grid launches as many programs as are
 # resident, and each program has one row tile in flight, so residency is what keeps bytes in flight.
-# FP32 rows keep 128 (H = 128 spills under 80 on sm_100a).
+# FP32 rows keep 128 (H = 128 spills under 80 on sm_100a). So do rows of one segment narrower than
+# PREFETCH_MIN_ROW on sm_100a / sm_103a, whose compiler takes a few more registers for the same lanes:
+# under 80, bf16 and fp16 gate-then-norm rows of 64 to 1024 columns and bf16 norm-then-gate rows of
+# 512 spill there (`cake-cute warmup --gated ... --report`); the grouped forms fit.
 HELD_REGISTER_BUDGET = 80
 # A backward whose CTA holds at most this many segments (segments of 1024 columns and more) prefetches
 # its later row tiles into the L2, one bulk prefetch per segment and operand: a program has one row
@@ -127,9 +130,10 @@ def gated_forward_config(act_dtype: str, hidden: int, group_size: int) -> GatedC
 
 
 @cache
-def gated_backward_config(act_dtype: str, hidden: int, group_size: int) -> GatedConfig:
-    """The gated backward's config: ``HELD_ELEMS_PER_LANE`` elements per lane (2-byte rows held to
-    ``HELD_REGISTER_BUDGET`` registers), in one CTA where ``MAX_THREADS_PER_CTA`` lanes cover the
+def gated_backward_config(arch: str, act_dtype: str, hidden: int, group_size: int) -> GatedConfig:
+    """The gated backward's config for ``arch``: ``HELD_ELEMS_PER_LANE`` elements per lane (2-byte rows
+    held to ``HELD_REGISTER_BUDGET`` registers, except rows of one segment off sm_90a), in one CTA
+    where ``MAX_THREADS_PER_CTA`` lanes cover the
     segment, else over a cluster (``cluster_segment_tiling``); twice the forward's threads per CTA
     when segments are short (more bytes in flight per program); the L2 prefetch of later row tiles
     for wide segments (``PREFETCH_MAX_SEGMENTS_PER_CTA``); and its residency for the persistent grid.
@@ -144,11 +148,11 @@ def gated_backward_config(act_dtype: str, hidden: int, group_size: int) -> Gated
         tiling = cluster_segment_tiling(group_size, act_dtype)
     else:
         tiling = segment_tiling(group_size, act_dtype, BACKWARD_CTA_THREADS, HELD_ELEMS_PER_LANE)
+    one_segment_rows = group_size == hidden and hidden < PREFETCH_MIN_ROW
     min_ctas = tiling.min_ctas_per_sm
-    if dtype_bytes(act_dtype) == 2:
+    if dtype_bytes(act_dtype) == 2 and (arch == HOPPER or not one_segment_rows):
         min_ctas = max(min_ctas, REGISTERS_PER_SM // (HELD_REGISTER_BUDGET * tiling.threads_per_cta))
     per_sm = resident_ctas_per_sm(tiling, backward_smem_bytes(tiling), min_ctas)
-    one_segment_rows = group_size == hidden and hidden < PREFETCH_MIN_ROW
     prefetch = tiling.rows_per_cta <= PREFETCH_MAX_SEGMENTS_PER_CTA and not one_segment_rows
     return GatedConfig(tiling, min_ctas, per_sm, prefetch)
 
