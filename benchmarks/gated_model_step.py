@@ -461,8 +461,10 @@ class Prepared:
         return time_steps(self.stepped, self.loss, device, warmup, steps, self.optimizer)
 
 
-def prepare(size, impl, plain_norms, mode, args, device) -> Prepared:
-    """The run's model built (and compiled in mode compile), its loss and optimizer."""
+def prepare(size, key: tuple, args, device) -> Prepared:
+    """The run's (``key``: impl, mode, plain norms) model built (and compiled in mode compile), its
+    loss and optimizer."""
+    impl, mode, plain_norms = key
     model = build_model(size, impl, plain_norms, DTYPES[args.dtype], device)
     stepped = compiled(model, impl, False, args.compile_scope) if mode == "compile" else model
     loss, first_losses = recording(batch_loss(size, device), args.loss_steps)
@@ -493,10 +495,10 @@ def measure(size, key: tuple, args, device) -> dict:
     """One run (``key``: impl, mode, plain norms) in a fresh dynamo: timing, peak memory and first
     losses; dynamo's counts when compiled; the profile's files under ``--profile``."""
     reset_dynamo()
-    impl, mode, plain_norms = key
-    prepared = prepare(size, impl, plain_norms, mode, args, device)
+    prepared = prepare(size, key, args, device)
     step_ms, peak = prepared.time(device, args.warmup, args.steps)
     row = finish(prepared, key, step_ms, peak, args, size, device)
+    _, mode, _ = key
     if mode == "compile":
         row["dynamo"] = dynamo_stats()
     return row
@@ -514,15 +516,15 @@ def measure_interleaved(size, keys: list[tuple], args, device, failed: dict) -> 
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 8 * len(keys))
     prepared, rounds, stats = {}, {}, {}
     for key in keys:
-        impl, mode, plain_norms = key
         clear_dynamo_counts()
         try:
-            prepared[key] = prepare(size, impl, plain_norms, mode, args, device)
+            prepared[key] = prepare(size, key, args, device)
             rounds[key] = [prepared[key].time(device, args.warmup, args.steps)[0]]
         except Exception as exc:  # one implementation failing must not cost the others' rows
             prepared.pop(key, None)
             failed[key] = repr(exc)
             continue
+        _, mode, _ = key
         if mode == "compile":
             stats[key] = dynamo_stats()
     for _ in range(1, args.interleave):

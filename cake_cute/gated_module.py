@@ -197,10 +197,10 @@ class CakeGatedRMSNorm(nn.Module):
         return cake_rmsnorm(groups, groups.new_ones(self.group_size), self.eps).reshape(x.shape)
 
     def _ungated(self, x: torch.Tensor) -> torch.Tensor:
-        """The grouped RMSNorm without a gate, under the same casts: FP32 normalized values scaled in
-        FP32 and rounded once, or rounded to x's dtype before the scale."""
+        """The grouped RMSNorm without a gate, under the same casts: scaled in FP32 and rounded once
+        (``_scaled``), or rounded to x's dtype before the scale."""
         if self.cast_policy != ROUND_THEN_SCALE:
-            return (self._normalized(x, torch.float32) * self._scale().float()).to(x.dtype)
+            return self._scaled(x)
         return self._scale() * self._normalized(x, torch.float32).to(x.dtype)
 
     def extra_repr(self) -> str:

@@ -409,6 +409,40 @@ def test_scale_then_round_is_the_scaled_then_gated_form(dtype, w_dtype):
         torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=name)
 
 
+def _enable_checkpointing(model, use_reentrant: bool) -> None:
+    """Hugging Face's activation checkpointing of the decoder layers, either kind."""
+    kwargs = {"use_reentrant": use_reentrant}
+    if hasattr(model, "activation_checkpointing_enable"):  # its name from transformers 5.25
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_model_under_autocast_checkpointing_and_compile(compiled):
+    """How a Hugging Face user trains: FP32 weights under bf16 autocast, activation checkpointing, and
+    each decoder layer compiled: the swapped Qwen3-Next's logits and gradients within the model
+    bound of the stock model's run the same way."""
+    stock = _tiny_model("qwen3_next")
+    swapped = copy.deepcopy(stock)
+    swap_gated_rmsnorm(swapped)
+    ids = torch.randint(0, VOCAB, (2, TOKENS), generator=torch.Generator().manual_seed(6))
+    runs = []
+    for model in (stock, swapped):
+        _enable_checkpointing(model, use_reentrant=False)
+        if compiled:
+            torch._dynamo.reset()
+            for layer in model.model.layers:
+                layer.compile()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            runs.append(_loss_and_grads(model, ids))
+    (want_logits, want), (got_logits, got) = runs
+    torch.testing.assert_close(got_logits, want_logits, rtol=GRAD_RTOL, atol=GRAD_ATOL)
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=GRAD_RTOL, atol=GRAD_ATOL, msg=name)
+
+
 @pytest.mark.parametrize("use_reentrant", [False, True], ids=["non_reentrant", "reentrant"])
 def test_bf16_model_under_gradient_checkpointing_keeps_the_bits(use_reentrant):
     """A swapped bf16 Qwen3-Next (its norms under the class's casts, recomputed in their own backward)
@@ -423,11 +457,7 @@ def test_bf16_model_under_gradient_checkpointing_keeps_the_bits(use_reentrant):
     ids = torch.randint(0, VOCAB, (2, TOKENS), generator=torch.Generator().manual_seed(5))
     want_logits, want = _loss_and_grads(model, ids)
     plain_calls = len(calls)
-    kwargs = {"use_reentrant": use_reentrant}
-    if hasattr(model, "activation_checkpointing_enable"):  # its name from transformers 5.25
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    _enable_checkpointing(model, use_reentrant)
     got_logits, got = _loss_and_grads(model, ids)
     assert len(calls) == 3 * plain_calls  # the checkpointed layers ran their norms again
     assert torch.equal(got_logits, want_logits)

@@ -133,10 +133,10 @@ def gated_forward_config(act_dtype: str, hidden: int, group_size: int) -> GatedC
 def gated_backward_config(arch: str, act_dtype: str, hidden: int, group_size: int) -> GatedConfig:
     """The gated backward's config for ``arch``: ``HELD_ELEMS_PER_LANE`` elements per lane (2-byte rows
     held to ``HELD_REGISTER_BUDGET`` registers, except rows of one segment off sm_90a), in one CTA
-    where ``MAX_THREADS_PER_CTA`` lanes cover the
-    segment, else over a cluster (``cluster_segment_tiling``); twice the forward's threads per CTA
-    when segments are short (more bytes in flight per program); the L2 prefetch of later row tiles
-    for wide segments (``PREFETCH_MAX_SEGMENTS_PER_CTA``); and its residency for the persistent grid.
+    where ``MAX_THREADS_PER_CTA`` lanes cover the segment, else over a cluster
+    (``cluster_segment_tiling``); twice the forward's threads per CTA when segments are short (more
+    bytes in flight per program); the L2 prefetch of later row tiles for wide segments
+    (``PREFETCH_MAX_SEGMENTS_PER_CTA``); and its residency for the persistent grid.
 
     Raises
     ------

@@ -117,7 +117,7 @@ def gated_variant_specs(
 ) -> list[KernelSpec | GatedSpec | ReduceSpec]:
     """Every kernel a gated norm (``CakeGatedRMSNorm``, ``cake_gated_rmsnorm``) of these forms can
     launch when called with a gate, under any cast policy (``gated_module``; a module called
-    without a gate runs the plain kernels in FP32 at G, which ``variant_specs`` gives).
+    without a gate runs plain kernels, which ``variant_specs`` gives).
 
     Parameters
     ----------
