@@ -11,6 +11,8 @@ The default causal mask of the local attention is also built on CUDA
 Megatron's DDP buffers (``param_and_grad_buffer.py``) and its checkpoint writer (``filesystem_async.py``,
 ``state_dict_saver.py``) allocate on ``torch.cuda.current_device()``, synchronize CUDA and (0.17+) ask
 for the current CUDA stream: ``cuda_calls_on_cpu()`` answers those calls with the CPU while entered.
+Gated DeltaNet layers need fla, whose kernels need a GPU: ``gated_delta_net_without_fla()`` puts torch
+forms in their place (Megatron-Core 0.16-0.18, where the layer is the module ``ssm/gated_delta_net.py``).
 """
 
 from __future__ import annotations
@@ -49,6 +51,37 @@ def cuda_calls_on_cpu():
         yield
     finally:
         torch.cuda.current_device, torch.cuda.synchronize, torch.cuda.current_stream = saved
+
+
+def _torch_l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """fla's ``l2norm`` (``x / sqrt(sum(x^2) + eps)`` over the last dimension, FP32 math, x's dtype)."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.square().sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+@contextlib.contextmanager
+def gated_delta_net_without_fla():
+    """While entered, Megatron's ``GatedDeltaNet`` builds and runs without fla (whose Triton kernels need
+    a GPU): fla's ``l2norm`` is the torch form above and ``chunk_gated_delta_rule`` is Megatron's own
+    ``torch_chunk_gated_delta_rule`` (what its ``deterministic_mode`` runs); the convolution takes
+    Megatron's torch path, as without ``causal_conv1d``. The layer also allocates on
+    ``torch.cuda.current_device()``: build it inside ``cuda_calls_on_cpu()``."""
+    import importlib
+
+    module = importlib.import_module("megatron.core.ssm.gated_delta_net")
+    stand_ins = {
+        "HAVE_FLA": True,
+        "l2norm": _torch_l2norm,
+        "chunk_gated_delta_rule": module.torch_chunk_gated_delta_rule,
+    }
+    saved = {name: getattr(module, name, None) for name in stand_ins}
+    for name, value in stand_ins.items():
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
 
 
 def _cpu_memory_buffer():

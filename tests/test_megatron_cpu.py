@@ -481,6 +481,17 @@ def test_gpt_model_loss_bitwise_and_gradients_close_to_stock(megatron_cpu):
     assert_gradients_close(grads_cake, grads_stock)
 
 
+def loss_curve(model, steps=3) -> list:
+    """The losses of ``steps`` AdamW steps (lr 1e-2), one token batch each."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(steps):
+        loss, _ = _loss_and_grads(model, *_tokens(seed=step))
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
 def test_training_steps_track_stock(megatron_cpu):
     config = make_config(qk_layernorm=True)
     models = [
@@ -488,15 +499,7 @@ def test_training_steps_track_stock(megatron_cpu):
         _gpt(config, get_gpt_decoder_block_spec(config)),
     ]
     models[1].load_state_dict(models[0].state_dict())
-    curves = []
-    for model in models:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        losses = []
-        for step in range(3):
-            loss, _ = _loss_and_grads(model, *_tokens(seed=step))
-            optimizer.step()
-            losses.append(loss.item())
-        curves.append(losses)
+    curves = [loss_curve(model) for model in models]
     assert curves[1][0] == curves[0][0]  # the forward is the same arithmetic
     torch.testing.assert_close(curves[1], curves[0], rtol=1e-5, atol=0)
 

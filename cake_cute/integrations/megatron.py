@@ -52,6 +52,7 @@ __all__ = [
 if HAS_MEGATRON:
     from megatron.core.extensions import transformer_engine as _te
     from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.models.gpt import experimental_attention_variant_module_specs as _variant_specs
     from megatron.core.models.gpt import gpt_layer_specs as _gpt_specs
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.spec_utils import ModuleSpec
@@ -60,13 +61,10 @@ if HAS_MEGATRON:
 
     HAS_TE = bool(_te.HAVE_TE)
 
-    # Megatron's local spec stores these norms under the names Transformer Engine's fused
-    # norm-linear layers use, so checkpoints move between the local and TE specs; a spec that takes
-    # a norm out of a fused TE layer keeps those names too.
-    _FUSED_NORM_KEYS = {
-        "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
-        "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
-    }
+    # The linear layer of each sublayer into which Megatron's TE specs fuse the norm before it:
+    # attention's linear_qkv (Gated DeltaNet's in_proj), the MLP's linear_fc1.
+    _ATTENTION_LINEARS = ("linear_qkv", "in_proj")
+    _MLP_LINEARS = ("linear_fc1",)
 
     class CakeSpecProvider(LocalSpecProvider):
         """Megatron's ``LocalSpecProvider`` with cake norms: for code that builds specs from a backend
@@ -120,23 +118,26 @@ if HAS_MEGATRON:
             return functools.partial(spec.func, *spec.args, **{**spec.keywords, "submodules": submodules})
         return dataclasses.replace(spec, submodules=submodules)
 
-    def _with_cake_sublayer(spec, linear_field: str, norm_slots: dict):
+    def _with_cake_sublayer(spec, linear_fields: tuple, norm_slots: dict):
         """``spec`` (an attention or MLP spec) with its norm slots in ``norm_slots`` replaced by cake
-        norms, and whether its ``linear_field`` linear had a norm fused in that now moved out."""
+        norms, and the name of its linear among ``linear_fields`` that had a norm fused in that now
+        moved out (None if none did)."""
         subs = _submodules(spec)
         if subs is None:
-            return spec, False
+            return spec, None
         changes = {
             name: builder
             for name, builder in norm_slots.items()
             if hasattr(subs, name) and _is_norm_builder(getattr(subs, name))
         }
-        unfused = _unfused_linear(getattr(subs, linear_field, None))
-        if unfused is not None:
-            changes[linear_field] = unfused
+        unfused_field = None
+        for field in linear_fields:
+            unfused = _unfused_linear(getattr(subs, field, None))
+            if unfused is not None:
+                changes[field], unfused_field = unfused, field
         if not changes:
-            return spec, False
-        return _with_submodules(spec, dataclasses.replace(subs, **changes)), unfused is not None
+            return spec, None
+        return _with_submodules(spec, dataclasses.replace(subs, **changes)), unfused_field
 
     def _has_qk_norms(attention) -> bool:
         """Whether an attention spec has q/k norm slots holding a norm (L2Norm included), or is not an
@@ -154,17 +155,20 @@ if HAS_MEGATRON:
 
         The input and pre-MLP norms become ``MegatronCakeResidualRMSNorm`` (the input norm of a layer
         without q/k norms ``MegatronCakeInputRMSNorm``, which refuses ``config.qk_layernorm``), the
-        per-head q/k norms ``MegatronCakeQKRMSNorm`` (``L2Norm`` stays), a block's final norm
-        ``MegatronCakeRMSNorm``.
+        per-head q/k norms ``MegatronCakeQKRMSNorm`` (``L2Norm`` stays), Gated DeltaNet's per-head
+        ``out_norm`` ``MegatronCakeRMSNorm`` (the layer gates its output itself, after the norm's
+        rounding), a block's final norm ``MegatronCakeRMSNorm``.
         Where Transformer Engine's ``TELayerNormColumnParallelLinear`` holds the input or pre-MLP
-        norm, it becomes ``TEColumnParallelLinear`` after a cake norm (TE's other layers stay), and the
-        norm keeps the checkpoint name the fused layer used.
+        norm (attention's ``linear_qkv``, Gated DeltaNet's ``in_proj``, the MLP's ``linear_fc1``), it
+        becomes ``TEColumnParallelLinear`` after a cake norm (TE's other layers stay), and the norm
+        keeps the checkpoint name the fused layer used.
 
         Parameters
         ----------
         spec : ModuleSpec or TransformerBlockSubmodules
             A ``TransformerLayer`` spec (``get_gpt_layer_local_spec``,
-            ``get_gpt_layer_with_transformer_engine_spec``) or a block spec of them.
+            ``get_gpt_layer_with_transformer_engine_spec``) or a block spec of them
+            (``get_transformer_block_with_experimental_attention_variant_spec`` included).
 
         Returns
         -------
@@ -189,22 +193,30 @@ if HAS_MEGATRON:
                 f"{type(spec).__name__}"
             )
         qk = MegatronCakeQKRMSNorm
-        attention, qkv_unfused = _with_cake_sublayer(
-            subs.self_attention, "linear_qkv", {"q_layernorm": qk, "k_layernorm": qk, "kv_layernorm": qk}
+        attention_norms = {
+            "q_layernorm": qk,
+            "k_layernorm": qk,
+            "kv_layernorm": qk,
+            "out_norm": MegatronCakeRMSNorm,
+        }
+        attention, attention_unfused = _with_cake_sublayer(
+            subs.self_attention, _ATTENTION_LINEARS, attention_norms
         )
-        mlp, fc1_unfused = _with_cake_sublayer(subs.mlp, "linear_fc1", {})
+        mlp, mlp_unfused = _with_cake_sublayer(subs.mlp, _MLP_LINEARS, {})
         changes = {"self_attention": attention, "mlp": mlp}
         keys = dict(getattr(subs, "sharded_state_dict_keys_map", None) or {})
         input_norm = MegatronCakeResidualRMSNorm if _has_qk_norms(attention) else MegatronCakeInputRMSNorm
-        for name, unfused, builder in (
-            ("input_layernorm", qkv_unfused, input_norm),
-            ("pre_mlp_layernorm", fc1_unfused, MegatronCakeResidualRMSNorm),
+        for name, sublayer, unfused, builder in (
+            ("input_layernorm", "self_attention", attention_unfused, input_norm),
+            ("pre_mlp_layernorm", "mlp", mlp_unfused, MegatronCakeResidualRMSNorm),
         ):
             if unfused or _is_norm_builder(getattr(subs, name)):
                 changes[name] = builder
             if unfused:
-                keys[f"{name}."] = _FUSED_NORM_KEYS[f"{name}."]
-        if qkv_unfused or fc1_unfused:
+                # The checkpoint name the fused layer gave the norm's weight (Megatron's local spec
+                # maps its norms to the same names), so checkpoints move between the specs.
+                keys[f"{name}."] = f"{sublayer}.{unfused}.layer_norm_"
+        if attention_unfused or mlp_unfused:
             changes["sharded_state_dict_keys_map"] = keys
         return dataclasses.replace(spec, submodules=dataclasses.replace(subs, **changes))
 
@@ -263,19 +275,35 @@ if HAS_MEGATRON:
         )
         return with_cake_norms(stock)
 
+    def _variant_block_spec(config, use_transformer_engine, **kwargs):
+        """Megatron's block spec for a config with an experimental attention variant (Gated DeltaNet
+        layers: Qwen3-Next), the spec Megatron-LM's GPT builder takes for such a config; TE only."""
+        if use_transformer_engine is False or config.transformer_impl != "transformer_engine":
+            raise ValueError(
+                f"config.experimental_attention_variant={config.experimental_attention_variant!r} is built "
+                "from Megatron's Transformer Engine specs only: set config.transformer_impl to "
+                f"'transformer_engine' (got {config.transformer_impl!r}) and leave use_transformer_engine "
+                f"unset (got {use_transformer_engine!r})"
+            )
+        return _variant_specs.get_transformer_block_with_experimental_attention_variant_spec(config, **kwargs)
+
     def get_gpt_decoder_block_spec(config, use_transformer_engine=None, qk_l2_norm=False, **kwargs):
-        """A GPT block spec with cake norms, the final norm included: Megatron's
-        ``get_gpt_decoder_block_spec`` (dense and MoE layers, this pipeline stage's share) through
-        ``with_cake_norms``. Pass it to ``GPTModel(transformer_layer_spec=...)``.
+        """A GPT block spec with cake norms, the final norm included: the block spec Megatron-LM's GPT
+        builder takes for ``config`` (Megatron's ``get_gpt_decoder_block_spec``: dense and MoE layers;
+        with ``config.experimental_attention_variant``, its
+        ``get_transformer_block_with_experimental_attention_variant_spec``: Gated DeltaNet and
+        attention layers; this pipeline stage's share) through ``with_cake_norms``. Pass it to
+        ``GPTModel(transformer_layer_spec=...)``.
 
         Parameters
         ----------
         config : TransformerConfig
-            The model's config (its ``qk_layernorm``, MoE and pipeline fields shape the layers).
+            The model's config (its ``qk_layernorm``, attention variant, MoE and pipeline fields shape
+            the layers).
         use_transformer_engine : bool, optional
-            Start from TE's layers; default: whether TE imports.
+            Start from TE's layers; default: whether TE imports (always, for an attention variant).
         qk_l2_norm : bool
-            As for Megatron's function.
+            As for Megatron's function (an attention variant's block reads ``config.qk_l2_norm``).
         **kwargs
             ``vp_stage``, ``pp_rank``: passed on.
 
@@ -289,7 +317,12 @@ if HAS_MEGATRON:
         ------
         ImportError
             ``use_transformer_engine=True`` without Transformer Engine.
+        ValueError
+            An attention variant with ``use_transformer_engine=False`` or a ``config.transformer_impl``
+            other than ``"transformer_engine"`` (Megatron builds those layers from TE's specs only).
         """
+        if getattr(config, "experimental_attention_variant", None) is not None:
+            return with_cake_norms(_variant_block_spec(config, use_transformer_engine, **kwargs))
         use_te = _use_te(use_transformer_engine)
         stock = _gpt_specs.get_gpt_decoder_block_spec(
             config, use_transformer_engine=use_te, normalization="RMSNorm", qk_l2_norm=qk_l2_norm, **kwargs
