@@ -192,6 +192,12 @@ def test_block_spec_refuses_a_variant_without_transformer_engine(te_stand_ins):
         get_gpt_decoder_block_spec(_config(transformer_impl="local"))
 
 
+def test_block_spec_of_a_variant_needs_transformer_engine(megatron_cpu, monkeypatch):
+    monkeypatch.setattr(cake_megatron, "HAS_TE", False)
+    with pytest.raises(ImportError, match="Transformer Engine does not import"):
+        get_gpt_decoder_block_spec(_config())
+
+
 def test_model_builds_cake_norms_under_the_stock_checkpoint_keys(te_stand_ins):
     stock, cake = _stock_and_cake(_config())
     layer = cake.decoder.layers[0]

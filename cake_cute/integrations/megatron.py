@@ -278,6 +278,11 @@ if HAS_MEGATRON:
     def _variant_block_spec(config, use_transformer_engine, **kwargs):
         """Megatron's block spec for a config with an experimental attention variant (Gated DeltaNet
         layers: Qwen3-Next), the spec Megatron-LM's GPT builder takes for such a config; TE only."""
+        if not HAS_TE:
+            raise ImportError(
+                f"config.experimental_attention_variant={config.experimental_attention_variant!r} is built "
+                "from Megatron's Transformer Engine specs, and Transformer Engine does not import"
+            )
         if use_transformer_engine is False or config.transformer_impl != "transformer_engine":
             raise ValueError(
                 f"config.experimental_attention_variant={config.experimental_attention_variant!r} is built "
@@ -316,7 +321,7 @@ if HAS_MEGATRON:
         Raises
         ------
         ImportError
-            ``use_transformer_engine=True`` without Transformer Engine.
+            ``use_transformer_engine=True``, or an attention variant, without Transformer Engine.
         ValueError
             An attention variant with ``use_transformer_engine=False`` or a ``config.transformer_impl``
             other than ``"transformer_engine"`` (Megatron builds those layers from TE's specs only).
