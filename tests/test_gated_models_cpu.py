@@ -23,7 +23,9 @@ What is checked, and the bounds:
 from __future__ import annotations
 
 import copy
+import functools
 import importlib
+import inspect
 import warnings
 from dataclasses import dataclass, field
 
@@ -409,10 +411,19 @@ def test_scale_then_round_is_the_scaled_then_gated_form(dtype, w_dtype):
         torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=name)
 
 
-def _enable_checkpointing(model, use_reentrant: bool) -> None:
-    """Hugging Face's activation checkpointing of the decoder layers, either kind."""
+_ACTIVATION_CHECKPOINTING = getattr(transformers.PreTrainedModel, "activation_checkpointing_enable", None)
+HAS_CHECKPOINT_OFFLOAD = _ACTIVATION_CHECKPOINTING is not None and (
+    "offload" in inspect.signature(_ACTIVATION_CHECKPOINTING).parameters
+)
+
+
+def _enable_checkpointing(model, use_reentrant: bool, offload: bool = False) -> None:
+    """Hugging Face's activation checkpointing of the decoder layers, either kind; with ``offload``
+    (transformers 5.25+) the tensors it saves are held in host memory (``save_on_cpu``)."""
     kwargs = {"use_reentrant": use_reentrant}
-    if hasattr(model, "activation_checkpointing_enable"):  # its name from transformers 5.25
+    if offload:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, offload=True)
+    elif hasattr(model, "activation_checkpointing_enable"):  # its name from transformers 5.25
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
@@ -443,11 +454,28 @@ def test_model_under_autocast_checkpointing_and_compile(compiled):
         torch.testing.assert_close(got[name], want[name], rtol=GRAD_RTOL, atol=GRAD_ATOL, msg=name)
 
 
-@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non_reentrant", "reentrant"])
-def test_bf16_model_under_gradient_checkpointing_keeps_the_bits(use_reentrant):
+@pytest.mark.parametrize(
+    ("use_reentrant", "offload"),
+    [
+        (False, False),
+        (True, False),
+        pytest.param(
+            False,
+            True,
+            marks=pytest.mark.skipif(not HAS_CHECKPOINT_OFFLOAD, reason="offload: transformers 5.25+"),
+        ),
+    ],
+    ids=["non_reentrant", "reentrant", "offload"],
+)
+def test_bf16_model_under_gradient_checkpointing_keeps_the_bits(use_reentrant, offload, monkeypatch):
     """A swapped bf16 Qwen3-Next (its norms under the class's casts, recomputed in their own backward)
-    trained with Hugging Face's gradient checkpointing, either kind: the same logits and gradients,
-    bitwise, as without it."""
+    trained with Hugging Face's gradient checkpointing, either kind, and with its saved tensors
+    offloaded to host memory: the same logits and gradients, bitwise, as without it. (Offloading pins
+    host memory, which needs an accelerator: without one the test keeps the copies unpinned.)"""
+    if offload and not torch.accelerator.is_available():
+        modeling_utils = importlib.import_module("transformers.modeling_utils")
+        unpinned = functools.partial(torch.autograd.graph.save_on_cpu, pin_memory=False)
+        monkeypatch.setattr(modeling_utils, "save_on_cpu", lambda pin_memory, **kwargs: unpinned(**kwargs))
     model = _tiny_model("qwen3_next").to(torch.bfloat16)
     swap_gated_rmsnorm(model)
     calls = []
@@ -457,7 +485,7 @@ def test_bf16_model_under_gradient_checkpointing_keeps_the_bits(use_reentrant):
     ids = torch.randint(0, VOCAB, (2, TOKENS), generator=torch.Generator().manual_seed(5))
     want_logits, want = _loss_and_grads(model, ids)
     plain_calls = len(calls)
-    _enable_checkpointing(model, use_reentrant)
+    _enable_checkpointing(model, use_reentrant, offload)
     got_logits, got = _loss_and_grads(model, ids)
     assert len(calls) == 3 * plain_calls  # the checkpointed layers ran their norms again
     assert torch.equal(got_logits, want_logits)
