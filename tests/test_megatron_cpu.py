@@ -63,6 +63,8 @@ HAS_FUSED_RESIDUAL_LAYER = "fused_residual_rmsnorm" in TransformerConfig.__datac
 def _load_cpu_shims():
     spec = importlib.util.spec_from_file_location("megatron_cpu", BENCHMARKS / "megatron_cpu.py")
     module = importlib.util.module_from_spec(spec)
+    # Registered, so that torch.compile, tracing Megatron functions that call its stand-ins, finds it.
+    sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
 
@@ -601,6 +603,44 @@ def test_fused_residual_layer_matches_stock(megatron_cpu):
     loss_cake, grads_cake = _loss_and_grads(cake, tokens, positions)
     assert_bitwise_equal(loss_cake, loss_stock, "loss")  # the forward is the same arithmetic
     assert_gradients_close(grads_cake, grads_stock)
+
+
+# --- selective recomputation of the norms ----------------------------------------------------------------
+
+
+def test_selective_norm_recompute_matches_stock(megatron_cpu):
+    """``recompute_granularity="selective"`` with ``"layernorm"``: Megatron frees each norm's output once
+    the attention or MLP has read it and recomputes it in the backward (the cake spec's input norms are
+    modules of their own, so they are recomputed too)."""
+    config = make_config(qk_layernorm=True)
+    recomputing = make_config(
+        qk_layernorm=True, recompute_granularity="selective", recompute_modules=["layernorm"]
+    )
+    stock = _gpt(config, get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm"))
+    cake = _gpt(recomputing, get_gpt_decoder_block_spec(recomputing))
+    assert all(
+        layer.recompute_input_layernorm and layer.recompute_pre_mlp_layernorm for layer in cake.decoder.layers
+    )
+    cake.load_state_dict(stock.state_dict())
+    tokens, positions = _tokens()
+    loss_stock, grads_stock = _loss_and_grads(stock, tokens, positions)
+    loss_cake, grads_cake = _loss_and_grads(cake, tokens, positions)
+    assert_bitwise_equal(loss_cake, loss_stock, "loss")
+    assert_gradients_close(grads_cake, grads_stock)
+
+
+def test_fused_residual_refuses_selective_norm_recompute():
+    """The fused form's second output is the residual, which the layer adds after Megatron has freed the
+    recomputed norm's outputs: refused by name rather than freed under the layer."""
+    config = with_fields(
+        make_config(recompute_granularity="selective", recompute_modules=["layernorm"]),
+        fused_residual_rmsnorm=True,
+    )
+    with pytest.raises(
+        ValueError, match="fused_residual_rmsnorm cannot be combined with config.recompute_modules"
+    ):
+        MegatronCakeResidualRMSNorm(config=config, hidden_size=HIDDEN)
+    assert not MegatronCakeRMSNorm(config=config, hidden_size=HIDDEN).fused_residual  # not a residual norm
 
 
 # --- the GPU evidence script's CPU smoke mode ----------------------------------------------------------

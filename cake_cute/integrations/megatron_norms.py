@@ -27,6 +27,13 @@ def _config_flag(config, name: str) -> bool:
     return bool(getattr(config, name, False))
 
 
+def _recomputes_norms(config) -> bool:
+    """Whether Megatron recomputes the layers' norms in the backward (selective recomputation of
+    ``"layernorm"``), freeing their outputs once the next module has read them."""
+    modules = getattr(config, "recompute_modules", None) or ()
+    return getattr(config, "recompute_granularity", None) == "selective" and "layernorm" in modules
+
+
 def _check_norm_config(config) -> None:
     """Refuse, by field name, a config whose norm cake_cute would compute differently."""
     normalization = getattr(config, "normalization", None)
@@ -89,7 +96,9 @@ class MegatronCakeRMSNorm(CakeRMSNorm):
         ``init_model_with_meta_device`` choose its device (else the current CUDA device);
         ``persist_layer_norm`` (a choice among Apex LayerNorm kernels) changes nothing here;
         ``memory_efficient_layer_norm`` is cake_cute's memory-efficient mode (the norm saves its output
-        and recomputes the normalized input from it, as Apex's memory-efficient norm does).
+        and recomputes the normalized input from it, as Apex's memory-efficient norm does);
+        ``recompute_modules`` with ``"layernorm"`` (selective) recomputes the norm in the backward, which
+        the fused residual form refuses.
     hidden_size : int
         The normalized (last) dimension: the model's hidden size, or the attention head size for q/k
         norms.
@@ -106,8 +115,8 @@ class MegatronCakeRMSNorm(CakeRMSNorm):
     ------
     ValueError
         ``config.normalization`` is not ``"RMSNorm"``, the weight would go on CUDA where CUDA is not
-        available, or the errors of ``CakeRMSNorm``
-        (hidden_size, eps).
+        available, the fused residual form under selective recomputation of the norms, or the errors of
+        ``CakeRMSNorm`` (hidden_size, eps).
     """
 
     def __init__(self, *, config, hidden_size, eps=None, has_residual=False):
@@ -123,6 +132,13 @@ class MegatronCakeRMSNorm(CakeRMSNorm):
             memory_efficient=_config_flag(config, "memory_efficient_layer_norm"),
         )
         self.fused_residual = bool(has_residual) and _config_flag(config, "fused_residual_rmsnorm")
+        if self.fused_residual and _recomputes_norms(config):
+            raise ValueError(
+                "config.fused_residual_rmsnorm cannot be combined with config.recompute_modules "
+                "containing 'layernorm' (recompute_granularity='selective'): Megatron frees every output of "
+                "a recomputed norm after the attention or MLP has read it, and the fused form's second "
+                "output is the residual, which the layer still adds afterwards; turn one of them off"
+            )
 
     def forward(self, input: torch.Tensor, *, residual: torch.Tensor | None = None):
         """The normalized input, or ``(normalized, input)`` where the fused residual form is on.
