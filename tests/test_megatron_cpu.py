@@ -444,6 +444,17 @@ def _loss_and_grads(model, tokens, positions):
     return loss.detach(), {name: p.grad for name, p in model.named_parameters()}
 
 
+def assert_tracks_stock(cake, stock) -> None:
+    """The cake model, loaded from the stock one's state dict: its loss bitwise the stock one's (the forward
+    is the same arithmetic), its gradients within ``assert_gradients_close``'s bound."""
+    cake.load_state_dict(stock.state_dict())
+    tokens, positions = _tokens()
+    loss_stock, grads_stock = _loss_and_grads(stock, tokens, positions)
+    loss_cake, grads_cake = _loss_and_grads(cake, tokens, positions)
+    assert_bitwise_equal(loss_cake, loss_stock, "loss")
+    assert_gradients_close(grads_cake, grads_stock)
+
+
 def test_layer_output_bitwise_and_gradients_close_to_stock(megatron_cpu):
     config = make_config(qk_layernorm=True)
     torch.manual_seed(0)
@@ -475,12 +486,7 @@ def test_gpt_model_loss_bitwise_and_gradients_close_to_stock(megatron_cpu):
     assert type(cake.decoder.final_layernorm) is MegatronCakeRMSNorm
     assert type(stock.decoder.final_layernorm) is torch.nn.RMSNorm
     assert cake.state_dict().keys() == stock.state_dict().keys()
-    cake.load_state_dict(stock.state_dict())
-    tokens, positions = _tokens()
-    loss_stock, grads_stock = _loss_and_grads(stock, tokens, positions)
-    loss_cake, grads_cake = _loss_and_grads(cake, tokens, positions)
-    assert_bitwise_equal(loss_cake, loss_stock, "loss")
-    assert_gradients_close(grads_cake, grads_stock)
+    assert_tracks_stock(cake, stock)
 
 
 def loss_curve(model, steps=3) -> list:
@@ -597,12 +603,7 @@ def test_fused_residual_layer_matches_stock(megatron_cpu):
     stock = _gpt(config, get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm"))
     cake = _gpt(config, get_gpt_decoder_block_spec(config))
     assert cake.decoder.layers[0].input_layernorm.fused_residual
-    cake.load_state_dict(stock.state_dict())
-    tokens, positions = _tokens()
-    loss_stock, grads_stock = _loss_and_grads(stock, tokens, positions)
-    loss_cake, grads_cake = _loss_and_grads(cake, tokens, positions)
-    assert_bitwise_equal(loss_cake, loss_stock, "loss")  # the forward is the same arithmetic
-    assert_gradients_close(grads_cake, grads_stock)
+    assert_tracks_stock(cake, stock)
 
 
 # --- selective recomputation of the norms ----------------------------------------------------------------
@@ -621,12 +622,7 @@ def test_selective_norm_recompute_matches_stock(megatron_cpu):
     assert all(
         layer.recompute_input_layernorm and layer.recompute_pre_mlp_layernorm for layer in cake.decoder.layers
     )
-    cake.load_state_dict(stock.state_dict())
-    tokens, positions = _tokens()
-    loss_stock, grads_stock = _loss_and_grads(stock, tokens, positions)
-    loss_cake, grads_cake = _loss_and_grads(cake, tokens, positions)
-    assert_bitwise_equal(loss_cake, loss_stock, "loss")
-    assert_gradients_close(grads_cake, grads_stock)
+    assert_tracks_stock(cake, stock)
 
 
 def test_fused_residual_refuses_selective_norm_recompute():
