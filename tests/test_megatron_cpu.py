@@ -418,6 +418,13 @@ def test_te_fused_norm_linear_is_unfused(monkeypatch):
     }
 
 
+def test_multi_latent_attention_layer_takes_the_residual_input_norm():
+    """MLA's q / kv norm slots may be empty under qk_layernorm (TE's spec fuses those norms into its
+    up-projections), so its layer's input norm is the one that does not refuse the field."""
+    spec = with_cake_norms(get_gpt_layer_local_spec(multi_latent_attention=True, normalization="RMSNorm"))
+    assert spec.submodules.input_layernorm is MegatronCakeResidualRMSNorm
+
+
 def test_with_cake_norms_refuses_other_specs():
     with pytest.raises(TypeError, match="spec must be"):
         with_cake_norms(object())

@@ -150,12 +150,25 @@ def _stock_and_cake(config, tmp_path=None):
     stock = _gpt(config, variant_specs.get_transformer_block_with_experimental_attention_variant_spec(config))
     cake = _gpt(config, get_gpt_decoder_block_spec(config), seed=1)
     if tmp_path is not None:
-        with torch.no_grad():
-            for p in stock.parameters():
-                p.add_(0.1 * torch.randn_like(p))
-        with CPU.cuda_calls_on_cpu():  # the torch_dist writer synchronizes CUDA
-            _dist_checkpoint_round_trip(stock, cake, tmp_path / "ckpt")
+        move_checkpoint(stock, cake, tmp_path / "ckpt", scale=0.1)
     return stock, cake
+
+
+def move_checkpoint(source, target, directory, scale=1.0) -> None:
+    """``source``'s weights moved off their start (plus ``scale`` times normal noise), saved with
+    Megatron's ``dist_checkpointing`` and loaded into ``target``."""
+    with torch.no_grad():
+        for p in source.parameters():
+            p.add_(scale * torch.randn_like(p))
+    with CPU.cuda_calls_on_cpu():  # the torch_dist writer synchronizes CUDA
+        _dist_checkpoint_round_trip(source, target, directory)
+
+
+def assert_same_weights(target, source) -> None:
+    """Every weight of ``target`` bitwise the one of ``source`` under the same checkpoint key."""
+    got = by_checkpoint_key(target)
+    for key, want in by_checkpoint_key(source).items():
+        assert_bitwise_equal(got[key], want, key)
 
 
 def test_block_spec_puts_cake_norms_in_the_gated_delta_net_layers(te_stand_ins):
@@ -220,14 +233,8 @@ def test_model_builds_cake_norms_under_the_stock_checkpoint_keys(te_stand_ins):
 def test_dist_checkpoint_moves_between_stock_and_cake(te_stand_ins, tmp_path, direction):
     stock, cake = _stock_and_cake(_config())
     source, target = (stock, cake) if direction == "stock-to-cake" else (cake, stock)
-    with torch.no_grad():
-        for p in source.parameters():
-            p.add_(torch.randn_like(p))
-    with CPU.cuda_calls_on_cpu():
-        _dist_checkpoint_round_trip(source, target, tmp_path / "ckpt")
-    got = by_checkpoint_key(target)
-    for key, want in by_checkpoint_key(source).items():
-        assert_bitwise_equal(got[key], want, key)
+    move_checkpoint(source, target, tmp_path / "ckpt")
+    assert_same_weights(target, source)
 
 
 def test_loss_and_gradients_close_to_stock(te_stand_ins, tmp_path):

@@ -6,8 +6,11 @@ that hold them, so a Megatron-LM user switches with one line::
 
 (``--spec`` imports a module attribute and hands it to ``GPTModel`` as it is: these are layer
 ``ModuleSpec`` objects, built when this module is imported.) A model provider written in Python calls
-``get_gpt_decoder_block_spec(config)`` instead, which also makes the model's final norm a cake norm: a
-layer spec cannot reach it, since ``TransformerBlock`` takes the final norm from a block spec only.
+``get_gpt_decoder_block_spec(config)`` instead, which also makes the model's final norm a cake norm (a
+layer spec cannot reach it, since ``TransformerBlock`` takes the final norm from a block spec only) and
+serves configs with Gated DeltaNet layers. Hybrid models (``pretrain_hybrid.py``) take a stack spec::
+
+    --spec cake_cute.integrations.megatron hybrid_stack_spec
 
 The norms honour the norm fields of ``TransformerConfig`` (``normalization``, ``layernorm_epsilon``,
 ``layernorm_zero_centered_gamma``, ``sequence_parallel``, ``fused_residual_rmsnorm``,
@@ -140,15 +143,14 @@ if HAS_MEGATRON:
         return _with_submodules(spec, dataclasses.replace(subs, **changes)), unfused_field
 
     def _has_qk_norms(attention) -> bool:
-        """Whether an attention spec has q/k norm slots holding a norm (L2Norm included), or is not an
-        attention spec with such slots at all (then there is nothing to check)."""
+        """Whether an attention spec with per-head q/k norm slots (``SelfAttention``'s ``q_layernorm`` /
+        ``k_layernorm``) holds a norm in one of them (L2Norm included); True for any other spec, where
+        there is nothing to check (multi-latent attention's q / kv norms may be fused into its
+        up-projections, leaving its slots empty under ``qk_layernorm``)."""
         subs = _submodules(attention)
-        slots = [
-            getattr(subs, name)
-            for name in ("q_layernorm", "k_layernorm", "kv_layernorm")
-            if hasattr(subs, name)
-        ]
-        return not slots or any(slot not in (None, IdentityOp) for slot in slots)
+        if not hasattr(subs, "k_layernorm"):
+            return True
+        return any(getattr(subs, name) not in (None, IdentityOp) for name in ("q_layernorm", "k_layernorm"))
 
     def with_cake_norms(spec):
         """A GPT layer spec (or a block spec) with its RMSNorms replaced by cake norms.
@@ -334,18 +336,133 @@ if HAS_MEGATRON:
         )
         return with_cake_norms(stock)
 
+    def _with_cake_mamba_layer(spec):
+        """A ``MambaLayer`` spec with its input norm a cake norm: TE's norm-fused ``in_proj`` of the mixer
+        becomes ``TEColumnParallelLinear`` after ``MegatronCakeRMSNorm`` (the layer takes one tensor back
+        from its norm), under the fused layer's checkpoint name; a norm in the slot is replaced."""
+        subs = spec.submodules
+        mixer = _submodules(subs.mixer)
+        unfused = _unfused_linear(getattr(mixer, "in_proj", None))
+        if unfused is None:
+            if not _is_norm_builder(subs.norm):
+                return spec
+            return dataclasses.replace(spec, submodules=dataclasses.replace(subs, norm=MegatronCakeRMSNorm))
+        keys = {**subs.sharded_state_dict_keys_map, "norm.": "mixer.in_proj.layer_norm_"}
+        return dataclasses.replace(
+            spec,
+            submodules=dataclasses.replace(
+                subs,
+                norm=MegatronCakeRMSNorm,
+                mixer=_with_submodules(subs.mixer, dataclasses.replace(mixer, in_proj=unfused)),
+                sharded_state_dict_keys_map=keys,
+            ),
+        )
+
+    def _with_cake_mtp_norms(spec):
+        """A multi-token prediction block spec with its layers' norms (``enorm``, ``hnorm``, ``layer_norm``)
+        cake norms."""
+        norms = ("enorm", "hnorm", "layer_norm")
+        layers = []
+        for layer in spec.submodules.layer_specs:
+            changes = {
+                name: MegatronCakeRMSNorm
+                for name in norms
+                if _is_norm_builder(getattr(layer.submodules, name))
+            }
+            layers.append(
+                dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, **changes))
+            )
+        return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, layer_specs=layers))
+
+    def _with_cake_stack_layer(name: str, layer):
+        """One layer spec of a hybrid stack spec, with cake norms."""
+        if layer is None or layer is IdentityOp:
+            return layer
+        if name == "mtp_block_spec":
+            return _with_cake_mtp_norms(layer)
+        if hasattr(layer.submodules, "mixer"):
+            return _with_cake_mamba_layer(layer)
+        return with_cake_norms(layer)
+
+    def with_cake_stack_norms(spec):
+        """A hybrid stack spec (Megatron's ``hybrid_stack_spec``, ``mamba_stack_spec`` before 0.19) with
+        its RMSNorms replaced by cake norms: each layer spec as ``with_cake_norms`` replaces them (the
+        attention, Gated DeltaNet, MLA / DSA, MLP and MoE layers), the Mamba layers' input norm (fused
+        into the mixer's ``in_proj`` by TE's spec) ``MegatronCakeRMSNorm``, the multi-token prediction
+        norms, and the stack's final norm, which the stack builds itself, through ``CakeHybridStack``.
+
+        Parameters
+        ----------
+        spec : ModuleSpec
+            A ``HybridStack`` (``MambaStack``) spec.
+
+        Returns
+        -------
+        ModuleSpec
+            A new spec; ``spec`` is not changed.
+
+        Raises
+        ------
+        TypeError
+            ``spec`` is not a ``HybridStack`` spec.
+        """
+        if not (isinstance(spec, ModuleSpec) and isinstance(spec.submodules, _HybridStackSubmodules)):
+            raise TypeError(f"spec must be a HybridStack ModuleSpec, got {type(spec).__name__}")
+        subs = spec.submodules
+        layers = {
+            field.name: _with_cake_stack_layer(field.name, getattr(subs, field.name))
+            for field in dataclasses.fields(subs)
+        }
+        return dataclasses.replace(
+            spec, module=CakeHybridStack, submodules=dataclasses.replace(subs, **layers)
+        )
+
     # What ``--spec cake_cute.integrations.megatron <name>`` imports: Megatron-LM passes the attribute
     # itself (not a call's result) as the layer spec, and attention (0.19) refuses q/k norm builders when
     # qk_layernorm is off, so the two settings are two objects.
     gpt_layer_spec = get_gpt_layer_spec()
     gpt_layer_spec_qk_norm = get_gpt_layer_spec(qk_layernorm=True)
 
+    # Megatron's hybrid models (pretrain_hybrid.py, 0.19+; pretrain_mamba.py before) take a stack spec:
+    # ``--spec cake_cute.integrations.megatron hybrid_stack_spec``. Their modules import triton, which a
+    # Megatron installation without it lacks; then there is no hybrid spec here.
+    try:
+        from megatron.core.models.mamba import mamba_layer_specs as _stack_specs
+        from megatron.core.ssm.mamba_block import MambaStack as _HybridStack
+        from megatron.core.ssm.mamba_block import MambaStackSubmodules as _HybridStackSubmodules
+    except ImportError:
+        HAS_HYBRID = False
+    else:
+        HAS_HYBRID = True
+
+    if HAS_HYBRID:
+
+        class CakeHybridStack(_HybridStack):
+            """Megatron's hybrid stack (``HybridStack``; ``MambaStack`` before 0.19) whose final norm is a
+            cake norm: the stack builds that norm itself (``TENorm``), with no spec slot. Arguments as the
+            stack's; the norm keeps the name ``final_norm`` (the checkpoint key)."""
+
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                if hasattr(self, "final_norm"):
+                    self.final_norm = MegatronCakeRMSNorm(
+                        config=self.config,
+                        hidden_size=self.config.hidden_size,
+                        eps=self.config.layernorm_epsilon,
+                    )
+
+        hybrid_stack_spec = with_cake_stack_norms(_stack_specs.mamba_stack_spec)
+        mamba_stack_spec = hybrid_stack_spec
+        __all__ += ["CakeHybridStack", "hybrid_stack_spec", "mamba_stack_spec"]
+
     __all__ += [
         "CakeSpecProvider",
+        "HAS_HYBRID",
         "HAS_TE",
         "get_gpt_decoder_block_spec",
         "get_gpt_layer_spec",
         "gpt_layer_spec",
         "gpt_layer_spec_qk_norm",
         "with_cake_norms",
+        "with_cake_stack_norms",
     ]
