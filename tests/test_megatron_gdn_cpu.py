@@ -272,21 +272,21 @@ def _out_norm_output(model, x):
     return layer_out, outputs[0]
 
 
-def test_bf16_layer_rounds_the_norm_before_the_gate_as_stock(te_stand_ins, tmp_path, monkeypatch):
+def test_bf16_layer_rounds_the_norm_before_the_gate_as_stock(te_stand_ins, tmp_path):
     """bf16 weights and activations, the models cast as Megatron's ``Float16Module`` casts them (its
     local norms make FP32 weights; TE's and the cake norms take params_dtype). The layer gates the
     norm's bf16 output in FP32 and rounds again: so does TE's layer, whose norm is a kernel of its own;
     the local norm, traced into the same compiled function, would fuse with the gate and lose that
     rounding unless inductor emulates precision casts, which this test sets, so that the stock layer
     computes what the TE layer computes. Then the cake layer's output is the stock one's, bitwise."""
-    monkeypatch.setattr(torch._inductor.config, "emulate_precision_casts", True)
     stock, cake = _stock_and_cake(_config(params_dtype=torch.bfloat16, bf16=True), tmp_path)
     stock, cake = stock.bfloat16(), cake.bfloat16()
     x = torch.randn(SEQ, BATCH, HIDDEN, dtype=torch.bfloat16)
-    (stock_out, stock_norm), (cake_out, cake_norm) = (_out_norm_output(m, x) for m in (stock, cake))
+    tokens, positions = _tokens()
+    with torch._inductor.config.patch(emulate_precision_casts=True):
+        (stock_out, stock_norm), (cake_out, cake_norm) = (_out_norm_output(m, x) for m in (stock, cake))
+        losses = [_loss_and_grads(model, tokens, positions)[0] for model in (stock, cake)]
     assert cake_norm.dtype == cake_out.dtype == torch.bfloat16
     assert_bitwise_equal(cake_norm, stock_norm, "output norm")
     assert_bitwise_equal(cake_out, stock_out, "Gated DeltaNet layer")
-    tokens, positions = _tokens()
-    losses = [_loss_and_grads(model, tokens, positions)[0] for model in (stock, cake)]
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-3, atol=0)
