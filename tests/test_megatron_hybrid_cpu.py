@@ -8,7 +8,8 @@ linear, attention and norm layers), and the cake spec is derived as where TE imp
 its final norm itself (``TENorm``): the stock stack gets torch's RMSNorm there. The layers run here are a
 Gated DeltaNet layer, an attention layer and an MLP layer ("G*-"); the Mamba mixer needs mamba_ssm's
 GPU kernels, and the MoE, MLA and multi-token prediction layers are checked on the spec. The hybrid
-modules import triton (not installed where CI runs Megatron-Core 0.16.1): the tests skip there.
+modules import triton (not installed beside Megatron-Core 0.16.1 in CI): the tests skip there and run on
+0.19.2 (``scripts/megatron_versions.sh``).
 """
 
 from __future__ import annotations
