@@ -150,8 +150,10 @@ def test_stack_spec_puts_cake_norms_in_every_layer_kind(monkeypatch):
     # Megatron's hybrid attention layer has no q/k norms: its input norm refuses config.qk_layernorm.
     assert attention.input_layernorm is MegatronCakeInputRMSNorm
     assert attention.self_attention.submodules.linear_qkv is te_ext.TEColumnParallelLinear
-    for mla in (subs.mla_layer, subs.dsa_layer):  # q / kv norms fused into TE's up-projections: kept
-        assert mla.submodules.input_layernorm is MegatronCakeResidualRMSNorm
+    # MLA and DSA layers (0.19): their q / kv norms fused into TE's up-projections are kept.
+    for name in ("mla_layer", "dsa_layer"):
+        if hasattr(subs, name):
+            assert getattr(subs, name).submodules.input_layernorm is MegatronCakeResidualRMSNorm
     assert subs.mlp_layer.submodules.pre_mlp_layernorm is MegatronCakeResidualRMSNorm
     assert subs.moe_layer.submodules.pre_mlp_layernorm is MegatronCakeResidualRMSNorm
     mtp = subs.mtp_block_spec.submodules.layer_specs[0].submodules
