@@ -36,6 +36,7 @@ from megatron.core.transformer.torch_norm import WrappedTorchNorm  # noqa: E402
 from cake_cute.integrations.megatron import (  # noqa: E402
     CakeHybridStack,
     MegatronCakeInputRMSNorm,
+    MegatronCakeQKRMSNorm,
     MegatronCakeResidualRMSNorm,
     MegatronCakeRMSNorm,
     with_cake_stack_norms,
@@ -104,6 +105,33 @@ def hybrid(megatron_cpu, monkeypatch):
         yield localized(HYBRID, layers), localized(with_cake_stack_norms(HYBRID), layers)
 
 
+def _with_torch_qk_norms(spec):
+    """The stock stack spec with torch's RMSNorm in the attention layer's q/k slots (what Megatron 0.19
+    fills them with, TE's norm, does not run here)."""
+    layer = spec.submodules.attention_layer
+    attention = layer.submodules.self_attention
+    qk = dataclasses.replace(attention.submodules, q_layernorm=WrappedTorchNorm, k_layernorm=WrappedTorchNorm)
+    layer = dataclasses.replace(
+        layer,
+        submodules=dataclasses.replace(
+            layer.submodules, self_attention=dataclasses.replace(attention, submodules=qk)
+        ),
+    )
+    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, attention_layer=layer))
+
+
+def assert_loaded_model_tracks_stock(cake, stock, tmp_path) -> None:
+    """The cake model loaded from the stock one's checkpoint: the loss within relative 1e-6 (the stock
+    output norm is inductor's own reduction inside the Gated DeltaNet layer's compiled gate), the
+    gradients within ``assert_gradients_close``'s bound."""
+    move_checkpoint(stock, cake, tmp_path / "ckpt", scale=0.1)
+    tokens, positions = _tokens()
+    loss_stock, grads_stock = loss_and_grads(stock, tokens, positions)
+    loss_cake, grads_cake = loss_and_grads(cake, tokens, positions)
+    torch.testing.assert_close(loss_cake, loss_stock, rtol=1e-6, atol=0)
+    assert_gradients_close(grads_cake, grads_stock)
+
+
 def _stack_module():
     """The module whose ``TENorm`` the stack builds its final norm from (``hybrid_block``; ``mamba_block``
     before 0.19)."""
@@ -147,7 +175,7 @@ def test_stack_spec_puts_cake_norms_in_every_layer_kind(monkeypatch):
     assert gdn.self_attention.submodules.out_norm is MegatronCakeRMSNorm
     assert gdn.sharded_state_dict_keys_map == {"input_layernorm.": "self_attention.in_proj.layer_norm_"}
     attention = subs.attention_layer.submodules
-    # Megatron's hybrid attention layer has no q/k norms: its input norm refuses config.qk_layernorm.
+    # Megatron's hybrid attention layer has no q/k norms in its spec: its input norm refuses qk_layernorm.
     assert attention.input_layernorm is MegatronCakeInputRMSNorm
     assert attention.self_attention.submodules.linear_qkv is te_ext.TEColumnParallelLinear
     # MLA and DSA layers (0.19): their q / kv norms fused into TE's up-projections are kept.
@@ -160,12 +188,37 @@ def test_stack_spec_puts_cake_norms_in_every_layer_kind(monkeypatch):
     assert mtp.enorm is mtp.hnorm is mtp.layer_norm is MegatronCakeRMSNorm
 
 
+def test_qk_norm_stack_spec_puts_cake_norms_in_the_attention_q_k_slots(monkeypatch):
+    monkeypatch.setattr(cake_megatron, "HAS_TE", True)
+    attention = with_cake_stack_norms(HYBRID, qk_layernorm=True).submodules.attention_layer.submodules
+    assert attention.self_attention.submodules.q_layernorm is MegatronCakeQKRMSNorm
+    assert attention.self_attention.submodules.k_layernorm is MegatronCakeQKRMSNorm
+    assert attention.input_layernorm is MegatronCakeResidualRMSNorm
+
+
+def test_qk_layernorm_model_builds_cake_q_k_norms_and_tracks_stock(hybrid, tmp_path):
+    """With config.qk_layernorm the stock attention layer gets torch's norms here (TE's where TE imports:
+    Megatron 0.19 fills the spec's empty q/k slots itself), the cake one the spec's cake q/k norms."""
+    stock_spec, _ = hybrid
+    stock_spec = localized(_with_torch_qk_norms(stock_spec), _local_layers())
+    cake_spec = localized(with_cake_stack_norms(HYBRID, qk_layernorm=True), _local_layers())
+    config = _config(qk_layernorm=True)
+    stock, cake = _model(config, stock_spec), _model(config, cake_spec, seed=1)
+    assert type(cake.decoder.layers[1].self_attention.q_layernorm) is MegatronCakeQKRMSNorm
+    assert_loaded_model_tracks_stock(cake, stock, tmp_path)
+
+
 def test_stack_spec_object_for_the_spec_flag():
     """``--spec cake_cute.integrations.megatron hybrid_stack_spec``: Megatron-LM imports the attribute."""
     from megatron.core.transformer.spec_utils import import_module
 
     spec = import_module(("cake_cute.integrations.megatron", "hybrid_stack_spec"))
     assert isinstance(spec, ModuleSpec) and spec.module is CakeHybridStack
+    qk = import_module(("cake_cute.integrations.megatron", "hybrid_stack_spec_qk_norm"))
+    assert (
+        qk.submodules.attention_layer.submodules.self_attention.submodules.q_layernorm
+        is MegatronCakeQKRMSNorm
+    )
     assert import_module(("cake_cute.integrations.megatron", "mamba_stack_spec")) is spec
 
 
@@ -196,13 +249,6 @@ def test_dist_checkpoint_moves_between_stock_and_cake(hybrid, tmp_path, directio
 
 
 def test_loss_and_gradients_close_to_stock(hybrid, tmp_path):
-    """Within bounds, as for Gated DeltaNet layers in a GPT model (the stock output norm is inductor's own
-    reduction inside the layer's compiled gate)."""
     stock_spec, cake_spec = hybrid
     stock, cake = _model(_config(), stock_spec), _model(_config(), cake_spec, seed=1)
-    move_checkpoint(stock, cake, tmp_path / "ckpt", scale=0.1)
-    tokens, positions = _tokens()
-    loss_stock, grads_stock = loss_and_grads(stock, tokens, positions)
-    loss_cake, grads_cake = loss_and_grads(cake, tokens, positions)
-    torch.testing.assert_close(loss_cake, loss_stock, rtol=1e-6, atol=0)
-    assert_gradients_close(grads_cake, grads_stock)
+    assert_loaded_model_tracks_stock(cake, stock, tmp_path)

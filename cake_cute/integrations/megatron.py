@@ -384,7 +384,18 @@ if HAS_MEGATRON:
             return _with_cake_mamba_layer(layer)
         return with_cake_norms(layer)
 
-    def with_cake_stack_norms(spec):
+    def _with_qk_norm_slots(layer):
+        """A stack's attention layer spec with cake q/k norms in its (empty) q/k norm slots."""
+        attention = layer.submodules.self_attention
+        qk = dataclasses.replace(
+            attention.submodules, q_layernorm=MegatronCakeQKRMSNorm, k_layernorm=MegatronCakeQKRMSNorm
+        )
+        attention = dataclasses.replace(attention, submodules=qk)
+        return dataclasses.replace(
+            layer, submodules=dataclasses.replace(layer.submodules, self_attention=attention)
+        )
+
+    def with_cake_stack_norms(spec, qk_layernorm=False):
         """A hybrid stack spec (Megatron's ``hybrid_stack_spec``, ``mamba_stack_spec`` before 0.19) with
         its RMSNorms replaced by cake norms: each layer spec as ``with_cake_norms`` replaces them (the
         attention, Gated DeltaNet, MLA / DSA, MLP and MoE layers), the Mamba layers' input norm (fused
@@ -395,6 +406,10 @@ if HAS_MEGATRON:
         ----------
         spec : ModuleSpec
             A ``HybridStack`` (``MambaStack``) spec.
+        qk_layernorm : bool
+            Put cake q/k norms in the attention layer's q/k norm slots, which Megatron's stack spec
+            leaves empty (Megatron 0.19 then builds TE's norms there under ``config.qk_layernorm``);
+            must match the config's, as for the GPT layer specs.
 
         Returns
         -------
@@ -409,6 +424,8 @@ if HAS_MEGATRON:
         if not (isinstance(spec, ModuleSpec) and isinstance(spec.submodules, _HybridStackSubmodules)):
             raise TypeError(f"spec must be a HybridStack ModuleSpec, got {type(spec).__name__}")
         subs = spec.submodules
+        if qk_layernorm and subs.attention_layer is not IdentityOp:
+            subs = dataclasses.replace(subs, attention_layer=_with_qk_norm_slots(subs.attention_layer))
         layers = {
             field.name: _with_cake_stack_layer(field.name, getattr(subs, field.name))
             for field in dataclasses.fields(subs)
@@ -451,9 +468,12 @@ if HAS_MEGATRON:
                         eps=self.config.layernorm_epsilon,
                     )
 
+        # Two objects, as for the GPT layer specs: attention refuses q/k norm builders when qk_layernorm is
+        # off, and the layer without them refuses qk_layernorm.
         hybrid_stack_spec = with_cake_stack_norms(_stack_specs.mamba_stack_spec)
+        hybrid_stack_spec_qk_norm = with_cake_stack_norms(_stack_specs.mamba_stack_spec, qk_layernorm=True)
         mamba_stack_spec = hybrid_stack_spec
-        __all__ += ["CakeHybridStack", "hybrid_stack_spec", "mamba_stack_spec"]
+        __all__ += ["CakeHybridStack", "hybrid_stack_spec", "hybrid_stack_spec_qk_norm", "mamba_stack_spec"]
 
     __all__ += [
         "CakeSpecProvider",

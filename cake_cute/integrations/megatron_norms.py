@@ -218,6 +218,6 @@ class MegatronCakeInputRMSNorm(MegatronCakeResidualRMSNorm):
         if _config_flag(config, "qk_layernorm"):
             raise ValueError(
                 "config.qk_layernorm is set but the layer spec has no q/k norms: use gpt_layer_spec_qk_norm "
-                "(or get_gpt_layer_spec(qk_layernorm=True))"
+                "(or get_gpt_layer_spec(qk_layernorm=True)); for a hybrid model, hybrid_stack_spec_qk_norm"
             )
         super().__init__(config=config, hidden_size=hidden_size, eps=eps, has_residual=has_residual)
