@@ -613,6 +613,50 @@ def test_fused_residual_layer_matches_stock(megatron_cpu):
     assert_tracks_stock(cake, stock)
 
 
+# --- multi-token prediction -----------------------------------------------------------------------------
+
+
+def test_multi_token_prediction_norms_are_cake_norms_and_track_stock(megatron_cpu):
+    """``get_gpt_mtp_block_spec``: Megatron's MTP block for the cake block, its enorm, hnorm and final norm
+    cake norms (the MTP layer's own transformer layer is the block's last, cake norms already); the
+    model with MTP against the stock one with its MTP (the MTP loss enters through the backward)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec as stock_mtp_block_spec
+
+    from cake_cute.integrations.megatron import get_gpt_mtp_block_spec
+
+    config = make_config(qk_layernorm=True, mtp_num_layers=1)
+    stock_layer = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
+    block = get_gpt_decoder_block_spec(config)
+    mtp = get_gpt_mtp_block_spec(config, block)
+    assert mtp.layer_specs[0].submodules.enorm is MegatronCakeRMSNorm
+    torch.manual_seed(0)
+    stock = GPTModel(
+        config=config,
+        transformer_layer_spec=stock_layer,
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ,
+        mtp_block_spec=stock_mtp_block_spec(config, stock_layer, use_transformer_engine=False),
+    )
+    cake = GPTModel(
+        config=config,
+        transformer_layer_spec=block,
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ,
+        mtp_block_spec=mtp,
+    )
+    norms = [name for name, m in cake.mtp.named_modules() if isinstance(m, MegatronCakeRMSNorm)]
+    assert {"layers.0.enorm", "layers.0.hnorm", "layers.0.final_layernorm"} <= set(norms)
+    with CPU.cuda_calls_on_cpu():  # the MTP loss tracker allocates on the current CUDA device
+        assert_tracks_stock(cake, stock)
+
+
+def test_no_multi_token_prediction_block_without_mtp_layers(megatron_cpu):
+    from cake_cute.integrations.megatron import get_gpt_mtp_block_spec
+
+    config = make_config(qk_layernorm=True)
+    assert get_gpt_mtp_block_spec(config, get_gpt_decoder_block_spec(config)) is None
+
+
 # --- selective recomputation of the norms ----------------------------------------------------------------
 
 

@@ -359,11 +359,14 @@ if HAS_MEGATRON:
         )
 
     def _with_cake_mtp_norms(spec):
-        """A multi-token prediction block spec with its layers' norms (``enorm``, ``hnorm``, ``layer_norm``)
-        cake norms."""
+        """A multi-token prediction block spec (``MultiTokenPredictionBlockSubmodules``, or a
+        ``ModuleSpec`` holding them) with its layers' norms (``enorm``, ``hnorm``, ``layer_norm``) cake
+        norms."""
+        if isinstance(spec, ModuleSpec):
+            return dataclasses.replace(spec, submodules=_with_cake_mtp_norms(spec.submodules))
         norms = ("enorm", "hnorm", "layer_norm")
         layers = []
-        for layer in spec.submodules.layer_specs:
+        for layer in spec.layer_specs:
             changes = {
                 name: MegatronCakeRMSNorm
                 for name in norms
@@ -372,7 +375,37 @@ if HAS_MEGATRON:
             layers.append(
                 dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, **changes))
             )
-        return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, layer_specs=layers))
+        return dataclasses.replace(spec, layer_specs=layers)
+
+    def get_gpt_mtp_block_spec(config, spec, use_transformer_engine=None, **kwargs):
+        """Megatron's multi-token prediction block spec (``get_gpt_mtp_block_spec``) for a cake layer or
+        block spec, its norms (``enorm``, ``hnorm``, the final ``layer_norm``) cake norms. Pass it to
+        ``GPTModel(mtp_block_spec=...)``; the MTP layers' transformer layer is ``spec``'s (last) layer.
+
+        Parameters
+        ----------
+        config : TransformerConfig
+            The model's config (``mtp_num_layers``, pipeline fields).
+        spec : ModuleSpec or TransformerBlockSubmodules
+            The decoder's layer or block spec (``get_gpt_layer_spec``, ``get_gpt_decoder_block_spec``).
+        use_transformer_engine : bool, optional
+            Start from TE's layers; default: whether TE imports.
+        **kwargs
+            ``vp_stage``, ``pp_rank``: passed on.
+
+        Returns
+        -------
+        MultiTokenPredictionBlockSubmodules or None
+            None where this pipeline stage builds no MTP layer (as Megatron's function).
+
+        Raises
+        ------
+        ImportError
+            ``use_transformer_engine=True`` without Transformer Engine.
+        """
+        use_te = _use_te(use_transformer_engine)
+        stock = _gpt_specs.get_gpt_mtp_block_spec(config, spec, use_transformer_engine=use_te, **kwargs)
+        return None if stock is None else _with_cake_mtp_norms(stock)
 
     def _with_cake_stack_layer(name: str, layer):
         """One layer spec of a hybrid stack spec, with cake norms."""
@@ -481,6 +514,7 @@ if HAS_MEGATRON:
         "HAS_TE",
         "get_gpt_decoder_block_spec",
         "get_gpt_layer_spec",
+        "get_gpt_mtp_block_spec",
         "gpt_layer_spec",
         "gpt_layer_spec_qk_norm",
         "with_cake_norms",
