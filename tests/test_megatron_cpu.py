@@ -433,9 +433,11 @@ def test_with_cake_norms_refuses_other_specs():
 # --- inside Megatron's modules -------------------------------------------------------------------------
 
 
-def _gpt(config, spec, seed=0):
+def _gpt(config, spec, seed=0, **kwargs):
     torch.manual_seed(seed)
-    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ)
+    return GPTModel(
+        config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ, **kwargs
+    )
 
 
 def _tokens(seed=1):
@@ -629,21 +631,9 @@ def test_multi_token_prediction_norms_are_cake_norms_and_track_stock(megatron_cp
     block = get_gpt_decoder_block_spec(config)
     mtp = get_gpt_mtp_block_spec(config, block)
     assert mtp.layer_specs[0].submodules.enorm is MegatronCakeRMSNorm
-    torch.manual_seed(0)
-    stock = GPTModel(
-        config=config,
-        transformer_layer_spec=stock_layer,
-        vocab_size=VOCAB,
-        max_sequence_length=SEQ,
-        mtp_block_spec=stock_mtp_block_spec(config, stock_layer, use_transformer_engine=False),
-    )
-    cake = GPTModel(
-        config=config,
-        transformer_layer_spec=block,
-        vocab_size=VOCAB,
-        max_sequence_length=SEQ,
-        mtp_block_spec=mtp,
-    )
+    stock_mtp = stock_mtp_block_spec(config, stock_layer, use_transformer_engine=False)
+    stock = _gpt(config, stock_layer, mtp_block_spec=stock_mtp)
+    cake = _gpt(config, block, mtp_block_spec=mtp)
     norms = [name for name, m in cake.mtp.named_modules() if isinstance(m, MegatronCakeRMSNorm)]
     assert {"layers.0.enorm", "layers.0.hnorm", "layers.0.final_layernorm"} <= set(norms)
     with CPU.cuda_calls_on_cpu():  # the MTP loss tracker allocates on the current CUDA device
