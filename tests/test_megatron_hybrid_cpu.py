@@ -252,3 +252,22 @@ def test_loss_and_gradients_close_to_stock(hybrid, tmp_path):
     stock_spec, cake_spec = hybrid
     stock, cake = _model(_config(), stock_spec), _model(_config(), cake_spec, seed=1)
     assert_loaded_model_tracks_stock(cake, stock, tmp_path)
+
+
+def test_fused_residual_form_in_the_hybrid_layers(hybrid):
+    """``fused_residual_rmsnorm``: the Gated DeltaNet, attention and MLP layers of the stack take
+    ``(output, residual)`` from their cake norms; the model computes what it computes without the field."""
+    _, cake_spec = hybrid
+    plain, fused = (_model(_config(fused_residual_rmsnorm=on), cake_spec, seed=1) for on in (False, True))
+    fused.load_state_dict(plain.state_dict())
+    assert all(
+        norm.fused_residual
+        for layer in fused.decoder.layers
+        for norm in (layer.input_layernorm, layer.pre_mlp_layernorm)
+        if isinstance(norm, MegatronCakeRMSNorm)
+    )
+    (loss_plain, grads_plain), (loss_fused, grads_fused) = (
+        loss_and_grads(m, *_tokens()) for m in (plain, fused)
+    )
+    assert torch.equal(loss_fused, loss_plain)
+    assert_gradients_close(grads_fused, grads_plain)
