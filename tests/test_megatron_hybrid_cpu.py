@@ -6,7 +6,7 @@ placeholders): both specs are built with local layers in their place (``NormColu
 stand-in for TE's norm-fused column-parallel linear, from the Gated DeltaNet tests; Megatron's local
 linear, attention and norm layers), and the cake spec is derived as where TE imports. The stack builds
 its final norm itself (``TENorm``): the stock stack gets torch's RMSNorm there. The layers run here are a
-Gated DeltaNet layer, an attention layer and an MLP layer ("G*-"); the Mamba mixer needs mamba_ssm's
+Gated DeltaNet layer (0.17+), an attention layer and an MLP layer ("G*-"); the Mamba mixer needs mamba_ssm's
 GPU kernels, and the MoE, MLA and multi-token prediction layers are checked on the spec. The hybrid
 modules import triton (not installed beside Megatron-Core 0.16.1 in CI): the tests skip there and run on
 0.19.2 (``scripts/megatron_versions.sh``).
@@ -42,7 +42,13 @@ from cake_cute.integrations.megatron import (  # noqa: E402
     with_cake_stack_norms,
 )
 
-from .test_megatron_cpu import CPU, SEQ, _tokens, assert_gradients_close  # noqa: E402
+from .test_megatron_cpu import (  # noqa: E402
+    CPU,
+    HAS_FUSED_RESIDUAL_LAYER,
+    SEQ,
+    _tokens,
+    assert_gradients_close,
+)
 from .test_megatron_gdn_cpu import (  # noqa: E402
     GDN_FIELDS,
     NormColumnParallelLinear,
@@ -54,8 +60,10 @@ from .test_megatron_gdn_cpu import (  # noqa: E402
 from .test_megatron_gdn_cpu import _loss_and_grads as loss_and_grads  # noqa: E402
 
 VOCAB = 96
-PATTERN = "G*-"
 HYBRID = mamba_layer_specs.mamba_stack_spec
+# Gated DeltaNet layers ("G") from 0.17 on; the fused-residual field from 0.17 on.
+HAS_GDN_LAYERS = hasattr(HYBRID.submodules, "gdn_layer")
+PATTERN = "G*-" if HAS_GDN_LAYERS else "*-"
 
 
 def _local_layers() -> dict:
@@ -170,10 +178,11 @@ def test_stack_spec_puts_cake_norms_in_every_layer_kind(monkeypatch):
     assert mamba.norm is MegatronCakeRMSNorm
     assert mamba.mixer.submodules.in_proj is te_ext.TEColumnParallelLinear
     assert mamba.sharded_state_dict_keys_map == {"norm.": "mixer.in_proj.layer_norm_"}
-    gdn = subs.gdn_layer.submodules
-    assert gdn.input_layernorm is MegatronCakeResidualRMSNorm
-    assert gdn.self_attention.submodules.out_norm is MegatronCakeRMSNorm
-    assert gdn.sharded_state_dict_keys_map == {"input_layernorm.": "self_attention.in_proj.layer_norm_"}
+    if HAS_GDN_LAYERS:
+        gdn = subs.gdn_layer.submodules
+        assert gdn.input_layernorm is MegatronCakeResidualRMSNorm
+        assert gdn.self_attention.submodules.out_norm is MegatronCakeRMSNorm
+        assert gdn.sharded_state_dict_keys_map == {"input_layernorm.": "self_attention.in_proj.layer_norm_"}
     attention = subs.attention_layer.submodules
     # Megatron's hybrid attention layer has no q/k norms in its spec: its input norm refuses qk_layernorm.
     assert attention.input_layernorm is MegatronCakeInputRMSNorm
@@ -184,8 +193,9 @@ def test_stack_spec_puts_cake_norms_in_every_layer_kind(monkeypatch):
             assert getattr(subs, name).submodules.input_layernorm is MegatronCakeResidualRMSNorm
     assert subs.mlp_layer.submodules.pre_mlp_layernorm is MegatronCakeResidualRMSNorm
     assert subs.moe_layer.submodules.pre_mlp_layernorm is MegatronCakeResidualRMSNorm
-    mtp = subs.mtp_block_spec.submodules.layer_specs[0].submodules
-    assert mtp.enorm is mtp.hnorm is mtp.layer_norm is MegatronCakeRMSNorm
+    if getattr(subs, "mtp_block_spec", None) is not None:  # the stack's MTP block (0.19)
+        mtp = subs.mtp_block_spec.submodules.layer_specs[0].submodules
+        assert mtp.enorm is mtp.hnorm is mtp.layer_norm is MegatronCakeRMSNorm
 
 
 def test_qk_norm_stack_spec_puts_cake_norms_in_the_attention_q_k_slots(monkeypatch):
@@ -204,7 +214,7 @@ def test_qk_layernorm_model_builds_cake_q_k_norms_and_tracks_stock(hybrid, tmp_p
     cake_spec = localized(with_cake_stack_norms(HYBRID, qk_layernorm=True), _local_layers())
     config = _config(qk_layernorm=True)
     stock, cake = _model(config, stock_spec), _model(config, cake_spec, seed=1)
-    assert type(cake.decoder.layers[1].self_attention.q_layernorm) is MegatronCakeQKRMSNorm
+    assert type(cake.decoder.layers[-2].self_attention.q_layernorm) is MegatronCakeQKRMSNorm
     assert_loaded_model_tracks_stock(cake, stock, tmp_path)
 
 
@@ -231,9 +241,10 @@ def test_model_builds_cake_norms_under_the_stock_checkpoint_keys(hybrid):
     stock_spec, cake_spec = hybrid
     stock, cake = _model(_config(), stock_spec), _model(_config(), cake_spec, seed=1)
     assert type(cake.decoder.final_norm) is MegatronCakeRMSNorm
-    gdn, attention, mlp = cake.decoder.layers
-    assert type(gdn.input_layernorm) is MegatronCakeResidualRMSNorm
-    assert type(gdn.self_attention.out_norm) is MegatronCakeRMSNorm
+    *gdn, attention, mlp = cake.decoder.layers
+    for layer in gdn:
+        assert type(layer.input_layernorm) is MegatronCakeResidualRMSNorm
+        assert type(layer.self_attention.out_norm) is MegatronCakeRMSNorm
     assert type(attention.input_layernorm) is MegatronCakeInputRMSNorm
     assert type(mlp.pre_mlp_layernorm) is MegatronCakeResidualRMSNorm
     assert by_checkpoint_key(cake).keys() == by_checkpoint_key(stock).keys()
@@ -254,6 +265,7 @@ def test_loss_and_gradients_close_to_stock(hybrid, tmp_path):
     assert_loaded_model_tracks_stock(cake, stock, tmp_path)
 
 
+@pytest.mark.skipif(not HAS_FUSED_RESIDUAL_LAYER, reason="fused_residual_rmsnorm: Megatron-Core 0.17+")
 def test_fused_residual_form_in_the_hybrid_layers(hybrid):
     """``fused_residual_rmsnorm``: the Gated DeltaNet, attention and MLP layers of the stack take
     ``(output, residual)`` from their cake norms; the model computes what it computes without the field."""
