@@ -421,10 +421,9 @@ def _enable_checkpointing(model, use_reentrant: bool, offload: bool = False) -> 
     """Hugging Face's activation checkpointing of the decoder layers, either kind; with ``offload``
     (transformers 5.25+) the tensors it saves are held in host memory (``save_on_cpu``)."""
     kwargs = {"use_reentrant": use_reentrant}
-    if offload:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, offload=True)
-    elif hasattr(model, "activation_checkpointing_enable"):  # its name from transformers 5.25
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    if hasattr(model, "activation_checkpointing_enable"):  # its name from transformers 5.25
+        offloading = {"offload": True} if offload else {}
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, **offloading)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 

@@ -109,6 +109,12 @@ if HAS_MEGATRON:
             return _te.TEColumnParallelLinear
         return None
 
+    def _fused_norm_key(sublayer: str, linear_field: str) -> str:
+        """The checkpoint name a TE norm-fused linear gives the norm's weight (Megatron's local spec maps
+        its norms to the same names): a norm taken out of it keeps that name, so checkpoints move
+        between the specs."""
+        return f"{sublayer}.{linear_field}.layer_norm_"
+
     def _submodules(spec):
         """The submodules of a sublayer spec: a ``ModuleSpec``, or (Megatron 0.18+ MLPs) a
         ``functools.partial`` of the module class with ``submodules=``; None for anything else."""
@@ -215,9 +221,7 @@ if HAS_MEGATRON:
             if unfused or _is_norm_builder(getattr(subs, name)):
                 changes[name] = builder
             if unfused:
-                # The checkpoint name the fused layer gave the norm's weight (Megatron's local spec
-                # maps its norms to the same names), so checkpoints move between the specs.
-                keys[f"{name}."] = f"{sublayer}.{unfused}.layer_norm_"
+                keys[f"{name}."] = _fused_norm_key(sublayer, unfused)
         if attention_unfused or mlp_unfused:
             changes["sharded_state_dict_keys_map"] = keys
         return dataclasses.replace(spec, submodules=dataclasses.replace(subs, **changes))
@@ -336,28 +340,6 @@ if HAS_MEGATRON:
         )
         return with_cake_norms(stock)
 
-    def _with_cake_mamba_layer(spec):
-        """A ``MambaLayer`` spec with its input norm a cake norm: TE's norm-fused ``in_proj`` of the mixer
-        becomes ``TEColumnParallelLinear`` after ``MegatronCakeRMSNorm`` (the layer takes one tensor back
-        from its norm), under the fused layer's checkpoint name; a norm in the slot is replaced."""
-        subs = spec.submodules
-        mixer = _submodules(subs.mixer)
-        unfused = _unfused_linear(getattr(mixer, "in_proj", None))
-        if unfused is None:
-            if not _is_norm_builder(subs.norm):
-                return spec
-            return dataclasses.replace(spec, submodules=dataclasses.replace(subs, norm=MegatronCakeRMSNorm))
-        keys = {**subs.sharded_state_dict_keys_map, "norm.": "mixer.in_proj.layer_norm_"}
-        return dataclasses.replace(
-            spec,
-            submodules=dataclasses.replace(
-                subs,
-                norm=MegatronCakeRMSNorm,
-                mixer=_with_submodules(subs.mixer, dataclasses.replace(mixer, in_proj=unfused)),
-                sharded_state_dict_keys_map=keys,
-            ),
-        )
-
     def _with_cake_mtp_norms(spec):
         """A multi-token prediction block spec (``MultiTokenPredictionBlockSubmodules``, or a
         ``ModuleSpec`` holding them) with its layers' norms (``enorm``, ``hnorm``, ``layer_norm``) cake
@@ -407,66 +389,6 @@ if HAS_MEGATRON:
         stock = _gpt_specs.get_gpt_mtp_block_spec(config, spec, use_transformer_engine=use_te, **kwargs)
         return None if stock is None else _with_cake_mtp_norms(stock)
 
-    def _with_cake_stack_layer(name: str, layer):
-        """One layer spec of a hybrid stack spec, with cake norms."""
-        if layer is None or layer is IdentityOp:
-            return layer
-        if name == "mtp_block_spec":
-            return _with_cake_mtp_norms(layer)
-        if hasattr(layer.submodules, "mixer"):
-            return _with_cake_mamba_layer(layer)
-        return with_cake_norms(layer)
-
-    def _with_qk_norm_slots(layer):
-        """A stack's attention layer spec with cake q/k norms in its (empty) q/k norm slots."""
-        attention = layer.submodules.self_attention
-        qk = dataclasses.replace(
-            attention.submodules, q_layernorm=MegatronCakeQKRMSNorm, k_layernorm=MegatronCakeQKRMSNorm
-        )
-        attention = dataclasses.replace(attention, submodules=qk)
-        return dataclasses.replace(
-            layer, submodules=dataclasses.replace(layer.submodules, self_attention=attention)
-        )
-
-    def with_cake_stack_norms(spec, qk_layernorm=False):
-        """A hybrid stack spec (Megatron's ``hybrid_stack_spec``, ``mamba_stack_spec`` before 0.19) with
-        its RMSNorms replaced by cake norms: each layer spec as ``with_cake_norms`` replaces them (the
-        attention, Gated DeltaNet, MLA / DSA, MLP and MoE layers), the Mamba layers' input norm (fused
-        into the mixer's ``in_proj`` by TE's spec) ``MegatronCakeRMSNorm``, the multi-token prediction
-        norms, and the stack's final norm, which the stack builds itself, through ``CakeHybridStack``.
-
-        Parameters
-        ----------
-        spec : ModuleSpec
-            A ``HybridStack`` (``MambaStack``) spec.
-        qk_layernorm : bool
-            Put cake q/k norms in the attention layer's q/k norm slots, which Megatron's stack spec
-            leaves empty (Megatron 0.19 then builds TE's norms there under ``config.qk_layernorm``);
-            must match the config's, as for the GPT layer specs.
-
-        Returns
-        -------
-        ModuleSpec
-            A new spec; ``spec`` is not changed.
-
-        Raises
-        ------
-        TypeError
-            ``spec`` is not a ``HybridStack`` spec.
-        """
-        if not (isinstance(spec, ModuleSpec) and isinstance(spec.submodules, _HybridStackSubmodules)):
-            raise TypeError(f"spec must be a HybridStack ModuleSpec, got {type(spec).__name__}")
-        subs = spec.submodules
-        if qk_layernorm and subs.attention_layer is not IdentityOp:
-            subs = dataclasses.replace(subs, attention_layer=_with_qk_norm_slots(subs.attention_layer))
-        layers = {
-            field.name: _with_cake_stack_layer(field.name, getattr(subs, field.name))
-            for field in dataclasses.fields(subs)
-        }
-        return dataclasses.replace(
-            spec, module=CakeHybridStack, submodules=dataclasses.replace(subs, **layers)
-        )
-
     # What ``--spec cake_cute.integrations.megatron <name>`` imports: Megatron-LM passes the attribute
     # itself (not a call's result) as the layer spec, and attention (0.19) refuses q/k norm builders when
     # qk_layernorm is off, so the two settings are two objects.
@@ -487,6 +409,80 @@ if HAS_MEGATRON:
 
     if HAS_HYBRID:
 
+        def _with_cake_mamba_layer(spec):
+            """A ``MambaLayer`` spec with its input norm a cake norm: TE's norm-fused ``in_proj`` of the mixer
+            becomes ``TEColumnParallelLinear`` after ``MegatronCakeRMSNorm`` (the layer takes one tensor back
+            from its norm), under the fused layer's checkpoint name; a norm in the slot is replaced."""
+            subs = spec.submodules
+            mixer, unfused = _with_cake_sublayer(subs.mixer, ("in_proj",), {})
+            if unfused is None and not _is_norm_builder(subs.norm):
+                return spec
+            changes = {"norm": MegatronCakeRMSNorm, "mixer": mixer}
+            if unfused is not None:
+                keys = {**subs.sharded_state_dict_keys_map, "norm.": _fused_norm_key("mixer", unfused)}
+                changes["sharded_state_dict_keys_map"] = keys
+            return dataclasses.replace(spec, submodules=dataclasses.replace(subs, **changes))
+
+        def _with_cake_stack_layer(name: str, layer):
+            """One layer spec of a hybrid stack spec, with cake norms."""
+            if layer is None or layer is IdentityOp:
+                return layer
+            if name == "mtp_block_spec":
+                return _with_cake_mtp_norms(layer)
+            if hasattr(layer.submodules, "mixer"):
+                return _with_cake_mamba_layer(layer)
+            return with_cake_norms(layer)
+
+        def _with_qk_norm_slots(layer):
+            """A stack's attention layer spec with cake q/k norms in its (empty) q/k norm slots."""
+            attention = layer.submodules.self_attention
+            qk = dataclasses.replace(
+                attention.submodules, q_layernorm=MegatronCakeQKRMSNorm, k_layernorm=MegatronCakeQKRMSNorm
+            )
+            attention = dataclasses.replace(attention, submodules=qk)
+            return dataclasses.replace(
+                layer, submodules=dataclasses.replace(layer.submodules, self_attention=attention)
+            )
+
+        def with_cake_stack_norms(spec, qk_layernorm=False):
+            """A hybrid stack spec (Megatron's ``hybrid_stack_spec``, ``mamba_stack_spec`` before 0.19) with
+            its RMSNorms replaced by cake norms: each layer spec as ``with_cake_norms`` replaces them (the
+            attention, Gated DeltaNet, MLA / DSA, MLP and MoE layers), the Mamba layers' input norm (fused
+            into the mixer's ``in_proj`` by TE's spec) ``MegatronCakeRMSNorm``, the multi-token prediction
+            norms, and the stack's final norm, which the stack builds itself, through ``CakeHybridStack``.
+
+            Parameters
+            ----------
+            spec : ModuleSpec
+                A ``HybridStack`` (``MambaStack``) spec.
+            qk_layernorm : bool
+                Put cake q/k norms in the attention layer's q/k norm slots, which Megatron's stack spec
+                leaves empty (Megatron 0.19 then builds TE's norms there under ``config.qk_layernorm``);
+                must match the config's, as for the GPT layer specs.
+
+            Returns
+            -------
+            ModuleSpec
+                A new spec; ``spec`` is not changed.
+
+            Raises
+            ------
+            TypeError
+                ``spec`` is not a ``HybridStack`` spec.
+            """
+            if not (isinstance(spec, ModuleSpec) and isinstance(spec.submodules, _HybridStackSubmodules)):
+                raise TypeError(f"spec must be a HybridStack ModuleSpec, got {type(spec).__name__}")
+            subs = spec.submodules
+            if qk_layernorm and subs.attention_layer is not IdentityOp:
+                subs = dataclasses.replace(subs, attention_layer=_with_qk_norm_slots(subs.attention_layer))
+            layers = {
+                field.name: _with_cake_stack_layer(field.name, getattr(subs, field.name))
+                for field in dataclasses.fields(subs)
+            }
+            return dataclasses.replace(
+                spec, module=CakeHybridStack, submodules=dataclasses.replace(subs, **layers)
+            )
+
         class CakeHybridStack(_HybridStack):
             """Megatron's hybrid stack (``HybridStack``; ``MambaStack`` before 0.19) whose final norm is a
             cake norm: the stack builds that norm itself (``TENorm``), with no spec slot. Arguments as the
@@ -506,7 +502,13 @@ if HAS_MEGATRON:
         hybrid_stack_spec = with_cake_stack_norms(_stack_specs.mamba_stack_spec)
         hybrid_stack_spec_qk_norm = with_cake_stack_norms(_stack_specs.mamba_stack_spec, qk_layernorm=True)
         mamba_stack_spec = hybrid_stack_spec
-        __all__ += ["CakeHybridStack", "hybrid_stack_spec", "hybrid_stack_spec_qk_norm", "mamba_stack_spec"]
+        __all__ += [
+            "CakeHybridStack",
+            "hybrid_stack_spec",
+            "hybrid_stack_spec_qk_norm",
+            "mamba_stack_spec",
+            "with_cake_stack_norms",
+        ]
 
     __all__ += [
         "CakeSpecProvider",
@@ -518,5 +520,4 @@ if HAS_MEGATRON:
         "gpt_layer_spec",
         "gpt_layer_spec_qk_norm",
         "with_cake_norms",
-        "with_cake_stack_norms",
     ]
