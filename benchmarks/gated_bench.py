@@ -13,20 +13,26 @@ Shapes: rows of head_dim 128 (norm then gate, T * heads = 2^16 .. 2^21 rows) and
 rows (gate then norm). About three minutes on one H200 (the compiled module compiles once per form,
 with dynamic shapes).
 
-    python benchmarks/gated_bench.py results.json [--dtype bf16] [--reps 20]
+    python benchmarks/gated_bench.py results.json [--dtype bf16] [--reps 20] [--kernels]
+
+``--kernels``: where cake_cute's backward time goes at the head-dim shapes (no peers). A call is two
+kernels, the row kernel (dx, dz, the per-program dW partial rows) and the fixed-order dW finish;
+from the profiler's GPU activity over ``--reps`` calls: the row kernel's duration, the tail (the dW
+finish's end after the row kernel's end) and the copy kernel's duration for the same bytes, medians.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 from cake_cute.gated_ops import gated_rmsnorm_backward, gated_rmsnorm_forward
-from cake_cute.tools.bench.timing import DeviceTimer, Rotation, buffer_sets_for
+from cake_cute.tools.bench.timing import DeviceTimer, Rotation, buffer_sets_for, gpu_events
 from cake_cute.vocab import DTYPE_NAMES, torch_dtype
 
 EPS = 1e-6
@@ -146,6 +152,51 @@ def time_impl(timer, impl, inputs, reps) -> dict:
     return {"forward": forward, "backward": backward}
 
 
+def backward_kernels(impl: Cake, inputs, reps) -> dict:
+    """Medians over ``reps`` profiled backward calls: the row kernel's duration and the tail after it."""
+    rotation = Rotation(len(inputs))
+    calls = [impl.backward_call(*inputs[rotation.next()]) for _ in range(reps)]
+    torch.cuda.synchronize()
+
+    def run_calls():
+        for call in calls:
+            call()
+
+    events = sorted(gpu_events(torch, run_calls), key=lambda e: e.time_range.start)
+    if len(events) != 2 * reps:
+        raise RuntimeError(f"expected two kernels per backward call, profiled {len(events)} for {reps}")
+    rows, finish = events[0::2], events[1::2]
+    return {
+        "row_kernel_us": statistics.median(e.time_range.elapsed_us() for e in rows),
+        "tail_us": statistics.median(f.time_range.end - r.time_range.end for r, f in zip(rows, finish)),
+    }
+
+
+def run_kernels(dtype, reps) -> list[dict]:
+    """``--kernels``: the backward's row kernel and tail against the copy kernel, head-dim shapes."""
+    timer = DeviceTimer(torch, torch.device("cuda"))
+    element = torch.tensor([], dtype=dtype).element_size()
+    rows_out = []
+    for rows, hidden, group, norm_before_gate in shapes():
+        if not norm_before_gate:
+            continue
+        inputs = _sets(rows, hidden, dtype, buffer_sets_for(3 * rows * hidden * element, timer.l2_bytes))
+        impl = Cake(hidden, group, norm_before_gate, dtype)
+        impl.backward_call(*inputs[0])()
+        copy = timer.copy_ceiling(nbytes("backward", rows, hidden, group, element), reps, kernel_time=True)
+        split = backward_kernels(impl, inputs, reps)
+        row = {"impl": impl.name, "op": "backward", "rows": rows, "hidden": hidden}
+        row["dtype"] = str(dtype).removeprefix("torch.")
+        row |= {k: round(us, 2) for k, us in split.items()}
+        row["copy_kernel_us"] = copy["copy_kernel_us"]
+        row["row_kernel_fraction_of_copy"] = round(copy["copy_kernel_us"] / split["row_kernel_us"], 3)
+        rows_out.append(row)
+        print(json.dumps(row), flush=True)
+        del inputs
+        torch.cuda.empty_cache()
+    return rows_out
+
+
 def run(dtype, reps) -> list[dict]:
     timer = DeviceTimer(torch, torch.device("cuda"))
     element = torch.tensor([], dtype=dtype).element_size()
@@ -188,9 +239,10 @@ def main(argv=None) -> int:
     parser.add_argument("output", type=Path, help="where the JSON results go")
     parser.add_argument("--dtype", choices=DTYPE_NAMES, default="bf16")
     parser.add_argument("--reps", type=int, default=20, help="timed calls per median")
+    parser.add_argument("--kernels", action="store_true", help="the backward's kernels against a copy kernel")
     args = parser.parse_args(argv)
     dtype = torch_dtype(args.dtype)
-    results = run(dtype, args.reps)
+    results = (run_kernels if args.kernels else run)(dtype, args.reps)
     doc = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "results": results}
     args.output.write_text(json.dumps(doc, indent=1))
     return 0
