@@ -39,7 +39,6 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
 from cake_cute import CakeRMSNorm  # noqa: E402
-from cake_cute.integrations import megatron as cake_megatron  # noqa: E402
 from cake_cute.integrations.megatron import (  # noqa: E402
     CakeSpecProvider,
     MegatronCakeInputRMSNorm,
@@ -388,7 +387,7 @@ def test_te_fused_norm_linear_is_unfused(monkeypatch):
     fused layer's checkpoint names. Checked on the spec (TE does not run here)."""
     from megatron.core.extensions import transformer_engine as te_ext
 
-    monkeypatch.setattr(cake_megatron, "HAS_TE", True)
+    monkeypatch.setattr("cake_cute.integrations.megatron_specs.HAS_TE", True)
     local = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
     fused_qkv = dataclasses.replace(
         local.submodules.self_attention.submodules, linear_qkv=te_ext.TELayerNormColumnParallelLinear

@@ -31,7 +31,6 @@ from megatron.core.models.gpt.gpt_model import GPTModel  # noqa: E402
 from megatron.core.tensor_parallel import ColumnParallelLinear  # noqa: E402
 from megatron.core.transformer.identity_op import IdentityOp  # noqa: E402
 
-from cake_cute.integrations import megatron as cake_megatron  # noqa: E402
 from cake_cute.integrations.megatron import (  # noqa: E402
     MegatronCakeQKRMSNorm,
     MegatronCakeResidualRMSNorm,
@@ -106,7 +105,7 @@ def te_stand_ins(megatron_cpu, monkeypatch):
     monkeypatch.setattr(variant_specs, "_get_self_attention_module_spec", _attention_spec)
     monkeypatch.setattr(te_ext, "TELayerNormColumnParallelLinear", NormColumnParallelLinear)
     monkeypatch.setattr(te_ext, "TEColumnParallelLinear", ColumnParallelLinear)
-    monkeypatch.setattr(cake_megatron, "HAS_TE", True)
+    monkeypatch.setattr("cake_cute.integrations.megatron_specs.HAS_TE", True)
     with CPU.gated_delta_net_without_fla():
         yield
 
@@ -206,7 +205,7 @@ def test_block_spec_refuses_a_variant_without_transformer_engine(te_stand_ins):
 
 
 def test_block_spec_of_a_variant_needs_transformer_engine(megatron_cpu, monkeypatch):
-    monkeypatch.setattr(cake_megatron, "HAS_TE", False)
+    monkeypatch.setattr("cake_cute.integrations.megatron_specs.HAS_TE", False)
     with pytest.raises(ImportError, match="Transformer Engine does not import"):
         get_gpt_decoder_block_spec(_config())
 

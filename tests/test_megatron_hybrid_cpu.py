@@ -106,7 +106,7 @@ def megatron_cpu():
 def hybrid(megatron_cpu, monkeypatch):
     """The stock and the cake stack specs with local layers, the cake spec derived as where TE imports;
     the stock stack's final norm torch's RMSNorm; Gated DeltaNet without fla."""
-    monkeypatch.setattr(cake_megatron, "HAS_TE", True)
+    monkeypatch.setattr("cake_cute.integrations.megatron_specs.HAS_TE", True)
     monkeypatch.setattr(_stack_module(), "TENorm", WrappedTorchNorm)
     layers = _local_layers()
     with CPU.gated_delta_net_without_fla():
@@ -170,7 +170,7 @@ def _model(config, spec, seed=0):
 
 
 def test_stack_spec_puts_cake_norms_in_every_layer_kind(monkeypatch):
-    monkeypatch.setattr(cake_megatron, "HAS_TE", True)
+    monkeypatch.setattr("cake_cute.integrations.megatron_specs.HAS_TE", True)
     cake = with_cake_stack_norms(HYBRID)
     assert cake.module is CakeHybridStack
     subs = cake.submodules
@@ -199,7 +199,7 @@ def test_stack_spec_puts_cake_norms_in_every_layer_kind(monkeypatch):
 
 
 def test_qk_norm_stack_spec_puts_cake_norms_in_the_attention_q_k_slots(monkeypatch):
-    monkeypatch.setattr(cake_megatron, "HAS_TE", True)
+    monkeypatch.setattr("cake_cute.integrations.megatron_specs.HAS_TE", True)
     attention = with_cake_stack_norms(HYBRID, qk_layernorm=True).submodules.attention_layer.submodules
     assert attention.self_attention.submodules.q_layernorm is MegatronCakeQKRMSNorm
     assert attention.self_attention.submodules.k_layernorm is MegatronCakeQKRMSNorm

@@ -1,0 +1,183 @@
+"""How a Megatron-Core spec gets cake norms: the norm slots of layer, block and multi-token prediction
+specs replaced by the ``megatron_norms`` classes, and Transformer Engine's norm-fused linear layers
+unfused into a cake norm and TE's plain linear, the norm keeping the fused layer's checkpoint name.
+
+Imported where ``megatron.core`` imports (``megatron`` and ``megatron_hybrid`` build on it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from megatron.core.extensions import transformer_engine as _te
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import L2Norm
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+from .megatron_norms import (
+    MegatronCakeInputRMSNorm,
+    MegatronCakeQKRMSNorm,
+    MegatronCakeResidualRMSNorm,
+    MegatronCakeRMSNorm,
+)
+
+HAS_TE = bool(_te.HAVE_TE)
+
+# The linear layer of each sublayer into which Megatron's TE specs fuse the norm before it:
+# attention's linear_qkv (Gated DeltaNet's in_proj), the MLP's linear_fc1.
+_ATTENTION_LINEARS = ("linear_qkv", "in_proj")
+_MLP_LINEARS = ("linear_fc1",)
+
+
+def is_norm_builder(builder) -> bool:
+    """Whether a spec slot holds a norm to replace (not an identity, an empty slot or the weightless
+    L2Norm, which has no RMSNorm weight to carry)."""
+    return builder is not None and builder is not IdentityOp and builder is not L2Norm
+
+
+def _unfused_linear(builder):
+    """TE's norm-fused column-parallel linear becomes TE's plain one; anything else is kept."""
+    if HAS_TE and builder is _te.TELayerNormColumnParallelLinear:
+        return _te.TEColumnParallelLinear
+    return None
+
+
+def fused_norm_key(sublayer: str, linear_field: str) -> str:
+    """The checkpoint name a TE norm-fused linear gives the norm's weight (Megatron's local spec maps
+    its norms to the same names): a norm taken out of it keeps that name, so checkpoints move
+    between the specs."""
+    return f"{sublayer}.{linear_field}.layer_norm_"
+
+
+def _submodules(spec):
+    """The submodules of a sublayer spec: a ``ModuleSpec``, or (Megatron 0.18+ MLPs) a
+    ``functools.partial`` of the module class with ``submodules=``; None for anything else."""
+    if isinstance(spec, functools.partial):
+        return spec.keywords.get("submodules")
+    return spec.submodules if isinstance(spec, ModuleSpec) else None
+
+
+def _with_submodules(spec, submodules):
+    if isinstance(spec, functools.partial):
+        return functools.partial(spec.func, *spec.args, **{**spec.keywords, "submodules": submodules})
+    return dataclasses.replace(spec, submodules=submodules)
+
+
+def with_cake_sublayer(spec, linear_fields: tuple, norm_slots: dict):
+    """``spec`` (an attention or MLP spec) with its norm slots in ``norm_slots`` replaced by cake
+    norms, and the name of its linear among ``linear_fields`` that had a norm fused in that now
+    moved out (None if none did)."""
+    subs = _submodules(spec)
+    if subs is None:
+        return spec, None
+    changes = {
+        name: builder
+        for name, builder in norm_slots.items()
+        if hasattr(subs, name) and is_norm_builder(getattr(subs, name))
+    }
+    unfused_field = None
+    for field in linear_fields:
+        unfused = _unfused_linear(getattr(subs, field, None))
+        if unfused is not None:
+            changes[field], unfused_field = unfused, field
+    if not changes:
+        return spec, None
+    return _with_submodules(spec, dataclasses.replace(subs, **changes)), unfused_field
+
+
+def _has_qk_norms(attention) -> bool:
+    """Whether an attention spec with per-head q/k norm slots (``SelfAttention``'s ``q_layernorm`` /
+    ``k_layernorm``) holds a norm in one of them (L2Norm included); True for any other spec, where
+    there is nothing to check (multi-latent attention's q / kv norms may be fused into its
+    up-projections, leaving its slots empty under ``qk_layernorm``)."""
+    subs = _submodules(attention)
+    if not hasattr(subs, "k_layernorm"):
+        return True
+    return any(getattr(subs, name) not in (None, IdentityOp) for name in ("q_layernorm", "k_layernorm"))
+
+
+def with_cake_norms(spec):
+    """A GPT layer spec (or a block spec) with its RMSNorms replaced by cake norms.
+
+    The input and pre-MLP norms become ``MegatronCakeResidualRMSNorm`` (the input norm of a layer
+    without q/k norms ``MegatronCakeInputRMSNorm``, which refuses ``config.qk_layernorm``), the
+    per-head q/k norms ``MegatronCakeQKRMSNorm`` (``L2Norm`` stays), Gated DeltaNet's per-head
+    ``out_norm`` ``MegatronCakeRMSNorm`` (the layer gates its output itself, after the norm's
+    rounding), a block's final norm ``MegatronCakeRMSNorm``.
+    Where Transformer Engine's ``TELayerNormColumnParallelLinear`` holds the input or pre-MLP
+    norm (attention's ``linear_qkv``, Gated DeltaNet's ``in_proj``, the MLP's ``linear_fc1``), it
+    becomes ``TEColumnParallelLinear`` after a cake norm (TE's other layers stay), and the norm
+    keeps the checkpoint name the fused layer used.
+
+    Parameters
+    ----------
+    spec : ModuleSpec or TransformerBlockSubmodules
+        A ``TransformerLayer`` spec (``get_gpt_layer_local_spec``,
+        ``get_gpt_layer_with_transformer_engine_spec``) or a block spec of them
+        (``get_transformer_block_with_experimental_attention_variant_spec`` included).
+
+    Returns
+    -------
+    ModuleSpec or TransformerBlockSubmodules
+        A new spec; ``spec`` is not changed.
+
+    Raises
+    ------
+    TypeError
+        ``spec`` is neither a ``ModuleSpec`` with layer submodules nor ``TransformerBlockSubmodules``.
+    """
+    if isinstance(spec, TransformerBlockSubmodules):
+        return dataclasses.replace(
+            spec,
+            layer_specs=[with_cake_norms(layer) for layer in spec.layer_specs],
+            layer_norm=MegatronCakeRMSNorm,
+        )
+    subs = getattr(spec, "submodules", None)
+    if not isinstance(spec, ModuleSpec) or not hasattr(subs, "input_layernorm"):
+        raise TypeError(
+            "spec must be a TransformerLayer ModuleSpec or TransformerBlockSubmodules, got "
+            f"{type(spec).__name__}"
+        )
+    qk = MegatronCakeQKRMSNorm
+    attention_norms = {
+        "q_layernorm": qk,
+        "k_layernorm": qk,
+        "kv_layernorm": qk,
+        "out_norm": MegatronCakeRMSNorm,
+    }
+    attention, attention_unfused = with_cake_sublayer(
+        subs.self_attention, _ATTENTION_LINEARS, attention_norms
+    )
+    mlp, mlp_unfused = with_cake_sublayer(subs.mlp, _MLP_LINEARS, {})
+    changes = {"self_attention": attention, "mlp": mlp}
+    keys = dict(getattr(subs, "sharded_state_dict_keys_map", None) or {})
+    input_norm = MegatronCakeResidualRMSNorm if _has_qk_norms(attention) else MegatronCakeInputRMSNorm
+    for name, sublayer, unfused, builder in (
+        ("input_layernorm", "self_attention", attention_unfused, input_norm),
+        ("pre_mlp_layernorm", "mlp", mlp_unfused, MegatronCakeResidualRMSNorm),
+    ):
+        if unfused or is_norm_builder(getattr(subs, name)):
+            changes[name] = builder
+        if unfused:
+            keys[f"{name}."] = fused_norm_key(sublayer, unfused)
+    if attention_unfused or mlp_unfused:
+        changes["sharded_state_dict_keys_map"] = keys
+    return dataclasses.replace(spec, submodules=dataclasses.replace(subs, **changes))
+
+
+def with_cake_mtp_norms(spec):
+    """A multi-token prediction block spec (``MultiTokenPredictionBlockSubmodules``, or a
+    ``ModuleSpec`` holding them) with its layers' norms (``enorm``, ``hnorm``, ``layer_norm``) cake
+    norms."""
+    if isinstance(spec, ModuleSpec):
+        return dataclasses.replace(spec, submodules=with_cake_mtp_norms(spec.submodules))
+    norms = ("enorm", "hnorm", "layer_norm")
+    layers = []
+    for layer in spec.layer_specs:
+        changes = {
+            name: MegatronCakeRMSNorm for name in norms if is_norm_builder(getattr(layer.submodules, name))
+        }
+        layers.append(dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, **changes)))
+    return dataclasses.replace(spec, layer_specs=layers)
