@@ -89,11 +89,12 @@ def hf_module(hidden, group, norm_before_gate, dtype):
         from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNormGated
 
         return Qwen3NextRMSNormGated(hidden, eps=EPS).to("cuda", dtype)
-    # Mamba-2's grouped class, of which NemotronH's (5.18+) is a copy.
+    # Mamba-2's grouped class (NemotronH's, 5.18+, is a copy), renamed Mamba2RMSNormGated in 5.25, which
+    # gave it groups; before that, Zamba2's class, the same arithmetic with groups.
     from transformers.models.mamba2 import modeling_mamba2
+    from transformers.models.zamba2 import modeling_zamba2
 
-    # Renamed Mamba2RMSNormGated in transformers 5.25.
-    cls = getattr(modeling_mamba2, "Mamba2RMSNormGated", None) or modeling_mamba2.MambaRMSNormGated
+    cls = getattr(modeling_mamba2, "Mamba2RMSNormGated", None) or modeling_zamba2.Zamba2RMSNormGated
     return cls(hidden, group, eps=EPS).to("cuda", dtype)
 
 

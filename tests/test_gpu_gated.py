@@ -306,11 +306,13 @@ def _hf_norm(family: str, cls: str, **kwargs):
 
 MAMBA2_NORM = mamba2_gated_norm()
 
-# (family, class, constructor arguments): a norm-then-gate class rounding twice, a grouped
-# gate-then-norm one rounding before its weight, FalconH1 (one rounding).
+# (family, class, constructor arguments): a norm-then-gate class rounding twice, grouped
+# gate-then-norm ones rounding before their weight (Zamba2's has groups in every transformers 5.x,
+# Mamba-2's from 5.25), FalconH1 (one rounding).
 SWAPPED = [
     ("qwen3_next", "Qwen3NextRMSNormGated", dict(hidden_size=128)),
     ("mamba2", MAMBA2_NORM, dict(hidden_size=2048, group_size=512)),
+    ("zamba2", "Zamba2RMSNormGated", dict(hidden_size=2048, group_size=512)),
     ("falcon_h1", "FalconH1RMSNormGated", dict(hidden_size=2048, n_groups=4, norm_before_gate=False)),
 ]
 

@@ -52,7 +52,7 @@ PREFETCH_MIN_ROW = 2048
 # lanes of 8 elements, eight CTAs to a group of 8192, six CTAs on an SM. At groups of 6144 and 8192
 # the backward ran at 0.90-0.91 of a device copy with 128, 0.88-0.90 with 256 (four CTAs of 2048
 # columns) and 0.60-0.77 with 512, where one CTA of 512 lanes that held 16 elements each and read
-# their rows twice ran at 0.67-0.87 (bf16, H200: evidence/gated-gpu-h200-2026-12-04/cluster_ab.json).
+# their rows twice ran at 0.67-0.87 (bf16, H200: evidence/gated-gpu-h200-2026-12-05/cluster_ab.json).
 CLUSTER_CTA_THREADS = 128
 # Threads of a CTA whose segments are short enough to share it (the plain forward's and the plain
 # several-rows backward's CTA sizes).
