@@ -59,3 +59,13 @@ def poisoned():
 def sentinel_buffer():
     """Factory: ``sentinel_buffer(shape, dtype, device="cpu")`` -> a buffer filled with -7.0 (0xAB)."""
     return sentinel
+
+
+@pytest.fixture(scope="module")
+def megatron_cpu():
+    """Megatron-Core's parallel state on the CPU (one gloo rank) for a test module, torn down after it."""
+    from ._megatron_cpu import CPU
+
+    started = CPU.initialize_megatron_on_cpu()
+    yield
+    CPU.shutdown_megatron_on_cpu(started)

@@ -20,11 +20,9 @@ import copy
 import dataclasses
 import functools
 import importlib
-import importlib.util
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -51,31 +49,12 @@ from cake_cute.integrations.megatron import (  # noqa: E402
 )
 
 from ._helpers import assert_bitwise_equal, fixed_seed, saved_by  # noqa: E402, F401
+from ._megatron_cpu import BENCHMARKS, CPU  # noqa: E402
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 HIDDEN, HEADS, VOCAB, SEQ, BATCH = 64, 4, 96, 12, 2
 # TransformerLayer accepts (output, residual) from a norm from Megatron-Core 0.17 on, the version that
 # added this field.
 HAS_FUSED_RESIDUAL_LAYER = "fused_residual_rmsnorm" in TransformerConfig.__dataclass_fields__
-
-
-def _load_cpu_shims():
-    spec = importlib.util.spec_from_file_location("megatron_cpu", BENCHMARKS / "megatron_cpu.py")
-    module = importlib.util.module_from_spec(spec)
-    # Registered, so that torch.compile, tracing Megatron functions that call its stand-ins, finds it.
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-CPU = _load_cpu_shims()
-
-
-@pytest.fixture(scope="module")
-def megatron_cpu():
-    started = CPU.initialize_megatron_on_cpu()
-    yield
-    CPU.shutdown_megatron_on_cpu(started)
 
 
 def make_config(**fields) -> TransformerConfig:

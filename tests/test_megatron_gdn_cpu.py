@@ -39,9 +39,9 @@ from cake_cute.integrations.megatron import (  # noqa: E402
 )
 
 from ._helpers import assert_bitwise_equal  # noqa: E402
+from ._megatron_cpu import CPU  # noqa: E402
 from .test_megatron_cpu import (  # noqa: E402
     BATCH,
-    CPU,
     HIDDEN,
     SEQ,
     VOCAB,
@@ -108,13 +108,6 @@ def te_stand_ins(megatron_cpu, monkeypatch):
     monkeypatch.setattr("cake_cute.integrations.megatron_specs.HAS_TE", True)
     with CPU.gated_delta_net_without_fla():
         yield
-
-
-@pytest.fixture(scope="module")
-def megatron_cpu():
-    started = CPU.initialize_megatron_on_cpu()
-    yield
-    CPU.shutdown_megatron_on_cpu(started)
 
 
 def _config(**fields):

@@ -42,8 +42,8 @@ from cake_cute.integrations.megatron import (  # noqa: E402
     with_cake_stack_norms,
 )
 
+from ._megatron_cpu import CPU  # noqa: E402
 from .test_megatron_cpu import (  # noqa: E402
-    CPU,
     HAS_FUSED_RESIDUAL_LAYER,
     SEQ,
     _tokens,
@@ -93,13 +93,6 @@ def localized(spec, layers: dict):
         }
         return dataclasses.replace(spec, **fields)
     return spec
-
-
-@pytest.fixture(scope="module")
-def megatron_cpu():
-    started = CPU.initialize_megatron_on_cpu()
-    yield
-    CPU.shutdown_megatron_on_cpu(started)
 
 
 @pytest.fixture
