@@ -10,7 +10,12 @@ from .autograd import CakeRMSNormFunction, cake_rmsnorm  # noqa: E402
 from .dispatch import cake_rmsnorm_train_backward, cake_rmsnorm_train_forward, prepare  # noqa: E402
 from .fp8 import Fp8NormOutput, cake_rmsnorm_fp8  # noqa: E402
 from .fusion import add_rmsnorm, fuse_residual_rmsnorm  # noqa: E402
-from .gated_autograd import cake_gated_rmsnorm  # noqa: E402
+from .gated_autograd import (  # noqa: E402
+    CakeRMSNormSiLUGateFunction,
+    cake_gated_rmsnorm,
+    cake_rmsnorm_silu_gate,
+    cake_rmsnorm_silu_gate_train_forward,
+)
 from .gated_module import CakeGatedRMSNorm  # noqa: E402
 from .gated_swap import GatedNormNotServed, swap_gated_rmsnorm  # noqa: E402
 from .launch import (  # noqa: E402
@@ -28,6 +33,9 @@ if torch.distributed.is_available():
 
 __all__ = [
     "CakeGatedRMSNorm",
+    "CakeRMSNormSiLUGateFunction",
+    "cake_rmsnorm_silu_gate",
+    "cake_rmsnorm_silu_gate_train_forward",
     "GatedNormNotServed",
     "cake_gated_rmsnorm",
     "swap_gated_rmsnorm",

@@ -186,9 +186,10 @@ class GatedCall(NamedTuple):
     weight_offset: float
 
 
-def gated_call(x, z, w, eps, group_size, norm_before_gate, weight_offset) -> GatedCall:
+def gated_call(x, z, w, eps, group_size, norm_before_gate, weight_offset, weight_name="w") -> GatedCall:
     """The gated norm's arguments, before anything runs (the device excepted: the kernels' variant
-    names the architecture, CPU tensors run the CPU kernels).
+    names the architecture, CPU tensors run the CPU kernels); errors name the weight ``weight_name``
+    (FlashInfer's entries call it ``weight``).
 
     Raises
     ------
@@ -197,7 +198,7 @@ def gated_call(x, z, w, eps, group_size, norm_before_gate, weight_offset) -> Gat
     """
     check_activation(x)
     check_like("z", z, x)
-    check_weight(w, x)
+    check_weight(w, x, weight_name)
     check_bool("norm_before_gate", norm_before_gate)
     group_size = check_group_size(group_size, x.shape[-1])
     eps = None if eps is None else check_eps(eps)

@@ -69,10 +69,13 @@ def check_activation(x) -> None:
         raise ArgumentError(f"x's hidden size (last dim) must be in [1, {MAX_HIDDEN}], got {hidden}")
 
 
-def check_weight(w, x) -> None:
-    check_tensor("w", w, dtypes=(x.dtype, torch.float32), device=x.device)
+def check_weight(w, x, name: str = "w") -> None:
+    """The weight (named ``name``): ``[H]`` in x's dtype or fp32, on x's device."""
+    check_tensor(name, w, dtypes=(x.dtype, torch.float32), device=x.device)
     if w.dim() != 1 or w.shape[0] != x.shape[-1]:
-        raise ArgumentError(f"w must have shape ({x.shape[-1]},) to match x's last dim, got {tuple(w.shape)}")
+        raise ArgumentError(
+            f"{name} must have shape ({x.shape[-1]},) to match x's last dim, got {tuple(w.shape)}"
+        )
 
 
 def _check_real(name: str, value, rule: str = "a finite number", ok=math.isfinite) -> float:

@@ -387,3 +387,29 @@ def test_scale_then_round_module_against_its_form(hidden):
     assert (compiled[0].float() - got[0].float()).abs().le(got[0].float().abs() * 2.0**-7 + 1e-6).all()
     for a, b in zip(compiled[1:], got[1:]):
         assert rel_error(a, b.double()) <= tolerance(torch.bfloat16)
+
+
+# --- FlashInfer's names (cake_rmsnorm_silu_gate, CakeRMSNormSiLUGateFunction, ..._train_forward) ---
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
+def test_flashinfer_names_are_the_gated_norm(dtype):
+    """FlashInfer's autograd entries on [T, heads, 128] rows give bitwise what cake_gated_rmsnorm gives
+    (y, dx, dz, dw), and its functional forward writes the same y into a NaN-poisoned ``out``."""
+    from cake_cute import (
+        CakeRMSNormSiLUGateFunction,
+        cake_gated_rmsnorm,
+        cake_rmsnorm_silu_gate,
+        cake_rmsnorm_silu_gate_train_forward,
+    )
+
+    x, z, g = (t.view(129, 4, 128) for t in _inputs(129 * 4, 128, dtype))
+    w = rand_weight(128, dtype)
+    expected = _autograd_run(cake_gated_rmsnorm, x, z, w, g, {})
+    for entry in (cake_rmsnorm_silu_gate, CakeRMSNormSiLUGateFunction.apply):
+        for name, got, want in zip(("y", "dx", "dz", "dw"), _autograd_run(entry, x, z, w, g, {}), expected):
+            assert_bitwise_equal(got, want, name)
+    out = poison(x.shape, dtype)
+    y = cake_rmsnorm_silu_gate_train_forward(x, z, w, EPS, out=out)
+    assert y.data_ptr() == out.data_ptr()
+    assert_bitwise_equal(y, expected[0], "y")
