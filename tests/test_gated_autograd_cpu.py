@@ -206,6 +206,26 @@ def test_dtensor_heads_sharded_placements_and_no_collectives(mesh, placement, fo
         assert torch.equal(got.full_tensor(), expected)
 
 
+@pytest.mark.parametrize("placement", [Shard(0), Shard(1)], ids=str)
+def test_dtensor_flashinfer_function(mesh, placement):
+    """FlashInfer's autograd entry (``CakeRMSNormSiLUGateFunction``) on rows sharded as under tensor
+    parallelism: the placements kept, w's gradient Partial, no collective, cake_gated_rmsnorm's values."""
+    from cake_cute import cake_rmsnorm_silu_gate
+
+    x, z, w, g = _inputs()
+    xd, zd = (distribute_tensor(t, mesh, [placement]).requires_grad_() for t in (x, z))
+    wd = distribute_tensor(w, mesh, [Replicate()]).requires_grad_()
+    gd = distribute_tensor(g, mesh, [placement])
+    with CommDebugMode() as comm:
+        y = cake_rmsnorm_silu_gate(xd, zd, wd, EPS)
+        y.backward(gd)
+    assert comm.get_total_counts() == 0
+    assert y.placements == xd.grad.placements == zd.grad.placements == (placement,)
+    assert wd.grad.placements == (Partial(),)
+    for got, expected in zip((y, xd.grad, zd.grad, wd.grad), _run(cake_gated_rmsnorm, x, z, w, g)):
+        assert torch.equal(got.full_tensor(), expected)
+
+
 def _module_run(norm, x, z, g):
     """y and the gradients (dx, dz, dw) of ``norm`` on fresh leaves."""
     xl, zl = _leaves(x, z)
