@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from . import validation as v
 from .calls import gated_call
-from .gated_ops import gated_rmsnorm_backward, gated_rmsnorm_forward, rstd_shape
+from .gated_ops import forward_of_call, gated_rmsnorm_backward, gated_rmsnorm_forward, rstd_shape
 from .views import as_output, new_output
 
 __all__ = [
@@ -289,6 +289,6 @@ def cake_rmsnorm_silu_gate_train_forward(x, z, weight, eps=1e-6, *, out=None):
         An argument of the wrong kind, dtype, shape or value (named), x on the CPU or an unsupported
         GPU; raised before anything is launched or written.
     """
-    gated_call(x, z, weight, eps, None, True, 0.0, weight_name="weight")
-    y, _rstd = gated_rmsnorm_forward(x, z, weight, eps, out=out)
+    call = gated_call(x, z, weight, eps, None, True, 0.0, weight_name="weight")
+    y, _rstd = forward_of_call(call, out)
     return y

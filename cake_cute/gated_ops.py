@@ -90,8 +90,13 @@ def gated_rmsnorm_forward(
         An argument of the wrong kind, dtype, shape or value, x not on a supported CUDA device
         (named in the message; nothing is launched).
     """
-    call = gated_call(x, z, w, eps, group_size, norm_before_gate, weight_offset)
-    group_size = call.group_size
+    return forward_of_call(gated_call(x, z, w, eps, group_size, norm_before_gate, weight_offset), out, rstd)
+
+
+def forward_of_call(call: GatedCall, out=None, rstd=None):
+    """``gated_rmsnorm_forward`` of arguments ``gated_call`` accepted: the caller-owned outputs checked,
+    then the launch."""
+    x, z, w, group_size = call.x, call.z, call.w, call.group_size
     vec = vector_width(group_size, x.element_size())
     if out is not None:
         _check_output("out", out, x.shape, x.dtype, x.device, vec)
