@@ -10,10 +10,13 @@ from .autograd import CakeRMSNormFunction, cake_rmsnorm  # noqa: E402
 from .dispatch import cake_rmsnorm_train_backward, cake_rmsnorm_train_forward, prepare  # noqa: E402
 from .fp8 import Fp8NormOutput, cake_rmsnorm_fp8  # noqa: E402
 from .fusion import add_rmsnorm, fuse_residual_rmsnorm  # noqa: E402
-from .gated_autograd import (  # noqa: E402
+from .gated_autograd import cake_gated_rmsnorm  # noqa: E402
+from .gated_flashinfer import (  # noqa: E402
     CakeRMSNormSiLUGateFunction,
-    cake_gated_rmsnorm,
     cake_rmsnorm_silu_gate,
+    cake_rmsnorm_silu_gate_train_backward,
+    cake_rmsnorm_silu_gate_train_backward_workspace,
+    cake_rmsnorm_silu_gate_train_backward_workspace_bytes,
     cake_rmsnorm_silu_gate_train_forward,
 )
 from .gated_module import CakeGatedRMSNorm  # noqa: E402
@@ -35,6 +38,9 @@ __all__ = [
     "CakeGatedRMSNorm",
     "CakeRMSNormSiLUGateFunction",
     "cake_rmsnorm_silu_gate",
+    "cake_rmsnorm_silu_gate_train_backward",
+    "cake_rmsnorm_silu_gate_train_backward_workspace",
+    "cake_rmsnorm_silu_gate_train_backward_workspace_bytes",
     "cake_rmsnorm_silu_gate_train_forward",
     "GatedNormNotServed",
     "cake_gated_rmsnorm",

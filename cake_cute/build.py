@@ -161,9 +161,13 @@ def _reduce_kernel(spec: ReduceSpec, config):
 
 def _gated_kernel(spec: GatedSpec, config):
     from .kernels.gated_bwd import GatedRMSNormBackward
-    from .kernels.gated_fwd import GatedRMSNormForward
+    from .kernels.gated_fwd import GatedRMSNormForward, GatedRMSNormStatistics
 
-    kernel_class = GatedRMSNormForward if spec.kind == "gated_fwd" else GatedRMSNormBackward
+    kernel_class = {
+        "gated_fwd": GatedRMSNormForward,
+        "gated_rstd": GatedRMSNormStatistics,
+        "gated_bwd": GatedRMSNormBackward,
+    }[spec.kind]
     dtypes = cutlass_dtype(spec.act_dtype), cutlass_dtype(spec.w_dtype)
     groups = spec.hidden // spec.group_size
     return kernel_class(config, *dtypes, spec.weight_offset, groups, spec.norm_before_gate)
@@ -178,8 +182,8 @@ def _gated_rstd(rows, groups: int):
 
 
 def _gated_arguments(spec: GatedSpec, config) -> tuple:
-    """Forward: x, z, w, y, rstd, eps. Backward: g, x, z, w, rstd, dx, dz, the partial rows, the number
-    of programs (``kernels.gated_fwd``, ``kernels.gated_bwd``)."""
+    """Forward: x, z, w, y, rstd, eps. Statistics: x, z, rstd, eps. Backward: g, x, z, w, rstd, dx, dz,
+    the partial rows, the number of programs (``kernels.gated_fwd``, ``kernels.gated_bwd``)."""
     import cutlass
     import cutlass.cute as cute
 
@@ -189,6 +193,9 @@ def _gated_arguments(spec: GatedSpec, config) -> tuple:
     if spec.kind == "gated_fwd":
         x, z, y = (_rows_tensor(act, rows, H, vec) for _ in range(3))
         return x, z, w, y, rstd, cutlass.Float32(1e-6)
+    if spec.kind == "gated_rstd":
+        x, z = (_rows_tensor(act, rows, H, vec) for _ in range(2))
+        return x, z, rstd, cutlass.Float32(1e-6)
     g, x, z, dx, dz = (_rows_tensor(act, rows, H, vec) for _ in range(5))
     return g, x, z, w, rstd, dx, dz, _partials(H), cutlass.Int32(1)
 
@@ -210,6 +217,12 @@ KINDS: dict[str, KernelKind] = {
     ),
     "gated_fwd": KernelKind(
         partial(GatedSpec, "gated_fwd"),
+        lambda s: gated_forward_config(s.act_dtype, s.hidden, s.group_size),
+        _gated_kernel,
+        _gated_arguments,
+    ),
+    "gated_rstd": KernelKind(
+        partial(GatedSpec, "gated_rstd"),
         lambda s: gated_forward_config(s.act_dtype, s.hidden, s.group_size),
         _gated_kernel,
         _gated_arguments,

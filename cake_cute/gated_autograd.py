@@ -1,7 +1,6 @@
 """The gated RMSNorm kernels (``gated_ops``) as ``torch.library`` custom ops with autograd, their CPU
-kernels and DTensor sharding rules, and the public entries: ``cake_gated_rmsnorm``, and FlashInfer's
-SiLU-gated names (``flashinfer.cake_rmsnorm_silu_gate_train``): ``cake_rmsnorm_silu_gate``,
-``CakeRMSNormSiLUGateFunction`` and ``cake_rmsnorm_silu_gate_train_forward``, the norm-then-gate form.
+kernels and DTensor sharding rules, and the public entry ``cake_gated_rmsnorm`` (FlashInfer's names for
+the norm-then-gate form are in ``gated_flashinfer``).
 
 ``cake_cute::gated_rmsnorm_fwd(x, z, w, eps, group_size, norm_before_gate, weight_offset)`` returns
 ``(y, rstd)``: y like x (contiguous), rstd FP32 shaped ``gated_ops.rstd_shape`` (x's leading dims, then
@@ -26,15 +25,10 @@ import torch.nn.functional as F
 
 from . import validation as v
 from .calls import gated_call
-from .gated_ops import forward_of_call, gated_rmsnorm_backward, gated_rmsnorm_forward, rstd_shape
+from .gated_ops import gated_rmsnorm_backward, gated_rmsnorm_forward, rstd_shape
 from .views import as_output, new_output
 
-__all__ = [
-    "CakeRMSNormSiLUGateFunction",
-    "cake_gated_rmsnorm",
-    "cake_rmsnorm_silu_gate",
-    "cake_rmsnorm_silu_gate_train_forward",
-]
+__all__ = ["cake_gated_rmsnorm"]
 
 _FWD_SCHEMA = (
     "gated_rmsnorm_fwd(Tensor x, Tensor z, Tensor w, float eps, int? group_size=None, "
@@ -213,82 +207,4 @@ def cake_gated_rmsnorm(x, z, w, eps=1e-6, *, group_size=None, norm_before_gate=T
     # naming none, and a DTensor's sharding rule runs on the global shapes before the op's body.
     call = gated_call(x, z, w, eps, group_size, norm_before_gate, weight_offset)
     y, _rstd = torch.ops.cake_cute.gated_rmsnorm_fwd(*call)
-    return y
-
-
-# --- FlashInfer's names ---------------------------------------------------------------------------
-
-
-class CakeRMSNormSiLUGateFunction(torch.autograd.Function):
-    """``y = round(x * rstd * weight * silu(z))`` as a ``torch.autograd.Function`` under FlashInfer's
-    name: ``CakeRMSNormSiLUGateFunction.apply(x, z, weight, eps=1e-6)``.
-
-    Parameters
-    ----------
-    x, z : torch.Tensor
-        ``[..., H]`` input and gate (at least 2-D; FlashInfer's ``[T, heads, 128]`` or
-        ``[T * heads, 128]``), bf16, fp16 or fp32, one dtype, shape and device; CUDA (the kernels) or
-        CPU; DTensors sharded on any dimension but the last, or replicated.
-    weight : torch.Tensor
-        ``[H]`` in x's dtype or fp32.
-    eps : float
-        Added to the mean square; finite, >= 0.
-
-    Returns
-    -------
-    torch.Tensor
-        y like x. Saves ``(x, z, weight, rstd)``; the backward gives x and z their gradients in x's
-        dtype and weight its FP32 fixed-order sum rounded once to weight's dtype.
-
-    Raises
-    ------
-    TypeError, ValueError
-        An argument of the wrong kind, dtype, shape or value, named (``x``, ``z``, ``weight``,
-        ``eps``), before anything runs.
-    """
-
-    @staticmethod
-    def forward(ctx, x, z, weight, eps=1e-6):
-        call = gated_call(x, z, weight, eps, None, True, 0.0, weight_name="weight")
-        y, rstd = torch.ops.cake_cute.gated_rmsnorm_fwd(*call)
-        ctx.save_for_backward(x, z, weight, rstd)
-        return y
-
-    @staticmethod
-    def backward(ctx, g):
-        x, z, weight, rstd = ctx.saved_tensors
-        dx, dz, dw = torch.ops.cake_cute.gated_rmsnorm_bwd(g, x, z, weight, rstd)
-        return dx, dz, dw, None
-
-
-def cake_rmsnorm_silu_gate(x, z, weight, eps=1e-6):
-    """``CakeRMSNormSiLUGateFunction.apply(x, z, weight, eps)``: the differentiable SiLU-gated norm under
-    FlashInfer's name (its arguments and errors)."""
-    return CakeRMSNormSiLUGateFunction.apply(x, z, weight, eps)
-
-
-def cake_rmsnorm_silu_gate_train_forward(x, z, weight, eps=1e-6, *, out=None):
-    """The SiLU-gated norm's forward under FlashInfer's name: ``y = round(x * rstd * weight * silu(z))``,
-    FP32 math, one rounding.
-
-    Parameters
-    ----------
-    x, z, weight, eps
-        As for ``CakeRMSNormSiLUGateFunction``; x on a supported CUDA device.
-    out : torch.Tensor, optional
-        Caller-owned y: x's shape and dtype, contiguous, vector aligned.
-
-    Returns
-    -------
-    torch.Tensor
-        y (``out`` when given).
-
-    Raises
-    ------
-    TypeError, ValueError
-        An argument of the wrong kind, dtype, shape or value (named), x on the CPU or an unsupported
-        GPU; raised before anything is launched or written.
-    """
-    call = gated_call(x, z, weight, eps, None, True, 0.0, weight_name="weight")
-    y, _rstd = forward_of_call(call, out)
     return y

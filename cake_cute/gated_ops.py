@@ -17,9 +17,8 @@ from .compile_cache import kernel
 from .device import DeviceFacts, device_arch, device_facts, on_device, resident_clusters
 from .kernels.gated_config import GatedConfig, gated_backward_config
 from .kernels.tiling import vector_width
-from .launch_plan import partial_row_stride
-from .views import aligned_vector, is_direct_output, kernel_view, new_output, rows_view
-from .vocab import dtype_name
+from .views import aligned_vector, is_direct_output, kernel_view, new_output, partial_rows_view, rows_view
+from .vocab import DTYPE_NAMES, dtype_name
 
 
 def rstd_shape(x: torch.Tensor, group_size: int) -> tuple[int, ...]:
@@ -41,7 +40,7 @@ def _output(given, like: torch.Tensor, shape=None, dtype=None) -> torch.Tensor:
     return new_output(like, shape, dtype) if given is None else given
 
 
-def _variant(call: GatedCall) -> tuple:
+def variant_fields(call: GatedCall) -> tuple:
     """The fields after the kind of the kernels' spec (``specs.GatedSpec``); checks the device."""
     x = call.x
     arch = device_arch(x.device)
@@ -102,7 +101,7 @@ def forward_of_call(call: GatedCall, out=None, rstd=None):
         _check_output("out", out, x.shape, x.dtype, x.device, vec)
     if rstd is not None:
         _check_output("rstd", rstd, rstd_shape(x, group_size), torch.float32, x.device, 1)
-    fields = _variant(call)
+    fields = variant_fields(call)
     hidden = x.shape[-1]
     rows = x.numel() // hidden
     y = _output(out, x)
@@ -168,38 +167,91 @@ def gated_rmsnorm_backward(
         As ``gated_rmsnorm_forward``, and g or rstd of the wrong dtype, shape or device.
     """
     call = gated_call(x, z, w, None, group_size, norm_before_gate, weight_offset)
-    group_size = call.group_size
     v.check_like("g", g, x)
-    v.check_output("rstd", rstd, rstd_shape(x, group_size), torch.float32, x.device)
-    vec = vector_width(group_size, x.element_size())
-    for name, given in (("dx", dx), ("dz", dz)):
-        if given is not None:
-            _check_output(name, given, x.shape, x.dtype, x.device, vec)
+    v.check_output("rstd", rstd, rstd_shape(x, call.group_size), torch.float32, x.device)
+    check_gradient_outputs(call, ("dx", dx), ("dz", dz))
     if dw is not None:
         _check_output("dw", dw, (x.shape[-1],), torch.float32, x.device, 1)
-    fields = _variant(call)
+    fields = variant_fields(call)
     hidden = x.shape[-1]
-    rows = x.numel() // hidden
     dx, dz, dw = _output(dx, x), _output(dz, x), _output(dw, x, (hidden,), torch.float32)
-    if rows == 0:
+    if x.numel() == 0:
         return dx, dz, dw.zero_()
-    groups = hidden // group_size
+    partials = launch_backward(call, fields, g, rstd, dx, dz, backward_programs_of(call, fields))
+    reduce_partials(fields[0], partials, dw)
+    return dx, dz, dw
+
+
+def check_gradient_outputs(call: GatedCall, *named) -> None:
+    """Caller-owned gradients of x and z, as (name, tensor or None) pairs: x's shape, dtype and device,
+    contiguous and vector aligned (the backward writes them directly)."""
+    x = call.x
+    vec = vector_width(call.group_size, x.element_size())
+    for name, given in named:
+        if given is not None:
+            _check_output(name, given, x.shape, x.dtype, x.device, vec)
+
+
+def backward_programs_of(call: GatedCall, fields: tuple) -> int:
+    """``backward_programs`` of a call ``gated_call`` accepted, whose device ``variant_fields`` checked."""
+    x, group_size = call.x, call.group_size
+    hidden = x.shape[-1]
     config = gated_backward_config(fields[0], fields[1], hidden, group_size)
-    programs = backward_programs(rows, config, groups, device_facts(x.device))
-    stride = partial_row_stride(hidden)
-    partials = torch.empty((programs, stride), dtype=torch.float32, device=x.device)[:, :hidden]
-    backward, reduce = kernel("gated_bwd", *fields), kernel("dw", fields[0], "fp32", hidden)
+    return backward_programs(x.numel() // hidden, config, hidden // group_size, device_facts(x.device))
+
+
+def launch_backward(call: GatedCall, fields: tuple, g, rstd, dx, dz, programs: int, workspace=None):
+    """The backward kernel of rows > 0 into dx and dz (caller-owned or fresh, contiguous) with the
+    forward's ``rstd`` over ``programs`` programs (``backward_programs_of``); returns the FP32 partial
+    rows of dW it wrote, carved from the start of the uint8 ``workspace`` when given (which must hold
+    ``launch_plan.partial_rows_bytes`` of them)."""
+    x, group_size = call.x, call.group_size
+    hidden = x.shape[-1]
+    rows, groups = x.numel() // hidden, hidden // group_size
+    vec = vector_width(group_size, x.element_size())
+    partials = partial_rows_view(workspace, programs, hidden, x.device)
     with on_device(x.device):
-        backward(
+        kernel("gated_bwd", *fields)(
             kernel_view(g, vec),
             kernel_view(x, vec),
-            kernel_view(z, vec),
-            aligned_vector(w, vec),
+            kernel_view(call.z, vec),
+            aligned_vector(call.w, vec),
             rstd.reshape(rows, groups).contiguous(),
             rows_view(dx, hidden),
             rows_view(dz, hidden),
             partials,
             programs,
         )
-        reduce(partials, dw)
-    return dx, dz, dw
+    return partials
+
+
+def reduce_partials(arch: str, partials: torch.Tensor, dw: torch.Tensor) -> None:
+    """dw (contiguous; FP32 or a 2-byte dtype) = the fixed-order FP32 sum of the partial rows, rounded
+    once."""
+    with on_device(dw.device):
+        kernel("dw", arch, dtype_name(dw.dtype), dw.shape[0])(partials, dw)
+
+
+def launch_statistics(call: GatedCall, fields: tuple, rstd: torch.Tensor) -> None:
+    """rstd (FP32, contiguous, ``rstd_shape``) of rows > 0 as the forward computes it, bitwise: for a
+    backward whose caller kept none. The kernel reads no weight, so its variant names x's dtype for
+    w's and no offset; z is read only in the gate-then-norm form."""
+    x, group_size = call.x, call.group_size
+    arch, act, _w, hidden, _, norm_before_gate, _offset = fields
+    vec = vector_width(group_size, x.element_size())
+    rows = x.numel() // hidden
+    with on_device(x.device):
+        kernel("gated_rstd", arch, act, act, hidden, group_size, norm_before_gate, 0.0)(
+            kernel_view(x, vec), kernel_view(call.z, vec), rstd.view(rows, hidden // group_size), call.eps
+        )
+
+
+def most_backward_programs(rows: int, hidden: int, group_size: int, facts: DeviceFacts) -> int:
+    """The most programs (partial rows of dW) a gated backward of up to ``rows`` rows runs on this GPU,
+    whatever the activation dtype."""
+    return max(
+        backward_programs(
+            rows, gated_backward_config(facts.arch, act, hidden, group_size), hidden // group_size, facts
+        )
+        for act in DTYPE_NAMES
+    )

@@ -21,7 +21,15 @@ from .compile_cache import kernel
 from .device import device_arch, device_facts, on_device
 from .kernels.config import on_override_change
 from .operands import operands_of
-from .views import aligned_vector, finish, kernel_view, output_like, rows_view, vector_output
+from .views import (
+    aligned_vector,
+    finish,
+    kernel_view,
+    output_like,
+    partial_rows_view,
+    rows_view,
+    vector_output,
+)
 from .vocab import DTYPE_NAMES, dtype_name
 
 
@@ -128,17 +136,6 @@ def cake_rmsnorm_train_backward_workspace(rows, hidden, device, *, residual=Fals
     return torch.zeros(nbytes, dtype=torch.uint8, device=device)
 
 
-def _partial_rows_view(workspace, partial_rows: int, hidden: int, device) -> torch.Tensor:
-    """The FP32 (partial_rows, H) view (row stride padded to 4) the backward writes dW rows into: carved
-    from the caller's workspace, or freshly allocated."""
-    stride = launch_plan.partial_row_stride(hidden)
-    if workspace is None:
-        partials = torch.empty((partial_rows, stride), dtype=torch.float32, device=device)
-    else:
-        partials = workspace[: partial_rows * stride * 4].view(torch.float32).view(partial_rows, stride)
-    return partials if stride == hidden else partials[:, :hidden]
-
-
 def backward_from_saved(g, h, w, rstd, g_residual, weight_offset: float, from_output: bool = False):
     """The backward for autograd: h, w, rstd are what the forward validated and saved (h is y when
     ``from_output``: the memory-efficient mode), and the engine has already matched g (and g_residual)
@@ -222,7 +219,7 @@ def launch_backward(call: BackwardCall):
         bwd, reduce = backward_kernels(
             operands, residual, call.weight_offset, call.dw_dtype, len(g_parts), call.from_output
         )
-        partials = _partial_rows_view(call.workspace, plan.partial_rows, hidden, operands.device)
+        partials = partial_rows_view(call.workspace, plan.partial_rows, hidden, operands.device)
         rstd = call.rstd
         with on_device(operands.device):
             bwd(

@@ -53,13 +53,14 @@ class ReduceSpec:
 
 @dataclass(frozen=True)
 class GatedSpec:
-    """A gated RMSNorm forward (``"gated_fwd"``) or backward (``"gated_bwd"``, dx and dz with FP32
-    partial rows of dW): rows of ``act_dtype`` and their gate, a weight of ``w_dtype``, hidden size
-    ``hidden`` normalized in groups of ``group_size`` columns (``hidden`` itself in the norm-then-gate
-    form, ``norm_before_gate``), the Gemma-style ``weight_offset`` compiled in (see
-    ``kernels.gated_fwd``)."""
+    """A gated RMSNorm forward (``"gated_fwd"``), its statistics alone (``"gated_rstd"``: rstd, no y) or
+    backward (``"gated_bwd"``, dx and dz with FP32 partial rows of dW): rows of ``act_dtype`` and their
+    gate, a weight of ``w_dtype``, hidden size ``hidden`` normalized in groups of ``group_size`` columns
+    (``hidden`` itself in the norm-then-gate form, ``norm_before_gate``), the Gemma-style
+    ``weight_offset`` compiled in (see ``kernels.gated_fwd``). The statistics read no weight: their
+    spec carries x's dtype as ``w_dtype`` and no offset (``gated_ops.statistics_fields``)."""
 
-    kind: str  # "gated_fwd" or "gated_bwd"
+    kind: str  # "gated_fwd", "gated_rstd" or "gated_bwd"
     arch: str  # vocab.SUPPORTED_ARCHS
     act_dtype: str  # vocab.DTYPE_NAMES
     w_dtype: str

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from .kernels.tiling import VECTOR_BYTES
+from .launch_plan import partial_row_stride
 
 _CONTIGUOUS = torch.contiguous_format
 
@@ -105,3 +106,15 @@ def finish(written: torch.Tensor, caller):
         return written
     caller.copy_(written)
     return caller
+
+
+def partial_rows_view(workspace, partial_rows: int, hidden: int, device) -> torch.Tensor:
+    """The FP32 (partial_rows, H) view (row stride padded to whole vectors:
+    ``launch_plan.partial_row_stride``) a backward writes its dW rows into: the start of the caller's
+    uint8 workspace (or of a slice of it starting on a 16-byte boundary), or a fresh buffer."""
+    stride = partial_row_stride(hidden)
+    if workspace is None:
+        partials = torch.empty((partial_rows, stride), dtype=torch.float32, device=device)
+    else:
+        partials = workspace[: partial_rows * stride * 4].view(torch.float32).view(partial_rows, stride)
+    return partials if stride == hidden else partials[:, :hidden]

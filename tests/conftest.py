@@ -69,3 +69,41 @@ def megatron_cpu():
     started = CPU.initialize_megatron_on_cpu()
     yield
     CPU.shutdown_megatron_on_cpu(started)
+
+
+# What the stand-in of the dW reduction writes into its output, so that what the host does with dw
+# afterwards can be seen.
+RECORDED_DW = 0.25
+
+
+class _Recorder:
+    """Stands in for a compiled kernel: records the arguments of each launch (a dW reduction writes
+    ``RECORDED_DW`` into its output)."""
+
+    def __init__(self, fields, calls):
+        self.fields, self.calls = fields, calls
+
+    def __call__(self, *args):
+        self.calls.append((self.fields, args))
+        if self.fields[0] == "dw":
+            args[1].fill_(RECORDED_DW)
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """The gated host path (``gated_ops``) down to the launches on CPU tensors: an sm_90a device of 132
+    SMs, and kernels that record their fields and arguments (``(fields, args)`` in launch order)."""
+    import contextlib
+
+    from cake_cute import gated_ops
+    from cake_cute.device import DeviceFacts
+
+    calls = []
+    monkeypatch.setattr(gated_ops, "device_arch", lambda device: "sm_90a")
+    monkeypatch.setattr(
+        gated_ops, "device_facts", lambda device: DeviceFacts(0, "test", (9, 0), "sm_90a", 132)
+    )
+    monkeypatch.setattr(gated_ops, "resident_clusters", lambda *args: 264)
+    monkeypatch.setattr(gated_ops, "on_device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(gated_ops, "kernel", lambda *fields: _Recorder(fields, calls))
+    return calls

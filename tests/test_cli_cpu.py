@@ -235,8 +235,9 @@ def test_fp8_adds_the_quantizing_forwards(tmp_path, monkeypatch, capsys):
 
 def test_gated_adds_the_gated_norms_kernels(tmp_path, monkeypatch, capsys):
     """``--gated 128,8192/1024``: per form the fused forward and backward in both orders, the FP32 dW
-    reduction, and what the other cast policies launch in bf16 (the gate-then-norm fused kernels with a
-    unit weight, the plain kernels at the group's width, in FP32 too for groups under
+    reduction, for whole rows the statistics kernel and dW in the weight's dtype (FlashInfer's
+    functional backward), and what the other cast policies launch in bf16 (the gate-then-norm fused
+    kernels with a unit weight, the plain kernels at the group's width, in FP32 too for groups under
     ``"scale_then_round"``); the plain variants of --hidden first."""
     plain = _warmed_specs(monkeypatch, tmp_path, *ONE_ARCH_PLAIN)
     asked = _warmed_specs(monkeypatch, tmp_path, *ONE_ARCH_PLAIN, "--gated", "128,8192/1024")
@@ -247,9 +248,10 @@ def test_gated_adds_the_gated_norms_kernels(tmp_path, monkeypatch, capsys):
         "cake_gated_bwd_sm_90a_bf16_wbf16_h128_nbg_off0",
         "cake_gated_bwd_sm_90a_bf16_wbf16_h128_gbn128_off0",
         "cake_dw_sm_90a_fp32_h128",
+        "cake_gated_rstd_sm_90a_bf16_wbf16_h128_nbg_off0",
+        "cake_dw_sm_90a_bf16_h128",
         "cake_fwd_sm_90a_bf16_wbf16_h128_off0",
         "cake_bwd_sm_90a_bf16_wbf16_h128_off0",
-        "cake_dw_sm_90a_bf16_h128",
         "cake_gated_fwd_sm_90a_bf16_wbf16_h8192_nbg1024_off0",
         "cake_gated_fwd_sm_90a_bf16_wbf16_h8192_gbn1024_off0",
         "cake_gated_bwd_sm_90a_bf16_wbf16_h8192_nbg1024_off0",
@@ -262,7 +264,7 @@ def test_gated_adds_the_gated_norms_kernels(tmp_path, monkeypatch, capsys):
         "cake_fwd_sm_90a_fp32_wfp32_h1024_off0",
         "cake_bwd_sm_90a_fp32_wfp32_h1024_off0",
     ]
-    assert "warmup: 23 variants, compiled 23, " in capsys.readouterr().out.splitlines()[-1]
+    assert "warmup: 24 variants, compiled 24, " in capsys.readouterr().out.splitlines()[-1]
 
 
 @pytest.mark.parametrize("policy", ["one_rounding", "round_then_scale", "scale_then_round"])
@@ -273,7 +275,7 @@ def test_the_gated_warmup_holds_every_kernel_a_gated_module_launches(
     monkeypatch, policy, dtype, w_mode, group_size, norm_before_gate
 ):
     """What a ``CakeGatedRMSNorm`` hands to the kernels (the gated entry, or the plain norm for the
-    class's own casts), as the launches name their variants (``gated_ops._variant``; the plain
+    class's own casts), as the launches name their variants (``gated_ops.variant_fields``; the plain
     launch's fields), is among ``gated_variant_specs`` of its form, dtype, weight dtype and offset."""
     launched = []
     real_gated, real_plain = gated_module.cake_gated_rmsnorm, gated_module.cake_rmsnorm
@@ -282,7 +284,7 @@ def test_the_gated_warmup_holds_every_kernel_a_gated_module_launches(
         call = gated_call(
             x, z, w, eps, options["group_size"], options["norm_before_gate"], options["weight_offset"]
         )
-        fields = gated_ops._variant(call)
+        fields = gated_ops.variant_fields(call)
         launched.extend(make_spec(kind, *fields) for kind in warmup.GATED_KINDS)
         launched.append(make_spec("dw", "sm_90a", "fp32", x.shape[-1]))
         return real_gated(x, z, w, eps, **options)
@@ -309,6 +311,22 @@ def test_the_gated_warmup_holds_every_kernel_a_gated_module_launches(
     norm(x, z)
     warmed = warmup.gated_variant_specs(["sm_90a"], [dtype], [(64, group_size or 64)], [w_mode], 0.5)
     assert launched and set(launched) <= set(warmed), set(launched) - set(warmed)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("w_mode", ["same", "fp32"])
+def test_the_gated_warmup_holds_flashinfers_functional_backward(launches, dtype, w_mode):
+    """What ``cake_rmsnorm_silu_gate_train_backward`` launches (the statistics kernel, the backward,
+    dW in the weight's dtype) is among ``gated_variant_specs`` of its whole-row form."""
+    from cake_cute import cake_rmsnorm_silu_gate_train_backward
+
+    act = torch_dtype(dtype)
+    x, z, g = (torch.randn(3, 2, 128, dtype=act) for _ in range(3))
+    w = torch.ones(128, dtype=act if w_mode == "same" else torch.float32)
+    cake_rmsnorm_silu_gate_train_backward(g, x, z, w)
+    launched = [make_spec(*fields) for fields, _ in launches]
+    warmed = warmup.gated_variant_specs(["sm_90a"], [dtype], [(128, 128)], [w_mode])
+    assert len(launched) == 3 and set(launched) <= set(warmed), set(launched) - set(warmed)
 
 
 # Two archs, bf16 and FP32 rows, w in x's dtype and in FP32, residual off and on, Gemma's offset:

@@ -276,15 +276,24 @@ SPECS = [
     for w in dict.fromkeys((act, "fp32"))
     if w == act or (hidden, group) in ((128, 128), (4096, 1024))
 ] + [make_spec(kind, "sm_90a", "fp16", "fp16", 100, 100, True, 1.0) for kind in ("gated_fwd", "gated_bwd")]
+# The statistics kernel (rstd alone, FlashInfer's functional backward): whole rows normalized then
+# gated, and groups gated then normalized (it reads z only there).
+STATISTICS_SPECS = [
+    make_spec("gated_rstd", arch, act, act, hidden, group, nbg, 0.0)
+    for arch in ARCHS
+    for act in DTYPES
+    for hidden, group, nbg in [(128, 128, True), (100, 100, True), (8192, 8192, True), (2048, 512, False)]
+]
 
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("CAKE_CUTE_CACHE_DIR", str(tmp_path_factory.mktemp("gated_kernels")))
-        result = warm(SPECS, jobs=2)
+        specs = SPECS + STATISTICS_SPECS
+        result = warm(specs, jobs=2)
         assert not result.failed, {o.spec.name(): o.error for o in result.failed}
-        return dict(zip(SPECS, collect_reports(SPECS, jobs=2)))
+        return dict(zip(specs, collect_reports(specs, jobs=2)))
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name())
@@ -305,31 +314,16 @@ def test_compiled_variant(reports, spec):
         assert report["l2_bulk_prefetches"] == expected
 
 
-class _Recorder:
-    """Stands in for a compiled kernel: records the arguments of each launch."""
-
-    def __init__(self, fields, calls):
-        self.fields, self.calls = fields, calls
-
-    def __call__(self, *args):
-        self.calls.append((self.fields, args))
-
-
-@pytest.fixture
-def launches(monkeypatch):
-    """The host path down to the launches on CPU tensors: an sm_90a device of 132 SMs, and kernels
-    that record their arguments."""
-    import contextlib
-
-    calls = []
-    monkeypatch.setattr(gated_ops, "device_arch", lambda device: "sm_90a")
-    monkeypatch.setattr(
-        gated_ops, "device_facts", lambda device: DeviceFacts(0, "test", (9, 0), "sm_90a", 132)
-    )
-    monkeypatch.setattr(gated_ops, "resident_clusters", lambda *args: 264)
-    monkeypatch.setattr(gated_ops, "on_device", lambda device: contextlib.nullcontext())
-    monkeypatch.setattr(gated_ops, "kernel", lambda *fields: _Recorder(fields, calls))
-    return calls
+@pytest.mark.parametrize("spec", STATISTICS_SPECS, ids=lambda s: s.name())
+def test_statistics_kernel_reads_x_and_writes_rstd_alone(reports, spec):
+    """No spill, no atomic; per thread, one load of each of its vectors of x (and of z when the gate
+    comes first) and one 32-bit store (its row's rstd): no weight, no y."""
+    report = reports[spec]
+    assert spill_free(report) and report["local_loads"] == report["local_stores"] == 0, report
+    assert report["global_atomics"] == 0
+    operands = 1 if spec.norm_before_gate else 2
+    assert report["ldg_count"] == operands * config_for(spec).tiling.vecs_per_thread, report
+    assert report["stg_counts"] == {32: 1}, report
 
 
 def test_forward_launch_arguments(launches):

@@ -413,3 +413,110 @@ def test_flashinfer_names_are_the_gated_norm(dtype):
     y = cake_rmsnorm_silu_gate_train_forward(x, z, w, EPS, out=out)
     assert y.data_ptr() == out.data_ptr()
     assert_bitwise_equal(y, expected[0], "y")
+
+
+# --- FlashInfer's functional backward: rstd recomputed by the statistics kernel --------------------
+
+
+@pytest.mark.parametrize("rows", (1, 129, 4096))
+@pytest.mark.parametrize("shape", SHAPES, ids=_shape_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
+def test_statistics_kernel_is_the_forwards_rstd(dtype, shape, rows):
+    """The statistics kernel writes, into a NaN-poisoned rstd, bitwise the forward's rstd (both
+    forms: it reads z only when the gate comes first)."""
+    from cake_cute.calls import gated_call
+    from cake_cute.gated_ops import launch_statistics, variant_fields
+
+    x, z, _ = _inputs(rows, shape[0], dtype)
+    w = rand_weight(shape[0], dtype)
+    options = _options(shape)
+    _, expected = run_forward(x, z, w, options)
+    call = gated_call(x, z, w, EPS, options["group_size"], options["norm_before_gate"], 0.0)
+    rstd = poison(expected.shape, torch.float32)
+    launch_statistics(call, variant_fields(call), rstd)
+    assert_bitwise_equal(rstd, expected, "rstd")
+
+
+def _flashinfer_expected(x, z, w, g):
+    """(dx, dz, dw in w's dtype, dw in FP32) of the autograd path (the forward's saved rstd)."""
+    from cake_cute import cake_rmsnorm_silu_gate
+
+    _, dx, dz, dw = _autograd_run(cake_rmsnorm_silu_gate, x, z, w, g, {})
+    _, rstd = gated_rmsnorm_forward(x, z, w, EPS)
+    _, _, dw32 = gated_rmsnorm_backward(g, x, z, w, rstd)
+    return dx, dz, dw, dw32
+
+
+@pytest.mark.parametrize("hidden", (64, 128, 256))
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
+def test_flashinfer_functional_backward_is_the_autograd_backward(dtype, hidden):
+    """``cake_rmsnorm_silu_gate_train_backward`` into NaN-poisoned grad_x, grad_z and grad_weight,
+    with one sized workspace reused by calls of different T: bitwise the autograd backward's dx, dz
+    and dw; accumulating gives the FP32 sum rounded once; without the weight gradient, the same dx
+    and dz; strided rows are read in place to the same bits."""
+    from cake_cute import (
+        cake_rmsnorm_silu_gate_train_backward,
+        cake_rmsnorm_silu_gate_train_backward_workspace,
+    )
+
+    workspace = cake_rmsnorm_silu_gate_train_backward_workspace(4 * 129, "cuda", hidden=hidden)
+    for tokens in (129, 7):
+        x, z, g = (t.view(tokens, 4, hidden) for t in _inputs(tokens * 4, hidden, dtype))
+        w = rand_weight(hidden, dtype)
+        dx_want, dz_want, dw_want, dw32 = _flashinfer_expected(x, z, w, g)
+        grad_x, grad_z, grad_w = poison(x.shape, dtype), poison(x.shape, dtype), poison((hidden,), dtype)
+        dx, dz, dw = cake_rmsnorm_silu_gate_train_backward(
+            g, x, z, w, EPS, grad_x=grad_x, grad_z=grad_z, grad_weight=grad_w, workspace=workspace
+        )
+        assert dx is grad_x and dz is grad_z and dw is grad_w
+        for name, got, want in (("dx", dx, dx_want), ("dz", dz, dz_want), ("dw", dw, dw_want)):
+            assert_bitwise_equal(got, want, name)
+        start = rand_weight(hidden, torch.float32)
+        accumulated = start.clone()
+        cake_rmsnorm_silu_gate_train_backward(
+            g, x, z, w, EPS, grad_weight=accumulated, accumulate_grad_weight=True
+        )
+        assert_bitwise_equal(accumulated, start + dw32, "accumulated dw")
+        dx2, dz2, none = cake_rmsnorm_silu_gate_train_backward(g, x, z, w, EPS, compute_grad_weight=False)
+        assert none is None
+        assert_bitwise_equal(dx2, dx_want, "dx")
+        assert_bitwise_equal(dz2, dz_want, "dz")
+    wide = torch.randn(tokens, 4, hidden + 8, device="cuda").to(dtype)
+    wide[..., :hidden] = x
+    strided = wide[..., :hidden]
+    dx3, dz3, dw3 = cake_rmsnorm_silu_gate_train_backward(g, strided, z, w, EPS)
+    for name, got, want in (("dx", dx3, dx_want), ("dz", dz3, dz_want), ("dw", dw3, dw_want)):
+        assert_bitwise_equal(got, want, name)
+
+
+def test_flashinfer_functional_backward_in_a_cuda_graph():
+    """With its outputs and workspace given, the functional backward captures in a CUDA graph; a replay
+    on new inputs copied into the static ones gives the eager bits."""
+    from cake_cute import (
+        cake_rmsnorm_silu_gate_train_backward,
+        cake_rmsnorm_silu_gate_train_backward_workspace,
+    )
+
+    from ._helpers import warm_up_before_capture
+
+    dtype = torch.bfloat16
+    x, z, g = (t.view(129, 4, 128) for t in _inputs(129 * 4, 128, dtype))
+    w = rand_weight(128, dtype)
+    workspace = cake_rmsnorm_silu_gate_train_backward_workspace(129 * 4, "cuda")
+    outputs = dict(grad_x=torch.empty_like(x), grad_z=torch.empty_like(x), grad_weight=torch.empty_like(w))
+
+    def step():
+        return cake_rmsnorm_silu_gate_train_backward(g, x, z, w, EPS, **outputs, workspace=workspace)
+
+    warm_up_before_capture(step)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    x2, z2, g2 = (t.view(129, 4, 128) for t in _inputs(129 * 4, 128, dtype))
+    for static, new in ((x, x2), (z, z2), (g, g2)):
+        static.copy_(new)
+    graph.replay()
+    torch.cuda.synchronize()
+    expected = cake_rmsnorm_silu_gate_train_backward(g2, x2, z2, w, EPS)
+    for name, got, want in zip(("dx", "dz", "dw"), outputs.values(), expected):
+        assert_bitwise_equal(got, want, name)

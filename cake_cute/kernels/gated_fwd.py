@@ -24,6 +24,10 @@ so y and rstd of a row are bitwise independent of T and of the other rows.
 
 Bytes moved: reads x and z once and w once per CTA (an L2 hit after the first), writes y once and 4
 bytes of rstd per segment: 3 * T*H*act_bytes + 4*T*H/L from HBM.
+
+The statistics alone (``GatedRMSNormStatistics``: rstd for a backward whose caller kept none, FlashInfer's
+functional one) are this kernel without w and y, and without z in the norm-then-gate form: the same
+tiling and row sums, so rstd is bitwise the forward's; T*H*act_bytes (twice that with the gate) + 4*T*H/L.
 """
 
 from __future__ import annotations
@@ -110,18 +114,23 @@ class GatedRMSNormForward(GatedKernel):
 
     @cute.kernel
     def kernel(self, mX, mZ, mW, mY, mRstd, eps: Float32):
+        """mW and mY are None in the statistics kernel (``GatedRMSNormStatistics``): then nothing but
+        rstd is written, and z is read only where the statistics need it (gate then norm)."""
         t = self.tiling
         tidx, bidx, group = self.cta_position()
         rows = mX.shape[0]
         smem = cutlass.memory.SmemAllocator()
         buffers = allocate_reduction_buffers(smem, t)
+        writes_y = const_expr(mY is not None)
+        reads_z = const_expr(writes_y or not self.norm_before_gate)
 
-        mX, mZ, mY, mW = [self.group_view(m, group) for m in (mX, mZ, mY, mW)]
+        operands = (mX, mZ, mY, mW) if writes_y else (mX, mZ)
+        mX, mZ, *written = [self.group_view(m, group) for m in operands]
         thr, _, pred, row_in_cta, lane_in_row = self.thread_slice(mX.shape, tidx, (0, 0))
         row = bidx * t.rows_per_cta + row_in_cta
         copy_act = self.row_copy(pred)
-        tXgX, tXgZ, tXgY = [
-            thr.partition_S(cute.local_tile(m, tile_shape(t), (bidx, 0))) for m in (mX, mZ, mY)
+        tXgX, tXgZ, *tXgY = [
+            thr.partition_S(cute.local_tile(m, tile_shape(t), (bidx, 0))) for m in (mX, mZ, *written[:1])
         ]
         # Rows past T and columns past the segment stay zero in registers.
         tXrX = cute.make_rmem_tensor_like(tXgX)
@@ -130,10 +139,14 @@ class GatedRMSNormForward(GatedKernel):
         tXrZ.fill(0)
         if row < rows:
             copy_act(tXgX, tXrX)
-            copy_act(tXgZ, tXrZ)
-        tXrW = self.load_weight(self.weight_cells(mW, thr, tile_shape(t), 0), pred)
+            if const_expr(reads_z):
+                copy_act(tXgZ, tXrZ)
+        if const_expr(writes_y):
+            tXrW = self.load_weight(self.weight_cells(written[1], thr, tile_shape(t), 0), pred)
 
-        silu, _ = self.gate(tXrZ.load().to(Float32))
+        silu = None
+        if const_expr(reads_z):
+            silu, _ = self.gate(tXrZ.load().to(Float32))
         h = tXrX.load().to(Float32)
         if const_expr(not self.norm_before_gate):
             h = h * silu
@@ -141,10 +154,22 @@ class GatedRMSNormForward(GatedKernel):
         if row < rows and lane_in_row == 0:
             mRstd[row, group] = rstd
 
-        y = h * rstd * self.widen_weight(tXrW.load())
-        if const_expr(self.norm_before_gate):
-            y = y * silu
-        tXrY = cute.make_rmem_tensor_like(tXgY)
-        tXrY.store(y.to(self.act_dtype))
-        if row < rows:
-            copy_act(tXrY, tXgY)
+        if const_expr(writes_y):
+            y = h * rstd * self.widen_weight(tXrW.load())
+            if const_expr(self.norm_before_gate):
+                y = y * silu
+            tXrY = cute.make_rmem_tensor_like(tXgY[0])
+            tXrY.store(y.to(self.act_dtype))
+            if row < rows:
+                copy_act(tXrY, tXgY[0])
+
+
+class GatedRMSNormStatistics(GatedRMSNormForward):
+    """rstd alone, bitwise the forward's (its kernel without w and y): one compiled kernel per (arch,
+    dtype, H, group size, form) and the forward's ``gated_config.GatedConfig``. Arguments: x, z (not
+    read in the norm-then-gate form), rstd (T, H / L), eps."""
+
+    @cute.jit
+    def __call__(self, mX: cute.Tensor, mZ: cute.Tensor, mRstd: cute.Tensor, eps: Float32, stream):
+        ctas = cute.ceil_div(mX.shape[0], self.tiling.rows_per_cta)
+        self.kernel(mX, mZ, None, None, mRstd, eps).launch(**self.launch_shape(ctas), stream=stream)

@@ -115,9 +115,9 @@ def gated_variant_specs(
     w_modes: Iterable[str] = ("same",),
     weight_offset: float = 0.0,
 ) -> list[KernelSpec | GatedSpec | ReduceSpec]:
-    """Every kernel a gated norm (``CakeGatedRMSNorm``, ``cake_gated_rmsnorm``) of these forms can
-    launch when called with a gate, under any cast policy (``gated_module``; a module called
-    without a gate runs plain kernels, which ``variant_specs`` gives).
+    """Every kernel a gated norm (``CakeGatedRMSNorm``, ``cake_gated_rmsnorm``, FlashInfer's SiLU-gated
+    names) of these forms can launch when called with a gate, under any cast policy (``gated_module``;
+    a module called without a gate runs plain kernels, which ``variant_specs`` gives).
 
     Parameters
     ----------
@@ -134,12 +134,13 @@ def gated_variant_specs(
     -------
     list
         Per (arch, dtype, form): the fused forward and backward in both orders (norm then gate, gate
-        then norm) for each weight dtype, and the FP32 dW reduction; in bf16 and fp16 also what the
-        other policies launch: under ``"round_then_scale"`` the fused kernels of the gate-then-norm
-        order with a unit weight of x's dtype and no offset, and for the norm-then-gate order the
-        plain norm's kernels at G (unit weight, no residual); under ``"scale_then_round"`` the plain
-        kernels with the weight (whole rows) or the FP32 ones at G (groups). Duplicates removed,
-        order kept.
+        then norm) for each weight dtype, and the FP32 dW reduction; for whole rows also what
+        FlashInfer's functional backward adds (the statistics kernel, dW in the weight's dtype); in
+        bf16 and fp16 also what the other policies launch: under ``"round_then_scale"`` the fused
+        kernels of the gate-then-norm order with a unit weight of x's dtype and no offset, and for
+        the norm-then-gate order the plain norm's kernels at G (unit weight, no residual); under
+        ``"scale_then_round"`` the plain kernels with the weight (whole rows) or the FP32 ones at G
+        (groups). Duplicates removed, order kept.
     """
     specs: list = []
     for arch, act, (hidden, group), w_mode in itertools.product(archs, dtypes, forms, w_modes):
@@ -147,6 +148,9 @@ def gated_variant_specs(
         for kind, norm_before_gate in itertools.product(GATED_KINDS, (True, False)):
             specs.append(GatedSpec(kind, arch, act, w, hidden, group, norm_before_gate, weight_offset))
         specs.append(ReduceSpec(arch, "fp32", hidden))
+        if group == hidden:  # FlashInfer's functional backward: its statistics, dW in w's dtype
+            specs.append(GatedSpec("gated_rstd", arch, act, act, hidden, hidden, True))
+            specs.append(ReduceSpec(arch, w, hidden))
         if act != "fp32":
             specs += [GatedSpec(kind, arch, act, act, hidden, group, False) for kind in GATED_KINDS]
             specs += variant_specs([arch], [act], [group], residuals=(False,))

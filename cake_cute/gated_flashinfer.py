@@ -1,0 +1,324 @@
+"""FlashInfer's SiLU-gated training names (``flashinfer.cake_rmsnorm_silu_gate_train``) on the gated
+kernels' norm-then-gate form, so that code written against that module switches by its import:
+``cake_rmsnorm_silu_gate`` and ``CakeRMSNormSiLUGateFunction`` (differentiable, through the custom ops
+of ``gated_autograd``), and the functional ``cake_rmsnorm_silu_gate_train_forward``,
+``cake_rmsnorm_silu_gate_train_backward`` and its workspace helpers (CUDA, ``gated_ops``).
+
+FlashInfer's functional forward returns no rstd, so its backward recomputes the statistics from x: here
+a statistics kernel (the forward's tiling and row sums, so rstd is bitwise the forward's) reads x once
+before the backward kernel, and dx, dz and dw are bitwise what the autograd backward gives. Errors name
+FlashInfer's arguments (``weight``, ``grad_out``, ``grad_weight``, ...).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import gated_autograd  # noqa: F401  (registers the custom ops the Function calls)
+from . import validation as v
+from .calls import gated_call
+from .device import device_arch, device_facts
+from .gated_ops import (
+    backward_programs_of,
+    check_gradient_outputs,
+    forward_of_call,
+    launch_backward,
+    launch_statistics,
+    most_backward_programs,
+    reduce_partials,
+    variant_fields,
+)
+from .kernels.gated_config import MAX_SEGMENT
+from .launch_plan import partial_rows_bytes
+from .views import finish, new_output, vector_output
+
+__all__ = [
+    "CakeRMSNormSiLUGateFunction",
+    "cake_rmsnorm_silu_gate",
+    "cake_rmsnorm_silu_gate_train_backward",
+    "cake_rmsnorm_silu_gate_train_backward_workspace",
+    "cake_rmsnorm_silu_gate_train_backward_workspace_bytes",
+    "cake_rmsnorm_silu_gate_train_forward",
+]
+
+# FlashInfer's rows: head_dim 128.
+FLASHINFER_HIDDEN = 128
+
+
+class CakeRMSNormSiLUGateFunction(torch.autograd.Function):
+    """``y = round(x * rstd * weight * silu(z))`` as a ``torch.autograd.Function`` under FlashInfer's
+    name: ``CakeRMSNormSiLUGateFunction.apply(x, z, weight, eps=1e-6)``.
+
+    Parameters
+    ----------
+    x, z : torch.Tensor
+        ``[..., H]`` input and gate (at least 2-D; FlashInfer's ``[T, heads, 128]`` or
+        ``[T * heads, 128]``), bf16, fp16 or fp32, one dtype, shape and device; CUDA (the kernels) or
+        CPU; DTensors sharded on any dimension but the last, or replicated.
+    weight : torch.Tensor
+        ``[H]`` in x's dtype or fp32.
+    eps : float
+        Added to the mean square; finite, >= 0.
+
+    Returns
+    -------
+    torch.Tensor
+        y like x. Saves ``(x, z, weight, rstd)``; the backward gives x and z their gradients in x's
+        dtype and weight its FP32 fixed-order sum rounded once to weight's dtype.
+
+    Raises
+    ------
+    TypeError, ValueError
+        An argument of the wrong kind, dtype, shape or value, named (``x``, ``z``, ``weight``,
+        ``eps``), before anything runs.
+    """
+
+    @staticmethod
+    def forward(ctx, x, z, weight, eps=1e-6):
+        call = gated_call(x, z, weight, eps, None, True, 0.0, weight_name="weight")
+        y, rstd = torch.ops.cake_cute.gated_rmsnorm_fwd(*call)
+        ctx.save_for_backward(x, z, weight, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        x, z, weight, rstd = ctx.saved_tensors
+        dx, dz, dw = torch.ops.cake_cute.gated_rmsnorm_bwd(g, x, z, weight, rstd)
+        return dx, dz, dw, None
+
+
+def cake_rmsnorm_silu_gate(x, z, weight, eps=1e-6):
+    """``CakeRMSNormSiLUGateFunction.apply(x, z, weight, eps)``: the differentiable SiLU-gated norm under
+    FlashInfer's name (its arguments and errors)."""
+    return CakeRMSNormSiLUGateFunction.apply(x, z, weight, eps)
+
+
+def cake_rmsnorm_silu_gate_train_forward(x, z, weight, eps=1e-6, *, out=None):
+    """The SiLU-gated norm's forward under FlashInfer's name: ``y = round(x * rstd * weight * silu(z))``,
+    FP32 math, one rounding.
+
+    Parameters
+    ----------
+    x, z, weight, eps
+        As for ``CakeRMSNormSiLUGateFunction``; x on a supported CUDA device.
+    out : torch.Tensor, optional
+        Caller-owned y: x's shape and dtype, contiguous, vector aligned.
+
+    Returns
+    -------
+    torch.Tensor
+        y (``out`` when given).
+
+    Raises
+    ------
+    TypeError, ValueError
+        An argument of the wrong kind, dtype, shape or value (named), x on the CPU or an unsupported
+        GPU; raised before anything is launched or written.
+    """
+    call = gated_call(x, z, weight, eps, None, True, 0.0, weight_name="weight")
+    y, _rstd = forward_of_call(call, out)
+    return y
+
+
+def _padded(nbytes: int) -> int:
+    """``nbytes`` rounded up to whole 16-byte vectors, so the next region starts aligned."""
+    return -(-nbytes // 16) * 16
+
+
+def _scratch_bytes(rows: int, hidden: int) -> int:
+    """The workspace's first regions: rstd (FP32 per row), then an FP32 dw (``accumulate_grad_weight``
+    sums into it before adding it to ``grad_weight``); the partial rows of dW follow."""
+    return _padded(4 * rows) + _padded(4 * hidden)
+
+
+def cake_rmsnorm_silu_gate_train_backward_workspace_bytes(
+    rows, device, *, deterministic=True, hidden=FLASHINFER_HIDDEN
+) -> int:
+    """Bytes of the workspace a ``cake_rmsnorm_silu_gate_train_backward`` of up to ``rows`` rows needs.
+
+    It holds rstd (recomputed), an FP32 dw and the backward's FP32 partial rows of dW, whose number
+    follows the GPU's SM count; the size is the largest over the activation dtypes.
+
+    Parameters
+    ----------
+    rows : int
+        The most rows (T * heads: ``x.numel() // H``) a backward using it will have; >= 0.
+    device : torch.device, str or int
+        The CUDA device the backward runs on.
+    deterministic : bool
+        FlashInfer's flag; every backward here is the deterministic one, so both values give one size.
+    hidden : int
+        The row width H (FlashInfer's rows are 128), in [1, ``gated_config.MAX_SEGMENT``].
+
+    Returns
+    -------
+    int
+        Bytes; a workspace of at least this size serves every backward of up to ``rows`` rows of H.
+
+    Raises
+    ------
+    TypeError
+        rows or hidden not an int, deterministic not a bool.
+    ValueError
+        rows or hidden out of range; device names no CUDA device, or an unsupported one.
+    """
+    v.check_count("rows", rows, 0)
+    v.check_bool("deterministic", deterministic)
+    v.check_count("hidden", hidden, 1, MAX_SEGMENT)
+    device = v.check_cuda_device(device)
+    device_arch(device)
+    facts = device_facts(device)
+    programs = most_backward_programs(rows, hidden, hidden, facts)
+    return _scratch_bytes(rows, hidden) + partial_rows_bytes(programs, hidden)
+
+
+def cake_rmsnorm_silu_gate_train_backward_workspace(
+    rows, device, *, deterministic=True, hidden=FLASHINFER_HIDDEN
+) -> torch.Tensor:
+    """A zero-filled workspace for ``cake_rmsnorm_silu_gate_train_backward`` calls of up to ``rows`` rows.
+
+    Parameters
+    ----------
+    rows, device, deterministic, hidden
+        As for ``cake_rmsnorm_silu_gate_train_backward_workspace_bytes``.
+
+    Returns
+    -------
+    torch.Tensor
+        A contiguous 1-D ``uint8`` tensor on ``device`` with a 16-byte aligned base (every backward
+        overwrites what it uses: one buffer serves any sequence of calls on its stream).
+
+    Raises
+    ------
+    TypeError, ValueError
+        The errors of ``cake_rmsnorm_silu_gate_train_backward_workspace_bytes``.
+    """
+    nbytes = cake_rmsnorm_silu_gate_train_backward_workspace_bytes(
+        rows, device, deterministic=deterministic, hidden=hidden
+    )
+    return torch.zeros(nbytes, dtype=torch.uint8, device=device)
+
+
+def _check_weight_gradient(grad_weight, weight, accumulate: bool, compute: bool) -> None:
+    """grad_weight: [H] in weight's dtype or FP32 on its device; required to accumulate into, refused
+    (as is accumulating) when no weight gradient is computed."""
+    v.check_bool("accumulate_grad_weight", accumulate)
+    v.check_bool("compute_grad_weight", compute)
+    if not compute and (grad_weight is not None or accumulate):
+        raise ValueError("grad_weight and accumulate_grad_weight=True need compute_grad_weight=True")
+    if accumulate and grad_weight is None:
+        raise ValueError("accumulate_grad_weight=True needs grad_weight (the gradient to add to)")
+    if grad_weight is not None:
+        v.check_tensor("grad_weight", grad_weight, dtypes=(weight.dtype, torch.float32), device=weight.device)
+        if grad_weight.shape != weight.shape:
+            shape = tuple(grad_weight.shape)
+            raise v.ArgumentError(
+                f"grad_weight must have shape {tuple(weight.shape)} like weight, got {shape}"
+            )
+
+
+def cake_rmsnorm_silu_gate_train_backward(
+    grad_out,
+    x,
+    z,
+    weight,
+    eps=1e-6,
+    *,
+    grad_x=None,
+    grad_z=None,
+    grad_weight=None,
+    accumulate_grad_weight=False,
+    compute_grad_weight=True,
+    workspace=None,
+):
+    """The SiLU-gated norm's backward under FlashInfer's name: dx, dz and the weight gradient of
+    ``y = round(x * rstd * weight * silu(z))``, rstd recomputed from x (bitwise the forward's).
+
+    With n = x * rstd, s = sigmoid(z), a = grad_out * weight * silu(z), in FP32:
+    ``dx = round(rstd * (a - n * mean(a * n)))``,
+    ``dz = round(grad_out * n * weight * s * (1 + z * (1 - s)))``,
+    ``dw = sum over rows of grad_out * n * silu(z)`` in FP32 per program, then a fixed-order sum,
+    rounded once. Bitwise reproducible; a row's dx and dz do not depend on the other rows.
+
+    Parameters
+    ----------
+    grad_out, x, z : torch.Tensor
+        ``[..., H]`` of one shape, dtype (bf16, fp16 or fp32) and CUDA device; rows strided with a
+        contiguous last dimension are read in place, other layouts copied once.
+    weight : torch.Tensor
+        ``[H]`` in x's dtype or fp32.
+    eps : float
+        The forward's epsilon.
+    grad_x, grad_z : torch.Tensor, optional
+        Caller-owned gradients of x and z: x's shape and dtype, contiguous, vector aligned.
+    grad_weight : torch.Tensor, optional
+        Caller-owned ``[H]`` weight gradient in weight's dtype or fp32 (any layout: a non-contiguous
+        one receives a copy); the returned dw is then this tensor.
+    accumulate_grad_weight : bool
+        Add the weight gradient to ``grad_weight`` (required) instead of overwriting it: the FP32 sum
+        of both, rounded once to grad_weight's dtype.
+    compute_grad_weight : bool
+        False: no weight gradient (dx and dz only; dw is returned as None).
+    workspace : torch.Tensor, optional
+        A ``cake_rmsnorm_silu_gate_train_backward_workspace`` buffer (uint8, at least
+        ``..._workspace_bytes(rows, device, hidden=H)`` bytes); with it and the outputs given the call
+        allocates nothing (CUDA graph capture). Without it a fresh one is allocated.
+
+    Returns
+    -------
+    (dx, dz, dw)
+        dx and dz like x (contiguous; ``grad_x`` / ``grad_z`` when given); dw in weight's dtype
+        (``grad_weight`` when given), or None when ``compute_grad_weight`` is False.
+
+    Raises
+    ------
+    TypeError, ValueError
+        An argument of the wrong kind, dtype, shape or value (named), a too small or misaligned
+        workspace, x on the CPU or an unsupported GPU; raised before anything is launched or written.
+    """
+    call = gated_call(x, z, weight, eps, None, True, 0.0, weight_name="weight")
+    v.check_like("grad_out", grad_out, x)
+    check_gradient_outputs(call, ("grad_x", grad_x), ("grad_z", grad_z))
+    _check_weight_gradient(grad_weight, weight, accumulate_grad_weight, compute_grad_weight)
+    if workspace is not None:
+        v.check_workspace(workspace, x.device)
+    fields = variant_fields(call)
+    hidden = x.shape[-1]
+    rows = x.numel() // hidden
+    dx = new_output(x) if grad_x is None else grad_x
+    dz = new_output(x) if grad_z is None else grad_z
+    dw = None
+    if compute_grad_weight:
+        dw = new_output(weight) if grad_weight is None else grad_weight
+    if rows == 0:
+        if dw is not None and not accumulate_grad_weight:
+            dw.zero_()
+        return dx, dz, dw
+    programs = backward_programs_of(call, fields)
+    scratch = _scratch_bytes(rows, hidden)
+    if workspace is None:
+        workspace = torch.empty(
+            scratch + partial_rows_bytes(programs, hidden), dtype=torch.uint8, device=x.device
+        )
+    else:
+        v.check_workspace_size(workspace, scratch + partial_rows_bytes(programs, hidden))
+    rstd = workspace[: 4 * rows].view(torch.float32)
+    launch_statistics(call, fields, rstd)
+    partials = launch_backward(call, fields, grad_out, rstd, dx, dz, programs, workspace[scratch:])
+    if dw is not None:
+        _reduce_into(fields[0], partials, dw, accumulate_grad_weight, workspace, rows, hidden)
+    return dx, dz, dw
+
+
+def _reduce_into(arch: str, partials, dw, accumulate: bool, workspace, rows: int, hidden: int) -> None:
+    """The partial rows' fixed-order FP32 sum rounded once into dw, or (accumulating) summed into the
+    workspace's FP32 dw and added to dw in FP32, rounded once."""
+    if accumulate:
+        start = _padded(4 * rows)
+        dw32 = workspace[start : start + 4 * hidden].view(torch.float32)
+        reduce_partials(arch, partials, dw32)
+        dw.add_(dw32)
+        return
+    written, caller = vector_output(dw, hidden, dw.dtype, dw.device)
+    reduce_partials(arch, partials, written)
+    finish(written, caller)
