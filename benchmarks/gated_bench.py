@@ -1,6 +1,8 @@
 """Gated RMSNorm speed: cake_cute's forward and backward as a fraction of a device copy of the bytes
 they must move, next to the Hugging Face module in eager and under torch.compile, and fla's
-``FusedRMSNormGated`` (norm then gate) where fla imports.
+``FusedRMSNormGated`` (norm then gate) where fla imports; at the norm-then-gate shapes also FlashInfer's
+functional spelling (``cake_cute_functional``: its backward recomputes rstd, so it reads x once more
+than the bytes it is measured against).
 
 Bytes (``docs/gated.md``): forward reads x and z and writes y, plus FP32 rstd per segment; backward
 reads g, x and z and writes dx and dz, plus rstd. ``fraction`` = (device time of a copy of those
@@ -31,6 +33,11 @@ from pathlib import Path
 
 import torch
 
+from cake_cute import (
+    cake_rmsnorm_silu_gate_train_backward,
+    cake_rmsnorm_silu_gate_train_backward_workspace,
+    cake_rmsnorm_silu_gate_train_forward,
+)
 from cake_cute.gated_ops import gated_rmsnorm_backward, gated_rmsnorm_forward
 from cake_cute.tools.bench.timing import DeviceTimer, Rotation, buffer_sets_for, gpu_events
 from cake_cute.vocab import DTYPE_NAMES, torch_dtype
@@ -65,6 +72,28 @@ class Cake:
     def backward_call(self, x, z, g):
         _, rstd = self.forward(x, z)
         return lambda: gated_rmsnorm_backward(g, x, z, self.w, rstd, **self.options)
+
+
+class CakeFlashInferFunctional(Cake):
+    """FlashInfer's functional spelling (norm then gate): the forward returns no rstd, so the backward
+    recomputes it (one more read of x than ``Cake``'s backward, timed against the same bytes)."""
+
+    name = "cake_cute_functional"
+
+    def __init__(self, hidden, dtype):
+        super().__init__(hidden, hidden, True, dtype)
+        self.workspace = None
+
+    def forward(self, x, z):
+        return cake_rmsnorm_silu_gate_train_forward(x, z, self.w, EPS)
+
+    def backward_call(self, x, z, g):
+        if self.workspace is None:  # one instance per shape (``peers``): sized once, for its T
+            rows = x.numel() // x.shape[-1]
+            self.workspace = cake_rmsnorm_silu_gate_train_backward_workspace(
+                rows, x.device, hidden=x.shape[-1]
+            )
+        return lambda: cake_rmsnorm_silu_gate_train_backward(g, x, z, self.w, EPS, workspace=self.workspace)
 
 
 class Module:
@@ -120,6 +149,8 @@ def compiled_hf_module(hidden, group, norm_before_gate, dtype):
 def peers(hidden, group, norm_before_gate, dtype) -> list:
     """The implementations timed at one shape; a peer that cannot be built is left out (with a note)."""
     impls = [Cake(hidden, group, norm_before_gate, dtype)]
+    if norm_before_gate:
+        impls.append(CakeFlashInferFunctional(hidden, dtype))
     builders = {
         "hf_eager": lambda: hf_module(hidden, group, norm_before_gate, dtype),
         "hf_compiled": lambda: compiled_hf_module(hidden, group, norm_before_gate, dtype),
