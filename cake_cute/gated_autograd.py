@@ -53,7 +53,8 @@ def _forward_cuda(x, z, w, eps, group_size=None, norm_before_gate=True, weight_o
 
 
 def _backward_cuda(g, x, z, w, rstd, group_size=None, norm_before_gate=True, weight_offset=0.0):
-    dx, dz, dw = gated_rmsnorm_backward(
+    """dw in w's dtype, as autograd wants it: the FP32 sum rounded once by the reduction itself."""
+    return gated_rmsnorm_backward(
         g,
         x,
         z,
@@ -62,8 +63,8 @@ def _backward_cuda(g, x, z, w, rstd, group_size=None, norm_before_gate=True, wei
         group_size=group_size,
         norm_before_gate=norm_before_gate,
         weight_offset=weight_offset,
+        dw=new_output(w),
     )
-    return dx, dz, (dw if w.dtype == torch.float32 else dw.to(w.dtype))
 
 
 # --- CPU (FP32, the Hugging Face classes' operations, one rounding) -------------------------------

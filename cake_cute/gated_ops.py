@@ -154,12 +154,13 @@ def gated_rmsnorm_backward(
     rstd : torch.Tensor
         The forward's rstd: FP32 of shape ``rstd_shape(x, group_size)``.
     dx, dz, dw : torch.Tensor, optional
-        Caller-owned outputs (contiguous, vector aligned; dw FP32 [H]).
+        Caller-owned outputs (contiguous, vector aligned; dw [H] in FP32 or w's dtype, the FP32 sum
+        rounded once into it).
 
     Returns
     -------
     (dx, dz, dw)
-        dx and dz like x (contiguous), dw FP32 [H].
+        dx and dz like x (contiguous), dw [H] (FP32 unless a dw of w's dtype is given).
 
     Raises
     ------
@@ -171,7 +172,8 @@ def gated_rmsnorm_backward(
     v.check_output("rstd", rstd, rstd_shape(x, call.group_size), torch.float32, x.device)
     check_gradient_outputs(call, ("dx", dx), ("dz", dz))
     if dw is not None:
-        _check_output("dw", dw, (x.shape[-1],), torch.float32, x.device, 1)
+        v.check_tensor("dw", dw, dtypes=(torch.float32, w.dtype), device=x.device)
+        _check_output("dw", dw, (x.shape[-1],), dw.dtype, x.device, 1)
     fields = variant_fields(call)
     hidden = x.shape[-1]
     dx, dz, dw = _output(dx, x), _output(dz, x), _output(dw, x, (hidden,), torch.float32)

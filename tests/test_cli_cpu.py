@@ -235,7 +235,7 @@ def test_fp8_adds_the_quantizing_forwards(tmp_path, monkeypatch, capsys):
 
 def test_gated_adds_the_gated_norms_kernels(tmp_path, monkeypatch, capsys):
     """``--gated 128,8192/1024``: per form the fused forward and backward in both orders, the FP32 dW
-    reduction, for whole rows the statistics kernel and dW in the weight's dtype (FlashInfer's
+    reductions into FP32 and the weight's dtype, for whole rows the statistics kernel (FlashInfer's
     functional backward), and what the other cast policies launch in bf16 (the gate-then-norm fused
     kernels with a unit weight, the plain kernels at the group's width, in FP32 too for groups under
     ``"scale_then_round"``); the plain variants of --hidden first."""
@@ -248,8 +248,8 @@ def test_gated_adds_the_gated_norms_kernels(tmp_path, monkeypatch, capsys):
         "cake_gated_bwd_sm_90a_bf16_wbf16_h128_nbg_off0",
         "cake_gated_bwd_sm_90a_bf16_wbf16_h128_gbn128_off0",
         "cake_dw_sm_90a_fp32_h128",
-        "cake_gated_rstd_sm_90a_bf16_wbf16_h128_nbg_off0",
         "cake_dw_sm_90a_bf16_h128",
+        "cake_gated_rstd_sm_90a_bf16_wbf16_h128_nbg_off0",
         "cake_fwd_sm_90a_bf16_wbf16_h128_off0",
         "cake_bwd_sm_90a_bf16_wbf16_h128_off0",
         "cake_gated_fwd_sm_90a_bf16_wbf16_h8192_nbg1024_off0",
@@ -257,6 +257,7 @@ def test_gated_adds_the_gated_norms_kernels(tmp_path, monkeypatch, capsys):
         "cake_gated_bwd_sm_90a_bf16_wbf16_h8192_nbg1024_off0",
         "cake_gated_bwd_sm_90a_bf16_wbf16_h8192_gbn1024_off0",
         "cake_dw_sm_90a_fp32_h8192",
+        "cake_dw_sm_90a_bf16_h8192",
         "cake_fwd_sm_90a_bf16_wbf16_h1024_off0",
         "cake_bwd_sm_90a_bf16_wbf16_h1024_off0",
         "cake_dw_sm_90a_fp32_h1024",
@@ -264,7 +265,7 @@ def test_gated_adds_the_gated_norms_kernels(tmp_path, monkeypatch, capsys):
         "cake_fwd_sm_90a_fp32_wfp32_h1024_off0",
         "cake_bwd_sm_90a_fp32_wfp32_h1024_off0",
     ]
-    assert "warmup: 24 variants, compiled 24, " in capsys.readouterr().out.splitlines()[-1]
+    assert "warmup: 25 variants, compiled 25, " in capsys.readouterr().out.splitlines()[-1]
 
 
 @pytest.mark.parametrize("policy", ["one_rounding", "round_then_scale", "scale_then_round"])
@@ -286,7 +287,7 @@ def test_the_gated_warmup_holds_every_kernel_a_gated_module_launches(
         )
         fields = gated_ops.variant_fields(call)
         launched.extend(make_spec(kind, *fields) for kind in warmup.GATED_KINDS)
-        launched.append(make_spec("dw", "sm_90a", "fp32", x.shape[-1]))
+        launched.append(make_spec("dw", "sm_90a", dtype_name(w.dtype), x.shape[-1]))
         return real_gated(x, z, w, eps, **options)
 
     def plain(x, w, eps, weight_offset=0.0):

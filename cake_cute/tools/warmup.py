@@ -134,9 +134,9 @@ def gated_variant_specs(
     -------
     list
         Per (arch, dtype, form): the fused forward and backward in both orders (norm then gate, gate
-        then norm) for each weight dtype, and the FP32 dW reduction; for whole rows also what
-        FlashInfer's functional backward adds (the statistics kernel, dW in the weight's dtype); in
-        bf16 and fp16 also what the other policies launch: under ``"round_then_scale"`` the fused
+        then norm) for each weight dtype, the dW reductions into FP32 and into the weight's dtype,
+        for whole rows the statistics kernel (FlashInfer's functional backward); in bf16 and fp16
+        also what the other policies launch: under ``"round_then_scale"`` the fused
         kernels of the gate-then-norm order with a unit weight of x's dtype and no offset, and for
         the norm-then-gate order the plain norm's kernels at G (unit weight, no residual); under
         ``"scale_then_round"`` the plain kernels with the weight (whole rows) or the FP32 ones at G
@@ -147,12 +147,13 @@ def gated_variant_specs(
         w = act if w_mode == "same" else "fp32"
         for kind, norm_before_gate in itertools.product(GATED_KINDS, (True, False)):
             specs.append(GatedSpec(kind, arch, act, w, hidden, group, norm_before_gate, weight_offset))
-        specs.append(ReduceSpec(arch, "fp32", hidden))
-        if group == hidden:  # FlashInfer's functional backward: its statistics, dW in w's dtype
+        # dW into FP32 (the functional backward) and into w's dtype (autograd, FlashInfer's names).
+        specs += [ReduceSpec(arch, "fp32", hidden), ReduceSpec(arch, w, hidden)]
+        if group == hidden:  # FlashInfer's functional backward recomputes rstd
             specs.append(GatedSpec("gated_rstd", arch, act, act, hidden, hidden, True))
-            specs.append(ReduceSpec(arch, w, hidden))
         if act != "fp32":
             specs += [GatedSpec(kind, arch, act, act, hidden, group, False) for kind in GATED_KINDS]
+            specs.append(ReduceSpec(arch, act, hidden))  # the unit weight's dW, x's dtype
             specs += variant_specs([arch], [act], [group], residuals=(False,))
             specs += _scale_then_round_specs(arch, act, hidden, group, w_mode, weight_offset)
     return list(dict.fromkeys(specs))
