@@ -6,6 +6,7 @@
 #   scripts/hf_versions.sh              # the tests, oldest and newest
 #   scripts/hf_versions.sh --docs       # also regenerate their sections of docs/hf_families.md
 #   HF_VERSIONS="4.57.6" scripts/hf_versions.sh
+#   HF_EXCEPT=5.25.0 scripts/hf_versions.sh     # skip a version the caller's environment already ran
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 root=$PWD
@@ -20,6 +21,10 @@ export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$root/.cache/torch-extension
 mkdir -p "$TMPDIR" "$venvs"
 failed=()
 for version in $versions; do
+    if [ "$version" = "${HF_EXCEPT:-}" ]; then
+        echo "== transformers $version: run by the calling environment, not again here"
+        continue
+    fi
     venv=$venvs/transformers-$version
     echo "== transformers $version ($venv)"
     if [ ! -x "$venv/bin/python" ]; then

@@ -208,8 +208,11 @@ def _on_a_test_gpu(monkeypatch):
     monkeypatch.setattr(gated_flashinfer, "device_facts", gated_ops.device_facts)
 
 
-@pytest.mark.parametrize("hidden", [64, 128, 4100])
-@pytest.mark.parametrize("rows", [1, 129, 40000])
+# (rows, H): one row, a few, and enough row tiles that the programs reach the GPU's residency.
+WORKSPACE_CASES = [(1, 128), (129, 64), (40000, 64), (40000, 128), (300, 4100)]
+
+
+@pytest.mark.parametrize(("rows", "hidden"), WORKSPACE_CASES, ids=str)
 def test_the_sized_workspace_serves_every_dtype(launches, monkeypatch, rows, hidden):
     """A workspace of ``..._workspace_bytes(rows, hidden=H)`` bytes serves a backward of ``rows``
     rows of H in every dtype (and fewer rows); one byte less is refused for at least one of them,
