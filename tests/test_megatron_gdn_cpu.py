@@ -37,6 +37,7 @@ from cake_cute.integrations.megatron import (  # noqa: E402
     MegatronCakeRMSNorm,
     get_gpt_decoder_block_spec,
 )
+from cake_cute.integrations.megatron_norms import with_fused_output_gate  # noqa: E402
 
 from ._helpers import assert_bitwise_equal  # noqa: E402
 from ._megatron_cpu import CPU  # noqa: E402
@@ -282,3 +283,70 @@ def test_bf16_layer_rounds_the_norm_before_the_gate_as_stock(te_stand_ins, tmp_p
     assert_bitwise_equal(cake_norm, stock_norm, "output norm")
     assert_bitwise_equal(cake_out, stock_out, "Gated DeltaNet layer")
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-3, atol=0)
+
+
+# --- the opt-in fused output gate (fused_output_gate=True) ----------------------------------------
+
+
+def _stock_and_fused(config, tmp_path):
+    """Megatron's block and the cake block with the fused output gate, the latter loaded from the
+    former's checkpoint (its weights moved off their start)."""
+    stock = _gpt(config, variant_specs.get_transformer_block_with_experimental_attention_variant_spec(config))
+    fused = _gpt(config, get_gpt_decoder_block_spec(config, fused_output_gate=True), seed=1)
+    move_checkpoint(stock, fused, tmp_path / "ckpt", scale=0.1)
+    return stock, fused
+
+
+def test_fused_output_gate_is_the_gated_delta_net_layers_alone(te_stand_ins):
+    """The Gated DeltaNet layer's class becomes its fused-gate subclass (its norm slots as without the
+    option); the attention layer is untouched."""
+    block = get_gpt_decoder_block_spec(_config(), fused_output_gate=True)
+    gdn, attention = (layer.submodules.self_attention for layer in block.layer_specs)
+    assert gdn.module is with_fused_output_gate(variant_specs.GatedDeltaNet)
+    assert issubclass(gdn.module, variant_specs.GatedDeltaNet)
+    assert gdn.submodules.out_norm is MegatronCakeRMSNorm
+    plain = get_gpt_decoder_block_spec(_config())
+    assert attention == plain.layer_specs[1].submodules.self_attention
+
+
+def test_fused_output_gate_trains_like_stock_under_its_checkpoint_keys(te_stand_ins, tmp_path):
+    """FP32: the fused layer's loss and gradients within the bounds of the unfused cake block (its
+    norm and gate are one FP32 expression either way), under the stock checkpoint keys."""
+    stock, fused = _stock_and_fused(_config(), tmp_path)
+    assert by_checkpoint_key(fused).keys() == by_checkpoint_key(stock).keys()
+    layer = fused.decoder.layers[0].self_attention
+    assert type(layer) is with_fused_output_gate(variant_specs.GatedDeltaNet)
+    norm_calls = []  # the fused gate reads out_norm's weight and eps; it never calls the module
+    layer.out_norm.register_forward_hook(lambda *args: norm_calls.append(args))
+    tokens, positions = _tokens()
+    loss_stock, grads_stock = _loss_and_grads(stock, tokens, positions)
+    loss_fused, grads_fused = _loss_and_grads(fused, tokens, positions)
+    assert not norm_calls
+    torch.testing.assert_close(loss_fused, loss_stock, rtol=1e-6, atol=0)
+    assert_gradients_close(grads_fused, grads_stock)
+
+
+def test_fused_output_gate_in_bf16_rounds_once(te_stand_ins, tmp_path):
+    """bf16: the fused layer rounds the gated output once, the stock layer the norm's output and then
+    the gated one; the layers' outputs differ by the norm's rounding (within 2**-7 of their scale)."""
+    config = _config(params_dtype=torch.bfloat16, bf16=True)
+    stock, fused = (m.bfloat16() for m in _stock_and_fused(config, tmp_path))
+    x = torch.randn(SEQ, BATCH, HIDDEN, dtype=torch.bfloat16)
+    outputs = [model.decoder.layers[0](x, attention_mask=None)[0] for model in (stock, fused)]
+    assert outputs[1].dtype == torch.bfloat16
+    scale = outputs[0].float().abs().max().item()
+    torch.testing.assert_close(outputs[1].float(), outputs[0].float(), rtol=0, atol=2**-7 * scale)
+
+
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        (dict(activation_func=F.gelu, gated_linear_unit=False), "config.activation_func must be F.silu"),
+        (dict(memory_efficient_layer_norm=True), "config.memory_efficient_layer_norm"),
+    ],
+    ids=["gelu", "memory-efficient"],
+)
+def test_fused_output_gate_refuses_what_it_cannot_compute(te_stand_ins, fields, match):
+    config = _config(**fields)
+    with pytest.raises(ValueError, match=match):
+        _gpt(config, get_gpt_decoder_block_spec(config, fused_output_gate=True))

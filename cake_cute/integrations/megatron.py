@@ -160,7 +160,9 @@ if HAS_MEGATRON:
             )
         return _variant_specs.get_transformer_block_with_experimental_attention_variant_spec(config, **kwargs)
 
-    def get_gpt_decoder_block_spec(config, use_transformer_engine=None, qk_l2_norm=False, **kwargs):
+    def get_gpt_decoder_block_spec(
+        config, use_transformer_engine=None, qk_l2_norm=False, *, fused_output_gate=False, **kwargs
+    ):
         """A GPT block spec with cake norms, the final norm included: the block spec Megatron-LM's GPT
         builder takes for ``config`` (Megatron's ``get_gpt_decoder_block_spec``: dense and MoE layers;
         with ``config.experimental_attention_variant``, its
@@ -177,6 +179,9 @@ if HAS_MEGATRON:
             Start from TE's layers; default: whether TE imports (always, for an attention variant).
         qk_l2_norm : bool
             As for Megatron's function (an attention variant's block reads ``config.qk_l2_norm``).
+        fused_output_gate : bool
+            Opt-in for Gated DeltaNet layers: their output norm and SiLU gate as one gated kernel (one
+            rounding; the stock layer rounds the norm's output before the gate), ``with_cake_norms``.
         **kwargs
             ``vp_stage``, ``pp_rank``: passed on.
 
@@ -195,7 +200,8 @@ if HAS_MEGATRON:
             other than ``"transformer_engine"`` (Megatron builds those layers from TE's specs only).
         """
         if getattr(config, "experimental_attention_variant", None) is not None:
-            return with_cake_norms(_variant_block_spec(config, use_transformer_engine, **kwargs))
+            stock = _variant_block_spec(config, use_transformer_engine, **kwargs)
+            return with_cake_norms(stock, fused_output_gate=fused_output_gate)
         use_te = _use_te(use_transformer_engine)
         stock = _gpt_specs.get_gpt_decoder_block_spec(
             config, use_transformer_engine=use_te, normalization="RMSNorm", qk_l2_norm=qk_l2_norm, **kwargs

@@ -1,6 +1,8 @@
 """The Megatron-Core norm builders: ``CakeRMSNorm`` built from a ``TransformerConfig`` through
 Megatron's norm-builder protocol (keyword-only ``config``, ``hidden_size``, ``eps``), one class for each
-norm slot of a GPT layer spec (plain, residual, q/k, the input norm of a layer without q/k norms).
+norm slot of a GPT layer spec (plain, residual, q/k, the input norm of a layer without q/k norms), and
+the opt-in Gated DeltaNet subclass whose output norm and gate are one gated kernel
+(``with_fused_output_gate``).
 
 They read the norm fields of the config and refuse by name what they cannot honour; none of this needs
 Megatron-Core itself, so the builders import (and are tested against a plain config object) without it.
@@ -9,12 +11,17 @@ The specs that hold them are ``cake_cute.integrations.megatron``'s.
 
 from __future__ import annotations
 
-import torch
+import functools
 
+import torch
+import torch.nn.functional as F
+
+from ..gated_autograd import cake_gated_rmsnorm
 from ..library_ops import norm_backward, save_for_backward
 from ..module import CakeRMSNorm  # importing it registers the torch.ops.cake_cute ops used below
 
 __all__ = [
+    "with_fused_output_gate",
     "MegatronCakeInputRMSNorm",
     "MegatronCakeQKRMSNorm",
     "MegatronCakeRMSNorm",
@@ -221,3 +228,56 @@ class MegatronCakeInputRMSNorm(MegatronCakeResidualRMSNorm):
                 "(or get_gpt_layer_spec(qk_layernorm=True)); for a hybrid model, hybrid_stack_spec_qk_norm"
             )
         super().__init__(config=config, hidden_size=hidden_size, eps=eps, has_residual=has_residual)
+
+
+@functools.cache
+def with_fused_output_gate(layer_class: type) -> type:
+    """``layer_class`` (Megatron's Gated DeltaNet) with its output norm and SiLU gate run as one gated
+    kernel: ``round(x * rstd * (w + offset) * silu(float(z)))``, FP32 math, one rounding, where the stock
+    layer rounds the norm's output before its gate (``_apply_gated_norm``). The layer's parameters,
+    checkpoint keys and everything else are ``layer_class``'s; its ``out_norm`` must be a
+    ``MegatronCakeRMSNorm`` (its weight, eps and zero-centered offset are the kernel's).
+
+    Parameters
+    ----------
+    layer_class : type
+        A Megatron layer whose ``_apply_gated_norm(x, gate)`` normalizes x with ``self.out_norm`` and
+        gates it with ``self.act_fn``.
+
+    Returns
+    -------
+    type
+        Its subclass (one per class). Building it raises ``ValueError`` where ``config.activation_func``
+        is not SiLU (the gate the kernel applies) or ``config.memory_efficient_layer_norm`` is set (the
+        gated kernels have no memory-efficient mode), ``TypeError`` where ``out_norm`` is not a
+        ``MegatronCakeRMSNorm``.
+    """
+
+    def __init__(self, *args, **kwargs):
+        layer_class.__init__(self, *args, **kwargs)
+        if self.act_fn is not F.silu:
+            raise ValueError(
+                "the fused output gate applies SiLU: config.activation_func must be F.silu, got "
+                f"{getattr(self.act_fn, '__name__', self.act_fn)!r}"
+            )
+        if not isinstance(self.out_norm, MegatronCakeRMSNorm):
+            raise TypeError(
+                f"the fused output gate needs a MegatronCakeRMSNorm out_norm, got {type(self.out_norm)}"
+            )
+        if self.out_norm.memory_efficient:
+            raise ValueError(
+                "config.memory_efficient_layer_norm: the fused output gate has no memory-efficient mode "
+                "(it saves x, the gate, w and rstd); turn one of them off"
+            )
+
+    def _apply_gated_norm(self, x, gate):
+        norm, hidden = self.out_norm, x.shape[-1]
+        w = norm.weight if norm.weight.dtype in (x.dtype, torch.float32) else norm.weight.float()
+        x, gate = x.reshape(-1, hidden), gate.reshape(-1, hidden)
+        return cake_gated_rmsnorm(x, gate, w, norm.eps, weight_offset=norm.weight_offset)
+
+    namespace = {"__init__": __init__, "_apply_gated_norm": _apply_gated_norm, "__module__": __name__}
+    namespace["__doc__"] = (
+        f"{layer_class.__name__} with its output norm and gate fused (``with_fused_output_gate``)."
+    )
+    return type(f"CakeFusedGate{layer_class.__name__}", (layer_class,), namespace)

@@ -21,6 +21,7 @@ from .megatron_norms import (
     MegatronCakeQKRMSNorm,
     MegatronCakeResidualRMSNorm,
     MegatronCakeRMSNorm,
+    with_fused_output_gate,
 )
 
 HAS_TE = bool(_te.HAVE_TE)
@@ -98,7 +99,20 @@ def _has_qk_norms(attention) -> bool:
     return any(getattr(subs, name) not in (None, IdentityOp) for name in ("q_layernorm", "k_layernorm"))
 
 
-def with_cake_norms(spec):
+def _with_fused_output_gate(attention):
+    """A Gated DeltaNet spec with its layer class's output norm and gate fused
+    (``megatron_norms.with_fused_output_gate``); any other attention spec as it is."""
+    module = getattr(attention, "module", None)
+    if (
+        isinstance(attention, ModuleSpec)
+        and isinstance(module, type)
+        and hasattr(module, "_apply_gated_norm")
+    ):
+        return dataclasses.replace(attention, module=with_fused_output_gate(module))
+    return attention
+
+
+def with_cake_norms(spec, *, fused_output_gate=False):
     """A GPT layer spec (or a block spec) with its RMSNorms replaced by cake norms.
 
     The input and pre-MLP norms become ``MegatronCakeResidualRMSNorm`` (the input norm of a layer
@@ -117,6 +131,10 @@ def with_cake_norms(spec):
         A ``TransformerLayer`` spec (``get_gpt_layer_local_spec``,
         ``get_gpt_layer_with_transformer_engine_spec``) or a block spec of them
         (``get_transformer_block_with_experimental_attention_variant_spec`` included).
+    fused_output_gate : bool
+        Opt-in: Gated DeltaNet layers run their output norm and SiLU gate as one gated kernel, rounding
+        once where the stock layer rounds the norm's output first (``with_fused_output_gate``); no
+        effect on other layers.
 
     Returns
     -------
@@ -131,7 +149,9 @@ def with_cake_norms(spec):
     if isinstance(spec, TransformerBlockSubmodules):
         return dataclasses.replace(
             spec,
-            layer_specs=[with_cake_norms(layer) for layer in spec.layer_specs],
+            layer_specs=[
+                with_cake_norms(layer, fused_output_gate=fused_output_gate) for layer in spec.layer_specs
+            ],
             layer_norm=MegatronCakeRMSNorm,
         )
     subs = getattr(spec, "submodules", None)
@@ -150,6 +170,8 @@ def with_cake_norms(spec):
     attention, attention_unfused = with_cake_sublayer(
         subs.self_attention, _ATTENTION_LINEARS, attention_norms
     )
+    if fused_output_gate:
+        attention = _with_fused_output_gate(attention)
     mlp, mlp_unfused = with_cake_sublayer(subs.mlp, _MLP_LINEARS, {})
     changes = {"self_attention": attention, "mlp": mlp}
     keys = dict(getattr(subs, "sharded_state_dict_keys_map", None) or {})
