@@ -276,3 +276,20 @@ def test_fused_residual_form_in_the_hybrid_layers(hybrid):
     )
     assert torch.equal(loss_fused, loss_plain)
     assert_gradients_close(grads_fused, grads_plain)
+
+
+@pytest.mark.skipif(not HAS_GDN_LAYERS, reason="Gated DeltaNet layers in hybrid stacks: Megatron-Core 0.17+")
+def test_fused_output_gate_in_the_hybrid_gated_delta_net_layers(hybrid, tmp_path):
+    """``fused_output_gate=True``: the stack's Gated DeltaNet layers take the fused-gate class and the
+    model tracks stock as the unfused one does."""
+    from cake_cute.integrations.megatron_norms import with_fused_output_gate
+
+    stock_spec, _ = hybrid
+    fused_spec = localized(with_cake_stack_norms(HYBRID, fused_output_gate=True), _local_layers())
+    stock, fused = _model(_config(), stock_spec), _model(_config(), fused_spec, seed=1)
+    *gdn, _attention, _mlp = fused.decoder.layers
+    for layer in gdn:
+        assert type(layer.self_attention) is with_fused_output_gate(
+            type(stock.decoder.layers[0].self_attention)
+        )
+    assert_loaded_model_tracks_stock(fused, stock, tmp_path)

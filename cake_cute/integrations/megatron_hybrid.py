@@ -47,7 +47,7 @@ def _with_cake_mamba_layer(spec):
     return dataclasses.replace(spec, submodules=dataclasses.replace(subs, **changes))
 
 
-def _with_cake_stack_layer(name: str, layer):
+def _with_cake_stack_layer(name: str, layer, fused_output_gate: bool):
     """One layer spec of a hybrid stack spec, with cake norms."""
     if layer is None or layer is IdentityOp:
         return layer
@@ -55,7 +55,7 @@ def _with_cake_stack_layer(name: str, layer):
         return with_cake_mtp_norms(layer)
     if hasattr(layer.submodules, "mixer"):
         return _with_cake_mamba_layer(layer)
-    return with_cake_norms(layer)
+    return with_cake_norms(layer, fused_output_gate=fused_output_gate)
 
 
 def _with_qk_norm_slots(layer):
@@ -70,7 +70,7 @@ def _with_qk_norm_slots(layer):
     )
 
 
-def with_cake_stack_norms(spec, qk_layernorm=False):
+def with_cake_stack_norms(spec, qk_layernorm=False, *, fused_output_gate=False):
     """A hybrid stack spec (Megatron's ``hybrid_stack_spec``, ``mamba_stack_spec`` before 0.19) with
     its RMSNorms replaced by cake norms: each layer spec as ``with_cake_norms`` replaces them (the
     attention, Gated DeltaNet, MLA / DSA, MLP and MoE layers), the Mamba layers' input norm (fused
@@ -85,6 +85,9 @@ def with_cake_stack_norms(spec, qk_layernorm=False):
         Put cake q/k norms in the attention layer's q/k norm slots, which Megatron's stack spec
         leaves empty (Megatron 0.19 then builds TE's norms there under ``config.qk_layernorm``);
         must match the config's, as for the GPT layer specs.
+    fused_output_gate : bool
+        Opt-in: the Gated DeltaNet layers' output norm and SiLU gate as one gated kernel
+        (``with_cake_norms``).
 
     Returns
     -------
@@ -102,7 +105,7 @@ def with_cake_stack_norms(spec, qk_layernorm=False):
     if qk_layernorm and subs.attention_layer is not IdentityOp:
         subs = dataclasses.replace(subs, attention_layer=_with_qk_norm_slots(subs.attention_layer))
     layers = {
-        field.name: _with_cake_stack_layer(field.name, getattr(subs, field.name))
+        field.name: _with_cake_stack_layer(field.name, getattr(subs, field.name), fused_output_gate)
         for field in dataclasses.fields(subs)
     }
     return dataclasses.replace(spec, module=CakeHybridStack, submodules=dataclasses.replace(subs, **layers))
