@@ -17,7 +17,7 @@ import torch
 from . import gated_autograd  # noqa: F401  (registers the custom ops the Function calls)
 from . import validation as v
 from .calls import gated_call
-from .device import device_arch, device_facts
+from .device import device_arch, device_facts, on_device
 from .gated_ops import (
     backward_programs_of,
     check_gradient_outputs,
@@ -127,8 +127,17 @@ def _padded(nbytes: int) -> int:
 
 def _scratch_bytes(rows: int, hidden: int) -> int:
     """The workspace's first regions: rstd (FP32 per row), then an FP32 dw (``accumulate_grad_weight``
-    sums into it before adding it to ``grad_weight``); the partial rows of dW follow."""
+    sums into it before adding it to ``grad_weight``); the partial rows of dW follow (``_carve``)."""
     return _padded(4 * rows) + _padded(4 * hidden)
+
+
+def _carve(workspace, rows: int, hidden: int) -> tuple:
+    """(rstd, the FP32 dw, the uint8 rest for the partial rows) of a workspace laid out as
+    ``_scratch_bytes`` says."""
+    dw_start = _padded(4 * rows)
+    rstd = workspace[: 4 * rows].view(torch.float32)
+    dw32 = workspace[dw_start : dw_start + 4 * hidden].view(torch.float32)
+    return rstd, dw32, workspace[_scratch_bytes(rows, hidden) :]
 
 
 def cake_rmsnorm_silu_gate_train_backward_workspace_bytes(
@@ -209,12 +218,7 @@ def _check_weight_gradient(grad_weight, weight, accumulate: bool, compute: bool)
     if accumulate and grad_weight is None:
         raise ValueError("accumulate_grad_weight=True needs grad_weight (the gradient to add to)")
     if grad_weight is not None:
-        v.check_tensor("grad_weight", grad_weight, dtypes=(weight.dtype, torch.float32), device=weight.device)
-        if grad_weight.shape != weight.shape:
-            shape = tuple(grad_weight.shape)
-            raise v.ArgumentError(
-                f"grad_weight must have shape {tuple(weight.shape)} like weight, got {shape}"
-            )
+        v.check_weight(grad_weight, weight, "grad_weight")  # [H] in weight's dtype or FP32, on its device
 
 
 def cake_rmsnorm_silu_gate_train_backward(
@@ -295,30 +299,27 @@ def cake_rmsnorm_silu_gate_train_backward(
             dw.zero_()
         return dx, dz, dw
     programs = backward_programs_of(call, fields)
-    scratch = _scratch_bytes(rows, hidden)
+    needed = _scratch_bytes(rows, hidden) + partial_rows_bytes(programs, hidden)
     if workspace is None:
-        workspace = torch.empty(
-            scratch + partial_rows_bytes(programs, hidden), dtype=torch.uint8, device=x.device
-        )
+        workspace = torch.empty(needed, dtype=torch.uint8, device=x.device)
     else:
-        v.check_workspace_size(workspace, scratch + partial_rows_bytes(programs, hidden))
-    rstd = workspace[: 4 * rows].view(torch.float32)
-    launch_statistics(call, fields, rstd)
-    partials = launch_backward(call, fields, grad_out, rstd, dx, dz, programs, workspace[scratch:])
-    if dw is not None:
-        _reduce_into(fields[0], partials, dw, accumulate_grad_weight, workspace, rows, hidden)
+        v.check_workspace_size(workspace, needed)
+    rstd, dw32, partial_space = _carve(workspace, rows, hidden)
+    with on_device(x.device):
+        launch_statistics(call, fields, rstd)
+        partials = launch_backward(call, fields, grad_out, rstd, dx, dz, programs, partial_space)
+        if dw is not None:
+            _reduce_into(fields[0], partials, dw, dw32 if accumulate_grad_weight else None)
     return dx, dz, dw
 
 
-def _reduce_into(arch: str, partials, dw, accumulate: bool, workspace, rows: int, hidden: int) -> None:
-    """The partial rows' fixed-order FP32 sum rounded once into dw, or (accumulating) summed into the
-    workspace's FP32 dw and added to dw in FP32, rounded once."""
-    if accumulate:
-        start = _padded(4 * rows)
-        dw32 = workspace[start : start + 4 * hidden].view(torch.float32)
+def _reduce_into(arch: str, partials, dw, dw32) -> None:
+    """The partial rows' fixed-order FP32 sum rounded once into dw, or, given the workspace's FP32
+    ``dw32`` (accumulating), summed into it and added to dw in FP32, rounded once."""
+    if dw32 is not None:
         reduce_partials(arch, partials, dw32)
         dw.add_(dw32)
         return
-    written, caller = vector_output(dw, hidden, dw.dtype, dw.device)
+    written, caller = vector_output(dw, dw.shape[0], dw.dtype, dw.device)
     reduce_partials(arch, partials, written)
     finish(written, caller)

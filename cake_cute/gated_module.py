@@ -33,6 +33,7 @@ from torch.utils.checkpoint import checkpoint
 from . import validation as v
 from .autograd import cake_rmsnorm
 from .gated_autograd import cake_gated_rmsnorm
+from .views import kernel_weight
 
 ONE_ROUNDING = "one_rounding"
 ROUND_THEN_SCALE = "round_then_scale"
@@ -137,7 +138,7 @@ class CakeGatedRMSNorm(nn.Module):
             return self._ungated(hidden_states)
         x, w = hidden_states, self.weight
         if self._rounds_once(x):
-            return self._gated(x, gate, w if w.dtype in (x.dtype, torch.float32) else w.float())
+            return self._gated(x, gate, kernel_weight(w, x))
         if not self.norm_before_gate:
             # w * round(rmsnorm_g(x * silu(z))): the gated kernel with a unit scale, then torch's product.
             return self._scale() * self._gated(x, gate, x.new_ones(x.shape[-1]), weight_offset=0.0)

@@ -179,8 +179,10 @@ def gated_rmsnorm_backward(
     dx, dz, dw = _output(dx, x), _output(dz, x), _output(dw, x, (hidden,), torch.float32)
     if x.numel() == 0:
         return dx, dz, dw.zero_()
-    partials = launch_backward(call, fields, g, rstd, dx, dz, backward_programs_of(call, fields))
-    reduce_partials(fields[0], partials, dw)
+    programs = backward_programs_of(call, fields)
+    with on_device(x.device):
+        partials = launch_backward(call, fields, g, rstd, dx, dz, programs)
+        reduce_partials(fields[0], partials, dw)
     return dx, dz, dw
 
 
@@ -206,32 +208,31 @@ def launch_backward(call: GatedCall, fields: tuple, g, rstd, dx, dz, programs: i
     """The backward kernel of rows > 0 into dx and dz (caller-owned or fresh, contiguous) with the
     forward's ``rstd`` over ``programs`` programs (``backward_programs_of``); returns the FP32 partial
     rows of dW it wrote, carved from the start of the uint8 ``workspace`` when given (which must hold
-    ``launch_plan.partial_rows_bytes`` of them)."""
+    ``launch_plan.partial_rows_bytes`` of them). The launches here run on the current device: callers
+    enter ``on_device`` once around a call's launches."""
     x, group_size = call.x, call.group_size
     hidden = x.shape[-1]
     rows, groups = x.numel() // hidden, hidden // group_size
     vec = vector_width(group_size, x.element_size())
     partials = partial_rows_view(workspace, programs, hidden, x.device)
-    with on_device(x.device):
-        kernel("gated_bwd", *fields)(
-            kernel_view(g, vec),
-            kernel_view(x, vec),
-            kernel_view(call.z, vec),
-            aligned_vector(call.w, vec),
-            rstd.reshape(rows, groups).contiguous(),
-            rows_view(dx, hidden),
-            rows_view(dz, hidden),
-            partials,
-            programs,
-        )
+    kernel("gated_bwd", *fields)(
+        kernel_view(g, vec),
+        kernel_view(x, vec),
+        kernel_view(call.z, vec),
+        aligned_vector(call.w, vec),
+        rstd.reshape(rows, groups).contiguous(),
+        rows_view(dx, hidden),
+        rows_view(dz, hidden),
+        partials,
+        programs,
+    )
     return partials
 
 
 def reduce_partials(arch: str, partials: torch.Tensor, dw: torch.Tensor) -> None:
     """dw (contiguous; FP32 or a 2-byte dtype) = the fixed-order FP32 sum of the partial rows, rounded
     once."""
-    with on_device(dw.device):
-        kernel("dw", arch, dtype_name(dw.dtype), dw.shape[0])(partials, dw)
+    kernel("dw", arch, dtype_name(dw.dtype), dw.shape[0])(partials, dw)
 
 
 def launch_statistics(call: GatedCall, fields: tuple, rstd: torch.Tensor) -> None:
@@ -242,10 +243,9 @@ def launch_statistics(call: GatedCall, fields: tuple, rstd: torch.Tensor) -> Non
     arch, act, _w, hidden, _, norm_before_gate, _offset = fields
     vec = vector_width(group_size, x.element_size())
     rows = x.numel() // hidden
-    with on_device(x.device):
-        kernel("gated_rstd", arch, act, act, hidden, group_size, norm_before_gate, 0.0)(
-            kernel_view(x, vec), kernel_view(call.z, vec), rstd.view(rows, hidden // group_size), call.eps
-        )
+    kernel("gated_rstd", arch, act, act, hidden, group_size, norm_before_gate, 0.0)(
+        kernel_view(x, vec), kernel_view(call.z, vec), rstd.view(rows, hidden // group_size), call.eps
+    )
 
 
 def most_backward_programs(rows: int, hidden: int, group_size: int, facts: DeviceFacts) -> int:

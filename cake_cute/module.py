@@ -17,6 +17,7 @@ from .calls import norm_call
 from .dispatch import prepare
 from .forward_names import INPUT_NAME, with_input_named
 from .reference import forward_reference
+from .views import kernel_weight
 
 # torch.nn.RMSNorm's eps=None: the epsilon of ATen's compute type (opmath), FP32 for bf16, fp16 and fp32.
 _DEFAULT_EPS = torch.finfo(torch.float32).eps
@@ -233,8 +234,9 @@ class CakeRMSNorm(nn.Module):
             # The kernels' own math: the scale, then one rounding to x's dtype (where the replaced module
             # rounds before and after a bf16/fp16 scale, the last bit may differ). A weight in neither
             # x's dtype nor FP32 joins the FP32 compute exactly.
-            w = w if w.dtype in (x.dtype, torch.float32) else w.float()
-            return norm(x, w, eps, residual, True, self.weight_offset, self.memory_efficient)
+            return norm(
+                x, kernel_weight(w, x), eps, residual, True, self.weight_offset, self.memory_efficient
+            )
         # The replaced module rounds the normalized values to `rounding`, then scales in torch's
         # promoted dtype: torch's add, then the kernel, then (below FP32) torch's multiply. In the
         # memory-efficient mode the kernel saves its own output: in the FP32 branch that is the

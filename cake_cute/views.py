@@ -108,6 +108,12 @@ def finish(written: torch.Tensor, caller):
     return caller
 
 
+def kernel_weight(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """w as the kernels take it beside x: itself in x's dtype or FP32, else widened to FP32 (exactly: a
+    bf16 or fp16 weight joins the FP32 compute without a rounding)."""
+    return w if w.dtype in (x.dtype, torch.float32) else w.float()
+
+
 def partial_rows_view(workspace, partial_rows: int, hidden: int, device) -> torch.Tensor:
     """The FP32 (partial_rows, H) view (row stride padded to whole vectors:
     ``launch_plan.partial_row_stride``) a backward writes its dW rows into: the start of the caller's

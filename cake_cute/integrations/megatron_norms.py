@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from ..gated_autograd import cake_gated_rmsnorm
 from ..library_ops import norm_backward, save_for_backward
 from ..module import CakeRMSNorm  # importing it registers the torch.ops.cake_cute ops used below
+from ..views import kernel_weight
 
 __all__ = [
     "with_fused_output_gate",
@@ -169,7 +170,7 @@ class MegatronCakeRMSNorm(CakeRMSNorm):
         """
         if not self.fused_residual or residual is not None:
             return super().forward(input, residual=residual)
-        w = self.weight if self.weight.dtype in (input.dtype, torch.float32) else self.weight.float()
+        w = kernel_weight(self.weight, input)
         return _NormKeepingInput.apply(input, w, self.eps, self.weight_offset, self.memory_efficient)
 
     def extra_repr(self) -> str:
@@ -272,9 +273,10 @@ def with_fused_output_gate(layer_class: type) -> type:
 
     def _apply_gated_norm(self, x, gate):
         norm, hidden = self.out_norm, x.shape[-1]
-        w = norm.weight if norm.weight.dtype in (x.dtype, torch.float32) else norm.weight.float()
         x, gate = x.reshape(-1, hidden), gate.reshape(-1, hidden)
-        return cake_gated_rmsnorm(x, gate, w, norm.eps, weight_offset=norm.weight_offset)
+        return cake_gated_rmsnorm(
+            x, gate, kernel_weight(norm.weight, x), norm.eps, weight_offset=norm.weight_offset
+        )
 
     namespace = {"__init__": __init__, "_apply_gated_norm": _apply_gated_norm, "__module__": __name__}
     namespace["__doc__"] = (
