@@ -7,16 +7,17 @@
 The matrix: forward and backward x {sm_90a, sm_100a} x {bf16, fp32} x H x residual off/on, the
 memory-efficient backward (``from_output``) x arch x dtype x a few H x residual off/on, the dW
 reduction x arch x output dtype x H, the forwards to FP8 (both recipes, bf16) x arch x a few H x
-residual off/on, their persistent kernels (bf16 and fp32, plain mode, two H), and the gated forward
-and backward x arch x dtype x (H, group size, form): norm then gate from an unvectorized H = 7 to
-the widest segment, gate then norm with one group and with several (up to H = 65536). Each variant is
+residual off/on, their persistent kernels (bf16 and fp32, plain mode, two H), and the gated forward,
+its statistics alone and the gated backward x arch x dtype x (H, group size, form): norm then gate
+from an unvectorized H = 7 to the widest segment, gate then norm with one group and with several (up
+to H = 65536). Each variant is
 compiled through the package's own cache, its cubin cut out of the exported object
 (``cake_cute.tools.cubin.fatbin_from_object``) and disassembled with ``cuobjdump -sass``. The hash
 covers the instruction stream (addresses, opcodes, operands, encodings) with the kernel symbol names
 replaced by a placeholder, so a renamed Python class or method does not count as a change while any
 changed instruction does. ``compare`` prints every label whose hash
 differs and exits 1 if any does. ``--match``, ``--kinds`` and ``--hidden`` dump a part of the matrix
-(344 variants in all); ``compare`` then compares the labels of the smaller dump.
+(372 variants in all); ``compare`` then compares the labels of the smaller dump.
 
 The script runs against whichever ``cake_cute`` the interpreter imports, so the same file measures an
 older checkout (``git worktree add``) and the current one.
@@ -44,7 +45,7 @@ FROM_OUTPUT_HIDDEN = (7, 1024, 7168, 65536, 131072)  # 131072 fp32 keeps dW in s
 QUANT_KINDS = ("fwd_mxfp8", "fwd_1x128")
 QUANT_HIDDEN = (4096, 5120, 7168, 65536)
 PERSISTENT_QUANT_HIDDEN = (2048, 4096)  # plain mode only
-GATED_KINDS = ("gated_fwd", "gated_bwd")
+GATED_KINDS = ("gated_fwd", "gated_rstd", "gated_bwd")
 # Norm then gate, the row one group: short rows several to a CTA, one CTA per row, and the backward's
 # segments wider than 4096 (over a cluster). Gate then norm: (H, group size), one group per row and
 # several.

@@ -306,21 +306,31 @@ def _hf_norm(family: str, cls: str, **kwargs):
 
 MAMBA2_NORM = mamba2_gated_norm()
 
-# (family, class, constructor arguments): a norm-then-gate class rounding twice, grouped
-# gate-then-norm ones rounding before their weight (Zamba2's has groups in every transformers 5.x,
-# Mamba-2's from 5.25), FalconH1 (one rounding).
+# (family, class, constructor arguments, roundings after the statistics): a norm-then-gate class
+# rounding three times (the normalized value, its product by w, the gated output), grouped
+# gate-then-norm ones rounding before their weight and after it (Zamba2's has groups in every
+# transformers 5.x, Mamba-2's from 5.25), FalconH1 (one rounding).
 SWAPPED = [
-    ("qwen3_next", "Qwen3NextRMSNormGated", dict(hidden_size=128)),
-    ("mamba2", MAMBA2_NORM, dict(hidden_size=2048, group_size=512)),
-    ("zamba2", "Zamba2RMSNormGated", dict(hidden_size=2048, group_size=512)),
-    ("falcon_h1", "FalconH1RMSNormGated", dict(hidden_size=2048, n_groups=4, norm_before_gate=False)),
+    ("qwen3_next", "Qwen3NextRMSNormGated", dict(hidden_size=128), 3),
+    ("mamba2", MAMBA2_NORM, dict(hidden_size=2048, group_size=512), 2),
+    ("zamba2", "Zamba2RMSNormGated", dict(hidden_size=2048, group_size=512), 2),
+    ("falcon_h1", "FalconH1RMSNormGated", dict(hidden_size=2048, n_groups=4, norm_before_gate=False), 1),
 ]
 
 
-@pytest.mark.parametrize(("family", "cls", "kwargs"), SWAPPED, ids=[s[1] for s in SWAPPED])
-def test_swapped_module_against_the_hf_class(family, cls, kwargs):
-    """The swapped module against the class it replaced on bf16 rows: y within one bf16 ulp of the
-    class's output (its statistics are summed in another order), gradients within the dtype's
+def _within_roundings(got: torch.Tensor, want: torch.Tensor, roundings: int) -> bool:
+    """|got - want| <= 2**(roundings - 8) * max(|got|, |want|): bf16 outputs whose statistics were summed
+    in different orders. The first rounding after the statistics may land one ulp apart (2**-7 of the
+    value at most); each later rounding of a product of it can double that relative gap."""
+    got, want = got.float(), want.float()
+    scale = torch.maximum(got.abs(), want.abs())
+    return bool((got - want).abs().le(scale * 2.0 ** (roundings - 8) + 1e-6).all())
+
+
+@pytest.mark.parametrize(("family", "cls", "kwargs", "roundings"), SWAPPED, ids=[s[1] for s in SWAPPED])
+def test_swapped_module_against_the_hf_class(family, cls, kwargs, roundings):
+    """The swapped module against the class it replaced on bf16 rows: y within ``_within_roundings`` of
+    the class's output (its statistics are summed in another order), gradients within the dtype's
     tolerance of the class's FP32 autograd; compiled (fullgraph) within the same bounds of eager."""
     from torch import nn
 
@@ -344,7 +354,7 @@ def test_swapped_module_against_the_hf_class(family, cls, kwargs):
 
     got, want = run(holder.norm), run(stock)
     assert got[0].dtype == want[0].dtype
-    assert (got[0].float() - want[0].float()).abs().le(want[0].float().abs() * 2.0**-7 + 1e-6).all()
+    assert _within_roundings(got[0], want[0], roundings)
     for a, b in zip(got[1:], want[1:]):
         assert rel_error(a, b.double()) <= tolerance(torch.bfloat16)
     # Compiled: the kernels' ops stay opaque, and inductor fuses the torch operations a class's casts
@@ -352,15 +362,16 @@ def test_swapped_module_against_the_hf_class(family, cls, kwargs):
     # it does for the stock class: within the same bound as eager against the class.
     torch._dynamo.reset()
     compiled = run(torch.compile(holder.norm, fullgraph=True))
-    assert (compiled[0].float() - got[0].float()).abs().le(got[0].float().abs() * 2.0**-7 + 1e-6).all()
+    assert _within_roundings(compiled[0], got[0], roundings)
     for a, b in zip(compiled[1:], got[1:]):
         assert rel_error(a, b.double()) <= tolerance(torch.bfloat16)
 
 
 @pytest.mark.parametrize("hidden", [64, 128, 256])
 def test_scale_then_round_module_against_its_form(hidden):
-    """``"scale_then_round"`` (torchtitan's Qwen3.5 gated norm) on bf16 head-dim rows: y within one bf16
-    ulp of the form's torch operations (the statistics summed in another order), gradients within the
+    """``"scale_then_round"`` (torchtitan's Qwen3.5 gated norm) on bf16 head-dim rows: y within
+    ``_within_roundings`` of the form's torch operations (two roundings after statistics summed in
+    another order), gradients within the
     dtype's tolerance of their FP32 autograd; compiled (fullgraph) within the same bounds of eager."""
     from cake_cute.gated_module import CakeGatedRMSNorm
 
@@ -379,12 +390,12 @@ def test_scale_then_round_module_against_its_form(hidden):
     got = run(norm, norm.weight)
     w = norm.weight.detach().clone().requires_grad_()
     want = run(lambda a, b: scaled_then_gated(a, b, w, EPS), w)
-    assert (got[0].float() - want[0].float()).abs().le(want[0].float().abs() * 2.0**-7 + 1e-6).all()
+    assert _within_roundings(got[0], want[0], 2)
     for a, b in zip(got[1:], want[1:]):
         assert rel_error(a, b.double()) <= tolerance(torch.bfloat16)
     torch._dynamo.reset()
     compiled = run(torch.compile(norm, fullgraph=True), norm.weight)
-    assert (compiled[0].float() - got[0].float()).abs().le(got[0].float().abs() * 2.0**-7 + 1e-6).all()
+    assert _within_roundings(compiled[0], got[0], 2)
     for a, b in zip(compiled[1:], got[1:]):
         assert rel_error(a, b.double()) <= tolerance(torch.bfloat16)
 

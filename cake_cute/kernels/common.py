@@ -123,8 +123,7 @@ class RowKernel:
     def row_rstd(self, h: cute.TensorSSA, buffers, row_in_cta, lane_in_row, slot, eps) -> Float32:
         """1 / sqrt(mean(h^2) + eps) of the thread's row (a gated kernel's: of its segment), ``buffers``
         the reduction's (warp sums, CTA sums, mbarriers) and ``slot`` the one this row uses."""
-        own_sum = (h * h).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-        sum_sq = self.row_total(own_sum, buffers, row_in_cta, lane_in_row, slot, Int32(0))
+        sum_sq = self.row_total(sum_of_squares(h), buffers, row_in_cta, lane_in_row, slot, Int32(0))
         return cute.math.rsqrt(sum_sq / self.tiling.hidden + eps)
 
     @cute.jit
@@ -174,6 +173,21 @@ def approx_reciprocal(values: cute.TensorSSA) -> cute.TensorSSA:
     for i in cutlass.range_constexpr(cute.size(cells)):
         cells[i] = cute.arch.rcp_approx(cells[i])
     return cells.load()
+
+
+@cute.jit
+def sum_of_squares(h: cute.TensorSSA) -> Float32:
+    """sum_j h_j^2 of the thread's values as one chain of FMAs in element order (h_0^2 rounded, then
+    each product added unrounded). Spelled out rather than a reduce of h * h: whether the compiler fuses
+    such products into the sum depends on the rest of the kernel (in FP32 the statistics kernel, which
+    has no other use of h, got its products rounded apart from the forward's), and every kernel that
+    computes a row's rstd must round it the same way for the rstd to be bitwise one value."""
+    cells = cute.make_rmem_tensor(h.shape, Float32)
+    cells.store(h)
+    total = Float32(0.0)
+    for i in cutlass.range_constexpr(cute.size(cells)):
+        total = cute.math.fma(cells[i], cells[i], total)
+    return total
 
 
 def tile_shape(tiling):
