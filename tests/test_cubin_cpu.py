@@ -60,6 +60,53 @@ def test_parse_sass_counts_by_width():
     assert report["l2_bulk_prefetches"] == 1
 
 
+def test_parse_sass_tells_fused_squares_from_rounded_ones():
+    """x * x fused into an add (FFMA, FFMA2) or rounded alone (FMUL, FMUL2, whatever the operands'
+    modifiers); a product of two registers, or of one by a constant, is no square."""
+    sass = """
+        /*0100*/                   FFMA R64, R4, R4, RZ ;
+        /*0110*/                   FFMA R69, R5.reuse, R5, R64 ;
+        /*0120*/                   FMUL R7, R7, R7 ;
+        /*0130*/                   FMUL2 R16, R35.F32, R35.F32 ;
+        /*0140*/                   FMUL2 R10, R20.F32x2.HI_LO, R10.F32x2.HI_LO ;
+        /*0150*/                   FMUL R24, R31, -1.4426950216293334961 ;
+        /*0160*/                   FFMA R39, R22, R39, 0.14285714924335479736 ;
+        /*0170*/                   FFMA R12, R1, R12, R3 ;
+"""
+    report = cubin.parse_sass(sass)
+    assert (report["fused_squares"], report["rounded_squares"]) == (2, 2)
+
+
+# Kernels that compute a row's rstd, where the compiler left alone once rounded some squares on their own:
+# the FP32 statistics kernel (its forward fused them), the sm_100a forward of 7-wide gated rows (one
+# packed FMUL2), and a plain and an FP8 forward for good measure.
+RSTD_KERNELS = [
+    ("gated_rstd", "sm_90a", "fp32", 64),
+    ("gated_fwd", "sm_90a", "fp32", 64),
+    ("gated_fwd", "sm_100a", "bf16", 7),
+    ("fwd", "sm_100a", "fp32", 5120),
+    ("fwd_mxfp8", "sm_90a", "bf16", 4096),
+]
+
+
+@pytest.mark.parametrize("kind, arch, act, hidden", RSTD_KERNELS)
+def test_every_square_of_a_sum_of_squares_is_fused(tmp_path, monkeypatch, kind, arch, act, hidden):
+    """Every kernel's sum of squares is one FMA chain (``kernels.common.sum_of_squares``): no square is
+    rounded on its own, so the statistics kernel's rstd, the forward's and the FP8 forward's are one
+    value. FP32 rows of 64: 16 elements per lane, 16 fused squares in the forward and the statistics."""
+    from cake_cute.specs import GatedSpec
+
+    monkeypatch.setenv("CAKE_CUTE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(compile_cache, "_memory", {})
+    if kind.startswith("gated"):
+        spec = GatedSpec(kind, arch, act, act, hidden, hidden, True)
+    else:
+        spec = KernelSpec(kind, arch, act, act, hidden, residual=kind == "fwd")
+    report = cubin.kernel_report(spec)
+    assert report["rounded_squares"] == 0
+    assert report["fused_squares"] >= (16 if (act, hidden) == ("fp32", 64) else 1)
+
+
 @pytest.mark.parametrize(
     "act, hidden, prefetches",
     [("fp32", 131072, 2), ("fp32", 65537, 0), ("bf16", 4096, 0)],

@@ -33,6 +33,9 @@ INSTALL_HINT = (
 )
 
 _SASS_LINE = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)")
+# A product of a register with itself: FMUL / FMUL2 (rounded) or FFMA / FFMA2 (added unrounded), the
+# operands' modifiers (.reuse, the packed lanes' .F32 / .F32x2.HI_LO) stripped.
+_SQUARE = re.compile(r"\b(FMUL2?|FFMA2?)\s+R\d+,\s*(-?R\d+)[.\w]*,\s*(-?R\d+)[.\w]*")
 _RES_LINE = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
 _REQNTID = re.compile(r"EIATTR_REQNTID\s+Format:\s+\w+\s+Value:\s+(0x[0-9a-f]+) (0x[0-9a-f]+) (0x[0-9a-f]+)")
 _SUFFIX_BITS = {"U8": 8, "S8": 8, "U16": 16, "S16": 16}
@@ -104,14 +107,18 @@ def access_bits(opcode: str) -> int:
 def parse_sass(sass: str) -> dict:
     """Counts of global loads/stores by width, of local accesses (LDL/STL: spills), of generic
     loads (LD: distributed shared memory or global memory through a generic pointer) and of global
-    atomics (RED/ATOM), of conversions to e4m3 (F2FP.*E4M3*: the FP8 epilogues) and of bulk L2
-    prefetches (UBLKPF: the widest backward rows' next-row prefetch)."""
-    loads, stores, ops = Counter(), Counter(), Counter()
+    atomics (RED/ATOM), of conversions to e4m3 (F2FP.*E4M3*: the FP8 epilogues), of bulk L2
+    prefetches (UBLKPF: the widest backward rows' next-row prefetch) and of squares x * x, fused into
+    an add (FFMA) or rounded on their own (FMUL: a sum of squares that rounds its products)."""
+    loads, stores, ops, squares = Counter(), Counter(), Counter(), Counter()
     e4m3_converts = 0
     for line in sass.splitlines():
         match = _SASS_LINE.match(line)
         if not match:
             continue
+        square = _SQUARE.search(line)
+        if square and square.group(2) == square.group(3):
+            squares["fused" if square.group(1).startswith("FFMA") else "rounded"] += 1
         opcode = match.group(1)
         base = opcode.split(".")[0]
         ops[base] += 1
@@ -133,6 +140,8 @@ def parse_sass(sass: str) -> dict:
         "global_atomics": ops["REDG"] + ops["ATOMG"] + ops["RED"] + ops["ATOM"],
         "e4m3_converts": e4m3_converts,
         "l2_bulk_prefetches": ops["UBLKPF"],
+        "fused_squares": squares["fused"],
+        "rounded_squares": squares["rounded"],
     }
 
 
