@@ -10,13 +10,12 @@ reduction x arch x output dtype x H, the forwards to FP8 (both recipes, bf16) x 
 residual off/on, their persistent kernels (bf16 and fp32, plain mode, two H), and the gated forward,
 its statistics alone and the gated backward x arch x dtype x (H, group size, form): norm then gate
 from an unvectorized H = 7 to the widest segment, gate then norm with one group and with several (up
-to H = 65536). Each variant is
-compiled through the package's own cache, its cubin cut out of the exported object
-(``cake_cute.tools.cubin.fatbin_from_object``) and disassembled with ``cuobjdump -sass``. The hash
-covers the instruction stream (addresses, opcodes, operands, encodings) with the kernel symbol names
-replaced by a placeholder, so a renamed Python class or method does not count as a change while any
-changed instruction does. ``compare`` prints every label whose hash
-differs and exits 1 if any does. ``--match``, ``--kinds`` and ``--hidden`` dump a part of the matrix
+to H = 65536). Each variant is compiled through the package's own cache, its cubin cut out of the
+exported object (``cake_cute.tools.cubin.fatbin_from_object``) and disassembled with ``cuobjdump
+-sass``. The hash covers the instruction stream (addresses, opcodes, operands, encodings) with the
+kernel symbol names replaced by a placeholder, so a renamed Python class or method does not count as
+a change while any changed instruction does. ``compare`` prints every label whose hash differs and
+exits 1 if any does. ``--match``, ``--kinds`` and ``--hidden`` dump a part of the matrix
 (372 variants in all); ``compare`` then compares the labels of the smaller dump.
 
 The script runs against whichever ``cake_cute`` the interpreter imports, so the same file measures an
