@@ -1,7 +1,8 @@
 #!/usr/bin/env python
-"""``python benchmarks/fp8_bench.py OUT.json [--grid standard,training] [--recipes mxfp8,1x128] [--dtype bf16]
-[--impls cake_cute,cake_cute+compile,cake_cute+torchao] [--check] [--tilings H=TPR,VPT,CLUSTER[,ROWS] ...]
-[--choices [H:]CHOICE=VALUE[,CHOICE=VALUE] ...] [--reps N] [--append]``
+"""``python benchmarks/fp8_bench.py OUT.json [--grid standard,training] [--hidden H,...]
+[--recipes mxfp8,1x128] [--dtype bf16] [--impls cake_cute,cake_cute+compile,cake_cute+torchao] [--check]
+[--tilings H=TPR,VPT,CLUSTER[,ROWS] ...] [--choices [H:]CHOICE=VALUE[,CHOICE=VALUE] ...] [--reps N]
+[--append]``
 
 The fused RMSNorm -> block-scaled e4m3 forward (impl ``cake_cute``) against cake's forward followed by
 a separate quantize of y: torchao's MX quantizer when importable (``cake_cute+torchao``, MXFP8 only)
@@ -12,6 +13,8 @@ the kernel's own rstd; rstd itself against FP64) at a few shapes per dtype, reci
 wide rows and every ``--tilings`` candidate included, on weights spanning 2^-130 .. 2^100 (fp16:
 2^-24 .. 2^15) so that the scales cover the E8M0 range, with an all-zero row and rows holding an
 infinity and a NaN. Any mismatch stops the run (exit 1) before anything is timed.
+
+``--hidden``: only the grids' shapes of these H (say, the variants a kernel change touched).
 
 ``--tilings``: candidate tilings of the quantizing forward (rows per CTA 1 unless given), and
 ``--choices``: candidate values of its other config choices (``config.CHOICES["quant"]``:
@@ -398,10 +401,34 @@ def fastest_configs(rows: list[dict]) -> list[tuple[int, int, str, float]]:
     return fastest
 
 
+def grid_shapes(grids: str, hidden: str | None = None) -> list[tuple[int, int]]:
+    """The (T, H) shapes of the comma-separated ``grids`` in order, each once; with ``hidden``
+    (comma-separated), only those of these H.
+
+    Raises
+    ------
+    ValueError
+        An unknown grid, or an H that none of the grids' shapes has.
+    """
+    named = {"standard": STANDARD, "training": TRAINING}
+    unknown = sorted(set(grids.split(",")) - set(named))
+    if unknown:
+        raise ValueError(f"--grid: unknown {', '.join(unknown)}; choose from {', '.join(named)}")
+    shapes = list(dict.fromkeys(s for g in grids.split(",") for s in named[g]))
+    if hidden is None:
+        return shapes
+    wanted = {int(h) for h in hidden.split(",")}
+    missing = sorted(wanted - {h for _, h in shapes})
+    if missing:
+        raise ValueError(f"--hidden: no shape of the grids {grids} has H = {missing}")
+    return [(t, h) for t, h in shapes if h in wanted]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path, help="JSON file to write")
     parser.add_argument("--grid", default="standard,training", help="standard, training or both")
+    parser.add_argument("--hidden", help="only the grids' shapes of these H (comma-separated)")
     parser.add_argument("--recipes", default=",".join(fp8_numerics.RECIPES))
     parser.add_argument("--dtype", default="bf16", choices=DTYPE_NAMES)
     parser.add_argument("--impls", default=",".join(IMPLS), help=f"some of {', '.join(IMPLS)}")
@@ -428,10 +455,9 @@ def main(argv=None) -> int:
     try:
         tilings = [parse_tiling(t, args.dtype, args.arch) for t in args.tilings]
         choices = [parse_choices(t) for t in args.choices]
+        shapes = grid_shapes(args.grid, args.hidden)
     except ValueError as exc:
         parser.error(str(exc))
-    grids = {"standard": STANDARD, "training": TRAINING}
-    shapes = dict.fromkeys(s for g in args.grid.split(",") for s in grids[g])
     prewarm(args, recipes, shapes)
     if args.check and check(recipes, tilings, choices, args):
         return 1

@@ -143,6 +143,17 @@ def test_fp8_bench_fused_bytes(fp8_bench):
     assert fp8_bench.fused_bytes(3, 65, 4, "1x128", True) == 3 * 65 * 4 * 3 + 3 * 65 + 3 * 4 + 3 * 4
 
 
+def test_fp8_bench_grid_shapes(fp8_bench):
+    both = fp8_bench.grid_shapes("standard,training")
+    assert both == fp8_bench.STANDARD + [s for s in fp8_bench.TRAINING if s not in fp8_bench.STANDARD]
+    picked = fp8_bench.grid_shapes("standard,training", "4096,65536")
+    assert picked == [(2**15, 4096), (2048, 65536)] + [(t, 4096) for t in (2048, 4096, 8192, 16384)]
+    with pytest.raises(ValueError, match=r"--hidden: no shape of the grids training has H = \[7168\]"):
+        fp8_bench.grid_shapes("training", "4096,7168")
+    with pytest.raises(ValueError, match="--grid: unknown big"):
+        fp8_bench.grid_shapes("big")
+
+
 def test_fp8_bench_parse_tiling(fp8_bench):
     hidden, tiling = fp8_bench.parse_tiling("16384=512,4,1", "bf16", "sm_90a")
     assert hidden == 16384
