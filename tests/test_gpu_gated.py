@@ -371,8 +371,8 @@ def test_swapped_module_against_the_hf_class(family, cls, kwargs, roundings):
 def test_scale_then_round_module_against_its_form(hidden):
     """``"scale_then_round"`` (torchtitan's Qwen3.5 gated norm) on bf16 head-dim rows: y within
     ``_within_roundings`` of the form's torch operations (two roundings after statistics summed in
-    another order), gradients within the
-    dtype's tolerance of their FP32 autograd; compiled (fullgraph) within the same bounds of eager."""
+    another order), gradients within the dtype's tolerance of their FP32 autograd; compiled
+    (fullgraph) within the same bounds of eager."""
     from cake_cute.gated_module import CakeGatedRMSNorm
 
     norm = CakeGatedRMSNorm(hidden, EPS, cast_policy="scale_then_round", device="cuda", dtype=torch.bfloat16)
