@@ -53,12 +53,13 @@ from pathlib import Path
 import torch
 from results_doc import kept_rows, write_results
 
-from cake_cute import cake_rmsnorm_fp8, cake_rmsnorm_train_forward, fp8, fp8_numerics, launch_plan, validation
+from cake_cute import cake_rmsnorm_fp8, cake_rmsnorm_train_forward, fp8, fp8_numerics, validation
 from cake_cute.calls import fp8_call
-from cake_cute.device import device_arch, device_facts
 from cake_cute.kernels.config import CHOICES, overridden
 from cake_cute.kernels.quant_config import QUANT_RECIPES, quant_forward_config
 from cake_cute.reference import forward_reference
+from cake_cute.runtime import launch_plan
+from cake_cute.runtime.device import device_arch, device_facts
 from cake_cute.tools.bench.timing import DeviceTimer, Rotation, buffer_sets_for
 from cake_cute.vocab import DTYPE_NAMES, torch_dtype
 

@@ -38,7 +38,7 @@ from cake_cute import (
     cake_rmsnorm_silu_gate_train_backward_workspace,
     cake_rmsnorm_silu_gate_train_forward,
 )
-from cake_cute.gated_ops import gated_rmsnorm_backward, gated_rmsnorm_forward
+from cake_cute.gated.ops import gated_rmsnorm_backward, gated_rmsnorm_forward
 from cake_cute.tools.bench.timing import DeviceTimer, Rotation, buffer_sets_for, gpu_events
 from cake_cute.vocab import DTYPE_NAMES, torch_dtype
 

@@ -309,8 +309,8 @@ def checks(torch, op: str, t: dict, default: tuple | None) -> dict:
 def compile_variant(task: tuple) -> str | None:
     """Compile into the disk cache every kernel a scan row of ``task`` = (H, residual, dtype, override
     text) can launch (forward, backward, both dW reductions); None, or why it could not."""
-    from cake_cute.build import make_spec
-    from cake_cute.compile_cache import get_kernel
+    from cake_cute.runtime.build import make_spec
+    from cake_cute.runtime.cache import get_kernel
 
     hidden, residual, dtype, text = task
     try:

@@ -22,7 +22,7 @@ the same through its custom op, whose C++ kernels serve registered signatures.
 The implementations are the adapters of ``cake_cute.tools.bench.peers`` (the ones the sweep
 measures), plus ``cake_cute_apply``: ``CakeRMSNormFunction.apply(x, w, eps, residual, deterministic)``,
 the entry FlashInfer's users call, which follows the same routing rule as ``cake_cute``
-(``cake_rmsnorm``: the native path, ``cake_cute.native``, once the first call has registered the
+(``cake_rmsnorm``: the native path, ``cake_cute.runtime.native``, once the first call has registered the
 signature), and ``cake_cute_python``: the same calls forced onto the Python path (the engine's
 ``Function.apply`` of ``CakeRMSNormFunction``, below the routing). ``mode = compile`` wraps each
 adapter's call in ``torch.compile(dynamic=False)``, one graph per (T, residual); ``mode = compile-graphs`` in
@@ -298,7 +298,7 @@ def _allocating_backward(g, x, w, rstd, g_residual=None, weight_offset=0.0):
 
 def cpu_layers_main(args) -> list:
     """cake_cute's layers with allocate-only CPU kernels vs torch's CPU F.rms_norm (see the module)."""
-    from cake_cute import native
+    from cake_cute.runtime import native
 
     torch.library.register_kernel("cake_cute::rmsnorm_fwd", "cpu", _allocating_forward)
     torch.library.register_kernel("cake_cute::rmsnorm_bwd", "cpu", _allocating_backward)

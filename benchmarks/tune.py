@@ -30,9 +30,9 @@ from functools import partial
 import torch
 
 import cake_cute
-from cake_cute import launch_plan
-from cake_cute.device import device_facts
 from cake_cute.kernels.config import backward_config, forward_config, overridden
+from cake_cute.runtime import launch_plan
+from cake_cute.runtime.device import device_facts
 from cake_cute.tools.bench.timing import gpu_events
 from cake_cute.vocab import DTYPE_NAMES, dtype_bytes, torch_dtype
 

@@ -9,9 +9,8 @@ import torch  # noqa: E402
 from .autograd import CakeRMSNormFunction, cake_rmsnorm  # noqa: E402
 from .dispatch import cake_rmsnorm_train_backward, cake_rmsnorm_train_forward, prepare  # noqa: E402
 from .fp8 import Fp8NormOutput, cake_rmsnorm_fp8  # noqa: E402
-from .fusion import add_rmsnorm, fuse_residual_rmsnorm  # noqa: E402
-from .gated_autograd import cake_gated_rmsnorm  # noqa: E402
-from .gated_flashinfer import (  # noqa: E402
+from .gated.autograd import cake_gated_rmsnorm  # noqa: E402
+from .gated.flashinfer import (  # noqa: E402
     CakeRMSNormSiLUGateFunction,
     cake_rmsnorm_silu_gate,
     cake_rmsnorm_silu_gate_train_backward,
@@ -19,20 +18,21 @@ from .gated_flashinfer import (  # noqa: E402
     cake_rmsnorm_silu_gate_train_backward_workspace_bytes,
     cake_rmsnorm_silu_gate_train_forward,
 )
-from .gated_module import CakeGatedRMSNorm  # noqa: E402
-from .gated_swap import GatedNormNotServed, swap_gated_rmsnorm  # noqa: E402
+from .gated.module import CakeGatedRMSNorm  # noqa: E402
+from .gated.swap import GatedNormNotServed, swap_gated_rmsnorm  # noqa: E402
+from .hf.fusion import add_rmsnorm, fuse_residual_rmsnorm  # noqa: E402
+from .hf.swap import swap_rmsnorm  # noqa: E402
 from .launch import (  # noqa: E402
     cake_rmsnorm_train_backward_workspace,
     cake_rmsnorm_train_backward_workspace_bytes,
 )
 from .module import CakeRMSNorm  # noqa: E402
-from .swap import swap_rmsnorm  # noqa: E402
 from .validation import ArgumentError, is_cake_rmsnorm_train_supported  # noqa: E402
 
 if torch.distributed.is_available():
     # Registers the DTensor sharding rules of the custom ops, plain and gated.
-    from . import gated_distributed  # noqa: E402, F401
     from .distributed import SequenceParallelResidual  # noqa: E402, F401
+    from .gated import distributed as _gated_rules  # noqa: E402, F401
 
 __all__ = [
     "CakeGatedRMSNorm",

@@ -187,7 +187,7 @@ def cake_rmsnorm(
     -----
     Under torch.compile this traces to the ``cake_cute::rmsnorm_fwd`` custom op with its registered
     autograd; in eager it is the native autograd node for plain calls of a signature seen before
-    (``cake_cute.native``), else ``CakeRMSNormFunction``.
+    (``cake_cute.runtime.native``), else ``CakeRMSNormFunction``.
     """
     return _norm(
         CakeRMSNormFunction,

@@ -17,7 +17,7 @@ import torch
 
 from .kernels.config import SCALE_FLOOR
 from .reference import forward_reference
-from .views import as_output
+from .runtime.views import as_output
 
 
 def forward(x, w, eps, residual, weight_offset):

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import torch
 
-from . import launch, launch_fp8, launch_plan, native
+from . import launch, launch_fp8
 from . import validation as v
 from .calls import Fp8Call, NormCall, backward_call, norm_call
+from .runtime import launch_plan, native
 
 
 def prepare() -> bool:

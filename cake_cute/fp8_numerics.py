@@ -37,7 +37,7 @@ import torch
 
 from . import validation as v
 from .kernels import quant_config as qc  # the kernels' constants: this file mirrors their bit steps
-from .views import as_output
+from .runtime.views import as_output
 
 RECIPES = tuple(qc.QUANT_RECIPES)
 _CUBLAS_TILE = (128, 4)

@@ -14,14 +14,14 @@ from typing import NamedTuple
 
 import torch
 
-from . import launch_plan
 from . import validation as v
 from .calls import BackwardCall, NormCall
-from .compile_cache import kernel
-from .device import device_arch, device_facts, on_device
 from .kernels.config import on_override_change
 from .operands import operands_of
-from .views import (
+from .runtime import launch_plan
+from .runtime.cache import kernel
+from .runtime.device import device_arch, device_facts, on_device
+from .runtime.views import (
     aligned_vector,
     finish,
     kernel_view,

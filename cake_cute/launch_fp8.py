@@ -13,15 +13,15 @@ from itertools import product
 
 import torch
 
-from . import launch_plan
-from .build import quant_kind
 from .calls import Fp8Call
-from .compile_cache import kernel
-from .device import on_device
 from .fp8_numerics import RECIPES, rmsnorm_fp8_reference, scale_blocks
 from .kernels.quant_config import QUANT_RECIPES
-from .specs import KernelSpec
-from .views import aligned_vector, kernel_view
+from .runtime import launch_plan
+from .runtime.build import quant_kind
+from .runtime.cache import kernel
+from .runtime.device import on_device
+from .runtime.specs import KernelSpec
+from .runtime.views import aligned_vector, kernel_view
 
 
 def fp8_variant_specs(

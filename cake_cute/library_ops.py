@@ -46,7 +46,7 @@ from .kernels.quant_config import QUANT_RECIPES
 from .launch import backward_from_saved, backward_from_saved_output, launch_backward
 from .launch_fp8 import op_outputs, placeholder
 from .reference import summed_gradient
-from .views import new_output
+from .runtime.views import new_output
 
 _FWD_SCHEMA = (
     "(Tensor x, Tensor w, float eps, Tensor? residual=None, float weight_offset=0.0) "

@@ -1,5 +1,5 @@
 """``CakeRMSNorm``, a drop-in ``torch.nn.Module`` for ``torch.nn.RMSNorm``, and its cast policies: the
-roundings of the module it replaces (``cake_cute.swap`` puts it in place of an existing model's norms).
+roundings of the module it replaces (``cake_cute.hf.swap`` puts it in place of an existing model's norms).
 Under torch.compile a norm traces to the kernels' custom op, or, where ``compiled_as`` says so, to its
 PyTorch math, which inductor can fuse with the operations around it.
 """
@@ -17,7 +17,7 @@ from .calls import norm_call
 from .dispatch import prepare
 from .forward_names import INPUT_NAME, with_input_named
 from .reference import forward_reference
-from .views import kernel_weight
+from .runtime.views import kernel_weight
 
 # torch.nn.RMSNorm's eps=None: the epsilon of ATen's compute type (opmath), FP32 for bf16, fp16 and fp32.
 _DEFAULT_EPS = torch.finfo(torch.float32).eps

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import device as dev
+from .runtime import device as dev
 from .vocab import dtype_name
 
 

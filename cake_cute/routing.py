@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from . import native
+from .runtime import native
 from .validation import check_tensor
 
 if torch.distributed.is_available():

@@ -17,11 +17,11 @@ import numbers
 
 import torch
 
-from .device import device_facts
 from .kernels.config import MAX_G_PARTS as MAX_GRADIENT_PARTS
 from .kernels.gated_config import MAX_SEGMENT
 from .kernels.quant_config import QUANT_RECIPES
 from .kernels.tiling import MAX_HIDDEN, VECTOR_BYTES
+from .runtime.device import device_facts
 from .vocab import DTYPE_BY_TORCH
 
 # The FP8 scale layouts (``fp8_numerics``) and the recipes each one holds.

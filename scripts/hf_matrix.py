@@ -73,7 +73,7 @@ def _cell(results, test, family, variant, refused: bool) -> str:
 def family_rows(results) -> list[str]:
     """The markdown rows of the family table: template, counts and one cell per check."""
     sys.path.insert(0, str(ROOT))
-    from cake_cute.fusion_plans import _layer_plan
+    from cake_cute.hf.plans import _layer_plan
     from tests.test_hf_conformance_cpu import FAMILIES, LAYERS, tiny
 
     rows = []
@@ -117,7 +117,7 @@ def scanned_rows() -> list[str]:
     RMSNorm class: the template it matches, or why it is refused."""
     import transformers.models
 
-    from cake_cute.fusion_plans import _layer_plan
+    from cake_cute.hf.plans import _layer_plan
 
     rows = []
     for info in sorted(pkgutil.iter_modules(transformers.models.__path__), key=lambda i: i.name):
@@ -175,7 +175,7 @@ def render(results) -> str:
         "",
         f"### Every decoder layer of transformers {transformers.__version__} beside an RMSNorm",
         "",
-        "The template each class's forward matches (`cake_cute.fusion_templates.TEMPLATES`), read from its "
+        "The template each class's forward matches (`cake_cute.hf.templates.TEMPLATES`), read from its "
         "source; a refused class runs with `swap_rmsnorm` alone. Not run, only classified.",
         "",
         "| model | decoder layer | fusion |",

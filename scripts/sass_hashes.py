@@ -121,9 +121,9 @@ def label(row: Variant) -> str:
 def make_spec(row: Variant):
     """The package's spec for one row of the matrix (the current API, else the one before it)."""
     try:
-        from cake_cute.specs import KernelSpec, ReduceSpec
+        from cake_cute.runtime.specs import KernelSpec, ReduceSpec
     except ImportError:  # the layout before the restructure: one spec class, dw's dtype in act_dtype
-        from cake_cute.compile_cache import KernelSpec
+        from cake_cute.runtime.cache import KernelSpec
 
         if row.kind == "dw":
             return KernelSpec("dw", row.arch, row.dtype, "fp32", row.hidden)
@@ -131,7 +131,7 @@ def make_spec(row: Variant):
     if row.kind == "dw":
         return ReduceSpec(row.arch, row.dtype, row.hidden)
     if row.kind in GATED_KINDS:
-        from cake_cute.specs import GatedSpec
+        from cake_cute.runtime.specs import GatedSpec
 
         return GatedSpec(
             row.kind, row.arch, row.dtype, row.dtype, row.hidden, row.group_size, row.norm_before_gate
@@ -150,7 +150,7 @@ def normalized_sass(sass: str) -> tuple[str, list[str]]:
 
 
 def sass_of(row: Variant) -> dict:
-    from cake_cute.compile_cache import get_kernel, object_path
+    from cake_cute.runtime.cache import get_kernel, object_path
 
     try:
         from cake_cute.tools.cubin import fatbin_from_object, find_tool

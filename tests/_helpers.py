@@ -207,7 +207,7 @@ SUITE_HIDDEN = (
 def suite_specs(arch: str):
     """Every kernel variant the GPU tests launch (so a cold cache compiles them in parallel up
     front instead of one by one inside the tests)."""
-    from cake_cute.specs import ReduceSpec
+    from cake_cute.runtime.specs import ReduceSpec
     from cake_cute.tools.warmup import variant_specs
 
     names = ("bf16", "fp16", "fp32")

@@ -95,8 +95,8 @@ def launches(monkeypatch):
     SMs, and kernels that record their fields and arguments (``(fields, args)`` in launch order)."""
     import contextlib
 
-    from cake_cute import gated_ops
-    from cake_cute.device import DeviceFacts
+    from cake_cute.gated import ops as gated_ops
+    from cake_cute.runtime.device import DeviceFacts
 
     calls = []
     monkeypatch.setattr(gated_ops, "device_arch", lambda device: "sm_90a")

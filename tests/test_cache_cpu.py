@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from cake_cute import build
-from cake_cute import compile_cache as cc
 from cake_cute.kernels.config import overridden
 from cake_cute.kernels.tiling import forward_tiling
-from cake_cute.specs import KernelSpec
+from cake_cute.runtime import build
+from cake_cute.runtime import cache as cc
+from cake_cute.runtime.specs import KernelSpec
 
 SPEC = KernelSpec("fwd", "sm_90a", "bf16", "bf16", 512)
 OTHER = KernelSpec("fwd", "sm_90a", "fp16", "fp16", 512)
@@ -34,7 +34,7 @@ CHILD = """
 import sys, time
 from pathlib import Path
 import cutlass.cute
-from cake_cute import compile_cache as cc
+from cake_cute.runtime import cache as cc
 spec = cc.KernelSpec("fwd", "sm_90a", "bf16", "bf16", 512)
 cc.fingerprint()
 go, ready = Path(sys.argv[1]), Path(sys.argv[2])
@@ -244,8 +244,8 @@ def test_the_key_covers_the_modules_the_kernels_are_built_from():
 
     kernel_files = Path(cake_cute.kernels.__file__).parent.glob("*.py")
     kernels = {f"cake_cute.kernels.{p.stem}".removesuffix(".__init__") for p in kernel_files}
-    assert kernels | {"cake_cute.build", "cake_cute.specs", "cake_cute.vocab"} <= set(sources)
-    assert not {"cake_cute.launch", "cake_cute.autograd", "cake_cute.compile_cache"} & set(sources)
+    assert kernels | {"cake_cute.runtime.build", "cake_cute.runtime.specs", "cake_cute.vocab"} <= set(sources)
+    assert not {"cake_cute.launch", "cake_cute.autograd", "cake_cute.runtime.cache"} & set(sources)
     assert not any(".tools" in name for name in sources)
     base = cc.source_digest(sources)
     for name, text in sources.items():
@@ -275,7 +275,7 @@ def test_a_docstring_or_comment_edit_keeps_the_key_and_a_code_edit_changes_it():
     assert cc.source_digest({**sources, "cake_cute.kernels.config": four_parts}) != base
 
 
-KEY = "from cake_cute import compile_cache as cc; print(cc.fingerprint(), cc.__file__)"
+KEY = "from cake_cute.runtime import cache as cc; print(cc.fingerprint(), cc.__file__)"
 
 
 def _key_and_file(env: dict, cwd: Path) -> list[str]:

@@ -12,12 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from cake_cute import gated_module, gated_ops
-from cake_cute.build import make_spec
 from cake_cute.calls import gated_call
-from cake_cute.compile_cache import is_cached_on_disk
-from cake_cute.gated_module import CakeGatedRMSNorm
-from cake_cute.specs import KernelSpec, ReduceSpec
+from cake_cute.gated import module as gated_module
+from cake_cute.gated import ops as gated_ops
+from cake_cute.gated.module import CakeGatedRMSNorm
+from cake_cute.runtime.build import make_spec
+from cake_cute.runtime.cache import is_cached_on_disk
+from cake_cute.runtime.specs import KernelSpec, ReduceSpec
 from cake_cute.tools import cli, info, kernel_report, warmup
 from cake_cute.tools.cubin import spill_free
 from cake_cute.vocab import SUPPORTED_ARCHS, dtype_name, torch_dtype
@@ -397,7 +398,7 @@ def test_a_memory_efficient_backward_compiles_without_a_gpu(tmp_path, monkeypatc
 
 @pytest.mark.parametrize("python_path", [False, True], ids=["native", "python-path"])
 def test_warmup_builds_the_native_host_path(python_path, tmp_path, monkeypatch, capsys):
-    from cake_cute import native
+    from cake_cute.runtime import native
 
     if python_path:
         monkeypatch.setenv(native.PYTHON_PATH_ENV, "1")
@@ -419,7 +420,7 @@ def _fake_native_build(monkeypatch, tmp_path, events: list, fails: bool = False)
     for a library not on disk yet."""
     import io
 
-    from cake_cute import native
+    from cake_cute.runtime import native
 
     library = tmp_path / "native.so"
     progress = io.StringIO()
@@ -538,7 +539,7 @@ def test_report_has_units_a_legend_and_the_config():
 
 
 def test_describe_config_is_the_config_values_description():
-    from cake_cute.build import config_for
+    from cake_cute.runtime.build import config_for
 
     for spec in (
         KernelSpec("fwd", "sm_90a", "bf16", "bf16", 4096),

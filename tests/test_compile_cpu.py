@@ -12,7 +12,7 @@ from collections import Counter
 
 import pytest
 
-from cake_cute.build import config_for, make_spec
+from cake_cute.runtime.build import config_for, make_spec
 from cake_cute.tools.cubin import spill_free
 from cake_cute.tools.kernel_report import collect_reports
 from cake_cute.tools.warmup import variant_specs, warm

@@ -3,8 +3,8 @@ and reporting on a cached kernel without compiling it again."""
 
 import pytest
 
-from cake_cute import compile_cache
-from cake_cute.specs import KernelSpec, ReduceSpec
+from cake_cute.runtime import cache as compile_cache
+from cake_cute.runtime.specs import KernelSpec, ReduceSpec
 from cake_cute.tools import cubin
 
 SASS = """
@@ -94,7 +94,7 @@ def test_every_square_of_a_sum_of_squares_is_fused(tmp_path, monkeypatch, kind, 
     """Every kernel's sum of squares is one FMA chain (``kernels.common.sum_of_squares``): no square is
     rounded on its own, so the statistics kernel's rstd, the forward's and the FP8 forward's are one
     value. FP32 rows of 64: 16 elements per lane, 16 fused squares in the forward and the statistics."""
-    from cake_cute.specs import GatedSpec
+    from cake_cute.runtime.specs import GatedSpec
 
     monkeypatch.setenv("CAKE_CUTE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(compile_cache, "_memory", {})
@@ -183,7 +183,7 @@ def test_dw_reduce_with_rows_in_flight_loads_them_before_adding(tmp_path, monkey
     """dw_reduce's rows_in_flight choice: one 128-bit load per row of a batch (8 back to back, plus
     the one-row remainder loop's), no spill, even in 1024-thread CTAs (64 registers at most)."""
     from cake_cute.kernels.config import overridden
-    from cake_cute.specs import ReduceSpec
+    from cake_cute.runtime.specs import ReduceSpec
 
     monkeypatch.setenv("CAKE_CUTE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(compile_cache, "_memory", {})

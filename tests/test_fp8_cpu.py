@@ -440,7 +440,7 @@ def test_persistent_programs_fit_on_an_sm_at_once(fp8_reports, spec):
     """The registers the compiler gave each persistent kernel let all its programs of an SM be resident
     together (shared memory, two row tiles per program, never bounds them first); the control: the
     registers that would leave room for one program fewer per SM do not pass."""
-    from cake_cute.build import config_for
+    from cake_cute.runtime.build import config_for
 
     registers = fp8_reports[spec]["registers"]
     assert fp8_reports[spec]["programs_fit"], registers
@@ -484,8 +484,8 @@ def test_persistent_programs_per_sm_rule():
 def test_fp8_forward_programs_switch_at_the_element_limit():
     """Persistent programs (per SM x SMs) up to 2^27 bytes of x per call (2^26 2-byte, 2^25 FP32
     elements), one CTA per tile above; never in residual mode or for cluster rows."""
-    from cake_cute import launch_plan
-    from cake_cute.device import DeviceFacts
+    from cake_cute.runtime import launch_plan
+    from cake_cute.runtime.device import DeviceFacts
 
     h200 = DeviceFacts(0, "NVIDIA H200", (9, 0), "sm_90a", 132)
     assert launch_plan.fp8_persistent_rows(4096, "bf16") == 16384

@@ -1,4 +1,4 @@
-"""The residual add fused into the norm (``cake_cute.fusion``) on tiny random Hugging Face decoders and
+"""The residual add fused into the norm (``cake_cute.hf.fusion``) on tiny random Hugging Face decoders and
 a plain ``nn.Module`` block, on CPU (the custom ops' CPU kernels): bitwise equal to the unfused cake
 model where the math is the same, close to the unpatched model with its own norms, the same under
 ``torch.compile(fullgraph=True)``, and a clear error for layers the patch does not recognize."""
@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from cake_cute import CakeRMSNorm, add_rmsnorm, fuse_residual_rmsnorm, swap_rmsnorm
-from cake_cute.fusion import _Handoff
+from cake_cute.hf.fusion import _Handoff
 
 from ._hf_helpers import NormCalls
 

@@ -1,4 +1,4 @@
-"""The decoder-layer forms ``cake_cute.fusion_plans`` recognizes beyond the installed transformers' own:
+"""The decoder-layer forms ``cake_cute.hf.plans`` recognizes beyond the installed transformers' own:
 the forms of transformers 4.x (the ``outputs = (hidden_states,)`` tail returning attention weights and
 router logits, the MLP's router-logit tuples, statements that prepare the attention call's arguments),
 written here as subclasses of the installed Llama layer. Each fused layer returns what its own forward
@@ -15,7 +15,7 @@ import torch
 from packaging.version import Version
 
 from cake_cute import fuse_residual_rmsnorm, swap_rmsnorm
-from cake_cute.fusion_plans import _layer_plan
+from cake_cute.hf.plans import _layer_plan
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer  # noqa: E402

@@ -16,10 +16,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
 
-from cake_cute.gated_autograd import cake_gated_rmsnorm
-from cake_cute.gated_module import CakeGatedRMSNorm
-from cake_cute.gated_ops import rstd_shape
-from cake_cute.gated_reference import gated_backward_reference, gated_forward_reference
+from cake_cute.gated.autograd import cake_gated_rmsnorm
+from cake_cute.gated.module import CakeGatedRMSNorm
+from cake_cute.gated.ops import rstd_shape
+from cake_cute.gated.reference import gated_backward_reference, gated_forward_reference
 from cake_cute.reference import rel_error, tolerance
 
 EPS = 1e-6

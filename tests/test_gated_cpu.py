@@ -5,11 +5,11 @@ gated kernel variant compiled for sm_90a and sm_100a with no spills and 128-bit 
 import pytest
 import torch
 
-from cake_cute import gated_ops
-from cake_cute.build import config_for, make_spec
-from cake_cute.device import DeviceFacts
-from cake_cute.gated_reference import gated_backward_reference, gated_forward_reference
+from cake_cute.gated import ops as gated_ops
+from cake_cute.gated.reference import gated_backward_reference, gated_forward_reference
 from cake_cute.kernels.gated_config import gated_backward_config, gated_forward_config
+from cake_cute.runtime.build import config_for, make_spec
+from cake_cute.runtime.device import DeviceFacts
 from cake_cute.tools.cubin import spill_free
 from cake_cute.tools.kernel_report import collect_reports
 from cake_cute.tools.warmup import warm

@@ -200,8 +200,9 @@ def test_backward_of_no_rows_launches_nothing(launches):
 
 def _on_a_test_gpu(monkeypatch):
     """The workspace helpers' device checks pass for "cuda" and find ``launches``' sm_90a GPU."""
-    from cake_cute import gated_flashinfer, gated_ops
     from cake_cute import validation as v
+    from cake_cute.gated import flashinfer as gated_flashinfer
+    from cake_cute.gated import ops as gated_ops
 
     monkeypatch.setattr(v, "check_cuda_device", lambda device: torch.device("cuda", 0))
     monkeypatch.setattr(gated_flashinfer, "device_arch", gated_ops.device_arch)

@@ -33,9 +33,9 @@ import pytest
 import torch
 from torch import nn
 
-from cake_cute.gated_module import CakeGatedRMSNorm
-from cake_cute.gated_reference import gated_forward_reference
-from cake_cute.gated_swap import GatedNormNotServed, is_gated_norm, swap_gated_rmsnorm
+from cake_cute.gated.module import CakeGatedRMSNorm
+from cake_cute.gated.reference import gated_forward_reference
+from cake_cute.gated.swap import GatedNormNotServed, is_gated_norm, swap_gated_rmsnorm
 from cake_cute.reference import rel_error, tolerance
 
 from ._helpers import scaled_then_gated

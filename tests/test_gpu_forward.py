@@ -384,7 +384,7 @@ def test_forward_batch_invariance(dtype, hidden, residual):
 
 
 def test_forward_no_recompile_when_rows_change():
-    from cake_cute import compile_cache
+    from cake_cute.runtime import cache as compile_cache
 
     dtype, hidden = torch.bfloat16, 4096
     w = rand_weight(hidden, dtype)

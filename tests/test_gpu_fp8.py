@@ -14,17 +14,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cake_cute import (
-    cake_rmsnorm_fp8,
-    cake_rmsnorm_train_forward,
-    fp8,
-    fp8_numerics,
-    launch_fp8,
-    launch_plan,
-    native,
-)
-from cake_cute.device import device_facts
+from cake_cute import cake_rmsnorm_fp8, cake_rmsnorm_train_forward, fp8, fp8_numerics, launch_fp8
 from cake_cute.reference import forward_reference
+from cake_cute.runtime import launch_plan, native
+from cake_cute.runtime.device import device_facts
 
 from ._helpers import DTYPE_IDS, DTYPES, EPS, fixed_seed, poison, rand_weight  # noqa: F401 (fixture)
 

@@ -1,5 +1,5 @@
-"""Gated RMSNorm kernels on the GPU, launched through ``cake_cute.gated_ops``: forward (y, rstd) and
-backward (dx, dz, dw) against the FP64 reference (``cake_cute.gated_reference``) by relative-norm
+"""Gated RMSNorm kernels on the GPU, launched through ``cake_cute.gated.ops``: forward (y, rstd) and
+backward (dx, dz, dw) against the FP64 reference (``cake_cute.gated.reference``) by relative-norm
 error, for both forms, every dtype, head-dim and grouped full-width rows, T = 0 to 4096; caller-owned
 outputs poisoned with NaN before every run; strided rows; bitwise determinism across two runs and
 batch invariance (a row's results do not depend on T).
@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cake_cute.gated_ops import gated_rmsnorm_backward, gated_rmsnorm_forward, rstd_shape
-from cake_cute.gated_reference import gated_backward_reference, gated_forward_reference
+from cake_cute.gated.ops import gated_rmsnorm_backward, gated_rmsnorm_forward, rstd_shape
+from cake_cute.gated.reference import gated_backward_reference, gated_forward_reference
 from cake_cute.reference import rel_error, tolerance
 
 from ._helpers import (  # noqa: F401
@@ -228,7 +228,7 @@ def _autograd_run(fn, x, z, w, g, options):
 def test_autograd_matches_fp64(dtype, shape):
     """cake_gated_rmsnorm through the custom ops: y, dx, dz against FP64; dw in w's dtype against the
     FP64 sum (FP32 accumulation, one rounding to w's dtype: the dtype's tolerance, at least DW's)."""
-    from cake_cute.gated_autograd import cake_gated_rmsnorm
+    from cake_cute.gated.autograd import cake_gated_rmsnorm
 
     x, z, g = (t.view(8, -1, shape[0]) for t in _inputs(8 * 33, shape[0], dtype))
     w = rand_weight(shape[0], dtype)
@@ -245,7 +245,7 @@ def test_autograd_matches_fp64(dtype, shape):
 
 @pytest.mark.parametrize("shape", AUTOGRAD_SHAPES, ids=_shape_id)
 def test_compiled_fullgraph_is_bitwise_eager(shape):
-    from cake_cute.gated_autograd import cake_gated_rmsnorm
+    from cake_cute.gated.autograd import cake_gated_rmsnorm
 
     x, z, g = _inputs(257, shape[0], torch.bfloat16)
     w = rand_weight(shape[0], torch.bfloat16)
@@ -261,7 +261,7 @@ def test_compiled_fullgraph_is_bitwise_eager(shape):
 def test_cuda_graph_capture_and_replay(shape):
     """A forward + backward step captured in a CUDA graph (no host synchronization in either), replayed
     on new inputs copied into the static ones: bitwise the eager step on those inputs."""
-    from cake_cute.gated_autograd import cake_gated_rmsnorm
+    from cake_cute.gated.autograd import cake_gated_rmsnorm
 
     from ._helpers import warm_up_before_capture
 
@@ -334,7 +334,7 @@ def test_swapped_module_against_the_hf_class(family, cls, kwargs, roundings):
     tolerance of the class's FP32 autograd; compiled (fullgraph) within the same bounds of eager."""
     from torch import nn
 
-    from cake_cute.gated_swap import swap_gated_rmsnorm
+    from cake_cute.gated.swap import swap_gated_rmsnorm
 
     holder = nn.Module()
     holder.norm = _hf_norm(family, cls, eps=EPS, **kwargs).to(device="cuda", dtype=torch.bfloat16)
@@ -373,7 +373,7 @@ def test_scale_then_round_module_against_its_form(hidden):
     ``_within_roundings`` of the form's torch operations (two roundings after statistics summed in
     another order), gradients within the dtype's tolerance of their FP32 autograd; compiled
     (fullgraph) within the same bounds of eager."""
-    from cake_cute.gated_module import CakeGatedRMSNorm
+    from cake_cute.gated.module import CakeGatedRMSNorm
 
     norm = CakeGatedRMSNorm(hidden, EPS, cast_policy="scale_then_round", device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
@@ -436,7 +436,7 @@ def test_statistics_kernel_is_the_forwards_rstd(dtype, shape, rows):
     """The statistics kernel writes, into a NaN-poisoned rstd, bitwise the forward's rstd (both
     forms: it reads z only when the gate comes first)."""
     from cake_cute.calls import gated_call
-    from cake_cute.gated_ops import launch_statistics, variant_fields
+    from cake_cute.gated.ops import launch_statistics, variant_fields
 
     x, z, _ = _inputs(rows, shape[0], dtype)
     w = rand_weight(shape[0], dtype)

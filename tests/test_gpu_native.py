@@ -23,13 +23,12 @@ from cake_cute import (
     dispatch,
     fp8,
     launch_fp8,
-    launch_plan,
     library_ops,
-    native,
 )
 from cake_cute.calls import norm_call
-from cake_cute.device import device_facts
 from cake_cute.dispatch import python_forward
+from cake_cute.runtime import launch_plan, native
+from cake_cute.runtime.device import device_facts
 
 from ._helpers import (  # noqa: F401 (fixed_seed, prewarm_kernels: fixtures)
     DTYPE_IDS,

@@ -9,9 +9,6 @@ from itertools import product
 import pytest
 import torch
 
-from cake_cute import launch_plan
-from cake_cute.build import config_for, make_spec
-from cake_cute.device import DeviceFacts
 from cake_cute.kernels.config import (
     MAX_G_PARTS,
     backward_config,
@@ -23,6 +20,9 @@ from cake_cute.kernels.config import (
 from cake_cute.kernels.tiling import backward_tiling, forward_tiling
 from cake_cute.launch import backward_launch_plan
 from cake_cute.operands import Operands
+from cake_cute.runtime import launch_plan
+from cake_cute.runtime.build import config_for, make_spec
+from cake_cute.runtime.device import DeviceFacts
 
 H200 = DeviceFacts(0, "stand-in H200", (9, 0), "sm_90a", 132)
 

@@ -13,7 +13,7 @@ import torch
 import tvm_ffi
 
 import cake_cute
-from cake_cute import native
+from cake_cute.runtime import native
 
 
 @pytest.fixture
@@ -212,8 +212,8 @@ def test_kernels_accept_the_native_argument_conventions(hidden):
     FP8 forward's e4m3 data and E8M0 scales as bytes (the persistent one's program count after eps).
     Called that way, each compiled kernel gets past all its argument checks to the launch, which fails
     here for want of a GPU; a wrong H is refused as an argument error (the control)."""
-    from cake_cute.build import quant_kind
-    from cake_cute.compile_cache import kernel
+    from cake_cute.runtime.build import quant_kind
+    from cake_cute.runtime.cache import kernel
 
     bf16, f32, rows, padded = torch.bfloat16, torch.float32, 16, -(-hidden // 4) * 4
     none, keep = _Any(0, 0, 0), []

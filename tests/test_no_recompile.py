@@ -11,8 +11,10 @@ import textwrap
 import pytest
 import torch
 
-from cake_cute import compile_cache, device, dispatch, native
-from cake_cute.specs import KernelSpec, ReduceSpec
+from cake_cute import dispatch
+from cake_cute.runtime import cache as compile_cache
+from cake_cute.runtime import device, native
+from cake_cute.runtime.specs import KernelSpec, ReduceSpec
 from cake_cute.vocab import dtype_name
 
 ROWS = (1, 2, 129, 4096)
@@ -109,7 +111,7 @@ def test_row_counts_compile_each_variant_once(tmp_path, monkeypatch):
 WARM_PROCESS = textwrap.dedent("""
     import torch
     import cake_cute
-    from cake_cute import compile_cache
+    from cake_cute.runtime import cache as compile_cache
 
     H = 4096
     w = torch.randn(H, device="cuda", dtype=torch.bfloat16)

@@ -508,8 +508,8 @@ def test_model_step_qwen3_tiny_on_cpu(tmp_path):
 def test_headdim_scan_compiles_every_kernel_a_row_can_launch(perf_module, monkeypatch):
     """Each compile task builds the forward, the backward and both dW reductions under its overrides
     (the config they compile with differs from the default's), and reports a mode it cannot take."""
-    from cake_cute import compile_cache
-    from cake_cute.build import config_for
+    from cake_cute.runtime import cache as compile_cache
+    from cake_cute.runtime.build import config_for
 
     scan = perf_module("headdim_scan")
     built = []

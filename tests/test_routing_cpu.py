@@ -9,8 +9,9 @@ import torch
 import torch._dynamo
 
 import cake_cute
-from cake_cute import autograd, native, routing
+from cake_cute import autograd, routing
 from cake_cute.reference import forward_reference
+from cake_cute.runtime import native
 
 EPS = 1e-6
 H = 32

@@ -16,10 +16,10 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from ..gated_autograd import cake_gated_rmsnorm
+from ..gated.autograd import cake_gated_rmsnorm
 from ..library_ops import norm_backward, save_for_backward
 from ..module import CakeRMSNorm  # importing it registers the torch.ops.cake_cute ops used below
-from ..views import kernel_weight
+from ..runtime.views import kernel_weight
 
 __all__ = [
     "with_fused_output_gate",

@@ -36,8 +36,8 @@ from dataclasses import dataclass, replace
 from importlib.util import find_spec
 
 from ..forward_names import INPUT_NAME
+from ..hf.swap import swap_rmsnorm
 from ..module import CakeRMSNorm
-from ..swap import swap_rmsnorm
 from ..validation import check_memory_efficient
 
 __all__: list[str] = []

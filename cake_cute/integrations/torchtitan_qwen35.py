@@ -27,8 +27,8 @@ from torchtitan.config import derive, override
 from torchtitan.models.qwen3_5.model import OffsetRMSNorm, RMSNormGated
 from torchtitan.protocols.module import Module
 
-from ..gated_module import SCALE_THEN_ROUND as GATED_SCALE_THEN_ROUND
-from ..gated_module import CakeGatedRMSNorm
+from ..gated.module import SCALE_THEN_ROUND as GATED_SCALE_THEN_ROUND
+from ..gated.module import CakeGatedRMSNorm
 from ..module import SCALE_THEN_ROUND, CakeRMSNorm
 from ..validation import check_memory_efficient
 

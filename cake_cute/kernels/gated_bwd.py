@@ -13,7 +13,7 @@ z, w and rstd (s = silu(z), s' = silu'(z), w' = w + weight_offset, g = dL/dy):
 
 Persistent grid (P, H / L, times the cluster's C CTAs along y for segments wider than 4096 columns):
 program (b, k) visits the row tiles b, b + P, ... of group k -- a fixed partition for a given (T, P),
-with P fixed by T and the GPU (``gated_ops``). Its lanes keep one FP32 dW accumulator per column they
+with P fixed by T and the GPU (``gated.ops``). Its lanes keep one FP32 dW accumulator per column they
 own (their columns never change: a CTA only sees its slice of group k); at the end the CTA's segment
 rows fold their accumulators by the plain backward's fixed tree
 (``rmsnorm_bwd.RMSNormBackward.fold_row_groups``) and the CTA writes its columns of group k in partial

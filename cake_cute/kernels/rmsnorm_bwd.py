@@ -12,7 +12,7 @@ Math, per row t (FP32 arithmetic, one rounding at the end):
     dW_partial[b] += g * xhat              (FP32, over the rows that program b visits)
 
 Persistent grid: ``num_programs`` CTAs (times ``cluster_n`` along y), as many as are resident at once
-(``cake_cute.device.resident_clusters``); program b visits the row tiles b, b + num_programs, ... -- a
+(``cake_cute.runtime.device.resident_clusters``); program b visits the row tiles b, b + num_programs, ... -- a
 fixed partition for a given (T, num_programs). Each CTA copies w once into its own cells of shared
 memory and keeps one FP32 dW accumulator per element it owns; at the end the CTA's row groups (short
 rows: several per CTA) fold their accumulators in shared memory by a fixed tree (``fold_row_groups``)

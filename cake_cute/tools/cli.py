@@ -198,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _use_cache_dir(explicit: str | None) -> str | None:
     """Point the cache at ``explicit`` (through the environment, so spawned workers use it too) and
     check the effective directory once; returns the problem, or None."""
-    from ..compile_cache import cache_dir
+    from ..runtime.cache import cache_dir
     from .warmup import cache_dir_problem
 
     if explicit:

@@ -22,7 +22,7 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-from ..compile_cache import Spec, get_kernel, is_cached_on_disk, object_path
+from ..runtime.cache import Spec, get_kernel, is_cached_on_disk, object_path
 
 FATBIN_SYMBOL = b"kernels_binary"
 FATBIN_MAGIC = 0xBA55ED50
@@ -216,7 +216,7 @@ def kernel_report(spec: Spec, *, sass: bool = True) -> dict:
     ToolNotFoundError
         cuobjdump or nvdisasm is not installed.
     """
-    from ..build import config_for
+    from ..runtime.build import config_for
 
     if not is_cached_on_disk(spec):
         get_kernel(spec)

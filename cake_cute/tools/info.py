@@ -8,7 +8,7 @@ import itertools
 
 def _native_status() -> str:
     """Whether the native host path is built for this torch, TVM-FFI and Python (builds nothing)."""
-    from .. import native
+    from ..runtime import native
 
     if native.python_path_forced():
         return f"off ({native.PYTHON_PATH_ENV}=1)"
@@ -21,7 +21,7 @@ def _native_status() -> str:
 
 def _cache_contents() -> str:
     """Cached kernel objects: those of this code version, and all versions together."""
-    from ..compile_cache import cache_dir, fingerprint
+    from ..runtime.cache import cache_dir, fingerprint
 
     root = cache_dir()
     files = [p for p in root.rglob("*.o") if p.is_file()] if root.is_dir() else []
@@ -75,7 +75,7 @@ def config_lines(archs, dtypes, hiddens) -> list[str]:
     reduction into FP32, and the forwards to FP8 of both recipes (one CTA per row tile, and the
     persistent one where it applies); each with the config it compiles with."""
     from ..fp8 import fp8_variant_specs
-    from ..specs import KernelSpec, ReduceSpec
+    from ..runtime.specs import KernelSpec, ReduceSpec
     from .kernel_report import describe_config
 
     lines = []
@@ -105,7 +105,7 @@ def cmd_info(args) -> int:
     import tvm_ffi
 
     from .. import __version__
-    from ..compile_cache import cache_dir, fingerprint
+    from ..runtime.cache import cache_dir, fingerprint
 
     rows = [
         ("cake_cute", __version__),

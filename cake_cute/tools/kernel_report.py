@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-from ..compile_cache import KernelSpec, ReduceSpec
+from ..runtime.cache import KernelSpec, ReduceSpec
 from .warmup import default_jobs
 
 
 def describe_config(spec: KernelSpec | ReduceSpec) -> str:
     """The configuration ``spec`` compiles with, as text: ``build.config_for(spec).describe()``."""
-    from ..build import config_for
+    from ..runtime.build import config_for
 
     return config_for(spec).describe()
 
@@ -20,8 +20,8 @@ def programs_fit(spec: KernelSpec | ReduceSpec, registers: int) -> bool:
     """Whether a persistent kernel whose config sets ``programs_per_sm`` (the forward to FP8's) can hold
     all of an SM's programs at once with the ``registers`` per thread its compile took (a program
     waiting for a slot would run its row tiles after the others finished theirs); True for others."""
-    from ..build import config_for
     from ..kernels.tiling import REGISTERS_PER_SM
+    from ..runtime.build import config_for
 
     config = config_for(spec)
     programs = getattr(config, "programs_per_sm", 0)

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from ..compile_cache import KernelSpec, ReduceSpec, get_kernel_and_source, is_cached_on_disk
 from ..kernels.tiling import MAX_HIDDEN
-from ..specs import GatedSpec
+from ..runtime.cache import KernelSpec, ReduceSpec, get_kernel_and_source, is_cached_on_disk
+from ..runtime.specs import GatedSpec
 from ..vocab import SUPPORTED_ARCHS
 
 DEFAULT_ARCHS = SUPPORTED_ARCHS  # without a GPU: every arch the kernels compile for
@@ -116,7 +116,7 @@ def gated_variant_specs(
     weight_offset: float = 0.0,
 ) -> list[KernelSpec | GatedSpec | ReduceSpec]:
     """Every kernel a gated norm (``CakeGatedRMSNorm``, ``cake_gated_rmsnorm``, FlashInfer's SiLU-gated
-    names) of these forms can launch when called with a gate, under any cast policy (``gated_module``;
+    names) of these forms can launch when called with a gate, under any cast policy (``gated.module``;
     a module called without a gate runs plain kernels, which ``variant_specs`` gives).
 
     Parameters
@@ -336,7 +336,7 @@ def build_native(progress: TextIO | None = None) -> NativeBuild:
     NativeBuild
         What was done, and how long it took.
     """
-    from .. import native
+    from ..runtime import native
 
     progress = progress or sys.stderr
     if native.python_path_forced():

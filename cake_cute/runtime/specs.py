@@ -58,7 +58,7 @@ class GatedSpec:
     gate, a weight of ``w_dtype``, hidden size ``hidden`` normalized in groups of ``group_size`` columns
     (``hidden`` itself in the norm-then-gate form, ``norm_before_gate``), the Gemma-style
     ``weight_offset`` compiled in (see ``kernels.gated_fwd``). The statistics read no weight: their
-    spec carries x's dtype as ``w_dtype`` and no offset (``gated_ops.statistics_fields``)."""
+    spec carries x's dtype as ``w_dtype`` and no offset (``gated.ops.statistics_fields``)."""
 
     kind: str  # "gated_fwd", "gated_rstd" or "gated_bwd"
     arch: str  # vocab.SUPPORTED_ARCHS

@@ -1,8 +1,8 @@
 """FlashInfer's SiLU-gated training names (``flashinfer.cake_rmsnorm_silu_gate_train``) on the gated
 kernels' norm-then-gate form, so that code written against that module switches by its import:
 ``cake_rmsnorm_silu_gate`` and ``CakeRMSNormSiLUGateFunction`` (differentiable, through the custom ops
-of ``gated_autograd``), and the functional ``cake_rmsnorm_silu_gate_train_forward``,
-``cake_rmsnorm_silu_gate_train_backward`` and its workspace helpers (CUDA, ``gated_ops``).
+of ``gated.autograd``), and the functional ``cake_rmsnorm_silu_gate_train_forward``,
+``cake_rmsnorm_silu_gate_train_backward`` and its workspace helpers (CUDA, ``gated.ops``).
 
 FlashInfer's functional forward returns no rstd, so its backward recomputes the statistics from x: here
 a statistics kernel (the forward's tiling and row sums, so rstd is bitwise the forward's) reads x once
@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import torch
 
-from . import gated_autograd  # noqa: F401  (registers the custom ops the Function calls)
-from . import validation as v
-from .calls import gated_call
-from .device import device_arch, device_facts, on_device
-from .gated_ops import (
+from .. import validation as v
+from ..calls import gated_call
+from ..kernels.gated_config import MAX_SEGMENT
+from ..runtime.device import device_arch, device_facts, on_device
+from ..runtime.launch_plan import partial_rows_bytes
+from ..runtime.views import finish, new_output, vector_output
+from . import autograd  # noqa: F401  (registers the custom ops the Function calls)
+from .ops import (
     backward_programs_of,
     check_gradient_outputs,
     forward_of_call,
@@ -28,9 +31,6 @@ from .gated_ops import (
     reduce_partials,
     variant_fields,
 )
-from .kernels.gated_config import MAX_SEGMENT
-from .launch_plan import partial_rows_bytes
-from .views import finish, new_output, vector_output
 
 __all__ = [
     "CakeRMSNormSiLUGateFunction",

@@ -40,9 +40,9 @@ from pathlib import Path
 
 import torch
 
+from ..kernels.config import on_override_change
 from . import launch_plan
-from .compile_cache import _file_lock, _write_atomic
-from .kernels.config import on_override_change
+from .cache import _file_lock, _write_atomic
 from .views import vector_align_bytes
 
 PYTHON_PATH_ENV = "CAKE_CUTE_PYTHON_PATH"

@@ -6,7 +6,7 @@ DeepSeek-V3, SmolLM3, GLM, Phi3's residual dropouts, Granite's residual multipli
 mixture-of-experts tuple), sandwich-norm (Gemma2/3, GLM4) and post-norm (OLMo2/3, recognized in order to
 be refused). ``match`` binds a template's placeholders in a forward's statements, or says how far it got
 and where the forward differs, which is what a refusal names. What a match means for the fused forward
-is ``cake_cute.fusion_plans``' business; this module knows only the syntax.
+is ``cake_cute.hf.plans``' business; this module knows only the syntax.
 """
 
 from __future__ import annotations
@@ -223,7 +223,7 @@ def match(
 ) -> dict | tuple[int, str]:
     """The bindings of ``template`` in the forward's statements, or (how many statements matched,
     the problem); ``local_names`` are the locals the setup statements assign
-    (``fusion_forms.setup_statements``)."""
+    (``forms.setup_statements``)."""
     statements = ast.parse(template.body).body
     bindings: dict = {}
     for index, (expected, actual) in enumerate(zip(statements, body)):

@@ -14,14 +14,14 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from .kernels.config import backward_config, forward_config, reduce_config
-from .kernels.gated_config import gated_backward_config, gated_forward_config
-from .kernels.quant_config import QUANT_RECIPES, quant_forward_config
-from .kernels.tiling import VECTOR_BYTES
+from ..kernels.config import backward_config, forward_config, reduce_config
+from ..kernels.gated_config import gated_backward_config, gated_forward_config
+from ..kernels.quant_config import QUANT_RECIPES, quant_forward_config
+from ..kernels.tiling import VECTOR_BYTES
+from ..vocab import cutlass_dtype
 from .launch_plan import partial_row_stride
 from .specs import GatedSpec, KernelSpec, ReduceSpec
 from .views import vector_align_bytes
-from .vocab import cutlass_dtype
 
 
 @dataclass(frozen=True)
@@ -113,8 +113,8 @@ def _quant_arguments(spec: KernelSpec, config, emit_y: bool) -> tuple:
 
 
 def _quant_kernel(spec: KernelSpec, config, emit_y: bool):
-    from .kernels.rmsnorm_fwd_quant import RMSNormForwardQuant
-    from .kernels.rmsnorm_fwd_quant_persistent import RMSNormForwardQuantPersistent
+    from ..kernels.rmsnorm_fwd_quant import RMSNormForwardQuant
+    from ..kernels.rmsnorm_fwd_quant_persistent import RMSNormForwardQuantPersistent
 
     kernel_class = RMSNormForwardQuantPersistent if config.programs_per_sm else RMSNormForwardQuant
     dtypes = cutlass_dtype(spec.act_dtype), cutlass_dtype(spec.w_dtype)
@@ -137,14 +137,14 @@ def _quant_entry(recipe: str, emit_y: bool, persistent: bool) -> KernelKind:
 
 
 def _forward_kernel(spec: KernelSpec, config):
-    from .kernels.rmsnorm_fwd import RMSNormForward
+    from ..kernels.rmsnorm_fwd import RMSNormForward
 
     dtypes = cutlass_dtype(spec.act_dtype), cutlass_dtype(spec.w_dtype)
     return RMSNormForward(config, *dtypes, spec.residual, spec.weight_offset)
 
 
 def _backward_kernel(spec: KernelSpec, config):
-    from .kernels.rmsnorm_bwd import RMSNormBackward
+    from ..kernels.rmsnorm_bwd import RMSNormBackward
 
     dtypes = cutlass_dtype(spec.act_dtype), cutlass_dtype(spec.w_dtype)
     backward = RMSNormBackward(
@@ -154,14 +154,14 @@ def _backward_kernel(spec: KernelSpec, config):
 
 
 def _reduce_kernel(spec: ReduceSpec, config):
-    from .kernels.dw_reduce import DWReduce
+    from ..kernels.dw_reduce import DWReduce
 
     return DWReduce(config, cutlass_dtype(spec.out_dtype))
 
 
 def _gated_kernel(spec: GatedSpec, config):
-    from .kernels.gated_bwd import GatedRMSNormBackward
-    from .kernels.gated_fwd import GatedRMSNormForward, GatedRMSNormStatistics
+    from ..kernels.gated_bwd import GatedRMSNormBackward
+    from ..kernels.gated_fwd import GatedRMSNormForward, GatedRMSNormStatistics
 
     kernel_class = {
         "gated_fwd": GatedRMSNormForward,

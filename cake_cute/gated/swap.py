@@ -26,8 +26,8 @@ import re
 import torch
 from torch import nn
 
-from .gated_module import GATED_CAST_POLICIES, ONE_ROUNDING, ROUND_THEN_SCALE, CakeGatedRMSNorm
-from .hf_norm_reading import averages_squares, forward_source, hf_eps, hf_weight
+from ..hf.norm_reading import averages_squares, forward_source, hf_eps, hf_weight
+from .module import GATED_CAST_POLICIES, ONE_ROUNDING, ROUND_THEN_SCALE, CakeGatedRMSNorm
 
 __all__ = ["GatedNormNotServed", "swap_gated_rmsnorm"]
 
@@ -127,7 +127,7 @@ def swap_gated_rmsnorm(model: nn.Module, *, cast_policy: str | None = None) -> i
         None (default): each class's own roundings (module docstring). ``"one_rounding"``: the fused
         kernel's single rounding for every norm (faster for the norm-then-gate classes, whose own casts
         round twice; docs/gated.md states the difference); ``"round_then_scale"``;
-        ``"scale_then_round"`` (``gated_module``).
+        ``"scale_then_round"`` (``gated.module``).
 
     Returns
     -------

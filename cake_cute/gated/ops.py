@@ -11,14 +11,21 @@ from __future__ import annotations
 
 import torch
 
-from . import validation as v
-from .calls import GatedCall, gated_call
-from .compile_cache import kernel
-from .device import DeviceFacts, device_arch, device_facts, on_device, resident_clusters
-from .kernels.gated_config import GatedConfig, gated_backward_config
-from .kernels.tiling import vector_width
-from .views import aligned_vector, is_direct_output, kernel_view, new_output, partial_rows_view, rows_view
-from .vocab import DTYPE_NAMES, dtype_name
+from .. import validation as v
+from ..calls import GatedCall, gated_call
+from ..kernels.gated_config import GatedConfig, gated_backward_config
+from ..kernels.tiling import vector_width
+from ..runtime.cache import kernel
+from ..runtime.device import DeviceFacts, device_arch, device_facts, on_device, resident_clusters
+from ..runtime.views import (
+    aligned_vector,
+    is_direct_output,
+    kernel_view,
+    new_output,
+    partial_rows_view,
+    rows_view,
+)
+from ..vocab import DTYPE_NAMES, dtype_name
 
 
 def rstd_shape(x: torch.Tensor, group_size: int) -> tuple[int, ...]:

@@ -2,7 +2,7 @@
 that source averages squares over the last dimension (as every RMSNorm, gated or not, does).
 
 Hugging Face norms are plain modules with no common base class, so the swaps recognize them by what
-they hold and by what their forward's source shows. ``swap`` (plain norms) and ``gated_swap`` (gated
+they hold and by what their forward's source shows. ``swap`` (plain norms) and ``gated.swap`` (gated
 norms) read a module the same way; this module is that one reading.
 """
 

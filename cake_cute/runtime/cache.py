@@ -44,8 +44,8 @@ from pathlib import Path
 
 import filelock
 
+from ..kernels.config import on_override_change
 from . import build
-from .kernels.config import on_override_change
 from .specs import KernelSpec, ReduceSpec
 
 CACHE_FORMAT = 3  # bump when the on-disk layout changes (2: sha256 sidecars, 3: the config in the key)
@@ -72,7 +72,7 @@ def cache_dir() -> Path:
 def _package_modules() -> dict[str, tuple[Path, bool]]:
     """Every module of ``cake_cute`` by dotted name: (its file, whether it is a package). Named by
     module, never by path, so an editable install and a wheel name each module alike."""
-    root = Path(__file__).parent
+    root = Path(__file__).resolve().parents[1]  # the package, from runtime/
     modules = {}
     for path in root.rglob("*.py"):
         parts = path.relative_to(root).with_suffix("").parts
@@ -102,12 +102,14 @@ def _imported_names(module: str, is_package: bool, tree: ast.Module) -> set[str]
 
 def build_sources() -> dict[str, str]:
     """The source text of every module the compiled code is made from, by dotted name: the kernels
-    (every module of ``cake_cute.kernels``) and ``cake_cute.build`` with every module of the package
+    (every module of ``cake_cute.kernels``) and ``cake_cute.runtime.build`` with every module of the package
     they import, directly or through another (specs, configs, the dtype vocabulary...). The host path
     (ops, autograd, validation), the tools and the cache itself are not among them unless the build
     imports them, so editing those never recompiles a kernel."""
     modules = _package_modules()
-    pending = [name for name in modules if name == "cake_cute.build" or name.startswith("cake_cute.kernels")]
+    pending = [
+        name for name in modules if name == "cake_cute.runtime.build" or name.startswith("cake_cute.kernels")
+    ]
     sources: dict[str, str] = {}
     while pending:
         name = pending.pop()

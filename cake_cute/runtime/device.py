@@ -18,8 +18,8 @@ from functools import cache
 
 import torch
 
-from .kernels.tiling import SMEM_PER_SM, SMEM_RESERVED_PER_CTA
-from .vocab import SUPPORTED_GPUS, arch_of
+from ..kernels.tiling import SMEM_PER_SM, SMEM_RESERVED_PER_CTA
+from ..vocab import SUPPORTED_GPUS, arch_of
 
 
 @dataclass(frozen=True, eq=False)  # one instance per device (cached): identity hashing is cheap

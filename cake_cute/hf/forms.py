@@ -1,6 +1,6 @@
 """The forms transformers 4.x writes decoder layers in, taken out of a forward before it is matched.
 
-transformers 4.x writes the same layers the templates (``cake_cute.fusion_templates``) describe with
+transformers 4.x writes the same layers the templates (``cake_cute.hf.templates``) describe with
 more around them: an ``outputs = (hidden_states,)`` tail returning the attention weights and router
 logits under their flags, the MLP's router-logit tuple, and statements before the attention call that
 only prepare its arguments. ``normalized`` rewrites the first two to the templates' forms and records
@@ -17,7 +17,7 @@ import inspect
 import re
 from dataclasses import dataclass, replace
 
-from .fusion_templates import is_name, self_attr
+from .templates import is_name, self_attr
 
 # How a decoder layer's MLP output carries router logits (``_LayerPlan.mlp_output``): "plain" (it does
 # not); a tuple "always" (``hidden_states, router_logits = self.mlp(hidden_states)``); a tuple when

@@ -1,9 +1,9 @@
-"""The gated RMSNorm kernels (``gated_ops``) as ``torch.library`` custom ops with autograd, their CPU
+"""The gated RMSNorm kernels (``gated.ops``) as ``torch.library`` custom ops with autograd, their CPU
 kernels and DTensor sharding rules, and the public entry ``cake_gated_rmsnorm`` (FlashInfer's names for
-the norm-then-gate form are in ``gated_flashinfer``).
+the norm-then-gate form are in ``gated.flashinfer``).
 
 ``cake_cute::gated_rmsnorm_fwd(x, z, w, eps, group_size, norm_before_gate, weight_offset)`` returns
-``(y, rstd)``: y like x (contiguous), rstd FP32 shaped ``gated_ops.rstd_shape`` (x's leading dims, then
+``(y, rstd)``: y like x (contiguous), rstd FP32 shaped ``gated.ops.rstd_shape`` (x's leading dims, then
 H / group_size when a row has several groups). ``cake_cute::gated_rmsnorm_bwd(g, x, z, w, rstd, ...)``
 returns ``(dx, dz, dw)``, dw in w's dtype (as autograd wants it). The registered autograd saves exactly
 ``(x, z, w, rstd)``; the backward recomputes the gate and the normalized input from them.
@@ -23,10 +23,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import validation as v
-from .calls import gated_call
-from .gated_ops import gated_rmsnorm_backward, gated_rmsnorm_forward, rstd_shape
-from .views import as_output, new_output
+from .. import validation as v
+from ..calls import gated_call
+from ..runtime.views import as_output, new_output
+from .ops import gated_rmsnorm_backward, gated_rmsnorm_forward, rstd_shape
 
 __all__ = ["cake_gated_rmsnorm"]
 

@@ -5,7 +5,7 @@ may be sharded, e.g. the heads of ``[T, heads, head_dim]`` rows under tensor par
 dimension d: x, z, g, y, rstd, dx and dz are ``Shard(d)``, w is ``Replicate()`` and dw ``Partial()``
 (each rank holds the sum over its own rows); everything ``Replicate()`` works too (dw ``Replicate()``).
 A sharded hidden dimension is refused: a row's statistics need all of it. No strategy needs a
-collective inside the norm. Imported by ``cake_cute/__init__.py`` once ``gated_autograd`` has defined the ops.
+collective inside the norm. Imported by ``cake_cute/__init__.py`` once ``gated.autograd`` has defined the ops.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate
 from torch.distributed.tensor.experimental import register_sharding
 
-from .distributed import row_placements
+from ..distributed import row_placements
 
 
 def _row_placements(x):

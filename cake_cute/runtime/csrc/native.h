@@ -5,11 +5,11 @@
 //   serve.cpp       what a call must be for this path to serve it (the rest takes the Python path);
 //   op_kernels.cpp  the custom ops' CUDA and AutogradCUDA kernels;
 //   module.cpp      the eager autograd node, the module's functions and its initialization.
-// cake_cute/native.py compiles them into one extension (its build hash covers every file here).
+// cake_cute/runtime/native.py compiles them into one extension (its build hash covers every file here).
 //
 // Python stays the authority on what is valid. A call is served here only when
 //   * its (x, w, weight_offset) signature was validated and registered by the Python path
-//     (cake_cute/native.py registers it after the Python path launched it once), and
+//     (cake_cute/runtime/native.py registers it after the Python path launched it once), and
 //   * it has the plain layout the kernels read in place: CUDA tensors that are contiguous and
 //     vector-aligned, with no tensor subclass, torch function or dispatch mode, functorch wrapper,
 //     conjugate / negative / zero view, and at least one row.

@@ -13,7 +13,7 @@ into dx in the same pass. Two ways to get there:
 
 * Hugging Face decoders: ``fuse_residual_rmsnorm(model)`` swaps the norms (``swap_rmsnorm``) and
   gives each decoder layer a fused forward, once its class's forward matched one of the templates of
-  ``cake_cute.fusion_plans`` (any other forward is refused there, before anything changes).
+  ``cake_cute.hf.plans`` (any other forward is refused there, before anything changes).
 
 The layer's class is swapped for a subclass created once per class (same ``__name__``, so name-based
 wrap policies still match; pickled and deep-copied as "that class, fused", see ``_rebuild_fused``):
@@ -56,13 +56,13 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import validation as v
-from .forward_names import INPUT_NAME, with_input_named
-from .fusion_plans import _layer_plan, _LayerPlan
-from .module import TORCH_MATH, CakeRMSNorm, check_compiled_as
-from .routing import DTensor
+from .. import validation as v
+from ..forward_names import INPUT_NAME, with_input_named
+from ..module import TORCH_MATH, CakeRMSNorm, check_compiled_as
+from ..routing import DTensor
+from ..vocab import DTYPE_BY_TORCH
+from .plans import _layer_plan, _LayerPlan
 from .swap import _is_swappable, _swap_norms
-from .vocab import DTYPE_BY_TORCH
 
 
 def _fusable(branch: torch.Tensor, residual: torch.Tensor) -> bool:

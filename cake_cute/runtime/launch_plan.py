@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from functools import cache, lru_cache
 
+from ..kernels.config import backward_config, on_override_change
+from ..kernels.quant_config import persistent_programs_per_sm, quant_forward_config
+from ..kernels.tiling import VECTOR_BYTES, vector_width
+from ..vocab import dtype_bytes
 from .device import DeviceFacts, resident_clusters
-from .kernels.config import backward_config, on_override_change
-from .kernels.quant_config import persistent_programs_per_sm, quant_forward_config
-from .kernels.tiling import VECTOR_BYTES, vector_width
-from .vocab import dtype_bytes
 
 
 def partial_row_stride(hidden: int) -> int:

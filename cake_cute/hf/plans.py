@@ -1,13 +1,13 @@
 """Whether and how a decoder layer's residual adds can be fused: decided once per layer class.
 
 A Hugging Face decoder layer's forward is matched, statement by statement, against the templates of
-``cake_cute.fusion_templates``: pre-norm and sandwich-norm layers are fused; post-norm layers (OLMo2/3)
+``cake_cute.hf.templates``: pre-norm and sandwich-norm layers are fused; post-norm layers (OLMo2/3)
 are recognized and refused, since no residual add in them feeds a norm. Any other forward is refused
 naming its class, the closest template (the one matching the most statements in a row) and the forward's
 first statement that differs from it, instead of computing something else. Before matching, the forms
-transformers 4.x writes the same layers in are taken out (``cake_cute.fusion_forms``) and recorded in
+transformers 4.x writes the same layers in are taken out (``cake_cute.hf.forms``) and recorded in
 the plan. A match gives the class's ``_LayerPlan``: the names and branch ops the fused forward
-(``cake_cute.fusion``) runs.
+(``cake_cute.hf.fusion``) runs.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from .fusion_forms import Form, assigned_names, checked_form, normalized, setup_function, setup_statements
-from .fusion_templates import TEMPLATES, Branch, Template, match
+from .forms import Form, assigned_names, checked_form, normalized, setup_function, setup_statements
+from .templates import TEMPLATES, Branch, Template, match
 
 
 @dataclass(frozen=True)
@@ -42,13 +42,13 @@ class _LayerPlan:
     post_mlp_norm: str | None
     attention_branch: Branch
     mlp_branch: Branch
-    mlp_output: str  # how the MLP's output holds router logits: one of fusion_forms.MLP_OUTPUTS
+    mlp_output: str  # how the MLP's output holds router logits: one of forms.MLP_OUTPUTS
     # None: the forward returns hidden_states. Else it returns a tuple, (hidden_states,) followed, for
     # each (flag, source) whose flag argument is true, by the attention weights ("attention") or the
     # router logits ("router"): transformers 4.x's `outputs = (hidden_states,)` tail.
     outputs: tuple[tuple[str, str], ...] | None = None
     # The forward's statements that prepare the attention call's arguments, as a function run on the
-    # bound arguments (``fusion_forms.setup_function``), or None.
+    # bound arguments (``forms.setup_function``), or None.
     setup: object = None
 
     def bind(self, layer: nn.Module, args: tuple, kwargs: dict) -> dict:

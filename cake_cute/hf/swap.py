@@ -21,13 +21,8 @@ import warnings
 import torch
 from torch import nn
 
-from . import validation as v
-from .hf_norm_reading import SQUARES as _SQUARES
-from .hf_norm_reading import averages_squares as _averages_squares
-from .hf_norm_reading import forward_source as _forward_source
-from .hf_norm_reading import hf_eps as _hf_eps
-from .hf_norm_reading import hf_weight as _hf_weight
-from .module import (
+from .. import validation as v
+from ..module import (
     ROUND_THEN_SCALE,
     SCALE_THEN_ROUND,
     T5,
@@ -36,6 +31,11 @@ from .module import (
     CakeRMSNorm,
     check_compiled_as,
 )
+from .norm_reading import SQUARES as _SQUARES
+from .norm_reading import averages_squares as _averages_squares
+from .norm_reading import forward_source as _forward_source
+from .norm_reading import hf_eps as _hf_eps
+from .norm_reading import hf_weight as _hf_weight
 
 # "(1.0 + self.weight" or "self.weight.float() + 1": the Gemma-style scale (1 + w).
 _ONE_PLUS_WEIGHT = re.compile(

@@ -30,10 +30,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from . import validation as v
-from .autograd import cake_rmsnorm
-from .gated_autograd import cake_gated_rmsnorm
-from .views import kernel_weight
+from .. import validation as v
+from ..autograd import cake_rmsnorm
+from ..runtime.views import kernel_weight
+from .autograd import cake_gated_rmsnorm
 
 ONE_ROUNDING = "one_rounding"
 ROUND_THEN_SCALE = "round_then_scale"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .kernels.tiling import VECTOR_BYTES
+from ..kernels.tiling import VECTOR_BYTES
 from .launch_plan import partial_row_stride
 
 _CONTIGUOUS = torch.contiguous_format
