@@ -4,7 +4,8 @@ or in the memory-efficient mode (``memory_efficient=True``) exactly (y, w, rstd)
 Which path a call takes is ``cake_cute.routing``'s rule: on ``NATIVE`` the C++ autograd node (plain
 layouts of a signature the Python path has validated), on ``PYTHON`` the Function launching the kernels
 directly (``launch``, ``launch_fp8``), on ``OP`` the ``cake_cute::`` custom ops (under torch.compile, for
-DTensor inputs, for CPU tensors). The eager Functions and the ops' registered autograd share one
+DTensor inputs, for CPU tensors), on ``MATH`` the norm's math in torch operations (``rmsnorm_math``:
+FP64 inputs, ``torch.func`` transforms). The eager Functions and the ops' registered autograd share one
 save/backward helper (``library_ops.save_for_backward`` and ``library_ops.norm_backward``): adding a
 forward kind is a Function here whose backward is ``norm_backward``.
 """
@@ -19,19 +20,37 @@ from .calls import Fp8Call, NormCall, norm_call
 from .launch_fp8 import op_outputs
 from .library_ops import cake_rmsnorm_traceable, fp8_backward, norm_backward, save_for_backward
 from .operands import operands_of
-from .routing import NATIVE, OP, route
+from .reference import compute_dtype_of, forward_reference
+from .routing import MATH, NATIVE, OP, route
+
+
+def rmsnorm_math(x, w, eps, residual=None, weight_offset=0.0):
+    """``cake_rmsnorm``'s outputs (same checks, shapes and dtypes) in torch operations: the SPEC's math at
+    the kernels' rounding points (h rounded to x's dtype, y rounded once), in FP32, or FP64 for FP64
+    inputs. Autograd, every ``torch.func`` transform and inductor take it as they take ``F.rms_norm``.
+
+    Raises
+    ------
+    TypeError, ValueError
+        The errors of ``calls.norm_call``.
+    """
+    call = norm_call(x, w, eps, residual, weight_offset, on_gpu=False, torch_math=True)
+    y, _, h = forward_reference(*call.math_arguments, compute_dtype=compute_dtype_of(x.dtype))
+    y = y.to(x.dtype)
+    return y if residual is None else (y, h)
 
 
 def _forward(x, w, eps, residual, weight_offset, direct):
-    """``(y, rstd, h_new)``, h_new None in plain mode."""
+    """``(y, rstd, h_new, eps)``, h_new None in plain mode, eps as validated."""
     if direct:
-        outs = dispatch.python_forward(norm_call(x, w, eps, residual, weight_offset))
-        return outs if residual is not None else (*outs, None)
+        call = norm_call(x, w, eps, residual, weight_offset)
+        outs = dispatch.python_forward(call)
+        return (*outs, call.eps) if residual is not None else (*outs, None, call.eps)
     # Checked here as well as in the op: its schema would turn a bad argument into a RuntimeError
     # naming none, and a DTensor's sharding rule runs on the global shapes before the op's body.
     call = norm_call(x, w, eps, residual, weight_offset, on_gpu=False)
     y, rstd, h_new = torch.ops.cake_cute.rmsnorm_fwd(x, w, call.eps, residual, call.weight_offset)
-    return y, rstd, (None if residual is None else h_new)
+    return y, rstd, (None if residual is None else h_new), call.eps
 
 
 class CakeRMSNormFunction(torch.autograd.Function):
@@ -91,9 +110,9 @@ class CakeRMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, eps, residual=None, deterministic=True, weight_offset=0.0, memory_efficient=False):
         direct = route(x, w, residual) is not OP
-        y, rstd, h_new = _forward(x, w, eps, residual, weight_offset, direct)
+        y, rstd, h_new, eps = _forward(x, w, eps, residual, weight_offset, direct)
         save_for_backward(
-            ctx, x, w, residual, rstd, h_new, weight_offset, direct, y if memory_efficient else None
+            ctx, x, w, residual, rstd, h_new, eps, weight_offset, direct, y if memory_efficient else None
         )
         # Unused outputs get None rather than a materialized zero tensor of size [T, H].
         ctx.set_materialize_grads(False)
@@ -109,11 +128,13 @@ _function_apply = torch.autograd.Function.apply.__func__  # the engine's apply, 
 
 
 def _norm(cls, x, w, eps, residual, deterministic, weight_offset, memory_efficient, trace_as_op):
-    """``cake_rmsnorm`` and ``CakeRMSNormFunction.apply`` by the routing rule: the C++ node on
-    ``NATIVE`` when it serves the call, the op itself while tracing when ``trace_as_op``, else the
-    Function ``cls``."""
+    """``cake_rmsnorm`` and ``CakeRMSNormFunction.apply`` by the routing rule: the torch math on ``MATH``,
+    the C++ node on ``NATIVE`` when it serves the call, the op itself while tracing when
+    ``trace_as_op``, else the Function ``cls``."""
     v.check_memory_efficient(memory_efficient)
     path = route(x, w, residual)
+    if path is MATH:
+        return rmsnorm_math(x, w, eps, residual, weight_offset)
     if path is NATIVE:
         if cls is CakeRMSNormFunction:  # a subclass keeps its own forward
             out = dispatch.native_rmsnorm(x, w, eps, residual, weight_offset, memory_efficient)
@@ -138,7 +159,7 @@ class CakeRMSNormFp8Function(torch.autograd.Function):
         call = Fp8Call(NormCall(x, w, eps, residual, weight_offset, operands), recipe, emit_y)
         data, scales, y, rstd, h_new = dispatch.fp8_forward(call)
         saved_rstd = rstd.reshape(-1) if direct else rstd
-        save_for_backward(ctx, x, w, residual, saved_rstd, h_new, weight_offset, direct)
+        save_for_backward(ctx, x, w, residual, saved_rstd, h_new, eps, weight_offset, direct)
         ctx.mark_non_differentiable(data, scales, rstd)
         ctx.set_materialize_grads(False)
         return op_outputs(x, data, scales, y, rstd, h_new)

@@ -59,11 +59,22 @@ class NormCall(NamedTuple):
 
 
 def norm_call(
-    x, w, eps, residual=None, weight_offset=0.0, out=None, rstd=None, residual_out=None, *, on_gpu=True
+    x,
+    w,
+    eps,
+    residual=None,
+    weight_offset=0.0,
+    out=None,
+    rstd=None,
+    residual_out=None,
+    *,
+    on_gpu=True,
+    torch_math=False,
 ) -> NormCall:
     """Every argument of a plain-norm forward, the device last (``on_gpu``: the kernels will run, so x
     must be on a supported GPU; False for the CPU reference, fake tensors and DTensors, whose local
-    calls are checked again by the op they reach).
+    calls are checked again by the op they reach). ``torch_math``: torch operations compute it (the
+    ``MATH`` route), so FP64 is accepted too.
 
     Raises
     ------
@@ -73,7 +84,7 @@ def norm_call(
     """
     known = known_operands(x, w) if on_gpu else None  # the hot path: (x, w) seen before
     if known is None:
-        check_activation(x)
+        check_activation(x, torch_math=torch_math)
         check_weight(w, x)
     eps = check_eps(eps)
     weight_offset = check_weight_offset(weight_offset)
@@ -91,14 +102,14 @@ class BackwardCall(NamedTuple):
     validated those tensors)."""
 
     g_parts: tuple  # g's summands, usually one tensor
-    h: torch.Tensor  # what the forward normalized (x or h_new), or its output y when from_output
+    h: torch.Tensor  # what the forward normalized (x or h_new), or its output y when memory_efficient
     w: torch.Tensor
     rstd: torch.Tensor  # FP32 [rows]
     g_residual: torch.Tensor | None
     weight_offset: float
     dw_dtype: torch.dtype
     operands: Operands
-    from_output: bool = False  # the memory-efficient mode: h is y, xhat is recomputed from it
+    memory_efficient: bool = False  # h is y, xhat is recomputed from it
     workspace: torch.Tensor | None = None
     dx: torch.Tensor | None = None
     dw: torch.Tensor | None = None
@@ -115,7 +126,7 @@ def backward_call(
     workspace=None,
     dx=None,
     dw=None,
-    from_output=False,
+    memory_efficient=False,
 ) -> BackwardCall:
     """Every argument of a plain-norm backward on the GPU, the device last.
 
@@ -143,7 +154,7 @@ def backward_call(
     if known is None:
         known = operands(x, w)
     return BackwardCall(
-        g_parts, x, w, rstd, g_residual, weight_offset, dw_dtype, known, from_output, workspace, dx, dw
+        g_parts, x, w, rstd, g_residual, weight_offset, dw_dtype, known, memory_efficient, workspace, dx, dw
     )
 
 
@@ -186,17 +197,20 @@ class GatedCall(NamedTuple):
     weight_offset: float
 
 
-def gated_call(x, z, w, eps, group_size, norm_before_gate, weight_offset, weight_name="w") -> GatedCall:
+def gated_call(
+    x, z, w, eps, group_size, norm_before_gate, weight_offset, weight_name="w", *, torch_math=False
+) -> GatedCall:
     """The gated norm's arguments, before anything runs (the device excepted: the kernels' variant
     names the architecture, CPU tensors run the CPU kernels); errors name the weight ``weight_name``
-    (FlashInfer's entries call it ``weight``).
+    (FlashInfer's entries call it ``weight``). ``torch_math``: torch operations compute it (the
+    ``MATH`` route), so FP64 is accepted too.
 
     Raises
     ------
     TypeError, ArgumentError, ValueError
         The argument named, with what was expected.
     """
-    check_activation(x)
+    check_activation(x, torch_math=torch_math)
     check_like("z", z, x)
     check_weight(w, x, weight_name)
     check_bool("norm_before_gate", norm_before_gate)

@@ -208,9 +208,3 @@ def backward_plan(operands, weight_offset: float, rows: int, residual: bool, dw_
     if 0 in handles:
         raise RuntimeError("cake_cute: a backward kernel has no TVM-FFI function handle")
     return (*handles, plan.programs, plan.partial_rows, launch_plan.partial_row_stride(operands.hidden))
-
-
-def provide_op_bodies(forward_body, backward_body, backward_parts_body, fp8_forward_body) -> None:
-    """The custom ops' Python bodies, for the C++ kernels to call for what they do not serve
-    (``native.provide_op_bodies``)."""
-    native.provide_op_bodies(forward_body, backward_body, backward_parts_body, fp8_forward_body)

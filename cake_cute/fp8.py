@@ -28,7 +28,7 @@ from .calls import fp8_call
 from .fp8_numerics import to_scale_layout
 from .launch_fp8 import fp8_forward, fp8_variant_specs
 from .library_ops import rmsnorm_fp8_fwd
-from .routing import PYTHON, DTensor, route
+from .routing import MATH, PYTHON, DTensor, route
 
 __all__ = [
     "CakeRMSNormFp8Function",
@@ -116,12 +116,19 @@ def cake_rmsnorm_fp8(
     TypeError, ValueError
         For a bad argument, naming it, before anything runs; a scale layout other than ``"compact"``
         for a DTensor x; ``memory_efficient=True``.
+    RuntimeError
+        Inside a ``torch.func`` transform.
     """
     v.refuse_memory_efficient_fp8(memory_efficient)
     path = route(x, w, residual)
     norm = fp8_call(
         x, w, eps, residual, recipe, emit_y, weight_offset, scale_layout, on_gpu=path is PYTHON
     ).norm
+    if path is MATH:  # FP64 was refused above: a torch.func transform is active
+        raise RuntimeError(
+            "cake_rmsnorm_fp8 does not support torch.func transforms (grad, vjp, jvp, jacrev, jacfwd, "
+            "vmap): its e4m3 outputs have no derivative; call cake_rmsnorm inside the transform"
+        )
     if scale_layout != "compact" and isinstance(x, DTensor):
         raise ValueError(
             f"scale_layout={scale_layout!r} arranges the scales of all rows for one GEMM; a DTensor x "

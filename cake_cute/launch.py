@@ -136,19 +136,13 @@ def cake_rmsnorm_train_backward_workspace(rows, hidden, device, *, residual=Fals
     return torch.zeros(nbytes, dtype=torch.uint8, device=device)
 
 
-def backward_from_saved(g, h, w, rstd, g_residual, weight_offset: float, from_output: bool = False):
-    """The backward for autograd: h, w, rstd are what the forward validated and saved (h is y when
-    ``from_output``: the memory-efficient mode), and the engine has already matched g (and g_residual)
-    to the outputs' shape, dtype and device, so only the (x, w) facts are looked up again. dw comes
-    back in w's dtype."""
+def backward_from_saved(g, h, w, rstd, g_residual, weight_offset: float, memory_efficient: bool):
+    """The backward for autograd: h, w, rstd are what the forward validated and saved (h is y in the
+    memory-efficient mode), and the engine has already matched g (and g_residual) to the outputs'
+    shape, dtype and device, so only the (x, w) facts are looked up again. dw comes back in w's dtype."""
     operands = operands_of(h, w)
-    call = BackwardCall((g,), h, w, rstd, g_residual, weight_offset, w.dtype, operands, from_output)
+    call = BackwardCall((g,), h, w, rstd, g_residual, weight_offset, w.dtype, operands, memory_efficient)
     return launch_backward(call)
-
-
-def backward_from_saved_output(g, y, w, rstd, g_residual, weight_offset: float):
-    """``backward_from_saved`` of the memory-efficient mode, whose saved tensor is the output y."""
-    return backward_from_saved(g, y, w, rstd, g_residual, weight_offset, from_output=True)
 
 
 class _BackwardPlan(NamedTuple):
@@ -178,12 +172,12 @@ on_override_change(backward_launch_plan.cache_clear)
 
 
 def backward_kernels(
-    operands, residual: bool, weight_offset: float, dw_dtype, g_parts: int = 1, from_output: bool = False
+    operands, residual: bool, weight_offset: float, dw_dtype, g_parts: int = 1, memory_efficient: bool = False
 ):
     """The backward's two kernels: dx with the FP32 partial rows of dW (from ``g_parts`` summands of
-    g; reading y in h's place when ``from_output``), and their reduction."""
+    g; reading y in h's place in the memory-efficient mode), and their reduction."""
     # The default variant (one summand, reading h) keeps its field tuple.
-    parts = (g_parts, True) if from_output else (g_parts,) if g_parts > 1 else ()
+    parts = (g_parts, True) if memory_efficient else (g_parts,) if g_parts > 1 else ()
     return (
         kernel(
             "bwd",
@@ -217,7 +211,7 @@ def launch_backward(call: BackwardCall):
         dw_t.zero_()
     else:
         bwd, reduce = backward_kernels(
-            operands, residual, call.weight_offset, call.dw_dtype, len(g_parts), call.from_output
+            operands, residual, call.weight_offset, call.dw_dtype, len(g_parts), call.memory_efficient
         )
         partials = partial_rows_view(call.workspace, plan.partial_rows, hidden, operands.device)
         rstd = call.rstd

@@ -43,9 +43,10 @@ from . import cpu, dispatch
 from .calls import backward_call, fp8_call, norm_call
 from .fp8_numerics import scale_blocks
 from .kernels.quant_config import QUANT_RECIPES
-from .launch import backward_from_saved, backward_from_saved_output, launch_backward
+from .launch import backward_from_saved, launch_backward
 from .launch_fp8 import op_outputs, placeholder
-from .reference import summed_gradient
+from .reference import differentiable_backward, summed_gradient
+from .runtime import native
 from .runtime.views import new_output
 
 _FWD_SCHEMA = (
@@ -149,7 +150,7 @@ def _rmsnorm_bwd_fake(g, x, w, rstd, g_residual=None, weight_offset=0.0):
 
 def rmsnorm_bwd_from_output(g, y, w, rstd, g_residual=None, weight_offset=0.0):
     """``(dx, dw)`` on CUDA from the saved output y (the memory-efficient mode), dw in w's dtype."""
-    call = backward_call(g, y, w, rstd.reshape(-1), g_residual, weight_offset, w.dtype, from_output=True)
+    call = backward_call(g, y, w, rstd.reshape(-1), g_residual, weight_offset, w.dtype, memory_efficient=True)
     return launch_backward(call)
 
 
@@ -185,18 +186,27 @@ def _rmsnorm_bwd_parts_fake(g, x, w, rstd, g_residual=None, weight_offset=0.0):
 # --- the save/backward logic of both autograd paths ------------------------------------------------
 
 
-def save_for_backward(ctx, x, w, residual, rstd, h_new, weight_offset, direct, y=None) -> None:
+def save_for_backward(ctx, x, w, residual, rstd, h_new, eps, weight_offset, direct, y=None) -> None:
     """Saves exactly (x or h_new, w, rstd), or in the memory-efficient mode (``y`` given: the output
-    returned to the caller) exactly (y, w, rstd), and the flags the backward needs.
+    returned to the caller) exactly (y, w, rstd), and the flags the backward needs (eps only for a
+    backward that is itself differentiated).
 
     ``direct`` says the forward launched the kernels itself (plain CUDA tensors in eager), so the
     backward does too and rstd is ``[T]``; otherwise the backward goes through ``rmsnorm_bwd`` (or
     ``rmsnorm_bwd_from_output``)."""
-    ctx.from_output = y is not None
-    ctx.save_for_backward(y if ctx.from_output else x if residual is None else h_new, w, rstd)
+    ctx.memory_efficient = y is not None
+    ctx.save_for_backward(y if ctx.memory_efficient else x if residual is None else h_new, w, rstd)
     ctx.residual = residual is not None
+    ctx.eps = eps
     ctx.weight_offset = weight_offset
     ctx.direct = direct
+
+
+def records_second_order(*tensors) -> bool:
+    """Whether a backward must record a graph of its own: ``create_graph=True`` (grad mode is on inside
+    a backward only then) and one of its tensors (the saved ones, the incoming gradients) is part of
+    a graph."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def norm_backward(ctx, g, g_h_new):
@@ -204,45 +214,61 @@ def norm_backward(ctx, g, g_h_new):
     memory-efficient mode) the kernel recomputes xhat from y and w.
 
     In residual mode one dx is the gradient of both x and residual (h_new = x + residual). When only
-    h_new was used (``g`` is None), its gradient reaches x and residual unchanged and w gets none."""
+    h_new was used (``g`` is None), its gradient reaches x and residual unchanged and w gets none.
+    A backward that is itself differentiated (double backward) runs the differentiable formula
+    (``reference.differentiable_backward``) instead of the kernels.
+
+    Raises
+    ------
+    RuntimeError
+        Double backward of the memory-efficient mode, which kept y, not the input the second-order
+        terms need.
+    """
     h, w, rstd = ctx.saved_tensors
     g_residual = g_h_new if ctx.residual else None
     if g is None:
         return g_residual, None, g_residual
-    if ctx.direct:
-        backward = backward_from_saved_output if ctx.from_output else backward_from_saved
-        dx, dw = backward(g, h, w, rstd, g_residual, ctx.weight_offset)
+    if records_second_order(g, h, w, g_residual):
+        if ctx.memory_efficient:
+            raise RuntimeError(
+                "cake_cute: double backward (create_graph=True) is not supported with memory_efficient=True: "
+                "the norm kept its output, not the input the second-order terms need; use "
+                "memory_efficient=False"
+            )
+        dx, dw = differentiable_backward(g, h, w, ctx.eps, g_residual, ctx.weight_offset)
+    elif ctx.direct:
+        dx, dw = backward_from_saved(g, h, w, rstd, g_residual, ctx.weight_offset, ctx.memory_efficient)
     else:
         op = (
             torch.ops.cake_cute.rmsnorm_bwd_from_output
-            if ctx.from_output
+            if ctx.memory_efficient
             else torch.ops.cake_cute.rmsnorm_bwd
         )
         dx, dw = op(g, h, w, rstd, g_residual, ctx.weight_offset)
     return dx, dw, (dx if ctx.residual else None)
 
 
-def _save_op_context(ctx, no_gradient, x, w, residual, rstd, h_new, weight_offset, y=None) -> None:
+def _save_op_context(ctx, no_gradient, x, w, residual, rstd, h_new, eps, weight_offset, y=None) -> None:
     """The op forms' side of ``save_for_backward``: the outputs in ``no_gradient``, and h_new in plain
     mode (an empty tensor), get no gradient. As on the eager paths, an unused output's gradient is
     None, not a [T, H] zero tensor (under torch.compile a zeros kernel, and a residual-mode backward
     reading it, for a final norm whose h_new nothing uses)."""
     ctx.set_materialize_grads(False)
     ctx.mark_non_differentiable(*no_gradient, *(() if residual is not None else (h_new,)))
-    save_for_backward(ctx, x, w, residual, rstd, h_new, weight_offset, direct=False, y=y)
+    save_for_backward(ctx, x, w, residual, rstd, h_new, eps, weight_offset, direct=False, y=y)
 
 
 def _setup_context(ctx, inputs, output):
-    x, w, _eps, residual, weight_offset = inputs
+    x, w, eps, residual, weight_offset = inputs
     _y, rstd, h_new = output
-    _save_op_context(ctx, (rstd,), x, w, residual, rstd, h_new, weight_offset)
+    _save_op_context(ctx, (rstd,), x, w, residual, rstd, h_new, eps, weight_offset)
 
 
 def _setup_output_saving_context(ctx, inputs, output):
     """``rmsnorm_fwd_saving_output``'s: saves its y output (the memory-efficient mode)."""
-    x, w, _eps, residual, weight_offset = inputs
+    x, w, eps, residual, weight_offset = inputs
     y, rstd, h_new = output
-    _save_op_context(ctx, (rstd,), x, w, residual, rstd, h_new, weight_offset, y=y)
+    _save_op_context(ctx, (rstd,), x, w, residual, rstd, h_new, eps, weight_offset, y=y)
 
 
 def _backward(ctx, g, _g_rstd, g_h_new):
@@ -251,9 +277,9 @@ def _backward(ctx, g, _g_rstd, g_h_new):
 
 
 def _setup_fp8_context(ctx, inputs, output):
-    x, w, _eps, residual, _recipe, _emit_y, weight_offset = inputs
+    x, w, eps, residual, _recipe, _emit_y, weight_offset = inputs
     data, scales, _y, rstd, h_new = output
-    _save_op_context(ctx, (data, scales, rstd), x, w, residual, rstd, h_new, weight_offset)
+    _save_op_context(ctx, (data, scales, rstd), x, w, residual, rstd, h_new, eps, weight_offset)
 
 
 def fp8_backward(ctx, _g_data, _g_scales, g, _g_rstd, g_h_new):
@@ -311,7 +337,9 @@ define_op(
     cpu=_rmsnorm_bwd_from_output_parts_cpu,
     fake=_rmsnorm_bwd_parts_fake,
 )
-dispatch.provide_op_bodies(rmsnorm_fwd, rmsnorm_bwd, rmsnorm_bwd_parts, rmsnorm_fp8_fwd)
+native.provide_op_bodies(
+    rmsnorm_fwd, rmsnorm_bwd, rmsnorm_bwd_parts, rmsnorm_fp8_fwd, differentiable_backward
+)
 
 
 def cake_rmsnorm_traceable(x, w, eps, residual=None, weight_offset=0.0, memory_efficient=False):

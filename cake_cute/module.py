@@ -12,11 +12,9 @@ import torch
 from torch import nn
 
 from . import validation as v
-from .autograd import cake_rmsnorm
-from .calls import norm_call
+from .autograd import cake_rmsnorm, rmsnorm_math
 from .dispatch import prepare
 from .forward_names import INPUT_NAME, with_input_named
-from .reference import forward_reference
 from .runtime.views import kernel_weight
 
 # torch.nn.RMSNorm's eps=None: the epsilon of ATen's compute type (opmath), FP32 for bf16, fp16 and fp32.
@@ -60,19 +58,6 @@ def check_compiled_as(name: str, value) -> str:
     if not (isinstance(value, str) and value in COMPILED_AS):
         raise ValueError(f"{name} must be one of {', '.join(map(repr, COMPILED_AS))}; got {value!r}")
     return value
-
-
-def _torch_math(x, w, eps, residual=None, deterministic=True, weight_offset=0.0, memory_efficient=False):
-    """``cake_rmsnorm`` (same arguments, same checks, same outputs) in PyTorch operations, for a
-    compiled graph: the SPEC's math at the kernels' rounding points (``reference.forward_reference``
-    in FP32: h rounded to x's dtype, y rounded once), differentiated by autograd. ``deterministic``
-    is accepted as ``cake_rmsnorm`` accepts it, and ``memory_efficient`` checked and accepted: what
-    these operations save is inductor's choice (it recomputes what is cheap to recompute)."""
-    v.check_memory_efficient(memory_efficient)
-    call = norm_call(x, w, eps, residual, weight_offset, on_gpu=False)
-    y, _, h = forward_reference(*call.math_arguments, compute_dtype=torch.float32)
-    y = y.to(x.dtype)
-    return y if residual is None else (y, h)
 
 
 def _check_cast_policy(cast_policy) -> str:
@@ -228,15 +213,14 @@ class CakeRMSNorm(nn.Module):
         # The kernel or its PyTorch math: either runs under the same casts below, so the output dtypes
         # and roundings are the same.
         traced_as_math = self.compiled_as == TORCH_MATH and torch.compiler.is_compiling()
-        norm = _torch_math if traced_as_math else cake_rmsnorm
+        if x.dtype == torch.float64 and self.cast_policy != TORCH:
+            return self._float64_under_hf_casts(traced_as_math, x, w, eps, residual)
         rounding = self._rounding_dtype(x, w)
         if rounding is None or w.dtype == rounding == x.dtype:
             # The kernels' own math: the scale, then one rounding to x's dtype (where the replaced module
             # rounds before and after a bf16/fp16 scale, the last bit may differ). A weight in neither
             # x's dtype nor FP32 joins the FP32 compute exactly.
-            return norm(
-                x, kernel_weight(w, x), eps, residual, True, self.weight_offset, self.memory_efficient
-            )
+            return self._normalize(traced_as_math, x, kernel_weight(w, x), eps, residual, self.weight_offset)
         # The replaced module rounds the normalized values to `rounding`, then scales in torch's
         # promoted dtype: torch's add, then the kernel, then (below FP32) torch's multiply. In the
         # memory-efficient mode the kernel saves its own output: in the FP32 branch that is the
@@ -244,13 +228,38 @@ class CakeRMSNorm(nn.Module):
         h = x if residual is None else x + residual
         if rounding == torch.float32:
             # FP32 normalized values times the scale, rounded to FP32 once: the kernel's FP32 math.
-            y = norm(h.float(), w.float(), eps, None, True, self.weight_offset, self.memory_efficient)
+            y = self._normalize(traced_as_math, h.float(), w.float(), eps, None, self.weight_offset)
         else:
             source = h if rounding == h.dtype else h.float()
             ones = source.new_ones(h.shape[-1])
-            xhat = norm(source, ones, eps, None, True, 0.0, self.memory_efficient).to(rounding)
+            xhat = self._normalize(traced_as_math, source, ones, eps, None, 0.0).to(rounding)
             y = (w if self.weight_offset == 0.0 else w + self.weight_offset) * xhat
         return y if residual is None else (y, h)
+
+    def _float64_under_hf_casts(self, traced_as_math: bool, x, w, eps, residual):
+        """FP64 activations under a Hugging Face class's casts: those classes take the statistics (and,
+        but T5, the normalized values) from an FP32 cast of the input, so an FP64 model's stock norm is
+        FP32 math; the swapped one computes what it computes."""
+        h = x if residual is None else x + residual
+        source = h.float()
+        if self.cast_policy == T5:  # the FP32 rstd times the FP64 input, then the weight
+            y = w * (h * torch.rsqrt(source.pow(2).mean(-1, keepdim=True) + eps))
+        elif self.cast_policy == SCALE_THEN_ROUND:  # all in FP32, cast back once
+            y = self._normalize(traced_as_math, source, w.float(), eps, None, self.weight_offset).to(h.dtype)
+        else:  # ROUND_THEN_SCALE: the FP32 normalized values cast back, then the FP64 weight
+            xhat = self._normalize(traced_as_math, source, source.new_ones(h.shape[-1]), eps, None, 0.0)
+            y = (w if self.weight_offset == 0.0 else w + self.weight_offset) * xhat.to(h.dtype)
+        return y if residual is None else (y, h)
+
+    def _normalize(self, traced_as_math: bool, x, w, eps, residual, weight_offset):
+        """The kernels (``cake_rmsnorm``, saving as ``memory_efficient`` says), or while a graph is
+        traced with ``compiled_as="torch"`` the same math in torch operations (what they save is
+        inductor's choice: it recomputes what is cheap to recompute)."""
+        if traced_as_math:
+            return rmsnorm_math(x, w, eps, residual, weight_offset)
+        return cake_rmsnorm(
+            x, w, eps, residual, weight_offset=weight_offset, memory_efficient=self.memory_efficient
+        )
 
     def _rounding_dtype(self, x, w) -> torch.dtype | None:
         """The dtype the replaced module rounds the normalized values to before it scales them, or None

@@ -6,6 +6,11 @@ from __future__ import annotations
 import torch
 
 
+def compute_dtype_of(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the norm computes in for activations of ``dtype``: FP32, or FP64 for FP64."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def forward_reference(x, w, eps, residual=None, weight_offset=0.0, compute_dtype=torch.float64):
     """(y, rstd, h) with h rounded to x's dtype first, like the kernel; y is returned unrounded in
     ``compute_dtype`` so callers can measure the kernel's error against it."""
@@ -38,6 +43,17 @@ def backward_reference(g, h, w, rstd, g_residual=None, weight_offset=0.0, comput
     if g_residual is not None:
         dx = dx + g_residual.to(compute_dtype).reshape(-1, hidden)
     return dx.reshape(h.shape), (gc * xhat).sum(dim=0)
+
+
+def differentiable_backward(g, h, w, eps, g_residual=None, weight_offset=0.0):
+    """``(dx, dw)`` as the kernels give them (dx in h's dtype, dw in w's), written in torch operations
+    that autograd can differentiate again: the backward a graph records when it is itself
+    differentiated (``create_graph=True``). rstd is recomputed from ``h`` and ``eps`` rather than taken
+    from the forward, so that its dependence on h is part of the graph."""
+    compute = compute_dtype_of(h.dtype)
+    rstd = torch.rsqrt(h.to(compute).square().mean(dim=-1) + eps)
+    dx, dw = backward_reference(g, h, w, rstd, g_residual, weight_offset, compute)
+    return dx.to(h.dtype), dw.to(w.dtype)
 
 
 def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:

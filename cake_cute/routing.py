@@ -3,6 +3,10 @@ are not tensors).
 
 ``route(x, w, residual)`` answers, in this order:
 
+* ``MATH`` for FP64 activations (no kernel computes in FP64) and inside a ``torch.func`` transform
+  (``grad``, ``vjp``, ``jvp``, ``jacrev``, ``jacfwd``, ``vmap``): the norm's math in torch operations,
+  at the kernels' rounding points (FP64 throughout for FP64), which every transform and autograd mode
+  differentiates as it does ``F.rms_norm``;
 * ``OP`` while torch.compile traces (dynamo cannot trace the launch code), for a DTensor x or w (the
   ops carry the sharding rules, ``cake_cute.distributed``) and for x off CUDA (the ops' CPU kernels):
   the ``cake_cute::`` custom ops, with their fake kernels, sharding rules and CPU kernels;
@@ -38,6 +42,7 @@ else:  # a torch built without distributed has no DTensor, so no input is one
         pass
 
 
+MATH = "math"
 OP = "op"
 NATIVE = "native"
 PYTHON = "python"
@@ -48,7 +53,8 @@ _PLAIN_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))
 
 
 def route(x, w, residual=None) -> str:
-    """The path of a call on (x, w[, residual]): ``OP``, ``NATIVE`` or ``PYTHON`` (see the module).
+    """The path of a call on (x, w[, residual]): ``MATH``, ``OP``, ``NATIVE`` or ``PYTHON`` (see the
+    module).
 
     Raises
     ------
@@ -61,6 +67,8 @@ def route(x, w, residual=None) -> str:
         check_tensor("w", w)
     if residual is not None and type(residual) not in _PLAIN_TYPES:
         check_tensor("residual", residual)
+    if x.dtype is torch.float64 or torch._C._are_functorch_transforms_active():
+        return MATH
     if not plain and (isinstance(x, DTensor) or isinstance(w, DTensor)):
         return OP
     if torch.compiler.is_compiling() or not x.is_cuda:

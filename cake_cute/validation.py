@@ -22,7 +22,7 @@ from .kernels.gated_config import MAX_SEGMENT
 from .kernels.quant_config import QUANT_RECIPES
 from .kernels.tiling import MAX_HIDDEN, VECTOR_BYTES
 from .runtime.device import device_facts
-from .vocab import DTYPE_BY_TORCH
+from .vocab import DTYPE_BY_TORCH, MATH_ONLY_DTYPES
 
 # The FP8 scale layouts (``fp8_numerics``) and the recipes each one holds.
 SCALE_LAYOUTS = {"compact": tuple(QUANT_RECIPES), "cublas": ("mxfp8",), "deepgemm": ("1x128",)}
@@ -56,14 +56,15 @@ def check_tensor(name: str, t, *, dtypes=None, device: torch.device | None = Non
         raise ArgumentError(f"{name} must be on the same device as x ({device}), got {t.device}")
 
 
-def check_activation(x) -> None:
-    """x: a tensor of bf16/fp16/fp32 with at least 2 dims and 1 <= H <= 262144.
+def check_activation(x, *, torch_math: bool = False) -> None:
+    """x: a tensor of bf16/fp16/fp32 (FP64 too for ``torch_math``: computed by torch operations, no kernel)
+    with at least 1 dim (``[H]`` is one row) and 1 <= H <= 262144.
 
     The device is checked last (``operands.operands``), after every argument's dtype and shape, so the
     whole table of argument errors can be exercised on a machine without a GPU."""
-    check_tensor("x", x, dtypes=DTYPE_BY_TORCH)
-    if x.dim() < 2:
-        raise ArgumentError(f"x must have at least 2 dims [..., H], got shape {tuple(x.shape)}")
+    check_tensor("x", x, dtypes=(*DTYPE_BY_TORCH, *MATH_ONLY_DTYPES) if torch_math else DTYPE_BY_TORCH)
+    if x.dim() < 1:
+        raise ArgumentError(f"x must have at least 1 dim [..., H], got shape {tuple(x.shape)}")
     hidden = x.shape[-1]
     if not 1 <= hidden <= MAX_HIDDEN:
         raise ArgumentError(f"x's hidden size (last dim) must be in [1, {MAX_HIDDEN}], got {hidden}")

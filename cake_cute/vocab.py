@@ -36,6 +36,8 @@ DTYPES = (
     DType("fp32", torch.float32, 4, "Float32"),
 )
 DTYPE_NAMES = tuple(d.name for d in DTYPES)
+# Activation dtypes no kernel takes, computed by the norm's math in torch operations (``routing.MATH``).
+MATH_ONLY_DTYPES = (torch.float64,)
 DTYPE_BY_NAME = {d.name: d for d in DTYPES}
 DTYPE_BY_TORCH = {d.torch: d for d in DTYPES}
 

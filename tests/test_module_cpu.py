@@ -44,6 +44,12 @@ def _direct_forward(call):
     return (y, rstd.reshape(-1)) if call.residual is None else (y, rstd.reshape(-1), h_new)
 
 
+def _direct_backward(g, h, w, rstd, g_residual, weight_offset, memory_efficient):
+    """``launch.backward_from_saved``'s results from the CPU math."""
+    backward = cpu.backward_from_output if memory_efficient else _CPU_BACKWARD
+    return backward(g, h, w, rstd, g_residual, weight_offset)
+
+
 @pytest.fixture
 def kernels(monkeypatch):
     """Counts of kernel calls keyed "eager.fwd", "eager.bwd" (the direct path) and "op.fwd", "op.bwd"
@@ -64,7 +70,7 @@ def kernels(monkeypatch):
     )
     monkeypatch.setattr(autograd, "norm_call", functools.partial(cake_cute.calls.norm_call, on_gpu=False))
     monkeypatch.setattr(dispatch, "python_forward", counted("eager.fwd", _direct_forward))
-    monkeypatch.setattr(library_ops, "backward_from_saved", counted("eager.bwd", _CPU_BACKWARD))
+    monkeypatch.setattr(library_ops, "backward_from_saved", counted("eager.bwd", _direct_backward))
     torch._dynamo.reset()
     yield calls
     torch._dynamo.reset()

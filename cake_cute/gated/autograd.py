@@ -25,8 +25,12 @@ import torch.nn.functional as F
 
 from .. import validation as v
 from ..calls import gated_call
+from ..library_ops import records_second_order
+from ..reference import compute_dtype_of
+from ..routing import MATH, route
 from ..runtime.views import as_output, new_output
 from .ops import gated_rmsnorm_backward, gated_rmsnorm_forward, rstd_shape
+from .reference import gated_backward_reference, gated_forward_reference
 
 __all__ = ["cake_gated_rmsnorm"]
 
@@ -137,9 +141,10 @@ def _backward_fake(g, x, z, w, rstd, group_size=None, norm_before_gate=True, wei
 
 def _setup_context(ctx, inputs, output):
     """Saves exactly (x, z, w, rstd); rstd gets no gradient, an unused y's gradient is None."""
-    x, z, w, _eps, group_size, norm_before_gate, weight_offset = inputs
+    x, z, w, eps, group_size, norm_before_gate, weight_offset = inputs
     _y, rstd = output
     ctx.save_for_backward(x, z, w, rstd)
+    ctx.eps = eps
     ctx.options = (group_size, norm_before_gate, weight_offset)
     ctx.mark_non_differentiable(rstd)
     ctx.set_materialize_grads(False)
@@ -149,8 +154,47 @@ def _backward(ctx, g, _g_rstd):
     if g is None:
         return None, None, None, None, None, None, None
     x, z, w, rstd = ctx.saved_tensors
-    dx, dz, dw = torch.ops.cake_cute.gated_rmsnorm_bwd(g, x, z, w, rstd, *ctx.options)
+    if records_second_order(g, x, z, w):  # double backward: a formula autograd differentiates again
+        dx, dz, dw = _differentiable_backward(g, x, z, w, ctx.eps, *ctx.options)
+    else:
+        dx, dz, dw = torch.ops.cake_cute.gated_rmsnorm_bwd(g, x, z, w, rstd, *ctx.options)
     return dx, dz, dw, None, None, None, None
+
+
+def _differentiable_backward(g, x, z, w, eps, group_size, norm_before_gate, weight_offset):
+    """(dx, dz, dw) as the kernels give them (dw in w's dtype), in torch operations recomputing the
+    gate and the statistics from x and z (``reference.gated_backward_reference``)."""
+    hidden = x.shape[-1]
+    dx, dz, dw = gated_backward_reference(
+        g.reshape(-1, hidden),
+        x.reshape(-1, hidden),
+        z.reshape(-1, hidden),
+        w,
+        eps,
+        group_size=group_size,
+        norm_before_gate=norm_before_gate,
+        weight_offset=weight_offset,
+        compute_dtype=compute_dtype_of(x.dtype),
+    )
+    return dx.reshape(x.shape).to(x.dtype), dz.reshape(x.shape).to(x.dtype), dw.to(w.dtype)
+
+
+def gated_rmsnorm_math(call) -> torch.Tensor:
+    """y of a gated call in torch operations (the ``MATH`` route: FP64 inputs, ``torch.func``
+    transforms): the reference's arithmetic in FP32, or FP64 for FP64 inputs, rounded once."""
+    x, z, w, eps, group_size, norm_before_gate, weight_offset = call
+    hidden = x.shape[-1]
+    y, _rstd = gated_forward_reference(
+        x.reshape(-1, hidden),
+        z.reshape(-1, hidden),
+        w,
+        eps,
+        group_size=group_size,
+        norm_before_gate=norm_before_gate,
+        weight_offset=weight_offset,
+        compute_dtype=compute_dtype_of(x.dtype),
+    )
+    return y.reshape(x.shape).to(x.dtype)
 
 
 def _register() -> None:
@@ -180,8 +224,9 @@ def cake_gated_rmsnorm(x, z, w, eps=1e-6, *, group_size=None, norm_before_gate=T
     Parameters
     ----------
     x, z : torch.Tensor
-        ``[..., H]`` input and gate (at least 2-D), bf16, fp16 or fp32, one dtype, shape and device;
-        CUDA (the kernels) or CPU; DTensors sharded on any dimension but the last, or replicated.
+        ``[..., H]`` input and gate, bf16, fp16 or fp32 (FP64 computed by torch operations), one dtype,
+        shape and device; CUDA (the kernels) or CPU; DTensors sharded on any dimension but the last, or
+        replicated.
     w : torch.Tensor
         ``[H]`` weight in x's dtype or fp32 (``Replicate()`` for DTensor inputs).
     eps : float
@@ -204,6 +249,10 @@ def cake_gated_rmsnorm(x, z, w, eps=1e-6, *, group_size=None, norm_before_gate=T
     TypeError, ValueError
         An argument of the wrong kind, dtype, shape or value, named, before anything runs.
     """
+    if route(x, w) is MATH:
+        return gated_rmsnorm_math(
+            gated_call(x, z, w, eps, group_size, norm_before_gate, weight_offset, torch_math=True)
+        )
     # Checked here as well as in the op: its schema would turn a bad argument into a RuntimeError
     # naming none, and a DTensor's sharding rule runs on the global shapes before the op's body.
     call = gated_call(x, z, w, eps, group_size, norm_before_gate, weight_offset)

@@ -230,12 +230,16 @@ def load_built():
 _op_bodies: tuple | None = None  # the custom ops' Python bodies (``library_ops`` hands them over)
 
 
-def provide_op_bodies(forward_body, backward_body, backward_parts_body, fp8_forward_body) -> None:
+def provide_op_bodies(
+    forward_body, backward_body, backward_parts_body, fp8_forward_body, differentiable_backward
+) -> None:
     """Called by ``library_ops`` once it has defined the ops: their Python bodies (``rmsnorm_fwd``,
     ``rmsnorm_bwd``, ``rmsnorm_bwd_parts``, ``rmsnorm_fp8_fwd``), which the C++ kernels call for what
-    they do not serve. Installs the kernels now if the extension is already loaded."""
+    they do not serve, and the backward's differentiable formula, which the C++ autograd nodes call
+    when their backward is itself differentiated. Installs the kernels now if the extension is already
+    loaded."""
     global _op_bodies
-    _op_bodies = (forward_body, backward_body, backward_parts_body, fp8_forward_body)
+    _op_bodies = (forward_body, backward_body, backward_parts_body, fp8_forward_body, differentiable_backward)
     if extension is not None:
         _install_op_kernels(extension)
 

@@ -14,6 +14,7 @@ struct NormFunction : public torch::autograd::Function<NormFunction> {
     ForwardOutputs out = launch_forward(*s, x, w, residual ? &*residual : nullptr, eps);
     ctx->set_materialize_grads(false);
     ctx->saved_data["signature"] = reinterpret_cast<int64_t>(s);
+    ctx->saved_data["eps"] = eps;
     ctx->save_for_backward(norm_saved_tensors(x, w, out.rstd, out.h_new, residual.has_value()));
     if (residual) return {out.y, out.h_new};
     return {out.y};
@@ -26,6 +27,11 @@ struct NormFunction : public torch::autograd::Function<NormFunction> {
     const auto* s = reinterpret_cast<const Signature*>(ctx->saved_data["signature"].toInt());
     const variable_list saved = ctx->get_saved_variables();
     const at::Tensor& w = saved[1];
+    if (records_second_order({grads[0], saved[0], w, g_residual})) {
+      auto [dx, dw] = differentiable_gradients(grads[0], saved[0], w, ctx->saved_data["eps"].toDouble(), g_residual,
+                                               s->weight_offset);
+      return {dx, dw, residual ? dx : at::Tensor(), {}, {}};
+    }
     auto [dx, dw] = launch_backward(*s, kernel_rows(grads[0], s->act_align), saved[0], w, saved[2],
                                     g_residual.defined() ? kernel_rows(g_residual, s->act_align) : at::Tensor(),
                                     w.scalar_type(), ctx->needs_input_grad(1));
@@ -133,7 +139,7 @@ Signature& signature_for(const at::Tensor& x, const at::Tensor& w, double weight
   Signature*& s = signatures[signature_key(x, w, weight_offset)];
   if (s == nullptr) {
     Py_INCREF(planner);
-    s = new Signature{x.size(-1), act_align, w_align, {nullptr, nullptr}, {}, planner};
+    s = new Signature{x.size(-1), weight_offset, act_align, w_align, {nullptr, nullptr}, {}, planner};
   }
   return *s;
 }
@@ -245,7 +251,8 @@ PyMethodDef methods[] = {
     {"accept_eps", accept_eps_value, METH_O, "accept_eps(eps): an eps the Python path validated"},
     {"clear", clear, METH_NOARGS, "forget every registered signature and plan"},
     {"install_op_kernels", install_op_kernels, METH_VARARGS,
-     "install_op_kernels(forward_body, backward_body, backward_parts_body, fp8_forward_body): the custom ops' "
+     "install_op_kernels(forward_body, backward_body, backward_parts_body, fp8_forward_body, "
+     "differentiable_backward): the custom ops' "
      "CUDA and AutogradCUDA kernels"},
     {"signature_count", signature_count, METH_NOARGS, "the number of registered signatures"},
     {nullptr, nullptr, 0, nullptr},

@@ -86,6 +86,7 @@ struct SignatureKeyHash {
 
 struct Signature {
   int64_t hidden;
+  double weight_offset;
   int64_t act_align, w_align;  // byte alignment the kernels assume for rows of x and for w
   TVMFFIObjectHandle forward[2] = {nullptr, nullptr};  // plain, residual; null until registered
   TVMFFIObjectHandle fp8[2][2][2][2] = {};  // [recipe: mxfp8, 1x128][emit_y][residual][persistent]
@@ -208,5 +209,16 @@ bool records_graph(const at::Tensor& x, const at::Tensor& w, const std::optional
 // ---- op_kernels.cpp -----------------------------------------------------------------------------------
 
 PyObject* install_op_kernels(PyObject*, PyObject* args);
+
+// ---- double backward (op_kernels.cpp) -------------------------------------------------------------
+
+// Whether a node's backward must record a graph of its own: create_graph=True (grad mode is on inside a
+// backward only then) and one of `tensors` (its saved tensors, its incoming gradients) is in a graph.
+bool records_second_order(std::initializer_list<at::Tensor> tensors);
+// (dx, dw) by the backward's differentiable formula in Python (reference.differentiable_backward), for a
+// backward that records a graph; g_residual undefined in plain mode.
+std::tuple<at::Tensor, at::Tensor> differentiable_gradients(const at::Tensor& g, const at::Tensor& h,
+                                                            const at::Tensor& w, double eps,
+                                                            const at::Tensor& g_residual, double weight_offset);
 
 }  // namespace cake_cute_native

@@ -21,6 +21,7 @@ PyObject* python_forward_op = nullptr;   // library_ops.rmsnorm_fwd: every call 
 PyObject* python_backward_op = nullptr;  // library_ops.rmsnorm_bwd
 PyObject* python_backward_parts_op = nullptr;  // library_ops.rmsnorm_bwd_parts
 PyObject* python_fp8_op = nullptr;             // library_ops.rmsnorm_fp8_fwd
+PyObject* python_differentiable_backward = nullptr;  // reference.differentiable_backward
 
 const c10::TypedOperatorHandle<ForwardSchema>& forward_op() {
   static const auto op =
@@ -132,28 +133,59 @@ BackwardResult backward_parts_cuda(at::TensorList g, const at::Tensor& x, const 
   return {outs[0], outs[1]};
 }
 
-// What both forward ops' autograd nodes save: (x or h_new, w, rstd), the mode and the offset; the outputs
-// in `non_differentiable`, and h_new in plain mode, get no gradient; an unused output's stays undefined.
+bool records_second_order(std::initializer_list<at::Tensor> tensors) {
+  if (!at::GradMode::is_enabled()) return false;
+  for (const at::Tensor& t : tensors) {
+    if (t.defined() && t.requires_grad()) return true;
+  }
+  return false;
+}
+
+std::tuple<at::Tensor, at::Tensor> differentiable_gradients(const at::Tensor& g, const at::Tensor& h,
+                                                            const at::Tensor& w, double eps,
+                                                            const at::Tensor& g_residual, double weight_offset) {
+  GilScope gil;
+  std::optional<at::Tensor> g_res;
+  if (g_residual.defined()) g_res = g_residual;
+  auto outs = call_python_op(python_differentiable_backward,
+                             {THPVariable_Wrap(g), THPVariable_Wrap(h), THPVariable_Wrap(w), PyFloat_FromDouble(eps),
+                              wrap_optional(g_res), PyFloat_FromDouble(weight_offset)},
+                             2);
+  return {outs[0], outs[1]};
+}
+
+// What both forward ops' autograd nodes save: (x or h_new, w, rstd), the mode, eps and the offset; the
+// outputs in `non_differentiable`, and h_new in plain mode, get no gradient; an unused output's stays
+// undefined.
 void save_norm_inputs(AutogradContext* ctx, std::vector<at::Tensor> non_differentiable, const at::Tensor& x,
                       const at::Tensor& w, const at::Tensor& rstd, const at::Tensor& h_new,
-                      const std::optional<at::Tensor>& residual, double weight_offset) {
+                      const std::optional<at::Tensor>& residual, double eps, double weight_offset) {
   const bool with_residual = residual.has_value() && residual->defined();
   ctx->set_materialize_grads(false);
   if (!with_residual) non_differentiable.push_back(h_new);
   ctx->mark_non_differentiable(non_differentiable);
   ctx->save_for_backward(norm_saved_tensors(x, w, rstd, h_new, with_residual));
   ctx->saved_data["residual"] = with_residual;
+  ctx->saved_data["eps"] = eps;
   ctx->saved_data["weight_offset"] = weight_offset;
 }
 
 // (dx, dw) of a node saved by save_norm_inputs, from y's gradient `g` (defined) and, in residual mode,
-// h_new's (undefined when h_new was unused): rmsnorm_bwd on the saved tensors.
+// h_new's (undefined when h_new was unused): rmsnorm_bwd on the saved tensors, or the differentiable
+// formula when the backward records a graph (double backward).
 std::tuple<at::Tensor, at::Tensor> norm_gradients(AutogradContext* ctx, const at::Tensor& g,
                                                   const at::Tensor& g_residual) {
   const variable_list saved = ctx->get_saved_variables();
+  const bool residual = ctx->saved_data["residual"].toBool();
+  const double weight_offset = ctx->saved_data["weight_offset"].toDouble();
+  const at::Tensor g_res_or_undefined = residual ? g_residual : at::Tensor();
+  if (records_second_order({g, saved[0], saved[1], g_res_or_undefined})) {
+    return differentiable_gradients(g, saved[0], saved[1], ctx->saved_data["eps"].toDouble(), g_res_or_undefined,
+                                    weight_offset);
+  }
   std::optional<at::Tensor> g_res;
-  if (ctx->saved_data["residual"].toBool()) g_res = g_residual;
-  return backward_op().call(g, saved[0], saved[1], saved[2], g_res, ctx->saved_data["weight_offset"].toDouble());
+  if (residual) g_res = g_residual;
+  return backward_op().call(g, saved[0], saved[1], saved[2], g_res, weight_offset);
 }
 
 // The op's autograd formula: one dx is the gradient of x and residual.
@@ -161,7 +193,7 @@ struct OpNormFunction : public torch::autograd::Function<OpNormFunction> {
   static variable_list forward(AutogradContext* ctx, c10::DispatchKeySet keys, const at::Tensor& x, const at::Tensor& w,
                                double eps, const std::optional<at::Tensor>& residual, double weight_offset) {
     auto [y, rstd, h_new] = below_autograd(keys, x, w, eps, residual, weight_offset);
-    save_norm_inputs(ctx, {rstd}, x, w, rstd, h_new, residual, weight_offset);
+    save_norm_inputs(ctx, {rstd}, x, w, rstd, h_new, residual, eps, weight_offset);
     return {y, rstd, h_new};
   }
 
@@ -245,7 +277,7 @@ struct OpFp8Function : public torch::autograd::Function<OpFp8Function> {
                                double eps, const std::optional<at::Tensor>& residual, c10::string_view recipe,
                                bool emit_y, double weight_offset) {
     auto [data, scales, y, rstd, h_new] = below_autograd(keys, x, w, eps, residual, recipe, emit_y, weight_offset);
-    save_norm_inputs(ctx, {data, scales, rstd}, x, w, rstd, h_new, residual, weight_offset);
+    save_norm_inputs(ctx, {data, scales, rstd}, x, w, rstd, h_new, residual, eps, weight_offset);
     return {data, scales, y, rstd, h_new};
   }
 
@@ -281,17 +313,22 @@ Fp8Result fp8_forward_autograd_cuda(c10::DispatchKeySet keys, const at::Tensor& 
 torch::Library* op_cuda_kernels = nullptr;
 torch::Library* op_autograd_kernels = nullptr;
 
-// install_op_kernels(forward_body, backward_body, backward_parts_body, fp8_forward_body): register the
-// kernels above for the CUDA and AutogradCUDA keys of cake_cute::rmsnorm_fwd / rmsnorm_fp8_fwd and the CUDA
-// keys of rmsnorm_bwd / rmsnorm_bwd_parts (once), with the ops' Python bodies for what they do not serve.
+// install_op_kernels(forward_body, backward_body, backward_parts_body, fp8_forward_body,
+// differentiable_backward): register the kernels above for the CUDA and AutogradCUDA keys of
+// cake_cute::rmsnorm_fwd / rmsnorm_fp8_fwd and the CUDA keys of rmsnorm_bwd / rmsnorm_bwd_parts (once), with
+// the ops' Python bodies for what they do not serve and the backward's differentiable formula.
 PyObject* install_op_kernels(PyObject*, PyObject* args) {
   HANDLE_TH_ERRORS
-  PyObject *forward_body, *backward_body, *backward_parts_body, *fp8_forward_body;
-  if (!PyArg_ParseTuple(args, "OOOO", &forward_body, &backward_body, &backward_parts_body, &fp8_forward_body)) {
+  PyObject *forward_body, *backward_body, *backward_parts_body, *fp8_forward_body, *differentiable_backward;
+  if (!PyArg_ParseTuple(args, "OOOOO", &forward_body, &backward_body, &backward_parts_body, &fp8_forward_body,
+                        &differentiable_backward)) {
     return nullptr;
   }
   if (op_cuda_kernels == nullptr) {
-    for (PyObject* body : {forward_body, backward_body, backward_parts_body, fp8_forward_body}) Py_INCREF(body);
+    for (PyObject* body : {forward_body, backward_body, backward_parts_body, fp8_forward_body, differentiable_backward}) {
+      Py_INCREF(body);
+    }
+    python_differentiable_backward = differentiable_backward;
     python_forward_op = forward_body;
     python_backward_op = backward_body;
     python_backward_parts_op = backward_parts_body;
