@@ -40,19 +40,6 @@ def rmsnorm_math(x, w, eps, residual=None, weight_offset=0.0):
     return y if residual is None else (y, h)
 
 
-def _forward(x, w, eps, residual, weight_offset, direct):
-    """``(y, rstd, h_new, eps)``, h_new None in plain mode, eps as validated."""
-    if direct:
-        call = norm_call(x, w, eps, residual, weight_offset)
-        outs = dispatch.python_forward(call)
-        return (*outs, call.eps) if residual is not None else (*outs, None, call.eps)
-    # Checked here as well as in the op: its schema would turn a bad argument into a RuntimeError
-    # naming none, and a DTensor's sharding rule runs on the global shapes before the op's body.
-    call = norm_call(x, w, eps, residual, weight_offset, on_gpu=False)
-    y, rstd, h_new = torch.ops.cake_cute.rmsnorm_fwd(x, w, call.eps, residual, call.weight_offset)
-    return y, rstd, (None if residual is None else h_new), call.eps
-
-
 class CakeRMSNormFunction(torch.autograd.Function):
     """Fused RMSNorm as a ``torch.autograd.Function``.
 
@@ -94,25 +81,43 @@ class CakeRMSNormFunction(torch.autograd.Function):
     -----
     Saves exactly ``(x or h_new, w, rstd)``, or ``(y, w, rstd)`` with ``memory_efficient``; gradients
     that are not needed are not materialized.
-    ``apply`` follows the routing rule as ``cake_rmsnorm`` does (``cake_cute.routing``): on the native
-    path it records the C++ autograd node, which saves the same tensors and computes the same bits.
+    ``apply`` is overridden because FlashInfer's users call it as their entry: it follows the routing
+    rule as ``cake_rmsnorm`` does (``cake_cute.routing``), so a call may record the C++ autograd node
+    (the native path: the same saved tensors and bits, without a Python frame per call), the custom
+    op's autograd (torch.compile, DTensor and CPU inputs) or none (FP64 and ``torch.func``: torch's own
+    operations) instead of this Function's node, which records the Python path's calls.
     """
 
     @classmethod
     def apply(  # noqa: D102
         cls, x, w, eps, residual=None, deterministic=True, weight_offset=0.0, memory_efficient=False
     ):
-        # The routing rule decides here as in ``cake_rmsnorm``: the C++ node where it serves the call.
         return _norm(
-            cls, x, w, eps, residual, deterministic, weight_offset, memory_efficient, trace_as_op=False
+            cls,
+            x,
+            w,
+            eps,
+            residual,
+            deterministic=deterministic,
+            weight_offset=weight_offset,
+            memory_efficient=memory_efficient,
         )
 
     @staticmethod
     def forward(ctx, x, w, eps, residual=None, deterministic=True, weight_offset=0.0, memory_efficient=False):
-        direct = route(x, w, residual) is not OP
-        y, rstd, h_new, eps = _forward(x, w, eps, residual, weight_offset, direct)
+        """The Python path (the kernels launched from Python on plain CUDA tensors); while dynamo traces
+        this Function (``apply`` inside a compiled region) the custom op stands for the kernels."""
+        direct = not torch.compiler.is_compiling()
+        call = norm_call(x, w, eps, residual, weight_offset, on_gpu=direct)
+        if direct:
+            y, rstd, *h_new = dispatch.python_forward(call)
+            h_new = h_new[0] if h_new else None
+        else:
+            y, rstd, h_new = torch.ops.cake_cute.rmsnorm_fwd(x, w, call.eps, residual, call.weight_offset)
+            h_new = None if residual is None else h_new
+        saved_y = y if memory_efficient else None
         save_for_backward(
-            ctx, x, w, residual, rstd, h_new, eps, weight_offset, direct, y if memory_efficient else None
+            ctx, x, w, residual, rstd, h_new, call.eps, call.weight_offset, direct=direct, y=saved_y
         )
         # Unused outputs get None rather than a materialized zero tensor of size [T, H].
         ctx.set_materialize_grads(False)
@@ -127,21 +132,25 @@ class CakeRMSNormFunction(torch.autograd.Function):
 _function_apply = torch.autograd.Function.apply.__func__  # the engine's apply, below the routing
 
 
-def _norm(cls, x, w, eps, residual, deterministic, weight_offset, memory_efficient, trace_as_op):
-    """``cake_rmsnorm`` and ``CakeRMSNormFunction.apply`` by the routing rule: the torch math on ``MATH``,
-    the C++ node on ``NATIVE`` when it serves the call, the op itself while tracing when
-    ``trace_as_op``, else the Function ``cls``."""
+def _norm(cls, x, w, eps, residual, *, deterministic, weight_offset, memory_efficient):
+    """``cake_rmsnorm`` and ``CakeRMSNormFunction.apply`` by the routing rule, decided once: the torch
+    math on ``MATH``, the custom op on ``OP``, the C++ node on ``NATIVE`` when it serves the call, else
+    the Function ``cls`` (the Python path)."""
     v.check_memory_efficient(memory_efficient)
     path = route(x, w, residual)
     if path is MATH:
         return rmsnorm_math(x, w, eps, residual, weight_offset)
-    if path is NATIVE:
-        if cls is CakeRMSNormFunction:  # a subclass keeps its own forward
-            out = dispatch.native_rmsnorm(x, w, eps, residual, weight_offset, memory_efficient)
-            if out is not None:
-                return out
-    elif path is OP and trace_as_op and torch.compiler.is_compiling():
+    if path is OP:
+        if not torch.compiler.is_compiling():
+            # Checked here as well as in the op: its schema would turn a bad argument into a RuntimeError
+            # naming none, and a DTensor's sharding rule runs on the global shapes before the op's body
+            # (while tracing, the op's fake kernel checks them).
+            norm_call(x, w, eps, residual, weight_offset, on_gpu=False)
         return cake_rmsnorm_traceable(x, w, eps, residual, weight_offset, memory_efficient)
+    if path is NATIVE and cls is CakeRMSNormFunction:  # a subclass keeps its own forward
+        out = dispatch.native_rmsnorm(x, w, eps, residual, weight_offset, memory_efficient)
+        if out is not None:
+            return out
     return _function_apply(cls, x, w, eps, residual, deterministic, weight_offset, memory_efficient)
 
 
@@ -159,7 +168,7 @@ class CakeRMSNormFp8Function(torch.autograd.Function):
         call = Fp8Call(NormCall(x, w, eps, residual, weight_offset, operands), recipe, emit_y)
         data, scales, y, rstd, h_new = dispatch.fp8_forward(call)
         saved_rstd = rstd.reshape(-1) if direct else rstd
-        save_for_backward(ctx, x, w, residual, saved_rstd, h_new, eps, weight_offset, direct)
+        save_for_backward(ctx, x, w, residual, saved_rstd, h_new, eps, weight_offset, direct=direct)
         ctx.mark_non_differentiable(data, scales, rstd)
         ctx.set_materialize_grads(False)
         return op_outputs(x, data, scales, y, rstd, h_new)
@@ -216,8 +225,7 @@ def cake_rmsnorm(
         w,
         eps,
         residual,
-        deterministic,
-        weight_offset,
-        memory_efficient,
-        trace_as_op=True,
+        deterministic=deterministic,
+        weight_offset=weight_offset,
+        memory_efficient=memory_efficient,
     )

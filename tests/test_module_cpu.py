@@ -8,7 +8,6 @@ calls, so the tests see which path ran."""
 from __future__ import annotations
 
 import collections
-import functools
 import warnings
 
 import pytest
@@ -68,7 +67,9 @@ def kernels(monkeypatch):
     monkeypatch.setattr(
         autograd, "route", lambda x, w, residual=None: OP if torch.compiler.is_compiling() else PYTHON
     )
-    monkeypatch.setattr(autograd, "norm_call", functools.partial(cake_cute.calls.norm_call, on_gpu=False))
+    monkeypatch.setattr(
+        autograd, "norm_call", lambda *a, **k: cake_cute.calls.norm_call(*a, **{**k, "on_gpu": False})
+    )
     monkeypatch.setattr(dispatch, "python_forward", counted("eager.fwd", _direct_forward))
     monkeypatch.setattr(library_ops, "backward_from_saved", counted("eager.bwd", _direct_backward))
     torch._dynamo.reset()
