@@ -282,7 +282,7 @@ if HAS_MEGATRON:
         impl = config.transformer_impl
         if impl == "local":
             return False
-        if impl == "transformer_engine" and HAS_TE:
+        if impl == "transformer_engine" and _specs.HAS_TE:
             return True
         if impl == "transformer_engine":
             raise ValueError(
