@@ -29,6 +29,10 @@
 #   qkmodelmore  the rest of the compiled Qwen3 steps: quack and Liger at H = 2048, everything at H = 4096
 #   megatron     benchmarks/megatron_train.py: Megatron-Core's training loop, every run (stock, stock-again,
 #                stock-compiled-norms, cake, cake-fused-residual); needs the megatron-core wheel in .device/wheels/
+#   megatronpretrain  benchmarks/megatron_pretrain.py: Megatron-LM's own pretrain_gpt.py, dense and MoE GPTs (8 layers,
+#                H = 2048; MoE: 4 experts, top 2), stock specs beside --spec gpt_layer_spec and gpt_decoder_block_spec;
+#                needs .device/megatron-lm and the megatron-core wheel in .device/wheels/
+#                (benchmarks/megatron_pretrain_kit.sh)
 #   gated        benchmarks/gated_bench.py (bf16), fla-core and einops from .device/wheels/ where present
 #   gatedmodel   benchmarks/gated_model_step.py: a Qwen3-Next training step with stock, fla and cake gated norms;
 #                eager with both plain-norm variants, then compiled per layer (fla-core and einops as for gated)
@@ -182,6 +186,17 @@ section_megatron() {
   local d=$RES/megatron && mkdir -p "$d"
   install_wheels megatron_core
   bounded 420 "$d/train.log" python3 benchmarks/megatron_train.py "$d/$day-nvidia-h200-megatron-train.json"
+}
+
+section_megatronpretrain() {
+  local d=$RES/megatronpretrain && mkdir -p "$d"
+  install_wheels megatron_core
+  local model
+  for model in dense moe; do
+    bounded 270 "$d/$model.log" python3 benchmarks/megatron_pretrain.py \
+      "$d/$day-nvidia-h200-megatron-pretrain-$model.json" --megatron-lm .device/megatron-lm --models "$model" \
+      --timeout 130
+  done
 }
 
 section_gated() {

@@ -17,4 +17,5 @@ if [ ! -d "$target/megatron/core" ]; then
 fi
 export PYTHONPATH="$target${PYTHONPATH:+:$PYTHONPATH}"
 python -c "import megatron.core as m; assert m.__version__.startswith('$version'), m.__version__; print('== megatron-core', m.__version__)"
-python -m pytest -q -p no:cacheprovider tests/test_megatron_cpu.py tests/test_megatron_gdn_cpu.py tests/test_megatron_hybrid_cpu.py
+python -m pytest -q -p no:cacheprovider tests/test_megatron_cpu.py tests/test_megatron_spec_flag_cpu.py \
+  tests/test_megatron_gdn_cpu.py tests/test_megatron_hybrid_cpu.py

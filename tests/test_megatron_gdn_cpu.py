@@ -36,6 +36,7 @@ from cake_cute.integrations.megatron import (  # noqa: E402
     MegatronCakeResidualRMSNorm,
     MegatronCakeRMSNorm,
     get_gpt_decoder_block_spec,
+    gpt_layer_spec,
 )
 from cake_cute.integrations.megatron_norms import with_fused_output_gate  # noqa: E402
 
@@ -189,6 +190,23 @@ def test_moe_layers_pre_mlp_norm_is_a_cake_norm(te_stand_ins):
     for layer in block.layer_specs:
         assert layer.submodules.pre_mlp_layernorm is MegatronCakeResidualRMSNorm
         assert "pre_mlp_layernorm." not in layer.submodules.sharded_state_dict_keys_map
+
+
+def test_layer_spec_flag_builds_the_variant_block_layers(te_stand_ins):
+    """``--spec cake_cute.integrations.megatron gpt_layer_spec`` for a Gated DeltaNet config builds the
+    layers of the block Megatron-LM's builder takes for it (a Gated DeltaNet, then an attention layer),
+    with cake norms and the stock block's checkpoint keys; the final norm stays Megatron's."""
+    config = _config()
+    stock = _gpt(config, variant_specs.get_transformer_block_with_experimental_attention_variant_spec(config))
+    cake = _gpt(config, gpt_layer_spec)
+    shapes = [{key: tuple(p.shape) for key, p in by_checkpoint_key(model).items()} for model in (stock, cake)]
+    assert shapes[1] == shapes[0]
+    gdn, attention = cake.decoder.layers
+    assert type(gdn.self_attention) is variant_specs.GatedDeltaNet
+    assert type(gdn.input_layernorm) is MegatronCakeResidualRMSNorm
+    assert type(gdn.self_attention.out_norm) is MegatronCakeRMSNorm
+    assert type(attention.self_attention.q_layernorm) is MegatronCakeQKRMSNorm
+    assert not isinstance(cake.decoder.final_layernorm, MegatronCakeRMSNorm)
 
 
 def test_block_spec_refuses_a_variant_without_transformer_engine(te_stand_ins):

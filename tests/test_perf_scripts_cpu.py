@@ -522,3 +522,68 @@ def test_headdim_scan_compiles_every_kernel_a_row_can_launch(perf_module, monkey
     assert kinds["dw", "fp32"].threads == 1024 and kinds["dw", "bf16"].rows_in_flight == 8
     problem = scan.compile_variant((64, True, "bf16", "bwd.ring_depth=8"))
     assert "residual mode keeps a ring of 2" in problem
+
+
+# ---- benchmarks/megatron_pretrain.py: its harness around a stand-in pretrain_gpt.py -----------------------
+
+# Two iteration lines as Megatron-LM's training log writes them (training.py's training_log), among others.
+MEGATRON_LOG = """\
+> building GPT model ...
+ [2026-12-06 10:00:01.000000] iteration        1/       2 | consumed samples:            1 | elapsed time \
+per iteration (ms): 9123.4 | learning rate: 3.000000E-04 | global batch size:     1 | \
+lm loss: 1.037612E+01 | load_balancing_loss: 1.02 | loss scale: 1.0 | grad norm: 4.127 | \
+number of skipped iterations:   0 | number of nan iterations:   0 |
+ [2026-12-06 10:00:01.200000] iteration        2/       2 | consumed samples:            2 | elapsed time \
+per iteration (ms): 201.5 | learning rate: 3.000000E-04 | global batch size:     1 | lm loss: 1.021E+01 | \
+load_balancing_loss: 1.01 | loss scale: 1.0 | grad norm: 3.5 | number of skipped iterations:   0 | number \
+of nan iterations:   0 |
+[after training is done] datetime: 2026-12-06 10:00:02
+"""
+
+
+def test_megatron_pretrain_reads_megatrons_iteration_lines(perf_module):
+    pretrain = perf_module("megatron_pretrain")
+    rows = pretrain.parse_iterations(MEGATRON_LOG)
+    assert [row["iteration"] for row in rows] == [1, 2]
+    assert rows[0]["lm loss"] == 10.37612 and rows[1]["load_balancing_loss"] == 1.01
+    assert rows[0]["elapsed time per iteration (ms)"] == 9123.4 and rows[1]["grad norm"] == 3.5
+    summary = pretrain.summarize(rows, warmup=1)
+    assert summary["losses"] == [10.37612, 10.21] and summary["median_step_ms"] == 201.5
+
+
+def test_megatron_pretrain_arguments(perf_module, tmp_path):
+    pretrain = perf_module("megatron_pretrain")
+    (tmp_path / "pretrain_gpt.py").write_text("")
+    args = pretrain.parse_args(["out.json", "--megatron-lm", str(tmp_path)])
+    dense, moe = (" ".join(pretrain.pretrain_arguments(args, model, "stock")) for model in ("dense", "moe"))
+    assert "--num-layers 8 --hidden-size 2048" in dense and "--transformer-impl local" in dense
+    assert "--num-experts" not in dense and "--spec" not in dense
+    assert moe.endswith("--num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 1e-2")
+    block = pretrain.pretrain_arguments(args, "moe", "cake-block")
+    assert block[-3:] == ["--spec", "cake_cute.integrations.megatron", "gpt_decoder_block_spec"]
+
+
+def test_megatron_pretrain_runs_each_spec_in_a_process_of_its_own(perf_module, tmp_path, monkeypatch):
+    """The harness end to end with a stand-in pretrain_gpt.py that logs as Megatron-LM does: one process per
+    run, each with its --spec line, the parsed series, and before 0.19 the block function recorded as
+    skipped."""
+    pretrain = perf_module("megatron_pretrain")
+    megatron_lm = tmp_path / "megatron-lm"
+    megatron_lm.mkdir()
+    (megatron_lm / "pretrain_gpt.py").write_text(
+        f"import sys\nprint(' '.join(sys.argv[1:]))\nprint({MEGATRON_LOG!r})\n"
+    )
+    out = tmp_path / "pretrain.json"
+    monkeypatch.setattr(pretrain, "megatron_version", lambda: (0, 16))
+    argv = [str(out), "--megatron-lm", str(megatron_lm), "--models", "moe", "--steps", "2", "--warmup", "1"]
+    pretrain.main(argv)
+    runs = {run["name"]: run for run in json.loads(out.read_text())["runs"]}
+    assert runs.keys() == {"moe-stock", "moe-cake-layer", "moe-cake-block"}
+    assert "0.19" in runs.pop("moe-cake-block")["skipped"]
+    for name, run in runs.items():
+        assert run["returncode"] == 0, run.get("log_tail")
+        assert run["losses"] == [10.37612, 10.21] and run["median_step_ms"] == 201.5
+        assert run["load_balancing_loss"] == [1.02, 1.01]
+        assert run["peak_gib"] is None  # no CUDA here; the stand-in builds no GPTModel
+        log = (tmp_path / f"pretrain-{name}.log").read_text()
+        assert ("--spec cake_cute.integrations.megatron gpt_layer_spec" in log) == (name == "moe-cake-layer")

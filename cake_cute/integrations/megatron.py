@@ -1,14 +1,20 @@
-"""Megatron-Core integration: cake_cute norms built the way Megatron builds its own, and GPT layer specs
-that hold them, so a Megatron-LM user switches with one line::
+"""Megatron-Core integration: cake_cute norms built the way Megatron builds its own, and GPT specs that
+hold them, so a Megatron-LM user switches with one line::
 
-    --spec cake_cute.integrations.megatron gpt_layer_spec            # input and pre-MLP norms
-    --spec cake_cute.integrations.megatron gpt_layer_spec_qk_norm    # the same, with --qk-layernorm
+    --spec cake_cute.integrations.megatron gpt_layer_spec            # any Megatron-LM version
+    --spec cake_cute.integrations.megatron gpt_decoder_block_spec    # Megatron-LM 0.19+: the final norm too
 
-(``--spec`` imports a module attribute and hands it to ``GPTModel`` as it is: these are layer
-``ModuleSpec`` objects, built when this module is imported.) A model provider written in Python calls
-``get_gpt_decoder_block_spec(config)`` instead, which also makes the model's final norm a cake norm (a
-layer spec cannot reach it, since ``TransformerBlock`` takes the final norm from a block spec only) and
-serves configs with Gated DeltaNet layers. Hybrid models (``pretrain_hybrid.py``) take a stack spec::
+Both adapt to the config as Megatron-LM's own GPT builder does (dense or MoE layers after
+``moe_layer_freq``, multi-latent attention, q/k norms, Transformer Engine or local layers after
+``transformer_impl``): the same parameters and checkpoint keys as Megatron's spec for that config, with
+cake norms, or a ``ValueError`` naming the config field it cannot serve. ``--spec`` hands the named object
+to the model uncalled before Megatron-LM 0.19, so ``gpt_layer_spec`` is a layer ``ModuleSpec`` whose
+layer class picks each layer's spec when Megatron constructs it with the config (``CakeGPTLayer``); the
+model's final norm then stays Megatron's. Megatron-LM 0.19's builder calls a ``--spec`` function with the
+model config: ``gpt_decoder_block_spec`` returns the block spec, final norm included.
+``gpt_layer_spec_qk_norm`` is the same object as ``gpt_layer_spec``. A model provider written in Python
+calls ``get_gpt_decoder_block_spec(config)`` (and ``get_gpt_mtp_block_spec``). Hybrid models
+(``pretrain_hybrid.py``) take a stack spec::
 
     --spec cake_cute.integrations.megatron hybrid_stack_spec
 
@@ -50,11 +56,19 @@ __all__ = [
 
 
 if HAS_MEGATRON:
+    from megatron.core.fusions.fused_layer_norm import FusedLayerNorm
     from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.models.gpt import experimental_attention_variant_module_specs as _variant_specs
     from megatron.core.models.gpt import gpt_layer_specs as _gpt_specs
+    from megatron.core.transformer import transformer_block as _transformer_block
+    from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_layer import BaseTransformerLayer
+    from megatron.core.utils import get_pg_rank
 
     from . import megatron_specs as _specs
+    from .megatron_norms import check_norm_config
     from .megatron_specs import with_cake_mtp_norms, with_cake_norms
 
     HAS_TE = _specs.HAS_TE
@@ -218,7 +232,8 @@ if HAS_MEGATRON:
         config : TransformerConfig
             The model's config (``mtp_num_layers``, pipeline fields).
         spec : ModuleSpec or TransformerBlockSubmodules
-            The decoder's layer or block spec (``get_gpt_layer_spec``, ``get_gpt_decoder_block_spec``).
+            The decoder's layer or block spec (``get_gpt_layer_spec``, ``get_gpt_decoder_block_spec``,
+            ``gpt_layer_spec``: its layers for ``config``).
         use_transformer_engine : bool, optional
             Start from TE's layers; default: whether TE imports.
         **kwargs
@@ -233,16 +248,169 @@ if HAS_MEGATRON:
         ------
         ImportError
             ``use_transformer_engine=True`` without Transformer Engine.
+        ValueError
+            For ``gpt_layer_spec``, the errors of ``gpt_decoder_block_spec``.
         """
         use_te = _use_te(use_transformer_engine)
+        if isinstance(spec, ModuleSpec) and spec.module is CakeGPTLayer:
+            spec = _builder_block_spec(config, **kwargs)
         stock = _gpt_specs.get_gpt_mtp_block_spec(config, spec, use_transformer_engine=use_te, **kwargs)
         return None if stock is None else with_cake_mtp_norms(stock)
 
-    # What ``--spec cake_cute.integrations.megatron <name>`` imports: Megatron-LM passes the attribute
-    # itself (not a call's result) as the layer spec, and attention (0.19) refuses q/k norm builders when
-    # qk_layernorm is off, so the two settings are two objects.
-    gpt_layer_spec = get_gpt_layer_spec()
-    gpt_layer_spec_qk_norm = get_gpt_layer_spec(qk_layernorm=True)
+    # The config fields torch's norm refuses when Megatron builds it through WrappedTorchNorm (one assert
+    # each), and which import makes Megatron's final norm class what it is.
+    _TORCH_NORM_REFUSES = (
+        "layernorm_zero_centered_gamma",
+        "persist_layer_norm",
+        "sequence_parallel",
+        "memory_efficient_layer_norm",
+    )
+    _FINAL_NORM_ORIGIN = {
+        WrappedTorchNorm: "torch's norm: neither Transformer Engine nor Apex imports",
+        FusedLayerNorm: "Apex's LayerNorm kernel, which refuses every normalization but 'LayerNorm'",
+    }
+
+    def _builder_uses_te(config) -> bool:
+        """Whether Megatron-LM's GPT builder starts from Transformer Engine's specs for ``config`` (its
+        ``transformer_impl``), after refusing by name the configs no cake spec serves."""
+        check_norm_config(config)
+        if getattr(config, "heterogeneous_block_specs", False):
+            raise ValueError(
+                "config.heterogeneous_block_specs=True: per-layer configs (heterogeneous_layers_config_path) "
+                "are built from Megatron's heterogeneous layer specs, which have no cake form"
+            )
+        impl = config.transformer_impl
+        if impl == "local":
+            return False
+        if impl == "transformer_engine" and _specs.HAS_TE:
+            return True
+        if impl == "transformer_engine":
+            raise ValueError(
+                "config.transformer_impl='transformer_engine' but Transformer Engine does not import: pass "
+                "--transformer-impl local (transformer_impl='local') or install Transformer Engine"
+            )
+        raise ValueError(
+            f"config.transformer_impl={impl!r}: the cake specs are Megatron's 'transformer_engine' and "
+            "'local' specs"
+        )
+
+    def _check_megatron_final_norm(config) -> None:
+        """Refuse, by field and value, what the final norm Megatron builds under a layer spec (its
+        ``LayerNormImpl``, which no layer spec reaches) would refuse once every layer is built."""
+        final_norm = _transformer_block.LayerNormImpl
+        if final_norm is FusedLayerNorm:
+            refused = [("normalization", config.normalization)]
+        elif final_norm is WrappedTorchNorm:
+            refused = [(name, getattr(config, name)) for name in _TORCH_NORM_REFUSES if getattr(config, name)]
+        else:
+            refused = []
+        if refused:
+            name, value = refused[0]
+            raise ValueError(
+                f"config.{name}={value!r}: under a layer spec (gpt_layer_spec) Megatron builds the model's "
+                f"final norm itself, as {final_norm.__name__} ({_FINAL_NORM_ORIGIN[final_norm]}), which "
+                "refuses it; Megatron-LM 0.19+ takes --spec cake_cute.integrations.megatron "
+                "gpt_decoder_block_spec (a cake final norm), a model provider "
+                "get_gpt_decoder_block_spec(config)"
+            )
+
+    def _builder_block_spec(config, **stage):
+        """``get_gpt_decoder_block_spec`` as Megatron-LM's GPT builder chooses it for ``config``: TE's or
+        the local layers after ``transformer_impl``, ``L2Norm`` q/k norms after ``qk_l2_norm``; ``stage``
+        is ``vp_stage`` and ``pp_rank``."""
+        use_te = _builder_uses_te(config)
+        return get_gpt_decoder_block_spec(
+            config, use_transformer_engine=use_te, qk_l2_norm=config.qk_l2_norm, **stage
+        )
+
+    def _transformer_config(config):
+        """The ``TransformerConfig`` of what Megatron-LM's builder passes a ``--spec`` function: its model
+        config (0.19's ``GPTModelConfig``, holding it as ``transformer``), or the config itself."""
+        transformer = getattr(config, "transformer", None)
+        return transformer if isinstance(transformer, TransformerConfig) else config
+
+    def gpt_decoder_block_spec(config, vp_stage=None):
+        """The block spec Megatron-LM's GPT builder would build for ``config``, with cake norms, the final
+        norm included: what ``--spec cake_cute.integrations.megatron gpt_decoder_block_spec`` names for
+        Megatron-LM 0.19+, whose builder calls a ``--spec`` function with the model config (earlier
+        versions hand it to the model uncalled; they take ``gpt_layer_spec``).
+
+        Parameters
+        ----------
+        config : GPTModelConfig or TransformerConfig
+            The model config Megatron-LM 0.19's builder passes (its ``transformer``), or a
+            ``TransformerConfig``: its ``transformer_impl`` chooses TE's or the local layers, its MoE,
+            multi-latent attention, q/k norm and attention variant fields the layers.
+        vp_stage : int, optional
+            The virtual pipeline stage being built (passed by the builder).
+
+        Returns
+        -------
+        TransformerBlockSubmodules
+            ``get_gpt_decoder_block_spec`` for the config: this pipeline stage's layers.
+
+        Raises
+        ------
+        ValueError
+            ``normalization`` other than ``"RMSNorm"``, ``heterogeneous_block_specs``, a
+            ``transformer_impl`` other than ``"local"`` or an importable ``"transformer_engine"``; the
+            errors of ``get_gpt_decoder_block_spec``.
+        """
+        return _builder_block_spec(_transformer_config(config), vp_stage=vp_stage)
+
+    class CakeGPTLayer(BaseTransformerLayer):
+        """The layer class of ``gpt_layer_spec``, which Megatron constructs once per layer with the
+        config: constructing it builds the layer Megatron-LM's GPT builder would build at that position
+        for the config (``gpt_decoder_block_spec``'s spec for it: dense or MoE, multi-latent attention,
+        q/k norms, this pipeline stage's share) and returns that layer, an instance of Megatron's own
+        layer class. A layer spec has no other place to read the config: Megatron-LM before 0.19 hands a
+        ``--spec`` object to the model uncalled, and the model repeats a layer spec over the stage.
+
+        Parameters
+        ----------
+        config : TransformerConfig
+            The model's config.
+        layer_number : int
+            The layer's 1-based number within this pipeline stage, as ``TransformerBlock`` passes it.
+        pg_collection : ProcessGroupCollection, optional
+            The model's process groups (its pipeline rank picks the stage's layers).
+        vp_stage : int, optional
+            The virtual pipeline stage.
+        **layer_kwargs
+            Passed on to the layer.
+
+        Returns
+        -------
+        torch.nn.Module
+            The layer (``TransformerLayer``), with cake norms.
+
+        Raises
+        ------
+        ValueError
+            The errors of ``gpt_decoder_block_spec``, and a field Megatron's own final norm would refuse
+            (with ``WrappedTorchNorm``: ``layernorm_zero_centered_gamma``, ``persist_layer_norm``,
+            ``sequence_parallel``, ``memory_efficient_layer_norm``; with Apex's ``FusedLayerNorm``:
+            ``normalization``), before any layer is built.
+        """
+
+        def __new__(cls, *, config, layer_number=1, pg_collection=None, vp_stage=None, **layer_kwargs):
+            pp_rank = None if pg_collection is None else get_pg_rank(pg_collection.pp)
+            block = _builder_block_spec(config, vp_stage=vp_stage, pp_rank=pp_rank)
+            _check_megatron_final_norm(config)
+            return build_module(
+                block.layer_specs[layer_number - 1],
+                config=config,
+                layer_number=layer_number,
+                pg_collection=pg_collection,
+                vp_stage=vp_stage,
+                **layer_kwargs,
+            )
+
+    # What ``--spec cake_cute.integrations.megatron gpt_layer_spec`` imports: Megatron-LM hands the
+    # attribute itself to the model, which repeats it over the stage's layers. The name that chose q/k
+    # norms before the spec followed the config stays, the same object.
+    gpt_layer_spec = ModuleSpec(module=CakeGPTLayer)
+    gpt_layer_spec_qk_norm = gpt_layer_spec
 
     # Megatron's hybrid models take a stack spec (``megatron_hybrid``). Their modules import triton,
     # which a Megatron installation without it lacks; then there is no hybrid spec here.
@@ -270,12 +438,14 @@ if HAS_MEGATRON:
         ]
 
     __all__ += [
+        "CakeGPTLayer",
         "CakeSpecProvider",
         "HAS_HYBRID",
         "HAS_TE",
         "get_gpt_decoder_block_spec",
         "get_gpt_layer_spec",
         "get_gpt_mtp_block_spec",
+        "gpt_decoder_block_spec",
         "gpt_layer_spec",
         "gpt_layer_spec_qk_norm",
         "with_cake_norms",

@@ -22,6 +22,7 @@ from ..module import CakeRMSNorm  # importing it registers the torch.ops.cake_cu
 from ..runtime.views import kernel_weight
 
 __all__ = [
+    "check_norm_config",
     "with_fused_output_gate",
     "MegatronCakeInputRMSNorm",
     "MegatronCakeQKRMSNorm",
@@ -42,7 +43,7 @@ def _recomputes_norms(config) -> bool:
     return getattr(config, "recompute_granularity", None) == "selective" and "layernorm" in modules
 
 
-def _check_norm_config(config) -> None:
+def check_norm_config(config) -> None:
     """Refuse, by field name, a config whose norm cake_cute would compute differently."""
     normalization = getattr(config, "normalization", None)
     if normalization != "RMSNorm":
@@ -128,7 +129,7 @@ class MegatronCakeRMSNorm(CakeRMSNorm):
     """
 
     def __init__(self, *, config, hidden_size, eps=None, has_residual=False):
-        _check_norm_config(config)
+        check_norm_config(config)
         zero_centered = _config_flag(config, "layernorm_zero_centered_gamma")
         super().__init__(
             hidden_size,
@@ -205,8 +206,8 @@ class MegatronCakeQKRMSNorm(MegatronCakeRMSNorm):
             )
         if not _config_flag(config, "qk_layernorm"):
             raise ValueError(
-                "config.qk_layernorm is off but the layer spec has q/k norms: use gpt_layer_spec (or "
-                "get_gpt_layer_spec(qk_layernorm=False)), or set qk_layernorm"
+                "config.qk_layernorm is off but the layer spec has q/k norms: use gpt_layer_spec (which "
+                "follows the config) or get_gpt_layer_spec(qk_layernorm=False), or set qk_layernorm"
             )
         super().__init__(config=config, hidden_size=hidden_size, eps=eps, has_residual=has_residual)
 
@@ -225,8 +226,9 @@ class MegatronCakeInputRMSNorm(MegatronCakeResidualRMSNorm):
     def __init__(self, *, config, hidden_size, eps=None, has_residual=True):
         if _config_flag(config, "qk_layernorm"):
             raise ValueError(
-                "config.qk_layernorm is set but the layer spec has no q/k norms: use gpt_layer_spec_qk_norm "
-                "(or get_gpt_layer_spec(qk_layernorm=True)); for a hybrid model, hybrid_stack_spec_qk_norm"
+                "config.qk_layernorm is set but the layer spec has no q/k norms: use gpt_layer_spec (which "
+                "follows the config) or get_gpt_layer_spec(qk_layernorm=True); for a hybrid model, "
+                "hybrid_stack_spec_qk_norm"
             )
         super().__init__(config=config, hidden_size=hidden_size, eps=eps, has_residual=has_residual)
 
