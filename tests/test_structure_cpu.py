@@ -167,3 +167,115 @@ def test_the_launch_layers_trust_the_call_value(path):
     functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
     for name in _TRUSTING[path]:
         assert _checks_called(functions[name]) <= {"check_workspace_size"}, f"{path}: {name} checks again"
+
+
+# --- the layers and folders docs/architecture.md draws ---------------------------------------------
+
+ARCHITECTURE = Path(cake_cute.__file__).parent.parent / "docs" / "architecture.md"
+MAX_LAYERS = 14
+MAX_TOP_LEVEL_MODULES = 20
+# The feature folders and what must live in them, not at the package's top level.
+FOLDERS = {
+    "gated": ("autograd", "distributed", "flashinfer", "module", "ops", "reference", "swap"),
+    "hf": ("swap", "fusion", "forms", "plans", "templates", "norm_reading"),
+    "runtime": ("device", "launch_plan", "views", "specs", "build", "cache", "native"),
+}
+
+
+def _between(text: str, marker: str) -> str:
+    return text.split(f"<!-- {marker}")[1].split("-->", 1)[1].split(f"<!-- /{marker} -->")[0]
+
+
+def documented_layers() -> dict[str, int]:
+    """{module pattern below ``cake_cute.`` (``kernels.*`` for a folder): layer} from the table."""
+    layers = {}
+    for line in _between(ARCHITECTURE.read_text(), "layers").splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0].isdigit():
+            for name in cells[2].split(","):
+                layers[name.strip().strip("`")] = int(cells[0])
+    return layers
+
+
+def _layer_of(module: str, layers: dict[str, int]) -> int | None:
+    short = module.removeprefix("cake_cute.")
+    if short in layers:
+        return layers[short]
+    folder = short.split(".")[0] + ".*"
+    return layers.get(folder)
+
+
+def _graph() -> dict[str, set[str]]:
+    """The import graph of the package's modules, the root package (which imports every entry) left out."""
+    return {m: _imports(m, p) - {"cake_cute"} for m, p in MODULES.items() if m != "cake_cute"}
+
+
+def _core(module: str) -> bool:
+    """A module the layer table names one by one (not the package roots, not a folder drawn as one row)."""
+    return MODULES[module].stem != "__init__" and not module.startswith(
+        ("cake_cute.kernels.", "cake_cute.tools", "cake_cute.integrations", "cake_cute.__main__")
+    )
+
+
+def test_the_layer_table_holds_every_module_once():
+    layers = documented_layers()
+    assert 1 <= max(layers.values()) <= MAX_LAYERS
+    missing = [
+        m
+        for m in MODULES
+        if m != "cake_cute" and MODULES[m].stem != "__init__" and _layer_of(m, layers) is None
+    ]
+    assert not missing, f"modules missing from docs/architecture.md's layer table: {missing}"
+    stale = [n for n in layers if not n.endswith(".*") and f"cake_cute.{n}" not in MODULES]
+    assert not stale, f"the layer table names modules that do not exist: {stale}"
+
+
+def test_no_import_goes_up_a_layer():
+    layers = documented_layers()
+    upward = []
+    for module, imported in _graph().items():
+        here = _layer_of(module, layers)
+        if here is None:  # a folder's __init__: a docstring, no imports of its own
+            assert not imported, module
+            continue
+        upward += [f"{module} -> {m}" for m in imported if (_layer_of(m, layers) or 0) > here]
+    assert not upward, f"imports from a lower layer to a higher one: {upward}"
+
+
+def _longest_chain(graph: dict[str, set[str]]) -> list[str]:
+    best: dict[str, list[str]] = {}
+
+    def chain(module):
+        if module not in best:
+            below = [chain(m) for m in sorted(graph[module]) if m in graph]
+            best[module] = [module, *max(below, key=len, default=[])]
+        return best[module]
+
+    return max((chain(m) for m in sorted(graph)), key=len)
+
+
+def test_the_documented_longest_chain_is_the_code_s():
+    core = {
+        m: {i for i in imported if _core(i) or i.startswith("cake_cute.kernels.")}
+        for m, imported in _graph().items()
+        if _core(m)
+    }
+    core.update({m: _graph()[m] for m in MODULES if m.startswith("cake_cute.kernels.")})
+    longest = _longest_chain(core)
+    documented = [n.strip().strip("`") for n in _between(ARCHITECTURE.read_text(), "chain").split("→")]
+    chain = [f"cake_cute.{n}" for n in documented]
+    assert all(b in core[a] for a, b in zip(chain, chain[1:])), f"not an import chain: {documented}"
+    assert len(chain) == len(longest), "the longest chain is now: " + " → ".join(
+        m.removeprefix("cake_cute.") for m in longest
+    )
+
+
+def test_the_feature_folders_hold_their_slices():
+    root = Path(cake_cute.__file__).parent
+    top_level = sorted(p.stem for p in root.glob("*.py"))
+    assert len(top_level) <= MAX_TOP_LEVEL_MODULES, top_level
+    for folder, names in FOLDERS.items():
+        for name in names:
+            assert (root / folder / f"{name}.py").is_file(), f"{folder}/{name}.py"
+    stray = [m for m in top_level if m.startswith(("gated", "fusion", "hf_")) or m in FOLDERS["runtime"]]
+    assert not stray, f"modules of a feature folder at the top level: {stray}"
