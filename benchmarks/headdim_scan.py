@@ -118,7 +118,7 @@ def forward_candidates(hidden: int, dtype: str, arch: str = ARCH) -> list[Candid
     microseconds); and the rule's lanes and one-vector lanes in ``SMALL_FWD_CTA``-thread CTAs, every
     SM's 32 CTA slots in use (``fwd-cta64``, ``fwd-vpt1-cta64``: the launch shape Nsight Compute found
     for torch.compile's forward at bf16 H = 64, 2^16 residual rows, 8192 CTAs of 2 warps and 32
-    registers, where it leads: evidence/headdim-ncu-h200-2026-12-02/)."""
+    registers, where it leads: evidence/kernel-rules-h200-2026-12-01/headdim-ncu/)."""
     base = forward_config(arch, dtype, hidden).tiling
     found = []
     exact = exact_cover(base, MAX_FWD_VECS)

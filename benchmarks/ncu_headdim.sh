@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # bash benchmarks/ncu_headdim.sh OUT_DIR: Nsight Compute over the head-dim shapes where a peer leads
-# (evidence/headdim-ncu-h200-2026-12-02/): one ncu run per (implementation, case), text report per run in $1. IMPLS (default: cake_cute and the case's peer)
+# (evidence/kernel-rules-h200-2026-12-01/headdim-ncu/): one ncu run per (implementation, case), text report per run in $1. IMPLS (default: cake_cute and the case's peer)
 # narrows the implementations, e.g. IMPLS=compile.
 set -u
 out=$1

@@ -146,7 +146,7 @@ def _short_row_forward_tiling(tiling: RowTiling, act_bytes: int) -> RowTiling:
     vectors per lane in twice the lanes where that still covers the row exactly: a CTA then has twice
     the rows' loads in flight per lane's work, which took the H200 from 0.72-0.91 of a device copy to
     0.99-1.05 at bf16 H = 32 and 64 and gained 0-2% at H = 128 and 256 (plain and residual, 2^16-2^20
-    rows; evidence/headdim-scan-h200-2026-12-02/, candidate fwd-half). Ragged covers (H = 80, 96,
+    rows; evidence/kernel-rules-h200-2026-12-01/headdim-scan/, candidate fwd-half). Ragged covers (H = 80, 96,
     192) keep four vectors: they already run at the copy's speed there."""
     short = row_tiling(tiling.hidden, act_bytes, bytes_per_thread=128, target_vecs=2)
     return short if short.covers_row_exactly else tiling
@@ -187,10 +187,10 @@ def _several_rows_backward_tiling(tiling: RowTiling, act_dtype: str, residual: b
     2-byte rows in residual mode, whose ring holds two tiles and a g_residual tile: they keep 128
     threads. On the H200 the 256-thread CTAs took bf16 plain rows of H = 80-256 from 0.72-0.91 of a
     device copy to 0.77-0.97 (2^16-2^20 rows; H = 32 and 64 within 2%), while bf16 residual rows gained
-    nothing (evidence/headdim-scan-h200-2026-12-02/, candidate bwd-rows2x); 128-thread CTAs took
+    nothing (evidence/kernel-rules-h200-2026-12-01/headdim-scan/, candidate bwd-rows2x); 128-thread CTAs took
     1.03-1.19x the time of 256-thread ones for bf16 plain rows of H = 512-1000 (residual: within 2%) and
     1.00-1.12x for FP32 rows of H = 32-384 in 46 of 48 cases of both modes, within 2% in the other two
-    (evidence/headdim-candidates-h200-2026-12-02/)."""
+    (evidence/kernel-rules-h200-2026-12-01/headdim-candidates/)."""
     if residual and dtype_bytes(act_dtype) == 2:
         return tiling
     return replace(tiling, rows_per_cta=2 * tiling.rows_per_cta)
