@@ -279,6 +279,49 @@ def test_the_gated_warmup_holds_every_kernel_a_gated_module_launches(
     """What a ``CakeGatedRMSNorm`` hands to the kernels (the gated entry, or the plain norm for the
     class's own casts), as the launches name their variants (``gated_ops.variant_fields``; the plain
     launch's fields), is among ``gated_variant_specs`` of its form, dtype, weight dtype and offset."""
+    launched = _record_gated_module_launches(monkeypatch)
+    act = torch_dtype(dtype)
+    norm = CakeGatedRMSNorm(
+        64,
+        group_size=group_size,
+        norm_before_gate=norm_before_gate,
+        weight_offset=0.5,
+        cast_policy=policy,
+        dtype=act if w_mode == "same" else torch.float32,
+    )
+    x, z = torch.randn(2, 3, 64, dtype=act), torch.randn(2, 3, 64, dtype=act)
+    norm(x, z)
+    warmed = warmup.gated_variant_specs(["sm_90a"], [dtype], [(64, group_size or 64)], [w_mode], 0.5)
+    assert launched and set(launched) <= set(warmed), set(launched) - set(warmed)
+
+
+@pytest.mark.parametrize("policy", ["one_rounding", "round_then_scale", "scale_then_round"])
+@pytest.mark.parametrize(("x_dtype", "z_dtype"), [("fp32", "bf16"), ("bf16", "fp32"), ("fp16", "bf16")])
+@pytest.mark.parametrize(("group_size", "norm_before_gate"), [(None, True), (16, False)])
+def test_the_gated_warmup_of_both_dtypes_holds_a_dtype_mix(
+    monkeypatch, policy, x_dtype, z_dtype, group_size, norm_before_gate
+):
+    """A gate of another dtype than x's (the Hugging Face classes' offset-free mixes, a weight in
+    the model's dtype) runs kernels of x's dtype and FP32 kernels: among the gated warmup of x's
+    dtype and fp32 with both weight dtypes (docs/gated.md)."""
+    launched = _record_gated_module_launches(monkeypatch)
+    norm = CakeGatedRMSNorm(
+        64,
+        group_size=group_size,
+        norm_before_gate=norm_before_gate,
+        cast_policy=policy,
+        dtype=torch.bfloat16,
+    )
+    x, z = (torch.randn(2, 3, 64, dtype=torch_dtype(name)) for name in (x_dtype, z_dtype))
+    norm(x, z)
+    form = [(64, group_size or 64)]
+    warmed = warmup.gated_variant_specs(["sm_90a"], [x_dtype, "fp32"], form, ["same", "fp32"])
+    assert launched and set(launched) <= set(warmed), set(launched) - set(warmed)
+
+
+def _record_gated_module_launches(monkeypatch) -> list:
+    """The variants a ``CakeGatedRMSNorm`` launches from now on (the gated entry's and the plain
+    norm's, on sm_90a), in a list that its calls fill."""
     launched = []
     real_gated, real_plain = gated_module.cake_gated_rmsnorm, gated_module.cake_rmsnorm
 
@@ -300,19 +343,7 @@ def test_the_gated_warmup_holds_every_kernel_a_gated_module_launches(
     monkeypatch.setattr(gated_ops, "device_arch", lambda device: "sm_90a")
     monkeypatch.setattr(gated_module, "cake_gated_rmsnorm", gated)
     monkeypatch.setattr(gated_module, "cake_rmsnorm", plain)
-    act = torch_dtype(dtype)
-    norm = CakeGatedRMSNorm(
-        64,
-        group_size=group_size,
-        norm_before_gate=norm_before_gate,
-        weight_offset=0.5,
-        cast_policy=policy,
-        dtype=act if w_mode == "same" else torch.float32,
-    )
-    x, z = torch.randn(2, 3, 64, dtype=act), torch.randn(2, 3, 64, dtype=act)
-    norm(x, z)
-    warmed = warmup.gated_variant_specs(["sm_90a"], [dtype], [(64, group_size or 64)], [w_mode], 0.5)
-    assert launched and set(launched) <= set(warmed), set(launched) - set(warmed)
+    return launched
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])

@@ -12,6 +12,10 @@ What is checked, and the bounds:
 * per class, in FP32 and bf16: the swapped module's y bitwise the class's (each class's casts
   followed), dx / dz / dw within the same bound of the class's autograd (bf16: bitwise on these
   shapes, checked within the bf16 tolerance);
+* per class, the dtype mixes the classes take (x, gate and weight of different dtypes, each class
+  casting x and the gate to FP32): y bitwise the class's, in its dtype, gradients within the bound of
+  their dtype; the bf16 / fp16 Mamba-2-style models, whose torch scan hands the gated norm an FP32
+  input and a gate in the model's dtype, swapped: logits bitwise, and a training step runs;
 * the classes that gate with another activation than SiLU, and group sizes not dividing H, are refused
   by name (``GatedNormNotServed``);
 * ``cast_policy="one_rounding"`` on a class that rounds twice (Qwen3-Next): within 2**-6 relative of
@@ -33,6 +37,7 @@ import pytest
 import torch
 from torch import nn
 
+from cake_cute import cake_gated_rmsnorm, swap_rmsnorm
 from cake_cute.gated.module import CakeGatedRMSNorm
 from cake_cute.gated.reference import gated_forward_reference
 from cake_cute.gated.swap import GatedNormNotServed, is_gated_norm, swap_gated_rmsnorm
@@ -105,7 +110,23 @@ FAMILIES = {
         False,
         dict(num_heads=8, head_dim=16, n_groups=2, state_size=16, expand=2, chunk_size=8),
     ),
-    "nemotron_h": Family("NemotronHConfig", "NemotronHForCausalLM", "NemotronHRMSNormGated", RTS, False),
+    "nemotron_h": Family(
+        "NemotronHConfig",
+        "NemotronHForCausalLM",
+        "NemotronHRMSNormGated",
+        RTS,
+        False,
+        dict(
+            mamba_num_heads=8,
+            mamba_head_dim=16,
+            n_groups=2,
+            ssm_state_size=16,
+            chunk_size=8,
+            n_routed_experts=4,
+            moe_intermediate_size=32,
+            moe_shared_expert_intermediate_size=32,
+        ),
+    ),
     "bamba": Family(
         "BambaConfig",
         "BambaForCausalLM",
@@ -138,7 +159,20 @@ FAMILIES = {
         ),
     ),
     "falcon_h1": Family(
-        "FalconH1Config", "FalconH1ForCausalLM", "FalconH1RMSNormGated", ONE, True, dict(mamba_rms_norm=True)
+        "FalconH1Config",
+        "FalconH1ForCausalLM",
+        "FalconH1RMSNormGated",
+        ONE,
+        True,
+        dict(
+            mamba_rms_norm=True,
+            mamba_n_heads=8,
+            mamba_d_head=16,
+            mamba_d_ssm=128,
+            mamba_n_groups=2,
+            mamba_d_state=16,
+            mamba_chunk_size=8,
+        ),
     ),
 }
 
@@ -320,6 +354,95 @@ def test_class_swapped_forward_bitwise_gradients_within_bound(entry, dtype):
             torch.testing.assert_close(a, b, rtol=GRAD_RTOL, atol=GRAD_ATOL)
         else:
             assert a.dtype == b.dtype and rel_error(a.double(), b.double()) <= tolerance(dtype)
+
+
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+# Dtype mixes the classes take, each casting x and the gate to FP32: (x, gate, weight). The first is
+# what a Mamba-2 mixer's torch scan hands its norm in a bf16 model (an FP32 scan output, a bf16 gate).
+MIXES = [
+    (F32, BF16, BF16),
+    (F32, F16, F16),
+    (F32, BF16, F32),
+    (BF16, F32, BF16),
+    (F16, BF16, F32),
+    (BF16, F16, BF16),
+]
+
+
+def _mix_id(mix) -> str:
+    return "-".join(str(dtype).replace("torch.float", "fp").replace("bfp16", "bf16") for dtype in mix)
+
+
+def _within_bound(actual, expected, name: str) -> None:
+    assert actual.dtype == expected.dtype, name
+    if actual.dtype == torch.float32:
+        torch.testing.assert_close(actual, expected, rtol=GRAD_RTOL, atol=GRAD_ATOL, msg=name)
+    else:
+        assert rel_error(actual.double(), expected.double()) <= tolerance(actual.dtype), name
+
+
+@pytest.mark.parametrize("mix", MIXES, ids=_mix_id)
+@pytest.mark.parametrize("entry", CLASSES, ids=_class_id)
+def test_class_dtype_mixes_are_computed_with_the_class_casts(entry, mix):
+    """x, gate and weight of different dtypes, as each class takes them: the swapped module's y is
+    bitwise the class's, in its dtype, and the gradients are in the class's dtypes, within the bound."""
+    family, name, kwargs, _, _ = entry
+    x_dtype, z_dtype, w_dtype = mix
+    stock, swapped = _class_pair(family, name, kwargs, w_dtype)
+    x, z, g = _norm_inputs(torch.float32)
+    x, z = x.to(x_dtype), z.to(z_dtype)
+    got, want = _run_norm(swapped, x, z, g), _run_norm(stock, x, z, g)
+    assert got[0].dtype == want[0].dtype and torch.equal(got[0], want[0])
+    for label, a, b in zip(("dx", "dz", "dw"), got[1:], want[1:]):
+        _within_bound(a, b, label)
+
+
+def test_the_functional_entry_refuses_a_mix_by_name():
+    """``cake_gated_rmsnorm`` takes one activation dtype; the module casts a mix (docs/gated.md)."""
+    x, z = torch.randn(2, HIDDEN), torch.randn(2, HIDDEN, dtype=BF16)
+    with pytest.raises(TypeError, match=r"^z must have dtype float32; got bfloat16"):
+        cake_gated_rmsnorm(x, z, torch.ones(HIDDEN))
+
+
+MAMBA2_STYLE = ["mamba2", "nemotron_h", "bamba", "falcon_h1", "granitemoehybrid", "zamba2"]
+
+
+def _gated_norm_dtypes(model: nn.Module) -> set:
+    """(x, gate) dtypes each gated norm of ``model`` is called with, recorded by its next forwards."""
+    seen = set()
+    for module in model.modules():
+        if is_gated_norm(module):
+            module.register_forward_pre_hook(lambda _, args: seen.add(tuple(a.dtype for a in args)))
+    return seen
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name", MAMBA2_STYLE)
+def test_half_mamba2_style_model_trains_on_its_torch_scan_path(name, dtype):
+    """A bf16 / fp16 model of a Mamba-2 family on its torch scan path (no mamba_ssm) hands each gated
+    norm an FP32 input and a gate in the model's dtype. Swapped, the gated norms compute what the
+    stock ones compute (logits bitwise, gradients within the dtype's bound), and with the plain norms
+    swapped too the model trains a step."""
+    stock = _tiny_model(name).to(dtype)
+    seen = _gated_norm_dtypes(stock)
+    gated = copy.deepcopy(stock)
+    swap_gated_rmsnorm(gated)
+    ids = torch.randint(0, VOCAB, (2, TOKENS), generator=torch.Generator().manual_seed(7))
+    want_logits, want = _loss_and_grads(stock, ids)
+    assert seen == {(torch.float32, dtype)}  # the mix the test is about
+    got_logits, got = _loss_and_grads(gated, ids)
+    assert torch.equal(got_logits, want_logits)
+    assert got.keys() == want.keys()
+    for label in want:
+        _within_bound(got[label], want[label], label)
+    swap_rmsnorm(gated)
+    optimizer = torch.optim.SGD(gated.parameters(), lr=1e-2)
+    before = [p.detach().clone() for p in gated.parameters()]
+    _, grads = _loss_and_grads(gated, ids)
+    optimizer.step()
+    assert all(torch.isfinite(g).all() for g in grads.values())
+    assert any(not torch.equal(p, b) for p, b in zip(gated.parameters(), before))
+    assert torch.isfinite(gated(ids).logits).all()
 
 
 @pytest.mark.parametrize("entry", REFUSED, ids=_class_id)
@@ -558,5 +681,7 @@ def test_argument_errors():
         swap_gated_rmsnorm(nn.Linear(2, 2), cast_policy="twice")
     with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
         swap_gated_rmsnorm(object())
-    with pytest.raises(TypeError, match="z must have dtype"):
-        CakeGatedRMSNorm(HIDDEN)(torch.randn(2, HIDDEN), torch.randn(2, HIDDEN, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="^gate must be a torch.Tensor, got str"):
+        CakeGatedRMSNorm(HIDDEN)(torch.randn(2, HIDDEN), "gate")
+    with pytest.raises(TypeError, match="^z must have shape"):
+        CakeGatedRMSNorm(HIDDEN)(torch.randn(2, HIDDEN), torch.randn(3, HIDDEN, dtype=torch.bfloat16))

@@ -21,6 +21,12 @@ The cast policies (the Hugging Face classes are listed in docs/gated.md):
 
 With FP32 activations and weight every rounding but the last is exact and every policy runs the gated
 kernel directly.
+
+The gate may have another dtype than x: the classes compute from ``gate.to(torch.float32)`` whatever
+the two dtypes are (a Mamba-2 mixer's torch scan hands its FP32 output and a bf16 gate to the norm of a
+bf16 model). The kernels take one activation dtype, so such a call runs the FP32 kernels on x and the
+gate widened to FP32 (exact for bf16 / fp16 inputs, ``gate.float()`` being the classes' own cast) and
+rounds y to x's dtype: the one rounding the kernels would do, the classes' casts around it unchanged.
 """
 
 from __future__ import annotations
@@ -128,9 +134,12 @@ class CakeGatedRMSNorm(nn.Module):
         Raises
         ------
         TypeError, ValueError
-            The errors of ``cake_gated_rmsnorm`` (hidden_states named x, gate named z).
+            hidden_states or gate is not a tensor; the errors of ``cake_gated_rmsnorm`` (hidden_states
+            named x, gate named z), a gate of another dtype than x's excepted (module docstring).
         """
         v.check_tensor("hidden_states", hidden_states)
+        if gate is not None:
+            v.check_tensor("gate", gate)
         if hidden_states.dim() == 1:
             row = None if gate is None else gate.unsqueeze(0)
             return self.forward(hidden_states.unsqueeze(0), row).squeeze(0)
@@ -177,6 +186,15 @@ class CakeGatedRMSNorm(nn.Module):
         )
 
     def _gated(self, x, gate, w, weight_offset=None):
+        """The gated kernel on (x, gate, w); a gate of another dtype than x's takes the FP32 kernel, y
+        rounded to x's dtype (module docstring)."""
+        offset = self.weight_offset if weight_offset is None else weight_offset
+        if gate.dtype == x.dtype:
+            return self._gated_kernel(x, gate, w, offset)
+        wide = x.float()  # x itself when it is FP32
+        return self._gated_kernel(wide, gate.float(), kernel_weight(w, wide), offset).to(x.dtype)
+
+    def _gated_kernel(self, x, gate, w, weight_offset: float) -> torch.Tensor:
         return cake_gated_rmsnorm(
             x,
             gate,
@@ -184,7 +202,7 @@ class CakeGatedRMSNorm(nn.Module):
             self.eps,
             group_size=self.group_size,
             norm_before_gate=self.norm_before_gate,
-            weight_offset=self.weight_offset if weight_offset is None else weight_offset,
+            weight_offset=weight_offset,
         )
 
     def _scale(self) -> torch.Tensor:

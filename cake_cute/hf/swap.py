@@ -60,6 +60,8 @@ def _is_hf_norm_shaped(module: nn.Module) -> bool:
 _SUM_OF_SQUARES = re.compile(_SQUARES + r"\.sum\((dim=)?-1")
 _MEAN_SUBTRACTED = re.compile(r"- mean\b|\.var\(")
 _RSTD_ROUNDED = re.compile(r"rsqrt\(.*?keepdim=True\) \+ self\.\w+\)\.(to|type_as)\(")
+# "(1.0 + self.weight).float()": 1 + w rounded to a bf16 / fp16 weight's dtype before it is widened.
+_OFFSET_IN_WEIGHT_DTYPE = re.compile(r"\(1(\.0*)?\s*\+\s*self\.weight\)\.(float\(\)|to\()")
 _NORM_OF_INPUT = re.compile(r"self\._norm\((x|hidden_states)(\.float\(\)|\.to\(torch\.float32\))?\)")
 _T5_CAST = re.compile(r"if self\.weight\.dtype in")
 _ROUND_THEN_SCALE = re.compile(
@@ -110,6 +112,8 @@ def _hf_refusal(module: nn.Module, source: str | None) -> str | None:
         return "it rounds the reciprocal RMS to the input dtype before scaling by it"
     if "self._norm(" in source and not _NORM_OF_INPUT.search(source):
         return "it scales its input before normalizing it"
+    if _OFFSET_IN_WEIGHT_DTYPE.search(source):
+        return "it adds 1 to the weight in the weight's dtype, rounding the scale of a bf16 / fp16 weight"
     return None
 
 

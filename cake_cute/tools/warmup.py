@@ -135,8 +135,9 @@ def gated_variant_specs(
     list
         Per (arch, dtype, form): the fused forward and backward in both orders (norm then gate, gate
         then norm) for each weight dtype, the dW reductions into FP32 and into the weight's dtype,
-        for whole rows the statistics kernel (FlashInfer's functional backward); in bf16 and fp16
-        also what the other policies launch: under ``"round_then_scale"`` the fused
+        for whole rows the statistics kernel (FlashInfer's functional backward); and what the other
+        policies launch (for FP32 rows: with a bf16 / fp16 weight, or a gate of another dtype than
+        x's, which runs the FP32 kernels): under ``"round_then_scale"`` the fused
         kernels of the gate-then-norm order with a unit weight of x's dtype and no offset, and for
         the norm-then-gate order the plain norm's kernels at G (unit weight, no residual); under
         ``"scale_then_round"`` the plain kernels with the weight (whole rows) or the FP32 ones at G
@@ -151,11 +152,12 @@ def gated_variant_specs(
         specs += [ReduceSpec(arch, "fp32", hidden), ReduceSpec(arch, w, hidden)]
         if group == hidden:  # FlashInfer's functional backward recomputes rstd
             specs.append(GatedSpec("gated_rstd", arch, act, act, hidden, hidden, True))
-        if act != "fp32":
-            specs += [GatedSpec(kind, arch, act, act, hidden, group, False) for kind in GATED_KINDS]
-            specs.append(ReduceSpec(arch, act, hidden))  # the unit weight's dW, x's dtype
-            specs += variant_specs([arch], [act], [group], residuals=(False,))
-            specs += _scale_then_round_specs(arch, act, hidden, group, w_mode, weight_offset)
+        # What the other policies launch where a rounding before the scale is not exact: a bf16 / fp16
+        # x, or an FP32 x (the gate of another dtype included) with a bf16 / fp16 weight.
+        specs += [GatedSpec(kind, arch, act, act, hidden, group, False) for kind in GATED_KINDS]
+        specs.append(ReduceSpec(arch, act, hidden))  # the unit weight's dW, x's dtype
+        specs += variant_specs([arch], [act], [group], residuals=(False,))
+        specs += _scale_then_round_specs(arch, act, hidden, group, w_mode, weight_offset)
     return list(dict.fromkeys(specs))
 
 
