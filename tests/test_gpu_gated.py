@@ -327,11 +327,8 @@ def _within_roundings(got: torch.Tensor, want: torch.Tensor, roundings: int) -> 
     return bool((got - want).abs().le(scale * 2.0 ** (roundings - 8) + 1e-6).all())
 
 
-@pytest.mark.parametrize(("family", "cls", "kwargs", "roundings"), SWAPPED, ids=[s[1] for s in SWAPPED])
-def test_swapped_module_against_the_hf_class(family, cls, kwargs, roundings):
-    """The swapped module against the class it replaced on bf16 rows: y within ``_within_roundings`` of
-    the class's output (its statistics are summed in another order), gradients within the dtype's
-    tolerance of the class's FP32 autograd; compiled (fullgraph) within the same bounds of eager."""
+def _swapped_pair(family: str, cls: str, kwargs: dict):
+    """(the bf16 CUDA class with a random weight, the CakeGatedRMSNorm the swap put in its place)."""
     from torch import nn
 
     from cake_cute.gated.swap import swap_gated_rmsnorm
@@ -342,17 +339,31 @@ def test_swapped_module_against_the_hf_class(family, cls, kwargs, roundings):
         holder.norm.weight.uniform_(0.5, 1.5)
     stock = holder.norm
     assert swap_gated_rmsnorm(holder) == 1 and holder.norm.weight is stock.weight
+    return stock, holder.norm
+
+
+def _run_gated_module(module, x, z, g):
+    """(y, dx, dz, dw) of one forward and backward of ``module(x, z)``."""
+    xl, zl = (t.detach().clone().requires_grad_() for t in (x, z))
+    module.zero_grad()
+    y = module(xl, zl)
+    y.backward(g.to(y.dtype))
+    return y, xl.grad, zl.grad, module.weight.grad.clone()
+
+
+@pytest.mark.parametrize(("family", "cls", "kwargs", "roundings"), SWAPPED, ids=[s[1] for s in SWAPPED])
+def test_swapped_module_against_the_hf_class(family, cls, kwargs, roundings):
+    """The swapped module against the class it replaced on bf16 rows: y within ``_within_roundings`` of
+    the class's output (its statistics are summed in another order), gradients within the dtype's
+    tolerance of the class's FP32 autograd; compiled (fullgraph) within the same bounds of eager."""
+    stock, swapped = _swapped_pair(family, cls, kwargs)
     hidden = kwargs["hidden_size"]
     x, z, g = (t.view(4, -1, hidden) for t in _inputs(4 * 64, hidden, torch.bfloat16))
 
     def run(module):
-        xl, zl = (t.detach().clone().requires_grad_() for t in (x, z))
-        module.zero_grad()
-        y = module(xl, zl)
-        y.backward(g)
-        return y, xl.grad, zl.grad, module.weight.grad.clone()
+        return _run_gated_module(module, x, z, g)
 
-    got, want = run(holder.norm), run(stock)
+    got, want = run(swapped), run(stock)
     assert got[0].dtype == want[0].dtype
     assert _within_roundings(got[0], want[0], roundings)
     for a, b in zip(got[1:], want[1:]):
@@ -361,10 +372,30 @@ def test_swapped_module_against_the_hf_class(family, cls, kwargs, roundings):
     # add around them (Qwen3-Next's weight and gate products), keeping their intermediate in FP32 as
     # it does for the stock class: within the same bound as eager against the class.
     torch._dynamo.reset()
-    compiled = run(torch.compile(holder.norm, fullgraph=True))
+    compiled = run(torch.compile(swapped, fullgraph=True))
     assert _within_roundings(compiled[0], got[0], roundings)
     for a, b in zip(compiled[1:], got[1:]):
         assert rel_error(a, b.double()) <= tolerance(torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    ("family", "cls", "kwargs"), [s[:3] for s in SWAPPED[1:]], ids=[s[1] for s in SWAPPED[1:]]
+)
+def test_swapped_module_with_the_mixers_dtype_mix(family, cls, kwargs):
+    """What a bf16 Mamba-2-style mixer's torch scan path hands its gated norm: an FP32 input, a bf16
+    gate, the bf16 weight. The swapped module runs the FP32 kernels (docs/gated.md): y in the class's
+    dtype (FP32) within 1e-5 of its value per element (FP32 statistics summed in another order), the
+    gradients in the class's dtypes, within their tolerance of the class's autograd."""
+    stock, swapped = _swapped_pair(family, cls, kwargs)
+    hidden = kwargs["hidden_size"]
+    x, z, g = (t.view(4, -1, hidden) for t in _inputs(4 * 64, hidden, torch.float32))
+    z = z.to(torch.bfloat16)
+    got, want = _run_gated_module(swapped, x, z, g), _run_gated_module(stock, x, z, g)
+    assert got[0].dtype == want[0].dtype == torch.float32
+    assert bool((got[0] - want[0]).abs().le(want[0].abs() * 1e-5 + 1e-6).all())
+    for a, b in zip(got[1:], want[1:]):
+        assert a.dtype == b.dtype
+        assert rel_error(a, b.double()) <= tolerance(a.dtype)
 
 
 @pytest.mark.parametrize("hidden", [64, 128, 256])
