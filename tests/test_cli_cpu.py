@@ -165,6 +165,55 @@ def test_bad_info_arguments_exit_2(args, capsys):
     assert "error: argument" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("argv", "usage"),
+    [
+        (["info", "--bogus"], "usage: cake-cute info "),
+        (["check", "--quick", "--bogus"], "usage: cake-cute check "),
+        (["warmup", "--bogus", "x"], "usage: cake-cute warmup "),
+        (["--bogus"], "usage: cake-cute [-h]"),
+        (["--bogus", "info"], "usage: cake-cute [-h]"),
+    ],
+)
+def test_an_unknown_option_prints_the_usage_of_the_command_it_follows(argv, usage, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert err.startswith(usage) and "error: unrecognized arguments: --bogus" in err
+
+
+@pytest.mark.parametrize(
+    ("make_path", "problem"),
+    [
+        (lambda tmp: tmp / "file", "is not a directory"),
+        (lambda tmp: tmp / "file" / "cache", "lies under {tmp}/file, which is not a directory"),
+    ],
+    ids=["a-file", "under-a-file"],
+)
+def test_info_reports_a_cache_path_that_is_not_a_directory(tmp_path, monkeypatch, capsys, make_path, problem):
+    """The table still prints (versions, GPU); the cache line's problem goes to stderr, naming the path
+    and CAKE_CUTE_CACHE_DIR, and the exit status is 2. Nothing is created."""
+    (tmp_path / "file").write_text("not a directory")
+    path = make_path(tmp_path)
+    monkeypatch.setenv("CAKE_CUTE_CACHE_DIR", str(path))
+    assert cli.main(["info"]) == 2
+    out, err = capsys.readouterr()
+    assert re.search(r"^cached kernels\s+none: the cache path is not a directory$", out, re.M), out
+    assert err == (
+        f"cake-cute info: the kernel cache path {path} (CAKE_CUTE_CACHE_DIR) "
+        f"{problem.format(tmp=tmp_path)}; point CAKE_CUTE_CACHE_DIR at a directory\n"
+    )
+    assert (tmp_path / "file").read_text() == "not a directory"
+
+
+def test_info_accepts_a_cache_path_not_created_yet(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("CAKE_CUTE_CACHE_DIR", str(tmp_path / "later" / "cache"))
+    assert cli.main(["info"]) == 0
+    assert "0 for this version, 0 files in all" in capsys.readouterr().out
+    assert not (tmp_path / "later").exists()
+
+
 def _unwritable_dir(tmp_path: Path) -> Path:
     """A directory this process cannot create files in (root ignores mode bits, but not sysfs)."""
     if os.geteuid() == 0:

@@ -192,7 +192,20 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check", help="correctness self-test on the current GPU (FP64 reference)")
     check.add_argument("--quick", action="store_true", help="a smaller matrix")
     sub.add_parser("bench", add_help=False, help="performance sweep (`cake-cute bench --help` lists options)")
+    parser.subcommand_parsers = dict(sub.choices)  # whose usage an unknown option of each prints
     return parser
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    """``argv`` parsed; an unknown option is the usage error of the subcommand it follows (argparse
+    alone reports it with the top-level usage), or of the command itself before any subcommand."""
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        follows_command = args.command is not None and argv.index(args.command) < argv.index(unknown[0])
+        owner = parser.subcommand_parsers[args.command] if follows_command else parser
+        owner.error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
 
 
 def _use_cache_dir(explicit: str | None) -> str | None:
@@ -331,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:  # everything after "bench" belongs to the bench's own parser
         return cmd_bench(argv[1:])
-    args = build_parser().parse_args(argv)
+    args = _parse(argv)
     if args.command is None:
         return cmd_default()
     return COMMANDS[args.command](args)

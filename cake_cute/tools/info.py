@@ -4,6 +4,11 @@
 from __future__ import annotations
 
 import itertools
+import os
+import sys
+from pathlib import Path
+
+from . import EXIT_USAGE
 
 
 def _native_status() -> str:
@@ -28,6 +33,18 @@ def _cache_contents() -> str:
     current = sum(1 for p in files if p.parent.name == fingerprint())
     size = sum(p.stat().st_size for p in files)
     return f"{current} for this version, {len(files)} files in all, {size / 2**20:.1f} MiB"
+
+
+def cache_dir_conflict(root: Path) -> str | None:
+    """Why ``root`` cannot be the kernel cache directory without creating anything: it, or the nearest
+    of its ancestors that exists, is not a directory; None otherwise (missing is fine: the first
+    compile creates it)."""
+    existing = next(p for p in (root, *root.parents) if p.exists())
+    if existing.is_dir():
+        return None
+    source = "CAKE_CUTE_CACHE_DIR" if os.environ.get("CAKE_CUTE_CACHE_DIR") else "the default location"
+    problem = "is not a directory" if existing == root else f"lies under {existing}, which is not a directory"
+    return f"the kernel cache path {root} ({source}) {problem}; point CAKE_CUTE_CACHE_DIR at a directory"
 
 
 def _driver_version() -> str:
@@ -99,7 +116,8 @@ CONFIG_LABEL_WIDTH = 46  # "sm_100a fp16 H=262144 fwd mxfp8 persistent" and a ga
 
 
 def cmd_info(args) -> int:
-    """Versions, GPU, cache location and contents; with ``--hidden`` the config per kernel kind."""
+    """Versions, GPU, cache location and contents; with ``--hidden`` the config per kernel kind. Exit 2
+    (after the table) when the cache path is not a directory (``cache_dir_conflict``)."""
     import cutlass
     import torch
     import tvm_ffi
@@ -107,6 +125,7 @@ def cmd_info(args) -> int:
     from .. import __version__
     from ..runtime.cache import cache_dir, fingerprint
 
+    conflict = cache_dir_conflict(cache_dir())
     rows = [
         ("cake_cute", __version__),
         ("nvidia-cutlass-dsl", f"{cutlass.__version__} (CUDA {_dsl_cuda_version(cutlass)})"),
@@ -114,7 +133,7 @@ def cmd_info(args) -> int:
         ("torch", f"{torch.__version__} (CUDA {torch.version.cuda or 'none'})"),
         ("GPU", _gpu_line()),
         ("cache", f"{cache_dir()} (version {fingerprint()})"),
-        ("cached kernels", _cache_contents()),
+        ("cached kernels", "none: the cache path is not a directory" if conflict else _cache_contents()),
         ("cuobjdump", _cuobjdump_line()),
         ("native host path", _native_status()),
     ]
@@ -125,4 +144,7 @@ def cmd_info(args) -> int:
 
         print("config per kernel (what it compiles with; w in the activation dtype):")
         print("\n".join(config_lines(args.arch or local_archs(), args.dtype, args.hidden)))
+    if conflict:
+        print(f"cake-cute info: {conflict}", file=sys.stderr)
+        return EXIT_USAGE
     return 0
