@@ -58,7 +58,8 @@ class CakeRMSNormFunction(torch.autograd.Function):
     residual : torch.Tensor, optional
         Added to x first (``h_new = x + residual``, rounded to x's dtype), placed like x.
     deterministic : bool
-        Accepted for API compatibility; the kernels are deterministic either way.
+        Accepted for API compatibility (and checked to be a bool); the kernels are deterministic
+        either way.
     weight_offset : float
         The scale is ``w + weight_offset`` (1.0 for Gemma's ``1 + w``).
     memory_efficient : bool
@@ -74,8 +75,8 @@ class CakeRMSNormFunction(torch.autograd.Function):
     Raises
     ------
     TypeError, ValueError
-        A wrong dtype, shape or device, named by argument, before any launch; ``memory_efficient``
-        not a bool.
+        A wrong dtype, shape or device, named by argument, before any launch; ``deterministic`` or
+        ``memory_efficient`` not a bool.
 
     Notes
     -----
@@ -136,7 +137,8 @@ def _norm(cls, x, w, eps, residual, *, deterministic, weight_offset, memory_effi
     """``cake_rmsnorm`` and ``CakeRMSNormFunction.apply`` by the routing rule, decided once: the torch
     math on ``MATH``, the custom op on ``OP``, the C++ node on ``NATIVE`` when it serves the call, else
     the Function ``cls`` (the Python path)."""
-    v.check_memory_efficient(memory_efficient)
+    if type(deterministic) is not bool or type(memory_efficient) is not bool:  # one cheap test per call
+        _refuse_flags(deterministic, memory_efficient)
     path = route(x, w, residual)
     if path is MATH:
         return rmsnorm_math(x, w, eps, residual, weight_offset)
@@ -152,6 +154,12 @@ def _norm(cls, x, w, eps, residual, *, deterministic, weight_offset, memory_effi
         if out is not None:
             return out
     return _function_apply(cls, x, w, eps, residual, deterministic, weight_offset, memory_efficient)
+
+
+def _refuse_flags(deterministic, memory_efficient) -> None:
+    """The TypeError naming the flag of ``_norm`` that is not a bool."""
+    v.check_bool("deterministic", deterministic)
+    v.check_memory_efficient(memory_efficient)
 
 
 class CakeRMSNormFp8Function(torch.autograd.Function):
@@ -193,7 +201,8 @@ def cake_rmsnorm(
     residual : torch.Tensor, optional
         Added to x before the norm; same shape, dtype, device and placement as x.
     deterministic : bool
-        Accepted for API compatibility; results are deterministic either way.
+        Accepted for API compatibility (and checked to be a bool); results are deterministic either
+        way.
     weight_offset : float
         The scale is ``w + weight_offset``.
     memory_efficient : bool
@@ -211,7 +220,7 @@ def cake_rmsnorm(
     ------
     TypeError, ValueError
         Bad arguments (named), before any launch; a DTensor sharded on its last dimension;
-        ``memory_efficient`` not a bool.
+        ``deterministic`` or ``memory_efficient`` not a bool.
 
     Notes
     -----

@@ -22,6 +22,7 @@ from torch.distributed.tensor.experimental import register_sharding
 from torch.distributed.tensor.parallel import SequenceParallel
 
 from .forward_names import INPUT_NAME
+from .validation import check_bool, check_count
 
 __all__ = ["SequenceParallelResidual"]
 
@@ -106,7 +107,18 @@ class SequenceParallelResidual(SequenceParallel):
     Examples
     --------
     >>> parallelize_module(block, tp_mesh, {"ffn_norm": SequenceParallelResidual()})  # doctest: +SKIP
+
+    Raises
+    ------
+    TypeError
+        sequence_dim is not an int; use_local_output is not a bool.
     """
+
+    def __init__(self, *, sequence_dim: int = 1, use_local_output: bool = False):
+        super().__init__(
+            sequence_dim=check_count("sequence_dim", sequence_dim, None),
+            use_local_output=check_bool("use_local_output", use_local_output),
+        )
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         self._replicate_module_fn("", module, device_mesh)

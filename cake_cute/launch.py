@@ -96,13 +96,14 @@ def cake_rmsnorm_train_backward_workspace_bytes(rows, hidden, device, *, residua
     Raises
     ------
     TypeError
-        rows or hidden is not an int.
+        rows or hidden is not an int; residual is not a bool.
     ValueError
         rows or hidden out of range; device names no CUDA device, or one that does not exist, or
         torch sees no CUDA device, or the GPU is not supported.
     """
     v.check_count("rows", rows, 0)
     v.check_count("hidden", hidden, 1, v.MAX_HIDDEN)
+    v.check_bool("residual", residual)
     device = v.check_cuda_device(device)
     device_arch(device)
     facts = device_facts(device)

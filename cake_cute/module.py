@@ -126,9 +126,10 @@ class CakeRMSNorm(nn.Module):
     ------
     ValueError
         ``normalized_shape`` is not one positive int, eps / weight_offset out of range, an unknown
-        cast_policy or compiled_as.
+        cast_policy or compiled_as, a device naming none, a dtype that is not floating-point.
     TypeError
-        eps or weight_offset is not a number; memory_efficient is not a bool.
+        eps or weight_offset is not a number; elementwise_affine, sequence_parallel or
+        memory_efficient is not a bool; device or dtype of the wrong kind.
     """
 
     # The default of an instance pickled before ``compiled_as`` existed (torch.save of a whole model).
@@ -149,7 +150,9 @@ class CakeRMSNorm(nn.Module):
         memory_efficient=False,
     ):
         super().__init__()
-        self.elementwise_affine = bool(elementwise_affine)
+        self.elementwise_affine = v.check_bool("elementwise_affine", elementwise_affine)
+        v.check_bool("sequence_parallel", sequence_parallel)
+        v.check_factory_arguments(device, dtype)
         hidden = _hidden_size(normalized_shape, self.elementwise_affine)
         self.normalized_shape = None if hidden is None else (hidden,)
         self.eps = None if eps is None else v.check_eps(eps)

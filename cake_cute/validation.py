@@ -105,10 +105,13 @@ def check_dw_dtype(dw_dtype) -> torch.dtype:
     return dw_dtype
 
 
-def check_count(name: str, value, low: int, high: int | None = None) -> int:
-    """An int (not a bool) in [low, high]: TypeError for the wrong kind, ValueError out of range."""
+def check_count(name: str, value, low: int | None, high: int | None = None) -> int:
+    """An int (not a bool) in [low, high] (None: no bound below): TypeError for the wrong kind,
+    ValueError out of range."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if low is None:
+        return value
     if value < low or (high is not None and value > high):
         bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
         raise ValueError(f"{name} must be an int {bounds}, got {value}")
@@ -165,9 +168,54 @@ def check_backward_outputs(x, dx, dw, dw_dtype: torch.dtype) -> None:
         check_output("dw", dw, (x.shape[-1],), dw_dtype, x.device)
 
 
-def check_bool(name: str, value) -> None:
+def check_bool(name: str, value) -> bool:
+    """``value`` if it is a bool (an int, None or a string is refused: a flag is True or False).
+
+    Raises
+    ------
+    TypeError
+        ``value`` is not a bool, naming ``name``.
+    """
     if value is not True and value is not False:
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
+def check_module(name: str, value) -> None:
+    """``value`` is a ``torch.nn.Module``.
+
+    Raises
+    ------
+    TypeError
+        It is not, naming ``name``.
+    """
+    if not isinstance(value, torch.nn.Module):
+        raise TypeError(f"{name} must be a torch.nn.Module, got {type(value).__name__}")
+
+
+def check_factory_arguments(device, dtype) -> None:
+    """A module constructor's ``device`` and ``dtype`` for its weight, as torch's modules take them:
+    None, or what ``torch.device`` accepts; None, or a floating-point ``torch.dtype``.
+
+    Raises
+    ------
+    TypeError
+        dtype is not a ``torch.dtype``; device is not a str, int or ``torch.device``.
+    ValueError
+        dtype is not a floating-point dtype; device names no device.
+    """
+    if device is not None and not isinstance(device, torch.device):
+        if isinstance(device, bool) or not isinstance(device, (str, int)):
+            raise TypeError(f"device must be a torch.device, str or int, got {type(device).__name__}")
+        try:
+            torch.device(device)
+        except RuntimeError as err:
+            raise ValueError(f"device must name a device, got {device!r}") from err
+    if dtype is not None:
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
+        if not dtype.is_floating_point:
+            raise ValueError(f"dtype must be a floating-point dtype (of a learned weight), got {dtype}")
 
 
 def check_memory_efficient(memory_efficient) -> bool:

@@ -84,7 +84,8 @@ class CakeGatedRMSNorm(nn.Module):
     ------
     TypeError, ValueError
         A hidden_size that is not a positive int, a group_size not dividing it, eps / weight_offset
-        out of range, norm_before_gate not a bool, an unknown cast_policy.
+        out of range, norm_before_gate not a bool, an unknown cast_policy, a device or dtype torch's
+        modules would refuse (``validation.check_factory_arguments``).
     """
 
     def __init__(
@@ -107,6 +108,7 @@ class CakeGatedRMSNorm(nn.Module):
         self.norm_before_gate = norm_before_gate
         self.weight_offset = v.check_weight_offset(weight_offset)
         self.cast_policy = check_gated_cast_policy("cast_policy", cast_policy)
+        v.check_factory_arguments(device, dtype)
         self.weight = nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype))
         self.reset_parameters()
 

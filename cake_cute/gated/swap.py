@@ -26,6 +26,7 @@ import re
 import torch
 from torch import nn
 
+from .. import validation as v
 from ..hf.norm_reading import averages_squares, forward_source, hf_eps, hf_weight
 from .module import GATED_CAST_POLICIES, ONE_ROUNDING, ROUND_THEN_SCALE, CakeGatedRMSNorm
 
@@ -145,8 +146,7 @@ def swap_gated_rmsnorm(model: nn.Module, *, cast_policy: str | None = None) -> i
     ValueError
         An unknown cast_policy; a gated norm's weight is already a DTensor.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    v.check_module("model", model)
     if cast_policy is not None and cast_policy not in GATED_CAST_POLICIES:
         raise ValueError(f"cast_policy must be None or one of {', '.join(map(repr, GATED_CAST_POLICIES))}")
     found = [

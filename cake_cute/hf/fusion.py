@@ -58,11 +58,11 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import validation as v
 from ..forward_names import INPUT_NAME, with_input_named
-from ..module import TORCH_MATH, CakeRMSNorm, check_compiled_as
+from ..module import TORCH_MATH, CakeRMSNorm
 from ..routing import DTensor
 from ..vocab import DTYPE_BY_TORCH
 from .plans import _layer_plan, _LayerPlan
-from .swap import _is_swappable, _swap_norms
+from .swap import _is_swappable, _swap_norms, check_swap_arguments
 
 
 def _fusable(branch: torch.Tensor, residual: torch.Tensor) -> bool:
@@ -96,7 +96,18 @@ def add_rmsnorm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor):
     -------
     tuple of torch.Tensor
         ``(y, h)`` with ``h = residual + x`` and ``y = norm(h)``.
+
+    Raises
+    ------
+    TypeError
+        norm is not a torch.nn.Module; x or residual is not a tensor (each named).
     """
+    if not (
+        isinstance(norm, nn.Module) and isinstance(x, torch.Tensor) and isinstance(residual, torch.Tensor)
+    ):
+        v.check_module("norm", norm)
+        v.check_tensor("x", x)
+        v.check_tensor("residual", residual)
     if isinstance(norm, CakeRMSNorm) and _fusable(x, residual):
         return norm(x, residual=residual)
     h = residual + x
@@ -380,12 +391,12 @@ def fuse_residual_rmsnorm(
         The model has no decoder layers in the Hugging Face layout; a layer's forward is a post-norm
         layer (nothing to fuse) or matches no template (the message names the class and the first
         line that differs); a layer's norm is not one ``swap_rmsnorm`` replaces; ``swap_rmsnorm``'s errors
-        (compiled_head_norms is checked first).
+        (its arguments' are checked first).
     TypeError
-        weight_offset is not a number; memory_efficient is not a bool (checked before anything else).
+        model is not a torch.nn.Module; weight_offset is not a number; memory_efficient is not a bool
+        (the arguments are checked before anything else).
     """
-    check_compiled_as("compiled_head_norms", compiled_head_norms)
-    v.check_memory_efficient(memory_efficient)
+    check_swap_arguments(model, weight_offset, compiled_head_norms, memory_efficient)
     patch = _planned_patch(model)
     # Called directly from here, so that its warnings name this function and point at its caller.
     swapped = _swap_norms(

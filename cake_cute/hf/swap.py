@@ -331,18 +331,34 @@ def swap_rmsnorm(
     TypeError
         model is not a torch.nn.Module; weight_offset is not a number; memory_efficient is not a bool.
     """
+    check_swap_arguments(model, weight_offset, compiled_head_norms, memory_efficient)
     return _swap_norms(model, weight_offset, compiled_head_norms, "swap_rmsnorm", memory_efficient)
+
+
+def check_swap_arguments(model, weight_offset, compiled_head_norms, memory_efficient) -> None:
+    """The arguments of ``swap_rmsnorm`` and ``fuse_residual_rmsnorm``, before either looks at the model.
+
+    Raises
+    ------
+    TypeError
+        model is not a torch.nn.Module; weight_offset is neither None nor a number; memory_efficient
+        is not a bool.
+    ValueError
+        weight_offset is not finite; compiled_head_norms is neither ``"torch"`` nor ``"kernel"``.
+    """
+    v.check_module("model", model)
+    if weight_offset is not None:
+        v.check_weight_offset(weight_offset)
+    check_compiled_as("compiled_head_norms", compiled_head_norms)
+    v.check_memory_efficient(memory_efficient)
 
 
 def _swap_norms(
     model: nn.Module, weight_offset, compiled_head_norms: str, entry: str, memory_efficient: bool
 ) -> int:
-    """``swap_rmsnorm``'s work, called straight from each public entry point ``entry`` (its name is
-    in the warnings, which point at the entry point's caller: ``_CALLER``)."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    check_compiled_as("compiled_head_norms", compiled_head_norms)
-    v.check_memory_efficient(memory_efficient)
+    """``swap_rmsnorm``'s work on arguments ``check_swap_arguments`` accepted, called straight from each
+    public entry point ``entry`` (its name is in the warnings, which point at the entry point's caller:
+    ``_CALLER``)."""
     if _is_swappable(model):
         raise ValueError("model is itself an RMSNorm; construct a CakeRMSNorm instead of swapping in place")
     found = [
