@@ -13,8 +13,8 @@ What is checked, and the bounds:
   followed), dx / dz / dw within the same bound of the class's autograd (bf16: bitwise on these
   shapes, checked within the bf16 tolerance);
 * per class, the dtype mixes the classes take (x, gate and weight of different dtypes, each class
-  casting x and the gate to FP32): y bitwise the class's, in its dtype, gradients within the bound of
-  their dtype; the bf16 / fp16 Mamba-2-style models, whose torch scan hands the gated norm an FP32
+  casting x and the gate to FP32), with and without CPU autocast: y bitwise the class's, in its dtype,
+  gradients within the bound of their dtype; the bf16 / fp16 Mamba-2-style models, whose torch scan hands the gated norm an FP32
   input and a gate in the model's dtype, swapped: logits bitwise, and a training step runs;
 * the classes that gate with another activation than SiLU, and group sizes not dividing H, are refused
   by name (``GatedNormNotServed``);
@@ -381,17 +381,20 @@ def _within_bound(actual, expected, name: str) -> None:
         assert rel_error(actual.double(), expected.double()) <= tolerance(actual.dtype), name
 
 
+@pytest.mark.parametrize("autocast", [False, True], ids=["plain", "cpu-autocast"])
 @pytest.mark.parametrize("mix", MIXES, ids=_mix_id)
 @pytest.mark.parametrize("entry", CLASSES, ids=_class_id)
-def test_class_dtype_mixes_are_computed_with_the_class_casts(entry, mix):
-    """x, gate and weight of different dtypes, as each class takes them: the swapped module's y is
-    bitwise the class's, in its dtype, and the gradients are in the class's dtypes, within the bound."""
+def test_class_dtype_mixes_are_computed_with_the_class_casts(entry, mix, autocast):
+    """x, gate and weight of different dtypes, as each class takes them, without and under CPU bf16
+    autocast: the swapped module's y is bitwise the class's, in its dtype, and the gradients are in the
+    class's dtypes, within the bound."""
     family, name, kwargs, _, _ = entry
     x_dtype, z_dtype, w_dtype = mix
     stock, swapped = _class_pair(family, name, kwargs, w_dtype)
     x, z, g = _norm_inputs(torch.float32)
     x, z = x.to(x_dtype), z.to(z_dtype)
-    got, want = _run_norm(swapped, x, z, g), _run_norm(stock, x, z, g)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        got, want = _run_norm(swapped, x, z, g), _run_norm(stock, x, z, g)
     assert got[0].dtype == want[0].dtype and torch.equal(got[0], want[0])
     for label, a, b in zip(("dx", "dz", "dw"), got[1:], want[1:]):
         _within_bound(a, b, label)
