@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The Hugging Face conformance matrix and the fusion tests on the oldest and the newest transformers the
-# package declares (pyproject: transformers>=4.51), each in a venv of its own under $HF_VENVS (default
-# .cache/hf-venvs, kept between runs). Exits non-zero if any version fails; every version runs either way.
+# The Hugging Face conformance matrix, the norm classes' dtype mixes and the fusion tests on the oldest and
+# the newest transformers the package declares (pyproject: transformers>=4.51), each in a venv of its own
+# under $HF_VENVS (default .cache/hf-venvs, kept between runs). Exits non-zero if any version fails; every
+# version runs either way.
 #
 #   scripts/hf_versions.sh              # the tests, oldest and newest
 #   scripts/hf_versions.sh --docs       # also regenerate their sections of docs/hf_families.md
@@ -14,7 +15,7 @@ root=$PWD
 # (5.25.0, which brings kernels 0.19 as a dependency).
 versions=${HF_VERSIONS:-"4.51.3 5.25.0"}
 venvs=${HF_VENVS:-$root/.cache/hf-venvs}
-tests=(tests/test_hf_conformance_cpu.py tests/test_fusion_cpu.py tests/test_fusion_plans_cpu.py)
+tests=(tests/test_hf_conformance_cpu.py tests/test_hf_norm_dtypes_cpu.py tests/test_fusion_cpu.py tests/test_fusion_plans_cpu.py)
 export TMPDIR=${TMPDIR:-$root/.cache/tmp} CUTE_DSL_CACHE_DIR=${CUTE_DSL_CACHE_DIR:-$root/.cache/cute-dsl}
 export CAKE_CUTE_CACHE_DIR=${CAKE_CUTE_CACHE_DIR:-$root/.cache/kernels}
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$root/.cache/torch-extensions}

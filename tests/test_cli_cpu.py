@@ -171,6 +171,7 @@ def test_bad_info_arguments_exit_2(args, capsys):
         (["info", "--bogus"], "usage: cake-cute info "),
         (["check", "--quick", "--bogus"], "usage: cake-cute check "),
         (["warmup", "--bogus", "x"], "usage: cake-cute warmup "),
+        (["bench", "--bogus"], "usage: cake-cute bench "),
         (["--bogus"], "usage: cake-cute [-h]"),
         (["--bogus", "info"], "usage: cake-cute [-h]"),
     ],
