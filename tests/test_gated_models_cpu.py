@@ -14,8 +14,9 @@ What is checked, and the bounds:
   shapes, checked within the bf16 tolerance);
 * per class, the dtype mixes the classes take (x, gate and weight of different dtypes, each class
   casting x and the gate to FP32), with and without CPU autocast: y bitwise the class's, in its dtype,
-  gradients within the bound of their dtype; the bf16 / fp16 Mamba-2-style models, whose torch scan hands the gated norm an FP32
-  input and a gate in the model's dtype, swapped: logits bitwise, and a training step runs;
+  gradients within the bound of their dtype; the bf16 / fp16 Mamba-2-style models, whose torch scan
+  hands the gated norm an FP32 input and a gate in the model's dtype, swapped: logits bitwise, and a
+  training step runs;
 * the classes that gate with another activation than SiLU, and group sizes not dividing H, are refused
   by name (``GatedNormNotServed``);
 * ``cast_policy="one_rounding"`` on a class that rounds twice (Qwen3-Next): within 2**-6 relative of
