@@ -299,12 +299,9 @@ def _compile_under_lock(path: Path, spec: Spec) -> tuple[Callable, str]:
     return fn, "compiled"
 
 
-SOURCES = ("memory", "disk", "disk after waiting", "compiled")
-
-
 def get_kernel_and_source(spec: Spec) -> tuple[Callable, str]:
-    """The compiled function for ``spec`` and where this call found it (one of ``SOURCES``): in
-    memory, on disk, on disk after waiting for another process's compile, or compiled (and saved)."""
+    """The compiled function for ``spec`` and where this call found it: ``"memory"``, ``"disk"``,
+    ``"disk after waiting"`` (for another process's compile) or ``"compiled"`` (and saved)."""
     fn = _memory.get(spec)
     if fn is not None:
         return fn, "memory"
