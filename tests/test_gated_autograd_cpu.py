@@ -156,7 +156,7 @@ def test_deterministic():
         (dict(group_size=16.0), TypeError, "group_size must be an int"),
         (dict(norm_before_gate=1), TypeError, "norm_before_gate must be a bool"),
         (dict(eps=-1.0), ValueError, "eps"),
-        (dict(x=torch.zeros(HIDDEN)), ValueError, "x must have at least 2 dims"),
+        (dict(x=torch.zeros(())), ValueError, "x must have at least 1 dim"),
     ],
 )
 def test_argument_errors_name_the_argument(change, error, match):

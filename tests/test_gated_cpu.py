@@ -182,7 +182,7 @@ def _cpu_args(hidden=128, rows=4, dtype=torch.bfloat16):
         (dict(z=torch.zeros(4, 128, dtype=torch.float16)), TypeError, "^z must have dtype"),
         (dict(w=torch.ones(128, dtype=torch.float16)), TypeError, "^w must have dtype"),
         (dict(w=torch.ones(64, dtype=torch.bfloat16)), ValueError, "^w must have shape"),
-        (dict(x=torch.zeros(128, dtype=torch.bfloat16)), ValueError, "^x must have at least 2 dims"),
+        (dict(x=torch.zeros((), dtype=torch.bfloat16)), ValueError, "^x must have at least 1 dim"),
         (dict(group_size=48), ValueError, "^group_size must divide"),
         (dict(group_size=True), TypeError, "^group_size must be an int"),
         (dict(group_size=16384), ValueError, "^group_size must be an int in"),

@@ -357,6 +357,20 @@ def test_class_swapped_forward_bitwise_gradients_within_bound(entry, dtype):
             assert a.dtype == b.dtype and rel_error(a.double(), b.double()) <= tolerance(dtype)
 
 
+@pytest.mark.parametrize("entry", CLASSES, ids=_class_id)
+def test_class_swapped_in_fp64_computes_what_the_class_computes(entry):
+    """An FP64 model: the classes take their statistics from FP32 casts, and so does the swapped norm
+    (FP32 math returned in FP64); the products the classes leave in FP64 are rounded once more to FP32,
+    a difference within FP32's rounding."""
+    family, name, kwargs, _policy, _norm_before_gate = entry
+    stock, swapped = _class_pair(family, name, kwargs, torch.float64)
+    x, z, g = _norm_inputs(torch.float64)
+    got, want = _run_norm(swapped, x, z, g), _run_norm(stock, x, z, g)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype == torch.float64
+        assert rel_error(a, b) <= 1e-6
+
+
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 # Dtype mixes the classes take, each casting x and the gate to FP32: (x, gate, weight). The first is
 # what a Mamba-2 mixer's torch scan hands its norm in a bf16 model (an FP32 scan output, a bf16 gate).

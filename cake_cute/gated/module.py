@@ -145,6 +145,11 @@ class CakeGatedRMSNorm(nn.Module):
         if hidden_states.dim() == 1:
             row = None if gate is None else gate.unsqueeze(0)
             return self.forward(hidden_states.unsqueeze(0), row).squeeze(0)
+        if hidden_states.dtype == torch.float64:
+            # The Hugging Face gated classes cast their input and gate to FP32 whatever the model's dtype:
+            # an FP64 model's gated norm is FP32 math, returned in FP64.
+            row_gate = None if gate is None else gate.float()
+            return self.forward(hidden_states.float(), row_gate).to(torch.float64)
         if gate is None:
             return self._ungated(hidden_states)
         x, w = hidden_states, self.weight

@@ -80,7 +80,7 @@ class _NormKeepingInput(torch.autograd.Function):
     def forward(ctx, x, w, eps, weight_offset, memory_efficient):
         y, rstd, _ = torch.ops.cake_cute.rmsnorm_fwd(x, w, eps, None, weight_offset)
         saved_output = y if memory_efficient else None
-        save_for_backward(ctx, x, w, x, rstd, x, weight_offset, direct=False, y=saved_output)
+        save_for_backward(ctx, x, w, x, rstd, x, eps, weight_offset, direct=False, y=saved_output)
         return y, x
 
     @staticmethod
