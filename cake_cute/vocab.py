@@ -1,11 +1,13 @@
-"""The project's vocabulary, defined here and nowhere else: the dtypes the kernels take and the GPUs
-they compile for.
+"""The project's vocabulary, defined here and nowhere else: the dtypes the kernels take, the GPUs
+they compile for and the gate activations of the gated norms.
 
 - A dtype has a short name (``"bf16"``: used in kernel specs, file names, the CLI), a torch dtype, a
   size in bytes and a CuTe DSL type (looked up on first use, so importing this module does not import
   the DSL).
 - An architecture is a compile target (``"sm_90a"``) of one compute capability; a GPU whose
   capability is not in ``ARCH_BY_CAPABILITY`` is not supported.
+- A gate activation of the gated norms is ``"silu"`` (``z * sigmoid(z)``: Qwen3-Next, the Mamba-2
+  hybrids) or ``"sigmoid"`` (Kimi Linear, GLM-5 Next, Bailing hybrid).
 """
 
 from __future__ import annotations
@@ -44,6 +46,9 @@ DTYPE_BY_TORCH = {d.torch: d for d in DTYPES}
 ARCH_BY_CAPABILITY = {(9, 0): "sm_90a", (10, 0): "sm_100a", (10, 3): "sm_103a"}
 SUPPORTED_ARCHS = tuple(ARCH_BY_CAPABILITY.values())
 SUPPORTED_GPUS = "sm_90 (H100/H200) or sm_100/sm_103 (B200/B300)"
+
+SILU, SIGMOID = "silu", "sigmoid"
+GATE_ACTIVATIONS = (SILU, SIGMOID)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

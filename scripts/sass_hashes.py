@@ -8,15 +8,15 @@ The matrix: forward and backward x {sm_90a, sm_100a} x {bf16, fp32} x H x residu
 memory-efficient backward (``from_output``) x arch x dtype x a few H x residual off/on, the dW
 reduction x arch x output dtype x H, the forwards to FP8 (both recipes, bf16) x arch x a few H x
 residual off/on, their persistent kernels (bf16 and fp32, plain mode, two H), and the gated forward,
-its statistics alone and the gated backward x arch x dtype x (H, group size, form): norm then gate
-from an unvectorized H = 7 to the widest segment, gate then norm with one group and with several (up
-to H = 65536). Each variant is compiled through the package's own cache, its cubin cut out of the
-exported object (``cake_cute.tools.cubin.fatbin_from_object``) and disassembled with ``cuobjdump
--sass``. The hash covers the instruction stream (addresses, opcodes, operands, encodings) with the
-kernel symbol names replaced by a placeholder, so a renamed Python class or method does not count as
-a change while any changed instruction does. ``compare`` prints every label whose hash differs and
-exits 1 if any does. ``--match``, ``--kinds`` and ``--hidden`` dump a part of the matrix
-(372 variants in all); ``compare`` then compares the labels of the smaller dump.
+its statistics alone and the gated backward x arch x dtype x (H, group size, form) x gate activation
+(SiLU, sigmoid): norm then gate from an unvectorized H = 7 to the widest segment, gate then norm with
+one group and with several (up to H = 65536). Each variant is compiled through the package's own
+cache, its cubin cut out of the exported object (``cake_cute.tools.cubin.fatbin_from_object``) and
+disassembled with ``cuobjdump -sass``. The hash covers the instruction stream (addresses, opcodes,
+operands, encodings) with the kernel symbol names replaced by a placeholder, so a renamed Python class
+or method does not count as a change while any changed instruction does. ``compare`` prints every
+label whose hash differs and exits 1 if any does. ``--match``, ``--kinds`` and ``--hidden`` dump a
+part of the matrix (456 variants in all); ``compare`` then compares the labels of the smaller dump.
 
 The script runs against whichever ``cake_cute`` the interpreter imports, so the same file measures an
 older checkout (``git worktree add``) and the current one.
@@ -45,6 +45,7 @@ QUANT_KINDS = ("fwd_mxfp8", "fwd_1x128")
 QUANT_HIDDEN = (4096, 5120, 7168, 65536)
 PERSISTENT_QUANT_HIDDEN = (2048, 4096)  # plain mode only
 GATED_KINDS = ("gated_fwd", "gated_rstd", "gated_bwd")
+GATE_ACTIVATIONS = ("silu", "sigmoid")
 # Norm then gate, the row one group: short rows several to a CTA, one CTA per row, and the backward's
 # segments wider than 4096 (over a cluster). Gate then norm: (H, group size), one group per row and
 # several.
@@ -64,6 +65,7 @@ class Variant(NamedTuple):
     from_output: bool = False  # "bwd" only: the memory-efficient backward
     group_size: int = 0  # the gated kinds only
     norm_before_gate: bool = True  # the gated kinds only
+    activation: str = "silu"  # the gated kinds only
 
 
 def matrix() -> list[Variant]:
@@ -98,23 +100,26 @@ def matrix() -> list[Variant]:
     gated_cases = [(hidden, hidden, True) for hidden in NORM_THEN_GATE_HIDDEN]
     gated_cases += [(hidden, group_size, False) for hidden, group_size in GATE_THEN_NORM_GROUPS]
     rows += [
-        Variant(kind, arch, dtype, hidden, group_size=group_size, norm_before_gate=norm_before_gate)
+        Variant(kind, arch, dtype, hidden, group_size=group, norm_before_gate=nbg, activation=activation)
+        for activation in GATE_ACTIVATIONS
         for kind in GATED_KINDS
         for arch in ARCHS
         for dtype in DTYPES
-        for hidden, group_size, norm_before_gate in gated_cases
+        for hidden, group, nbg in gated_cases
     ]
     return rows
 
 
 def label(row: Variant) -> str:
     """``kind-arch-dtype-H``, then what else names the variant: ``-res``, ``-fromy`` (the memory-efficient
-    backward), ``-L<group size>-nbg`` or ``-gbn`` (the gated kinds' form)."""
+    backward), ``-L<group size>-nbg`` or ``-gbn`` (the gated kinds' form), ``-sigmoid`` (the gated
+    kinds' gate activation, when not SiLU)."""
     text = f"{row.kind}-{row.arch}-{row.dtype}-H{row.hidden}" + ("-res" if row.residual else "")
     if row.from_output:
         text += "-fromy"
     if row.kind in GATED_KINDS:
         text += f"-L{row.group_size}-" + ("nbg" if row.norm_before_gate else "gbn")
+        text += "" if row.activation == "silu" else f"-{row.activation}"
     return text
 
 
@@ -133,8 +138,17 @@ def make_spec(row: Variant):
     if row.kind in GATED_KINDS:
         from cake_cute.runtime.specs import GatedSpec
 
+        # Named only when not SiLU: a package from before the sigmoid gate has no such field.
+        activation = {} if row.activation == "silu" else {"activation": row.activation}
         return GatedSpec(
-            row.kind, row.arch, row.dtype, row.dtype, row.hidden, row.group_size, row.norm_before_gate
+            row.kind,
+            row.arch,
+            row.dtype,
+            row.dtype,
+            row.hidden,
+            row.group_size,
+            row.norm_before_gate,
+            **activation,
         )
     # Named only when set: a package from before the memory-efficient backward has no such field.
     from_output = {"from_output": True} if row.from_output else {}

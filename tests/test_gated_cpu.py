@@ -276,6 +276,15 @@ SPECS = [
     for w in dict.fromkeys((act, "fp32"))
     if w == act or (hidden, group) in ((128, 128), (4096, 1024))
 ] + [make_spec(kind, "sm_90a", "fp16", "fp16", 100, 100, True, 1.0) for kind in ("gated_fwd", "gated_bwd")]
+# The sigmoid gate (Kimi Linear's): head-dim rows, the rows of one segment that spilled on sm_100a under
+# 80 registers with SiLU, grouped rows and the widest segment (a cluster in the backward).
+SPECS += [
+    make_spec(kind, arch, act, act, hidden, group, nbg, 0.0, "sigmoid")
+    for kind in ("gated_fwd", "gated_bwd")
+    for arch in ARCHS
+    for act in ("bf16", "fp32")
+    for hidden, group, nbg in [(128, 128, True), (512, 512, True), (1024, 1024, False), (16384, 8192, False)]
+]
 # The statistics kernel (rstd alone, FlashInfer's functional backward): whole rows normalized then
 # gated, and groups gated then normalized (it reads z only there).
 STATISTICS_SPECS = [
@@ -283,7 +292,17 @@ STATISTICS_SPECS = [
     for arch in ARCHS
     for act in DTYPES
     for hidden, group, nbg in [(128, 128, True), (100, 100, True), (8192, 8192, True), (2048, 512, False)]
-]
+] + [make_spec("gated_rstd", arch, "bf16", "bf16", 2048, 512, False, 0.0, "sigmoid") for arch in ARCHS]
+
+
+def test_a_silu_variant_keeps_its_name():
+    """The gate activation is named only when it is not SiLU: SiLU variants keep the names (and disk
+    cache files) they had before the activation was a field."""
+    silu = make_spec("gated_bwd", "sm_90a", "bf16", "fp32", 2048, 512, False, 1.0)
+    assert silu == make_spec("gated_bwd", "sm_90a", "bf16", "fp32", 2048, 512, False, 1.0, "silu")
+    assert silu.name() == "cake_gated_bwd_sm_90a_bf16_wfp32_h2048_gbn512_off1"
+    sigmoid = make_spec("gated_bwd", "sm_90a", "bf16", "fp32", 2048, 512, False, 1.0, "sigmoid")
+    assert sigmoid.name() == "cake_gated_bwd_sm_90a_bf16_wfp32_h2048_gbn512_off1_sigmoid"
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,8 @@
 
 Math, per row t and segment k (the row, or one group of L columns: ``gated_fwd``), FP32 arithmetic,
 one rounding of each output; the gate and the statistics' products are recomputed from the saved x,
-z, w and rstd (s = silu(z), s' = silu'(z), w' = w + weight_offset, g = dL/dy):
+z, w and rstd (s = act(z), s' = act'(z) for the compiled-in gate activation, SiLU or sigmoid,
+w' = w + weight_offset, g = dL/dy):
 
     norm then gate:  n = x * rstd      a = g * w' * s     dW_partial += g * n * s
     gate then norm:  n = x * s * rstd  a = g * w'         dW_partial += g * n
@@ -64,7 +65,7 @@ from .thread_tiles import ThreadTiles
 
 
 class GatedRMSNormBackward(GatedKernel):
-    """One compiled backward per (arch, dtypes, H, group size, form, weight_offset) and its
+    """One compiled backward per (arch, dtypes, H, group size, form, weight_offset, activation) and its
     ``gated_config.GatedConfig``; T and the number of programs are runtime values. Arguments: g, x, z,
     w, rstd (T, H / L), dx, dz, the partial rows, the number of programs."""
 
@@ -173,12 +174,12 @@ class GatedRMSNormBackward(GatedKernel):
         g = tXrG.load().to(Float32)
         x = tXrX.load().to(Float32)
         w = self.widen_weight(tXrW.load())
-        silu, dsilu = self.gate(tXrZ.load().to(Float32))
+        s, ds = self.gate(tXrZ.load().to(Float32))
         if const_expr(self.norm_before_gate):
             n = x * rstd
-            return g * w * silu, n, g * n * silu, g * n * w * dsilu
-        n = x * silu * rstd
-        return g * w, n, g * n, silu, x * dsilu
+            return g * w * s, n, g * n * s, g * n * w * ds
+        n = x * s * rstd
+        return g * w, n, g * n, s, x * ds
 
     @cute.jit
     def reduce_row(self, terms, tXrDW, buffers, row_in_cta, lane_in_row, visit) -> Float32:

@@ -1,10 +1,11 @@
 """Gated RMSNorm forward: the output norms of the linear-attention and Mamba-2 hybrid layers, in one pass.
 
-Math, per row t, FP32 arithmetic, one rounding of y (``silu(z) = z * sigmoid(z)``, w' = w + weight_offset):
+Math, per row t, FP32 arithmetic, one rounding of y (w' = w + weight_offset; the gate activation
+act is ``silu(z) = z * sigmoid(z)`` or ``sigmoid(z)``, compiled in):
 
     norm then gate (Qwen3-Next):   rstd   = 1 / sqrt(sum_j x_j^2 / H + eps)                  (FP32 [T])
-                                   y_j    = round(x_j * rstd * w'_j * silu(z_j))
-    gate then norm, per group k    h_j    = x_j * silu(z_j)
+                                   y_j    = round(x_j * rstd * w'_j * act(z_j))
+    gate then norm, per group k    h_j    = x_j * act(z_j)
     of L = group_size columns      rstd_k = 1 / sqrt(sum_{j in k} h_j^2 / L + eps)           (FP32 [T, H/L])
     (NemotronH, Mamba-2):          y_j    = round(h_j * rstd_k * w'_j)
 
@@ -36,6 +37,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
+from ..vocab import SIGMOID
 from .common import RowKernel, allocate_reduction_buffers, approx_reciprocal, tile_shape
 from .tiling import VECTOR_BYTES
 
@@ -56,13 +58,24 @@ def segment_columns(m: cute.Tensor, first, width: int, align_elems: int) -> cute
 class GatedKernel(RowKernel):
     """What the gated forward and backward share: the form (``norm_before_gate``), the number of
     groups per row (1 in the norm-then-gate form), the groups along the grid's y, the views of one
-    group's columns and the gate. A segment is tiled like a row (one CTA, no cluster), so the
-    thread's slice, w's load and the row sum are the plain kernels' (``common.RowKernel``)."""
+    group's columns and the gate with its activation (``vocab.GATE_ACTIVATIONS``). A segment is tiled
+    like a row (one CTA, no cluster), so the thread's slice, w's load and the row sum are the plain
+    kernels' (``common.RowKernel``)."""
 
-    def __init__(self, config, act_dtype, w_dtype, weight_offset: float, groups: int, norm_before_gate: bool):
+    def __init__(
+        self,
+        config,
+        act_dtype,
+        w_dtype,
+        weight_offset: float,
+        groups: int,
+        norm_before_gate: bool,
+        activation: str,
+    ):
         super().__init__(config, act_dtype, w_dtype, False, weight_offset)
         self.groups = groups
         self.norm_before_gate = norm_before_gate
+        self.activation = activation
 
     def ctas_along_y(self) -> int:
         """One CTA per group along y, or one cluster per group (a backward's wide segments)."""
@@ -87,15 +100,20 @@ class GatedKernel(RowKernel):
 
     @cute.jit
     def gate(self, z: cute.TensorSSA) -> tuple:
-        """(silu(z), silu'(z)) in FP32: s = sigmoid(z), silu = z * s, silu' = s * (1 + z * (1 - s)).
-        sigmoid through ex2.approx and rcp.approx, one MUFU instruction each, rather than an IEEE
-        division's instruction sequence."""
+        """(act(z), act'(z)) in FP32 from s = sigmoid(z): silu = z * s, silu' = s * (1 + z * (1 - s));
+        sigmoid = s, sigmoid' = s * (1 - s) (exact where s rounds to 0 or 1, unlike a form through
+        exp(-z), which overflows). sigmoid through ex2.approx and rcp.approx, one MUFU instruction
+        each, rather than an IEEE division's instruction sequence."""
         s = approx_reciprocal(cute.math.exp(-z, fastmath=True) + 1.0)
-        return z * s, s * (1.0 + z * (1.0 - s))
+        if const_expr(self.activation == SIGMOID):
+            value, slope = s, s * (1.0 - s)
+        else:
+            value, slope = z * s, s * (1.0 + z * (1.0 - s))
+        return value, slope
 
 
 class GatedRMSNormForward(GatedKernel):
-    """One compiled forward per (arch, dtypes, H, group size, form, weight_offset) and its
+    """One compiled forward per (arch, dtypes, H, group size, form, weight_offset, activation) and its
     ``gated_config.GatedConfig``; T is a runtime value. Arguments: x, z, w, y, rstd (T, H / L), eps."""
 
     @cute.jit
@@ -144,12 +162,12 @@ class GatedRMSNormForward(GatedKernel):
         if const_expr(writes_y):
             tXrW = self.load_weight(self.weight_cells(written[1], thr, tile_shape(t), 0), pred)
 
-        silu = None
+        gate = None
         if const_expr(reads_z):
-            silu, _ = self.gate(tXrZ.load().to(Float32))
+            gate, _ = self.gate(tXrZ.load().to(Float32))
         h = tXrX.load().to(Float32)
         if const_expr(not self.norm_before_gate):
-            h = h * silu
+            h = h * gate
         rstd = self.row_rstd(h, buffers, row_in_cta, lane_in_row, Int32(0), eps)
         if row < rows and lane_in_row == 0:
             mRstd[row, group] = rstd
@@ -157,7 +175,7 @@ class GatedRMSNormForward(GatedKernel):
         if const_expr(writes_y):
             y = h * rstd * self.widen_weight(tXrW.load())
             if const_expr(self.norm_before_gate):
-                y = y * silu
+                y = y * gate
             tXrY = cute.make_rmem_tensor_like(tXgY[0])
             tXrY.store(y.to(self.act_dtype))
             if row < rows:
@@ -166,8 +184,8 @@ class GatedRMSNormForward(GatedKernel):
 
 class GatedRMSNormStatistics(GatedRMSNormForward):
     """rstd alone, bitwise the forward's (its kernel without w and y): one compiled kernel per (arch,
-    dtype, H, group size, form) and the forward's ``gated_config.GatedConfig``. Arguments: x, z (not
-    read in the norm-then-gate form), rstd (T, H / L), eps."""
+    dtype, H, group size, form, activation) and the forward's ``gated_config.GatedConfig``. Arguments:
+    x, z (not read in the norm-then-gate form), rstd (T, H / L), eps."""
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mZ: cute.Tensor, mRstd: cute.Tensor, eps: Float32, stream):

@@ -170,7 +170,7 @@ def _gated_kernel(spec: GatedSpec, config):
     }[spec.kind]
     dtypes = cutlass_dtype(spec.act_dtype), cutlass_dtype(spec.w_dtype)
     groups = spec.hidden // spec.group_size
-    return kernel_class(config, *dtypes, spec.weight_offset, groups, spec.norm_before_gate)
+    return kernel_class(config, *dtypes, spec.weight_offset, groups, spec.norm_before_gate, spec.activation)
 
 
 def _gated_rstd(rows, groups: int):

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from ..vocab import SILU
+
 
 @dataclass(frozen=True)
 class KernelSpec:
@@ -57,8 +59,10 @@ class GatedSpec:
     backward (``"gated_bwd"``, dx and dz with FP32 partial rows of dW): rows of ``act_dtype`` and their
     gate, a weight of ``w_dtype``, hidden size ``hidden`` normalized in groups of ``group_size`` columns
     (``hidden`` itself in the norm-then-gate form, ``norm_before_gate``), the Gemma-style
-    ``weight_offset`` compiled in (see ``kernels.gated_fwd``). The statistics read no weight: their
-    spec carries x's dtype as ``w_dtype`` and no offset (``gated.ops.statistics_fields``)."""
+    ``weight_offset`` and the gate ``activation`` (``vocab.GATE_ACTIVATIONS``) compiled in (see
+    ``kernels.gated_fwd``). The statistics read no weight: their spec carries x's dtype as ``w_dtype``
+    and no offset (``gated.ops.launch_statistics``). The name says the activation only when it is not
+    SiLU, so a SiLU variant keeps its name."""
 
     kind: str  # "gated_fwd", "gated_rstd" or "gated_bwd"
     arch: str  # vocab.SUPPORTED_ARCHS
@@ -68,9 +72,12 @@ class GatedSpec:
     group_size: int
     norm_before_gate: bool
     weight_offset: float = 0.0
+    activation: str = SILU
 
     def name(self) -> str:
         offset = f"_off{self.weight_offset:g}".replace(".", "p").replace("-", "m")
         groups = "" if self.group_size == self.hidden else str(self.group_size)
         form = f"nbg{groups}" if self.norm_before_gate else f"gbn{self.group_size}"
-        return f"cake_{self.kind}_{self.arch}_{self.act_dtype}_w{self.w_dtype}_h{self.hidden}_{form}{offset}"
+        gate = "" if self.activation == SILU else f"_{self.activation}"
+        variant = f"{self.arch}_{self.act_dtype}_w{self.w_dtype}_h{self.hidden}_{form}{offset}{gate}"
+        return f"cake_{self.kind}_{variant}"
