@@ -25,6 +25,7 @@ from .validation import (
     check_dw_dtype,
     check_eps,
     check_forward_outputs,
+    check_gate_activation,
     check_gradient_parts,
     check_group_size,
     check_like,
@@ -35,6 +36,7 @@ from .validation import (
     check_weight_offset,
     check_workspace,
 )
+from .vocab import SILU
 
 
 class NormCall(NamedTuple):
@@ -186,7 +188,8 @@ def fp8_call(
 
 
 class GatedCall(NamedTuple):
-    """A gated-norm call's common arguments as ``gated_call`` accepted them (group_size resolved)."""
+    """A gated-norm call's common arguments as ``gated_call`` accepted them (group_size resolved), in
+    the order of the gated custom ops' arguments after the tensors."""
 
     x: torch.Tensor
     z: torch.Tensor
@@ -195,10 +198,21 @@ class GatedCall(NamedTuple):
     group_size: int
     norm_before_gate: bool
     weight_offset: float
+    activation: str  # vocab.GATE_ACTIVATIONS
 
 
 def gated_call(
-    x, z, w, eps, group_size, norm_before_gate, weight_offset, weight_name="w", *, torch_math=False
+    x,
+    z,
+    w,
+    eps,
+    group_size,
+    norm_before_gate,
+    weight_offset,
+    activation=SILU,
+    weight_name="w",
+    *,
+    torch_math=False,
 ) -> GatedCall:
     """The gated norm's arguments, before anything runs (the device excepted: the kernels' variant
     names the architecture, CPU tensors run the CPU kernels); errors name the weight ``weight_name``
@@ -216,4 +230,5 @@ def gated_call(
     check_bool("norm_before_gate", norm_before_gate)
     group_size = check_group_size(group_size, x.shape[-1])
     eps = None if eps is None else check_eps(eps)
-    return GatedCall(x, z, w, eps, group_size, norm_before_gate, check_weight_offset(weight_offset))
+    weight_offset, activation = check_weight_offset(weight_offset), check_gate_activation(activation)
+    return GatedCall(x, z, w, eps, group_size, norm_before_gate, weight_offset, activation)

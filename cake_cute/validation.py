@@ -22,7 +22,7 @@ from .kernels.gated_config import MAX_SEGMENT
 from .kernels.quant_config import QUANT_RECIPES
 from .kernels.tiling import MAX_HIDDEN, VECTOR_BYTES
 from .runtime.device import device_facts
-from .vocab import DTYPE_BY_TORCH, MATH_ONLY_DTYPES
+from .vocab import DTYPE_BY_TORCH, GATE_ACTIVATIONS, MATH_ONLY_DTYPES
 
 # The FP8 scale layouts (``fp8_numerics``) and the recipes each one holds.
 SCALE_LAYOUTS = {"compact": tuple(QUANT_RECIPES), "cublas": ("mxfp8",), "deepgemm": ("1x128",)}
@@ -340,6 +340,19 @@ def is_cake_rmsnorm_train_supported(device, hidden=None) -> bool:
     except (TypeError, ValueError):
         return False
     return device_facts(device).arch is not None
+
+
+def check_gate_activation(activation) -> str:
+    """A gated norm's gate activation: one of ``vocab.GATE_ACTIVATIONS`` (``"silu"``, ``"sigmoid"``).
+
+    Raises
+    ------
+    ValueError
+        Anything else (another name, or not a str).
+    """
+    if not isinstance(activation, str) or activation not in GATE_ACTIVATIONS:
+        raise ValueError(f"activation must be one of {GATE_ACTIVATIONS}, got {activation!r}")
+    return activation
 
 
 def check_group_size(group_size, hidden: int) -> int:

@@ -1,7 +1,8 @@
 """The gated norm's custom ops and autograd on CPU (no GPU): ``cake_gated_rmsnorm`` against the FP64
-reference (``gated_reference``) in both forms, what autograd saves, the fake kernels' outputs,
-``torch.compile(fullgraph=True)`` bitwise equal to eager, argument errors, and the DTensor sharding rules
-on a one-rank gloo group (heads sharded as under tensor parallelism).
+reference (``gated_reference``) in both forms and both gate activations (SiLU, sigmoid), what autograd
+saves, the fake kernels' outputs, ``torch.compile(fullgraph=True)`` bitwise equal to eager, argument
+errors, and the DTensor sharding rules on a one-rank gloo group (heads sharded as under tensor
+parallelism).
 
 Tolerances: FP32 y, dx, dz, dw within 1e-5 relative norm of FP64 (FP32 arithmetic over rows of 64);
 bf16 within ``reference.tolerance`` of the FP64 value rounded once.
@@ -26,6 +27,7 @@ EPS = 1e-6
 HIDDEN = 64
 # (group_size, norm_before_gate): Qwen3-Next rows, Mamba-2 groups, and norm-then-gate in groups.
 FORMS = [(None, True), (16, False), (16, True), (None, False)]
+ACTIVATIONS = ["silu", "sigmoid"]
 
 
 def _form_id(form) -> str:
@@ -52,22 +54,27 @@ def _run(fn, x, z, w, g, **options):
     return y, xl.grad, zl.grad, wl.grad
 
 
-def _references(x, z, w, g, group_size, norm_before_gate, weight_offset=0.0):
-    options = dict(group_size=group_size, norm_before_gate=norm_before_gate, weight_offset=weight_offset)
+def _references(x, z, w, g, group_size, norm_before_gate, weight_offset=0.0, activation="silu"):
+    options = dict(
+        group_size=group_size,
+        norm_before_gate=norm_before_gate,
+        weight_offset=weight_offset,
+        activation=activation,
+    )
     rows = [t.reshape(-1, t.shape[-1]) for t in (x, z, g)]
     y, _ = gated_forward_reference(rows[0], rows[1], w, EPS, **options)
     return (y, *gated_backward_reference(rows[2], rows[0], rows[1], w, EPS, **options))
 
 
+@pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("form", FORMS, ids=_form_id)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_against_the_fp64_reference(form, dtype):
+def test_against_the_fp64_reference(form, dtype, activation):
     group_size, nbg = form
     x, z, w, g = _inputs(dtype=dtype)
-    got = _run(
-        cake_gated_rmsnorm, x, z, w, g, group_size=group_size, norm_before_gate=nbg, weight_offset=0.25
-    )
-    want = _references(x, z, w, g, group_size, nbg, weight_offset=0.25)
+    options = dict(group_size=group_size, norm_before_gate=nbg, weight_offset=0.25, activation=activation)
+    got = _run(cake_gated_rmsnorm, x, z, w, g, **options)
+    want = _references(x, z, w, g, group_size, nbg, weight_offset=0.25, activation=activation)
     bound = 1e-5 if dtype == torch.float32 else tolerance(dtype)
     for name, a, b in zip(("y", "dx", "dz", "dw"), got, want):
         assert a.dtype == dtype, name
@@ -126,11 +133,12 @@ def test_fake_outputs_are_the_real_ones(form):
         assert (r.shape, r.stride(), r.dtype) == (m.shape, m.stride(), m.dtype)
 
 
+@pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("form", FORMS, ids=_form_id)
-def test_compiled_fullgraph_is_bitwise_eager(form):
+def test_compiled_fullgraph_is_bitwise_eager(form, activation):
     group_size, nbg = form
     x, z, w, g = _inputs()
-    options = dict(group_size=group_size, norm_before_gate=nbg)
+    options = dict(group_size=group_size, norm_before_gate=nbg, activation=activation)
     torch._dynamo.reset()
     compiled = torch.compile(cake_gated_rmsnorm, fullgraph=True)
     for got, want in zip(
@@ -139,9 +147,11 @@ def test_compiled_fullgraph_is_bitwise_eager(form):
         assert torch.equal(got, want)
 
 
-def test_deterministic():
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_deterministic(activation):
     x, z, w, g = _inputs(shape=(64, 8, HIDDEN), dtype=torch.bfloat16)
-    first, second = (_run(cake_gated_rmsnorm, x, z, w, g, group_size=16) for _ in range(2))
+    options = dict(group_size=16, activation=activation)
+    first, second = (_run(cake_gated_rmsnorm, x, z, w, g, **options) for _ in range(2))
     for a, b in zip(first, second):
         assert torch.equal(a, b)
 
@@ -157,6 +167,12 @@ def test_deterministic():
         (dict(norm_before_gate=1), TypeError, "norm_before_gate must be a bool"),
         (dict(eps=-1.0), ValueError, "eps"),
         (dict(x=torch.zeros(())), ValueError, "x must have at least 1 dim"),
+        (
+            dict(activation="swish"),
+            ValueError,
+            r"activation must be one of \('silu', 'sigmoid'\), got 'swish'",
+        ),
+        (dict(activation=0), ValueError, "activation must be one of"),
     ],
 )
 def test_argument_errors_name_the_argument(change, error, match):
@@ -164,11 +180,21 @@ def test_argument_errors_name_the_argument(change, error, match):
     arguments = dict(x=x, z=z, w=w, eps=EPS) | {
         k: t for k, t in change.items() if k in ("x", "z", "w", "eps")
     }
-    options = {k: t for k, t in change.items() if k in ("group_size", "norm_before_gate")}
+    options = {k: t for k, t in change.items() if k in ("group_size", "norm_before_gate", "activation")}
     if "x" in change:
         arguments["z"] = torch.zeros_like(change["x"])
     with pytest.raises(error, match=match):
         cake_gated_rmsnorm(**arguments, **options)
+
+
+def test_the_ops_name_a_bad_activation():
+    """Called directly (as compiled graphs call them), the ops refuse an unknown activation by name."""
+    x, z, w, g = _inputs()
+    with pytest.raises(ValueError, match="activation must be one of"):
+        torch.ops.cake_cute.gated_rmsnorm_fwd(x, z, w, EPS, None, True, 0.0, "tanh")
+    _, rstd = torch.ops.cake_cute.gated_rmsnorm_fwd(x, z, w, EPS, None, True, 0.0, "sigmoid")
+    with pytest.raises(ValueError, match="activation must be one of"):
+        torch.ops.cake_cute.gated_rmsnorm_bwd(g, x, z, w, rstd, None, True, 0.0, "tanh")
 
 
 # --- DTensor, one rank ----------------------------------------------------------------------------
@@ -181,22 +207,23 @@ def mesh():
     dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("placement", [Shard(0), Shard(1), Replicate()], ids=str)
 @pytest.mark.parametrize("form", FORMS[:2], ids=_form_id)
-def test_dtensor_heads_sharded_placements_and_no_collectives(mesh, placement, form):
+def test_dtensor_heads_sharded_placements_and_no_collectives(mesh, placement, form, activation):
     """[T, heads, head_dim] rows sharded on the heads (tensor parallel) or the tokens: x, z, y, dx, dz
     keep the placement, w's gradient is Partial, no collective runs, and every value is the local
     call's."""
     group_size, nbg = form
     x, z, w, g = _inputs()
-    options = dict(group_size=group_size, norm_before_gate=nbg)
+    options = dict(group_size=group_size, norm_before_gate=nbg, activation=activation)
     xd, zd = (distribute_tensor(t, mesh, [placement]).requires_grad_() for t in (x, z))
     wd = distribute_tensor(w, mesh, [Replicate()]).requires_grad_()
     gd = distribute_tensor(g, mesh, [placement])
     with CommDebugMode() as comm:
         y = cake_gated_rmsnorm(xd, zd, wd, EPS, **options)
         y.backward(gd)
-        _, rstd = torch.ops.cake_cute.gated_rmsnorm_fwd(xd, zd, wd, EPS, group_size, nbg, 0.0)
+        _, rstd = torch.ops.cake_cute.gated_rmsnorm_fwd(xd, zd, wd, EPS, group_size, nbg, 0.0, activation)
     assert comm.get_total_counts() == 0
     for t in (y, rstd, xd.grad, zd.grad):
         assert t.placements == (placement,)

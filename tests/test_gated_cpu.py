@@ -43,6 +43,29 @@ def test_norm_then_gate_is_qwen3_next(hidden):
     assert rstd.shape == (5, 1)
 
 
+@pytest.mark.parametrize(
+    ("family", "name"),
+    [
+        ("kimi_linear", "KimiLinearRMSNormGated"),
+        ("glm5_next", "Glm5NextTextRMSNormGated"),
+        ("bailing_hybrid", "BailingHybridRMSNormGated"),
+    ],
+)
+def test_sigmoid_norm_then_gate_is_kimi_linear(family, name):
+    """The sigmoid-gated classes compute in FP32 and round once: on FP32 inputs their output is the
+    reference's with ``activation="sigmoid"`` in FP32 (up to the order of the mean's additions)."""
+    module_of = pytest.importorskip(f"transformers.models.{family}.modeling_{family}")
+    x, z, _ = (t.float() for t in _inputs(5, 128))
+    module = getattr(module_of, name)(128, eps=EPS)
+    with torch.no_grad():
+        module.weight.copy_(_hf_weight(128))
+        expected = module(x, z)
+    y, _ = gated_forward_reference(
+        x, z, module.weight.detach(), EPS, activation="sigmoid", compute_dtype=torch.float32
+    )
+    torch.testing.assert_close(y, expected, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("norm_before_gate", [True, False])
 def test_reference_of_no_rows(norm_before_gate):
     """T = 0: empty outputs of the right shapes, and a dW of zeros (nothing was summed)."""
@@ -78,15 +101,21 @@ def test_gate_then_norm_is_nemotron_h(hidden, group_size):
     assert rstd.shape == (3, hidden // group_size)
 
 
+@pytest.mark.parametrize("activation", ["silu", "sigmoid"])
 @pytest.mark.parametrize("norm_before_gate", [True, False])
 @pytest.mark.parametrize(
     "hidden, group_size, weight_offset", [(128, None, 0.0), (96, 32, 1.0), (64, 16, 0.5)]
 )
-def test_backward_reference_is_autograd(norm_before_gate, hidden, group_size, weight_offset):
+def test_backward_reference_is_autograd(norm_before_gate, hidden, group_size, weight_offset, activation):
     x, z, g = _inputs(7, hidden, seed=2)
     w = _hf_weight(hidden)
     leaves = [t.clone().requires_grad_() for t in (x, z, w)]
-    kwargs = dict(group_size=group_size, norm_before_gate=norm_before_gate, weight_offset=weight_offset)
+    kwargs = dict(
+        group_size=group_size,
+        norm_before_gate=norm_before_gate,
+        weight_offset=weight_offset,
+        activation=activation,
+    )
     y, _ = gated_forward_reference(*leaves, EPS, **kwargs)
     expected = torch.autograd.grad(y, leaves, g)
     got = gated_backward_reference(g, x, z, w, EPS, **kwargs)
@@ -189,6 +218,13 @@ def _cpu_args(hidden=128, rows=4, dtype=torch.bfloat16):
         (dict(norm_before_gate=1), TypeError, "norm_before_gate"),
         (dict(eps=float("nan")), ValueError, "^eps must be"),
         (dict(weight_offset="1"), TypeError, "^weight_offset must be a float"),
+        (
+            dict(activation="gelu"),
+            ValueError,
+            r"^activation must be one of \('silu', 'sigmoid'\), got 'gelu'",
+        ),
+        (dict(activation=None), ValueError, "^activation must be one of"),
+        (dict(activation="sigmoid"), ValueError, "x must be a CUDA tensor"),
         (dict(), ValueError, "x must be a CUDA tensor"),  # every argument right: the device is last
     ],
 )
@@ -207,6 +243,7 @@ def test_forward_argument_errors(change, error, match):
         (dict(rstd=torch.zeros(4, 2)), ValueError, r"^rstd must have shape \(4,\)"),
         (dict(rstd=torch.zeros(4, dtype=torch.float64)), TypeError, "^rstd must have dtype"),
         (dict(group_size=64, rstd=torch.zeros(4)), ValueError, r"^rstd must have shape \(4, 2\)"),
+        (dict(activation="tanh"), ValueError, "^activation must be one of"),
         (dict(), ValueError, "x must be a CUDA tensor"),
     ],
 )
@@ -353,13 +390,28 @@ def test_forward_launch_arguments(launches):
     z = torch.randn(8, 4, 2048, dtype=torch.bfloat16)
     y, rstd = gated_ops.gated_rmsnorm_forward(x, z, torch.ones(2048), group_size=512, norm_before_gate=False)
     ((fields, args),) = launches
-    assert fields == ("gated_fwd", "sm_90a", "bf16", "fp32", 2048, 512, False, 0.0)
+    assert fields == ("gated_fwd", "sm_90a", "bf16", "fp32", 2048, 512, False, 0.0, "silu")
     assert make_spec(*fields).name() == "cake_gated_fwd_sm_90a_bf16_wfp32_h2048_gbn512_off0"
     kx, kz, kw, ky, krstd, eps = args
     assert kx.shape == (32, 2048) and kx.stride() == (2056, 1) and kx.data_ptr() == x.data_ptr()
     assert kz.shape == ky.shape == (32, 2048) and ky.data_ptr() == y.data_ptr()
     assert krstd.shape == (32, 4) and krstd.is_contiguous() and krstd.data_ptr() == rstd.data_ptr()
     assert rstd.shape == (8, 4, 4) and eps == EPS
+
+
+@pytest.mark.parametrize("norm_before_gate", [True, False])
+def test_the_activation_names_the_launched_variants(launches, norm_before_gate):
+    """``activation="sigmoid"`` reaches every gated launch as the last field of its variant, which names
+    a sigmoid kernel; the dW reduction is the activation's no part."""
+    x, z = torch.randn(3, 4, 256), torch.randn(3, 4, 256)
+    options = dict(group_size=64, norm_before_gate=norm_before_gate, activation="sigmoid")
+    _, rstd = gated_ops.gated_rmsnorm_forward(x, z, torch.ones(256), **options)
+    gated_ops.gated_rmsnorm_backward(torch.ones_like(x), x, z, torch.ones(256), rstd, **options)
+    (fwd, _), (bwd, _), (dw, _) = launches
+    form = "nbg64" if norm_before_gate else "gbn64"
+    assert make_spec(*fwd).name() == f"cake_gated_fwd_sm_90a_fp32_wfp32_h256_{form}_off0_sigmoid"
+    assert make_spec(*bwd).name() == f"cake_gated_bwd_sm_90a_fp32_wfp32_h256_{form}_off0_sigmoid"
+    assert dw == ("dw", "sm_90a", "fp32", 256)
 
 
 def test_backward_launch_arguments(launches):
@@ -370,7 +422,7 @@ def test_backward_launch_arguments(launches):
     rstd = torch.ones(300)
     dx, dz, dw = gated_ops.gated_rmsnorm_backward(g, x, z, torch.ones(hidden), rstd)
     (bwd_fields, bwd_args), (dw_fields, dw_args) = launches
-    assert bwd_fields == ("gated_bwd", "sm_90a", "fp32", "fp32", hidden, hidden, True, 0.0)
+    assert bwd_fields == ("gated_bwd", "sm_90a", "fp32", "fp32", hidden, hidden, True, 0.0, "silu")
     assert dw_fields == ("dw", "sm_90a", "fp32", hidden)
     config = gated_backward_config("sm_90a", "fp32", hidden, hidden)
     programs = min(300, 264)  # one row per CTA at this width: one tile per row

@@ -127,8 +127,8 @@ def test_backward_recomputes_rstd_then_runs_the_gated_backward(launches):
     g, x, z, w = _backward_inputs()
     dx, dz, dw = cake_rmsnorm_silu_gate_train_backward(g, x, z, w, EPS)
     assert _fields(launches) == [
-        ("gated_rstd", "sm_90a", "bf16", "bf16", 128, 128, True, 0.0),
-        ("gated_bwd", "sm_90a", "bf16", "bf16", 128, 128, True, 0.0),
+        ("gated_rstd", "sm_90a", "bf16", "bf16", 128, 128, True, 0.0, "silu"),
+        ("gated_bwd", "sm_90a", "bf16", "bf16", 128, 128, True, 0.0, "silu"),
         ("dw", "sm_90a", "bf16", 128),
     ]
     (_, stats), (_, bwd), (_, reduce) = launches

@@ -2,26 +2,26 @@
 kernels and DTensor sharding rules, and the public entry ``cake_gated_rmsnorm`` (FlashInfer's names for
 the norm-then-gate form are in ``gated.flashinfer``).
 
-``cake_cute::gated_rmsnorm_fwd(x, z, w, eps, group_size, norm_before_gate, weight_offset)`` returns
-``(y, rstd)``: y like x (contiguous), rstd FP32 shaped ``gated.ops.rstd_shape`` (x's leading dims, then
-H / group_size when a row has several groups). ``cake_cute::gated_rmsnorm_bwd(g, x, z, w, rstd, ...)``
-returns ``(dx, dz, dw)``, dw in w's dtype (as autograd wants it). The registered autograd saves exactly
-``(x, z, w, rstd)``; the backward recomputes the gate and the normalized input from them.
+``cake_cute::gated_rmsnorm_fwd(x, z, w, eps, group_size, norm_before_gate, weight_offset, activation)``
+returns ``(y, rstd)``: y like x (contiguous), rstd FP32 shaped ``gated.ops.rstd_shape`` (x's leading
+dims, then H / group_size when a row has several groups).
+``cake_cute::gated_rmsnorm_bwd(g, x, z, w, rstd, ...)`` returns ``(dx, dz, dw)``, dw in w's dtype (as
+autograd wants it). The registered autograd saves exactly ``(x, z, w, rstd)``; the backward recomputes
+the gate and the normalized input from them.
 
 Every call goes through the ops: torch.compile sees two opaque nodes (the fake kernels give the output
 shapes, dtypes and strides without running anything), DTensor applies the sharding rules below, CPU
 tensors run the CPU kernels, CUDA tensors the CuTe DSL kernels (no host synchronization: the calls can
 be captured in a CUDA graph).
 
-The CPU kernels compute in FP32 with the operations of the Hugging Face classes (``silu`` is torch's,
-the mean square is ``pow(2).mean(-1)``, the products in the classes' order) and round each output once,
-so a swapped FP32 model on CPU computes bitwise what the stock one computes.
+The CPU kernels compute in FP32 with the operations of the Hugging Face classes (``silu`` and
+``sigmoid`` are torch's, the mean square is ``pow(2).mean(-1)``, the products in the classes' order) and
+round each output once, so a swapped FP32 model on CPU computes bitwise what the stock one computes.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .. import validation as v
 from ..calls import gated_call
@@ -29,18 +29,19 @@ from ..library_ops import records_second_order
 from ..reference import compute_dtype_of
 from ..routing import MATH, route
 from ..runtime.views import as_output, new_output
+from ..vocab import SILU
 from .ops import gated_rmsnorm_backward, gated_rmsnorm_forward, rstd_shape
-from .reference import gated_backward_reference, gated_forward_reference
+from .reference import gate_terms, gated_backward_reference, gated_forward_reference
 
 __all__ = ["cake_gated_rmsnorm"]
 
 _FWD_SCHEMA = (
     "gated_rmsnorm_fwd(Tensor x, Tensor z, Tensor w, float eps, int? group_size=None, "
-    "bool norm_before_gate=True, float weight_offset=0.0) -> (Tensor, Tensor)"
+    "bool norm_before_gate=True, float weight_offset=0.0, str activation='silu') -> (Tensor, Tensor)"
 )
 _BWD_SCHEMA = (
     "gated_rmsnorm_bwd(Tensor g, Tensor x, Tensor z, Tensor w, Tensor rstd, int? group_size=None, "
-    "bool norm_before_gate=True, float weight_offset=0.0) -> (Tensor, Tensor, Tensor)"
+    "bool norm_before_gate=True, float weight_offset=0.0, str activation='silu') -> (Tensor, Tensor, Tensor)"
 )
 
 # A fragment of the cake_cute namespace; keeps these registrations alive.
@@ -50,13 +51,22 @@ _LIB = torch.library.Library("cake_cute", "FRAGMENT")
 # --- CUDA (the kernels) ---------------------------------------------------------------------------
 
 
-def _forward_cuda(x, z, w, eps, group_size=None, norm_before_gate=True, weight_offset=0.0):
+def _forward_cuda(x, z, w, eps, group_size=None, norm_before_gate=True, weight_offset=0.0, activation=SILU):
     return gated_rmsnorm_forward(
-        x, z, w, eps, group_size=group_size, norm_before_gate=norm_before_gate, weight_offset=weight_offset
+        x,
+        z,
+        w,
+        eps,
+        group_size=group_size,
+        norm_before_gate=norm_before_gate,
+        weight_offset=weight_offset,
+        activation=activation,
     )
 
 
-def _backward_cuda(g, x, z, w, rstd, group_size=None, norm_before_gate=True, weight_offset=0.0):
+def _backward_cuda(
+    g, x, z, w, rstd, group_size=None, norm_before_gate=True, weight_offset=0.0, activation=SILU
+):
     """dw in w's dtype, as autograd wants it: the FP32 sum rounded once by the reduction itself."""
     return gated_rmsnorm_backward(
         g,
@@ -67,6 +77,7 @@ def _backward_cuda(g, x, z, w, rstd, group_size=None, norm_before_gate=True, wei
         group_size=group_size,
         norm_before_gate=norm_before_gate,
         weight_offset=weight_offset,
+        activation=activation,
         dw=new_output(w),
     )
 
@@ -79,22 +90,16 @@ def _grouped(t: torch.Tensor, group_size: int) -> torch.Tensor:
     return t.reshape(*t.shape[:-1], t.shape[-1] // group_size, group_size)
 
 
-def _gate_terms(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(silu(z), silu'(z)) in FP32; silu is torch's, as the classes call it."""
-    s = torch.sigmoid(z)
-    return F.silu(z), s * (1 + z * (1 - s))
-
-
 def _scale(w: torch.Tensor, weight_offset: float) -> torch.Tensor:
     wf = w.float()
     return wf if weight_offset == 0.0 else wf + weight_offset
 
 
-def _forward_cpu(x, z, w, eps, group_size=None, norm_before_gate=True, weight_offset=0.0):
-    call = gated_call(x, z, w, eps, group_size, norm_before_gate, weight_offset)
+def _forward_cpu(x, z, w, eps, group_size=None, norm_before_gate=True, weight_offset=0.0, activation=SILU):
+    call = gated_call(x, z, w, eps, group_size, norm_before_gate, weight_offset, activation)
     group_size = call.group_size
     xf = x.float()
-    gate, _ = _gate_terms(z.float())
+    gate, _ = gate_terms(z.float(), call.activation)
     h = _grouped(xf if norm_before_gate else xf * gate, group_size)
     rstd = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + call.eps)
     y = (h * rstd).reshape(x.shape) * _scale(w, call.weight_offset)
@@ -103,11 +108,13 @@ def _forward_cpu(x, z, w, eps, group_size=None, norm_before_gate=True, weight_of
     return as_output(y, x), as_output(rstd, x, rstd_shape(x, group_size), torch.float32)
 
 
-def _backward_cpu(g, x, z, w, rstd, group_size=None, norm_before_gate=True, weight_offset=0.0):
+def _backward_cpu(
+    g, x, z, w, rstd, group_size=None, norm_before_gate=True, weight_offset=0.0, activation=SILU
+):
     """The closed form the CUDA backward evaluates, in FP32 from the saved rstd."""
     group_size = v.check_group_size(group_size, x.shape[-1])
     gf, xf = g.float(), x.float()
-    gate, dgate = _gate_terms(z.float())
+    gate, dgate = gate_terms(z.float(), v.check_gate_activation(activation))
     scale = _scale(w, weight_offset)
     r = rstd.reshape(*x.shape[:-1], x.shape[-1] // group_size, 1)
     h = xf if norm_before_gate else xf * gate
@@ -126,13 +133,15 @@ def _backward_cpu(g, x, z, w, rstd, group_size=None, norm_before_gate=True, weig
 # --- fake (tracing, meta tensors) -----------------------------------------------------------------
 
 
-def _forward_fake(x, z, w, eps, group_size=None, norm_before_gate=True, weight_offset=0.0):
+def _forward_fake(x, z, w, eps, group_size=None, norm_before_gate=True, weight_offset=0.0, activation=SILU):
     """The real op's outputs (``views.new_output``); argument errors surface while tracing."""
-    call = gated_call(x, z, w, eps, group_size, norm_before_gate, weight_offset)
+    call = gated_call(x, z, w, eps, group_size, norm_before_gate, weight_offset, activation)
     return new_output(x), new_output(x, rstd_shape(x, call.group_size), torch.float32)
 
 
-def _backward_fake(g, x, z, w, rstd, group_size=None, norm_before_gate=True, weight_offset=0.0):
+def _backward_fake(
+    g, x, z, w, rstd, group_size=None, norm_before_gate=True, weight_offset=0.0, activation=SILU
+):
     return new_output(x), new_output(x), new_output(w)
 
 
@@ -141,27 +150,27 @@ def _backward_fake(g, x, z, w, rstd, group_size=None, norm_before_gate=True, wei
 
 def _setup_context(ctx, inputs, output):
     """Saves exactly (x, z, w, rstd); rstd gets no gradient, an unused y's gradient is None."""
-    x, z, w, eps, group_size, norm_before_gate, weight_offset = inputs
+    x, z, w, eps, group_size, norm_before_gate, weight_offset, activation = inputs
     _y, rstd = output
     ctx.save_for_backward(x, z, w, rstd)
     ctx.eps = eps
-    ctx.options = (group_size, norm_before_gate, weight_offset)
+    ctx.options = (group_size, norm_before_gate, weight_offset, activation)
     ctx.mark_non_differentiable(rstd)
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, g, _g_rstd):
     if g is None:
-        return None, None, None, None, None, None, None
+        return None, None, None, None, None, None, None, None
     x, z, w, rstd = ctx.saved_tensors
     if records_second_order(g, x, z, w):  # double backward: a formula autograd differentiates again
         dx, dz, dw = _differentiable_backward(g, x, z, w, ctx.eps, *ctx.options)
     else:
         dx, dz, dw = torch.ops.cake_cute.gated_rmsnorm_bwd(g, x, z, w, rstd, *ctx.options)
-    return dx, dz, dw, None, None, None, None
+    return dx, dz, dw, None, None, None, None, None
 
 
-def _differentiable_backward(g, x, z, w, eps, group_size, norm_before_gate, weight_offset):
+def _differentiable_backward(g, x, z, w, eps, group_size, norm_before_gate, weight_offset, activation):
     """(dx, dz, dw) as the kernels give them (dw in w's dtype), in torch operations recomputing the
     gate and the statistics from x and z (``reference.gated_backward_reference``)."""
     hidden = x.shape[-1]
@@ -174,6 +183,7 @@ def _differentiable_backward(g, x, z, w, eps, group_size, norm_before_gate, weig
         group_size=group_size,
         norm_before_gate=norm_before_gate,
         weight_offset=weight_offset,
+        activation=activation,
         compute_dtype=compute_dtype_of(x.dtype),
     )
     return dx.reshape(x.shape).to(x.dtype), dz.reshape(x.shape).to(x.dtype), dw.to(w.dtype)
@@ -182,7 +192,7 @@ def _differentiable_backward(g, x, z, w, eps, group_size, norm_before_gate, weig
 def gated_rmsnorm_math(call) -> torch.Tensor:
     """y of a gated call in torch operations (the ``MATH`` route: FP64 inputs, ``torch.func``
     transforms): the reference's arithmetic in FP32, or FP64 for FP64 inputs, rounded once."""
-    x, z, w, eps, group_size, norm_before_gate, weight_offset = call
+    x, z, w, eps, group_size, norm_before_gate, weight_offset, activation = call
     hidden = x.shape[-1]
     y, _rstd = gated_forward_reference(
         x.reshape(-1, hidden),
@@ -192,6 +202,7 @@ def gated_rmsnorm_math(call) -> torch.Tensor:
         group_size=group_size,
         norm_before_gate=norm_before_gate,
         weight_offset=weight_offset,
+        activation=activation,
         compute_dtype=compute_dtype_of(x.dtype),
     )
     return y.reshape(x.shape).to(x.dtype)
@@ -214,12 +225,15 @@ def _register() -> None:
 _register()
 
 
-def cake_gated_rmsnorm(x, z, w, eps=1e-6, *, group_size=None, norm_before_gate=True, weight_offset=0.0):
+def cake_gated_rmsnorm(
+    x, z, w, eps=1e-6, *, group_size=None, norm_before_gate=True, weight_offset=0.0, activation=SILU
+):
     """Gated RMSNorm with autograd, FP32 math and one rounding of y.
 
-    ``norm_before_gate=True`` (Qwen3-Next): ``y = x * rstd * (w + weight_offset) * silu(z)``;
-    ``False`` (Mamba-2, NemotronH): ``y = (x * silu(z)) * rstd_group * (w + weight_offset)``, the
-    statistics per group of ``group_size`` columns (either form takes groups).
+    ``norm_before_gate=True`` (Qwen3-Next): ``y = x * rstd * (w + weight_offset) * act(z)``;
+    ``False`` (Mamba-2, NemotronH): ``y = (x * act(z)) * rstd_group * (w + weight_offset)``, the
+    statistics per group of ``group_size`` columns (either form takes groups). ``act`` is SiLU, or
+    sigmoid (Kimi Linear, GLM-5 Next, Bailing hybrid).
 
     Parameters
     ----------
@@ -237,6 +251,8 @@ def cake_gated_rmsnorm(x, z, w, eps=1e-6, *, group_size=None, norm_before_gate=T
         Normalize then gate (True) or gate then normalize (False).
     weight_offset : float
         The scale is ``w + weight_offset``.
+    activation : str
+        The gate's activation, ``"silu"`` (default) or ``"sigmoid"``.
 
     Returns
     -------
@@ -247,14 +263,15 @@ def cake_gated_rmsnorm(x, z, w, eps=1e-6, *, group_size=None, norm_before_gate=T
     Raises
     ------
     TypeError, ValueError
-        An argument of the wrong kind, dtype, shape or value, named, before anything runs.
+        An argument of the wrong kind, dtype, shape or value, named, before anything runs (an
+        ``activation`` other than ``"silu"`` or ``"sigmoid"``: a ValueError).
     """
     if route(x, w) is MATH:
         return gated_rmsnorm_math(
-            gated_call(x, z, w, eps, group_size, norm_before_gate, weight_offset, torch_math=True)
+            gated_call(x, z, w, eps, group_size, norm_before_gate, weight_offset, activation, torch_math=True)
         )
     # Checked here as well as in the op: its schema would turn a bad argument into a RuntimeError
     # naming none, and a DTensor's sharding rule runs on the global shapes before the op's body.
-    call = gated_call(x, z, w, eps, group_size, norm_before_gate, weight_offset)
+    call = gated_call(x, z, w, eps, group_size, norm_before_gate, weight_offset, activation)
     y, _rstd = torch.ops.cake_cute.gated_rmsnorm_fwd(*call)
     return y

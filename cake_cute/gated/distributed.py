@@ -15,6 +15,7 @@ from torch.distributed.tensor import Partial, Replicate
 from torch.distributed.tensor.experimental import register_sharding
 
 from ..distributed import row_placements
+from ..vocab import SILU
 
 
 def _row_placements(x):
@@ -22,16 +23,24 @@ def _row_placements(x):
 
 
 @register_sharding(torch.ops.cake_cute.gated_rmsnorm_fwd.default)
-def _forward_sharding(x, z, w, eps, group_size=None, norm_before_gate=True, weight_offset=0.0):
-    """Outputs (y, rstd); inputs (x, z, w, eps, group_size, norm_before_gate, weight_offset)."""
-    return [([rows, rows], [rows, rows, Replicate(), None, None, None, None]) for rows in _row_placements(x)]
+def _forward_sharding(
+    x, z, w, eps, group_size=None, norm_before_gate=True, weight_offset=0.0, activation=SILU
+):
+    """Outputs (y, rstd); inputs (x, z, w, eps, group_size, norm_before_gate, weight_offset,
+    activation)."""
+    options = [None] * 5  # eps, group_size, norm_before_gate, weight_offset, activation
+    return [([rows, rows], [rows, rows, Replicate(), *options]) for rows in _row_placements(x)]
 
 
 @register_sharding(torch.ops.cake_cute.gated_rmsnorm_bwd.default)
-def _backward_sharding(g, x, z, w, rstd, group_size=None, norm_before_gate=True, weight_offset=0.0):
-    """Outputs (dx, dz, dw); inputs (g, x, z, w, rstd, group_size, norm_before_gate, weight_offset)."""
+def _backward_sharding(
+    g, x, z, w, rstd, group_size=None, norm_before_gate=True, weight_offset=0.0, activation=SILU
+):
+    """Outputs (dx, dz, dw); inputs (g, x, z, w, rstd, group_size, norm_before_gate, weight_offset,
+    activation)."""
     strategies = []
     for rows in _row_placements(x):
         dw = Replicate() if isinstance(rows, Replicate) else Partial()
-        strategies.append(([rows, rows, dw], [rows, rows, rows, Replicate(), rows, None, None, None]))
+        options = [None] * 4  # group_size, norm_before_gate, weight_offset, activation
+        strategies.append(([rows, rows, dw], [rows, rows, rows, Replicate(), rows, *options]))
     return strategies

@@ -1,5 +1,6 @@
 """``CakeGatedRMSNorm``: the gated RMSNorm as a module, ``forward(hidden_states, gate=None)`` as the
-Hugging Face gated norm classes call it, with their roundings (``cast_policy``).
+Hugging Face gated norm classes call it, with their gate activation (SiLU, or sigmoid: Kimi Linear,
+GLM-5 Next, Bailing hybrid) and their roundings (``cast_policy``).
 
 The cast policies (the Hugging Face classes are listed in docs/gated.md):
 
@@ -7,15 +8,15 @@ The cast policies (the Hugging Face classes are listed in docs/gated.md):
   FalconH1 compute this way).
 * ``"round_then_scale"``: the normalized values rounded to x's dtype, then scaled by the weight in
   torch's promoted dtype. Gate then norm (Mamba-2, NemotronH, Bamba, GraniteMoeHybrid, Zamba2):
-  ``y = w * round(rmsnorm_g(x * silu(z)))``, the output in the promotion of w's and x's dtypes: the
+  ``y = w * round(rmsnorm_g(x * act(z)))``, the output in the promotion of w's and x's dtypes: the
   gated kernel with a unit weight, then torch's multiply. Norm then gate (Qwen3-Next, Qwen3.5,
-  OLMo-hybrid, ...): ``y = round((w * round(x * rstd)) * silu(z))``: the plain norm kernel with a unit
+  OLMo-hybrid, ...): ``y = round((w * round(x * rstd)) * act(z))``: the plain norm kernel with a unit
   weight, then torch's operations for the weight and the gate (the gate comes after a rounding, so
   the gated kernel, which rounds once, cannot serve it); in eager mode the backward recomputes that
   form's products rather than keeping them (x and z are all it keeps).
 * ``"scale_then_round"``: the normalized values scaled by the weight in FP32 and rounded to x's dtype,
   then gated: norm then gate (torchtitan's Qwen3.5 ``RMSNormGated``; Megatron-core's Gated DeltaNet
-  normalizes and gates this way) ``y = round(round(x * rstd * w) * silu(z))``: the plain norm kernel
+  normalizes and gates this way) ``y = round(round(x * rstd * w) * act(z))``: the plain norm kernel
   with the weight, then torch's gate, recomputed in the backward as above. Gate then norm rounds once,
   as ``"one_rounding"``.
 
@@ -39,12 +40,15 @@ from torch.utils.checkpoint import checkpoint
 from .. import validation as v
 from ..autograd import cake_rmsnorm
 from ..runtime.views import kernel_weight
+from ..vocab import SIGMOID, SILU
 from .autograd import cake_gated_rmsnorm
 
 ONE_ROUNDING = "one_rounding"
 ROUND_THEN_SCALE = "round_then_scale"
 SCALE_THEN_ROUND = "scale_then_round"
 GATED_CAST_POLICIES = (ONE_ROUNDING, ROUND_THEN_SCALE, SCALE_THEN_ROUND)
+# The gate activations as torch computes them (the Hugging Face classes' own functions).
+_TORCH_ACTIVATIONS = {SILU: F.silu, SIGMOID: torch.sigmoid}
 
 
 def check_gated_cast_policy(name: str, value) -> str:
@@ -58,9 +62,9 @@ class CakeGatedRMSNorm(nn.Module):
     """Gated RMSNorm over the last dimension with the cake_cute kernels.
 
     ``forward(hidden_states, gate=None)``: ``norm_before_gate=True`` gives
-    ``x * rstd * (w + weight_offset) * silu(gate)``, ``False`` gives
-    ``rmsnorm_group(x * silu(gate)) * (w + weight_offset)``, rounded as ``cast_policy`` says. Without a
-    gate it is the (grouped) RMSNorm with the same casts.
+    ``x * rstd * (w + weight_offset) * act(gate)``, ``False`` gives
+    ``rmsnorm_group(x * act(gate)) * (w + weight_offset)``, act the ``activation`` (SiLU or sigmoid),
+    rounded as ``cast_policy`` says. Without a gate it is the (grouped) RMSNorm with the same casts.
 
     Parameters
     ----------
@@ -77,6 +81,8 @@ class CakeGatedRMSNorm(nn.Module):
     cast_policy : str
         ``"one_rounding"`` (default), ``"round_then_scale"`` or ``"scale_then_round"`` (module
         docstring).
+    activation : str
+        The gate's activation: ``"silu"`` (default) or ``"sigmoid"``.
     device, dtype : optional
         Of the weight.
 
@@ -84,8 +90,8 @@ class CakeGatedRMSNorm(nn.Module):
     ------
     TypeError, ValueError
         A hidden_size that is not a positive int, a group_size not dividing it, eps / weight_offset
-        out of range, norm_before_gate not a bool, an unknown cast_policy, a device or dtype torch's
-        modules would refuse (``validation.check_factory_arguments``).
+        out of range, norm_before_gate not a bool, an unknown cast_policy or activation, a device or
+        dtype torch's modules would refuse (``validation.check_factory_arguments``).
     """
 
     def __init__(
@@ -97,6 +103,7 @@ class CakeGatedRMSNorm(nn.Module):
         norm_before_gate: bool = True,
         weight_offset: float = 0.0,
         cast_policy: str = ONE_ROUNDING,
+        activation: str = SILU,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ):
@@ -108,6 +115,7 @@ class CakeGatedRMSNorm(nn.Module):
         self.norm_before_gate = norm_before_gate
         self.weight_offset = v.check_weight_offset(weight_offset)
         self.cast_policy = check_gated_cast_policy("cast_policy", cast_policy)
+        self.activation = v.check_gate_activation(activation)
         v.check_factory_arguments(device, dtype)
         self.weight = nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype))
         self.reset_parameters()
@@ -156,7 +164,7 @@ class CakeGatedRMSNorm(nn.Module):
         if self._rounds_once(x):
             return self._gated(x, gate, kernel_weight(w, x))
         if not self.norm_before_gate:
-            # w * round(rmsnorm_g(x * silu(z))): the gated kernel with a unit scale, then torch's product.
+            # w * round(rmsnorm_g(x * act(z))): the gated kernel with a unit scale, then torch's product.
             return self._scale() * self._gated(x, gate, x.new_ones(x.shape[-1]), weight_offset=0.0)
         if torch.is_grad_enabled() and not torch.compiler.is_compiling():
             # Autograd would keep torch's FP32 gate and products for the backward (12 bytes per
@@ -166,14 +174,14 @@ class CakeGatedRMSNorm(nn.Module):
         return self._norm_then_gate(x, gate)
 
     def _norm_then_gate(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        """``round((w * round(x * rstd)) * silu(z))`` (``"round_then_scale"``: the plain norm kernel with
-        a unit scale, then torch's products) or ``round(round(x * rstd * w) * silu(z))``
+        """``round((w * round(x * rstd)) * act(z))`` (``"round_then_scale"``: the plain norm kernel with
+        a unit scale, then torch's products) or ``round(round(x * rstd * w) * act(z))``
         (``"scale_then_round"``), grouped when group_size < H."""
         if self.cast_policy == ROUND_THEN_SCALE:
             scaled = self._scale() * self._normalized(x, x.dtype)
         else:
             scaled = self._scaled(x)
-        return (scaled * F.silu(gate.float())).to(x.dtype)
+        return (scaled * _TORCH_ACTIVATIONS[self.activation](gate.float())).to(x.dtype)
 
     def _scaled(self, x: torch.Tensor) -> torch.Tensor:
         """``round(x * rstd * (w + weight_offset))`` per group, the product in FP32: the plain kernel
@@ -210,6 +218,7 @@ class CakeGatedRMSNorm(nn.Module):
             group_size=self.group_size,
             norm_before_gate=self.norm_before_gate,
             weight_offset=weight_offset,
+            activation=self.activation,
         )
 
     def _scale(self) -> torch.Tensor:
@@ -231,7 +240,8 @@ class CakeGatedRMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         group = "" if self.group_size == self.hidden_size else f", group_size={self.group_size}"
+        gate = "" if self.activation == SILU else f", activation={self.activation}"
         return (
             f"{self.hidden_size}, eps={self.eps}{group}, norm_before_gate={self.norm_before_gate}, "
-            f"weight_offset={self.weight_offset}, cast_policy={self.cast_policy}"
+            f"weight_offset={self.weight_offset}, cast_policy={self.cast_policy}{gate}"
         )

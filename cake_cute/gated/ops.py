@@ -25,7 +25,7 @@ from ..runtime.views import (
     partial_rows_view,
     rows_view,
 )
-from ..vocab import DTYPE_NAMES, dtype_name
+from ..vocab import DTYPE_NAMES, SILU, dtype_name
 
 
 def rstd_shape(x: torch.Tensor, group_size: int) -> tuple[int, ...]:
@@ -59,14 +59,26 @@ def variant_fields(call: GatedCall) -> tuple:
         call.group_size,
         call.norm_before_gate,
         call.weight_offset,
+        call.activation,
     )
 
 
 def gated_rmsnorm_forward(
-    x, z, w, eps=1e-6, *, group_size=None, norm_before_gate=True, weight_offset=0.0, out=None, rstd=None
+    x,
+    z,
+    w,
+    eps=1e-6,
+    *,
+    group_size=None,
+    norm_before_gate=True,
+    weight_offset=0.0,
+    activation=SILU,
+    out=None,
+    rstd=None,
 ):
-    """Gated RMSNorm forward: ``y = x * rstd * (w + offset) * silu(z)`` (norm then gate) or
-    ``y = rmsnorm_group(x * silu(z)) * (w + offset)`` (gate then norm), FP32 math, one rounding.
+    """Gated RMSNorm forward: ``y = x * rstd * (w + offset) * act(z)`` (norm then gate) or
+    ``y = rmsnorm_group(x * act(z)) * (w + offset)`` (gate then norm), FP32 math, one rounding; act is
+    SiLU or sigmoid.
 
     Parameters
     ----------
@@ -82,6 +94,8 @@ def gated_rmsnorm_forward(
         True (Qwen3-Next) or False: gate, then normalize per group (NemotronH, Mamba-2).
     weight_offset : float
         Added to w in FP32 (1.0 for a ``1 + w`` weight).
+    activation : str
+        The gate's activation: ``"silu"`` (Qwen3-Next, Mamba-2) or ``"sigmoid"`` (Kimi Linear).
     out, rstd : torch.Tensor, optional
         Caller-owned outputs (contiguous, vector aligned) for y and rstd.
 
@@ -96,7 +110,8 @@ def gated_rmsnorm_forward(
         An argument of the wrong kind, dtype, shape or value, x not on a supported CUDA device
         (named in the message; nothing is launched).
     """
-    return forward_of_call(gated_call(x, z, w, eps, group_size, norm_before_gate, weight_offset), out, rstd)
+    call = gated_call(x, z, w, eps, group_size, norm_before_gate, weight_offset, activation)
+    return forward_of_call(call, out, rstd)
 
 
 def forward_of_call(call: GatedCall, out=None, rstd=None):
@@ -146,7 +161,19 @@ def backward_programs(rows: int, config: GatedConfig, groups: int, facts: Device
 
 
 def gated_rmsnorm_backward(
-    g, x, z, w, rstd, *, group_size=None, norm_before_gate=True, weight_offset=0.0, dx=None, dz=None, dw=None
+    g,
+    x,
+    z,
+    w,
+    rstd,
+    *,
+    group_size=None,
+    norm_before_gate=True,
+    weight_offset=0.0,
+    activation=SILU,
+    dx=None,
+    dz=None,
+    dw=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gated RMSNorm backward: dx and dz in one pass (the gate and the normalized input recomputed
     from x, z, w and the forward's rstd), dw as a fixed-order FP32 sum of per-program partial rows.
@@ -156,7 +183,7 @@ def gated_rmsnorm_backward(
     ----------
     g : torch.Tensor
         Gradient of y, x's dtype, shape and device.
-    x, z, w, group_size, norm_before_gate, weight_offset
+    x, z, w, group_size, norm_before_gate, weight_offset, activation
         As given to ``gated_rmsnorm_forward``.
     rstd : torch.Tensor
         The forward's rstd: FP32 of shape ``rstd_shape(x, group_size)``.
@@ -174,7 +201,7 @@ def gated_rmsnorm_backward(
     TypeError, ValueError
         As ``gated_rmsnorm_forward``, and g or rstd of the wrong dtype, shape or device.
     """
-    call = gated_call(x, z, w, None, group_size, norm_before_gate, weight_offset)
+    call = gated_call(x, z, w, None, group_size, norm_before_gate, weight_offset, activation)
     v.check_like("g", g, x)
     v.check_output("rstd", rstd, rstd_shape(x, call.group_size), torch.float32, x.device)
     check_gradient_outputs(call, ("dx", dx), ("dz", dz))
@@ -247,10 +274,10 @@ def launch_statistics(call: GatedCall, fields: tuple, rstd: torch.Tensor) -> Non
     backward whose caller kept none. The kernel reads no weight, so its variant names x's dtype for
     w's and no offset; z is read only in the gate-then-norm form."""
     x, group_size = call.x, call.group_size
-    arch, act, _w, hidden, _, norm_before_gate, _offset = fields
+    arch, act, _w, hidden, _, norm_before_gate, _offset, activation = fields
     vec = vector_width(group_size, x.element_size())
     rows = x.numel() // hidden
-    kernel("gated_rstd", arch, act, act, hidden, group_size, norm_before_gate, 0.0)(
+    kernel("gated_rstd", arch, act, act, hidden, group_size, norm_before_gate, 0.0, activation)(
         kernel_view(x, vec), kernel_view(call.z, vec), rstd.view(rows, hidden // group_size), call.eps
     )
 

@@ -3,10 +3,10 @@
 In FP64 it is the reference the GPU tests measure the kernels against; in FP32 it performs the
 kernels' operations (``kernels.gated_fwd``, ``kernels.gated_bwd``) with their one rounding per output
 when the caller casts the result to the activation dtype. Both forms, with statistics per group of
-``group_size`` columns (``hidden`` for one group per row):
+``group_size`` columns (``hidden`` for one group per row), the gate activation act SiLU or sigmoid:
 
-    norm then gate:  y = x * rstd * (w + offset) * silu(z)
-    gate then norm:  y = (x * silu(z)) * rstd_group * (w + offset)
+    norm then gate:  y = x * rstd * (w + offset) * act(z)
+    gate then norm:  y = (x * act(z)) * rstd_group * (w + offset)
 
 The backward is written out in closed form (the formulas the kernel evaluates); the CPU tests check it
 against autograd of the forward.
@@ -17,6 +17,9 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
+
+from ..vocab import SIGMOID, SILU
 
 
 def _groups(t: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -24,9 +27,26 @@ def _groups(t: torch.Tensor, group_size: int) -> torch.Tensor:
     return t.reshape(t.shape[0], t.shape[1] // group_size, group_size)
 
 
-def _silu_and_derivative(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def gate_terms(z: torch.Tensor, activation: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(act(z), act'(z)) in z's dtype, silu and sigmoid torch's (as the Hugging Face classes call
+    them): silu' = s * (1 + z * (1 - s)), sigmoid' = s * (1 - s), s = sigmoid(z).
+
+    Parameters
+    ----------
+    z : torch.Tensor
+        The gate.
+    activation : str
+        ``"silu"`` or ``"sigmoid"`` (``vocab.GATE_ACTIVATIONS``).
+
+    Returns
+    -------
+    (torch.Tensor, torch.Tensor)
+        The activation and its derivative, like z.
+    """
     s = torch.sigmoid(z)
-    return z * s, s * (1 + z * (1 - s))
+    if activation == SIGMOID:
+        return s, s * (1 - s)
+    return F.silu(z), s * (1 + z * (1 - s))
 
 
 class _Forward(NamedTuple):
@@ -34,11 +54,11 @@ class _Forward(NamedTuple):
     kernel does, and uses them all."""
 
     x: torch.Tensor
-    silu: torch.Tensor
-    dsilu: torch.Tensor  # silu'(z)
+    gate: torch.Tensor  # act(z)
+    dgate: torch.Tensor  # act'(z)
     w: torch.Tensor  # w + weight_offset
     rstd: torch.Tensor  # (T, H / group_size)
-    n: torch.Tensor  # the normalized values: (x, or x * silu(z)) * rstd per group
+    n: torch.Tensor  # the normalized values: (x, or x * act(z)) * rstd per group
     group_size: int
     norm_before_gate: bool
 
@@ -52,18 +72,19 @@ def _forward(
     group_size: int | None = None,
     norm_before_gate: bool = True,
     weight_offset: float = 0.0,
+    activation: str = SILU,
     compute_dtype: torch.dtype = torch.float64,
 ) -> _Forward:
     """The values both references start from (options: ``gated_forward_reference``'s)."""
     group_size = group_size or x.shape[-1]
     x, z = x.to(compute_dtype), z.to(compute_dtype)
-    silu, dsilu = _silu_and_derivative(z)
-    h = x if norm_before_gate else x * silu
+    gate, dgate = gate_terms(z, activation)
+    h = x if norm_before_gate else x * gate
     hg = _groups(h, group_size)
     rstd = torch.rsqrt(hg.square().mean(-1) + eps)
     n = (hg * rstd.unsqueeze(-1)).reshape(h.shape)
     w = w.to(compute_dtype) + weight_offset
-    return _Forward(x, silu, dsilu, w, rstd, n, group_size, norm_before_gate)
+    return _Forward(x, gate, dgate, w, rstd, n, group_size, norm_before_gate)
 
 
 def gated_forward_reference(
@@ -89,6 +110,8 @@ def gated_forward_reference(
             Mamba-2).
         weight_offset : float
             Added to w (1.0 for a ``1 + w`` weight; default 0.0).
+        activation : str
+            The gate's activation, ``"silu"`` (the default) or ``"sigmoid"``.
         compute_dtype : torch.dtype
             Every operation's dtype: FP64 (the default) for the reference, FP32 for the kernels'
             arithmetic.
@@ -104,7 +127,7 @@ def gated_forward_reference(
     """
     f = _forward(x, z, w, eps, **options)
     y = f.n * f.w
-    return (y * f.silu if f.norm_before_gate else y), f.rstd
+    return (y * f.gate if f.norm_before_gate else y), f.rstd
 
 
 def gated_backward_reference(
@@ -130,10 +153,10 @@ def gated_backward_reference(
     """
     f = _forward(x, z, w, eps, **options)
     g = g.to(f.n.dtype)
-    a = g * f.w * f.silu if f.norm_before_gate else g * f.w
+    a = g * f.w * f.gate if f.norm_before_gate else g * f.w
     a_groups, n_groups = _groups(a, f.group_size), _groups(f.n, f.group_size)
     c = (a_groups * n_groups).mean(-1, keepdim=True)
     dn = ((a_groups - n_groups * c) * f.rstd.unsqueeze(-1)).reshape(f.n.shape)
     if f.norm_before_gate:
-        return dn, g * f.n * f.w * f.dsilu, (g * f.n * f.silu).sum(0)
-    return dn * f.silu, dn * f.x * f.dsilu, (g * f.n).sum(0)
+        return dn, g * f.n * f.w * f.dgate, (g * f.n * f.gate).sum(0)
+    return dn * f.gate, dn * f.x * f.dgate, (g * f.n).sum(0)
