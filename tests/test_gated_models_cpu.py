@@ -9,16 +9,19 @@ What is checked, and the bounds:
 * its gradients are within rtol 1e-4 / atol 1e-6 of the stock model's: the backward is the kernels'
   closed form, not autograd's chain through the class's operations (a few FP32 ulps per norm, grown
   through the rest of the model's backward);
-* per class, in FP32 and bf16: the swapped module's y bitwise the class's (each class's casts
-  followed), dx / dz / dw within the same bound of the class's autograd (bf16: bitwise on these
-  shapes, checked within the bf16 tolerance);
+* per class, in FP32 and bf16: the swapped module's y bitwise the class's (each class's casts and
+  gate activation followed: SiLU, or sigmoid for Kimi Linear, GLM-5 Next, Bailing hybrid and a
+  sigmoid-gated Qwen4-exp), dx / dz / dw within the same bound of the class's autograd (bf16: bitwise
+  on these shapes, checked within the bf16 tolerance); the classes that name their activation
+  (``ACT2FN[self.activation]``) also with the other one;
 * per class, the dtype mixes the classes take (x, gate and weight of different dtypes, each class
   casting x and the gate to FP32), with and without CPU autocast: y bitwise the class's, in its dtype,
   gradients within the bound of their dtype; the bf16 / fp16 Mamba-2-style models, whose torch scan
   hands the gated norm an FP32 input and a gate in the model's dtype, swapped: logits bitwise, and a
   training step runs;
-* the classes that gate with another activation than SiLU, and group sizes not dividing H, are refused
-  by name (``GatedNormNotServed``);
+* the classes that gate with another activation than SiLU or sigmoid, or otherwise than by one factor
+  of the activated gate, or between the norm and the weight, and group sizes not dividing H, are
+  refused by name (``GatedNormNotServed``);
 * ``cast_policy="one_rounding"`` on a class that rounds twice (Qwen3-Next): within 2**-6 relative of
   the class (docs/gated.md: three bf16 roundings against one);
 * numerics against FP64, determinism, and ``torch.compile(fullgraph=True)`` of a swapped module
@@ -43,6 +46,7 @@ from cake_cute.gated.module import CakeGatedRMSNorm
 from cake_cute.gated.reference import gated_forward_reference
 from cake_cute.gated.swap import GatedNormNotServed, is_gated_norm, swap_gated_rmsnorm
 from cake_cute.reference import rel_error, tolerance
+from cake_cute.vocab import SIGMOID, SILU
 
 from ._helpers import scaled_then_gated
 from ._hf_helpers import mamba2_gated_norm
@@ -56,8 +60,9 @@ GRAD_RTOL, GRAD_ATOL = 1e-4, 1e-6
 
 @dataclass(frozen=True)
 class Family:
-    """A family's config and causal-LM classes, what makes it tiny, its gated norm class and how the
-    swap serves it (cast policy, norm before gate)."""
+    """A family's config and causal-LM classes, what makes it tiny (``extra`` over the common sizes;
+    ``vision``: a multimodal config whose text config they are, and its tiny vision config), its gated
+    norm class and how the swap serves it (cast policy, norm before gate, gate activation)."""
 
     config: str
     model: str
@@ -65,6 +70,8 @@ class Family:
     policy: str
     norm_before_gate: bool
     extra: dict = field(default_factory=dict)
+    activation: str = SILU
+    vision: dict | None = None
 
 
 _LINEAR = dict(
@@ -79,6 +86,17 @@ _MOE = dict(
     num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32
 )
 _MAMBA = dict(mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=16, mamba_chunk_size=8)
+# Kimi Delta Attention layers (and their MLA attention layers), as Kimi Linear and its copies have them.
+_KDA = dict(
+    layer_types=["linear_attention", "full_attention"],
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    moe_intermediate_size=32,
+    num_experts_per_tok=2,
+    pad_token_id=0,
+)
 RTS, ONE, STR = "round_then_scale", "one_rounding", "scale_then_round"
 MAMBA2_NORM = mamba2_gated_norm()
 FAMILIES = {
@@ -175,32 +193,166 @@ FAMILIES = {
             mamba_chunk_size=8,
         ),
     ),
+    "kimi_linear": Family(
+        "KimiLinearConfig",
+        "KimiLinearForCausalLM",
+        "KimiLinearRMSNormGated",
+        ONE,
+        True,
+        dict(**_KDA, linear_head_dim=16, linear_num_heads=4, num_local_experts=4),
+        SIGMOID,
+    ),
+    "bailing_hybrid": Family(
+        "BailingHybridConfig",
+        "BailingHybridForCausalLM",
+        "BailingHybridRMSNormGated",
+        ONE,
+        True,
+        dict(**_KDA, head_dim=16, num_local_experts=4, n_group=1, topk_group=1, first_k_dense_replace=1),
+        SIGMOID,
+    ),
+    # GLM-5 Next's text model under its multimodal class (no image in the batch): KDA layers and
+    # indexed MLA attention without rotary dims, one query and key head count.
+    "glm5_next": Family(
+        "Glm5NextConfig",
+        "Glm5NextForConditionalGeneration",
+        "Glm5NextTextRMSNormGated",
+        ONE,
+        True,
+        dict(
+            _KDA,
+            layer_types=["linear_attention", "indexed_attention"],
+            num_key_value_heads=4,
+            q_lora_rank=16,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=0,
+            linear_head_dim=16,
+            linear_num_heads=4,
+            n_routed_experts=4,
+            index_topk=4,
+            index_kpool=4,
+            index_head_dim=16,
+            index_n_heads=2,
+            hc_mult=2,
+        ),
+        SIGMOID,
+        vision=dict(
+            depth=1,
+            hidden_size=32,
+            num_heads=2,
+            intermediate_size=64,
+            out_hidden_size=HIDDEN,
+            projection_intermediate_size=64,
+        ),
+    ),
 }
 
 # Gated norm classes of the installed transformers, one by one: (family, class, constructor arguments,
-# cast policy, norm_before_gate), or the reason it is refused.
+# cast policy, norm_before_gate, gate activation), or the reason it is refused.
 CLASSES = [
-    ("qwen3_next", "Qwen3NextRMSNormGated", {}, RTS, True),
-    ("qwen3_5", "Qwen3_5RMSNormGated", {}, RTS, True),
-    ("qwen3_5_moe", "Qwen3_5MoeRMSNormGated", {}, RTS, True),
-    ("olmo_hybrid", "OlmoHybridRMSNormGated", {}, RTS, True),
-    ("qwen4_exp", "Qwen4ExpTextRMSNormGated", {}, RTS, True),
-    ("lara_mini", "LaraMiniRMSNormGated", {}, ONE, True),
-    ("mamba2", MAMBA2_NORM, dict(group_size=16), RTS, False),
-    ("nemotron_h", "NemotronHRMSNormGated", dict(group_size=16), RTS, False),
-    ("bamba", "BambaRMSNormGated", dict(group_size=16), RTS, False),
-    ("granitemoehybrid", "GraniteMoeHybridRMSNormGated", dict(group_size=16), RTS, False),
-    ("zamba2", "Zamba2RMSNormGated", dict(group_size=64), RTS, False),
-    ("falcon_h1", "FalconH1RMSNormGated", dict(n_groups=4, norm_before_gate=False), ONE, False),
-    ("falcon_h1", "FalconH1RMSNormGated", dict(n_groups=4, norm_before_gate=True), ONE, True),
+    ("qwen3_next", "Qwen3NextRMSNormGated", {}, RTS, True, SILU),
+    ("qwen3_5", "Qwen3_5RMSNormGated", {}, RTS, True, SILU),
+    ("qwen3_5_moe", "Qwen3_5MoeRMSNormGated", {}, RTS, True, SILU),
+    ("olmo_hybrid", "OlmoHybridRMSNormGated", {}, RTS, True, SILU),
+    ("qwen4_exp", "Qwen4ExpTextRMSNormGated", {}, RTS, True, SILU),
+    ("lara_mini", "LaraMiniRMSNormGated", {}, ONE, True, SILU),
+    ("mamba2", MAMBA2_NORM, dict(group_size=16), RTS, False, SILU),
+    ("nemotron_h", "NemotronHRMSNormGated", dict(group_size=16), RTS, False, SILU),
+    ("bamba", "BambaRMSNormGated", dict(group_size=16), RTS, False, SILU),
+    ("granitemoehybrid", "GraniteMoeHybridRMSNormGated", dict(group_size=16), RTS, False, SILU),
+    ("zamba2", "Zamba2RMSNormGated", dict(group_size=64), RTS, False, SILU),
+    ("falcon_h1", "FalconH1RMSNormGated", dict(n_groups=4, norm_before_gate=False), ONE, False, SILU),
+    ("falcon_h1", "FalconH1RMSNormGated", dict(n_groups=4, norm_before_gate=True), ONE, True, SILU),
+    ("kimi_linear", "KimiLinearRMSNormGated", {}, ONE, True, SIGMOID),
+    ("glm5_next", "Glm5NextTextRMSNormGated", {}, ONE, True, SIGMOID),
+    ("bailing_hybrid", "BailingHybridRMSNormGated", {}, ONE, True, SIGMOID),
+    ("qwen4_exp", "Qwen4ExpTextRMSNormGated", dict(activation="sigmoid"), RTS, True, SIGMOID),
 ]
+# The classes whose forward gates with ``ACT2FN[self.activation]`` (its activation an attribute a model
+# may set either way), as built without arguments.
+ACT2FN_FAMILIES = {
+    "qwen3_next",
+    "qwen3_5",
+    "qwen3_5_moe",
+    "olmo_hybrid",
+    "qwen4_exp",
+    "lara_mini",
+    "kimi_linear",
+    "glm5_next",
+    "bailing_hybrid",
+}
+NAMED_ACTIVATION = [entry for entry in CLASSES if entry[0] in ACT2FN_FAMILIES and not entry[2]]
+
+
+# Gated norms of no installed class, which a swap must refuse (at module level: the swap reads the
+# source of their forward).
+class _GatedNormBase(nn.Module):
+    """A norm's weight and eps, and its FP32 statistics (``_norm``: the swap reads it with the forward)."""
+
+    def __init__(self, hidden_size, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def _norm(self, hidden_states):
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        return hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+
+
+class TanhRMSNormGated(_GatedNormBase):
+    """Another activation, called directly."""
+
+    def forward(self, hidden_states, gate=None):
+        input_dtype = hidden_states.dtype
+        hidden_states = self.weight.to(torch.float32) * self._norm(hidden_states)
+        return (hidden_states * torch.tanh(gate.to(torch.float32))).to(input_dtype)
+
+
+class SelfGatedRMSNormGated(_GatedNormBase):
+    """The gate times its own sigmoid (SiLU written out), which a sigmoid factor alone is not."""
+
+    def forward(self, hidden_states, gate=None):
+        input_dtype = hidden_states.dtype
+        hidden_states = self.weight.to(torch.float32) * self._norm(hidden_states)
+        hidden_states = hidden_states * torch.sigmoid(gate.to(torch.float32)) * gate.to(torch.float32)
+        return hidden_states.to(input_dtype)
+
+
+class MidGateRMSNormGated(_GatedNormBase):
+    """The gate between the norm and the weight, with a rounding between them."""
+
+    def forward(self, hidden_states, gate=None):
+        input_dtype = hidden_states.dtype
+        hidden_states = self._norm(hidden_states)
+        hidden_states = hidden_states * torch.sigmoid(gate.to(torch.float32))
+        return self.weight * hidden_states.to(input_dtype)
+
+
+class LearnedGateRMSNormGated(_GatedNormBase):
+    """A gate scaled by a learned parameter before its activation."""
+
+    def __init__(self, hidden_size, eps=1e-6):
+        super().__init__(hidden_size, eps)
+        self.gate_scale = nn.Parameter(torch.ones(hidden_size))
+
+    def forward(self, hidden_states, gate=None):
+        input_dtype = hidden_states.dtype
+        hidden_states = self.weight.to(torch.float32) * self._norm(hidden_states)
+        hidden_states = hidden_states * torch.sigmoid(gate.to(torch.float32) * self.gate_scale)
+        return hidden_states.to(input_dtype)
+
+
 REFUSED = [
-    ("kimi_linear", "KimiLinearRMSNormGated", {}, "gate activation is 'sigmoid', not SiLU"),
-    ("bailing_hybrid", "BailingHybridRMSNormGated", {}, "gate activation is 'sigmoid', not SiLU"),
-    ("glm5_next", "Glm5NextTextRMSNormGated", {}, "gate activation is 'sigmoid', not SiLU"),
-    ("qwen4_exp", "Qwen4ExpTextRMSNormGated", dict(activation="sigmoid"), "'sigmoid', not SiLU"),
+    ("qwen4_exp", "Qwen4ExpTextRMSNormGated", dict(activation="gelu"), "'gelu', neither SiLU nor sigmoid"),
     ("falcon_h1", "FalconH1RMSNormGated", dict(n_groups=3), "n_groups 3 does not divide the hidden size 64"),
     ("mamba2", MAMBA2_NORM, dict(group_size=24), "group_size 24 does not divide the hidden size 64"),
+]
+SYNTHETIC_REFUSED = [
+    (TanhRMSNormGated, r"its forward does not gate as hidden_states \* silu\(gate\) or sigmoid\(gate\)"),
+    (SelfGatedRMSNormGated, r"its forward does not gate as hidden_states \* silu\(gate\) or sigmoid\(gate\)"),
+    (MidGateRMSNormGated, "its gate comes between the norm and the weight"),
+    (LearnedGateRMSNormGated, "it learns parameters besides its weight"),
 ]
 
 
@@ -227,15 +379,20 @@ def _holding(norm: nn.Module) -> nn.Module:
 def _tiny_model(name: str) -> nn.Module:
     family = FAMILIES[name]
     module = importlib.import_module(f"transformers.models.{name}")
-    config = getattr(module, family.config)(
+    sizes = dict(
         vocab_size=VOCAB,
         hidden_size=HIDDEN,
         num_hidden_layers=LAYERS,
         num_attention_heads=4,
         num_key_value_heads=2,
         intermediate_size=128,
-        **family.extra,
     )
+    sizes |= family.extra
+    config_class = getattr(module, family.config)
+    if family.vision is None:
+        config = config_class(**sizes)
+    else:
+        config = config_class(text_config=sizes, vision_config=family.vision)
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -291,6 +448,7 @@ def test_every_gated_norm_is_swapped_with_the_family_casts(swapped_pair):
     assert not any(is_gated_norm(m) for m in swapped.modules())
     for m in news:
         assert (m.cast_policy, m.norm_before_gate) == (family.policy, family.norm_before_gate)
+        assert m.activation == family.activation
 
 
 def test_fp32_logits_bitwise_and_gradients_within_bound(swapped_pair):
@@ -340,13 +498,8 @@ def _run_norm(module, x, z, g):
     return y, xl.grad, zl.grad, module.weight.grad.clone()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("entry", CLASSES, ids=_class_id)
-def test_class_swapped_forward_bitwise_gradients_within_bound(entry, dtype):
-    family, name, kwargs, policy, norm_before_gate = entry
-    stock, swapped = _class_pair(family, name, kwargs, dtype)
-    assert (swapped.cast_policy, swapped.norm_before_gate) == (policy, norm_before_gate)
-    assert swapped.weight is not stock.weight  # the deep copy's own Parameter, which the swap kept
+def _assert_swapped_is_the_class(stock, swapped, dtype):
+    """y bitwise the class's, its dtype too; gradients within the bound (FP32) or the dtype's tolerance."""
     x, z, g = _norm_inputs(dtype)
     got, want = _run_norm(swapped, x, z, g), _run_norm(stock, x, z, g)
     assert got[0].dtype == want[0].dtype and torch.equal(got[0], want[0])
@@ -357,12 +510,47 @@ def test_class_swapped_forward_bitwise_gradients_within_bound(entry, dtype):
             assert a.dtype == b.dtype and rel_error(a.double(), b.double()) <= tolerance(dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("entry", CLASSES, ids=_class_id)
+def test_class_swapped_forward_bitwise_gradients_within_bound(entry, dtype):
+    family, name, kwargs, policy, norm_before_gate, activation = entry
+    stock, swapped = _class_pair(family, name, kwargs, dtype)
+    assert (swapped.cast_policy, swapped.norm_before_gate) == (policy, norm_before_gate)
+    assert swapped.activation == activation
+    assert swapped.weight is not stock.weight  # the deep copy's own Parameter, which the swap kept
+    _assert_swapped_is_the_class(stock, swapped, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("entry", NAMED_ACTIVATION, ids=_class_id)
+def test_class_with_the_other_activation(entry, dtype):
+    """A class that gates with ``ACT2FN[self.activation]``, its activation set to the other one (SiLU
+    for the sigmoid classes, sigmoid for the SiLU ones): the swap reads the module's activation, and
+    the swapped module is the class as before."""
+    family, name, kwargs, policy, norm_before_gate, activation = entry
+    other = SIGMOID if activation == SILU else SILU
+    torch.manual_seed(0)
+    stock = _hf_class(family, name)(HIDDEN, eps=EPS, **kwargs).to(dtype)
+    stock.activation = other
+    with torch.no_grad():
+        stock.weight.uniform_(0.5, 1.5)
+    holder = _holding(copy.deepcopy(stock))
+    assert swap_gated_rmsnorm(holder) == 1
+    swapped = holder.norm
+    assert (swapped.activation, swapped.cast_policy, swapped.norm_before_gate) == (
+        other,
+        policy,
+        norm_before_gate,
+    )
+    _assert_swapped_is_the_class(stock, swapped, dtype)
+
+
 @pytest.mark.parametrize("entry", CLASSES, ids=_class_id)
 def test_class_swapped_in_fp64_computes_what_the_class_computes(entry):
     """An FP64 model: the classes take their statistics from FP32 casts, and so does the swapped norm
     (FP32 math returned in FP64); the products the classes leave in FP64 are rounded once more to FP32,
     a difference within FP32's rounding."""
-    family, name, kwargs, _policy, _norm_before_gate = entry
+    family, name, kwargs, *_ = entry
     stock, swapped = _class_pair(family, name, kwargs, torch.float64)
     x, z, g = _norm_inputs(torch.float64)
     got, want = _run_norm(swapped, x, z, g), _run_norm(stock, x, z, g)
@@ -403,7 +591,7 @@ def test_class_dtype_mixes_are_computed_with_the_class_casts(entry, mix, autocas
     """x, gate and weight of different dtypes, as each class takes them, without and under CPU bf16
     autocast: the swapped module's y is bitwise the class's, in its dtype, and the gradients are in the
     class's dtypes, within the bound."""
-    family, name, kwargs, _, _ = entry
+    family, name, kwargs, *_ = entry
     x_dtype, z_dtype, w_dtype = mix
     stock, swapped = _class_pair(family, name, kwargs, w_dtype)
     x, z, g = _norm_inputs(torch.float32)
@@ -471,6 +659,20 @@ def test_unserved_classes_are_refused_by_name(entry):
     with pytest.raises(GatedNormNotServed, match=f"Module.norm \\({name}\\) is not swapped: .*{reason}"):
         swap_gated_rmsnorm(holder)
     assert holder.norm is stock
+
+
+@pytest.mark.parametrize(("cls", "reason"), SYNTHETIC_REFUSED, ids=[c.__name__ for c, _ in SYNTHETIC_REFUSED])
+def test_unrecognized_gates_are_refused_by_name(cls, reason):
+    """Another activation, the gate times its own sigmoid, a gate between the norm and the weight, a
+    learned gate: each refused with its reason, and nothing replaced (the whole model's swap neither)."""
+    holder = _holding(cls(HIDDEN, eps=EPS))
+    holder.served = _hf_class("kimi_linear", "KimiLinearRMSNormGated")(HIDDEN, eps=EPS)
+    stock = holder.norm
+    with pytest.raises(
+        GatedNormNotServed, match=f"Module.norm \\({cls.__name__}\\) is not swapped: {reason}"
+    ):
+        swap_gated_rmsnorm(holder)
+    assert holder.norm is stock and not isinstance(holder.served, CakeGatedRMSNorm)
 
 
 def test_one_rounding_on_a_twice_rounding_class_within_the_stated_bound():
@@ -634,10 +836,11 @@ def test_bf16_model_under_gradient_checkpointing_keeps_the_bits(use_reentrant, o
         assert torch.equal(got[name], want[name]), name
 
 
+@pytest.mark.parametrize("activation", [SILU, SIGMOID])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("policy", [ONE, RTS, STR])
 @pytest.mark.parametrize(("group_size", "norm_before_gate"), [(None, True), (16, False), (16, True)])
-def test_module_against_fp64(dtype, policy, group_size, norm_before_gate):
+def test_module_against_fp64(dtype, policy, group_size, norm_before_gate, activation):
     """y against the FP64 reference: one rounding (FP32: 1e-6; bf16: the dtype's tolerance) or, a
     rounding before the scale or the gate, two roundings (twice the tolerance)."""
     norm = CakeGatedRMSNorm(
@@ -646,27 +849,29 @@ def test_module_against_fp64(dtype, policy, group_size, norm_before_gate):
         group_size=group_size,
         norm_before_gate=norm_before_gate,
         cast_policy=policy,
+        activation=activation,
         dtype=dtype,
     )
     with torch.no_grad():
         norm.weight.uniform_(0.5, 1.5)
     x, z, _ = _norm_inputs(dtype, (16, HIDDEN))
     y = norm(x, z)
-    want, _ = gated_forward_reference(
-        x, z, norm.weight, EPS, group_size=group_size, norm_before_gate=norm_before_gate
-    )
+    options = dict(group_size=group_size, norm_before_gate=norm_before_gate, activation=activation)
+    want, _ = gated_forward_reference(x, z, norm.weight, EPS, **options)
     bound = 1e-6 if dtype == torch.float32 else tolerance(dtype) * (1 if policy == ONE else 2)
     assert rel_error(y.double(), want) <= bound
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("entry", [CLASSES[0], CLASSES[6], CLASSES[11]], ids=_class_id)
+@pytest.mark.parametrize(
+    "entry", [CLASSES[0], CLASSES[6], CLASSES[11], CLASSES[13], CLASSES[16]], ids=_class_id
+)
 def test_compiled_swapped_module(entry, dtype):
     """fullgraph, no break. The kernels' op is opaque to inductor: one rounding (and every FP32 call)
     is bitwise eager. Where the class's casts add torch operations around it (bf16 "round_then_scale"),
     inductor fuses them and keeps their intermediates in FP32, as it does for the stock class: y within
     2**-7 relative of eager, gradients within the bf16 tolerance."""
-    family, name, kwargs, policy, _ = entry
+    family, name, kwargs, policy, _, _ = entry
     _, swapped = _class_pair(family, name, kwargs, dtype)
     x, z, g = _norm_inputs(dtype)
     eager = _run_norm(swapped, x, z, g)
@@ -695,6 +900,8 @@ def test_argument_errors():
         CakeGatedRMSNorm(HIDDEN, group_size=24)
     with pytest.raises(ValueError, match="cast_policy must be one of"):
         CakeGatedRMSNorm(HIDDEN, cast_policy="twice")
+    with pytest.raises(ValueError, match=r"activation must be one of \('silu', 'sigmoid'\), got 'swish'"):
+        CakeGatedRMSNorm(HIDDEN, activation="swish")
     with pytest.raises(ValueError, match="cast_policy must be None or one of"):
         swap_gated_rmsnorm(nn.Linear(2, 2), cast_policy="twice")
     with pytest.raises(TypeError, match="model must be a torch.nn.Module"):

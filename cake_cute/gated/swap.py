@@ -1,15 +1,20 @@
 """``swap_gated_rmsnorm``: ``CakeGatedRMSNorm`` in place of the gated RMSNorm modules of a Hugging Face
 model (Qwen3-Next's ``Qwen3NextRMSNormGated`` and its copies, Mamba-2's ``Mamba2RMSNormGated``, named
-``MambaRMSNormGated`` before transformers 5.25, NemotronH, Bamba, FalconH1, GraniteMoeHybrid, Zamba2, ...).
+``MambaRMSNormGated`` before transformers 5.25, NemotronH, Bamba, FalconH1, GraniteMoeHybrid, Zamba2, and
+the sigmoid-gated ``KimiLinearRMSNormGated``, ``Glm5NextTextRMSNormGated``, ``BailingHybridRMSNormGated``).
 
-A module is a gated norm when its class name ends in "NormGated", it learns one 1-D ``weight`` and
-nothing else, holds a float ``variance_epsilon`` (or ``eps``), and its forward takes a ``gate`` and
-computes a reciprocal root of the mean of squares. Its forward's source says the rest:
+A module is a gated norm when its class name ends in "NormGated", it learns a 1-D ``weight`` (a norm
+that learns anything else, a learned gate, is refused), holds a float ``variance_epsilon`` (or ``eps``)
+and no submodule, and its forward takes a ``gate`` and computes a reciprocal root of the mean of
+squares. Its forward's source says the rest:
 
-* the gate's activation: ``silu(`` in the source, or ``ACT2FN[self.activation]`` with the module's
-  ``activation`` "silu" / "swish"; anything else is refused (the kernels gate with SiLU only);
-* the order: the module's ``norm_before_gate`` where it has one (FalconH1), else whether the gate is
-  applied before the reciprocal root;
+* the gate: ``hidden_states * act(gate)``, the gate cast to FP32 or not, where act is ``silu``,
+  ``sigmoid`` (torch's, ``F.``'s or ``nn.functional.``'s) or ``ACT2FN[self.activation]`` with the
+  module's ``activation`` "silu" / "swish" or "sigmoid"; another activation, or a gate that enters the
+  forward in any other way (a learned gate, the gate times its own sigmoid) is refused;
+* the order: the gate applied before the reciprocal root (gate then norm) or after the weight's
+  product (norm then gate), or the module's ``norm_before_gate`` where it has one (FalconH1); a gate
+  between the norm and its weight is refused;
 * the groups: ``group_size``, or H / ``n_groups`` (FalconH1), else H; a size not dividing H is refused;
 * the casts: ``self.weight * hidden_states.to(input_dtype)`` is ``"round_then_scale"``; a weight taken
   to FP32 (``self.weight.to(torch.float32) *``, or a view of it times the FP32 values) with one final
@@ -28,13 +33,22 @@ from torch import nn
 
 from .. import validation as v
 from ..hf.norm_reading import averages_squares, forward_source, hf_eps, hf_weight
+from ..vocab import SIGMOID, SILU
 from .module import GATED_CAST_POLICIES, ONE_ROUNDING, ROUND_THEN_SCALE, CakeGatedRMSNorm
 
 __all__ = ["GatedNormNotServed", "swap_gated_rmsnorm"]
 
-_SILU_NAMES = ("silu", "swish")
-_SILU_CALL = re.compile(r"\bsilu\(")
-_ACT2FN_GATE = re.compile(r"ACT2FN\[self\.activation\]\(gate")
+# The names of ACT2FN[self.activation] the kernels' gate activations go by (ACT2FN's "swish" is SiLU).
+_ACTIVATION_NAMES = {"silu": SILU, "swish": SILU, "sigmoid": SIGMOID}
+# The gate's one accepted use: a factor of hidden_states, its activation named or the module's.
+_GATE_FACTOR = re.compile(
+    r"hidden_states \* (?:ACT2FN\[self\.activation\]|(?:(?:torch\.)?nn\.functional\.|F\.|torch\.)?"
+    r"(?P<name>silu|sigmoid))\(gate(?:\.to\(torch\.float32\)|\.float\(\))?\)"
+)
+# What else may name the gate: the forward's signature and tests of whether a gate was given.
+_FORWARD_SIGNATURE = re.compile(r"def forward\((?:[^()]|\([^()]*\))*\)[^:]*:")
+_GATE_GIVEN = re.compile(r"\bgate is (?:not )?None\b")
+_GATE = re.compile(r"\bgate\b")
 _ROUND_THEN_SCALE = re.compile(r"self\.weight \* hidden_states\.to\(input_dtype\)")
 _FP32_SCALE = re.compile(r"self\.weight\.(to\(torch\.float32\)|float\(\)|view\([^)]*\)\)?) \* hidden_states")
 _ONE_FINAL_ROUNDING = re.compile(r"return hidden_states\.to\(input_dtype\)$")
@@ -48,7 +62,10 @@ def is_gated_norm(module: nn.Module) -> bool:
     """Whether ``module`` is a Hugging Face-style gated RMSNorm (the module docstring's shape test)."""
     if isinstance(module, CakeGatedRMSNorm) or not type(module).__name__.endswith("NormGated"):
         return False
-    if hf_eps(module) is None or hf_weight(module) is None or next(module.children(), None) is not None:
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, nn.Parameter) or weight.dim() != 1:
+        return False
+    if hf_eps(module) is None or next(module.children(), None) is not None:
         return False
     source = forward_source(type(module))
     if source is None or "gate" not in source or "rsqrt" not in source:
@@ -56,19 +73,45 @@ def is_gated_norm(module: nn.Module) -> bool:
     return averages_squares(source)
 
 
-def _gate_refusal(module: nn.Module, source: str) -> str | None:
-    if _ACT2FN_GATE.search(source):
-        activation = getattr(module, "activation", None)
-        return None if activation in _SILU_NAMES else f"its gate activation is {activation!r}, not SiLU"
-    return None if _SILU_CALL.search(source) else "its forward shows no SiLU gate"
+def _gate_factors(source: str) -> list[re.Match]:
+    """The forward's ``hidden_states * act(gate)`` factors; GatedNormNotServed when there is none or
+    the gate is used in any other way."""
+    factors = list(_GATE_FACTOR.finditer(source))
+    rest = _GATE_GIVEN.sub("", _GATE_FACTOR.sub("", _FORWARD_SIGNATURE.sub("", source, count=1)))
+    if not factors or _GATE.search(rest):
+        raise GatedNormNotServed("its forward does not gate as hidden_states * silu(gate) or sigmoid(gate)")
+    return factors
 
 
-def _norm_before_gate(module: nn.Module, source: str) -> bool:
+def _gate_activation(module: nn.Module, factors: list[re.Match]) -> str:
+    """The activation of the gate ``factors`` (``vocab.GATE_ACTIVATIONS``); GatedNormNotServed for
+    another one."""
+    found = set()
+    for factor in factors:
+        name = factor["name"] or getattr(module, "activation", None)
+        if name not in _ACTIVATION_NAMES:
+            raise GatedNormNotServed(f"its gate activation is {name!r}, neither SiLU nor sigmoid")
+        found.add(_ACTIVATION_NAMES[name])
+    if len(found) > 1:
+        raise GatedNormNotServed("its forward gates with both SiLU and sigmoid")
+    return found.pop()
+
+
+def _norm_before_gate(module: nn.Module, source: str, factors: list[re.Match]) -> bool:
+    """Whether the gate comes after the norm and its weight; GatedNormNotServed for a gate between
+    them, or on both sides of the norm in a module that does not say which it applies."""
+    norm_at, weight_at = source.index("rsqrt"), source.rfind("self.weight")
+    if weight_at < norm_at:
+        raise GatedNormNotServed("its forward does not scale the normalized values by self.weight")
+    if any(norm_at < factor.start() < weight_at for factor in factors):
+        raise GatedNormNotServed("its gate comes between the norm and the weight")
     own = getattr(module, "norm_before_gate", None)
     if isinstance(own, bool):
         return own
-    gate_at = min(m.start() for m in (_SILU_CALL.search(source), _ACT2FN_GATE.search(source)) if m)
-    return gate_at > source.index("rsqrt")
+    after = {factor.start() > weight_at for factor in factors}
+    if len(after) > 1:
+        raise GatedNormNotServed("its gate comes both before and after the norm")
+    return after.pop()
 
 
 def _group_size(module: nn.Module, hidden: int) -> int:
@@ -96,17 +139,19 @@ def _cast_policy(source: str) -> str:
 def _replacement(module: nn.Module, cast_policy: str | None) -> CakeGatedRMSNorm:
     """The CakeGatedRMSNorm following ``module`` (holding its weight Parameter); GatedNormNotServed
     with the reason when that is not possible."""
+    if hf_weight(module) is None:
+        raise GatedNormNotServed("it learns parameters besides its weight")
     source = forward_source(type(module))
-    refusal = _gate_refusal(module, source)
-    if refusal is not None:
-        raise GatedNormNotServed(refusal)
+    factors = _gate_factors(source)
+    activation = _gate_activation(module, factors)
     weight = module.weight
     new = CakeGatedRMSNorm(
         weight.shape[0],
         eps=hf_eps(module),
         group_size=_group_size(module, weight.shape[0]),
-        norm_before_gate=_norm_before_gate(module, source),
+        norm_before_gate=_norm_before_gate(module, source, factors),
         cast_policy=_cast_policy(source) if cast_policy is None else cast_policy,
+        activation=activation,
         device="meta",
     )
     new.weight = weight
@@ -115,7 +160,8 @@ def _replacement(module: nn.Module, cast_policy: str | None) -> CakeGatedRMSNorm
 
 def swap_gated_rmsnorm(model: nn.Module, *, cast_policy: str | None = None) -> int:
     """Replace, in place, every Hugging Face gated RMSNorm of ``model`` with a ``CakeGatedRMSNorm``
-    keeping its weight Parameter, eps, group size, gate order, casts and training mode.
+    keeping its weight Parameter, eps, group size, gate activation (SiLU or sigmoid), gate order, casts
+    and training mode.
 
     Swap before parallelizing (``parallelize_module``, ``fully_shard``): those replace parameters and
     hook the modules they see. A module used in several places is replaced by one module everywhere.
@@ -138,8 +184,9 @@ def swap_gated_rmsnorm(model: nn.Module, *, cast_policy: str | None = None) -> i
     Raises
     ------
     GatedNormNotServed (a ValueError)
-        A gated norm whose gate is not SiLU, whose group size does not divide its hidden size, or whose
-        casts are not recognized; the message names the module, its class and the reason. Nothing is
+        A gated norm that learns more than its weight, whose gate is not a SiLU or sigmoid factor after
+        the weight or before the norm, whose group size does not divide its hidden size, or whose casts
+        are not recognized; the message names the module, its class and the reason. Nothing is
         replaced then.
     TypeError
         model is not a torch.nn.Module.
