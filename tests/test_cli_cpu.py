@@ -146,6 +146,8 @@ REFUSED += [
     ("--gated", "100/3", "group size 3 does not divide the hidden size 100"),
     ("--gated", "128/x", "hidden size 'x' is not an integer"),
     ("--gated", "0/0", "hidden size 0 is outside"),
+    ("--gate-activation", "", "argument --gate-activation: expected one or more gate activations"),
+    ("--gate-activation", "gelu", "activation must be one of ('silu', 'sigmoid'), got 'gelu'"),
 ]
 
 
@@ -319,16 +321,40 @@ def test_gated_adds_the_gated_norms_kernels(tmp_path, monkeypatch, capsys):
     assert "warmup: 25 variants, compiled 25, " in capsys.readouterr().out.splitlines()[-1]
 
 
+def test_gate_activation_adds_the_sigmoid_kernels(tmp_path, monkeypatch):
+    """``--gated 128 --gate-activation silu,sigmoid``: the SiLU variants of ``--gated 128`` in their
+    order, then the same fused kernels gating with sigmoid (FlashInfer's statistics kernel is SiLU's
+    alone); ``--gate-activation sigmoid`` warms no SiLU gated kernel."""
+    silu = _warmed_specs(monkeypatch, tmp_path, *ONE_ARCH_PLAIN, "--gated", "128")
+    both = _warmed_specs(
+        monkeypatch, tmp_path, *ONE_ARCH_PLAIN, "--gated", "128", "--gate-activation", "silu,sigmoid"
+    )
+    assert [s for s in both if s in silu] == silu
+    assert [s.name() for s in both if s not in silu] == [
+        "cake_gated_fwd_sm_90a_bf16_wbf16_h128_nbg_off0_sigmoid",
+        "cake_gated_fwd_sm_90a_bf16_wbf16_h128_gbn128_off0_sigmoid",
+        "cake_gated_bwd_sm_90a_bf16_wbf16_h128_nbg_off0_sigmoid",
+        "cake_gated_bwd_sm_90a_bf16_wbf16_h128_gbn128_off0_sigmoid",
+    ]
+    sigmoid = _warmed_specs(
+        monkeypatch, tmp_path, *ONE_ARCH_PLAIN, "--gated", "128", "--gate-activation", "sigmoid"
+    )
+    gated = [s for s in sigmoid if s.kind.startswith("gated")]
+    assert gated and {s.activation for s in gated} == {"sigmoid"}
+
+
+@pytest.mark.parametrize("activation", ["silu", "sigmoid"])
 @pytest.mark.parametrize("policy", ["one_rounding", "round_then_scale", "scale_then_round"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("w_mode", ["same", "fp32"])
 @pytest.mark.parametrize(("group_size", "norm_before_gate"), [(None, True), (16, False), (16, True)])
 def test_the_gated_warmup_holds_every_kernel_a_gated_module_launches(
-    monkeypatch, policy, dtype, w_mode, group_size, norm_before_gate
+    monkeypatch, policy, dtype, w_mode, group_size, norm_before_gate, activation
 ):
     """What a ``CakeGatedRMSNorm`` hands to the kernels (the gated entry, or the plain norm for the
     class's own casts), as the launches name their variants (``gated_ops.variant_fields``; the plain
-    launch's fields), is among ``gated_variant_specs`` of its form, dtype, weight dtype and offset."""
+    launch's fields), is among ``gated_variant_specs`` of its form, dtype, weight dtype, offset and
+    gate activation."""
     launched = _record_gated_module_launches(monkeypatch)
     act = torch_dtype(dtype)
     norm = CakeGatedRMSNorm(
@@ -337,11 +363,14 @@ def test_the_gated_warmup_holds_every_kernel_a_gated_module_launches(
         norm_before_gate=norm_before_gate,
         weight_offset=0.5,
         cast_policy=policy,
+        activation=activation,
         dtype=act if w_mode == "same" else torch.float32,
     )
     x, z = torch.randn(2, 3, 64, dtype=act), torch.randn(2, 3, 64, dtype=act)
     norm(x, z)
-    warmed = warmup.gated_variant_specs(["sm_90a"], [dtype], [(64, group_size or 64)], [w_mode], 0.5)
+    warmed = warmup.gated_variant_specs(
+        ["sm_90a"], [dtype], [(64, group_size or 64)], [w_mode], 0.5, activations=[activation]
+    )
     assert launched and set(launched) <= set(warmed), set(launched) - set(warmed)
 
 
@@ -377,7 +406,14 @@ def _record_gated_module_launches(monkeypatch) -> list:
 
     def gated(x, z, w, eps, **options):
         call = gated_call(
-            x, z, w, eps, options["group_size"], options["norm_before_gate"], options["weight_offset"]
+            x,
+            z,
+            w,
+            eps,
+            options["group_size"],
+            options["norm_before_gate"],
+            options["weight_offset"],
+            options["activation"],
         )
         fields = gated_ops.variant_fields(call)
         launched.extend(make_spec(kind, *fields) for kind in warmup.GATED_KINDS)

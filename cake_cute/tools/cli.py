@@ -12,6 +12,7 @@ import os
 import sys
 import time
 
+from ..vocab import SILU
 from . import EXIT_USAGE  # also for a bad --cache-dir and a missing GPU
 from .bench.cases import RESIDUAL_MODES
 from .info import cmd_info
@@ -66,6 +67,12 @@ def _gated_form(text: str) -> tuple[int, int]:
     if hidden % group:
         raise ValueError(f"group size {group} does not divide the hidden size {hidden}")
     return hidden, group
+
+
+def _gate_activation(name: str) -> str:
+    from ..validation import check_gate_activation
+
+    return check_gate_activation(name)
 
 
 def _arch(name: str) -> str:
@@ -150,6 +157,13 @@ def _add_warmup(sub) -> None:
         default=[],
         help="also the gated norms' kernels for these forms: H (statistics over whole rows, as the "
         "norm-then-gate classes) or H/G (per group of G columns, as the Mamba-2 family), e.g. 128,8192/1024",
+    )
+    p.add_argument(
+        "--gate-activation",
+        type=_csv(_gate_activation, "gate activations"),
+        default=[SILU],
+        help="the gate activations of the --gated kernels: silu (default), sigmoid (Kimi Linear, GLM-5 "
+        "Next, Bailing hybrid), or silu,sigmoid",
     )
     p.add_argument(
         "--memory-efficient",
@@ -251,7 +265,12 @@ def cmd_warmup(args) -> int:
         )
     if args.gated:
         specs += gated_variant_specs(
-            archs, args.dtype, args.gated, W_MODES[args.w_dtype], weight_offset=args.weight_offset
+            archs,
+            args.dtype,
+            args.gated,
+            W_MODES[args.w_dtype],
+            weight_offset=args.weight_offset,
+            activations=args.gate_activation,
         )
     specs = list(dict.fromkeys(specs))
     result = warm(specs, args.jobs)

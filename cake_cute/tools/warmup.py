@@ -23,7 +23,7 @@ from typing import TextIO
 from ..kernels.tiling import MAX_HIDDEN
 from ..runtime.cache import KernelSpec, ReduceSpec, get_kernel_and_source, is_cached_on_disk
 from ..runtime.specs import GatedSpec
-from ..vocab import SUPPORTED_ARCHS
+from ..vocab import SILU, SUPPORTED_ARCHS
 
 DEFAULT_ARCHS = SUPPORTED_ARCHS  # without a GPU: every arch the kernels compile for
 ARCH_ALIASES = {arch.removesuffix("a"): arch for arch in SUPPORTED_ARCHS}  # sm_90 -> sm_90a
@@ -114,10 +114,12 @@ def gated_variant_specs(
     forms: Iterable[tuple[int, int]],
     w_modes: Iterable[str] = ("same",),
     weight_offset: float = 0.0,
+    activations: Iterable[str] = (SILU,),
 ) -> list[KernelSpec | GatedSpec | ReduceSpec]:
     """Every kernel a gated norm (``CakeGatedRMSNorm``, ``cake_gated_rmsnorm``, FlashInfer's SiLU-gated
-    names) of these forms can launch when called with a gate, under any cast policy (``gated.module``;
-    a module called without a gate runs plain kernels, which ``variant_specs`` gives).
+    names) of these forms and gate activations can launch when called with a gate, under any cast
+    policy (``gated.module``; a module called without a gate runs plain kernels, which
+    ``variant_specs`` gives).
 
     Parameters
     ----------
@@ -129,32 +131,38 @@ def gated_variant_specs(
         The weight in the activation dtype, in FP32, or both.
     weight_offset : float
         The constant added to w, compiled into the fused kernels.
+    activations : iterable of {"silu", "sigmoid"}
+        The gate activations (``vocab.GATE_ACTIVATIONS``) of the fused kernels.
 
     Returns
     -------
     list
         Per (arch, dtype, form): the fused forward and backward in both orders (norm then gate, gate
-        then norm) for each weight dtype, the dW reductions into FP32 and into the weight's dtype,
-        for whole rows the statistics kernel (FlashInfer's functional backward); and what the other
-        policies launch (for FP32 rows: with a bf16 / fp16 weight, or a gate of another dtype than
-        x's, which runs the FP32 kernels): under ``"round_then_scale"`` the fused
-        kernels of the gate-then-norm order with a unit weight of x's dtype and no offset, and for
-        the norm-then-gate order the plain norm's kernels at G (unit weight, no residual); under
-        ``"scale_then_round"`` the plain kernels with the weight (whole rows) or the FP32 ones at G
-        (groups). Duplicates removed, order kept.
+        then norm) for each weight dtype and activation, the dW reductions into FP32 and into the
+        weight's dtype, for whole rows and SiLU the statistics kernel (FlashInfer's functional
+        backward); and what the other policies launch (for FP32 rows: with a bf16 / fp16 weight, or a
+        gate of another dtype than x's, which runs the FP32 kernels): under ``"round_then_scale"``
+        the fused kernels of the gate-then-norm order with a unit weight of x's dtype and no offset,
+        for each activation, and for the norm-then-gate order the plain norm's kernels at G (unit
+        weight, no residual); under ``"scale_then_round"`` the plain kernels with the weight (whole
+        rows) or the FP32 ones at G (groups). Duplicates removed, order kept.
     """
     specs: list = []
+    activations = tuple(activations)
     for arch, act, (hidden, group), w_mode in itertools.product(archs, dtypes, forms, w_modes):
         w = act if w_mode == "same" else "fp32"
-        for kind, norm_before_gate in itertools.product(GATED_KINDS, (True, False)):
-            specs.append(GatedSpec(kind, arch, act, w, hidden, group, norm_before_gate, weight_offset))
+        for gate, kind, norm_before_gate in itertools.product(activations, GATED_KINDS, (True, False)):
+            specs.append(GatedSpec(kind, arch, act, w, hidden, group, norm_before_gate, weight_offset, gate))
         # dW into FP32 (the functional backward) and into w's dtype (autograd, FlashInfer's names).
         specs += [ReduceSpec(arch, "fp32", hidden), ReduceSpec(arch, w, hidden)]
-        if group == hidden:  # FlashInfer's functional backward recomputes rstd
+        if group == hidden and SILU in activations:  # FlashInfer's functional backward recomputes rstd
             specs.append(GatedSpec("gated_rstd", arch, act, act, hidden, hidden, True))
         # What the other policies launch where a rounding before the scale is not exact: a bf16 / fp16
         # x, or an FP32 x (the gate of another dtype included) with a bf16 / fp16 weight.
-        specs += [GatedSpec(kind, arch, act, act, hidden, group, False) for kind in GATED_KINDS]
+        specs += [
+            GatedSpec(kind, arch, act, act, hidden, group, False, 0.0, gate)
+            for gate, kind in itertools.product(activations, GATED_KINDS)
+        ]
         specs.append(ReduceSpec(arch, act, hidden))  # the unit weight's dW, x's dtype
         specs += variant_specs([arch], [act], [group], residuals=(False,))
         specs += _scale_then_round_specs(arch, act, hidden, group, w_mode, weight_offset)
