@@ -1,6 +1,7 @@
 """Gated RMSNorm kernels on the GPU, launched through ``cake_cute.gated.ops``: forward (y, rstd) and
 backward (dx, dz, dw) against the FP64 reference (``cake_cute.gated.reference``) by relative-norm
-error, for both forms, every dtype, head-dim and grouped full-width rows, T = 0 to 4096; caller-owned
+error, for both forms and both gate activations (SiLU, sigmoid), every dtype, head-dim and grouped
+full-width rows, T = 0 to 4096; caller-owned
 outputs poisoned with NaN before every run; strided rows; bitwise determinism across two runs and
 batch invariance (a row's results do not depend on T).
 
@@ -47,6 +48,7 @@ SHAPES = [
     (8200, 4100, False),
 ]
 ROWS = (0, 1, 2, 129, 4096)
+ACTIVATIONS = ("silu", "sigmoid")
 RSTD_TOLERANCE = 1e-5
 DW_TOLERANCE = 1e-4
 
@@ -64,9 +66,14 @@ def _inputs(rows, hidden, dtype):
     return x, z, g
 
 
-def _options(shape, weight_offset=0.0):
+def _options(shape, weight_offset=0.0, activation="silu"):
     _, group_size, norm_before_gate = shape
-    return dict(group_size=group_size, norm_before_gate=norm_before_gate, weight_offset=weight_offset)
+    return dict(
+        group_size=group_size,
+        norm_before_gate=norm_before_gate,
+        weight_offset=weight_offset,
+        activation=activation,
+    )
 
 
 def run_forward(x, z, w, options):
@@ -91,13 +98,14 @@ def reference_rstd(x, z, w, options) -> torch.Tensor:
     return rstd.float().reshape(rstd_shape(x, group_size))
 
 
+@pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("shape", SHAPES, ids=_shape_id)
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
-def test_forward_matches_fp64(dtype, shape, rows):
+def test_forward_matches_fp64(dtype, shape, rows, activation):
     x, z, _ = _inputs(rows, shape[0], dtype)
     w = rand_weight(shape[0], dtype)
-    options = _options(shape)
+    options = _options(shape, activation=activation)
     y, rstd = run_forward(x, z, w, options)
     y64, rstd64 = gated_forward_reference(x, z, w, EPS, **options)
     assert not y.isnan().any() and not rstd.isnan().any()
@@ -105,13 +113,14 @@ def test_forward_matches_fp64(dtype, shape, rows):
     assert rel_error(rstd, rstd64) <= RSTD_TOLERANCE
 
 
+@pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("shape", SHAPES, ids=_shape_id)
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
-def test_backward_matches_fp64(dtype, shape, rows):
+def test_backward_matches_fp64(dtype, shape, rows, activation):
     x, z, g = _inputs(rows, shape[0], dtype)
     w = rand_weight(shape[0], dtype)
-    options = _options(shape)
+    options = _options(shape, activation=activation)
     dx, dz, dw = run_backward(g, x, z, w, reference_rstd(x, z, w, options), options)
     dx64, dz64, dw64 = gated_backward_reference(g, x, z, w, EPS, **options)
     for name, got in (("dx", dx), ("dz", dz), ("dw", dw)):
@@ -124,13 +133,14 @@ def test_backward_matches_fp64(dtype, shape, rows):
         assert rel_error(dw, dw64) <= DW_TOLERANCE
 
 
+@pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[3]], ids=_shape_id)
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=DTYPE_IDS.get)
-def test_fp32_weight_and_offset(dtype, shape):
+def test_fp32_weight_and_offset(dtype, shape, activation):
     """w in FP32 next to 16-bit rows (autocast's master weights), with a ``1 + w`` offset."""
     x, z, g = _inputs(129, shape[0], dtype)
     w = rand_weight(shape[0], torch.float32) - 1.0
-    options = _options(shape, weight_offset=1.0)
+    options = _options(shape, weight_offset=1.0, activation=activation)
     y, rstd = run_forward(x, z, w, options)
     y64, _ = gated_forward_reference(x, z, w, EPS, **options)
     assert rel_error(y, y64) <= tolerance(dtype)
@@ -140,16 +150,17 @@ def test_fp32_weight_and_offset(dtype, shape):
     assert rel_error(dw, dw64) <= DW_TOLERANCE
 
 
+@pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("shape", SHAPES, ids=_shape_id)
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
-def test_strided_rows_read_in_place(dtype, shape):
+def test_strided_rows_read_in_place(dtype, shape, activation):
     """Rows of a wider buffer (row stride != H, a multiple of 16 bytes): bitwise the contiguous
     results, y and rstd, dx, dz and dw."""
     hidden = shape[0]
     pad = 16 // torch.tensor([], dtype=dtype).element_size()
     x, z, g = (t[:, :hidden] for t in _inputs(129, hidden + pad, dtype))
     w = rand_weight(hidden, dtype)
-    options = _options(shape)
+    options = _options(shape, activation=activation)
     strided = run_forward(x, z, w, options)
     contiguous = run_forward(x.contiguous(), z.contiguous(), w, options)
     for name, a, b in zip(("y", "rstd"), strided, contiguous):
@@ -161,12 +172,13 @@ def test_strided_rows_read_in_place(dtype, shape):
         assert_bitwise_equal(a, b, name)
 
 
+@pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("shape", SHAPES, ids=_shape_id)
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
-def test_bitwise_deterministic(dtype, shape):
+def test_bitwise_deterministic(dtype, shape, activation):
     x, z, g = _inputs(4096, shape[0], dtype)
     w = rand_weight(shape[0], dtype)
-    options = _options(shape)
+    options = _options(shape, activation=activation)
     first, second = run_forward(x, z, w, options), run_forward(x, z, w, options)
     for name, a, b in zip(("y", "rstd"), first, second):
         assert_bitwise_equal(a, b, name)
@@ -176,14 +188,15 @@ def test_bitwise_deterministic(dtype, shape):
         assert_bitwise_equal(a, b, name)
 
 
+@pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("shape", SHAPES, ids=_shape_id)
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
-def test_batch_invariant(dtype, shape):
+def test_batch_invariant(dtype, shape, activation):
     """The first rows' y, rstd, dx and dz are bitwise the same in a call of 4096 rows and in calls of
     1, 2 and 129 rows."""
     x, z, g = _inputs(4096, shape[0], dtype)
     w = rand_weight(shape[0], dtype)
-    options = _options(shape)
+    options = _options(shape, activation=activation)
     y, rstd = run_forward(x, z, w, options)
     dx, dz, _ = run_backward(g, x, z, w, rstd, options)
     for rows in (1, 2, 129):
@@ -223,16 +236,17 @@ def _autograd_run(fn, x, z, w, g, options):
     return y, xl.grad, zl.grad, wl.grad
 
 
+@pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("shape", AUTOGRAD_SHAPES, ids=_shape_id)
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
-def test_autograd_matches_fp64(dtype, shape):
+def test_autograd_matches_fp64(dtype, shape, activation):
     """cake_gated_rmsnorm through the custom ops: y, dx, dz against FP64; dw in w's dtype against the
     FP64 sum (FP32 accumulation, one rounding to w's dtype: the dtype's tolerance, at least DW's)."""
     from cake_cute.gated.autograd import cake_gated_rmsnorm
 
     x, z, g = (t.view(8, -1, shape[0]) for t in _inputs(8 * 33, shape[0], dtype))
     w = rand_weight(shape[0], dtype)
-    options = _options(shape)
+    options = _options(shape, activation=activation)
     y, dx, dz, dw = _autograd_run(cake_gated_rmsnorm, x, z, w, g, options)
     rows = [t.reshape(-1, shape[0]) for t in (x, z, g)]
     y64, _ = gated_forward_reference(rows[0], rows[1], w, EPS, **options)
@@ -243,13 +257,14 @@ def test_autograd_matches_fp64(dtype, shape):
     assert rel_error(dw, dw64) <= max(tolerance(dtype), DW_TOLERANCE)
 
 
+@pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("shape", AUTOGRAD_SHAPES, ids=_shape_id)
-def test_compiled_fullgraph_is_bitwise_eager(shape):
+def test_compiled_fullgraph_is_bitwise_eager(shape, activation):
     from cake_cute.gated.autograd import cake_gated_rmsnorm
 
     x, z, g = _inputs(257, shape[0], torch.bfloat16)
     w = rand_weight(shape[0], torch.bfloat16)
-    options = _options(shape)
+    options = _options(shape, activation=activation)
     torch._dynamo.reset()
     compiled = torch.compile(cake_gated_rmsnorm, fullgraph=True)
     eager = _autograd_run(cake_gated_rmsnorm, x, z, w, g, options)
@@ -257,8 +272,9 @@ def test_compiled_fullgraph_is_bitwise_eager(shape):
         assert_bitwise_equal(a, b, name)
 
 
+@pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("shape", AUTOGRAD_SHAPES, ids=_shape_id)
-def test_cuda_graph_capture_and_replay(shape):
+def test_cuda_graph_capture_and_replay(shape, activation):
     """A forward + backward step captured in a CUDA graph (no host synchronization in either), replayed
     on new inputs copied into the static ones: bitwise the eager step on those inputs."""
     from cake_cute.gated.autograd import cake_gated_rmsnorm
@@ -268,7 +284,7 @@ def test_cuda_graph_capture_and_replay(shape):
     dtype = torch.bfloat16
     x, z, g = _inputs(129, shape[0], dtype)
     w = rand_weight(shape[0], dtype)
-    options = _options(shape)
+    options = _options(shape, activation=activation)
     xs, zs, ws = (t.clone().requires_grad_() for t in (x, z, w))
 
     def step():
@@ -316,6 +332,12 @@ SWAPPED = [
     ("zamba2", "Zamba2RMSNormGated", dict(hidden_size=2048, group_size=512), 2),
     ("falcon_h1", "FalconH1RMSNormGated", dict(hidden_size=2048, n_groups=4, norm_before_gate=False), 1),
 ]
+# Gated with sigmoid: Kimi Linear's output norm (one rounding) and a sigmoid-gated Qwen4-exp (Qwen3-Next's
+# three roundings).
+SIGMOID_SWAPPED = [
+    ("kimi_linear", "KimiLinearRMSNormGated", dict(hidden_size=128), 1),
+    ("qwen4_exp", "Qwen4ExpTextRMSNormGated", dict(hidden_size=128, activation="sigmoid"), 3),
+]
 
 
 def _within_roundings(got: torch.Tensor, want: torch.Tensor, roundings: int) -> bool:
@@ -351,7 +373,11 @@ def _run_gated_module(module, x, z, g):
     return y, xl.grad, zl.grad, module.weight.grad.clone()
 
 
-@pytest.mark.parametrize(("family", "cls", "kwargs", "roundings"), SWAPPED, ids=[s[1] for s in SWAPPED])
+@pytest.mark.parametrize(
+    ("family", "cls", "kwargs", "roundings"),
+    SWAPPED + SIGMOID_SWAPPED,
+    ids=[f"{s[1]}-{s[2].get('activation', 'own')}" for s in SWAPPED + SIGMOID_SWAPPED],
+)
 def test_swapped_module_against_the_hf_class(family, cls, kwargs, roundings):
     """The swapped module against the class it replaced on bf16 rows: y within ``_within_roundings`` of
     the class's output (its statistics are summed in another order), gradients within the dtype's
@@ -460,20 +486,21 @@ def test_flashinfer_names_are_the_gated_norm(dtype):
 # --- FlashInfer's functional backward: rstd recomputed by the statistics kernel --------------------
 
 
+@pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("rows", (1, 129, 4096))
 @pytest.mark.parametrize("shape", SHAPES, ids=_shape_id)
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
-def test_statistics_kernel_is_the_forwards_rstd(dtype, shape, rows):
+def test_statistics_kernel_is_the_forwards_rstd(dtype, shape, rows, activation):
     """The statistics kernel writes, into a NaN-poisoned rstd, bitwise the forward's rstd (both
-    forms: it reads z only when the gate comes first)."""
+    forms and activations: it reads z only when the gate comes first)."""
     from cake_cute.calls import gated_call
     from cake_cute.gated.ops import launch_statistics, variant_fields
 
     x, z, _ = _inputs(rows, shape[0], dtype)
     w = rand_weight(shape[0], dtype)
-    options = _options(shape)
+    options = _options(shape, activation=activation)
     _, expected = run_forward(x, z, w, options)
-    call = gated_call(x, z, w, EPS, options["group_size"], options["norm_before_gate"], 0.0)
+    call = gated_call(x, z, w, EPS, options["group_size"], options["norm_before_gate"], 0.0, activation)
     rstd = poison(expected.shape, torch.float32)
     launch_statistics(call, variant_fields(call), rstd)
     assert_bitwise_equal(rstd, expected, "rstd")
