@@ -2,7 +2,10 @@
 they must move, next to the Hugging Face module in eager and under torch.compile, and fla's
 ``FusedRMSNormGated`` (norm then gate) where fla imports; at the norm-then-gate shapes also FlashInfer's
 functional spelling (``cake_cute_functional``: its backward recomputes rstd, so it reads x once more
-than the bytes it is measured against).
+than the bytes it is measured against). Gate activations: SiLU (Qwen3-Next's ``Qwen3NextRMSNormGated``,
+the Mamba-2 hybrids' grouped class), and sigmoid at the norm-then-gate shapes (Kimi Linear's
+``KimiLinearRMSNormGated``, fla's ``FusedRMSNormGated(activation="sigmoid")``; FlashInfer's spelling is
+SiLU's alone).
 
 Bytes (``docs/gated.md``): forward reads x and z and writes y, plus FP32 rstd per segment; backward
 reads g, x and z and writes dx and dz, plus rstd. ``fraction`` = (device time of a copy of those
@@ -11,11 +14,12 @@ bytes) / (device time of the call): 1.0 runs at the copy's speed. Device times a
 inputs rotate through enough sets to exceed twice the L2, so every figure is an HBM figure). The
 peers' backward is autograd's (the forward runs untimed before each call).
 
-Shapes: rows of head_dim 128 (norm then gate, T * heads = 2^16 .. 2^21 rows) and grouped full-width
-rows (gate then norm). About three minutes on one H200 (the compiled module compiles once per form,
-with dynamic shapes).
+Shapes: rows of head_dim 128 (norm then gate, T * heads = 2^16 .. 2^21 rows; SiLU, then sigmoid) and
+grouped full-width rows (gate then norm, SiLU). About four minutes on one H200 (the compiled module
+compiles once per form, with dynamic shapes).
 
     python benchmarks/gated_bench.py results.json [--dtype bf16] [--reps 20] [--kernels]
+        [--activations silu,sigmoid]
 
 ``--kernels``: where cake_cute's backward time goes at the head-dim shapes (no peers). A call is two
 kernels, the row kernel (dx, dz, the per-program dW partial rows) and the fixed-order dW finish;
@@ -40,7 +44,7 @@ from cake_cute import (
 )
 from cake_cute.gated.ops import gated_rmsnorm_backward, gated_rmsnorm_forward
 from cake_cute.tools.bench.timing import DeviceTimer, Rotation, buffer_sets_for, gpu_events
-from cake_cute.vocab import DTYPE_NAMES, torch_dtype
+from cake_cute.vocab import DTYPE_NAMES, GATE_ACTIVATIONS, SIGMOID, SILU, torch_dtype
 
 EPS = 1e-6
 HEAD_DIM_ROWS = [1 << k for k in range(16, 22)]
@@ -48,10 +52,13 @@ HEAD_DIM_ROWS = [1 << k for k in range(16, 22)]
 GROUPED = [(4096, 8192, 1024), (16384, 8192, 1024), (4096, 16384, 2048), (8192, 8192, 8192)]
 
 
-def shapes() -> list[tuple[int, int, int, bool]]:
-    """(T, H, group_size, norm_before_gate) of every case."""
-    head_dim = [(rows, 128, 128, True) for rows in HEAD_DIM_ROWS]
-    return head_dim + [(rows, hidden, group, False) for rows, hidden, group in GROUPED]
+def shapes(activations=GATE_ACTIVATIONS) -> list[tuple[int, int, int, bool, str]]:
+    """(T, H, group_size, norm_before_gate, activation) of every case of ``activations``: head-dim
+    rows with each, grouped rows with SiLU (the Mamba-2 hybrids gate with it alone)."""
+    cases = [(rows, 128, 128, True, gate) for gate in activations for rows in HEAD_DIM_ROWS]
+    if SILU in activations:
+        cases += [(rows, hidden, group, False, SILU) for rows, hidden, group in GROUPED]
+    return cases
 
 
 def nbytes(op: str, rows: int, hidden: int, group: int, element: int) -> int:
@@ -62,8 +69,8 @@ def nbytes(op: str, rows: int, hidden: int, group: int, element: int) -> int:
 class Cake:
     name = "cake_cute"
 
-    def __init__(self, hidden, group, norm_before_gate, dtype):
-        self.options = dict(group_size=group, norm_before_gate=norm_before_gate)
+    def __init__(self, hidden, group, norm_before_gate, dtype, activation=SILU):
+        self.options = dict(group_size=group, norm_before_gate=norm_before_gate, activation=activation)
         self.w = torch.randn(hidden, device="cuda", dtype=dtype) * 0.5 + 1
 
     def forward(self, x, z):
@@ -113,7 +120,11 @@ class Module:
         return lambda: torch.autograd.grad(y, (x, z, *self.module.parameters()), g, retain_graph=True)
 
 
-def hf_module(hidden, group, norm_before_gate, dtype):
+def hf_module(hidden, group, norm_before_gate, dtype, activation=SILU):
+    if activation == SIGMOID:  # Kimi Linear's KDA output norm: FP32 throughout, one rounding
+        from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearRMSNormGated
+
+        return KimiLinearRMSNormGated(hidden, eps=EPS).to("cuda", dtype)
     if norm_before_gate:
         from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNormGated
 
@@ -127,36 +138,37 @@ def hf_module(hidden, group, norm_before_gate, dtype):
     return cls(hidden, group, eps=EPS).to("cuda", dtype)
 
 
-def fla_module(hidden, dtype):
+def fla_module(hidden, dtype, activation=SILU):
     from fla.modules import FusedRMSNormGated
 
-    return FusedRMSNormGated(hidden, eps=EPS).to("cuda", dtype)
+    return FusedRMSNormGated(hidden, eps=EPS, activation=activation).to("cuda", dtype)
 
 
 _compiled: dict = {}
 
 
-def compiled_hf_module(hidden, group, norm_before_gate, dtype):
-    key = (hidden, group, norm_before_gate, dtype)
+def compiled_hf_module(hidden, group, norm_before_gate, dtype, activation=SILU):
+    key = (hidden, group, norm_before_gate, dtype, activation)
     if key not in _compiled:
         # The timer's retried backward keeps its graph (``Module.backward_call``), which a compiled
         # backward that donates its buffers refuses.
         torch._functorch.config.donated_buffer = False
-        _compiled[key] = torch.compile(hf_module(hidden, group, norm_before_gate, dtype), dynamic=True)
+        module = hf_module(hidden, group, norm_before_gate, dtype, activation)
+        _compiled[key] = torch.compile(module, dynamic=True)
     return _compiled[key]
 
 
-def peers(hidden, group, norm_before_gate, dtype) -> list:
+def peers(hidden, group, norm_before_gate, dtype, activation=SILU) -> list:
     """The implementations timed at one shape; a peer that cannot be built is left out (with a note)."""
-    impls = [Cake(hidden, group, norm_before_gate, dtype)]
-    if norm_before_gate:
+    impls = [Cake(hidden, group, norm_before_gate, dtype, activation)]
+    if norm_before_gate and activation == SILU:
         impls.append(CakeFlashInferFunctional(hidden, dtype))
     builders = {
-        "hf_eager": lambda: hf_module(hidden, group, norm_before_gate, dtype),
-        "hf_compiled": lambda: compiled_hf_module(hidden, group, norm_before_gate, dtype),
+        "hf_eager": lambda: hf_module(hidden, group, norm_before_gate, dtype, activation),
+        "hf_compiled": lambda: compiled_hf_module(hidden, group, norm_before_gate, dtype, activation),
     }
     if norm_before_gate:
-        builders["fla"] = lambda: fla_module(hidden, dtype)
+        builders["fla"] = lambda: fla_module(hidden, dtype, activation)
     for name, build in builders.items():
         try:
             impls.append(Module(name, build()))
@@ -204,20 +216,20 @@ def backward_kernels(impl: Cake, inputs, reps) -> dict:
     }
 
 
-def run_kernels(dtype, reps) -> list[dict]:
+def run_kernels(dtype, reps, activations) -> list[dict]:
     """``--kernels``: the backward's row kernel and tail against the copy kernel, head-dim shapes."""
     timer = DeviceTimer(torch, torch.device("cuda"))
     element = torch.tensor([], dtype=dtype).element_size()
     rows_out = []
-    for rows, hidden, group, norm_before_gate in shapes():
+    for rows, hidden, group, norm_before_gate, activation in shapes(activations):
         if not norm_before_gate:
             continue
         inputs = _sets(rows, hidden, dtype, buffer_sets_for(3 * rows * hidden * element, timer.l2_bytes))
-        impl = Cake(hidden, group, norm_before_gate, dtype)
+        impl = Cake(hidden, group, norm_before_gate, dtype, activation)
         impl.backward_call(*inputs[0])()
         copy = timer.copy_ceiling(nbytes("backward", rows, hidden, group, element), reps, kernel_time=True)
         split = backward_kernels(impl, inputs, reps)
-        row = {"impl": impl.name, "op": "backward", "rows": rows, "hidden": hidden}
+        row = {"impl": impl.name, "op": "backward", "activation": activation, "rows": rows, "hidden": hidden}
         row["dtype"] = str(dtype).removeprefix("torch.")
         row |= {k: round(us, 2) for k, us in split.items()}
         row["copy_kernel_us"] = copy["copy_kernel_us"]
@@ -229,28 +241,30 @@ def run_kernels(dtype, reps) -> list[dict]:
     return rows_out
 
 
-def run(dtype, reps) -> list[dict]:
+def run(dtype, reps, activations) -> list[dict]:
     timer = DeviceTimer(torch, torch.device("cuda"))
     element = torch.tensor([], dtype=dtype).element_size()
     rows_out = []
-    for rows, hidden, group, norm_before_gate in shapes():
+    for rows, hidden, group, norm_before_gate, activation in shapes(activations):
         set_bytes = 3 * rows * hidden * element
         inputs = _sets(rows, hidden, dtype, buffer_sets_for(set_bytes, timer.l2_bytes))
         copies = {
             op: timer.copy_ceiling(nbytes(op, rows, hidden, group, element), reps)["copy_gpu_us"]
             for op in ("forward", "backward")
         }
-        for impl in peers(hidden, group, norm_before_gate, dtype):
+        for impl in peers(hidden, group, norm_before_gate, dtype, activation):
             try:
                 times = time_impl(timer, impl, inputs, reps)
             except Exception as exc:  # a peer failing at one shape is a row with its error
-                rows_out.append({"impl": impl.name, "rows": rows, "hidden": hidden, "error": repr(exc)})
+                failure = {"impl": impl.name, "activation": activation, "rows": rows, "hidden": hidden}
+                rows_out.append(failure | {"error": repr(exc)})
                 continue
             for op, us in times.items():
                 row = {
                     "impl": impl.name,
                     "op": op,
                     "form": "norm_then_gate" if norm_before_gate else "gate_then_norm",
+                    "activation": activation,
                     "rows": rows,
                     "hidden": hidden,
                     "group_size": group,
@@ -266,15 +280,28 @@ def run(dtype, reps) -> list[dict]:
     return rows_out
 
 
+def _activations(text: str) -> list[str]:
+    names = text.split(",")
+    if unknown := [name for name in names if name not in GATE_ACTIVATIONS]:
+        raise argparse.ArgumentTypeError(f"unknown {unknown}, expected a subset of {GATE_ACTIVATIONS}")
+    return names
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("output", type=Path, help="where the JSON results go")
     parser.add_argument("--dtype", choices=DTYPE_NAMES, default="bf16")
     parser.add_argument("--reps", type=int, default=20, help="timed calls per median")
     parser.add_argument("--kernels", action="store_true", help="the backward's kernels against a copy kernel")
+    parser.add_argument(
+        "--activations",
+        type=_activations,
+        default=list(GATE_ACTIVATIONS),
+        help="gate activations to time, comma-separated (default silu,sigmoid)",
+    )
     args = parser.parse_args(argv)
     dtype = torch_dtype(args.dtype)
-    results = (run_kernels if args.kernels else run)(dtype, args.reps)
+    results = (run_kernels if args.kernels else run)(dtype, args.reps, args.activations)
     doc = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "results": results}
     args.output.write_text(json.dumps(doc, indent=1))
     return 0

@@ -1,9 +1,11 @@
 #!/usr/bin/env python
-"""``python benchmarks/gated_model_step.py OUT.json``: what a Qwen3-Next-style model's training step
-(forward, loss, backward, AdamW) costs with each gated RMSNorm in its linear-attention layers, eager
-and under ``torch.compile``, in one process.
+"""``python benchmarks/gated_model_step.py OUT.json [--model qwen3_next|kimi_linear]``: what a
+Qwen3-Next-style (SiLU gate) or Kimi-Linear-style (sigmoid gate) model's training step (forward, loss,
+backward, AdamW) costs with each gated RMSNorm in its linear-attention layers, eager and under
+``torch.compile``, in one process.
 
-The model: Hugging Face's ``Qwen3NextForCausalLM`` from a ``Qwen3NextConfig``, random init (seed 0),
+The model (``--model qwen3_next``, the default): Hugging Face's ``Qwen3NextForCausalLM`` from a
+``Qwen3NextConfig``, random init (seed 0),
 bf16, sdpa attention, no cache. 8 layers at hidden 2048, the config's default pattern of one
 full-attention layer every 4 (layers 4 and 8; the others are Gated DeltaNet linear attention: 16 key
 heads and 32 value heads of 128, so every gated norm normalizes 32 rows of 128 per token), full
@@ -13,28 +15,44 @@ attention with 16 query heads of 256 and 2 key/value heads, a dense SwiGLU MLP o
 step a few hundred ms on one H200. 8192 tokens per step (batch 1 x sequence 8192), the same batch every
 step.
 
+``--model kimi_linear``: Hugging Face's ``KimiLinearForCausalLM`` from a ``KimiLinearConfig`` of the
+same outline: 8 layers at hidden 2048, full attention (Multi-head Latent Attention: 16 heads, a
+key/value latent of 512, query/key dims 128 + 64 rotary, value dim 128, as Kimi Linear's) in layers 4
+and 8, Kimi Delta Attention in the others (32 heads of 128: every gated norm, its output norm
+``KimiLinearRMSNormGated``, normalizes 32 rows of 128 per token and gates them with the sigmoid of a
+low-rank projection), a dense SwiGLU MLP of 5632 in every layer (no experts), vocabulary 32000. The
+Kimi Delta Attention is transformers' torch implementation unless fla's ``chunk_kda`` imports (see
+``linear_attention`` below); its short convolutions are torch's without the ``causal_conv1d`` package.
+The torch Kimi Delta Attention forms a per-channel decay of heads x T x 64 x 128 FP32 values in every
+layer and keeps several such tensors for its backward (8.6 GB each at 32 heads and 8192 tokens, 1.1 GB
+at 1024): with it, give fewer tokens (``--seq 1024``).
+
 Implementations (only the linear-attention layers' gated norm differs; the plain norms are below):
 
-* ``stock-torch``: Hugging Face's ``Qwen3NextRMSNormGated`` in every gated-norm slot. Transformers
-  5.17 and later build that class there whether fla is installed or not (fla's
-  ``FusedRMSNormGated`` reaches it only through the ``kernels`` hub mapping, ``kernelize`` /
-  ``use_kernels=True``, which needs the hub); 5.0 and older build fla's module when fla imports. The
-  slot is made the Hugging Face class either way (same weight Parameter);
-* ``fla``: fla's ``FusedRMSNormGated`` (``activation="silu"``) in those slots, as older transformers
-  built it; a row with ``skipped`` when fla does not import;
+* ``stock-torch``: Hugging Face's gated norm class (``Qwen3NextRMSNormGated``,
+  ``KimiLinearRMSNormGated``) in every gated-norm slot. Transformers 5.17 and later build that class
+  there whether fla is installed or not (fla's ``FusedRMSNormGated`` reaches it only through the
+  ``kernels`` hub mapping, ``kernelize`` / ``use_kernels=True``, which needs the hub); 5.0 and older
+  build fla's module in Qwen3-Next's slot when fla imports. The slot is made the Hugging Face class
+  either way (same weight Parameter);
+* ``fla``: fla's ``FusedRMSNormGated`` with the model's gate (``activation="silu"``, or ``"sigmoid"``
+  as fla's own Kimi Delta Attention layer builds it) in those slots; a row with ``skipped`` when fla
+  does not import;
 * ``cake``: ``swap_gated_rmsnorm(model)``, the default cast policy, which follows the Hugging Face
-  class's roundings (the plain kernel with a unit weight, then torch's products);
+  class's roundings (Qwen3-Next's: the plain kernel with a unit weight, then torch's products; Kimi
+  Linear's class rounds once: the fused kernel);
 * ``cake-one-rounding``: ``swap_gated_rmsnorm(model, cast_policy="one_rounding")``, the fused kernel
-  rounding once (docs/gated.md: within 2**-6 of |y| of the class's three bf16 roundings).
+  rounding once (docs/gated.md: within 2**-6 of |y| of Qwen3-Next's three bf16 roundings; for Kimi
+  Linear the same norm as ``cake``).
 
-``--plain-norms``: ``stock`` (default) leaves the model's plain ``Qwen3NextRMSNorm`` modules (the
-layers' two norms, the q / k head norms, the final norm) as Hugging Face builds them; ``cake`` applies
-``swap_rmsnorm(model)`` to them in every run, as a user applying both swaps would (weight offset 1
-read from the class). Either way every implementation runs the same plain norms, so the difference
-between rows of one ``plain_norms`` is the gated norm's.
+``--plain-norms``: ``stock`` (default) leaves the model's plain norms (``Qwen3NextRMSNorm``: the
+layers' two norms, the q / k head norms, the final norm; ``KimiLinearRMSNorm``) as Hugging Face builds
+them; ``cake`` applies ``swap_rmsnorm(model)`` to them in every run, as a user applying both swaps
+would (each class's weight offset read from it). Either way every implementation runs the same plain
+norms, so the difference between rows of one ``plain_norms`` is the gated norm's.
 
 Which linear-attention kernels ran is in the output (``linear_attention``): transformers takes
-``chunk_gated_delta_rule`` from fla when ``fla.ops.gated_delta_rule`` imports, else its torch
+``chunk_gated_delta_rule`` (Kimi Linear: ``chunk_kda``) from fla when fla's ops import, else its torch
 implementation (much slower), and ``causal_conv1d_fn`` from the ``causal_conv1d`` package, else torch's
 conv1d; ``--linear-attention torch`` makes the layers call transformers' torch delta rule even where
 fla imports (fla 0.6 refuses its gated delta-rule backward on Hopper with Triton below 3.7.1, and
@@ -127,7 +145,8 @@ MARKERS = (
 
 @dataclass(frozen=True)
 class Size:
-    """A Qwen3NextConfig's sizes, and the batch."""
+    """A model's sizes, and the batch (``heads``, ``kv_heads``, ``head_dim``: the full-attention layers';
+    ``linear_*``: the linear-attention layers')."""
 
     hidden: int
     layers: int
@@ -212,41 +231,129 @@ def qwen3_next_config(size: Size):
     )
 
 
-def linear_mixers(model: nn.Module) -> list[nn.Module]:
-    """The Gated DeltaNet mixers of the model, each holding one gated norm as ``.norm``."""
-    return [layer.linear_attn for layer in decoder_layers(model) if hasattr(layer, "linear_attn")]
+def kimi_linear_config(size: Size):
+    """Kimi Linear's outline at ``size``: its latent attention's dims from ``head_dim`` (Kimi Linear's
+    own at 128: a latent of 4 * 128, rotary dims 64), every MLP dense."""
+    import transformers
+
+    return transformers.KimiLinearConfig(
+        vocab_size=size.vocab,
+        hidden_size=size.hidden,
+        intermediate_size=size.intermediate,
+        num_hidden_layers=size.layers,
+        num_attention_heads=size.heads,
+        num_key_value_heads=size.kv_heads,
+        kv_lora_rank=4 * size.head_dim,
+        qk_nope_head_dim=size.head_dim,
+        qk_rope_head_dim=size.head_dim // 2,
+        v_head_dim=size.head_dim,
+        linear_head_dim=size.linear_head_dim,
+        linear_num_heads=size.linear_value_heads,
+        layer_types=size.layer_types,
+        mlp_layer_types=["dense"] * size.layers,  # no router: the same work for every implementation
+        max_position_embeddings=size.seq,
+        use_cache=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        attn_implementation="sdpa",
+    )
 
 
-def hf_gated_norm(mixer: nn.Module) -> nn.Module:
-    """The mixer's gated norm as Hugging Face's ``Qwen3NextRMSNormGated``, holding the same weight: the
-    module itself when it already is one (transformers 5.17+), else a new one (older transformers
-    built fla's there when fla imports)."""
-    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNormGated
+@dataclass(frozen=True)
+class Family:
+    """A model family the step is built from: its causal-LM class and config (``config``: Size -> the
+    config), where a decoder layer holds its linear-attention mixer (``mixer``, an attribute that
+    other layers lack or hold without ``norm_slot``) and the mixer its gated norm (``norm_slot``), the
+    Hugging Face class and gate activation of that norm, the chunked delta rule's module global and
+    the sizes of a full and a tiny run."""
 
-    if isinstance(mixer.norm, Qwen3NextRMSNormGated):
-        return mixer.norm
+    name: str
+    model: str
+    config: Callable[[Size], object]
+    mixer: str
+    norm_slot: str
+    norm: str
+    activation: str
+    delta_rule: str
+    full: Size
+    tiny: Size
+
+    def modeling(self):
+        """transformers' modeling module of the family."""
+        return importlib.import_module(f"transformers.models.{self.name}.modeling_{self.name}")
+
+
+QWEN3_NEXT = Family(
+    "qwen3_next",
+    "Qwen3NextForCausalLM",
+    qwen3_next_config,
+    "linear_attn",
+    "norm",
+    "Qwen3NextRMSNormGated",
+    "silu",
+    "torch_chunk_gated_delta_rule",
+    FULL,
+    TINY,
+)
+# Kimi Linear at the Qwen3-Next step's outline: latent attention of 16 heads with Kimi Linear's dims
+# (``kimi_linear_config``), 32 Kimi Delta Attention heads of 128.
+KIMI_LINEAR = Family(
+    "kimi_linear",
+    "KimiLinearForCausalLM",
+    kimi_linear_config,
+    "self_attn",
+    "o_norm",
+    "KimiLinearRMSNormGated",
+    "sigmoid",
+    "chunk_kimi_delta_attention",
+    replace(FULL, kv_heads=16, head_dim=128),
+    replace(TINY, kv_heads=4),  # latent attention: one key/value head per query head
+)
+FAMILIES = {family.name: family for family in (QWEN3_NEXT, KIMI_LINEAR)}
+
+
+def linear_mixers(model: nn.Module, family: Family = QWEN3_NEXT) -> list[nn.Module]:
+    """The linear-attention mixers of the model, each holding one gated norm in ``family.norm_slot``."""
+    mixers = (getattr(layer, family.mixer, None) for layer in decoder_layers(model))
+    return [mixer for mixer in mixers if hasattr(mixer, family.norm_slot)]
+
+
+def hf_gated_norm(mixer: nn.Module, family: Family = QWEN3_NEXT) -> nn.Module:
+    """The mixer's gated norm as the family's Hugging Face class, holding the same weight: the module
+    itself when it already is one (transformers 5.17+), else a new one (older transformers built fla's
+    in Qwen3-Next's slot when fla imports)."""
+    cls = getattr(family.modeling(), family.norm)
+    slot = getattr(mixer, family.norm_slot)
+    if isinstance(slot, cls):
+        return slot
     with torch.device("meta"):
-        norm = Qwen3NextRMSNormGated(mixer.head_v_dim, eps=mixer.layer_norm_epsilon)
-    norm.weight = mixer.norm.weight
+        norm = cls(slot.weight.shape[0], eps=mixer.layer_norm_epsilon)
+    norm.weight = slot.weight
     return norm
 
 
-def fla_gated_norm(mixer: nn.Module) -> nn.Module:
-    """fla's ``FusedRMSNormGated`` as transformers 5.0 built it in the slot, holding the same weight."""
+def fla_gated_norm(mixer: nn.Module, family: Family = QWEN3_NEXT) -> nn.Module:
+    """fla's ``FusedRMSNormGated`` with the family's gate activation, as transformers 5.0 built it in
+    Qwen3-Next's slot and fla's Kimi Delta Attention builds it, holding the same weight."""
     from fla.modules import FusedRMSNormGated
 
-    norm = FusedRMSNormGated(mixer.head_v_dim, eps=mixer.layer_norm_epsilon, activation="silu", device="meta")
-    norm.weight = mixer.norm.weight
+    weight = getattr(mixer, family.norm_slot).weight
+    norm = FusedRMSNormGated(
+        weight.shape[0], eps=mixer.layer_norm_epsilon, activation=family.activation, device="meta"
+    )
+    norm.weight = weight
     return norm
 
 
-def install_gated_norms(model: nn.Module, impl: str) -> None:
+def install_gated_norms(model: nn.Module, impl: str, family: Family = QWEN3_NEXT) -> None:
     """Put ``impl``'s gated norm in every linear-attention layer (the weight Parameters are kept)."""
     import cake_cute
 
-    mixers = linear_mixers(model)
+    mixers = linear_mixers(model, family)
     for mixer in mixers:
-        mixer.norm = fla_gated_norm(mixer) if impl == "fla" else hf_gated_norm(mixer)
+        norm = fla_gated_norm(mixer, family) if impl == "fla" else hf_gated_norm(mixer, family)
+        setattr(mixer, family.norm_slot, norm)
     if impl.startswith("cake"):
         policy = "one_rounding" if impl == "cake-one-rounding" else None
         swapped = cake_cute.swap_gated_rmsnorm(model, cast_policy=policy)
@@ -254,20 +361,20 @@ def install_gated_norms(model: nn.Module, impl: str) -> None:
             raise RuntimeError(f"swap_gated_rmsnorm replaced {swapped} gated norms of {len(mixers)}")
 
 
-def build_model(size: Size, impl: str, plain_norms: str, dtype, device) -> nn.Module:
+def build_model(
+    size: Size, impl: str, plain_norms: str, dtype, device, family: Family = QWEN3_NEXT
+) -> nn.Module:
     """The seeded random-init model with ``impl``'s gated norms and ``plain_norms``' plain norms."""
-    import transformers
-
     import cake_cute
 
     torch.manual_seed(0)
     with torch.device(device):
-        model = transformers.Qwen3NextForCausalLM(qwen3_next_config(size)).to(dtype)
+        model = getattr(family.modeling(), family.model)(family.config(size)).to(dtype)
     if plain_norms == "cake":
         # Before the gated norms: swap_rmsnorm leaves Hugging Face's gated class alone (not an RMSNorm's
         # forward), and fla's module is never offered to it.
         cake_cute.swap_rmsnorm(model)
-    install_gated_norms(model, impl)
+    install_gated_norms(model, impl, family)
     return model.train()
 
 
@@ -318,11 +425,10 @@ def _resolved_by_package(function) -> bool | None:
     return None
 
 
-def linear_attention_paths() -> dict:
-    """Which implementation transformers' Qwen3-Next calls for its linear-attention functions."""
-    from transformers.models.qwen3_next import modeling_qwen3_next as hf
-
-    packages = {"torch_chunk_gated_delta_rule": "fla", "causal_conv1d_fn": "causal_conv1d"}
+def linear_attention_paths(family: Family = QWEN3_NEXT) -> dict:
+    """Which implementation transformers' model of ``family`` calls for its linear-attention functions."""
+    hf = family.modeling()
+    packages = {family.delta_rule: "fla", "causal_conv1d_fn": "causal_conv1d"}
     paths = {}
     for name, package in packages.items():
         resolved = _resolved_by_package(getattr(hf, name, None))
@@ -330,25 +436,27 @@ def linear_attention_paths() -> dict:
     return paths
 
 
-def force_torch_delta_rule() -> None:
-    """Make Qwen3-Next's layers call transformers' own torch ``chunk_gated_delta_rule`` even where fla
-    imports (fla 0.6 refuses its gated backward on Hopper with Triton below 3.7.1): the module global
-    the layers call, unwrapped down to the torch function its decorators wrap."""
-    from transformers.models.qwen3_next import modeling_qwen3_next as hf
-
-    function = hf.torch_chunk_gated_delta_rule
+def force_torch_delta_rule(family: Family = QWEN3_NEXT) -> None:
+    """Make the family's layers call transformers' own torch chunked delta rule even where fla imports
+    (fla 0.6 refuses its gated backward on Hopper with Triton below 3.7.1): the module global the
+    layers call, unwrapped down to the torch function its decorators wrap."""
+    hf = family.modeling()
+    function = getattr(hf, family.delta_rule)
     while hasattr(function, "__wrapped__"):
         function = function.__wrapped__
-    hf.torch_chunk_gated_delta_rule = function
+    setattr(hf, family.delta_rule, function)
 
 
-def default_gated_norm(size: Size) -> str:
+def gated_norm_class(model: nn.Module, family: Family) -> str:
+    """The class name of the module in the first linear-attention layer's gated-norm slot."""
+    return type(getattr(linear_mixers(model, family)[0], family.norm_slot)).__name__
+
+
+def default_gated_norm(size: Size, family: Family = QWEN3_NEXT) -> str:
     """The class transformers builds in the gated-norm slot when nothing is swapped (meta device)."""
-    import transformers
-
     with torch.device("meta"):
-        model = transformers.Qwen3NextForCausalLM(qwen3_next_config(size))
-    return type(linear_mixers(model)[0].norm).__name__
+        model = getattr(family.modeling(), family.model)(family.config(size))
+    return gated_norm_class(model, family)
 
 
 def clear_dynamo_counts() -> None:
@@ -465,10 +573,11 @@ def prepare(size, key: tuple, args, device) -> Prepared:
     """The run's (``key``: impl, mode, plain norms) model built (and compiled in mode compile), its
     loss and optimizer."""
     impl, mode, plain_norms = key
-    model = build_model(size, impl, plain_norms, DTYPES[args.dtype], device)
+    family = FAMILIES[args.model]
+    model = build_model(size, impl, plain_norms, DTYPES[args.dtype], device, family)
     stepped = compiled(model, impl, False, args.compile_scope) if mode == "compile" else model
     loss, first_losses = recording(batch_loss(size, device), args.loss_steps)
-    gated_norm = type(linear_mixers(model)[0].norm).__name__
+    gated_norm = gated_norm_class(model, family)
     return Prepared(stepped, loss, first_losses, torch.optim.AdamW(model.parameters()), gated_norm)
 
 
@@ -612,6 +721,12 @@ def _list_of(choices):
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out", type=Path, help="JSON file to write")
+    p.add_argument(
+        "--model",
+        choices=tuple(FAMILIES),
+        default="qwen3_next",
+        help="qwen3_next (SiLU gate, default) or kimi_linear (sigmoid gate)",
+    )
     p.add_argument("--device", default="cuda", help="cuda, or cpu: the tiny smoke model, eager")
     p.add_argument("--tiny", action="store_true", help="the tiny model (implied by --device cpu)")
     p.add_argument("--impls", type=_list_of(IMPLS), default=list(IMPLS), help=f"subset of {','.join(IMPLS)}")
@@ -656,14 +771,15 @@ def parse_args(argv):
 def main(argv=None) -> int:
     args = parse_args(argv)
     _use_source_tree()
-    size = TINY if args.tiny else FULL
+    family = FAMILIES[args.model]
+    size = family.tiny if args.tiny else family.full
     if args.seq is not None:
         size = replace(size, seq=args.seq)
-    paths = linear_attention_paths()
+    paths = linear_attention_paths(family)
     if args.linear_attention == "torch":
-        force_torch_delta_rule()
-        paths["torch_chunk_gated_delta_rule"] = "torch (forced)"
-    default_norm = default_gated_norm(size)
+        force_torch_delta_rule(family)
+        paths[family.delta_rule] = "torch (forced)"
+    default_norm = default_gated_norm(size, family)
     print(f"linear attention: {paths}; the gated-norm slot's default class: {default_norm}", flush=True)
     kept = kept_rows(args.out, args.append)
     if args.profile is not None:
@@ -676,7 +792,7 @@ def main(argv=None) -> int:
             "benchmarks/gated_model_step.py",
             device,
             kept + rows,
-            model="Qwen3NextForCausalLM",
+            model=family.model,
             size=asdict(size),
             dtype=args.dtype,
             optimizer="adamw",

@@ -1,6 +1,7 @@
 """benchmarks/gated_model_step.py without a GPU: its smoke mode end to end (a tiny Qwen3-Next, FP32,
-eager, in its own process), and the gated-norm slot made Hugging Face's class whatever transformers
-built there; also what ``--profile`` writes, the dynamo counts a compiled row keeps, and ``--interleave``.
+eager, in its own process; and a tiny Kimi Linear, ``--model kimi_linear``), and the gated-norm slot
+made Hugging Face's class whatever transformers built there; also what ``--profile`` writes, the dynamo
+counts a compiled row keeps, and ``--interleave``.
 
 The first-step loss of both cake runs is asserted bitwise equal to stock-torch's. Same seed, same
 batch, so the first forward differs only in the gated norms, and in FP32 on CPU they compute what the
@@ -55,6 +56,26 @@ def test_smoke_run_cake_first_loss_is_stock_torchs(smoke_rows):
     for impl in ("cake", "cake-one-rounding"):
         assert rows[impl]["gated_norm"] == "CakeGatedRMSNorm"
         assert rows[impl]["losses"][0] == rows["stock-torch"]["losses"][0]  # bitwise: module docstring
+
+
+def test_kimi_linear_smoke_run(tmp_path):
+    """``--model kimi_linear``: a tiny Kimi Linear (its Kimi Delta Attention in torch), the sigmoid-gated
+    ``KimiLinearRMSNormGated`` in the stock run and ``CakeGatedRMSNorm`` in the cake runs, whose first
+    loss is the stock run's, bitwise (the class rounds once, which the CPU path does in FP32 too)."""
+    out = tmp_path / "step.json"
+    command = [sys.executable, str(BENCHMARKS / "gated_model_step.py"), str(out), "--device", "cpu"]
+    subprocess.run(
+        [*command, "--dtype", "fp32", "--model", "kimi_linear"], check=True, capture_output=True, timeout=600
+    )
+    doc = json.loads(out.read_text())
+    assert doc["model"] == "KimiLinearForCausalLM" and doc["default_gated_norm"] == "KimiLinearRMSNormGated"
+    assert set(doc["linear_attention"]) == {"chunk_kimi_delta_attention", "causal_conv1d_fn"}
+    rows = {r["impl"]: r for r in doc["rows"]}
+    assert rows["stock-torch"]["gated_norm"] == "KimiLinearRMSNormGated"
+    for impl in ("cake", "cake-one-rounding"):
+        assert "error" not in rows[impl], rows[impl]
+        assert rows[impl]["gated_norm"] == "CakeGatedRMSNorm"
+        assert rows[impl]["losses"][0] == rows["stock-torch"]["losses"][0]
 
 
 def test_profile_writes_tables_and_a_summary_per_run(tmp_path):
