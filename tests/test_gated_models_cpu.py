@@ -34,8 +34,10 @@ import copy
 import functools
 import importlib
 import inspect
+import re
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import torch
@@ -649,6 +651,19 @@ def test_half_mamba2_style_model_trains_on_its_torch_scan_path(name, dtype):
     assert all(torch.isfinite(g).all() for g in grads.values())
     assert any(not torch.equal(p, b) for p, b in zip(gated.parameters(), before))
     assert torch.isfinite(gated(ids).logits).all()
+
+
+def test_every_installed_gated_class_is_in_the_matrix():
+    """Each class named "...NormGated" in the installed transformers' modeling files is checked above,
+    served (``CLASSES``) or refused by name (``REFUSED``): a family added to transformers shows here."""
+    models = Path(transformers.__file__).parent / "models"
+    installed = {
+        (path.parent.name, name)
+        for path in models.glob("*/modeling_*.py")
+        for name in re.findall(r"^class (\w+NormGated)\(", path.read_text(), re.M)
+    }
+    checked = {(family, name) for family, name, *_ in CLASSES + REFUSED}
+    assert installed and installed <= checked, installed - checked
 
 
 @pytest.mark.parametrize("entry", REFUSED, ids=_class_id)
