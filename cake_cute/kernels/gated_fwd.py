@@ -101,9 +101,9 @@ class GatedKernel(RowKernel):
     @cute.jit
     def gate(self, z: cute.TensorSSA) -> tuple:
         """(act(z), act'(z)) in FP32 from s = sigmoid(z): silu = z * s, silu' = s * (1 + z * (1 - s));
-        sigmoid = s, sigmoid' = s * (1 - s) (exact where s rounds to 0 or 1, unlike a form through
-        exp(-z), which overflows). sigmoid through ex2.approx and rcp.approx, one MUFU instruction
-        each, rather than an IEEE division's instruction sequence."""
+        sigmoid = s, sigmoid' = s * (1 - s), as torch's sigmoid backward forms it (a form through
+        exp(-z) would overflow where s is 0). sigmoid through ex2.approx and rcp.approx, one MUFU
+        instruction each, rather than an IEEE division's instruction sequence."""
         s = approx_reciprocal(cute.math.exp(-z, fastmath=True) + 1.0)
         if const_expr(self.activation == SIGMOID):
             value, slope = s, s * (1.0 - s)
