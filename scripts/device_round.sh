@@ -33,9 +33,15 @@
 #                H = 2048; MoE: 4 experts, top 2), stock specs beside --spec gpt_layer_spec and gpt_decoder_block_spec;
 #                needs .device/megatron-lm and the megatron-core wheel in .device/wheels/
 #                (benchmarks/megatron_pretrain_kit.sh)
-#   gated        benchmarks/gated_bench.py (bf16), fla-core and einops from .device/wheels/ where present
+#   gated        benchmarks/gated_bench.py (bf16, SiLU and sigmoid gates), fla-core and einops from .device/wheels/
+#                where present
+#   gatedtests   tests/test_gpu_gated.py alone: the gated kernels, autograd, compile, CUDA graphs and swapped
+#                classes with both gate activations (925 cases)
 #   gatedmodel   benchmarks/gated_model_step.py: a Qwen3-Next training step with stock, fla and cake gated norms;
 #                eager with both plain-norm variants, then compiled per layer (fla-core and einops as for gated)
+#   kimimodel    benchmarks/gated_model_step.py --model kimi_linear: a Kimi Linear training step (sigmoid-gated
+#                output norms; the torch Kimi Delta Attention at 1024 tokens) with stock, fla and cake gated
+#                norms, eager, then compiled per layer (fla-core and einops as for gated)
 #   memory       the memory-efficient mode: benchmarks/model_step.py (Llama, H = 4096, AdamW; torch, Liger,
 #                cake_cute and cake_cute_memory_efficient, eager and compiled) and benchmarks/memory_bench.py
 #   hostbound    benchmarks/hostbound.py, eager only (the host cost of one step next to F.rms_norm's)
@@ -202,7 +208,7 @@ section_megatronpretrain() {
 section_gated() {
   local d=$RES/gated && mkdir -p "$d"
   install_wheels einops fla_core
-  bounded 300 "$d/bench.log" python3 benchmarks/gated_bench.py "$d/$day-nvidia-h200-gated.json"
+  bounded 420 "$d/bench.log" python3 benchmarks/gated_bench.py "$d/$day-nvidia-h200-gated.json"
 }
 
 section_gatedmodel() {
@@ -214,6 +220,21 @@ section_gatedmodel() {
     --linear-attention torch
   bounded 300 "$d/compile.log" python3 benchmarks/gated_model_step.py "$out" --append --modes compile \
     --linear-attention torch
+}
+
+section_gatedtests() {
+  local d=$RES/gatedtests && mkdir -p "$d"
+  bounded 500 "$d/gpu_gated.log" python3 -m pytest -q -rs -m gpu tests/test_gpu_gated.py -p no:cacheprovider
+}
+
+section_kimimodel() {
+  local d=$RES/kimimodel && mkdir -p "$d"
+  local out=$d/$day-nvidia-h200-kimi-model-step.json
+  local run=(python3 benchmarks/gated_model_step.py "$out" --model kimi_linear --linear-attention torch --seq 1024
+    --impls stock-torch,fla,cake)
+  install_wheels einops fla_core
+  bounded 240 "$d/eager.log" "${run[@]}" --modes eager
+  bounded 340 "$d/compile.log" "${run[@]}" --append --modes compile
 }
 
 section_memory() {
