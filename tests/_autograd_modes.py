@@ -25,7 +25,7 @@ def plain_reference(x, w, residual=None, weight_offset=0.0):
     return y if residual is None else (y, h)
 
 
-def gated_reference(x, z, w, group_size=None, norm_before_gate=True):
+def gated_reference(x, z, w, group_size=None, norm_before_gate=True, activation="silu"):
     """The gated norm's forward in FP64 over [..., H] rows."""
     hidden = x.shape[-1]
     y, _ = gated_forward_reference(
@@ -35,6 +35,7 @@ def gated_reference(x, z, w, group_size=None, norm_before_gate=True):
         EPS,
         group_size=group_size,
         norm_before_gate=norm_before_gate,
+        activation=activation,
     )
     return y.reshape(x.shape)
 

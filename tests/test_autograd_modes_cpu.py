@@ -83,15 +83,17 @@ def test_double_backward_in_bf16_is_within_its_rounding():
     assert second_order_error(PLAIN_ENTRIES["cake_rmsnorm"], plain_reference, [x, w]) < 5e-2
 
 
+@pytest.mark.parametrize("activation", ["silu", "sigmoid"])
 @pytest.mark.parametrize("norm_before_gate,group_size", [(True, None), (False, None), (False, 4), (True, 8)])
-def test_double_backward_of_the_gated_norm_is_fp64_torch(norm_before_gate, group_size):
+def test_double_backward_of_the_gated_norm_is_fp64_torch(norm_before_gate, group_size, activation):
     x, z, w = _tensors((6, 16), (6, 16), (16,), seed=3)
+    options = dict(group_size=group_size, norm_before_gate=norm_before_gate, activation=activation)
 
     def gated(x, z, w):
-        return cake_gated_rmsnorm(x, z, w, EPS, group_size=group_size, norm_before_gate=norm_before_gate)
+        return cake_gated_rmsnorm(x, z, w, EPS, **options)
 
     def reference(x, z, w):
-        return gated_reference(x, z, w, group_size, norm_before_gate)
+        return gated_reference(x, z, w, **options)
 
     assert second_order_error(gated, reference, [x, z, w]) < FP32_BOUND
 
@@ -163,30 +165,33 @@ def test_torch_func_transforms_of_the_module(name):
     assert transform_error(name, module_norm, plain_reference, [x, w]) < FP32_BOUND
 
 
+@pytest.mark.parametrize("activation", ["silu", "sigmoid"])
 @pytest.mark.parametrize("name", TRANSFORMS)
 @pytest.mark.parametrize("norm_before_gate,group_size", [(True, None), (False, 4)])
-def test_torch_func_transforms_of_the_gated_norm(name, norm_before_gate, group_size):
+def test_torch_func_transforms_of_the_gated_norm(name, norm_before_gate, group_size, activation):
     x, z, w = _tensors((3, 8), (3, 8), (8,), seed=11)
+    options = dict(group_size=group_size, norm_before_gate=norm_before_gate, activation=activation)
 
     def gated(x, z, w):
-        return cake_gated_rmsnorm(x, z, w, EPS, group_size=group_size, norm_before_gate=norm_before_gate)
+        return cake_gated_rmsnorm(x, z, w, EPS, **options)
 
     def reference(x, z, w):
-        return gated_reference(x, z, w, group_size, norm_before_gate)
+        return gated_reference(x, z, w, **options)
 
     assert transform_error(name, gated, reference, [x, z, w]) < FP32_BOUND
 
 
+@pytest.mark.parametrize("activation", ["silu", "sigmoid"])
 @pytest.mark.parametrize("name", ["grad", "vmap"])
-def test_torch_func_transforms_of_the_gated_module(name):
+def test_torch_func_transforms_of_the_gated_module(name, activation):
     x, z, w = _tensors((3, 8), (3, 8), (8,), seed=12)
-    norm = CakeGatedRMSNorm(8, EPS)
+    norm = CakeGatedRMSNorm(8, EPS, activation=activation)
 
     def module_norm(x, z, w):
         return torch.func.functional_call(norm, {"weight": w}, (x, z))
 
     def reference(x, z, w):
-        return gated_reference(x, z, w)
+        return gated_reference(x, z, w, activation=activation)
 
     assert transform_error(name, module_norm, reference, [x, z, w]) < FP32_BOUND
 

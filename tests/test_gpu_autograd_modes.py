@@ -73,15 +73,17 @@ def test_double_backward_with_a_weight_offset_and_in_bf16():
         assert second_order_error(ENTRIES["cake_rmsnorm"], plain_reference, [xb, wb]) < 5e-2
 
 
+@pytest.mark.parametrize("activation", ["silu", "sigmoid"])
 @pytest.mark.parametrize("norm_before_gate,group_size", [(True, None), (False, 256)])
-def test_double_backward_of_the_gated_norm(norm_before_gate, group_size):
+def test_double_backward_of_the_gated_norm(norm_before_gate, group_size, activation):
     x, z, w = _tensors((6, 1024), (6, 1024), (1024,), seed=2)
+    options = dict(group_size=group_size, norm_before_gate=norm_before_gate, activation=activation)
 
     def gated(x, z, w):
-        return cake_gated_rmsnorm(x, z, w, EPS, group_size=group_size, norm_before_gate=norm_before_gate)
+        return cake_gated_rmsnorm(x, z, w, EPS, **options)
 
     def reference(x, z, w):
-        return gated_reference(x, z, w, group_size, norm_before_gate)
+        return gated_reference(x, z, w, **options)
 
     assert second_order_error(gated, reference, [x, z, w]) < FP32_BOUND
 
