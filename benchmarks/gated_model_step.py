@@ -208,26 +208,34 @@ TINY = Size(
 )
 
 
-def qwen3_next_config(size: Size):
-    import transformers
-
-    return transformers.Qwen3NextConfig(
+def common_config(size: Size) -> dict:
+    """The config fields both families name alike: the sizes, the layer pattern, no cache (a training
+    step keeps no recurrent state or KV cache), sdpa attention."""
+    return dict(
         vocab_size=size.vocab,
         hidden_size=size.hidden,
         intermediate_size=size.intermediate,
         num_hidden_layers=size.layers,
         num_attention_heads=size.heads,
         num_key_value_heads=size.kv_heads,
+        layer_types=size.layer_types,
+        max_position_embeddings=size.seq,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
+
+
+def qwen3_next_config(size: Size):
+    import transformers
+
+    return transformers.Qwen3NextConfig(
+        **common_config(size),
         head_dim=size.head_dim,
         linear_key_head_dim=size.linear_head_dim,
         linear_value_head_dim=size.linear_head_dim,
         linear_num_key_heads=size.linear_key_heads,
         linear_num_value_heads=size.linear_value_heads,
         num_experts=0,  # a dense MLP in every layer
-        layer_types=size.layer_types,
-        max_position_embeddings=size.seq,
-        use_cache=False,  # a training step: no recurrent state or KV cache kept
-        attn_implementation="sdpa",
     )
 
 
@@ -237,26 +245,17 @@ def kimi_linear_config(size: Size):
     import transformers
 
     return transformers.KimiLinearConfig(
-        vocab_size=size.vocab,
-        hidden_size=size.hidden,
-        intermediate_size=size.intermediate,
-        num_hidden_layers=size.layers,
-        num_attention_heads=size.heads,
-        num_key_value_heads=size.kv_heads,
+        **common_config(size),
         kv_lora_rank=4 * size.head_dim,
         qk_nope_head_dim=size.head_dim,
         qk_rope_head_dim=size.head_dim // 2,
         v_head_dim=size.head_dim,
         linear_head_dim=size.linear_head_dim,
         linear_num_heads=size.linear_value_heads,
-        layer_types=size.layer_types,
         mlp_layer_types=["dense"] * size.layers,  # no router: the same work for every implementation
-        max_position_embeddings=size.seq,
-        use_cache=False,
         pad_token_id=0,
         bos_token_id=1,
         eos_token_id=2,
-        attn_implementation="sdpa",
     )
 
 
