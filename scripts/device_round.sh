@@ -35,8 +35,8 @@
 #                (benchmarks/megatron_pretrain_kit.sh)
 #   gated        benchmarks/gated_bench.py (bf16, SiLU and sigmoid gates), fla-core and einops from .device/wheels/
 #                where present
-#   gatedtests   tests/test_gpu_gated.py alone: the gated kernels, autograd, compile, CUDA graphs and swapped
-#                classes with both gate activations (925 cases)
+#   gatedtests   tests/test_gpu_gated.py and tests/test_gpu_autograd_modes.py alone: the gated kernels, autograd,
+#                compile, CUDA graphs, swapped classes and double backward with both gate activations
 #   gatedmodel   benchmarks/gated_model_step.py: a Qwen3-Next training step with stock, fla and cake gated norms;
 #                eager with both plain-norm variants, then compiled per layer (fla-core and einops as for gated)
 #   kimimodel    benchmarks/gated_model_step.py --model kimi_linear: a Kimi Linear training step (sigmoid-gated
@@ -225,6 +225,8 @@ section_gatedmodel() {
 section_gatedtests() {
   local d=$RES/gatedtests && mkdir -p "$d"
   bounded 500 "$d/gpu_gated.log" python3 -m pytest -q -rs -m gpu tests/test_gpu_gated.py -p no:cacheprovider
+  bounded 200 "$d/gpu_autograd_modes.log" python3 -m pytest -q -rs -m gpu tests/test_gpu_autograd_modes.py \
+    -p no:cacheprovider
 }
 
 section_kimimodel() {
