@@ -45,7 +45,9 @@ def _forward(rows, hidden, dtype, residual):
 
 def _backward(g, y, w, rstd, g_residual, outputs=(None, None, None)):
     workspace, dx, dw = outputs
-    call = backward_call(g, y, w, rstd, g_residual, 0.0, torch.float32, workspace, dx, dw, from_output=True)
+    call = backward_call(
+        g, y, w, rstd, g_residual, 0.0, torch.float32, workspace, dx, dw, memory_efficient=True
+    )
     return launch_backward(call)
 
 
