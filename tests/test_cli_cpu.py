@@ -636,6 +636,7 @@ CLEAN_REPORT = dict(
     local_loads=0,
     local_stores=0,
     global_atomics=0,
+    data_atomics=0,
     cluster_n=2,
     threads=256,
     global_load_width_bits=128,
@@ -710,7 +711,10 @@ def test_failed_compile_exits_1_and_names_the_kernel(tmp_path, monkeypatch, caps
     [
         (dict(stack_bytes=16), "1 kernel(s) spill registers: cake_bwd_sm_90a_bf16_wbf16_h4096_off0"),
         (dict(local_loads=1), "1 kernel(s) spill registers: cake_bwd_sm_90a_bf16_wbf16_h4096_off0"),
-        (dict(global_atomics=2), "1 kernel(s) have global atomics: cake_bwd_sm_90a_bf16_wbf16_h4096_off0"),
+        (
+            dict(global_atomics=2, data_atomics=2),
+            "1 kernel(s) have atomics on data: cake_bwd_sm_90a_bf16_wbf16_h4096_off0",
+        ),
         (
             dict(programs_fit=False),
             "1 persistent kernel(s) hold too many registers for their programs per SM: "
@@ -730,6 +734,19 @@ def test_report_exits_1_when_a_kernel_spills_or_has_atomics(tmp_path, monkeypatc
     assert code == 1
     assert err.splitlines()[-1] == message
     assert "compiled 4, loaded 0 (compiled by another process meanwhile), cached 0, failed 0" in out
+
+
+def test_report_passes_a_grid_barriers_counter_atomics(tmp_path, monkeypatch, capsys):
+    """A backward that sums dW in its own launch has two integer atomics on its grid barrier's counter
+    and none on data: the report passes it."""
+
+    def fake_reports(specs, jobs=None):
+        return [dict(CLEAN_REPORT, name=s.name(), global_atomics=2 if s.kind == "bwd" else 0) for s in specs]
+
+    monkeypatch.setattr(warmup, "get_kernel_and_source", lambda spec: (None, "compiled"))
+    monkeypatch.setattr(kernel_report, "collect_reports", fake_reports)
+    assert cli.main([*ONE_ARCH_PLAIN, "--report", "--cache-dir", str(tmp_path)]) == 0
+    assert "atomics" not in capsys.readouterr().err
 
 
 def test_a_variant_another_process_compiled_counts_as_loaded(tmp_path, monkeypatch, capsys):

@@ -195,3 +195,20 @@ def test_dw_reduce_with_rows_in_flight_loads_them_before_adding(tmp_path, monkey
     assert one_row["ldg_counts"] == {128: 4}  # the one-row loop unrolled 4 times, a bounds check each
     assert batched["ldg_counts"] == {128: 9} and batched["threads"] in (None, 1024)
     assert cubin.spill_free(batched) and batched["registers"] <= 64
+
+
+def test_data_atomics_are_the_floating_point_ones():
+    """Atomics on floating-point values sum data in an order the hardware picks; the integer atomics of
+    a grid barrier's counter do not, and are counted apart."""
+    assert cubin.is_data_atomic("REDG.E.ADD.F32.FTZ.RN.STRONG.GPU")
+    assert cubin.is_data_atomic("ATOMG.E.ADD.F32x4.FTZ.RN.STRONG.GPU")
+    assert cubin.is_data_atomic("ATOMG.E.ADD.BF16x2.RN.STRONG.GPU")
+    assert not cubin.is_data_atomic("ATOMG.E.ADD.STRONG.GPU")
+    sass = "\n".join(
+        f"        /*00{i}0*/                   {op} ;"
+        for i, op in enumerate(
+            ("ATOMG.E.ADD.STRONG.GPU PT, RZ, desc[UR4][R2.64], R5", "REDG.E.ADD.F32.FTZ.RN.STRONG.GPU")
+        )
+    )
+    parsed = cubin.parse_sass(sass)
+    assert (parsed["global_atomics"], parsed["data_atomics"]) == (2, 1)

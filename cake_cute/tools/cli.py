@@ -293,12 +293,12 @@ def cmd_warmup(args) -> int:
         parts.append(f"reports of {len(reports)} kernels ({time.perf_counter() - report_start:.1f}s)")
         print(format_report(reports))
         spilling = [r["name"] for r in reports if not spill_free(r) or r["local_loads"] or r["local_stores"]]
-        atomic = [r["name"] for r in reports if r["global_atomics"]]
+        atomic = [r["name"] for r in reports if r["data_atomics"]]
         crowded = [r["name"] for r in reports if not r["programs_fit"]]
         if spilling:
             print(f"{len(spilling)} kernel(s) spill registers: " + ", ".join(spilling), file=sys.stderr)
         if atomic:
-            print(f"{len(atomic)} kernel(s) have global atomics: " + ", ".join(atomic), file=sys.stderr)
+            print(f"{len(atomic)} kernel(s) have atomics on data: " + ", ".join(atomic), file=sys.stderr)
         if crowded:
             message = (
                 f"{len(crowded)} persistent kernel(s) hold too many registers for their programs per SM: "

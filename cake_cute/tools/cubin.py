@@ -39,6 +39,8 @@ _SQUARE = re.compile(r"\b(FMUL2?|FFMA2?)\s+R\d+,\s*(-?R\d+)[.\w]*,\s*(-?R\d+)[.\
 _RES_LINE = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
 _REQNTID = re.compile(r"EIATTR_REQNTID\s+Format:\s+\w+\s+Value:\s+(0x[0-9a-f]+) (0x[0-9a-f]+) (0x[0-9a-f]+)")
 _SUFFIX_BITS = {"U8": 8, "S8": 8, "U16": 16, "S16": 16}
+_ATOMICS = ("REDG", "ATOMG", "RED", "ATOM")
+_FLOAT_TYPES = ("F16", "BF16", "F32", "F64")
 
 
 class ToolNotFoundError(RuntimeError):
@@ -104,14 +106,22 @@ def access_bits(opcode: str) -> int:
     return 32
 
 
+def is_data_atomic(opcode: str) -> bool:
+    """An atomic on floating-point values (``REDG.E.ADD.F32.FTZ.RN...``, ``ATOMG.E.ADD.F32x4...``):
+    one that sums data, whose order the hardware picks. The integer atomics of a grid barrier's
+    counter (``ATOMG.E.ADD.STRONG.GPU``) are not."""
+    return any(part.startswith(_FLOAT_TYPES) for part in opcode.split(".")[1:])
+
+
 def parse_sass(sass: str) -> dict:
     """Counts of global loads/stores by width, of local accesses (LDL/STL: spills), of generic
-    loads (LD: distributed shared memory or global memory through a generic pointer) and of global
-    atomics (RED/ATOM), of conversions to e4m3 (F2FP.*E4M3*: the FP8 epilogues), of bulk L2
-    prefetches (UBLKPF: the widest backward rows' next-row prefetch) and of squares x * x, fused into
-    an add (FFMA) or rounded on their own (FMUL: a sum of squares that rounds its products)."""
+    loads (LD: distributed shared memory or global memory through a generic pointer), of global
+    atomics (RED/ATOM) and among them of atomics on data (``is_data_atomic``), of conversions to
+    e4m3 (F2FP.*E4M3*: the FP8 epilogues), of bulk L2 prefetches (UBLKPF: the widest backward rows'
+    next-row prefetch) and of squares x * x, fused into an add (FFMA) or rounded on their own (FMUL:
+    a sum of squares that rounds its products)."""
     loads, stores, ops, squares = Counter(), Counter(), Counter(), Counter()
-    e4m3_converts = 0
+    e4m3_converts = data_atomics = 0
     for line in sass.splitlines():
         match = _SASS_LINE.match(line)
         if not match:
@@ -123,6 +133,7 @@ def parse_sass(sass: str) -> dict:
         base = opcode.split(".")[0]
         ops[base] += 1
         e4m3_converts += base == "F2FP" and "E4M3" in opcode
+        data_atomics += base in _ATOMICS and is_data_atomic(opcode)
         if base in ("LDG", "LDGSTS"):
             loads[access_bits(opcode)] += 1
         elif base == "STG":
@@ -137,7 +148,8 @@ def parse_sass(sass: str) -> dict:
         "local_loads": ops["LDL"],
         "local_stores": ops["STL"],
         "generic_loads": ops["LD"],
-        "global_atomics": ops["REDG"] + ops["ATOMG"] + ops["RED"] + ops["ATOM"],
+        "global_atomics": sum(ops[name] for name in _ATOMICS),
+        "data_atomics": data_atomics,
         "e4m3_converts": e4m3_converts,
         "l2_bulk_prefetches": ops["UBLKPF"],
         "fused_squares": squares["fused"],

@@ -65,7 +65,7 @@ REPORT_COLUMNS = (
     ("stack B", lambda r: r["stack_bytes"]),
     ("local B", lambda r: r["local_bytes"]),
     ("LDL/STL", lambda r: f"{r['local_loads']}/{r['local_stores']}"),
-    ("atomics", lambda r: r["global_atomics"]),
+    ("atomics", lambda r: r["data_atomics"]),
     ("cluster", lambda r: r["cluster_n"]),
     ("threads", lambda r: r["threads"] if r["threads"] is not None else "?"),
     ("ld bits", lambda r: r["global_load_width_bits"]),
@@ -75,8 +75,9 @@ REPORT_COLUMNS = (
 TEXT_COLUMNS = ("kernel", "config")
 REPORT_LEGEND = (
     "regs: registers per thread; stack B / local B: stack frame and local memory per thread in bytes "
-    "(non-zero means spills); LDL/STL: local loads/stores in the SASS; atomics: global atomics in the "
-    "SASS (non-zero breaks determinism); cluster: CTAs per cluster; "
+    "(non-zero means spills); LDL/STL: local loads/stores in the SASS; atomics: global atomics on data "
+    "in the SASS (floating-point: non-zero breaks determinism; a grid barrier's integer counter is not "
+    "data); cluster: CTAs per cluster; "
     "threads: per CTA; ld/st bits: widest global load/store per thread; config: the config value the "
     "kernel compiles with (vec: elements per vector, tpr: threads per row, vpt: vectors per thread, "
     "rows/cta: rows per CTA, min_ctas/SM: register hint, ring: staged row tiles, regs<=: register "
