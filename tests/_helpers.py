@@ -76,6 +76,22 @@ def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor, what: str
         raise AssertionError(f"{what}: not bitwise equal ({n_bad} differing bytes, max |diff| {largest:g})")
 
 
+def fixed_order_dw(partials: torch.Tensor, row_lanes: int) -> torch.Tensor:
+    """dW from FP32 partial rows ``[P, H]`` in the kernels' fixed order (``kernels.dw_reduce``), by
+    FP32 torch additions: R = ``row_lanes`` lane sums of rows l, l + R, ... from +0, then the binary
+    tree of strides R/2, ..., 1. What ``dw_reduce`` and the finish in the backward's launch must write,
+    bit for bit (before the rounding to dW's dtype)."""
+    lanes = torch.zeros(row_lanes, partials.shape[1], dtype=torch.float32, device=partials.device)
+    for first in range(0, partials.shape[0], row_lanes):
+        block = partials[first : first + row_lanes].float()
+        lanes[: block.shape[0]] = lanes[: block.shape[0]] + block
+    stride = row_lanes
+    while stride > 1:
+        stride //= 2
+        lanes[:stride] = lanes[:stride] + lanes[stride : 2 * stride]
+    return lanes[0]
+
+
 def rand_weight(hidden: int, dtype, device=None) -> torch.Tensor:
     """A weight around 1 (never zero in practice), in ``dtype``."""
     device = DEFAULT_DEVICE if device is None else device

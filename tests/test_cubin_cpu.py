@@ -179,21 +179,21 @@ def test_fatbin_holds_one_cubin_for_the_spec_arch(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-def test_dw_reduce_with_rows_in_flight_loads_them_before_adding(tmp_path, monkeypatch, arch):
-    """dw_reduce's rows_in_flight choice: one 128-bit load per row of a batch (8 back to back, plus
-    the one-row remainder loop's), no spill, even in 1024-thread CTAs (64 registers at most)."""
+@pytest.mark.parametrize(("hidden", "threads"), [(64, 1024), (4096, 256)])
+def test_dw_reduce_loads_its_rows_in_flight_before_adding(tmp_path, monkeypatch, arch, hidden, threads):
+    """dw_reduce: a lane's ``rows_in_flight`` partial rows are loaded back to back (one 128-bit load
+    each, 8 by default, 1 when asked for one) before they are added; no spill, and 1024-thread CTAs
+    hold at most 64 registers."""
     from cake_cute.kernels.config import overridden
-    from cake_cute.runtime.specs import ReduceSpec
 
     monkeypatch.setenv("CAKE_CUTE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(compile_cache, "_memory", {})
-    spec = ReduceSpec(arch, "bf16", 64)
-    with overridden("dw", arch, "bf16", 64, threads=256, rows_in_flight=1):
+    spec = ReduceSpec(arch, "bf16", hidden)
+    batched = cubin.kernel_report(spec)
+    with overridden("dw", arch, "bf16", hidden, rows_in_flight=1):
         one_row = cubin.kernel_report(spec)
-    with overridden("dw", arch, "bf16", 64, threads=1024, rows_in_flight=8):
-        batched = cubin.kernel_report(spec)
-    assert one_row["ldg_counts"] == {128: 4}  # the one-row loop unrolled 4 times, a bounds check each
-    assert batched["ldg_counts"] == {128: 9} and batched["threads"] in (None, 1024)
+    assert batched["ldg_counts"] == {128: 8} and one_row["ldg_counts"] == {128: 1}
+    assert batched["threads"] in (None, threads)
     assert cubin.spill_free(batched) and batched["registers"] <= 64
 
 

@@ -321,12 +321,12 @@ def test_reduce_config_spreads_narrow_rows():
 
 
 def test_reduce_config_widens_narrow_grids():
-    """Rows of at most 64 column vectors (H <= 256, the per-head norms) get 1024-thread CTAs whose
-    lanes have 8 partial rows in flight; wider ones keep 256 threads and the one-row loop."""
+    """Rows of at most 64 column vectors (H <= 256, the per-head norms) get 1024-thread CTAs, wider ones
+    256 threads; every lane has 8 partial rows in flight."""
     configs = {h: reduce_config("sm_90a", "fp32", h) for h in (1, 7, 64, 256, 257, 260, 1024, 8192)}
     narrow = {1, 7, 64, 256}
     assert {h: (c.threads, c.rows_in_flight) for h, c in configs.items()} == {
-        h: (1024, 8) if h in narrow else (256, 1) for h in configs
+        h: (1024, 8) if h in narrow else (256, 8) for h in configs
     }
     with overridden("dw", "sm_90a", "fp32", 64, threads=256, rows_in_flight=1):
         overridden_config = reduce_config("sm_90a", "fp32", 64)

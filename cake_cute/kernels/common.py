@@ -231,32 +231,6 @@ def prefetch_to_l2(m: cute.Tensor, row, col, count: cutlass.Constexpr[int], hidd
 
 
 @cute.jit
-def sum_over_row_lanes(
-    sums: cute.Tensor,
-    acc: cute.Tensor,
-    row_lane,
-    col_lane,
-    vec: cutlass.Constexpr[int],
-    row_lanes: cutlass.Constexpr[int],
-):
-    """Sum the FP32 vectors ``acc`` that a CTA's ``row_lanes`` row lanes hold for the same columns
-    (``col_lane * vec`` on) through shared memory ``sums`` (row_lanes, columns): a binary tree with a
-    fixed pairing, so the order of every addition is fixed. The sums end in row 0 of ``sums``; every
-    thread of the CTA must call it (it holds CTA barriers)."""
-    for v in cutlass.range_constexpr(vec):
-        sums[row_lane, col_lane * vec + v] = acc[v]
-    cute.arch.barrier()
-    for level in cutlass.range_constexpr(row_lanes.bit_length() - 1):
-        stride = row_lanes >> (level + 1)
-        if row_lane < stride:
-            for v in cutlass.range_constexpr(vec):
-                sums[row_lane, col_lane * vec + v] = (
-                    sums[row_lane, col_lane * vec + v] + sums[row_lane + stride, col_lane * vec + v]
-                )
-        cute.arch.barrier()
-
-
-@cute.jit
 def column_predicate(coords: cute.Tensor, hidden: Int32) -> cute.Tensor:
     """One flag per vector of a thread's fragment: does the vector start inside the row?
 

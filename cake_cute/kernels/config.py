@@ -58,6 +58,10 @@ MAX_G_PARTS = 3
 # it turns s = 0 (y = 0) into xhat = 0 instead of 0 / 0. A column with |s| below it gets a wrong xhat,
 # so a wrong dW and dx, by construction (docs/memory.md).
 SCALE_FLOOR = 2.0**-20
+# Partial rows a row lane of the reduction loads before adding them (``dw_reduce.ColumnSum``): the
+# reduction is bound by the latency of its loads from the L2, and up to this many of a lane's rows then
+# cost one round trip (the additions keep their order, so dw keeps its bits whatever the value).
+REDUCE_ROWS_IN_FLIGHT = 8
 
 
 @dataclass(frozen=True)
@@ -102,16 +106,16 @@ class BackwardConfig:
 @dataclass(frozen=True)
 class ReduceConfig:
     """The dW reduction: a CTA of ``threads`` threads covers ``col_lanes`` vectors of ``vec`` FP32
-    columns and splits the partial rows over ``threads // col_lanes`` row lanes. A row lane loads
-    ``rows_in_flight`` of its partial rows before it adds them (1: one at a time; the order of the
-    additions, and so dw's bits, are the same for every value)."""
+    columns and splits the partial rows over ``threads // col_lanes`` row lanes, whose number fixes the
+    summation order (``dw_reduce``). A row lane loads ``rows_in_flight`` of its partial rows before it
+    adds them (the order of the additions, and so dw's bits, are the same for every value)."""
 
     hidden: int
     vec: int
     col_lanes: int
     after_backward: bool  # launched with programmatic dependent launch behind the backward
     threads: int = 256
-    rows_in_flight: int = 1
+    rows_in_flight: int = REDUCE_ROWS_IN_FLIGHT
 
     @property
     def row_lanes(self) -> int:
@@ -361,14 +365,12 @@ def backward_config(
 
 
 # A dW reduction of at most NARROW_REDUCE_MAX_CTAS column CTAs (H <= 256 in 4-column vectors) cannot
-# fill the GPU, and its lanes would read the partial rows one 16-byte load at a time (the one-row
-# loop's bounds check sits between the loads): there, CTAs of NARROW_REDUCE_THREADS threads whose lanes
-# each have NARROW_REDUCE_ROWS_IN_FLIGHT partial rows in flight (32 registers; the additions keep the
-# one-row loop's order, so dw keeps its bits). Measured when the backward wrote one partial row per
-# row group (16896 at bf16 H = 64 on an H200), before its row groups folded them to one per program.
+# fill the GPU: there, CTAs of NARROW_REDUCE_THREADS threads (1024 row lanes: the lane count is part of
+# the summation order, so it stays what it was measured and shipped with). Measured when the backward
+# wrote one partial row per row group (16896 at bf16 H = 64 on an H200), before its row groups folded
+# them to one per program.
 NARROW_REDUCE_MAX_CTAS = 64
 NARROW_REDUCE_THREADS = 1024
-NARROW_REDUCE_ROWS_IN_FLIGHT = 8
 
 
 @cache
@@ -376,17 +378,15 @@ def reduce_config(arch: str, out_dtype: str, hidden: int) -> ReduceConfig:
     """(vec, col_lanes, threads, rows_in_flight) for a row of ``hidden`` FP32 partial sums: 4-column
     vectors when H allows, column lanes halved for narrow rows so that even H = 1024 spreads over a
     few hundred CTAs; where one column lane per CTA still leaves at most ``NARROW_REDUCE_MAX_CTAS``
-    CTAs, ``NARROW_REDUCE_THREADS`` threads with ``NARROW_REDUCE_ROWS_IN_FLIGHT`` partial rows in
-    flight per lane (``benchmarks/headdim_scan.py`` times this as candidate dw1024-batch8 against the
-    one-row loop)."""
+    CTAs, ``NARROW_REDUCE_THREADS`` threads; ``REDUCE_ROWS_IN_FLIGHT`` partial rows in flight per
+    lane. The row lanes (threads / col_lanes) fix dw's summation order (``dw_reduce``); the other
+    choices do not change a bit of it."""
     vec = 4 if hidden % 4 == 0 else 1
     choices = override_choices("dw", arch, out_dtype, hidden)
     col_lanes = choices.get("col_lanes")
     narrow = -(-hidden // vec) <= NARROW_REDUCE_MAX_CTAS
     threads = choices.get("threads", NARROW_REDUCE_THREADS if narrow else ReduceConfig.threads)
-    in_flight = choices.get(
-        "rows_in_flight", NARROW_REDUCE_ROWS_IN_FLIGHT if narrow else ReduceConfig.rows_in_flight
-    )
+    in_flight = choices.get("rows_in_flight", ReduceConfig.rows_in_flight)
     if col_lanes is None:
         col_vecs = -(-hidden // vec)
         col_lanes = 1

@@ -3,31 +3,127 @@
 Math: ``dw[j] = sum_p partials[p, j]`` in FP32, rounded once to the output dtype (FP32 for the
 functional API, w's dtype for autograd).
 
-Tiling (``config.reduce_config``): a CTA of 256 threads covers ``col_lanes * vec`` columns (vec = 4
-FP32 = one 128-bit load when H is a multiple of 4) and splits the P partial rows over
-``256 / col_lanes`` row lanes (``threads / col_lanes`` when overridden). Row lane l adds rows l,
-l + lanes, ... in order, loading one row at a time (each load waits for the one before: the loop's
-bounds check sits between them) or, with ``rows_in_flight`` = k > 1, k rows at once before adding
-them in the same order; the lanes' sums then
-meet in shared memory through a binary tree with a fixed pairing. The order of every addition
-depends only on (P, H), so dw is bitwise reproducible. ``col_lanes`` shrinks for narrow rows so that
-even H = 1024 spreads over a few hundred CTAs.
+Order (fixed by P, the number of partial rows, and R = ``ReduceConfig.row_lanes``): for each column,
+R lane sums ``s_l = ((0 + p_l) + p_{l+R}) + p_{l+2R} + ...`` (rows l, l + R, ... in order), then a
+binary tree: for stride R/2, R/4, ..., 1, ``s_l = s_l + s_{l+stride}`` for every l < stride; dw is s_0.
+Nothing else decides the order, so dw is bitwise reproducible and the same whichever threads compute it
+(``ColumnSum``). R is a power of two: the rule's CTA threads over its column lanes.
 
-Launch (``ReduceConfig.after_backward``): with programmatic dependent launch, so that the grid is
-set up while the backward finishes (which allows it once its row loop is done) and its launch
-latency is hidden; each CTA waits at ``griddepcontrol.wait`` until the backward's grid has completed
-and its partial rows are visible (measured: evidence/kernel-rules-h200-2026-12-01/backward-scans/).
+Threads (``ColumnSum``): a team of ``team`` = min(R, threads) threads sums one column vector (``vec`` =
+4 columns, one 128-bit load per row, when H is a multiple of 4), each thread ``R / team`` lane sums.
+A lane's rows are loaded ``rows_in_flight`` at a time before they are added (the additions keep the
+order; a row past P adds 0, which changes no sum: a lane sum starts at +0 and can never be -0), so a
+lane's rows cost one round trip to the L2 per batch rather than one each. The tree runs from its widest
+stride down: the strides between one thread's own lane sums in registers, then (the lane's top five
+bits being the thread's lane in its warp) butterfly shuffles -- for l < stride, lane l's partner
+l ^ stride is l + stride -- and, for teams of several warps, the warps' sums through shared memory
+into one warp's lanes and shuffles again. Where several teams share a warp (R < 32) their shuffles
+stay within their own lanes.
 
-Bytes moved: reads P * H * 4, writes H * out_bytes.
+Kernel (``DWReduce``): CTAs of ``ReduceConfig.threads`` threads, one column vector per team
+(``col_lanes`` teams of R threads), launched behind the backward with programmatic dependent launch
+(``ReduceConfig.after_backward``: the grid is set up while the backward finishes, which allows it
+once its row loop is done; each CTA waits at ``griddepcontrol.wait`` until the backward's grid has
+completed and its partial rows are visible: evidence/kernel-rules-h200-2026-12-01/backward-scans/).
+
+Bytes moved: reads P * H * 4 (from the L2: the backward has just written them), writes H * out_bytes.
 """
 
 from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32
+from cutlass import Float32, Int32, const_expr
 
-from .common import global_vector, sum_over_row_lanes
+from .common import global_vector
+
+WARP = 32
+
+
+class ColumnSum:
+    """The fixed-order sum of column vectors of the partial rows by teams of ``team`` threads (see the
+    module docstring), for a reduction config (``config.ReduceConfig``: H, vec, R, rows in flight) and
+    an output dtype."""
+
+    def __init__(self, config, team: int, out_dtype):
+        self.config = config
+        self.lanes = config.row_lanes
+        self.team = team
+        self.lanes_per_thread = self.lanes // team
+        self.warps = max(1, team // WARP)  # warps of one team
+        self.out_dtype = out_dtype
+
+    def cells_layout(self, teams: int):
+        """Shared memory the teams of a CTA need: each warp's sum, (teams, warps of a team, vec) FP32."""
+        return cute.make_ordered_layout((teams, self.warps, self.config.vec), order=(2, 1, 0))
+
+    def lane_of(self, member, k: int):
+        """The k-th lane sum of team member ``member``: the member's lane in its warp takes the lane's
+        top five bits below the ``lanes_per_thread`` bits, its warp the bits below them."""
+        if const_expr(self.team <= WARP):
+            return k * self.team + member
+        return k * self.team + (member % WARP) * self.warps + member // WARP
+
+    @cute.jit
+    def lane_sum(self, mPartial: cute.Tensor, col0, lane) -> cute.Tensor:
+        """Rows lane, lane + R, ... of the column vector at ``col0``, added in order from +0."""
+        vec, batch, lanes = self.config.vec, self.config.rows_in_flight, self.lanes
+        num_partials = mPartial.shape[0]
+        acc = cute.make_rmem_tensor(cute.make_layout(vec), Float32)
+        acc.fill(0.0)
+        loaded = [cute.make_rmem_tensor(cute.make_layout(vec), Float32) for _ in range(batch)]
+        most_rows = cute.ceil_div(num_partials, lanes)
+        for b in cutlass.range(cute.ceil_div(most_rows, batch), unroll=1):
+            for k in cutlass.range_constexpr(batch):
+                row = lane + (b * batch + k) * lanes
+                loaded[k].fill(0.0)
+                # The partial rows are padded to whole vectors, so a vector that starts in H is readable.
+                if row < num_partials and col0 < self.config.hidden:
+                    cute.autovec_copy(global_vector(mPartial, row, col0, vec), loaded[k])
+            for k in cutlass.range_constexpr(batch):
+                acc.store(acc.load() + loaded[k].load())
+        return acc
+
+    @cute.jit
+    def butterfly(self, acc: cute.Tensor, width: cutlass.Constexpr[int]):
+        """The tree's strides among ``width`` (<= 32) lanes of a warp, widest first, in place."""
+        for level in cutlass.range_constexpr(width.bit_length() - 1):
+            mask = width >> (level + 1)
+            for v in cutlass.range_constexpr(self.config.vec):
+                acc[v] = acc[v] + cute.arch.shuffle_sync_bfly(acc[v], offset=mask)
+
+    @cute.jit
+    def column_vector(self, mPartial, col0, member, cells):
+        """The column vector's dw in FP32, valid in the team's member 0. ``cells`` is the team's slice of
+        ``cells_layout`` (several warps) or None; every thread of the CTA must call this when a team has
+        several warps (a CTA barrier)."""
+        vec = self.config.vec
+        sums = [self.lane_sum(mPartial, col0, self.lane_of(member, k)) for k in range(self.lanes_per_thread)]
+        for level in cutlass.range_constexpr(self.lanes_per_thread.bit_length() - 1):
+            stride = self.lanes_per_thread >> (level + 1)
+            for k in cutlass.range_constexpr(stride):
+                sums[k].store(sums[k].load() + sums[k + stride].load())
+        acc = sums[0]
+        self.butterfly(acc, min(self.team, WARP))
+        if const_expr(self.warps > 1):
+            lane, warp = member % WARP, member // WARP
+            if lane == 0:
+                for v in cutlass.range_constexpr(vec):
+                    cells[warp, v] = acc[v]
+            cute.arch.barrier()
+            acc.fill(0.0)
+            if warp == 0 and lane < self.warps:
+                for v in cutlass.range_constexpr(vec):
+                    acc[v] = cells[lane, v]
+            self.butterfly(acc, self.warps)
+        return acc
+
+    @cute.jit
+    def store(self, mDW: cute.Tensor, col0, acc: cute.Tensor):
+        """dw of the column vector at ``col0`` (its columns inside H), rounded to the output dtype."""
+        for v in cutlass.range_constexpr(self.config.vec):
+            if col0 + v < self.config.hidden:
+                mDW[col0 + v] = acc[v].to(self.out_dtype)
 
 
 class DWReduce:
@@ -36,14 +132,12 @@ class DWReduce:
 
     def __init__(self, config, out_dtype):
         self.config = config
-        self.hidden = config.hidden
-        self.out_dtype = out_dtype
-        self.vec, self.col_lanes, self.row_lanes = config.vec, config.col_lanes, config.row_lanes
+        self.columns = ColumnSum(config, config.row_lanes, out_dtype)
 
     @cute.jit
     def __call__(self, mPartial: cute.Tensor, mDW: cute.Tensor, stream):
         self.kernel(mPartial, mDW).launch(
-            grid=[cute.ceil_div(self.hidden, self.config.cols_per_cta), 1, 1],
+            grid=[cute.ceil_div(self.config.hidden, self.config.cols_per_cta), 1, 1],
             block=[self.config.threads, 1, 1],
             stream=stream,
             use_pdl=self.config.after_backward,
@@ -51,53 +145,22 @@ class DWReduce:
 
     @cute.kernel
     def kernel(self, mPartial: cute.Tensor, mDW: cute.Tensor):
-        vec, col_lanes, row_lanes = self.vec, self.col_lanes, self.row_lanes
+        config = self.config
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
-        num_partials = mPartial.shape[0]
-        if cutlass.const_expr(self.config.after_backward):
+        if const_expr(config.after_backward):
             # Launched early behind the backward (programmatic dependent launch): wait for its grid
             # to finish and its partial rows to be visible.
             cute.arch.griddepcontrol_wait()
-        col_lane = tidx % col_lanes
-        row_lane = tidx // col_lanes
-        col0 = (bidx * col_lanes + col_lane) * vec
-
-        smem = cutlass.memory.SmemAllocator()
-        sums = smem.allocate_tensor(
-            Float32, cute.make_ordered_layout((row_lanes, col_lanes * vec), order=(1, 0)), byte_alignment=16
-        )
-        acc = cute.make_rmem_tensor(cute.make_layout(vec), Float32)
-        acc.fill(0.0)
-        loaded = cute.make_rmem_tensor(cute.make_layout(vec), Float32)
-        # The partial rows are padded to a multiple of 4 columns, so a whole vector is always readable.
-        if col0 < self.hidden:
-            if cutlass.const_expr(self.config.rows_in_flight == 1):
-                for p in cutlass.range(row_lane, num_partials, row_lanes, unroll=4):
-                    cute.autovec_copy(global_vector(mPartial, p, col0, vec), loaded)
-                    acc.store(acc.load() + loaded.load())
-            else:
-                self.add_rows_in_batches(mPartial, acc, row_lane, col0, num_partials)
-        sum_over_row_lanes(sums, acc, row_lane, col_lane, vec, row_lanes)
-        if row_lane == 0:
-            for v in cutlass.range_constexpr(vec):
-                if col0 + v < self.hidden:
-                    mDW[col0 + v] = sums[0, col_lane * vec + v].to(self.out_dtype)
-
-    @cute.jit
-    def add_rows_in_batches(self, mPartial, acc, row_lane, col0, num_partials):
-        """Add this lane's partial rows (row_lane, row_lane + lanes, ...) into ``acc`` in order, loading
-        ``rows_in_flight`` of them before adding them, then the rest one at a time."""
-        vec, lanes, batch = self.vec, self.row_lanes, self.config.rows_in_flight
-        own = (num_partials - row_lane + lanes - 1) // lanes  # row_lane < lanes: never negative
-        batches = own // batch
-        loaded = [cute.make_rmem_tensor(cute.make_layout(vec), Float32) for _ in range(batch)]
-        for b in cutlass.range(batches, unroll=1):
-            first = row_lane + b * batch * lanes
-            for k in cutlass.range_constexpr(batch):
-                cute.autovec_copy(global_vector(mPartial, first + k * lanes, col0, vec), loaded[k])
-            for k in cutlass.range_constexpr(batch):
-                acc.store(acc.load() + loaded[k].load())
-        for p in cutlass.range(row_lane + batches * batch * lanes, num_partials, lanes, unroll=1):
-            cute.autovec_copy(global_vector(mPartial, p, col0, vec), loaded[0])
-            acc.store(acc.load() + loaded[0].load())
+        team, member = tidx // config.row_lanes, tidx % config.row_lanes
+        col0 = (bidx * config.col_lanes + team) * Int32(config.vec)
+        cells = None
+        if const_expr(self.columns.warps > 1):
+            smem = cutlass.memory.SmemAllocator()
+            all_cells = smem.allocate_tensor(
+                Float32, self.columns.cells_layout(config.col_lanes), byte_alignment=16
+            )
+            cells = all_cells[team, None, None]
+        acc = self.columns.column_vector(mPartial, col0, member, cells)
+        if member == 0:
+            self.columns.store(mDW, col0, acc)
