@@ -200,11 +200,16 @@ def fp8_forward(call: Fp8Call):
 
 
 def backward_plan(operands, weight_offset: float, rows: int, residual: bool, dw_dtype, g_parts: int = 1):
-    """The native path's planner: the kernels (TVM-FFI handles) and launch plan of one backward shape
-    (of g in ``g_parts`` summands), the very ones ``launch`` launches with."""
-    plan = launch.backward_launch_plan(operands, rows, residual)
-    kernels = launch.backward_kernels(operands, residual, weight_offset, dw_dtype, g_parts)
-    handles = tuple(map(native.kernel_handle, kernels))
-    if 0 in handles:
+    """The native path's planner: the kernels (TVM-FFI handles: the backward and the reduction, 0 when
+    the backward sums dW in its own launch) and launch plan of one backward shape (of g in ``g_parts``
+    summands), the very ones ``launch`` launches with: ``(bwd, dw or 0, programs, partial_rows,
+    row_stride, dw_in_launch)``."""
+    plan = launch.backward_launch_plan(operands, rows, residual, g_parts)
+    kernels = launch.backward_kernels(
+        operands, residual, weight_offset, dw_dtype, g_parts, dw_in_launch=plan.dw_in_launch
+    )
+    handles = tuple(0 if k is None else native.kernel_handle(k) for k in kernels)
+    if handles[0] == 0 or (kernels[1] is not None and handles[1] == 0):
         raise RuntimeError("cake_cute: a backward kernel has no TVM-FFI function handle")
-    return (*handles, plan.programs, plan.partial_rows, launch_plan.partial_row_stride(operands.hidden))
+    row_stride = launch_plan.partial_row_stride(operands.hidden)
+    return (*handles, plan.programs, plan.partial_rows, row_stride, plan.dw_in_launch)

@@ -23,6 +23,7 @@ from .runtime.cache import kernel
 from .runtime.device import device_arch, device_facts, on_device
 from .runtime.views import (
     aligned_vector,
+    barrier_counter,
     finish,
     kernel_view,
     output_like,
@@ -74,7 +75,10 @@ def launch_forward(call: NormCall):
 def cake_rmsnorm_train_backward_workspace_bytes(rows, hidden, device, *, residual=False) -> int:
     """Bytes of workspace a backward of up to ``rows`` rows of ``hidden`` needs, for any dtype.
 
-    The workspace holds the FP32 partial rows of dW the backward writes before they are reduced.
+    The workspace holds the FP32 partial rows of dW the backward writes before they are summed and, in
+    its last 16 bytes, the counter of the grid barrier of a backward that sums them in its own launch:
+    zero before the first call (``cake_rmsnorm_train_backward_workspace`` gives a zero-filled one), and
+    every call leaves it zero.
 
     Parameters
     ----------
@@ -112,11 +116,12 @@ def cake_rmsnorm_train_backward_workspace_bytes(rows, hidden, device, *, residua
         for act in DTYPE_NAMES
         for w in {act, "fp32"}
     )
-    return launch_plan.partial_rows_bytes(most, hidden)
+    return launch_plan.workspace_bytes(most, hidden)
 
 
 def cake_rmsnorm_train_backward_workspace(rows, hidden, device, *, residual=False) -> torch.Tensor:
-    """A zero-filled workspace for backwards of up to ``rows`` rows.
+    """A zero-filled workspace for backwards of up to ``rows`` rows (its counter must start at zero:
+    ``cake_rmsnorm_train_backward_workspace_bytes``); one workspace serves one stream at a time.
 
     Parameters
     ----------
@@ -151,21 +156,23 @@ class _BackwardPlan(NamedTuple):
     partial_rows: int
     workspace_bytes: int  # the least a caller's workspace must hold
     vec: int
+    dw_in_launch: bool  # the backward sums its partial rows itself; else a dw_reduce launch follows
 
 
 @lru_cache(maxsize=4096)
-def backward_launch_plan(operands, rows, residual) -> _BackwardPlan:
-    """The launch shape of a backward call (g in summands or not, reading h or y), looked up once per
-    distinct (operands, T, residual)."""
-    programs = launch_plan.backward_programs(
-        max(rows, 1), operands.hidden, operands.act, operands.w_name, residual, operands.facts
-    )
+def backward_launch_plan(operands, rows, residual, g_parts=1) -> _BackwardPlan:
+    """The launch shape of a backward call of g in ``g_parts`` summands (reading h or y), looked up once
+    per distinct (operands, T, residual, g_parts)."""
+    rows = max(rows, 1)
+    variant = (operands.hidden, operands.act, operands.w_name, residual)
+    programs = launch_plan.backward_programs(rows, *variant, operands.facts)
     partial_rows = programs  # one FP32 partial row of dW per program: its row groups fold theirs first
     return _BackwardPlan(
         programs,
         partial_rows,
-        launch_plan.partial_rows_bytes(partial_rows, operands.hidden),
+        launch_plan.workspace_bytes(partial_rows, operands.hidden),
         launch_plan.vector_elems(operands.hidden, operands.act),
+        launch_plan.finishes_dw_in_launch(rows, *variant, g_parts, operands.facts),
     )
 
 
@@ -173,35 +180,34 @@ on_override_change(backward_launch_plan.cache_clear)
 
 
 def backward_kernels(
-    operands, residual: bool, weight_offset: float, dw_dtype, g_parts: int = 1, memory_efficient: bool = False
+    operands,
+    residual: bool,
+    weight_offset: float,
+    dw_dtype,
+    g_parts: int = 1,
+    memory_efficient: bool = False,
+    dw_in_launch: bool = False,
 ):
-    """The backward's two kernels: dx with the FP32 partial rows of dW (from ``g_parts`` summands of
-    g; reading y in h's place in the memory-efficient mode), and their reduction."""
+    """The backward's kernels: dx with the FP32 partial rows of dW (from ``g_parts`` summands of g;
+    reading y in h's place in the memory-efficient mode), and their reduction; or, ``dw_in_launch``, the
+    one kernel that also sums them into a dw of ``dw_dtype``, and None."""
     # The default variant (one summand, reading h) keeps its field tuple.
     parts = (g_parts, True) if memory_efficient else (g_parts,) if g_parts > 1 else ()
-    return (
-        kernel(
-            "bwd",
-            operands.arch,
-            operands.act,
-            operands.w_name,
-            operands.hidden,
-            residual,
-            weight_offset,
-            *parts,
-        ),
-        kernel("dw", operands.arch, dtype_name(dw_dtype), operands.hidden),
-    )
+    variant = (operands.arch, operands.act, operands.w_name, operands.hidden, residual, weight_offset)
+    if dw_in_launch:
+        return kernel("bwd", *variant, g_parts, memory_efficient, dtype_name(dw_dtype)), None
+    return kernel("bwd", *variant, *parts), kernel("dw", operands.arch, dtype_name(dw_dtype), operands.hidden)
 
 
 def launch_backward(call: BackwardCall):
     """The backward of a validated call (``calls.backward_call``): ``(dx, dw)``, the caller's when it
-    gave them; dx from g's summands (usually one), dw the fixed-order sum of FP32 partial rows."""
+    gave them; dx from g's summands (usually one), dw the fixed-order sum of FP32 partial rows (by the
+    backward itself or by the reduction launched behind it: ``backward_launch_plan``)."""
     operands, x, g_parts = call.operands, call.h, call.g_parts
     hidden = operands.hidden
     rows = x.numel() // hidden
     residual = call.g_residual is not None
-    plan = backward_launch_plan(operands, rows, residual)
+    plan = backward_launch_plan(operands, rows, residual, len(g_parts))
     vec = plan.vec
     if call.workspace is not None:
         v.check_workspace_size(call.workspace, plan.workspace_bytes)
@@ -210,23 +216,32 @@ def launch_backward(call: BackwardCall):
 
     if rows == 0:  # nothing to launch (and nothing to compile)
         dw_t.zero_()
-    else:
-        bwd, reduce = backward_kernels(
-            operands, residual, call.weight_offset, call.dw_dtype, len(g_parts), call.memory_efficient
+        return finish(dx_t, dx_copy), finish(dw_t, dw_copy)
+    bwd, reduce = backward_kernels(
+        operands,
+        residual,
+        call.weight_offset,
+        call.dw_dtype,
+        len(g_parts),
+        call.memory_efficient,
+        plan.dw_in_launch,
+    )
+    partials = partial_rows_view(call.workspace, plan.partial_rows, hidden, operands.device)
+    rstd = call.rstd
+    with on_device(operands.device):
+        in_launch = (dw_t, barrier_counter(call.workspace, operands.device)) if plan.dw_in_launch else ()
+        bwd(
+            kernel_view(g_parts[0], vec),
+            kernel_view(x, vec),
+            aligned_vector(call.w, vec),
+            rstd if rstd.is_contiguous() else rstd.contiguous(),
+            kernel_view(call.g_residual, vec) if residual else None,
+            rows_view(dx_t, hidden),
+            partials,
+            *in_launch,
+            plan.programs,
+            *(kernel_view(part, vec) for part in g_parts[1:]),
         )
-        partials = partial_rows_view(call.workspace, plan.partial_rows, hidden, operands.device)
-        rstd = call.rstd
-        with on_device(operands.device):
-            bwd(
-                kernel_view(g_parts[0], vec),
-                kernel_view(x, vec),
-                aligned_vector(call.w, vec),
-                rstd if rstd.is_contiguous() else rstd.contiguous(),
-                kernel_view(call.g_residual, vec) if residual else None,
-                rows_view(dx_t, hidden),
-                partials,
-                plan.programs,
-                *(kernel_view(part, vec) for part in g_parts[1:]),
-            )
+        if reduce is not None:
             reduce(partials, dw_t)
     return finish(dx_t, dx_copy), finish(dw_t, dw_copy)

@@ -18,7 +18,7 @@ from .. import validation as v
 from ..calls import gated_call
 from ..kernels.gated_config import MAX_SEGMENT
 from ..runtime.device import device_arch, device_facts, on_device
-from ..runtime.launch_plan import partial_rows_bytes
+from ..runtime.launch_plan import workspace_bytes
 from ..runtime.views import finish, new_output, vector_output
 from . import autograd  # noqa: F401  (registers the custom ops the Function calls)
 from .ops import (
@@ -28,7 +28,6 @@ from .ops import (
     launch_backward,
     launch_statistics,
     most_backward_programs,
-    reduce_partials,
     variant_fields,
 )
 
@@ -145,8 +144,10 @@ def cake_rmsnorm_silu_gate_train_backward_workspace_bytes(
 ) -> int:
     """Bytes of the workspace a ``cake_rmsnorm_silu_gate_train_backward`` of up to ``rows`` rows needs.
 
-    It holds rstd (recomputed), an FP32 dw and the backward's FP32 partial rows of dW, whose number
-    follows the GPU's SM count; the size is the largest over the activation dtypes.
+    It holds rstd (recomputed), an FP32 dw, the backward's FP32 partial rows of dW, whose number
+    follows the GPU's SM count, and last the counter of the grid barrier of a backward that sums them in
+    its own launch (zero before the first call, as ``..._workspace`` gives it, and left zero by every
+    call); the size is the largest over the activation dtypes.
 
     Parameters
     ----------
@@ -178,7 +179,7 @@ def cake_rmsnorm_silu_gate_train_backward_workspace_bytes(
     device_arch(device)
     facts = device_facts(device)
     programs = most_backward_programs(rows, hidden, hidden, facts)
-    return _scratch_bytes(rows, hidden) + partial_rows_bytes(programs, hidden)
+    return _scratch_bytes(rows, hidden) + workspace_bytes(programs, hidden)
 
 
 def cake_rmsnorm_silu_gate_train_backward_workspace(
@@ -195,7 +196,8 @@ def cake_rmsnorm_silu_gate_train_backward_workspace(
     -------
     torch.Tensor
         A contiguous 1-D ``uint8`` tensor on ``device`` with a 16-byte aligned base (every backward
-        overwrites what it uses: one buffer serves any sequence of calls on its stream).
+        overwrites what it uses and leaves the counter zero: one buffer serves any sequence of calls on
+        its stream).
 
     Raises
     ------
@@ -299,27 +301,36 @@ def cake_rmsnorm_silu_gate_train_backward(
             dw.zero_()
         return dx, dz, dw
     programs = backward_programs_of(call, fields)
-    needed = _scratch_bytes(rows, hidden) + partial_rows_bytes(programs, hidden)
+    needed = _scratch_bytes(rows, hidden) + workspace_bytes(programs, hidden)
+    counter_space = workspace  # the caller's is zeroed; a fresh one's counter is not (the stream's serves)
     if workspace is None:
         workspace = torch.empty(needed, dtype=torch.uint8, device=x.device)
     else:
         v.check_workspace_size(workspace, needed)
     rstd, dw32, partial_space = _carve(workspace, rows, hidden)
+    # The FP32 sum to add to grad_weight, or a stand-in when no weight gradient is asked for (a backward
+    # that finishes dW in its launch writes one anyway), goes to the workspace's; else dw (or a
+    # contiguous copy of it) is written.
+    written, caller = dw32, None
+    if dw is not None and not accumulate_grad_weight:
+        written, caller = vector_output(dw, hidden, dw.dtype, dw.device)
     with on_device(x.device):
         launch_statistics(call, fields, rstd)
-        partials = launch_backward(call, fields, grad_out, rstd, dx, dz, programs, partial_space)
-        if dw is not None:
-            _reduce_into(fields[0], partials, dw, dw32 if accumulate_grad_weight else None)
+        launch_backward(
+            call,
+            fields,
+            grad_out,
+            rstd,
+            dx,
+            dz,
+            written,
+            programs,
+            partial_space,
+            counter_space,
+            dw is not None,
+        )
+        if accumulate_grad_weight:
+            dw.add_(dw32)
+        elif dw is not None:
+            finish(written, caller)
     return dx, dz, dw
-
-
-def _reduce_into(arch: str, partials, dw, dw32) -> None:
-    """The partial rows' fixed-order FP32 sum rounded once into dw, or, given the workspace's FP32
-    ``dw32`` (accumulating), summed into it and added to dw in FP32, rounded once."""
-    if dw32 is not None:
-        reduce_partials(arch, partials, dw32)
-        dw.add_(dw32)
-        return
-    written, caller = vector_output(dw, dw.shape[0], dw.dtype, dw.device)
-    reduce_partials(arch, partials, written)
-    finish(written, caller)

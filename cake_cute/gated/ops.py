@@ -19,6 +19,7 @@ from ..runtime.cache import kernel
 from ..runtime.device import DeviceFacts, device_arch, device_facts, on_device, resident_clusters
 from ..runtime.views import (
     aligned_vector,
+    barrier_counter,
     is_direct_output,
     kernel_view,
     new_output,
@@ -215,8 +216,7 @@ def gated_rmsnorm_backward(
         return dx, dz, dw.zero_()
     programs = backward_programs_of(call, fields)
     with on_device(x.device):
-        partials = launch_backward(call, fields, g, rstd, dx, dz, programs)
-        reduce_partials(fields[0], partials, dw)
+        launch_backward(call, fields, g, rstd, dx, dz, dw, programs)
     return dx, dz, dw
 
 
@@ -238,18 +238,37 @@ def backward_programs_of(call: GatedCall, fields: tuple) -> int:
     return backward_programs(x.numel() // hidden, config, hidden // group_size, device_facts(x.device))
 
 
-def launch_backward(call: GatedCall, fields: tuple, g, rstd, dx, dz, programs: int, workspace=None):
-    """The backward kernel of rows > 0 into dx and dz (caller-owned or fresh, contiguous) with the
-    forward's ``rstd`` over ``programs`` programs (``backward_programs_of``); returns the FP32 partial
-    rows of dW it wrote, carved from the start of the uint8 ``workspace`` when given (which must hold
-    ``launch_plan.partial_rows_bytes`` of them). The launches here run on the current device: callers
-    enter ``on_device`` once around a call's launches."""
+def launch_backward(
+    call: GatedCall,
+    fields: tuple,
+    g,
+    rstd,
+    dx,
+    dz,
+    dw,
+    programs: int,
+    partial_space=None,
+    counter_space=None,
+    dw_wanted: bool = True,
+) -> None:
+    """The backward of rows > 0 into dx, dz (caller-owned or fresh, contiguous) and dw (contiguous [H],
+    FP32 or a 2-byte dtype: the fixed-order FP32 sum of the partial rows rounded once) with the
+    forward's ``rstd`` over ``programs`` programs (``backward_programs_of``): the backward kernel, and
+    the reduction behind it unless the kernel sums dW in its own launch (``GatedConfig.dw_in_launch``),
+    which writes dw whether ``dw_wanted`` or not (without it no reduction is launched).
+    The FP32 partial rows are carved from the start of the uint8 ``partial_space`` when given (which
+    must hold ``launch_plan.partial_rows_bytes`` of them); the grid barrier's counter is the last slot
+    of the caller's uint8 ``counter_space`` (a zeroed workspace), else one per stream
+    (``views.barrier_counter``). The launches run on the current device: callers enter ``on_device``
+    once around a call's launches."""
     x, group_size = call.x, call.group_size
     hidden = x.shape[-1]
     rows, groups = x.numel() // hidden, hidden // group_size
     vec = vector_width(group_size, x.element_size())
-    partials = partial_rows_view(workspace, programs, hidden, x.device)
-    kernel("gated_bwd", *fields)(
+    partials = partial_rows_view(partial_space, programs, hidden, x.device)
+    in_launch = gated_backward_config(fields[0], fields[1], hidden, group_size).dw_in_launch
+    finish = (dw, barrier_counter(counter_space, x.device)) if in_launch else ()
+    kernel("gated_bwd", *fields, *((dtype_name(dw.dtype),) if in_launch else ()))(
         kernel_view(g, vec),
         kernel_view(x, vec),
         kernel_view(call.z, vec),
@@ -258,15 +277,11 @@ def launch_backward(call: GatedCall, fields: tuple, g, rstd, dx, dz, programs: i
         rows_view(dx, hidden),
         rows_view(dz, hidden),
         partials,
+        *finish,
         programs,
     )
-    return partials
-
-
-def reduce_partials(arch: str, partials: torch.Tensor, dw: torch.Tensor) -> None:
-    """dw (contiguous; FP32 or a 2-byte dtype) = the fixed-order FP32 sum of the partial rows, rounded
-    once."""
-    kernel("dw", arch, dtype_name(dw.dtype), dw.shape[0])(partials, dw)
+    if dw_wanted and not in_launch:
+        kernel("dw", fields[0], dtype_name(dw.dtype), hidden)(partials, dw)
 
 
 def launch_statistics(call: GatedCall, fields: tuple, rstd: torch.Tensor) -> None:

@@ -94,12 +94,17 @@ class BackwardConfig:
     min_ctas_per_sm: int
     smem_bytes: int
     ctas_per_sm: int
+    dw_in_launch: bool = False  # the backward sums its partial rows itself (``dw_finish``)
+    cooperative: bool = True  # that launch is cooperative
 
     def describe(self) -> str:
         ring = "dW in smem, g/h re-read" if self.dw_in_smem else f"ring={self.ring_depth}"
+        finish = (
+            (" dW in launch" + ("" if self.cooperative else " non-cooperative")) if self.dw_in_launch else ""
+        )
         return (
             f"{self.tiling.describe()} {ring} regs<={self.register_budget} "
-            f"smem={self.smem_bytes}B ctas/SM={self.ctas_per_sm}"
+            f"smem={self.smem_bytes}B ctas/SM={self.ctas_per_sm}{finish}"
         )
 
 
@@ -107,8 +112,9 @@ class BackwardConfig:
 class ReduceConfig:
     """The dW reduction: a CTA of ``threads`` threads covers ``col_lanes`` vectors of ``vec`` FP32
     columns and splits the partial rows over ``threads // col_lanes`` row lanes, whose number fixes the
-    summation order (``dw_reduce``). A row lane loads ``rows_in_flight`` of its partial rows before it
-    adds them (the order of the additions, and so dw's bits, are the same for every value)."""
+    summation order (``dw_reduce``; a backward that sums dW in its own launch keeps it too). A row lane
+    loads ``rows_in_flight`` of its partial rows before it adds them (the order of the additions, and
+    so dw's bits, are the same for every value)."""
 
     hidden: int
     vec: int
@@ -135,9 +141,10 @@ class ReduceConfig:
 
 CHOICES = {
     "fwd": ("tiling", "min_ctas_per_sm"),
-    "bwd": ("tiling", "ring_depth", "register_budget", "ctas_per_sm"),
+    "bwd": ("tiling", "ring_depth", "register_budget", "ctas_per_sm", "dw_in_launch", "cooperative"),
     "dw": ("col_lanes", "after_backward", "threads", "rows_in_flight"),
     "quant": ("tiling", "min_ctas_per_sm", "amax_scatter", "programs_per_sm"),
+    "gated_bwd": ("dw_in_launch", "cooperative"),
 }
 _overrides: dict[tuple[str, str, str, int], dict] = {}
 _listeners: list[Callable[[], None]] = []
@@ -185,9 +192,10 @@ def overridden(kind: str, arch: str, dtype: str, hidden: int, **choices) -> Iter
     Parameters
     ----------
     kind, arch, dtype, hidden
-        The entry: ``"fwd"``, ``"bwd"``, ``"dw"`` or ``"quant"``; a compile target; the rows' dtype
-        name (dW's output dtype for ``"dw"``); H. A backward entry applies to both w dtypes and both
-        modes, a quant entry to both recipes.
+        The entry: ``"fwd"``, ``"bwd"``, ``"dw"``, ``"quant"`` or ``"gated_bwd"``; a compile target;
+        the rows' dtype name (dW's output dtype for ``"dw"``); H (the whole row's for ``"gated_bwd"``).
+        A backward entry applies to both w dtypes and every mode, a quant entry to both recipes, a gated
+        backward entry to every group size.
     **choices
         Values for the entry's ``CHOICES`` (e.g. ``tiling=``, ``ring_depth=``); the rest keep their
         rules, and derived values (min CTAs per SM, shared memory, CTAs per SM) follow.
@@ -358,7 +366,8 @@ def backward_config(
         budget = smem_bound_register_budget(tiling, budget, smem)
     min_ctas = max(1, REGISTERS_PER_SM // (budget * tiling.threads_per_cta))
     per_sm = choices.get("ctas_per_sm") or resident_ctas_per_sm(tiling, smem, min_ctas)
-    return BackwardConfig(tiling, dw_in_smem, ring_depth, budget, min_ctas, smem, per_sm)
+    finish = {k: choices[k] for k in ("dw_in_launch", "cooperative") if k in choices}
+    return BackwardConfig(tiling, dw_in_smem, ring_depth, budget, min_ctas, smem, per_sm, **finish)
 
 
 # ---------------------------------------------------------------------------------------- dW reduction
@@ -371,6 +380,25 @@ def backward_config(
 # them to one per program.
 NARROW_REDUCE_MAX_CTAS = 64
 NARROW_REDUCE_THREADS = 1024
+
+
+def largest_power_of_two(n: int) -> int:
+    return 1 << (n.bit_length() - 1)
+
+
+def finish_team(reduce: ReduceConfig, threads: int) -> int:
+    """Threads of one team of the dW finish in a backward CTA of ``threads`` threads (``dw_finish``):
+    a column vector's R row lanes, or the largest power of two of the CTA's threads when that is
+    fewer."""
+    return min(reduce.row_lanes, largest_power_of_two(threads))
+
+
+def finish_cells_bytes(reduce: ReduceConfig, threads: int) -> int:
+    """Shared memory of the dW finish in a backward CTA of ``threads`` threads: each warp's FP32 column
+    vector (``dw_reduce.ColumnSum.cells_layout``) for every team the threads form, those beyond the
+    largest power of two included."""
+    team = finish_team(reduce, threads)
+    return -(-threads // team) * max(1, team // 32) * reduce.vec * 4
 
 
 @cache

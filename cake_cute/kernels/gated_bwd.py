@@ -19,8 +19,10 @@ own (their columns never change: a CTA only sees its slice of group k); at the e
 rows fold their accumulators by the plain backward's fixed tree
 (``rmsnorm_bwd.RMSNormBackward.fold_row_groups``) and the CTA writes its columns of group k in partial
 row b of ``partials[P, H_pad]``, which ``dw_reduce`` sums in a fixed order (launched behind this
-kernel with programmatic dependent launch). No atomics anywhere: dx, dz, dW are bitwise reproducible,
-and a row's dx and dz do not depend on T.
+kernel with programmatic dependent launch), or, in a variant with the finish in the launch
+(``finish``), this kernel's CTAs after a grid barrier in the same order (``dw_finish``; its cells in a
+small tile of their own). No atomics on data (the grid barrier's counter is the only memory an atomic
+touches): dx, dz, dW are bitwise reproducible, and a row's dx and dz do not depend on T.
 
 Tiling (``gated_config.gated_backward_config``): a segment as in the forward, at most 8 elements of
 each operand per lane, short segments 256 threads to a CTA. g, x and z of a tile are loaded straight
@@ -38,7 +40,8 @@ iteration the tile two ahead, so that every tile after the first was asked for a
 is loaded. Short segments do not (``gated_config``).
 
 Bytes moved: reads g, x, z and writes dx, dz once: 5 * T*H*act_bytes, plus 4*T*H/L of rstd, plus
-the partial rows (P * H * 4, written here, read by dw_reduce).
+the partial rows (P * H * 4, written here, read back from the L2 by dw_reduce or by the finish, which
+then writes dw: H * dw_bytes).
 """
 
 from __future__ import annotations
@@ -59,20 +62,33 @@ from .common import (
     prefetch_to_l2,
     tile_shape,
 )
+from .config import finish_cells_bytes
+from .dw_finish import DWFinish
 from .gated_fwd import GatedKernel, segment_columns
 from .rmsnorm_bwd import RMSNormBackward
 from .thread_tiles import ThreadTiles
 
 
-class GatedRMSNormBackward(GatedKernel):
-    """One compiled backward per (arch, dtypes, H, group size, form, weight_offset, activation) and its
-    ``gated_config.GatedConfig``; T and the number of programs are runtime values. Arguments: g, x, z,
-    w, rstd (T, H / L), dx, dz, the partial rows, the number of programs."""
+class GatedRMSNormBackward(DWFinish, GatedKernel):
+    """One compiled backward per (arch, dtypes, H, group size, form, weight_offset, activation, the dW
+    finish) and its ``gated_config.GatedConfig``; T and the number of programs are runtime values.
+    Arguments: g, x, z, w, rstd (T, H / L), dx, dz, the partial rows, the number of programs; with the
+    dW finish in the launch (``finish``, the ``dw_reduce.ColumnSum`` of the whole row's H), the partial
+    rows are followed by dw and the grid barrier's counter (``entry_point``)."""
 
     # The plain backward's fixed-order fold of a CTA's row groups' dW, and its end of the rows (they
     # read only the tiling).
     end_rows = RMSNormBackward.end_rows
     fold_row_groups = RMSNormBackward.fold_row_groups
+
+    def __init__(self, config, act_dtype, w_dtype, weight_offset: float, groups: int, norm_before_gate: bool,
+                 activation: str, finish=None):  # fmt: skip
+        super().__init__(config, act_dtype, w_dtype, weight_offset, groups, norm_before_gate, activation)
+        self.finish = finish
+
+    def entry_point(self):
+        """What ``cute.compile`` traces: ``__call__``, or with the dW finish ``launch_with_dw``."""
+        return self if self.finish is None else self.launch_with_dw
 
     @cute.jit
     def __call__(
@@ -88,12 +104,22 @@ class GatedRMSNormBackward(GatedKernel):
         num_programs: Int32,
         stream,
     ):
-        self.kernel(mG, mX, mZ, mW, mRstd, mDX, mDZ, mPartial).launch(
+        self.kernel(mG, mX, mZ, mW, mRstd, mDX, mDZ, mPartial, None, None).launch(
             **self.launch_shape(num_programs), stream=stream
         )
 
+    @cute.jit
+    def launch_with_dw(
+        self, mG, mX, mZ, mW, mRstd, mDX, mDZ, mPartial, mDW, mCounter, num_programs: Int32, stream
+    ):
+        """The launch of a backward that finishes dW itself: its grid barrier needs every CTA
+        resident (a cooperative launch, unless the config says otherwise)."""
+        self.kernel(mG, mX, mZ, mW, mRstd, mDX, mDZ, mPartial, mDW, mCounter).launch(
+            **self.launch_shape(num_programs), cooperative=self.config.cooperative, stream=stream
+        )
+
     @cute.kernel
-    def kernel(self, mG, mX, mZ, mW, mRstd, mDX, mDZ, mPartial):
+    def kernel(self, mG, mX, mZ, mW, mRstd, mDX, mDZ, mPartial, mDW, mCounter):
         t = self.tiling
         tidx, bidx, along_y = self.cta_position()
         group, rank = self.group_and_rank(along_y)
@@ -102,6 +128,10 @@ class GatedRMSNormBackward(GatedKernel):
         num_tiles = cute.ceil_div(rows, t.rows_per_cta)
         smem = cutlass.memory.SmemAllocator()
         buffers = allocate_reduction_buffers(smem, t)
+        sCells = None  # the dW finish's cells (``gated_config.backward_smem_bytes`` counts them)
+        if const_expr(self.finish is not None):
+            cells_bytes = finish_cells_bytes(self.finish.config, t.threads_per_cta)
+            sCells = smem.allocate_tensor(Float32, cute.make_layout(cells_bytes // 4), byte_alignment=16)
         sFold = None  # the segment rows' dW accumulators, summed at the end
         if const_expr(t.rows_per_cta > 1):
             sFold = smem.allocate_tensor(
@@ -151,6 +181,10 @@ class GatedRMSNormBackward(GatedKernel):
 
         self.end_rows(tt, sFold, tXrDW)
         self.write_dw_partial(tt, bidx, group, mPartial, tXrDW, pred)
+        if const_expr(self.finish is not None):
+            along = self.ctas_along_y()
+            cta, num_ctas = bidx * along + along_y, num_programs * along
+            self.finish_dw(mPartial, mDW, mCounter, sCells.iterator, tidx, cta, num_ctas)
 
     @cute.jit
     def prefetch_row(self, row, rows, lane_in_row, rank, sources):

@@ -23,7 +23,14 @@ from dataclasses import dataclass
 from functools import cache
 
 from ..vocab import dtype_bytes
-from .config import HOPPER, resident_ctas_per_sm
+from .config import (
+    HOPPER,
+    finish_cells_bytes,
+    on_override_change,
+    override_choices,
+    reduce_config,
+    resident_ctas_per_sm,
+)
 from .tiling import MAX_THREADS_PER_CTA, REGISTERS_PER_SM, SMEM_STATIC_PER_CTA, RowTiling, vector_width
 
 # Elements of each operand one lane holds (the forward holds x, z, the gate and w in 72-85 registers).
@@ -71,12 +78,18 @@ class GatedConfig:
     ctas_per_sm: int
     # Backward: g, x and z of the program's later row tiles are prefetched into the L2.
     prefetch: bool = False
+    # Backward: it sums its partial rows of dW itself (``dw_finish``), in a cooperative launch or not.
+    dw_in_launch: bool = False
+    cooperative: bool = True
 
     def describe(self) -> str:
         prefetch = " prefetch" if self.prefetch else ""
+        finish = (
+            (" dW in launch" + ("" if self.cooperative else " non-cooperative")) if self.dw_in_launch else ""
+        )
         return (
             f"{self.tiling.describe()} min_ctas/SM={self.min_ctas_per_sm} ctas/SM={self.ctas_per_sm}"
-            f"{prefetch}"
+            f"{prefetch}{finish}"
         )
 
 
@@ -105,13 +118,14 @@ def segment_tiling(segment: int, act_dtype: str, cta_threads: int, elems_per_lan
     return RowTiling(segment, vec, lanes, -(-vecs // lanes), 1, max(1, cta_threads // lanes))
 
 
-def backward_smem_bytes(tiling: RowTiling) -> int:
+def backward_smem_bytes(tiling: RowTiling, finish_cells: int) -> int:
     """Shared memory of one backward CTA: the row sums' two slots of warp sums and of the cluster's CTA
-    sums, the FP32 tile in which several segments fold their dW, and the DSL's static kilobyte (an
+    sums, the FP32 tile in which several segments fold their dW, the cells of the dW finish in the
+    launch (``finish_cells`` bytes, counted whether it runs or not) and the DSL's static kilobyte (an
     upper bound)."""
     reduction = 4 * 2 * tiling.rows_per_cta * (tiling.warps_per_row + tiling.cluster_n) + 64
     fold = 4 * tiling.rows_per_cta * tiling.cols_per_cta if tiling.rows_per_cta > 1 else 0
-    return reduction + fold + SMEM_STATIC_PER_CTA + 256
+    return reduction + fold + finish_cells + SMEM_STATIC_PER_CTA + 256
 
 
 @cache
@@ -136,7 +150,9 @@ def gated_backward_config(arch: str, act_dtype: str, hidden: int, group_size: in
     where ``MAX_THREADS_PER_CTA`` lanes cover the segment, else over a cluster
     (``cluster_segment_tiling``); twice the forward's threads per CTA when segments are short (more
     bytes in flight per program); the L2 prefetch of later row tiles for wide segments
-    (``PREFETCH_MAX_SEGMENTS_PER_CTA``); and its residency for the persistent grid.
+    (``PREFETCH_MAX_SEGMENTS_PER_CTA``); its residency for the persistent grid; and whether it sums
+    its partial rows of dW in its own launch (``dw_finish``: the override choices ``dw_in_launch`` and
+    ``cooperative`` of kind ``"gated_bwd"``; by default a ``dw_reduce`` launch follows).
 
     Raises
     ------
@@ -152,9 +168,14 @@ def gated_backward_config(arch: str, act_dtype: str, hidden: int, group_size: in
     min_ctas = tiling.min_ctas_per_sm
     if dtype_bytes(act_dtype) == 2 and (arch == HOPPER or not one_segment_rows):
         min_ctas = max(min_ctas, REGISTERS_PER_SM // (HELD_REGISTER_BUDGET * tiling.threads_per_cta))
-    per_sm = resident_ctas_per_sm(tiling, backward_smem_bytes(tiling), min_ctas)
+    cells = finish_cells_bytes(reduce_config(arch, "fp32", hidden), tiling.threads_per_cta)
+    per_sm = resident_ctas_per_sm(tiling, backward_smem_bytes(tiling, cells), min_ctas)
     prefetch = tiling.rows_per_cta <= PREFETCH_MAX_SEGMENTS_PER_CTA and not one_segment_rows
-    return GatedConfig(tiling, min_ctas, per_sm, prefetch)
+    finish = override_choices("gated_bwd", arch, act_dtype, hidden)
+    return GatedConfig(tiling, min_ctas, per_sm, prefetch, **finish)
+
+
+on_override_change(gated_backward_config.cache_clear)
 
 
 def cluster_segment_tiling(segment: int, act_dtype: str) -> RowTiling:

@@ -16,9 +16,11 @@ Persistent grid: ``num_programs`` CTAs (times ``cluster_n`` along y), as many as
 fixed partition for a given (T, num_programs). Each CTA copies w once into its own cells of shared
 memory and keeps one FP32 dW accumulator per element it owns; at the end the CTA's row groups (short
 rows: several per CTA) fold their accumulators in shared memory by a fixed tree (``fold_row_groups``)
-and the program writes one FP32 row of the workspace ``partials[num_programs, H_pad]``, which
-``dw_reduce`` sums in a fixed order (launched behind this kernel with programmatic dependent launch,
-allowed once a program's row loop is done). No atomics anywhere.
+and the program writes one FP32 row of the workspace ``partials[num_programs, H_pad]``. dW is their
+fixed-order sum (``dw_reduce``'s order), either by ``dw_reduce`` launched behind this kernel with
+programmatic dependent launch (allowed once a program's row loop is done), or, in a variant with the
+finish in the launch (``finish``: ``dw_finish``), by this kernel's own CTAs after a grid barrier, bitwise
+the same. No atomics on data: the grid barrier's counter is the only memory an atomic touches.
 
 Memory-efficient mode (``from_output``, a compile-time flag of the variant): the tensor read in h's
 place is the forward's output y, and xhat = y * inv_s with inv_s = 1 / clamp(s), s = w + weight_offset
@@ -61,10 +63,13 @@ The kernel body reads as its steps: ``fill_ring`` (the first row tiles), ``prolo
 accumulator, after the ring's copies are issued so that the round trips overlap), then per row tile
 ``issue_g_residual``, ``load_rstd``, ``prefetch_next_row`` (without a ring: the next row into the L2),
 ``refill_ring``, ``reduce_row`` (dW and the row sum) and ``write_dx``; at the end
-``fold_row_groups`` (several row groups per CTA) and ``write_dw_partial_row`` (both in ``dw_partial_rows``).
+``fold_row_groups`` (several row groups per CTA) and ``write_dw_partial_row`` (both in ``dw_partial_rows``),
+then, with the finish in the launch, ``finish_dw`` (``dw_finish``; its shared memory is h's ring or the
+dW tile, done with by then).
 
 Bytes moved: reads g's n parts, h (+ g_residual) and writes dx once: T*H*(n + 2 [+ 1])*act_bytes, plus 4*T
-of rstd, plus the partial rows (num_programs * H * 4, written here, read by dw_reduce). The
+of rstd, plus the partial rows (num_programs * H * 4, written here, read back from the L2 by dw_reduce or
+by the finish, which then writes dw: H * dw_bytes). The
 memory-efficient mode moves the same bytes: it reads y instead of h. With n parts that
 is (n - 1)*T*H*act_bytes more than one g, and 2*T*H*act_bytes less than an add kernel (reads n, writes g)
 in front of a one-g backward.
@@ -85,15 +90,18 @@ from .common import (
     init_cluster_reduction,
     tile_shape,
 )
-from .config import SCALE_FLOOR
+from .config import SCALE_FLOOR, finish_cells_bytes
+from .dw_finish import DWFinish
 from .dw_partial_rows import PartialRowWriter
 from .thread_tiles import ThreadTiles
 
 
-class RMSNormBackward(RowStaging, PartialRowWriter, RowKernel):
-    """One compiled backward per (arch, dtypes, H, residual, weight_offset, g_parts, from_output) and
-    its ``config.BackwardConfig``; T and the number of programs are runtime values. ``from_output``: the
-    tensor in h's place is the forward's output y (the memory-efficient mode)."""
+class RMSNormBackward(RowStaging, PartialRowWriter, DWFinish, RowKernel):
+    """One compiled backward per (arch, dtypes, H, residual, weight_offset, g_parts, from_output, the
+    dW finish) and its ``config.BackwardConfig``; T and the number of programs are runtime values.
+    ``from_output``: the tensor in h's place is the forward's output y (the memory-efficient mode).
+    ``finish``: the ``dw_reduce.ColumnSum`` with which the kernel sums its partial rows into dw itself
+    (``dw_finish``), or None for a ``dw_reduce`` launch behind it."""
 
     def __init__(
         self,
@@ -104,15 +112,22 @@ class RMSNormBackward(RowStaging, PartialRowWriter, RowKernel):
         weight_offset: float,
         g_parts: int = 1,
         from_output: bool = False,
+        finish=None,
     ):
         super().__init__(config, act_dtype, w_dtype, residual, weight_offset)
         self.g_parts = g_parts
         self.from_output = from_output
+        self.finish = finish
 
     def entry_point(self):
-        """What ``cute.compile`` traces: ``__call__`` for one g, else the launcher of ``g_parts`` parts.
-        Their runtime arguments: (g, h, w, rstd, g_residual or None, dx, partials, num_programs), then
+        """What ``cute.compile`` traces: ``__call__`` for one g, else the launcher of ``g_parts`` parts,
+        or with the dW finish in the launch (``finish``) their ``_with_dw`` versions. Their runtime
+        arguments: (g, h, w, rstd, g_residual or None, dx, partials, [dw, counter,] num_programs), then
         g's other parts (g1, g2) in summation order; the stream is TVM-FFI's environment stream."""
+        if self.finish is not None:
+            return (self.launch_with_dw, self.launch_two_parts_with_dw, self.launch_three_parts_with_dw)[
+                self.g_parts - 1
+            ]
         return (self, self.launch_two_parts, self.launch_three_parts)[self.g_parts - 1]
 
     @cute.jit
@@ -128,27 +143,51 @@ class RMSNormBackward(RowStaging, PartialRowWriter, RowKernel):
         num_programs: Int32,
         stream,
     ):
-        self.launch(num_programs, stream, mG, mH, mW, mRstd, mGRes, mDX, mPartial)
+        self.launch(num_programs, stream, (mG,), mH, mW, mRstd, mGRes, mDX, mPartial)
 
-    # The launchers of g in parts take the same arguments as ``__call__`` and then the other parts.
+    # The launchers of g in parts take the same arguments as ``__call__`` and then the other parts; those
+    # with the dW finish take dw and the counter after the partial rows.
     @cute.jit
     def launch_two_parts(self, mG, mH, mW, mRstd, mGRes, mDX, mPartial, num_programs: Int32, mG1, stream):
-        self.launch(num_programs, stream, mG, mH, mW, mRstd, mGRes, mDX, mPartial, mG1)
+        self.launch(num_programs, stream, (mG, mG1), mH, mW, mRstd, mGRes, mDX, mPartial)
 
     @cute.jit
     def launch_three_parts(
         self, mG, mH, mW, mRstd, mGRes, mDX, mPartial, num_programs: Int32, mG1, mG2, stream
     ):
-        self.launch(num_programs, stream, mG, mH, mW, mRstd, mGRes, mDX, mPartial, mG1, mG2)
+        self.launch(num_programs, stream, (mG, mG1, mG2), mH, mW, mRstd, mGRes, mDX, mPartial)
 
-    def launch(self, num_programs, stream, mG, mH, mW, mRstd, mGRes, mDX, mPartial, mG1=None, mG2=None):
-        """Launch the kernel; the parts of g a launcher does not take are None."""
-        self.kernel(mG, mH, mW, mRstd, mGRes, mDX, mPartial, mG1, mG2).launch(
-            **self.launch_shape(num_programs), stream=stream
+    @cute.jit
+    def launch_with_dw(
+        self, mG, mH, mW, mRstd, mGRes, mDX, mPartial, mDW, mCounter, num_programs: Int32, stream
+    ):
+        self.launch(num_programs, stream, (mG,), mH, mW, mRstd, mGRes, mDX, mPartial, mDW, mCounter)
+
+    @cute.jit
+    def launch_two_parts_with_dw(
+        self, mG, mH, mW, mRstd, mGRes, mDX, mPartial, mDW, mCounter, num_programs: Int32, mG1, stream
+    ):
+        self.launch(num_programs, stream, (mG, mG1), mH, mW, mRstd, mGRes, mDX, mPartial, mDW, mCounter)
+
+    @cute.jit
+    def launch_three_parts_with_dw(
+        self, mG, mH, mW, mRstd, mGRes, mDX, mPartial, mDW, mCounter, num_programs: Int32, mG1, mG2, stream
+    ):
+        self.launch(num_programs, stream, (mG, mG1, mG2), mH, mW, mRstd, mGRes, mDX, mPartial, mDW, mCounter)
+
+    def launch(self, num_programs, stream, mGs, mH, mW, mRstd, mGRes, mDX, mPartial, mDW=None, mCounter=None):
+        """Launch the kernel on g's parts ``mGs`` (the parts a launcher does not take are None, and so
+        are dw and the counter without the dW finish). The finish's grid barrier needs every CTA
+        resident: its launch is cooperative unless the config says otherwise."""
+        mG1, mG2 = (*mGs[1:], None, None)[:2]
+        self.kernel(mGs[0], mH, mW, mRstd, mGRes, mDX, mPartial, mG1, mG2, mDW, mCounter).launch(
+            **self.launch_shape(num_programs),
+            cooperative=self.finish is not None and self.config.cooperative,
+            stream=stream,
         )
 
     @cute.kernel
-    def kernel(self, mG, mH, mW, mRstd, mGRes, mDX, mPartial, mG1, mG2):
+    def kernel(self, mG, mH, mW, mRstd, mGRes, mDX, mPartial, mG1, mG2, mDW, mCounter):
         t = self.tiling
         mGs = (mG, mG1, mG2)[: self.g_parts]  # g's parts, in summation order
         uses_ring = not self.config.dw_in_smem
@@ -178,7 +217,7 @@ class RMSNormBackward(RowStaging, PartialRowWriter, RowKernel):
             sH = allocate_tile(smem, self.act_dtype, t, ring_depth)
             self.fill_ring(tt, bidx, num_programs, rows, (*mGs, mH), (*sGs, sH))
         # After the first row tiles are issued, so that w's round trip overlaps theirs.
-        tXsW, tXrDW, tXDW = self.prologue(smem, thr, tiler, rank, tXc0, mW, pred)
+        tXsW, tXrDW, tXDW, sDW = self.prologue(smem, thr, tiler, rank, tXc0, mW, pred)
         sFold = None  # the row groups' dW accumulators, summed at the end
         if const_expr(t.rows_per_cta > 1):
             sFold = smem.allocate_tensor(
@@ -223,13 +262,23 @@ class RMSNormBackward(RowStaging, PartialRowWriter, RowKernel):
 
         self.end_rows(tt, sFold, tXrDW)
         self.write_dw_partial_row(tt, bidx, mPartial, tXrDW, tXDW, pred)
+        if const_expr(self.finish is not None):
+            # The finish's cells take h's ring (its copies all waited for) or the dW tile, both done with.
+            cute.arch.cp_async_wait_group(0)
+            scratch = sH if const_expr(uses_ring) else sDW
+            assert cute.cosize(scratch.layout) * scratch.element_type.width // 8 >= finish_cells_bytes(
+                self.finish.config, t.threads_per_cta
+            )
+            cta, num_ctas = bidx * t.cluster_n + rank, num_programs * t.cluster_n
+            self.finish_dw(mPartial, mDW, mCounter, scratch.iterator, tidx, cta, num_ctas)
 
     @cute.jit
     def prologue(self, smem, thr, tiler, rank, tXc0, mW, pred):
         """w once per CTA into this thread's own cells of shared memory (no barrier needed: no other
         thread touches them), widened to FP32 at each use; keeping it out of registers is what lets
         128 registers per thread suffice. The FP32 dW accumulator starts at zero, in registers or
-        (``dw_in_smem``) in shared memory. Returns (w cells, dW registers, dW accumulator)."""
+        (``dw_in_smem``) in shared memory. Returns (w cells, dW registers, dW accumulator, and the
+        accumulator's shared-memory tile or None)."""
         cta_tile = cute.make_ordered_layout(tiler, order=(1, 0))
         # w's global slice, its shared cells, then the load: allocating the cells first, or after the
         # load, changed the schedule ptxas picks (fp32 H = 131072).
@@ -239,11 +288,12 @@ class RMSNormBackward(RowStaging, PartialRowWriter, RowKernel):
         cute.autovec_copy(tXrW, tXsW)
         tXrDW = cute.make_rmem_tensor_like(tXc0, Float32)
         tXrDW.fill(0.0)
-        tXDW = tXrDW
+        tXDW, sDW = tXrDW, None
         if const_expr(self.config.dw_in_smem):
-            tXDW = thr.partition_S(smem.allocate_tensor(Float32, cta_tile, byte_alignment=16))
+            sDW = smem.allocate_tensor(Float32, cta_tile, byte_alignment=16)
+            tXDW = thr.partition_S(sDW)
             cute.autovec_copy(tXrDW, tXDW)
-        return tXsW, tXrDW, tXDW
+        return tXsW, tXrDW, tXDW, sDW
 
     @cute.jit
     def inverse_scale(self, s: cute.TensorSSA) -> cute.TensorSSA:

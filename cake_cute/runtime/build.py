@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from ..kernels.config import backward_config, forward_config, reduce_config
+from ..kernels.config import backward_config, finish_team, forward_config, reduce_config
 from ..kernels.gated_config import gated_backward_config, gated_forward_config
 from ..kernels.quant_config import QUANT_RECIPES, quant_forward_config
 from ..kernels.tiling import VECTOR_BYTES
@@ -78,8 +78,9 @@ def _forward_arguments(spec: KernelSpec, config) -> tuple:
 
 
 def _backward_arguments(spec: KernelSpec, config) -> tuple:
-    """g, h, w, rstd, g_residual (or None), dx, the partial rows, the number of programs, then the
-    parts of g after the first (``rmsnorm_bwd.RMSNormBackward.entry_point``)."""
+    """g, h, w, rstd, g_residual (or None), dx, the partial rows, (with the dW finish in the launch: dw,
+    the counter,) the number of programs, then the parts of g after the first
+    (``rmsnorm_bwd.RMSNormBackward.entry_point``)."""
     import cutlass
     import cutlass.cute as cute
 
@@ -89,7 +90,27 @@ def _backward_arguments(spec: KernelSpec, config) -> tuple:
     g, h, dx = (_rows_tensor(act, rows, H, vec) for _ in range(3))
     g_res = _rows_tensor(act, rows, H, vec) if spec.residual else None
     g_parts = (_rows_tensor(act, rows, H, vec) for _ in range(spec.g_parts - 1))
-    return g, h, w, rstd, g_res, dx, _partials(H), cutlass.Int32(1), *g_parts
+    return g, h, w, rstd, g_res, dx, _partials(H), *_finish_arguments(spec), cutlass.Int32(1), *g_parts
+
+
+def _finish_arguments(spec) -> tuple:
+    """dw and the grid barrier's Int32 counter of a backward that finishes dW in its launch, else ()."""
+    import cutlass
+
+    if not spec.dw_dtype:
+        return ()
+    return _vector(cutlass_dtype(spec.dw_dtype), spec.hidden, 1), _vector(cutlass.Int32, 1, 1)
+
+
+def _finish(spec, threads: int):
+    """The ``dw_reduce.ColumnSum`` of a backward of ``threads`` threads per CTA that finishes dW in its
+    launch (``spec.dw_dtype`` set), else None."""
+    from ..kernels.dw_reduce import ColumnSum
+
+    if not spec.dw_dtype:
+        return None
+    reduce = reduce_config(spec.arch, spec.dw_dtype, spec.hidden)
+    return ColumnSum(reduce, finish_team(reduce, threads), cutlass_dtype(spec.dw_dtype))
 
 
 def _reduce_arguments(spec: ReduceSpec, config) -> tuple:
@@ -147,8 +168,9 @@ def _backward_kernel(spec: KernelSpec, config):
     from ..kernels.rmsnorm_bwd import RMSNormBackward
 
     dtypes = cutlass_dtype(spec.act_dtype), cutlass_dtype(spec.w_dtype)
+    finish = _finish(spec, config.tiling.threads_per_cta)
     backward = RMSNormBackward(
-        config, *dtypes, spec.residual, spec.weight_offset, spec.g_parts, spec.from_output
+        config, *dtypes, spec.residual, spec.weight_offset, spec.g_parts, spec.from_output, finish
     )
     return backward.entry_point()
 
@@ -169,8 +191,11 @@ def _gated_kernel(spec: GatedSpec, config):
         "gated_bwd": GatedRMSNormBackward,
     }[spec.kind]
     dtypes = cutlass_dtype(spec.act_dtype), cutlass_dtype(spec.w_dtype)
-    groups = spec.hidden // spec.group_size
-    return kernel_class(config, *dtypes, spec.weight_offset, groups, spec.norm_before_gate, spec.activation)
+    form = (spec.weight_offset, spec.hidden // spec.group_size, spec.norm_before_gate, spec.activation)
+    if spec.kind != "gated_bwd":
+        return kernel_class(config, *dtypes, *form)
+    finish = _finish(spec, config.tiling.threads_per_cta)
+    return kernel_class(config, *dtypes, *form, finish).entry_point()
 
 
 def _gated_rstd(rows, groups: int):
@@ -183,7 +208,8 @@ def _gated_rstd(rows, groups: int):
 
 def _gated_arguments(spec: GatedSpec, config) -> tuple:
     """Forward: x, z, w, y, rstd, eps. Statistics: x, z, rstd, eps. Backward: g, x, z, w, rstd, dx, dz,
-    the partial rows, the number of programs (``kernels.gated_fwd``, ``kernels.gated_bwd``)."""
+    the partial rows, (with the dW finish in the launch: dw, the counter,) the number of programs
+    (``kernels.gated_fwd``, ``kernels.gated_bwd``)."""
     import cutlass
     import cutlass.cute as cute
 
@@ -197,7 +223,7 @@ def _gated_arguments(spec: GatedSpec, config) -> tuple:
         x, z = (_rows_tensor(act, rows, H, vec) for _ in range(2))
         return x, z, rstd, cutlass.Float32(1e-6)
     g, x, z, dx, dz = (_rows_tensor(act, rows, H, vec) for _ in range(5))
-    return g, x, z, w, rstd, dx, dz, _partials(H), cutlass.Int32(1)
+    return g, x, z, w, rstd, dx, dz, _partials(H), *_finish_arguments(spec), cutlass.Int32(1)
 
 
 KINDS: dict[str, KernelKind] = {

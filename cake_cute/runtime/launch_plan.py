@@ -1,6 +1,6 @@
 """Launch planning: how many programs a backward of T rows runs, how many FP32 partial rows of dW it
-writes (what a workspace must hold), whether a forward to FP8 of T rows runs persistent programs and
-how many, and the vector width every kernel of an H assumes.
+writes and whether it sums them in its own launch (what a workspace must hold), whether a forward to
+FP8 of T rows runs persistent programs and how many, and the vector width every kernel of an H assumes.
 
 Configs depend on (arch, dtypes, H) only (``kernels.config``, ``kernels.quant_config``); T decides just
 the number of backward programs, which never changes a row's arithmetic. A backward of g in parts
@@ -27,9 +27,33 @@ def partial_row_stride(hidden: int) -> int:
     return -(-hidden // columns) * columns
 
 
+# A workspace ends with the grid barrier's Int32 counter of a backward that sums dW in its own launch
+# (``kernels.dw_finish``), in a slot of 16 bytes (whatever precedes it stays aligned).
+COUNTER_BYTES = 16
+
+
 def partial_rows_bytes(partial_rows: int, hidden: int) -> int:
-    """Bytes of ``partial_rows`` padded FP32 partial rows (what a workspace must hold for them)."""
+    """Bytes of ``partial_rows`` padded FP32 partial rows."""
     return partial_rows * partial_row_stride(hidden) * 4
+
+
+def workspace_bytes(partial_rows: int, hidden: int) -> int:
+    """Bytes a backward's workspace must hold: its partial rows and, last, the counter slot (every
+    workspace has one, whichever way dW is finished, so one size serves both)."""
+    return partial_rows_bytes(partial_rows, hidden) + COUNTER_BYTES
+
+
+def resident_programs(config, device: DeviceFacts) -> int:
+    """Programs (clusters) of a backward ``config`` resident on ``device`` at once."""
+    tiling = config.tiling
+    return resident_clusters(
+        device.index,
+        device.capability,
+        tiling.threads_per_cta,
+        tiling.cluster_n,
+        config.ctas_per_sm,
+        device.sm_count,
+    )
 
 
 # From this many row tiles on, when all of them fit on the GPU at once, programs take two tiles each:
@@ -55,18 +79,10 @@ def backward_programs(
     bitwise the dw of their rounded sum. The memory-efficient backward has the default's residency
     (``config.backward_config``), so the same count."""
     config = backward_config(device.arch, act_dtype, w_dtype, hidden, residual)
-    tiling = config.tiling
-    tiles = -(-rows // tiling.rows_per_cta)
+    tiles = -(-rows // config.tiling.rows_per_cta)
     if tiles <= 1:
         return 1
-    resident = resident_clusters(
-        device.index,
-        device.capability,
-        tiling.threads_per_cta,
-        tiling.cluster_n,
-        config.ctas_per_sm,
-        device.sm_count,
-    )
+    resident = resident_programs(config, device)
     if PAIR_TILES_FROM <= tiles <= resident:
         return -(-tiles // 2)
     return min(tiles, resident)
@@ -84,6 +100,30 @@ def most_partial_rows(
     return max(
         backward_programs(r, hidden, act_dtype, w_dtype, residual, device)
         for r in {max(rows, 1), max(min(rows, below_pairing), 1)}
+    )
+
+
+def finishes_dw_in_launch(
+    rows: int,
+    hidden: int,
+    act_dtype: str,
+    w_dtype: str,
+    residual: bool,
+    g_parts: int,
+    device: DeviceFacts,
+) -> bool:
+    """Whether a backward of ``rows`` rows (of g in ``g_parts`` summands) sums its partial rows of dW in
+    its own launch: where its config says so (``BackwardConfig.dw_in_launch``) and every program of the
+    launch is resident at once, which the finish's grid barrier needs. A backward of g in parts runs the
+    one-g program count, which its own residency may not hold (a second wave): it then leaves dW to the
+    separate reduction."""
+    config = backward_config(device.arch, act_dtype, w_dtype, hidden, residual, g_parts)
+    if not config.dw_in_launch:
+        return False
+    if g_parts == 1:
+        return True
+    return backward_programs(rows, hidden, act_dtype, w_dtype, residual, device) <= resident_programs(
+        config, device
     )
 
 

@@ -268,9 +268,9 @@ def register(operands, x, w, weight_offset: float, residual: bool, forward_kerne
     forward_kernel : tvm_ffi.Function
         The compiled forward of this signature and mode.
     plan_backward : callable
-        ``(operands, weight_offset, rows, residual, dw_dtype) -> (bwd handle, dw handle, programs,
-        partial_rows, row_stride)``: the backward's kernels and launch plan of one call shape, which
-        the extension asks once per shape.
+        ``(operands, weight_offset, rows, residual, dw_dtype, g_parts) -> (bwd handle, dw handle or 0,
+        programs, partial_rows, row_stride, dw_in_launch)``: the backward's kernels and launch plan of
+        one call shape, which the extension asks once per shape.
     """
 
     def send(module, handle, act_align, w_align, planner):

@@ -30,14 +30,16 @@ class KernelSpec:
     weight_offset: float = 0.0
     g_parts: int = 1  # "bwd" only
     from_output: bool = False  # "bwd" only
+    dw_dtype: str = ""  # "bwd" only: the dW a backward that finishes it in its launch writes
 
     def name(self) -> str:
         offset = f"_off{self.weight_offset:g}".replace(".", "p").replace("-", "m")
         res = "_res" if self.residual else ""
         parts = f"_g{self.g_parts}" if self.g_parts > 1 else ""
         saved = "_fromy" if self.from_output else ""
+        dw = f"_dw{self.dw_dtype}" if self.dw_dtype else ""
         variant = f"{self.arch}_{self.act_dtype}_w{self.w_dtype}_h{self.hidden}"
-        return f"cake_{self.kind}_{variant}{res}{offset}{parts}{saved}"
+        return f"cake_{self.kind}_{variant}{res}{offset}{parts}{saved}{dw}"
 
 
 @dataclass(frozen=True)
@@ -73,11 +75,13 @@ class GatedSpec:
     norm_before_gate: bool
     weight_offset: float = 0.0
     activation: str = SILU
+    dw_dtype: str = ""  # "gated_bwd" only: the dW a backward that finishes it in its launch writes
 
     def name(self) -> str:
         offset = f"_off{self.weight_offset:g}".replace(".", "p").replace("-", "m")
         groups = "" if self.group_size == self.hidden else str(self.group_size)
         form = f"nbg{groups}" if self.norm_before_gate else f"gbn{self.group_size}"
         gate = "" if self.activation == SILU else f"_{self.activation}"
-        variant = f"{self.arch}_{self.act_dtype}_w{self.w_dtype}_h{self.hidden}_{form}{offset}{gate}"
+        dw = f"_dw{self.dw_dtype}" if self.dw_dtype else ""
+        variant = f"{self.arch}_{self.act_dtype}_w{self.w_dtype}_h{self.hidden}_{form}{offset}{gate}{dw}"
         return f"cake_{self.kind}_{variant}"

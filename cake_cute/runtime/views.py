@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.tiling import VECTOR_BYTES
-from .launch_plan import partial_row_stride
+from .launch_plan import COUNTER_BYTES, partial_row_stride
 
 _CONTIGUOUS = torch.contiguous_format
 
@@ -124,3 +124,30 @@ def partial_rows_view(workspace, partial_rows: int, hidden: int, device) -> torc
     else:
         partials = workspace[: partial_rows * stride * 4].view(torch.float32).view(partial_rows, stride)
     return partials if stride == hidden else partials[:, :hidden]
+
+
+# Kept for the life of the process: a captured CUDA graph holds their addresses.
+_stream_counters: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def barrier_counter(workspace, device: torch.device) -> torch.Tensor:
+    """The grid barrier's Int32 counter of a backward that sums dW in its own launch
+    (``kernels.dw_finish``): zero between launches, and each launch leaves it so. Launches that could
+    run at the same time must not share one, so it goes with what already keeps them apart: the
+    caller's uint8 ``workspace`` (its last ``COUNTER_BYTES``-aligned slot; zeroed by the workspace
+    helpers), else the current stream of ``device`` (one counter per device and stream, zeroed once);
+    a launch captured into a CUDA graph without a workspace gets one of its own, zeroed by each replay
+    (a replay may run beside anything). Called with ``device`` current."""
+    if workspace is not None:
+        end = workspace.numel() // COUNTER_BYTES * COUNTER_BYTES - COUNTER_BYTES
+        return workspace[end : end + 4].view(torch.int32)
+    if torch.cuda.is_current_stream_capturing():
+        return torch.zeros(1, dtype=torch.int32, device=device)
+    index = torch.cuda.current_device() if device.index is None else device.index
+    key = (index, torch.cuda.current_stream(index).cuda_stream)
+    counter = _stream_counters.get(key)
+    if counter is None:
+        counter = _stream_counters[key] = torch.zeros(
+            1, dtype=torch.int32, device=torch.device("cuda", index)
+        )
+    return counter

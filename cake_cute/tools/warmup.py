@@ -16,11 +16,12 @@ import tempfile
 import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TextIO
 
 from ..kernels.tiling import MAX_HIDDEN
+from ..runtime import build
 from ..runtime.cache import KernelSpec, ReduceSpec, get_kernel_and_source, is_cached_on_disk
 from ..runtime.specs import GatedSpec
 from ..vocab import SILU, SUPPORTED_ARCHS
@@ -90,19 +91,40 @@ def variant_specs(
     list of KernelSpec
         Forward and backward (and the ``from_output`` backward when asked) per (arch, dtype, w dtype,
         H, residual), and the dW reduction for both outputs it is asked for (FP32 from the functional
-        API, w's dtype from autograd; the two modes share it); duplicates removed, order kept.
+        API, w's dtype from autograd; the two modes share it), or where the backward sums dW in its own
+        launch a backward per output; duplicates removed, order kept.
     """
     from_outputs = (False, True) if memory_efficient else (False,)
     specs = []
     for arch, act, hidden, residual, w_mode in itertools.product(archs, dtypes, hiddens, residuals, w_modes):
         w = act if w_mode == "same" else "fp32"
-        specs.append(KernelSpec("fwd", arch, act, w, hidden, residual, weight_offset))
-        specs += [
+        kernels = [KernelSpec("fwd", arch, act, w, hidden, residual, weight_offset)]
+        kernels += [
             KernelSpec("bwd", arch, act, w, hidden, residual, weight_offset, from_output=from_output)
             for from_output in from_outputs
         ]
-        specs += [ReduceSpec(arch, out, hidden) for out in ("fp32", w)]
+        specs += with_dw_outputs(kernels, ("fp32", w))
     return list(dict.fromkeys(specs))
+
+
+BACKWARD_KINDS = ("bwd", "gated_bwd")
+
+
+def with_dw_outputs(kernels: list, outs: Iterable[str]) -> list:
+    """``kernels`` (of one arch and H) and what their backwards launch to return dW in each dtype of
+    ``outs``: the dW reductions into them after the kernels, or, for a backward whose config sums dW in
+    its own launch (``dw_finish``), its variant for each of them in its place."""
+    outs = list(dict.fromkeys(outs))
+    specs, reduced = [], None
+    for spec in kernels:
+        if spec.kind in BACKWARD_KINDS and build.config_for(spec).dw_in_launch:
+            specs += [replace(spec, dw_dtype=out) for out in outs]
+            continue
+        specs.append(spec)
+        reduced = spec if spec.kind in BACKWARD_KINDS else reduced
+    if reduced is not None:
+        specs += [ReduceSpec(reduced.arch, out, reduced.hidden) for out in outs]
+    return specs
 
 
 GATED_KINDS = ("gated_fwd", "gated_bwd")
@@ -139,7 +161,8 @@ def gated_variant_specs(
     list
         Per (arch, dtype, form): the fused forward and backward in both orders (norm then gate, gate
         then norm) for each weight dtype and activation, the dW reductions into FP32 and into the
-        weight's dtype, for whole rows and SiLU the statistics kernel (FlashInfer's functional
+        weight's dtype (or for a backward that sums dW in its own launch, its variant for each of them),
+        for whole rows and SiLU the statistics kernel (FlashInfer's functional
         backward); and what the other policies launch (for FP32 rows: with a bf16 / fp16 weight, or a
         gate of another dtype than x's, which runs the FP32 kernels): under ``"round_then_scale"``
         the fused kernels of the gate-then-norm order with a unit weight of x's dtype and no offset,
@@ -151,19 +174,21 @@ def gated_variant_specs(
     activations = tuple(activations)
     for arch, act, (hidden, group), w_mode in itertools.product(archs, dtypes, forms, w_modes):
         w = act if w_mode == "same" else "fp32"
-        for gate, kind, norm_before_gate in itertools.product(activations, GATED_KINDS, (True, False)):
-            specs.append(GatedSpec(kind, arch, act, w, hidden, group, norm_before_gate, weight_offset, gate))
+        kernels = [
+            GatedSpec(kind, arch, act, w, hidden, group, norm_before_gate, weight_offset, gate)
+            for gate, kind, norm_before_gate in itertools.product(activations, GATED_KINDS, (True, False))
+        ]
         # dW into FP32 (the functional backward) and into w's dtype (autograd, FlashInfer's names).
-        specs += [ReduceSpec(arch, "fp32", hidden), ReduceSpec(arch, w, hidden)]
+        specs += with_dw_outputs(kernels, ("fp32", w))
         if group == hidden and SILU in activations:  # FlashInfer's functional backward recomputes rstd
             specs.append(GatedSpec("gated_rstd", arch, act, act, hidden, hidden, True))
         # What the other policies launch where a rounding before the scale is not exact: a bf16 / fp16
         # x, or an FP32 x (the gate of another dtype included) with a bf16 / fp16 weight.
-        specs += [
+        unit = [
             GatedSpec(kind, arch, act, act, hidden, group, False, 0.0, gate)
             for gate, kind in itertools.product(activations, GATED_KINDS)
         ]
-        specs.append(ReduceSpec(arch, act, hidden))  # the unit weight's dW, x's dtype
+        specs += with_dw_outputs(unit, (act,))  # the unit weight's dW, x's dtype
         specs += variant_specs([arch], [act], [group], residuals=(False,))
         specs += _scale_then_round_specs(arch, act, hidden, group, w_mode, weight_offset)
     return list(dict.fromkeys(specs))

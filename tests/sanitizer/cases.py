@@ -8,7 +8,10 @@ silent corruption would also show; and the quantizing forward (both FP8 recipes,
 persistent programs each quantize several row tiles (bf16 H in {33, 4096, 4097, 7168}, fp32 H in {2048,
 8192}), its e4m3 bytes and scales compared bitwise with the torch reference of ``cake_cute.fp8_numerics``;
 and rows of fewer than 128 vectors (bf16 and fp32, H in {7, 32, 64, 80, 128, 192, 256, 500}, residual
-off/on, T = 3 and 5000), whose CTAs hold several row groups that fold their dW in shared memory. Run by
+off/on, T = 3 and 5000), whose CTAs hold several row groups that fold their dW in shared memory; and the
+backwards that sum dW in their own launch (``kernels.dw_finish``, the config override
+``dw_in_launch``: plain bf16 / fp32 rows of H in {7, 64, 4096, 4097, 65536} and the gated form at H =
+128, T = 3 and 300), compared bitwise with the two-launch backward's dx and dw. Run by
 ``tests/sanitizer/run.sh`` under memcheck, racecheck and synccheck (a GPU is needed); it prints one line
 per case and exits non-zero on any mismatch. ``python3 cases.py PREFIX`` runs only the cases whose label
 (``float32 H=16384``, ``fp8 persistent H=4096``) starts with PREFIX (``short`` for the rows of fewer than
@@ -70,6 +73,35 @@ def run_fp8_case(recipe, hidden, residual, rows=3, dtype=torch.bfloat16):
     return ok
 
 
+def run_finish_case(dtype, hidden, rows, gated=False):
+    """A backward that sums dW in its launch (grid barrier, counter, the column sums) against the
+    two-launch backward, bitwise."""
+    from cake_cute.gated import ops as gated_ops
+    from cake_cute.kernels.config import overridden
+    from cake_cute.runtime.device import device_facts
+    from cake_cute.vocab import dtype_name
+
+    torch.manual_seed(hidden + rows)
+    dev = torch.device("cuda")
+    x, g, z = (torch.randn(rows, hidden, device=dev, dtype=dtype) for _ in range(3))
+    w = torch.randn(hidden, device=dev, dtype=dtype)
+    if gated:
+        rstd = gated_ops.gated_rmsnorm_forward(x, z, w)[1]
+        backward = partial(gated_ops.gated_rmsnorm_backward, g, x, z, w, rstd)
+    else:
+        rstd = cake_cute.cake_rmsnorm_train_forward(x, w, 1e-6)[1]
+        backward = partial(cake_cute.cake_rmsnorm_train_backward, g, x, w, rstd)
+    expected = backward()
+    kind = "gated_bwd" if gated else "bwd"
+    with overridden(kind, device_facts(dev).arch, dtype_name(dtype), hidden, dw_in_launch=True):
+        got = [backward(), backward()]
+    torch.cuda.synchronize()
+    ok = all(torch.equal(a, b) for outs in got for a, b in zip(outs, expected))
+    form = "gated " if gated else ""
+    print(f"{'ok ' if ok else 'BAD'} finish {form}{str(dtype)[6:]:9s} H={hidden:6d} T={rows:4d}", flush=True)
+    return ok
+
+
 def main(only: str = ""):
     cases = [
         (f"{str(dtype)[6:]} H={hidden}", partial(run_case, dtype, hidden, residual, rows))
@@ -113,6 +145,16 @@ def main(only: str = ""):
         for hidden in (7, 32, 64, 80, 128, 192, 256, 500)
         for residual in (False, True)
         for rows in (3, 5000)
+    ]
+    # Backwards that sum dW in their own launch: the grid barrier's counter and the column sums.
+    cases += [
+        (f"finish {str(dtype)[6:]} H={hidden}", partial(run_finish_case, dtype, hidden, rows))
+        for dtype in (torch.bfloat16, torch.float32)
+        for hidden in (7, 64, 4096, 4097, 65536)
+        for rows in (3, 300)
+    ]
+    cases += [
+        ("finish gated", partial(run_finish_case, torch.bfloat16, 128, rows, True)) for rows in (3, 300)
     ]
     results = [case() for label, case in cases if label.startswith(only)]
     return 0 if results and all(results) else 1

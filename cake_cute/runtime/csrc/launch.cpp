@@ -3,6 +3,8 @@
 
 #include "native.h"
 
+#include <dlfcn.h>
+
 namespace cake_cute_native {
 
 // ---- TVM-FFI calls ----------------------------------------------------------------------------
@@ -10,6 +12,7 @@ namespace cake_cute_native {
 DLDataType dl_dtype(at::ScalarType t) {
   if (t == at::kBFloat16) return {kDLBfloat, 16, 1};
   if (t == at::kByte) return {kDLUInt, 8, 1};  // e4m3 data and E8M0 scales, passed as their bytes
+  if (t == at::kInt) return {kDLInt, 32, 1};   // the grid barrier's counter
   return {kDLFloat, uint8_t(t == at::kHalf ? 16 : 32), 1};  // fp16 or fp32: the only others admitted
 }
 
@@ -83,21 +86,62 @@ void call(TVMFFIObjectHandle kernel, TVMFFIAny* args, int32_t count, const char*
 class LaunchScope {
  public:
   explicit LaunchScope(const at::Device& device) : guard_(device), device_(device.index()) {
-    void* stream = nullptr;
-    if (torch_dlpack->current_work_stream(kDLCUDA, device_, &stream) != 0) {
+    if (torch_dlpack->current_work_stream(kDLCUDA, device_, &stream_) != 0) {
       throw std::runtime_error("cake_cute: torch gave no current CUDA stream");
     }
-    if (TVMFFIEnvSetStream(kDLCUDA, device_, stream, &previous_) != 0) throw_ffi_error("TVMFFIEnvSetStream");
+    if (TVMFFIEnvSetStream(kDLCUDA, device_, stream_, &previous_) != 0) throw_ffi_error("TVMFFIEnvSetStream");
   }
   ~LaunchScope() { TVMFFIEnvSetStream(kDLCUDA, device_, previous_, nullptr); }
   LaunchScope(const LaunchScope&) = delete;
   LaunchScope& operator=(const LaunchScope&) = delete;
+  void* stream() const { return stream_; }
 
  private:
   c10::DeviceGuard guard_;
   int32_t device_;
+  void* stream_ = nullptr;
   TVMFFIStreamHandle previous_ = nullptr;
 };
+
+// ---- the grid barrier's counters --------------------------------------------------------------
+
+// cuStreamIsCapturing of the driver torch has loaded; null when it cannot be found (then every launch
+// gets a fresh zeroed counter, which is always correct).
+using IsCapturing = int (*)(void* stream, int* status);
+IsCapturing stream_is_capturing() {
+  static const IsCapturing fn = [] {
+    void* driver = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+    return driver == nullptr ? nullptr : reinterpret_cast<IsCapturing>(dlsym(driver, "cuStreamIsCapturing"));
+  }();
+  return fn;
+}
+
+struct StreamKey {
+  c10::DeviceIndex device;
+  void* stream;
+  bool operator==(const StreamKey&) const = default;
+};
+
+struct StreamKeyHash {
+  size_t operator()(const StreamKey& k) const { return std::hash<void*>()(k.stream) ^ size_t(k.device); }
+};
+
+std::mutex counters_mutex;
+std::unordered_map<StreamKey, at::Tensor, StreamKeyHash> counters;  // kept: captured graphs hold them
+
+// One Int32, zero between launches (kernels/dw_finish.py): the stream's own, zeroed once and left zero
+// by the launches the stream runs one after another; a stream being captured gets a fresh one, zeroed by
+// every replay of the graph.
+at::Tensor barrier_counter(const at::Device& device, void* stream) {
+  int status = 1;
+  const IsCapturing is_capturing = stream_is_capturing();
+  const at::TensorOptions options = at::TensorOptions().dtype(at::kInt).device(device);
+  if (is_capturing == nullptr || is_capturing(stream, &status) != 0 || status != 0) return at::zeros({1}, options);
+  std::lock_guard<std::mutex> lock(counters_mutex);
+  auto [slot, fresh] = counters.try_emplace(StreamKey{device.index(), stream});
+  if (fresh) slot->second = at::zeros({1}, options);
+  return slot->second;
+}
 
 ForwardOutputs launch_forward(const Signature& s, const at::Tensor& x, const at::Tensor& w,
                               const at::Tensor* residual, double eps, bool row_shaped_rstd) {
@@ -186,8 +230,9 @@ Plan backward_plan(const Signature& s, int64_t rows, bool residual, at::ScalarTy
                                              static_cast<long long>(g_parts));
     unsigned long long bwd = 0, reduce = 0;
     long long programs = 0, partial_rows = 0, row_stride = 0;
-    const bool parsed = answer != nullptr && PyArg_ParseTuple(answer, "KKLLL", &bwd, &reduce, &programs,
-                                                              &partial_rows, &row_stride);
+    int in_launch = 0;
+    const bool parsed = answer != nullptr && PyArg_ParseTuple(answer, "KKLLLp", &bwd, &reduce, &programs,
+                                                              &partial_rows, &row_stride, &in_launch);
     Py_XDECREF(answer);
     if (!parsed) {
       python_error error;  // the planner's exception, re-raised where the backward was called
@@ -195,11 +240,11 @@ Plan backward_plan(const Signature& s, int64_t rows, bool residual, at::ScalarTy
       throw error;
     }
     plan = {reinterpret_cast<TVMFFIObjectHandle>(bwd), reinterpret_cast<TVMFFIObjectHandle>(reduce), programs,
-            partial_rows, row_stride};
+            partial_rows, row_stride, in_launch != 0};
     // Taken while the GIL keeps Python's kernel objects alive, and held for the process: a cleared plan
     // may still be in use by another thread's launch.
     TVMFFIObjectIncRef(plan.bwd);
-    TVMFFIObjectIncRef(plan.dw);
+    if (plan.dw != nullptr) TVMFFIObjectIncRef(plan.dw);
   }
   std::lock_guard<std::mutex> lock(plans_mutex);
   if (plans.size() >= kMaxPlans) plans.clear();
@@ -208,7 +253,8 @@ Plan backward_plan(const Signature& s, int64_t rows, bool residual, at::ScalarTy
 }
 
 // dx (x's shape) and, when `want_dw`, dw in `dw_dtype`; g_residual undefined in plain mode. `more_g`: g's
-// other summands (rmsnorm_bwd_parts), in summation order after `g`.
+// other summands (rmsnorm_bwd_parts), in summation order after `g`. A backward that sums dW in its own
+// launch writes dw either way.
 std::pair<at::Tensor, at::Tensor> launch_backward(const Signature& s, const at::Tensor& g, const at::Tensor& h,
                                                   const at::Tensor& w, const at::Tensor& rstd,
                                                   const at::Tensor& g_residual, at::ScalarType dw_dtype,
@@ -218,10 +264,12 @@ std::pair<at::Tensor, at::Tensor> launch_backward(const Signature& s, const at::
   const Plan plan = backward_plan(s, rows, residual, dw_dtype, 1 + int64_t(more_g.size()));
   at::Tensor dx = at::empty(h.sizes(), h.options());
   at::Tensor partials = at::empty({plan.partial_rows * plan.row_stride}, h.options().dtype(at::kFloat));
-  at::Tensor dw = want_dw ? at::empty({s.hidden}, w.options().dtype(dw_dtype)) : at::Tensor();
-  TensorArg ga, ha, wa, ra, gra, dxa, pa, dwa, more[kMaxGParts - 1];
+  at::Tensor dw = want_dw || plan.dw_in_launch ? at::empty({s.hidden}, w.options().dtype(dw_dtype)) : at::Tensor();
+  LaunchScope scope(h.device());
+  const at::Tensor counter = plan.dw_in_launch ? barrier_counter(h.device(), scope.stream()) : at::Tensor();
+  TensorArg ga, ha, wa, ra, gra, dxa, pa, dwa, ca, more[kMaxGParts - 1];
   const TVMFFIAny partials_arg = tensor_arg(pa, partials, 2, plan.partial_rows, s.hidden, plan.row_stride);
-  TVMFFIAny args[8 + kMaxGParts - 1] = {
+  TVMFFIAny args[10 + kMaxGParts - 1] = {
       matrix(ga, g, rows, s.hidden),
       matrix(ha, h, rows, s.hidden),
       vector(wa, w, s.hidden),
@@ -229,16 +277,20 @@ std::pair<at::Tensor, at::Tensor> launch_backward(const Signature& s, const at::
       residual ? matrix(gra, g_residual, rows, s.hidden) : none(),
       matrix(dxa, dx, rows, s.hidden),
       partials_arg,
-      integer(plan.programs),
   };
-  for (size_t i = 0; i < more_g.size(); ++i) args[8 + i] = matrix(more[i], more_g[i], rows, s.hidden);
-  LaunchScope scope(h.device());
-  call(plan.bwd, args, int32_t(8 + more_g.size()), "the backward kernel");
-  if (want_dw) {
+  int32_t count = 7;
+  if (plan.dw_in_launch) {
+    args[count++] = vector(dwa, dw, s.hidden);
+    args[count++] = vector(ca, counter, 1);
+  }
+  args[count++] = integer(plan.programs);
+  for (size_t i = 0; i < more_g.size(); ++i) args[count++] = matrix(more[i], more_g[i], rows, s.hidden);
+  call(plan.bwd, args, count, "the backward kernel");
+  if (want_dw && !plan.dw_in_launch) {
     TVMFFIAny reduce_args[] = {partials_arg, vector(dwa, dw, s.hidden)};
     call(plan.dw, reduce_args, 2, "the dW reduction");
   }
-  return {dx, dw};
+  return {dx, want_dw ? dw : at::Tensor()};
 }
 
 }  // namespace cake_cute_native

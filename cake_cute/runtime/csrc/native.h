@@ -23,8 +23,12 @@
 //
 // Outputs come from torch's caching allocator (CUDA-graph capture works) and every kernel runs on
 // torch's current stream, set as TVM-FFI's environment stream around the call (the kernels read it
-// from there). Building needs torch's and TVM-FFI's headers and libraries only: the stream comes
-// through torch's DLPack exchange API, so neither CUDA headers nor libc10_cuda are involved.
+// from there). A backward that sums dW in its own launch takes its grid barrier's counter as the
+// Python path does (views.barrier_counter): one per (device, stream), zeroed once and left zero by
+// every launch, or a fresh zeroed one while the stream is captured into a CUDA graph. Building needs
+// torch's and TVM-FFI's headers and libraries only: the stream comes through torch's DLPack exchange
+// API and the capture state from the driver's cuStreamIsCapturing, looked up at run time, so neither
+// CUDA headers nor libc10_cuda are involved.
 //
 // Which path a call takes is decided in Python (cake_cute/routing.py); this side serves what Python
 // registered, with the launch plans Python handed over (the backward's through the planner, the FP8
@@ -90,7 +94,8 @@ struct Signature {
   int64_t act_align, w_align;  // byte alignment the kernels assume for rows of x and for w
   TVMFFIObjectHandle forward[2] = {nullptr, nullptr};  // plain, residual; null until registered
   TVMFFIObjectHandle fp8[2][2][2][2] = {};  // [recipe: mxfp8, 1x128][emit_y][residual][persistent]
-  PyObject* planner;  // Python: (rows, residual, dw_dtype, g_parts) -> (bwd, dw, programs, partial_rows, stride)
+  // Python: (rows, residual, dw_dtype, g_parts) -> (bwd, dw or 0, programs, partial_rows, stride, dw_in_launch)
+  PyObject* planner;
   // The FP8 forward's launch rule as Python hands it over (launch_plan.fp8_forward_rule): up to fp8_persistent_rows
   // rows the persistent kernel runs at most fp8_programs[residual] programs (0: never persistent).
   int64_t fp8_programs[2] = {0, 0};
@@ -104,8 +109,9 @@ inline std::unordered_map<SignatureKey, Signature*, SignatureKeyHash> signatures
 inline std::shared_mutex signatures_mutex;
 
 struct Plan {  // one backward call shape, as the Python path plans it
-  TVMFFIObjectHandle bwd, dw;
+  TVMFFIObjectHandle bwd, dw;  // dw: the separate reduction, null when the backward sums dW itself
   int64_t programs, partial_rows, row_stride;
+  bool dw_in_launch;
 };
 
 struct PlanKey {
