@@ -10,6 +10,11 @@
 #                `cake-cute check`
 #   sanitizer    compute-sanitizer memcheck / racecheck / synccheck over tests/sanitizer/cases.py
 #   sanitizershort  the same over its short-row cases only (H = 1..256, dW folded per CTA)
+#   dwfinish     the dW finish: tests/test_gpu_dw_finish.py (dW bitwise the fixed order of the partial rows,
+#                the finish in the launch bitwise the two-launch one, graph replays, two streams), the
+#                sanitizer over its cases, and benchmarks/tune.py scans of the finishes (the default two
+#                launches, the reduction's one-row loads, the finish in the launch cooperative or not)
+#                at the training shapes and per-head rows, with each kernel's time
 #   sweeps       standard bf16 sweep, training-shapes grid, small batches (benchmarks/sweep.py)
 #   dtypes       standard sweep for fp16 and fp32
 #   fp8          benchmarks/fp8_bench.py (standard and training grids, bitwise-checked first)
@@ -83,6 +88,17 @@ section_suite() {
 section_sanitizershort() {
   local d=$RES/sanitizer-short && mkdir -p "$d"
   bounded 300 "$d/run.log" bash tests/sanitizer/run.sh "$d" short
+}
+
+section_dwfinish() {
+  local d=$RES/dwfinish && mkdir -p "$d"
+  bounded 500 "$d/gpu_tests.log" python3 -m pytest -q -rs -m gpu tests/test_gpu_dw_finish.py -p no:cacheprovider
+  bounded 300 "$d/sanitizer.log" bash tests/sanitizer/run.sh "$d/sanitizer" finish
+  local candidates=(dw.rows_in_flight=1 bwd.dw_in_launch=true bwd.dw_in_launch=true,bwd.cooperative=false)
+  bounded 400 "$d/scan_training.log" python3 benchmarks/tune.py scan 1024,2048,4096,8192 \
+    --rows-list 256,2048,4096,16384 "${candidates[@]}" --kernels
+  bounded 200 "$d/scan_headdim.log" python3 benchmarks/tune.py scan 64,128 --rows-list 65536,262144 \
+    "${candidates[@]}" --kernels
 }
 
 section_sanitizer() {
