@@ -7,6 +7,7 @@ PyTorch math, which inductor can fuse with the operations around it.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -77,6 +78,124 @@ def _cuda_autocast_lists_rms_norm() -> bool:
 def _cuda_autocast(x: torch.Tensor) -> bool:
     """Whether torch's CUDA autocast would run ``torch.nn.RMSNorm`` on x in FP32."""
     return x.is_cuda and torch.is_autocast_enabled("cuda") and _cuda_autocast_lists_rms_norm()
+
+
+class NormForm(NamedTuple):
+    """What a norm computes besides its tensors: ``CakeRMSNorm``'s settings, or what
+    ``hf.swap.hf_rmsnorm_reading`` reads of a Hugging Face norm."""
+
+    eps: float
+    weight_offset: float = 0.0
+    cast_policy: str = TORCH
+    compiled_as: str = KERNEL
+    memory_efficient: bool = False
+
+
+def rmsnorm_with_casts(
+    x: torch.Tensor, w: torch.Tensor | None, form: NormForm, residual: torch.Tensor | None = None
+):
+    """The RMSNorm of ``x`` ([H] or [..., H]) with the roundings and output dtype of the module
+    ``form.cast_policy`` names: what ``CakeRMSNorm`` computes, and Hugging Face's kernel route's
+    layers (``cake_cute.hf.kernel_layers``) for the norm they replace.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        The input, [H] or [..., H].
+    w : torch.Tensor or None
+        The weight [H]; None scales by ones.
+    form : NormForm
+        eps, weight offset (the scale is ``w + weight_offset``), cast policy (``CakeRMSNorm``'s),
+        ``compiled_as`` and ``memory_efficient`` (``CakeRMSNorm``'s).
+    residual : torch.Tensor, optional
+        Added to x first (the sum is returned too).
+
+    Returns
+    -------
+    torch.Tensor or tuple of torch.Tensor
+        y, or ``(y, x + residual)``, shaped like x.
+
+    Raises
+    ------
+    TypeError, ValueError
+        The errors of ``cake_rmsnorm``.
+    """
+    if x.dim() != 1:
+        return _rows_with_casts(x, w, form, residual)
+    # [H]: one row for the kernels, and the outputs back in x's shape.
+    out = _rows_with_casts(x.unsqueeze(0), w, form, None if residual is None else residual.unsqueeze(0))
+    return out.squeeze(0) if residual is None else tuple(t.squeeze(0) for t in out)
+
+
+def _rows_with_casts(x, w, form: NormForm, residual):
+    """``rmsnorm_with_casts`` of ``[..., H]`` rows."""
+    w = x.new_ones(x.shape[-1]) if w is None else w
+    # The kernel or its PyTorch math: either runs under the same casts below, so the output dtypes
+    # and roundings are the same.
+    traced_as_math = form.compiled_as == TORCH_MATH and torch.compiler.is_compiling()
+    if x.dtype == torch.float64 and form.cast_policy != TORCH:
+        return _float64_under_hf_casts(traced_as_math, x, w, form, residual)
+    rounding = _rounding_dtype(form.cast_policy, x, w)
+    if rounding is None or w.dtype == rounding == x.dtype:
+        # The kernels' own math: the scale, then one rounding to x's dtype (where the replaced module
+        # rounds before and after a bf16/fp16 scale, the last bit may differ). A weight in neither
+        # x's dtype nor FP32 joins the FP32 compute exactly.
+        return _normalize(traced_as_math, x, kernel_weight(w, x), form, residual, form.weight_offset)
+    # The replaced module rounds the normalized values to `rounding`, then scales in torch's
+    # promoted dtype: torch's add, then the kernel, then (below FP32) torch's multiply. In the
+    # memory-efficient mode the kernel saves its own output: in the FP32 branch that is the
+    # module's y, below FP32 the unit-scale xhat before the multiply (docs/memory.md).
+    h = x if residual is None else x + residual
+    if rounding == torch.float32:
+        # FP32 normalized values times the scale, rounded to FP32 once: the kernel's FP32 math.
+        y = _normalize(traced_as_math, h.float(), w.float(), form, None, form.weight_offset)
+    else:
+        source = h if rounding == h.dtype else h.float()
+        ones = source.new_ones(h.shape[-1])
+        xhat = _normalize(traced_as_math, source, ones, form, None, 0.0).to(rounding)
+        y = (w if form.weight_offset == 0.0 else w + form.weight_offset) * xhat
+    return y if residual is None else (y, h)
+
+
+def _float64_under_hf_casts(traced_as_math: bool, x, w, form: NormForm, residual):
+    """FP64 activations under a Hugging Face class's casts: those classes take the statistics (and,
+    but T5, the normalized values) from an FP32 cast of the input, so an FP64 model's stock norm is
+    FP32 math; the swapped one computes what it computes."""
+    h = x if residual is None else x + residual
+    source = h.float()
+    offset = form.weight_offset
+    if form.cast_policy == T5:  # the FP32 rstd times the FP64 input, then the weight
+        y = w * (h * torch.rsqrt(source.pow(2).mean(-1, keepdim=True) + form.eps))
+    elif form.cast_policy == SCALE_THEN_ROUND:  # all in FP32, cast back once
+        y = _normalize(traced_as_math, source, w.float(), form, None, offset).to(h.dtype)
+    else:  # ROUND_THEN_SCALE: the FP32 normalized values cast back, then the FP64 weight
+        xhat = _normalize(traced_as_math, source, source.new_ones(h.shape[-1]), form, None, 0.0)
+        y = (w if offset == 0.0 else w + offset) * xhat.to(h.dtype)
+    return y if residual is None else (y, h)
+
+
+def _normalize(traced_as_math: bool, x, w, form: NormForm, residual, weight_offset):
+    """The kernels (``cake_rmsnorm``, saving as ``form.memory_efficient`` says), or while a graph is
+    traced with ``compiled_as="torch"`` the same math in torch operations (what they save is
+    inductor's choice: it recomputes what is cheap to recompute)."""
+    if traced_as_math:
+        return rmsnorm_math(x, w, form.eps, residual, weight_offset)
+    return cake_rmsnorm(
+        x, w, form.eps, residual, weight_offset=weight_offset, memory_efficient=form.memory_efficient
+    )
+
+
+def _rounding_dtype(cast_policy: str, x, w) -> torch.dtype | None:
+    """The dtype the replaced module rounds the normalized values to before it scales them, or None
+    when it scales first and rounds once to x's dtype (what the kernels do)."""
+    if cast_policy == TORCH:
+        # Where CUDA autocast lists rms_norm, torch runs it on FP32 casts of its inputs: an FP32 output.
+        return torch.float32 if _cuda_autocast(x) else None
+    if cast_policy == ROUND_THEN_SCALE:
+        return x.dtype
+    if cast_policy == T5:
+        return w.dtype if w.dtype in _HALF else torch.float32
+    return None
 
 
 class CakeRMSNorm(nn.Module):
@@ -202,80 +321,11 @@ class CakeRMSNorm(nn.Module):
         v.check_tensor(INPUT_NAME, input)
         if residual is not None:
             v.check_tensor("residual", residual)
-        if input.dim() != 1:
-            return self._norm(input, residual)
-        # [H]: one row for the kernels, and the outputs back in input's shape.
-        out = self._norm(input.unsqueeze(0), None if residual is None else residual.unsqueeze(0))
-        return out.squeeze(0) if residual is None else tuple(t.squeeze(0) for t in out)
+        eps = _DEFAULT_EPS if self.eps is None else self.eps
+        form = NormForm(eps, self.weight_offset, self.cast_policy, self.compiled_as, self.memory_efficient)
+        return rmsnorm_with_casts(input, self.weight, form, residual)
 
     forward = with_input_named(forward, INPUT_NAME)
-
-    def _norm(self, x, residual):
-        eps = _DEFAULT_EPS if self.eps is None else self.eps
-        w = x.new_ones(x.shape[-1]) if self.weight is None else self.weight
-        # The kernel or its PyTorch math: either runs under the same casts below, so the output dtypes
-        # and roundings are the same.
-        traced_as_math = self.compiled_as == TORCH_MATH and torch.compiler.is_compiling()
-        if x.dtype == torch.float64 and self.cast_policy != TORCH:
-            return self._float64_under_hf_casts(traced_as_math, x, w, eps, residual)
-        rounding = self._rounding_dtype(x, w)
-        if rounding is None or w.dtype == rounding == x.dtype:
-            # The kernels' own math: the scale, then one rounding to x's dtype (where the replaced module
-            # rounds before and after a bf16/fp16 scale, the last bit may differ). A weight in neither
-            # x's dtype nor FP32 joins the FP32 compute exactly.
-            return self._normalize(traced_as_math, x, kernel_weight(w, x), eps, residual, self.weight_offset)
-        # The replaced module rounds the normalized values to `rounding`, then scales in torch's
-        # promoted dtype: torch's add, then the kernel, then (below FP32) torch's multiply. In the
-        # memory-efficient mode the kernel saves its own output: in the FP32 branch that is the
-        # module's y, below FP32 the unit-scale xhat before the multiply (docs/memory.md).
-        h = x if residual is None else x + residual
-        if rounding == torch.float32:
-            # FP32 normalized values times the scale, rounded to FP32 once: the kernel's FP32 math.
-            y = self._normalize(traced_as_math, h.float(), w.float(), eps, None, self.weight_offset)
-        else:
-            source = h if rounding == h.dtype else h.float()
-            ones = source.new_ones(h.shape[-1])
-            xhat = self._normalize(traced_as_math, source, ones, eps, None, 0.0).to(rounding)
-            y = (w if self.weight_offset == 0.0 else w + self.weight_offset) * xhat
-        return y if residual is None else (y, h)
-
-    def _float64_under_hf_casts(self, traced_as_math: bool, x, w, eps, residual):
-        """FP64 activations under a Hugging Face class's casts: those classes take the statistics (and,
-        but T5, the normalized values) from an FP32 cast of the input, so an FP64 model's stock norm is
-        FP32 math; the swapped one computes what it computes."""
-        h = x if residual is None else x + residual
-        source = h.float()
-        if self.cast_policy == T5:  # the FP32 rstd times the FP64 input, then the weight
-            y = w * (h * torch.rsqrt(source.pow(2).mean(-1, keepdim=True) + eps))
-        elif self.cast_policy == SCALE_THEN_ROUND:  # all in FP32, cast back once
-            y = self._normalize(traced_as_math, source, w.float(), eps, None, self.weight_offset).to(h.dtype)
-        else:  # ROUND_THEN_SCALE: the FP32 normalized values cast back, then the FP64 weight
-            xhat = self._normalize(traced_as_math, source, source.new_ones(h.shape[-1]), eps, None, 0.0)
-            y = (w if self.weight_offset == 0.0 else w + self.weight_offset) * xhat.to(h.dtype)
-        return y if residual is None else (y, h)
-
-    def _normalize(self, traced_as_math: bool, x, w, eps, residual, weight_offset):
-        """The kernels (``cake_rmsnorm``, saving as ``memory_efficient`` says), or while a graph is
-        traced with ``compiled_as="torch"`` the same math in torch operations (what they save is
-        inductor's choice: it recomputes what is cheap to recompute)."""
-        if traced_as_math:
-            return rmsnorm_math(x, w, eps, residual, weight_offset)
-        return cake_rmsnorm(
-            x, w, eps, residual, weight_offset=weight_offset, memory_efficient=self.memory_efficient
-        )
-
-    def _rounding_dtype(self, x, w) -> torch.dtype | None:
-        """The dtype the replaced module rounds the normalized values to before it scales them, or None
-        when it scales first and rounds once to x's dtype (what the kernels do)."""
-        policy = self.cast_policy
-        if policy == TORCH:
-            # Where CUDA autocast lists rms_norm, torch runs it on FP32 casts of its inputs: an FP32 output.
-            return torch.float32 if _cuda_autocast(x) else None
-        if policy == ROUND_THEN_SCALE:
-            return x.dtype
-        if policy == T5:
-            return w.dtype if w.dtype in _HALF else torch.float32
-        return None
 
     def extra_repr(self) -> str:
         policy = "" if self.cast_policy == TORCH else f", cast_policy={self.cast_policy}"

@@ -32,6 +32,9 @@ rounds y to x's dtype: the one rounding the kernels would do, the classes' casts
 
 from __future__ import annotations
 
+import functools
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -56,6 +59,145 @@ def check_gated_cast_policy(name: str, value) -> str:
     if value not in GATED_CAST_POLICIES:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, GATED_CAST_POLICIES))}; got {value!r}")
     return value
+
+
+class GatedForm(NamedTuple):
+    """What a gated norm computes besides its tensors: ``CakeGatedRMSNorm``'s settings, or what
+    ``gated.swap.hf_gated_form`` reads of a Hugging Face gated norm."""
+
+    eps: float
+    group_size: int  # columns per statistics group, dividing H
+    norm_before_gate: bool
+    weight_offset: float
+    cast_policy: str
+    activation: str = SILU
+
+
+def gated_rmsnorm_with_casts(
+    x: torch.Tensor, gate: torch.Tensor | None, w: torch.Tensor, form: GatedForm
+) -> torch.Tensor:
+    """The gated RMSNorm of ``x`` ([H] or [..., H]) by ``gate`` (x's shape), or the grouped RMSNorm
+    without a gate, gated by ``form.activation`` and rounded as ``form.cast_policy`` says (module
+    docstring): what ``CakeGatedRMSNorm`` computes, and Hugging Face's kernel route's gated layer for
+    the norm it replaces.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        The input, [H] or [..., H].
+    gate : torch.Tensor or None
+        The gate, x's shape (its dtype may differ: module docstring); None normalizes without one.
+    w : torch.Tensor
+        The weight [H].
+    form : GatedForm
+        eps, group size, order, weight offset, cast policy and gate activation.
+
+    Returns
+    -------
+    torch.Tensor
+        Shaped like x; x's dtype, or the promotion of w's and x's dtypes for ``"round_then_scale"``
+        gate-then-norm without a final rounding.
+
+    Raises
+    ------
+    TypeError, ValueError
+        The errors of ``cake_gated_rmsnorm`` (x, and the gate named z).
+    """
+    if x.dim() == 1:
+        row = None if gate is None else gate.unsqueeze(0)
+        return gated_rmsnorm_with_casts(x.unsqueeze(0), row, w, form).squeeze(0)
+    if x.dtype == torch.float64:
+        # The Hugging Face gated classes cast their input and gate to FP32 whatever the model's dtype:
+        # an FP64 model's gated norm is FP32 math, returned in FP64.
+        row_gate = None if gate is None else gate.float()
+        return gated_rmsnorm_with_casts(x.float(), row_gate, w, form).to(torch.float64)
+    if gate is None:
+        return _ungated(x, w, form)
+    if _rounds_once(x, w, form):
+        return _gated(x, gate, kernel_weight(w, x), form, form.weight_offset)
+    if not form.norm_before_gate:
+        # w * round(rmsnorm_g(x * act(z))): the gated kernel with a unit scale, then torch's product.
+        return _scale(w, form) * _gated(x, gate, x.new_ones(x.shape[-1]), form, 0.0)
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        # Autograd would keep torch's FP32 gate and products for the backward (12 bytes per
+        # element); the backward recomputes them instead, the same operations and so the same bits,
+        # and the norm keeps x and z alone. A compiled graph leaves that choice to its partitioner.
+        # w is held by the closure, not handed to the checkpoint, which would keep it as an input.
+        norm_then_gate = functools.partial(_norm_then_gate, w=w, form=form)
+        return checkpoint(norm_then_gate, x, gate, use_reentrant=False, preserve_rng_state=False)
+    return _norm_then_gate(x, gate, w, form)
+
+
+def _norm_then_gate(x: torch.Tensor, gate: torch.Tensor, w: torch.Tensor, form: GatedForm) -> torch.Tensor:
+    """``round((w * round(x * rstd)) * act(z))`` (``"round_then_scale"``: the plain norm kernel with
+    a unit scale, then torch's products) or ``round(round(x * rstd * w) * act(z))``
+    (``"scale_then_round"``), grouped when group_size < H."""
+    if form.cast_policy == ROUND_THEN_SCALE:
+        scaled = _scale(w, form) * _normalized(x, x.dtype, form)
+    else:
+        scaled = _scaled(x, w, form)
+    return (scaled * _TORCH_ACTIVATIONS[form.activation](gate.float())).to(x.dtype)
+
+
+def _scaled(x: torch.Tensor, w: torch.Tensor, form: GatedForm) -> torch.Tensor:
+    """``round(x * rstd * (w + weight_offset))`` per group, the product in FP32: the plain kernel
+    with the weight over whole rows, else the FP32 normalized values times the FP32 scale."""
+    if form.group_size == x.shape[-1] and w.dtype in (x.dtype, torch.float32):
+        return cake_rmsnorm(x, w, form.eps, weight_offset=form.weight_offset)
+    return (_normalized(x, torch.float32, form) * (w.float() + form.weight_offset)).to(x.dtype)
+
+
+def _rounds_once(x: torch.Tensor, w: torch.Tensor, form: GatedForm) -> bool:
+    """Whether y is the fused kernel's one rounding: under ``"one_rounding"``, for the gate-then-norm
+    form under ``"scale_then_round"``, and with FP32 activations and weight (other roundings exact)."""
+    if x.dtype == w.dtype == torch.float32:
+        return True
+    return form.cast_policy == ONE_ROUNDING or (
+        form.cast_policy == SCALE_THEN_ROUND and not form.norm_before_gate
+    )
+
+
+def _gated(x, gate, w, form: GatedForm, weight_offset: float):
+    """The gated kernel on (x, gate, w); a gate of another dtype than x's takes the FP32 kernel, y
+    rounded to x's dtype (module docstring)."""
+    if gate.dtype == x.dtype:
+        return _gated_kernel(x, gate, w, form, weight_offset)
+    wide = x.float()  # x itself when it is FP32
+    return _gated_kernel(wide, gate.float(), kernel_weight(w, wide), form, weight_offset).to(x.dtype)
+
+
+def _gated_kernel(x, gate, w, form: GatedForm, weight_offset: float) -> torch.Tensor:
+    return cake_gated_rmsnorm(
+        x,
+        gate,
+        w,
+        form.eps,
+        group_size=form.group_size,
+        norm_before_gate=form.norm_before_gate,
+        weight_offset=weight_offset,
+        activation=form.activation,
+    )
+
+
+def _scale(w: torch.Tensor, form: GatedForm) -> torch.Tensor:
+    return w if form.weight_offset == 0.0 else w + form.weight_offset
+
+
+def _normalized(x: torch.Tensor, dtype: torch.dtype, form: GatedForm) -> torch.Tensor:
+    """``x * rstd`` per group, from x in ``dtype`` and rounded to it (the plain norm kernel, unit
+    scale: the product by 1 is exact)."""
+    source = x if dtype == x.dtype else x.to(dtype)
+    size = form.group_size
+    groups = source.reshape(*x.shape[:-1], x.shape[-1] // size, size)
+    return cake_rmsnorm(groups, groups.new_ones(size), form.eps).reshape(x.shape)
+
+
+def _ungated(x: torch.Tensor, w: torch.Tensor, form: GatedForm) -> torch.Tensor:
+    """The grouped RMSNorm without a gate, under the same casts: scaled in FP32 and rounded once
+    (``_scaled``), or rounded to x's dtype before the scale."""
+    if form.cast_policy != ROUND_THEN_SCALE:
+        return _scaled(x, w, form)
+    return _scale(w, form) * _normalized(x, torch.float32, form).to(x.dtype)
 
 
 class CakeGatedRMSNorm(nn.Module):
@@ -133,7 +275,7 @@ class CakeGatedRMSNorm(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
         """The gated norm of ``hidden_states`` ([..., H]) by ``gate`` (its shape), or the plain grouped
-        norm when gate is None.
+        norm when gate is None (``gated_rmsnorm_with_casts``).
 
         Returns
         -------
@@ -150,93 +292,15 @@ class CakeGatedRMSNorm(nn.Module):
         v.check_tensor("hidden_states", hidden_states)
         if gate is not None:
             v.check_tensor("gate", gate)
-        if hidden_states.dim() == 1:
-            row = None if gate is None else gate.unsqueeze(0)
-            return self.forward(hidden_states.unsqueeze(0), row).squeeze(0)
-        if hidden_states.dtype == torch.float64:
-            # The Hugging Face gated classes cast their input and gate to FP32 whatever the model's dtype:
-            # an FP64 model's gated norm is FP32 math, returned in FP64.
-            row_gate = None if gate is None else gate.float()
-            return self.forward(hidden_states.float(), row_gate).to(torch.float64)
-        if gate is None:
-            return self._ungated(hidden_states)
-        x, w = hidden_states, self.weight
-        if self._rounds_once(x):
-            return self._gated(x, gate, kernel_weight(w, x))
-        if not self.norm_before_gate:
-            # w * round(rmsnorm_g(x * act(z))): the gated kernel with a unit scale, then torch's product.
-            return self._scale() * self._gated(x, gate, x.new_ones(x.shape[-1]), weight_offset=0.0)
-        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            # Autograd would keep torch's FP32 gate and products for the backward (12 bytes per
-            # element); the backward recomputes them instead, the same operations and so the same bits,
-            # and the norm keeps x and z alone. A compiled graph leaves that choice to its partitioner.
-            return checkpoint(self._norm_then_gate, x, gate, use_reentrant=False, preserve_rng_state=False)
-        return self._norm_then_gate(x, gate)
-
-    def _norm_then_gate(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        """``round((w * round(x * rstd)) * act(z))`` (``"round_then_scale"``: the plain norm kernel with
-        a unit scale, then torch's products) or ``round(round(x * rstd * w) * act(z))``
-        (``"scale_then_round"``), grouped when group_size < H."""
-        if self.cast_policy == ROUND_THEN_SCALE:
-            scaled = self._scale() * self._normalized(x, x.dtype)
-        else:
-            scaled = self._scaled(x)
-        return (scaled * _TORCH_ACTIVATIONS[self.activation](gate.float())).to(x.dtype)
-
-    def _scaled(self, x: torch.Tensor) -> torch.Tensor:
-        """``round(x * rstd * (w + weight_offset))`` per group, the product in FP32: the plain kernel
-        with the weight over whole rows, else the FP32 normalized values times the FP32 scale."""
-        w = self.weight
-        if self.group_size == self.hidden_size and w.dtype in (x.dtype, torch.float32):
-            return cake_rmsnorm(x, w, self.eps, weight_offset=self.weight_offset)
-        return (self._normalized(x, torch.float32) * (w.float() + self.weight_offset)).to(x.dtype)
-
-    def _rounds_once(self, x: torch.Tensor) -> bool:
-        """Whether y is the fused kernel's one rounding: under ``"one_rounding"``, for the gate-then-norm
-        form under ``"scale_then_round"``, and with FP32 activations and weight (other roundings exact)."""
-        if x.dtype == self.weight.dtype == torch.float32:
-            return True
-        return self.cast_policy == ONE_ROUNDING or (
-            self.cast_policy == SCALE_THEN_ROUND and not self.norm_before_gate
-        )
-
-    def _gated(self, x, gate, w, weight_offset=None):
-        """The gated kernel on (x, gate, w); a gate of another dtype than x's takes the FP32 kernel, y
-        rounded to x's dtype (module docstring)."""
-        offset = self.weight_offset if weight_offset is None else weight_offset
-        if gate.dtype == x.dtype:
-            return self._gated_kernel(x, gate, w, offset)
-        wide = x.float()  # x itself when it is FP32
-        return self._gated_kernel(wide, gate.float(), kernel_weight(w, wide), offset).to(x.dtype)
-
-    def _gated_kernel(self, x, gate, w, weight_offset: float) -> torch.Tensor:
-        return cake_gated_rmsnorm(
-            x,
-            gate,
-            w,
+        form = GatedForm(
             self.eps,
-            group_size=self.group_size,
-            norm_before_gate=self.norm_before_gate,
-            weight_offset=weight_offset,
-            activation=self.activation,
+            self.group_size,
+            self.norm_before_gate,
+            self.weight_offset,
+            self.cast_policy,
+            self.activation,
         )
-
-    def _scale(self) -> torch.Tensor:
-        return self.weight if self.weight_offset == 0.0 else self.weight + self.weight_offset
-
-    def _normalized(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """``x * rstd`` per group, from x in ``dtype`` and rounded to it (the plain norm kernel, unit
-        scale: the product by 1 is exact)."""
-        source = x if dtype == x.dtype else x.to(dtype)
-        groups = source.reshape(*x.shape[:-1], self.hidden_size // self.group_size, self.group_size)
-        return cake_rmsnorm(groups, groups.new_ones(self.group_size), self.eps).reshape(x.shape)
-
-    def _ungated(self, x: torch.Tensor) -> torch.Tensor:
-        """The grouped RMSNorm without a gate, under the same casts: scaled in FP32 and rounded once
-        (``_scaled``), or rounded to x's dtype before the scale."""
-        if self.cast_policy != ROUND_THEN_SCALE:
-            return self._scaled(x)
-        return self._scale() * self._normalized(x, torch.float32).to(x.dtype)
+        return gated_rmsnorm_with_casts(hidden_states, gate, self.weight, form)
 
     def extra_repr(self) -> str:
         group = "" if self.group_size == self.hidden_size else f", group_size={self.group_size}"
