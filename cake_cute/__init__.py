@@ -21,6 +21,8 @@ from .gated.flashinfer import (  # noqa: E402
 from .gated.module import CakeGatedRMSNorm  # noqa: E402
 from .gated.swap import GatedNormNotServed, swap_gated_rmsnorm  # noqa: E402
 from .hf.fusion import add_rmsnorm, fuse_residual_rmsnorm  # noqa: E402
+from .hf.kernel_route import hf_kernel_config, hf_kernel_mapping  # noqa: E402
+from .hf.norm_reading import NormNotServed  # noqa: E402
 from .hf.swap import swap_rmsnorm  # noqa: E402
 from .launch import (  # noqa: E402
     cake_rmsnorm_train_backward_workspace,
@@ -43,6 +45,7 @@ __all__ = [
     "cake_rmsnorm_silu_gate_train_backward_workspace_bytes",
     "cake_rmsnorm_silu_gate_train_forward",
     "GatedNormNotServed",
+    "NormNotServed",
     "cake_gated_rmsnorm",
     "swap_gated_rmsnorm",
     "ArgumentError",
@@ -58,6 +61,8 @@ __all__ = [
     "cake_rmsnorm_train_backward_workspace_bytes",
     "cake_rmsnorm_train_forward",
     "fuse_residual_rmsnorm",
+    "hf_kernel_config",
+    "hf_kernel_mapping",
     "is_cake_rmsnorm_train_supported",
     "prepare",
     "swap_rmsnorm",

@@ -8,6 +8,10 @@
 #   scripts/hf_versions.sh --docs       # also regenerate their sections of docs/hf_families.md
 #   HF_VERSIONS="4.57.6" scripts/hf_versions.sh
 #   HF_EXCEPT=5.25.0 scripts/hf_versions.sh     # skip a version the caller's environment already ran
+#
+# Then Hugging Face's kernel route (tests/test_hf_kernels_cpu.py) on the oldest pair it declares,
+# transformers 5.17.0 with kernels 0.16.0 ($HF_ROUTE_OLDEST; empty: none); the newest pair is 5.25.0 with
+# the kernels 0.19 it depends on, which the main run and the 5.25.0 venv have.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 root=$PWD
@@ -44,6 +48,19 @@ for version in $versions; do
         "$venv/bin/python" scripts/hf_matrix.py --junit "$junit" || failed+=("$version (docs)")
     fi
 done
+read -r route_transformers route_kernels <<< "${HF_ROUTE_OLDEST-5.17.0 0.16.0}"
+if [ -n "${route_transformers:-}" ]; then
+    venv=$venvs/transformers-$route_transformers-kernels-$route_kernels
+    echo "== the kernel route: transformers $route_transformers, kernels $route_kernels ($venv)"
+    if [ ! -x "$venv/bin/python" ]; then
+        python3 -m venv "$venv"
+        "$venv/bin/pip" install -q torch==2.13.0 || failed+=("route (install)")
+    fi
+    # accelerate: the Trainer test.
+    "$venv/bin/pip" install -q -e "$root" pytest numpy accelerate "transformers==$route_transformers" \
+        "kernels==$route_kernels" || failed+=("route (install)")
+    "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/test_hf_kernels_cpu.py || failed+=("route")
+fi
 if [ ${#failed[@]} -gt 0 ]; then
     echo "failed: ${failed[*]}" >&2
     exit 1

@@ -67,6 +67,23 @@ def _fresh_model() -> nn.Module:
     return nn.Sequential(nn.Linear(H, H), nn.RMSNorm(H))
 
 
+def _hf_norms() -> nn.Module:
+    """A module holding a norm transformers' kernel route replaces (Llama's, decorated "RMSNorm")."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    holder = nn.Module()
+    holder.norm = LlamaRMSNorm(H)
+    return holder
+
+
+KERNEL_ROUTE_CASES = [
+    ("model-str", dict(model="m"), TypeError, r"^model must be a torch.nn.Module or a transformers config"),
+    ("layers-str", dict(layers="RMSNorm"), TypeError, r"^layers must be an iterable of layer names"),
+    ("layers-unknown", dict(layers=["LayerNorm"]), ValueError, r"^layers: cake_cute serves"),
+    ("layers-absent", dict(layers=["RMSNormGated"]), ValueError, r"^layers: Module has no module"),
+]
+
+
 SWAP_CASES = [
     ("model-str", dict(model="m"), TypeError, r"^model must be a torch.nn.Module, got str"),
     ("weight_offset-str", dict(weight_offset="1"), TypeError, r"^weight_offset must be a float, got str"),
@@ -285,6 +302,17 @@ CONTRACT = {
         "(test_validation_entry_points_cpu.py)"
     ),
     "prepare": NoArguments("takes no arguments"),
+    "NormNotServed": NoArguments("an exception class (a ValueError) the kernel route raises for a norm"),
+    "hf_kernel_config": Row(
+        c.hf_kernel_config,
+        lambda **kw: c.hf_kernel_config(**{"model": _hf_norms(), **kw}),
+        cases=KERNEL_ROUTE_CASES,
+    ),
+    "hf_kernel_mapping": Row(
+        c.hf_kernel_mapping,
+        lambda **kw: c.hf_kernel_mapping(**{"model": _hf_norms(), **kw}),
+        cases=KERNEL_ROUTE_CASES,
+    ),
     "swap_rmsnorm": Row(
         c.swap_rmsnorm, lambda **kw: c.swap_rmsnorm(**{"model": _fresh_model(), **kw}), cases=SWAP_CASES
     ),

@@ -26,15 +26,17 @@ module differently from what its class computes.
 
 from __future__ import annotations
 
+import functools
 import re
+import types
 
 import torch
 from torch import nn
 
 from .. import validation as v
-from ..hf.norm_reading import averages_squares, forward_source, hf_eps, hf_weight
+from ..hf.norm_reading import NormNotServed, averages_squares, forward_source, hf_eps, hf_weight
 from ..vocab import SIGMOID, SILU
-from .module import GATED_CAST_POLICIES, ONE_ROUNDING, ROUND_THEN_SCALE, CakeGatedRMSNorm
+from .module import GATED_CAST_POLICIES, ONE_ROUNDING, ROUND_THEN_SCALE, CakeGatedRMSNorm, GatedForm
 
 __all__ = ["GatedNormNotServed", "swap_gated_rmsnorm"]
 
@@ -54,7 +56,7 @@ _FP32_SCALE = re.compile(r"self\.weight\.(to\(torch\.float32\)|float\(\)|view\([
 _ONE_FINAL_ROUNDING = re.compile(r"return hidden_states\.to\(input_dtype\)$")
 
 
-class GatedNormNotServed(ValueError):
+class GatedNormNotServed(NormNotServed):
     """A gated norm module ``swap_gated_rmsnorm`` cannot replace without changing what it computes."""
 
 
@@ -67,7 +69,20 @@ def is_gated_norm(module: nn.Module) -> bool:
         return False
     if hf_eps(module) is None or next(module.children(), None) is not None:
         return False
-    source = forward_source(type(module))
+    return _has_gated_source(type(module))
+
+
+@torch.compiler.assume_constant_result
+def _has_gated_source(cls: type) -> bool:
+    """Whether ``cls``'s forward takes a gate and a reciprocal root of the mean of squares; a constant
+    to torch.compile (dynamo calls it once while tracing a layer computing in place of the class,
+    ``cake_cute.hf.kernel_layers``, rather than tracing the reading of a source file)."""
+    return _gated_source(cls)
+
+
+@functools.cache
+def _gated_source(cls: type) -> bool:
+    source = forward_source(cls)
     if source is None or "gate" not in source or "rsqrt" not in source:
         return False
     return averages_squares(source)
@@ -136,22 +151,79 @@ def _cast_policy(source: str) -> str:
     raise GatedNormNotServed("its casts are neither a rounding before the weight nor one final rounding")
 
 
+# The attributes of a gated norm module its reading consults besides its weight and eps.
+_READ_ATTRIBUTES = ("activation", "norm_before_gate", "group_size", "n_groups")
+
+
+def hf_gated_form(module: nn.Module, cast_policy: str | None = None) -> GatedForm:
+    """What a Hugging Face gated norm computes besides its tensors (eps, group size, gate order, casts,
+    gate activation; the module docstring), for a ``CakeGatedRMSNorm`` in its place or a layer
+    computing in place of its class (Hugging Face's kernel route, ``cake_cute.hf.kernel_layers``).
+    torch.compile traces it without reading the source again (``_class_form``).
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        The Hugging Face gated norm.
+    cast_policy : str, optional
+        The casts to use instead of the class's own (``swap_gated_rmsnorm``'s override).
+
+    Returns
+    -------
+    GatedForm
+
+    Raises
+    ------
+    GatedNormNotServed
+        module is not a gated RMSNorm (``is_gated_norm``) or is one this module refuses (its docstring);
+        the message says why (the caller names the module).
+    """
+    if not is_gated_norm(module):
+        raise GatedNormNotServed(
+            "it is not shaped as a Hugging Face gated RMSNorm (a class named ...NormGated holding a float "
+            "variance_epsilon or eps and a 1-D weight, whose forward takes a gate and a reciprocal root of "
+            "the mean of squares)"
+        )
+    attributes = tuple(getattr(module, name, None) for name in _READ_ATTRIBUTES)
+    weight_only = hf_weight(module) is not None
+    hidden = module.weight.shape[0]
+    return _class_form(type(module), attributes, weight_only, hidden, hf_eps(module), cast_policy)
+
+
+@torch.compiler.assume_constant_result
+def _class_form(cls: type, attributes: tuple, weight_only: bool, hidden: int, eps: float, cast_policy):
+    """``hf_gated_form`` of a module of class ``cls`` holding ``attributes`` (``_READ_ATTRIBUTES``), a
+    constant to torch.compile: dynamo calls it once while tracing and keeps the result, rather than
+    tracing the reading of a source file."""
+    return _read_form(cls, attributes, weight_only, hidden, eps, cast_policy)
+
+
+@functools.cache
+def _read_form(cls: type, attributes: tuple, weight_only: bool, hidden: int, eps: float, cast_policy):
+    if not weight_only:
+        raise GatedNormNotServed("it learns parameters besides its weight")
+    module = types.SimpleNamespace(**dict(zip(_READ_ATTRIBUTES, attributes)))  # what the readers consult
+    source = forward_source(cls)
+    factors = _gate_factors(source)
+    activation = _gate_activation(module, factors)
+    group_size = _group_size(module, hidden)
+    norm_before_gate = _norm_before_gate(module, source, factors)
+    policy = _cast_policy(source) if cast_policy is None else cast_policy
+    return GatedForm(eps, group_size, norm_before_gate, 0.0, policy, activation)
+
+
 def _replacement(module: nn.Module, cast_policy: str | None) -> CakeGatedRMSNorm:
     """The CakeGatedRMSNorm following ``module`` (holding its weight Parameter); GatedNormNotServed
     with the reason when that is not possible."""
-    if hf_weight(module) is None:
-        raise GatedNormNotServed("it learns parameters besides its weight")
-    source = forward_source(type(module))
-    factors = _gate_factors(source)
-    activation = _gate_activation(module, factors)
+    form = hf_gated_form(module, cast_policy)
     weight = module.weight
     new = CakeGatedRMSNorm(
         weight.shape[0],
-        eps=hf_eps(module),
-        group_size=_group_size(module, weight.shape[0]),
-        norm_before_gate=_norm_before_gate(module, source, factors),
-        cast_policy=_cast_policy(source) if cast_policy is None else cast_policy,
-        activation=activation,
+        eps=form.eps,
+        group_size=form.group_size,
+        norm_before_gate=form.norm_before_gate,
+        cast_policy=form.cast_policy,
+        activation=form.activation,
         device="meta",
     )
     new.weight = weight

@@ -19,6 +19,11 @@ SQUARES = r"(pow\(2\)|square\(\)|\*\* ?2)\)?"
 _MEAN_OF_SQUARES = re.compile(SQUARES + r"\.mean\((dim=)?-1")
 
 
+class NormNotServed(ValueError):
+    """A Hugging Face norm that cake_cute cannot compute in place of its class without changing what
+    it computes; the message names the class and the reason."""
+
+
 def hf_eps(module: nn.Module) -> float | None:
     """The module's float ``variance_epsilon`` (or ``eps``); None when it holds neither."""
     for name in ("variance_epsilon", "eps"):

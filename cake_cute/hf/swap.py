@@ -14,6 +14,7 @@ transpose and RoPE around them (``_is_per_head`` says which norms those are).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import re
 import warnings
@@ -29,9 +30,11 @@ from ..module import (
     TORCH,
     TORCH_MATH,
     CakeRMSNorm,
+    NormForm,
     check_compiled_as,
 )
 from .norm_reading import SQUARES as _SQUARES
+from .norm_reading import NormNotServed
 from .norm_reading import averages_squares as _averages_squares
 from .norm_reading import forward_source as _forward_source
 from .norm_reading import hf_eps as _hf_eps
@@ -72,16 +75,24 @@ _ROUND_THEN_SCALE = re.compile(
 
 def _hf_form(module: nn.Module) -> str | None:
     """The cast policy of a norm-shaped Hugging Face module (``_is_hf_norm_shaped``), or None when its
-    forward is not an RMSNorm (``_hf_refusal`` says why). Without readable source, a class named
-    "...RMSNorm" with a weight is taken as one: Gemma's casts when "Gemma" is in the name, else Llama's."""
-    cls = type(module)
+    forward is not an RMSNorm (``_hf_refusal`` says why)."""
+    return _class_form(type(module), _hf_weight(module) is not None, _is_grouped(module))
+
+
+def _is_grouped(module: nn.Module) -> bool:
+    return getattr(module, "group_size", None) is not None
+
+
+def _class_form(cls: type, weighted: bool, grouped: bool) -> str | None:
+    """``_hf_form`` of an instance of ``cls`` with a weight (``weighted``) or none, normalizing groups
+    of columns (``grouped``) or whole rows. Without readable source, a class named "...RMSNorm" with a
+    weight is taken as one: Gemma's casts when "Gemma" is in the name, else Llama's."""
     source = _forward_source(cls)
-    weighted = _hf_weight(module) is not None
     if source is None:
         if not (weighted and cls.__name__.endswith("RMSNorm")):
             return None
         return SCALE_THEN_ROUND if "Gemma" in cls.__name__ else ROUND_THEN_SCALE
-    if not _computes_an_rms(source) or _hf_refusal(module, source) is not None:
+    if not _computes_an_rms(source) or _hf_refusal(source, grouped) is not None:
         return None
     if not weighted:
         return SCALE_THEN_ROUND  # a unit scale: computed in FP32, rounded once
@@ -90,21 +101,76 @@ def _hf_form(module: nn.Module) -> str | None:
     return ROUND_THEN_SCALE if _ROUND_THEN_SCALE.search(source) else SCALE_THEN_ROUND
 
 
+def hf_rmsnorm_reading(module: nn.Module) -> NormForm:
+    """The eps, weight offset and cast policy of a Hugging Face RMSNorm module, read as ``swap_rmsnorm``
+    reads them, for a layer that computes in place of its class (Hugging Face's kernel route,
+    ``cake_cute.hf.kernel_layers``). Where ``swap_rmsnorm`` would guess (a forward whose source cannot
+    be read, or does not show whether it scales by ``weight`` or ``1 + weight``), this refuses.
+    torch.compile traces it without reading the source again (``_route_reading``).
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        The Hugging Face norm.
+
+    Returns
+    -------
+    NormForm
+        eps, weight offset and cast policy (``CakeRMSNorm``'s), the other settings their defaults.
+
+    Raises
+    ------
+    NormNotServed
+        module is not shaped as a Hugging Face RMSNorm (``_is_hf_norm_shaped``), its forward is not an
+        RMSNorm, or its offset would be a guess; the message names its class and the reason.
+    """
+    cls = type(module)
+    if not _is_hf_norm_shaped(module):
+        raise NormNotServed(
+            f"{cls.__name__}: it is not shaped as a Hugging Face RMSNorm (a class named ...Norm holding a "
+            "float variance_epsilon or eps, no submodules, and one 1-D weight or no parameter)"
+        )
+    cast_policy, weight_offset = _route_reading(cls, _hf_weight(module) is not None, _is_grouped(module))
+    return NormForm(_hf_eps(module), weight_offset, cast_policy)
+
+
+@torch.compiler.assume_constant_result
+def _route_reading(cls: type, weighted: bool, grouped: bool) -> tuple[str, float]:
+    """``hf_rmsnorm_reading``'s reading of the class, a constant to torch.compile: dynamo calls it once
+    while tracing and keeps the result, rather than tracing the reading of a source file."""
+    return _cached_route_reading(cls, weighted, grouped)
+
+
+@functools.cache
+def _cached_route_reading(cls: type, weighted: bool, grouped: bool) -> tuple[str, float]:
+    policy = _class_form(cls, weighted, grouped)
+    if policy is None:
+        reason = _hf_refusal(_forward_source(cls), grouped)
+        raise NormNotServed(f"{cls.__name__}: {reason or 'its forward is not an RMSNorm'}")
+    offset, guessed = _hf_weight_offset(cls) if weighted else (0.0, False)
+    if guessed:
+        raise NormNotServed(
+            f"{cls.__name__}: its forward does not show whether it scales by weight or by 1 + weight"
+        )
+    return policy, offset
+
+
 def _computes_an_rms(source: str) -> bool:
     """A reciprocal square root of the mean of the squares over the last dimension, no mean subtracted."""
     return "rsqrt" in source and _averages_squares(source) and not _MEAN_SUBTRACTED.search(source)
 
 
-def _hf_refusal(module: nn.Module, source: str | None) -> str | None:
-    """Why a norm-shaped module whose forward computes a reciprocal square root is not swapped, or None
-    when it is an RMSNorm (or computes no rsqrt at all: then it is no business of swap_rmsnorm)."""
+def _hf_refusal(source: str | None, grouped: bool) -> str | None:
+    """Why a norm-shaped module whose forward (``source``) computes a reciprocal square root is not
+    swapped, or None when it is an RMSNorm (or computes no rsqrt at all: then it is no business of
+    swap_rmsnorm); ``grouped``: the module has a ``group_size``."""
     if source is None or "rsqrt" not in source or _MEAN_SUBTRACTED.search(source):
         return None
     if not _averages_squares(source):
         if _SUM_OF_SQUARES.search(source):
             return "it divides by the root of the sum of squares (an L2 norm), not of their mean"
         return "its forward does not average the squares over the last dimension"
-    if getattr(module, "group_size", None) is not None:
+    if grouped:
         return "it normalizes groups of group_size channels, not the whole last dimension"
     if "return torch.rsqrt" in source:
         return "it returns the reciprocal RMS, not the normalized input"
@@ -123,17 +189,16 @@ _WEIGHT_VALUE = re.compile(r"\bself\.weight\b(?!\.(dtype|device|shape)\b)")
 _TIMES_WEIGHT = re.compile(r"\* \(?self\.weight\b|\bself\.weight(\.\w+\([\w.]*\))* \*")
 
 
-def _hf_weight_offset(module: nn.Module) -> tuple[float, bool]:
-    """``(offset, guessed)``: 1.0 when the module scales by ``1 + weight`` (Gemma, Gemma 2/3,
-    Qwen3-Next), else 0.0; ``guessed`` when its forward's source does not show which (``swap_rmsnorm``
-    warns about those).
+def _hf_weight_offset(cls: type) -> tuple[float, bool]:
+    """``(offset, guessed)``: 1.0 when the module class ``cls`` scales by ``1 + weight`` (Gemma, Gemma
+    2/3, Qwen3-Next), else 0.0; ``guessed`` when its forward's source does not show which
+    (``swap_rmsnorm`` warns about those).
 
     The forward's source decides, because class names mislead both ways (Gemma3n's RMSNorm scales by
     plain ``weight``, Qwen3-Next's by ``1 + weight``): ``1 + weight`` is recognized, and so is a
     forward whose every read of the weight multiplies by it. Anything else (the weight copied into a
     local, added to an attribute) is a guess of 0.0; without readable source, a guess from the class
     name, where "Gemma" means ``1 + weight``."""
-    cls = type(module)
     source = _forward_source(cls)
     if source is None:
         return (1.0 if "Gemma" in cls.__name__ else 0.0), True
@@ -183,7 +248,7 @@ def _warn_refused(model: nn.Module, entry: str) -> None:
     refused = {}
     for module in model.modules():
         if not isinstance(module, CakeRMSNorm) and _is_hf_norm_shaped(module):
-            reason = _hf_refusal(module, _forward_source(type(module)))
+            reason = _hf_refusal(_forward_source(type(module)), _is_grouped(module))
             if reason is not None:
                 refused[type(module).__name__] = reason
     if refused:
@@ -214,7 +279,7 @@ def _decided_offsets(swappable, weight_offset, entry: str) -> dict[nn.Module, fl
         if isinstance(m, nn.RMSNorm) or _hf_weight(m) is None:  # no offset to read: 0.0, exactly
             decided[m] = 0.0
             continue
-        decided[m], is_guess = _hf_weight_offset(m)
+        decided[m], is_guess = _hf_weight_offset(type(m))
         if is_guess:
             guessed.add(f"{type(m).__name__}: {decided[m]}")
     if guessed:
