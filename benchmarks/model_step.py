@@ -24,6 +24,22 @@ head_dim), RoPE and a SwiGLU of 3 H. Implementations (peers skipped when they do
   custom op, which inductor cannot fuse with its neighbours): the other side of the rule. In eager it
   is ``cake_cute``.
 
+``--route`` runs Hugging Face's own kernel route instead (``set_use_kernels(True, kernel_config=...,
+mode=Mode.TRAINING``, ``| Mode.TORCH_COMPILE`` when compiled: what ``from_pretrained(use_kernels=True)``
+does), every norm decorated ``"RMSNorm"`` replaced by a kernel layer and nothing else changed:
+
+* ``hf``: the model's own RMSNorm modules (stock);
+* ``kernels_cake_cute``: ``cake_cute.hf_kernel_config(model)``, cake_cute's layers (the kernel for
+  every norm, the per-head ones included, eager and compiled; no residual fused);
+* ``kernels_liger``: the route's default mapping sends "RMSNorm" to the Hub's
+  ``kernels-community/liger-kernels`` ``LigerRMSNorm``, which needs the network; its stand-in is the
+  installed liger-kernel's ``LigerRMSNormFunction`` (defaults: no offset, Llama casts, in place) in a
+  ``LigerRMSNorm`` layer of a local repository written at run time, mapped for every mode as the
+  default mapping maps Liger's (``CakeKernelConfig`` serves any local layer that way).
+
+A route run checks that every decorated norm runs the mapped layer (the route falls back to the stock
+forward silently when a layer does not load or match).
+
 The model is Hugging Face's ``LlamaForCausalLM`` (sdpa attention, loss from ``labels=``) when
 transformers imports, else the Llama of ``tests/distributed_harness/model.py`` (its fused-residual blocks for
 cake_cute; Llama only). Every implementation starts from the same seed. A step is timed with CUDA events after
@@ -49,7 +65,10 @@ Rows: ``{impl, mode, layers, H, tokens, step_ms, peak_gib}``, plus ``model`` and
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
+import importlib.metadata
+import importlib.util
 import json
 import statistics
 import sys
@@ -67,7 +86,8 @@ from sweep import _use_source_tree  # noqa: E402
 
 IMPLS = ("torch", "cake_cute", "liger", "quack")
 QWEN3_IMPLS = ("torch", "cake_cute", "cake_cute_qk_kernel", "liger", "quack")
-ALL_IMPLS = (*IMPLS, "cake_cute_unfused", "cake_cute_qk_kernel", "cake_cute_memory_efficient")
+ROUTE_IMPLS = ("hf", "kernels_liger", "kernels_cake_cute")
+ALL_IMPLS = (*IMPLS, "cake_cute_unfused", "cake_cute_qk_kernel", "cake_cute_memory_efficient", *ROUTE_IMPLS)
 MODELS = ("llama", "qwen3")
 EPS = 1e-5
 QWEN3_HEAD_DIM = 128
@@ -169,8 +189,9 @@ def _torch_norm(weight: nn.Parameter) -> nn.RMSNorm:
     return norm
 
 
-def build_model(shape: Shape, impl: str, device):
-    """(model, step function) for ``impl``; the step returns the loss of one batch."""
+def build_model(shape: Shape, impl: str, device, compiled: bool = False):
+    """(model, step function) for ``impl``; the step returns the loss of one batch. ``compiled``: the
+    model will be compiled (the kernel route's mode)."""
     torch.manual_seed(0)
     try:
         import transformers
@@ -179,8 +200,8 @@ def build_model(shape: Shape, impl: str, device):
     sizes = dict(
         vocab=shape.vocab, hidden=shape.hidden, layers=shape.layers, heads=shape.heads, ffn=shape.ffn
     )
-    if shape.model == "qwen3" and transformers is None:
-        raise ImportError("--model qwen3 needs transformers (Qwen3ForCausalLM)")
+    if (shape.model == "qwen3" or impl in ROUTE_IMPLS) and transformers is None:
+        raise ImportError(f"--model {shape.model} with {impl} needs transformers")
     with torch.device(device):
         if shape.model == "qwen3":
             config = transformers.Qwen3Config(
@@ -206,7 +227,10 @@ def build_model(shape: Shape, impl: str, device):
 
             config = llama.Config(**sizes, fused_residual=impl == "cake_cute")
             model = llama.build(config, seed=0, device=device, dtype=torch.bfloat16)
-    prepare_norms(model, impl, fused=transformers is not None)
+    if impl in ROUTE_IMPLS:
+        use_kernel_route(model, impl, compiled)
+    else:
+        prepare_norms(model, impl, fused=transformers is not None)
     ids = torch.randint(0, shape.vocab, (shape.batch, shape.seq + 1), device=device)
     inputs, targets = ids[:, :-1], ids[:, 1:]
 
@@ -246,6 +270,76 @@ def prepare_norms(model: nn.Module, impl: str, fused: bool) -> None:
 
         adapter = peers.FACTORIES[impl](torch, EPS)
         replace_norms(model, lambda weight: AdapterNorm(adapter, weight))
+
+
+def use_kernel_route(model: nn.Module, impl: str, compiled: bool) -> None:
+    """Hugging Face's kernel route for a ``ROUTE_IMPLS`` implementation (``hf``: nothing to do), then a
+    check that every norm decorated "RMSNorm" runs the mapped layer."""
+    if impl == "hf":
+        return
+    from kernels import Mode
+
+    import cake_cute
+    from cake_cute.hf.kernel_config import CakeKernelConfig
+
+    if impl == "kernels_cake_cute":
+        config = cake_cute.hf_kernel_config(model)
+    else:
+        config = CakeKernelConfig({"RMSNorm": f"{liger_repository()}:LigerRMSNorm"}, use_local_kernel=True)
+    mode = Mode.TRAINING | Mode.TORCH_COMPILE if compiled else Mode.TRAINING
+    model.set_use_kernels(True, kernel_config=config, mode=mode)
+    for module in model.modules():
+        if getattr(type(module), "kernel_layer_name", None) != "RMSNorm":
+            continue
+        bound = module.__dict__.get("forward")
+        if bound is None or bound.__func__.__qualname__ not in (
+            "CakeHFRMSNorm.forward",
+            "LigerRMSNorm.forward",
+        ):
+            raise RuntimeError(
+                f"{type(module).__name__} kept its own forward: the route did not apply {impl}"
+            )
+
+
+# The stand-in for the Hub's kernels-community/liger-kernels LigerRMSNorm (which needs the network): the
+# installed liger-kernel's function with its defaults, as a kernels layer.
+_LIGER_LAYER = """import types
+
+from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+from torch import nn
+
+
+class LigerRMSNorm(nn.Module):
+    can_torch_compile = True
+
+    def forward(self, hidden_states):
+        return LigerRMSNormFunction.apply(hidden_states, self.weight, self.variance_epsilon)
+
+
+layers = types.SimpleNamespace(LigerRMSNorm=LigerRMSNorm)
+"""
+_LIGER_METADATA = {
+    "name": "liger-stand-in",
+    "id": "_liger_stand_in",
+    "version": 1,
+    "license": "BSD-2-Clause",
+    "python-depends": [],
+    "backend": {"type": "cuda"},
+}
+
+
+@functools.cache
+def liger_repository() -> Path:
+    """A local layer repository holding the Liger stand-in, written once per process."""
+    import tempfile
+
+    root = Path(tempfile.mkdtemp(prefix="liger-stand-in-"))
+    variant = root / "build" / "torch-universal"
+    for package in (variant, variant / root.name.replace("-", "_")):
+        package.mkdir(parents=True)
+        (package / "__init__.py").write_text(_LIGER_LAYER)
+    (variant / "metadata.json").write_text(json.dumps(_LIGER_METADATA))
+    return root
 
 
 def _clock(device):
@@ -314,8 +408,14 @@ def write_profile(path: Path, rows: list[tuple[str, float, float]]) -> None:
 
 
 def _available(impl: str) -> bool:
-    if impl.startswith("cake_cute") or impl == "torch":
+    if impl.startswith("cake_cute") or impl in ("torch", "hf"):
         return True
+    if impl in ROUTE_IMPLS:
+        needs = ["transformers", "kernels"] + (["liger_kernel"] if impl == "kernels_liger" else [])
+        missing = [name for name in needs if importlib.util.find_spec(name) is None]
+        if missing:
+            print(f"skip {impl}: {', '.join(missing)} not installed", file=sys.stderr)
+        return not missing
     from cake_cute.tools.bench import peers
 
     try:
@@ -355,7 +455,7 @@ def run(args, save=None) -> list[dict]:
         for impl in [i for i in args.impls if _available(i)]:
             for mode in args.modes:
                 torch._dynamo.reset()
-                model, loss = build_model(shape, impl, device)
+                model, loss = build_model(shape, impl, device, compiled=mode == "compile")
                 stepped = model
                 if mode == "compile":
                     stepped = compiled(model, impl, args.gradient_sums, args.compile_scope)
@@ -383,6 +483,13 @@ def run(args, save=None) -> list[dict]:
     return rows
 
 
+def route_versions(impls) -> dict:
+    """``{"route": {transformers, kernels versions}}`` when a kernel-route implementation runs."""
+    if not set(impls) & set(ROUTE_IMPLS) - {"hf"}:
+        return {}
+    return {"route": {name: importlib.metadata.version(name) for name in ("transformers", "kernels")}}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out", type=Path, help="JSON file to write")
@@ -393,6 +500,11 @@ def main(argv=None) -> int:
         type=lambda s: s.split(","),
         help=f"comma-separated subset of {','.join(ALL_IMPLS)} (default {','.join(IMPLS)}; "
         f"qwen3: {','.join(QWEN3_IMPLS)})",
+    )
+    p.add_argument(
+        "--route",
+        action="store_true",
+        help=f"Hugging Face's kernel route: default impls {','.join(ROUTE_IMPLS)} (the module docstring)",
     )
     p.add_argument("--model", choices=MODELS, default="llama", help="Llama, or Qwen3 (q/k norms, GQA)")
     p.add_argument(
@@ -432,7 +544,7 @@ def main(argv=None) -> int:
     )
     args = p.parse_args(argv)
     if args.impls is None:
-        args.impls = list(QWEN3_IMPLS if args.model == "qwen3" else IMPLS)
+        args.impls = list(ROUTE_IMPLS if args.route else QWEN3_IMPLS if args.model == "qwen3" else IMPLS)
     if unknown := set(args.impls) - set(ALL_IMPLS):
         p.error(f"--impls: unknown {sorted(unknown)}, expected a subset of {','.join(ALL_IMPLS)}")
     if args.head_dim is not None and (args.model != "qwen3" or args.head_dim < 1):
@@ -450,6 +562,7 @@ def main(argv=None) -> int:
             warmup=args.warmup,
             steps=args.steps,
             gradient_sums=args.gradient_sums,
+            **route_versions(args.impls),
         )
 
     save(run(args, save))

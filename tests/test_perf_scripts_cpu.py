@@ -587,3 +587,47 @@ def test_megatron_pretrain_runs_each_spec_in_a_process_of_its_own(perf_module, t
         assert run["peak_gib"] is None  # no CUDA here; the stand-in builds no GPTModel
         log = (tmp_path / f"pretrain-{name}.log").read_text()
         assert ("--spec cake_cute.integrations.megatron gpt_layer_spec" in log) == (name == "moe-cake-layer")
+
+
+def test_model_step_route_on_cpu(tmp_path):
+    """--route: the stock norms and cake_cute's layers through Hugging Face's kernel route (Liger's
+    stand-in needs liger-kernel, not installed here), with the route's versions in the document."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("kernels")
+    out = tmp_path / "model-step.json"
+    _run(
+        "model_step.py", str(out), "--device", "cpu", "--tiny", "--route", "--model", "qwen3",
+        "--modes", "eager", "--warmup", "1", "--steps", "1", "--optimizer", "adamw",
+    )  # fmt: skip
+    doc = json.loads(out.read_text())
+    assert [r["impl"] for r in doc["rows"]] == ["hf", "kernels_cake_cute"]
+    assert set(doc["route"]) == {"transformers", "kernels"}
+
+
+def test_model_step_liger_stand_in_is_bound_by_the_route(perf_module, monkeypatch):
+    """The Liger stand-in's repository loads through the kernels package and its layer replaces every
+    "RMSNorm" norm's forward (a fake LigerRMSNormFunction here: liger-kernel needs a GPU)."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("kernels")
+    import types
+
+    import torch
+
+    class FakeLigerRMSNormFunction:
+        calls = 0
+
+        @classmethod
+        def apply(cls, x, w, eps):
+            cls.calls += 1
+            return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+    fake = types.ModuleType("liger_kernel.ops.rms_norm")
+    fake.LigerRMSNormFunction = FakeLigerRMSNormFunction
+    for name in ("liger_kernel", "liger_kernel.ops"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "liger_kernel.ops.rms_norm", fake)
+    model_step = perf_module("model_step")
+    shape = model_step.shapes_for("llama", [], 32, tiny=True)[0]
+    model, loss = model_step.build_model(shape, "kernels_liger", torch.device("cpu"))
+    loss(model).backward()
+    assert FakeLigerRMSNormFunction.calls == 2 * shape.layers + 1
