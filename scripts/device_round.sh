@@ -56,6 +56,13 @@
 #                (loss curves, step times, peak memory), in torchtitan's single-device autocast and under
 #                its FSDP2 bf16 parameters on one rank; needs the wheels of benchmarks/torchtitan_022_kit.sh
 #                in .device/tt/
+#   hfkernels    Hugging Face's kernel route: tests/test_gpu_hf_kernels.py, and tests/test_hf_kernels_cpu.py under
+#                this machine's torch; needs .device/hfk/ (benchmarks/hf_kernels_kit.sh: transformers 5.25,
+#                kernels 0.19.1), installed into /tmp/hfk, first on PYTHONPATH
+#   hfkernelsllama  benchmarks/model_step.py --route (stock norms, Liger's stand-in, cake_cute's layers through
+#                use_kernels; Llama, H = 4096, 8192 tokens, AdamW, eager and compiled); .device/hfk/ as above,
+#                liger_kernel from .device/wheels/ where present
+#   hfkernelsqwen3  the same for Qwen3 (q/k norms), eager and compiled per decoder layer
 # $CAKE_CUTE_COMMIT labels every results file (a copied tree's .git may be stale).
 set -uo pipefail
 : "${OUT:?set OUT to the folder that comes back}"
@@ -283,6 +290,35 @@ section_torchtitan022() {
     bounded 200 "$d/run_1b_$precision.log" "${run[@]}" --precision "$precision" \
       --out "$d/$day-nvidia-h200-torchtitan-022-1b-$precision.json"
   done
+}
+
+hf_kernels_kit() {  # the kernel route's wheels into /tmp/hfk, replaced each time
+  rm -rf /tmp/hfk
+  python3 -m pip install -q --no-index --no-deps --target /tmp/hfk .device/hfk/*.whl >> "$RES/pip.log" 2>&1
+  install_wheels liger_kernel
+}
+
+section_hfkernels() {
+  local d=$RES/hfkernels && mkdir -p "$d"
+  hf_kernels_kit
+  bounded 500 "$d/tests.log" env PYTHONPATH="/tmp/hfk${PYTHONPATH:+:$PYTHONPATH}" python3 -m pytest -q -rs \
+    tests/test_gpu_hf_kernels.py tests/test_hf_kernels_cpu.py -p no:cacheprovider --junitxml="$d/tests.xml"
+}
+
+section_hfkernelsllama() {
+  local d=$RES/hfkernels && mkdir -p "$d"
+  hf_kernels_kit
+  bounded 550 "$d/model_step_llama.log" env PYTHONPATH="/tmp/hfk${PYTHONPATH:+:$PYTHONPATH}" \
+    python3 benchmarks/model_step.py "$d/$day-nvidia-h200-model-step-route-llama.json" --route --hidden 4096 \
+    --optimizer adamw
+}
+
+section_hfkernelsqwen3() {
+  local d=$RES/hfkernels && mkdir -p "$d"
+  hf_kernels_kit
+  bounded 550 "$d/model_step_qwen3.log" env PYTHONPATH="/tmp/hfk${PYTHONPATH:+:$PYTHONPATH}" \
+    python3 benchmarks/model_step.py "$d/$day-nvidia-h200-model-step-route-qwen3.json" --route --model qwen3 \
+    --hidden 4096 --optimizer adamw --compile-scope layers
 }
 
 for section in "$@"; do
