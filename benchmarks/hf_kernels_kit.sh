@@ -12,7 +12,7 @@
 #   python3 -m pip install --no-index --no-deps --target /tmp/hfk .device/hfk/*.whl
 #   PYTHONPATH=/tmp/hfk${PYTHONPATH:+:$PYTHONPATH} python3 -m pytest -m gpu tests/test_gpu_hf_kernels.py
 #
-# scripts/device_round.sh's section hfkernels does both steps (and the --route benchmarks).
+# scripts/device_round.sh's sections hfkernels, hfkernelscpu, hfkernelsllama and hfkernelsqwen3 do both steps.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 wheels=(

@@ -56,9 +56,10 @@
 #                (loss curves, step times, peak memory), in torchtitan's single-device autocast and under
 #                its FSDP2 bf16 parameters on one rank; needs the wheels of benchmarks/torchtitan_022_kit.sh
 #                in .device/tt/
-#   hfkernels    Hugging Face's kernel route: tests/test_gpu_hf_kernels.py, and tests/test_hf_kernels_cpu.py under
-#                this machine's torch; needs .device/hfk/ (benchmarks/hf_kernels_kit.sh: transformers 5.25,
-#                kernels 0.19.1), installed into /tmp/hfk, first on PYTHONPATH
+#   hfkernels    Hugging Face's kernel route: tests/test_gpu_hf_kernels.py; needs .device/hfk/
+#                (benchmarks/hf_kernels_kit.sh: transformers 5.25, kernels 0.19.1), installed into /tmp/hfk,
+#                first on PYTHONPATH
+#   hfkernelscpu tests/test_hf_kernels_cpu.py under this machine's torch; .device/hfk/ as above
 #   hfkernelsllama  benchmarks/model_step.py --route (stock norms, Liger's stand-in, cake_cute's layers through
 #                use_kernels; Llama, H = 4096, 8192 tokens, AdamW, eager and compiled); .device/hfk/ as above,
 #                liger_kernel from .device/wheels/ where present
@@ -301,14 +302,21 @@ hf_kernels_kit() {  # the kernel route's wheels into /tmp/hfk, replaced each tim
 section_hfkernels() {
   local d=$RES/hfkernels && mkdir -p "$d"
   hf_kernels_kit
-  bounded 500 "$d/tests.log" env PYTHONPATH="/tmp/hfk${PYTHONPATH:+:$PYTHONPATH}" python3 -m pytest -q -rs \
-    tests/test_gpu_hf_kernels.py tests/test_hf_kernels_cpu.py -p no:cacheprovider --junitxml="$d/tests.xml"
+  bounded 480 "$d/gpu_tests.log" env PYTHONPATH="/tmp/hfk${PYTHONPATH:+:$PYTHONPATH}" python3 -m pytest -q -rs \
+    tests/test_gpu_hf_kernels.py -p no:cacheprovider --junitxml="$d/gpu_tests.xml"
+}
+
+section_hfkernelscpu() {
+  local d=$RES/hfkernels && mkdir -p "$d"
+  hf_kernels_kit
+  bounded 400 "$d/cpu_tests.log" env PYTHONPATH="/tmp/hfk${PYTHONPATH:+:$PYTHONPATH}" python3 -m pytest -q -rs \
+    tests/test_hf_kernels_cpu.py -p no:cacheprovider --junitxml="$d/cpu_tests.xml"
 }
 
 section_hfkernelsllama() {
   local d=$RES/hfkernels && mkdir -p "$d"
   hf_kernels_kit
-  bounded 550 "$d/model_step_llama.log" env PYTHONPATH="/tmp/hfk${PYTHONPATH:+:$PYTHONPATH}" \
+  bounded 480 "$d/model_step_llama.log" env PYTHONPATH="/tmp/hfk${PYTHONPATH:+:$PYTHONPATH}" \
     python3 benchmarks/model_step.py "$d/$day-nvidia-h200-model-step-route-llama.json" --route --hidden 4096 \
     --optimizer adamw
 }
@@ -316,7 +324,7 @@ section_hfkernelsllama() {
 section_hfkernelsqwen3() {
   local d=$RES/hfkernels && mkdir -p "$d"
   hf_kernels_kit
-  bounded 550 "$d/model_step_qwen3.log" env PYTHONPATH="/tmp/hfk${PYTHONPATH:+:$PYTHONPATH}" \
+  bounded 480 "$d/model_step_qwen3.log" env PYTHONPATH="/tmp/hfk${PYTHONPATH:+:$PYTHONPATH}" \
     python3 benchmarks/model_step.py "$d/$day-nvidia-h200-model-step-route-qwen3.json" --route --model qwen3 \
     --hidden 4096 --optimizer adamw --compile-scope layers
 }
