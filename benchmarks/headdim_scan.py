@@ -309,8 +309,8 @@ def checks(torch, op: str, t: dict, default: tuple | None) -> dict:
 def compile_variant(task: tuple) -> str | None:
     """Compile into the disk cache every kernel a scan row of ``task`` = (H, residual, dtype, override
     text) can launch (forward, backward, both dW reductions); None, or why it could not."""
-    from cake_cute.runtime.build import make_spec
     from cake_cute.runtime.cache import get_kernel
+    from cake_cute.runtime.specs import KernelSpec, ReduceSpec
 
     hidden, residual, dtype, text = task
     try:
@@ -318,9 +318,9 @@ def compile_variant(task: tuple) -> str | None:
             _overrides(stack, text, dtype, hidden)
             backward_config(ARCH, dtype, dtype, hidden, residual)  # a choice this mode cannot take raises
             for kind in ("fwd", "bwd"):
-                get_kernel(make_spec(kind, ARCH, dtype, dtype, hidden, residual, 0.0))
+                get_kernel(KernelSpec(kind, ARCH, dtype, dtype, hidden, residual=residual))
             for out in {dtype, "fp32"}:
-                get_kernel(make_spec("dw", ARCH, out, hidden))
+                get_kernel(ReduceSpec(ARCH, out, hidden))
     except Exception as e:
         return f"H={hidden} residual={residual} {text}: {type(e).__name__}: {str(e)[:200]}"
     return None

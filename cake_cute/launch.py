@@ -19,8 +19,9 @@ from .calls import BackwardCall, NormCall
 from .kernels.config import on_override_change
 from .operands import operands_of
 from .runtime import launch_plan
-from .runtime.cache import kernel
+from .runtime.cache import get_kernel
 from .runtime.device import device_arch, device_facts, on_device
+from .runtime.specs import KernelSpec, ReduceSpec
 from .runtime.views import (
     aligned_vector,
     barrier_counter,
@@ -36,9 +37,16 @@ from .vocab import DTYPE_NAMES, dtype_name
 
 def forward_kernel(operands, residual: bool, weight_offset: float):
     """The compiled forward of validated (x, w) facts, mode and offset."""
-    return kernel(
-        "fwd", operands.arch, operands.act, operands.w_name, operands.hidden, residual, weight_offset
+    spec = KernelSpec(
+        "fwd",
+        operands.arch,
+        operands.act,
+        operands.w_name,
+        operands.hidden,
+        residual=residual,
+        weight_offset=weight_offset,
     )
+    return get_kernel(spec)
 
 
 def launch_forward(call: NormCall):
@@ -191,12 +199,21 @@ def backward_kernels(
     """The backward's kernels: dx with the FP32 partial rows of dW (from ``g_parts`` summands of g;
     reading y in h's place in the memory-efficient mode), and their reduction; or, ``dw_in_launch``, the
     one kernel that also sums them into a dw of ``dw_dtype``, and None."""
-    # The default variant (one summand, reading h) keeps its field tuple.
-    parts = (g_parts, True) if memory_efficient else (g_parts,) if g_parts > 1 else ()
-    variant = (operands.arch, operands.act, operands.w_name, operands.hidden, residual, weight_offset)
+    backward = KernelSpec(
+        "bwd",
+        operands.arch,
+        operands.act,
+        operands.w_name,
+        operands.hidden,
+        residual=residual,
+        weight_offset=weight_offset,
+        g_parts=g_parts,
+        memory_efficient=memory_efficient,
+        dw_dtype=dtype_name(dw_dtype) if dw_in_launch else "",
+    )
     if dw_in_launch:
-        return kernel("bwd", *variant, g_parts, memory_efficient, dtype_name(dw_dtype)), None
-    return kernel("bwd", *variant, *parts), kernel("dw", operands.arch, dtype_name(dw_dtype), operands.hidden)
+        return get_kernel(backward), None
+    return get_kernel(backward), get_kernel(ReduceSpec(operands.arch, dtype_name(dw_dtype), operands.hidden))
 
 
 def launch_backward(call: BackwardCall):

@@ -18,7 +18,7 @@ from .fp8_numerics import RECIPES, rmsnorm_fp8_reference, scale_blocks
 from .kernels.quant_config import QUANT_RECIPES
 from .runtime import launch_plan
 from .runtime.build import quant_kind
-from .runtime.cache import kernel
+from .runtime.cache import get_kernel
 from .runtime.device import on_device
 from .runtime.specs import KernelSpec
 from .runtime.views import aligned_vector, kernel_view
@@ -39,7 +39,15 @@ def fp8_variant_specs(
     programs, the latter where they apply (``launch_plan.has_persistent_fp8_kernel``); the backward is
     the plain one (``warmup.variant_specs``)."""
     return [
-        KernelSpec(quant_kind(recipe, emit_y, persistent), arch, act, act, hidden, residual, weight_offset)
+        KernelSpec(
+            quant_kind(recipe, emit_y, persistent),
+            arch,
+            act,
+            act,
+            hidden,
+            residual=residual,
+            weight_offset=weight_offset,
+        )
         for arch, act, hidden, residual, recipe, emit_y, persistent in product(
             archs, dtypes, hiddens, residuals, recipes, emit_ys, persistents
         )
@@ -75,7 +83,16 @@ def forward_kernel(operands, rows: int, residual: bool, recipe: str, emit_y: boo
     kernel, else the persistent kernel's program count (``launch_plan.fp8_forward_programs``)."""
     programs = launch_plan.fp8_forward_programs(rows, operands.hidden, operands.act, residual, operands.facts)
     kind = quant_kind(recipe, emit_y, persistent=programs > 0)
-    fn = kernel(kind, operands.arch, operands.act, operands.w_name, operands.hidden, residual, weight_offset)
+    spec = KernelSpec(
+        kind,
+        operands.arch,
+        operands.act,
+        operands.w_name,
+        operands.hidden,
+        residual=residual,
+        weight_offset=weight_offset,
+    )
+    fn = get_kernel(spec)
     return fn, programs
 
 

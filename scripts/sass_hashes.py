@@ -5,7 +5,7 @@
     python scripts/sass_hashes.py compare BEFORE.json AFTER.json
 
 The matrix: forward and backward x {sm_90a, sm_100a} x {bf16, fp32} x H x residual off/on, the
-memory-efficient backward (``from_output``) x arch x dtype x a few H x residual off/on, the dW
+memory-efficient backward x arch x dtype x a few H x residual off/on, the dW
 reduction x arch x output dtype x H, the forwards to FP8 (both recipes, bf16) x arch x a few H x
 residual off/on, their persistent kernels (bf16 and fp32, plain mode, two H), and the gated forward,
 its statistics alone and the gated backward x arch x dtype x (H, group size, form) x gate activation
@@ -25,6 +25,7 @@ older checkout (``git worktree add``) and the current one.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import multiprocessing
@@ -62,7 +63,7 @@ class Variant(NamedTuple):
     dtype: str
     hidden: int
     residual: bool = False
-    from_output: bool = False  # "bwd" only: the memory-efficient backward
+    memory_efficient: bool = False  # "bwd" only
     group_size: int = 0  # the gated kinds only
     norm_before_gate: bool = True  # the gated kinds only
     activation: str = "silu"  # the gated kinds only
@@ -76,7 +77,7 @@ def matrix() -> list[Variant]:
                 for hidden in HIDDEN:
                     rows += [Variant(kind, arch, dtype, hidden, residual) for residual in (False, True)]
     rows += [
-        Variant("bwd", arch, dtype, hidden, residual, from_output=True)
+        Variant("bwd", arch, dtype, hidden, residual, memory_efficient=True)
         for arch in ARCHS
         for dtype in DTYPES
         for hidden in FROM_OUTPUT_HIDDEN
@@ -115,7 +116,7 @@ def label(row: Variant) -> str:
     backward), ``-L<group size>-nbg`` or ``-gbn`` (the gated kinds' form), ``-sigmoid`` (the gated
     kinds' gate activation, when not SiLU)."""
     text = f"{row.kind}-{row.arch}-{row.dtype}-H{row.hidden}" + ("-res" if row.residual else "")
-    if row.from_output:
+    if row.memory_efficient:  # the label older dumps used
         text += "-fromy"
     if row.kind in GATED_KINDS:
         text += f"-L{row.group_size}-" + ("nbg" if row.norm_before_gate else "gbn")
@@ -150,9 +151,12 @@ def make_spec(row: Variant):
             row.norm_before_gate,
             **activation,
         )
-    # Named only when set: a package from before the memory-efficient backward has no such field.
-    from_output = {"from_output": True} if row.from_output else {}
-    return KernelSpec(row.kind, row.arch, row.dtype, row.dtype, row.hidden, row.residual, **from_output)
+    spec = KernelSpec(row.kind, row.arch, row.dtype, row.dtype, row.hidden, row.residual)
+    if not row.memory_efficient:
+        return spec
+    # The field's name before the memory-efficient mode kept one name down to the spec: from_output.
+    field = "memory_efficient" if hasattr(spec, "memory_efficient") else "from_output"
+    return dataclasses.replace(spec, **{field: True})
 
 
 def normalized_sass(sass: str) -> tuple[str, list[str]]:

@@ -77,22 +77,22 @@ RECORDED_DW = 0.25
 
 
 class _Recorder:
-    """Stands in for a compiled kernel: records the arguments of each launch (a dW reduction writes
-    ``RECORDED_DW`` into its output)."""
+    """Stands in for a compiled kernel: records the spec and arguments of each launch (a dW reduction
+    writes ``RECORDED_DW`` into its output)."""
 
-    def __init__(self, fields, calls):
-        self.fields, self.calls = fields, calls
+    def __init__(self, spec, calls):
+        self.spec, self.calls = spec, calls
 
     def __call__(self, *args):
-        self.calls.append((self.fields, args))
-        if self.fields[0] == "dw":
+        self.calls.append((self.spec, args))
+        if self.spec.kind == "dw":
             args[1].fill_(RECORDED_DW)
 
 
 @pytest.fixture
 def launches(monkeypatch):
     """The gated host path (``gated_ops``) down to the launches on CPU tensors: an sm_90a device of 132
-    SMs, and kernels that record their fields and arguments (``(fields, args)`` in launch order)."""
+    SMs, and kernels that record their spec and arguments (``(spec, args)`` in launch order)."""
     import contextlib
 
     from cake_cute.gated import ops as gated_ops
@@ -105,5 +105,5 @@ def launches(monkeypatch):
     )
     monkeypatch.setattr(gated_ops, "resident_clusters", lambda *args: 264)
     monkeypatch.setattr(gated_ops, "on_device", lambda device: contextlib.nullcontext())
-    monkeypatch.setattr(gated_ops, "kernel", lambda *fields: _Recorder(fields, calls))
+    monkeypatch.setattr(gated_ops, "get_kernel", lambda spec: _Recorder(spec, calls))
     return calls

@@ -16,7 +16,6 @@ from cake_cute.calls import gated_call
 from cake_cute.gated import module as gated_module
 from cake_cute.gated import ops as gated_ops
 from cake_cute.gated.module import CakeGatedRMSNorm
-from cake_cute.runtime.build import make_spec
 from cake_cute.runtime.cache import is_cached_on_disk
 from cake_cute.runtime.specs import KernelSpec, ReduceSpec
 from cake_cute.tools import cli, info, kernel_report, warmup
@@ -352,9 +351,9 @@ def test_the_gated_warmup_holds_every_kernel_a_gated_module_launches(
     monkeypatch, policy, dtype, w_mode, group_size, norm_before_gate, activation
 ):
     """What a ``CakeGatedRMSNorm`` hands to the kernels (the gated entry, or the plain norm for the
-    class's own casts), as the launches name their variants (``gated_ops.variant_fields``; the plain
-    launch's fields), is among ``gated_variant_specs`` of its form, dtype, weight dtype, offset and
-    gate activation."""
+    class's own casts), as the launches name their variants (``gated_ops.forward_spec`` and its other
+    kinds; the plain launch's specs), is among ``gated_variant_specs`` of its form, dtype, weight
+    dtype, offset and gate activation."""
     launched = _record_gated_module_launches(monkeypatch)
     act = torch_dtype(dtype)
     norm = CakeGatedRMSNorm(
@@ -415,15 +414,15 @@ def _record_gated_module_launches(monkeypatch) -> list:
             options["weight_offset"],
             options["activation"],
         )
-        fields = gated_ops.variant_fields(call)
-        launched.extend(make_spec(kind, *fields) for kind in warmup.GATED_KINDS)
-        launched.append(make_spec("dw", "sm_90a", dtype_name(w.dtype), x.shape[-1]))
+        forward = gated_ops.forward_spec(call)
+        launched.extend(dataclasses.replace(forward, kind=kind) for kind in warmup.GATED_KINDS)
+        launched.append(ReduceSpec("sm_90a", dtype_name(w.dtype), x.shape[-1]))
         return real_gated(x, z, w, eps, **options)
 
     def plain(x, w, eps, weight_offset=0.0):
-        fields = ("sm_90a", dtype_name(x.dtype), dtype_name(w.dtype), x.shape[-1], False, weight_offset)
-        launched.extend([make_spec("fwd", *fields), make_spec("bwd", *fields)])
-        launched.append(make_spec("dw", "sm_90a", dtype_name(w.dtype), x.shape[-1]))
+        variant = ("sm_90a", dtype_name(x.dtype), dtype_name(w.dtype), x.shape[-1])
+        launched.extend(KernelSpec(kind, *variant, weight_offset=weight_offset) for kind in ("fwd", "bwd"))
+        launched.append(ReduceSpec("sm_90a", dtype_name(w.dtype), x.shape[-1]))
         return real_plain(x, w, eps, weight_offset=weight_offset)
 
     monkeypatch.setattr(gated_ops, "device_arch", lambda device: "sm_90a")
@@ -443,7 +442,7 @@ def test_the_gated_warmup_holds_flashinfers_functional_backward(launches, dtype,
     x, z, g = (torch.randn(3, 2, 128, dtype=act) for _ in range(3))
     w = torch.ones(128, dtype=act if w_mode == "same" else torch.float32)
     cake_rmsnorm_silu_gate_train_backward(g, x, z, w)
-    launched = [make_spec(*fields) for fields, _ in launches]
+    launched = [spec for spec, _ in launches]
     warmed = warmup.gated_variant_specs(["sm_90a"], [dtype], [(128, 128)], [w_mode])
     assert len(launched) == 3 and set(launched) <= set(warmed), set(launched) - set(warmed)
 
@@ -462,19 +461,21 @@ def _warmed_specs(monkeypatch, tmp_path, *args) -> list:
     return asked
 
 
-def test_memory_efficient_adds_exactly_the_from_output_backwards(tmp_path, monkeypatch, capsys):
+def test_memory_efficient_adds_exactly_the_memory_efficient_backwards(tmp_path, monkeypatch, capsys):
     default = _warmed_specs(monkeypatch, tmp_path, *MANY_SETTINGS)
     both = _warmed_specs(monkeypatch, tmp_path, *MANY_SETTINGS, "--memory-efficient")
     assert len(default) == 12 * 2 + 2 * 2  # (fwd, bwd) each, and dW into FP32 and into bf16 per arch
-    assert not any(getattr(s, "from_output", False) for s in default)
+    assert not any(getattr(s, "memory_efficient", False) for s in default)
     added = [s for s in both if s not in default]
     assert [s for s in both if s in default] == default  # the default variants unchanged, in order
-    # One per default backward, with the fields launch.backward_kernels looks the mode's up by:
-    # (g_parts, True), one summand of g when no graph pass folds a sum into the backward.
-    assert added == [dataclasses.replace(s, from_output=True) for s in default if s.kind == "bwd"]
+    # One per default backward, the spec launch.backward_kernels looks the mode's up by: one summand of
+    # g when no graph pass folds a sum into the backward.
+    assert added == [dataclasses.replace(s, memory_efficient=True) for s in default if s.kind == "bwd"]
     assert len(added) == 12 and len(both) == 40
-    assert {(s.kind, s.g_parts, s.from_output, s.weight_offset) for s in added} == {("bwd", 1, True, 1.0)}
-    assert all(s.name().endswith("_off1_fromy") for s in added)
+    assert {(s.kind, s.g_parts, s.memory_efficient, s.weight_offset) for s in added} == {
+        ("bwd", 1, True, 1.0)
+    }
+    assert all(s.name().endswith("_off1_meff") for s in added)
     assert "warmup: 40 variants, compiled 40, " in capsys.readouterr().out.splitlines()[-1]
 
 
@@ -491,18 +492,18 @@ def test_memory_efficient_backwards_are_reported(tmp_path, monkeypatch, capsys):
     assert [s.name() for s in reported] == [
         "cake_fwd_sm_90a_bf16_wbf16_h4096_off0",
         "cake_bwd_sm_90a_bf16_wbf16_h4096_off0",
-        "cake_bwd_sm_90a_bf16_wbf16_h4096_off0_fromy",
+        "cake_bwd_sm_90a_bf16_wbf16_h4096_off0_meff",
         "cake_dw_sm_90a_fp32_h4096",
         "cake_dw_sm_90a_bf16_h4096",
     ]
-    assert re.search(r"^cake_bwd_sm_90a_bf16_wbf16_h4096_off0_fromy\s", out, re.M), out
+    assert re.search(r"^cake_bwd_sm_90a_bf16_wbf16_h4096_off0_meff\s", out, re.M), out
 
 
 def test_a_memory_efficient_backward_compiles_without_a_gpu(tmp_path, monkeypatch):
-    """One from_output backward compiled for sm_90a by the warmup's code path, then read back as
+    """One memory-efficient backward compiled for sm_90a by the warmup's code path, then read back as
     ``--report`` reads it: spill-free, no global atomics, 128-bit global accesses."""
     monkeypatch.setenv("CAKE_CUTE_CACHE_DIR", str(tmp_path))
-    spec = make_spec("bwd", "sm_90a", "bf16", "bf16", 4096, False, 0.0, 1, True)  # as the mode looks it up
+    spec = KernelSpec("bwd", "sm_90a", "bf16", "bf16", 4096, memory_efficient=True)  # as the mode looks it up
     assert spec in warmup.variant_specs(["sm_90a"], ["bf16"], [4096], memory_efficient=True)
     result = warmup.warm([spec], jobs=1)
     assert [o.spec for o in result.compiled] == [spec], [o.error for o in result.failed]

@@ -12,7 +12,8 @@ from collections import Counter
 
 import pytest
 
-from cake_cute.runtime.build import config_for, make_spec
+from cake_cute.runtime.build import config_for
+from cake_cute.runtime.specs import KernelSpec
 from cake_cute.tools.cubin import spill_free
 from cake_cute.tools.kernel_report import collect_reports
 from cake_cute.tools.warmup import variant_specs, warm
@@ -38,7 +39,7 @@ PARTS_ROWS = {
     ("bf16", "fp32"): (4096, 8192),
 }
 PARTS_SPECS = [
-    make_spec("bwd", arch, act, w, hidden, residual, 0.0, g_parts)
+    KernelSpec("bwd", arch, act, w, hidden, residual=residual, g_parts=g_parts)
     for (act, w), hiddens in PARTS_ROWS.items()
     for hidden in hiddens
     for arch in ARCHS

@@ -14,7 +14,7 @@ from cake_cute.operands import Operands
 from cake_cute.runtime import cache as compile_cache
 from cake_cute.runtime import launch_plan
 from cake_cute.runtime.device import DeviceFacts
-from cake_cute.runtime.specs import GatedSpec, KernelSpec
+from cake_cute.runtime.specs import GatedSpec, KernelSpec, ReduceSpec
 from cake_cute.runtime.views import barrier_counter
 from cake_cute.tools import cubin
 
@@ -158,11 +158,11 @@ def test_a_workspace_ends_with_the_counter_slot():
 
 
 class Recorder:
-    def __init__(self, fields, calls):
-        self.fields, self.calls = fields, calls
+    def __init__(self, spec, calls):
+        self.spec, self.calls = spec, calls
 
     def __call__(self, *args):
-        self.calls.append((self.fields, args))
+        self.calls.append((self.spec, args))
 
 
 @pytest.fixture
@@ -171,7 +171,7 @@ def plain_launches(monkeypatch):
     import contextlib
 
     calls = []
-    monkeypatch.setattr(launch, "kernel", lambda *fields: Recorder(fields, calls))
+    monkeypatch.setattr(launch, "get_kernel", lambda spec: Recorder(spec, calls))
     monkeypatch.setattr(launch, "on_device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(launch_plan, "resident_clusters", lambda *args: 264)
     return calls
@@ -191,8 +191,8 @@ def _call(hidden, rows, workspace=None, dw_dtype=torch.float32, g_parts=1):
 def test_the_two_launch_backward_launches_the_reduction(plain_launches):
     launch.launch_backward(_call(4096, 2048))
     (bwd, args), (reduce, reduce_args) = plain_launches
-    assert bwd == ("bwd", "sm_90a", "bf16", "bf16", 4096, False, 0.0)
-    assert reduce == ("dw", "sm_90a", "fp32", 4096) and reduce_args[0] is args[6]
+    assert bwd == KernelSpec("bwd", "sm_90a", "bf16", "bf16", 4096)
+    assert reduce == ReduceSpec("sm_90a", "fp32", 4096) and reduce_args[0] is args[6]
 
 
 def test_a_backward_that_finishes_dw_launches_once_with_dw_and_the_workspace_counter(plain_launches):
@@ -203,8 +203,8 @@ def test_a_backward_that_finishes_dw_launches_once_with_dw_and_the_workspace_cou
     workspace = torch.zeros(plan.workspace_bytes, dtype=torch.uint8)
     with overridden("bwd", "sm_90a", "bf16", hidden, dw_in_launch=True):
         dx, dw = launch.launch_backward(_call(hidden, rows, workspace, torch.bfloat16))
-    ((fields, args),) = plain_launches
-    assert fields == ("bwd", "sm_90a", "bf16", "bf16", hidden, False, 0.0, 1, False, "bf16")
+    ((spec, args),) = plain_launches
+    assert spec == KernelSpec("bwd", "sm_90a", "bf16", "bf16", hidden, dw_dtype="bf16")
     partials, dw_arg, counter, programs = args[6:10]
     assert dw_arg is dw and dw.dtype == torch.bfloat16 and programs == plan.programs
     assert counter.data_ptr() == workspace.data_ptr() + plan.workspace_bytes - 16
@@ -240,8 +240,9 @@ def test_the_gated_backward_that_finishes_dw_launches_once(launches, monkeypatch
     rstd = torch.ones(300)
     with overridden("gated_bwd", "sm_90a", "bf16", 128, dw_in_launch=True):
         dx, dz, dw = gated_ops.gated_rmsnorm_backward(x, x, x, w, rstd)
-    ((fields, args),) = launches
-    assert fields == ("gated_bwd", "sm_90a", "bf16", "bf16", 128, 128, True, 0.0, "silu", "fp32")
+    ((spec, args),) = launches
+    form = dict(group_size=128, norm_before_gate=True, dw_dtype="fp32")
+    assert spec == GatedSpec("gated_bwd", "sm_90a", "bf16", "bf16", 128, **form)
     assert args[8] is dw and args[9] == "ctr" and counters == [None]
 
 
@@ -261,7 +262,7 @@ def test_flashinfers_workspace_gives_the_gated_finish_its_counter(launches, monk
         gated_flashinfer.cake_rmsnorm_silu_gate_train_backward(x, x, x, w, workspace=workspace)
         gated_flashinfer.cake_rmsnorm_silu_gate_train_backward(x, x, x, w, compute_grad_weight=False)
     assert counters[0] is workspace and counters[1] is None
-    assert [fields[0] for fields, _ in launches] == ["gated_rstd", "gated_bwd"] * 2  # no reduction
+    assert [spec.kind for spec, _ in launches] == ["gated_rstd", "gated_bwd"] * 2  # no reduction
 
 
 def _gated(x, w):
@@ -269,4 +270,4 @@ def _gated(x, w):
     from cake_cute.gated import ops as gated_ops
 
     call = gated_call(x, x, w, 1e-6, None, True, 0.0)
-    return call, gated_ops.variant_fields(call)
+    return call, gated_ops.forward_spec(call)

@@ -8,8 +8,9 @@ import torch
 from cake_cute.gated import ops as gated_ops
 from cake_cute.gated.reference import gated_backward_reference, gated_forward_reference
 from cake_cute.kernels.gated_config import gated_backward_config, gated_forward_config
-from cake_cute.runtime.build import config_for, make_spec
+from cake_cute.runtime.build import config_for
 from cake_cute.runtime.device import DeviceFacts
+from cake_cute.runtime.specs import GatedSpec, ReduceSpec
 from cake_cute.tools.cubin import spill_free
 from cake_cute.tools.kernel_report import collect_reports
 from cake_cute.tools.warmup import warm
@@ -305,18 +306,21 @@ SHAPES = [
     (8200, 4100, False),  # a cluster of five CTAs, 8-byte vectors, the last CTA's columns predicated
 ]
 SPECS = [
-    make_spec(kind, arch, act, w, hidden, group, nbg, 0.0)
+    GatedSpec(kind, arch, act, w, hidden, group_size=group, norm_before_gate=nbg)
     for kind in ("gated_fwd", "gated_bwd")
     for arch in ARCHS
     for act in DTYPES
     for hidden, group, nbg in SHAPES
     for w in dict.fromkeys((act, "fp32"))
     if w == act or (hidden, group) in ((128, 128), (4096, 1024))
-] + [make_spec(kind, "sm_90a", "fp16", "fp16", 100, 100, True, 1.0) for kind in ("gated_fwd", "gated_bwd")]
+] + [
+    GatedSpec(kind, "sm_90a", "fp16", "fp16", 100, group_size=100, norm_before_gate=True, weight_offset=1.0)
+    for kind in ("gated_fwd", "gated_bwd")
+]
 # The sigmoid gate (Kimi Linear's): head-dim rows, the rows of one segment that spilled on sm_100a under
 # 80 registers with SiLU, grouped rows and the widest segment (a cluster in the backward).
 SPECS += [
-    make_spec(kind, arch, act, act, hidden, group, nbg, 0.0, "sigmoid")
+    GatedSpec(kind, arch, act, act, hidden, group_size=group, norm_before_gate=nbg, activation="sigmoid")
     for kind in ("gated_fwd", "gated_bwd")
     for arch in ARCHS
     for act in ("bf16", "fp32")
@@ -325,20 +329,27 @@ SPECS += [
 # The statistics kernel (rstd alone, FlashInfer's functional backward): whole rows normalized then
 # gated, and groups gated then normalized (it reads z only there).
 STATISTICS_SPECS = [
-    make_spec("gated_rstd", arch, act, act, hidden, group, nbg, 0.0)
+    GatedSpec("gated_rstd", arch, act, act, hidden, group_size=group, norm_before_gate=nbg)
     for arch in ARCHS
     for act in DTYPES
     for hidden, group, nbg in [(128, 128, True), (100, 100, True), (8192, 8192, True), (2048, 512, False)]
-] + [make_spec("gated_rstd", arch, "bf16", "bf16", 2048, 512, False, 0.0, "sigmoid") for arch in ARCHS]
+] + [
+    GatedSpec(
+        "gated_rstd", arch, "bf16", "bf16", 2048, group_size=512, norm_before_gate=False, activation="sigmoid"
+    )
+    for arch in ARCHS
+]
 
 
 def test_a_silu_variant_keeps_its_name():
     """The gate activation is named only when it is not SiLU: SiLU variants keep the names (and disk
     cache files) they had before the activation was a field."""
-    silu = make_spec("gated_bwd", "sm_90a", "bf16", "fp32", 2048, 512, False, 1.0)
-    assert silu == make_spec("gated_bwd", "sm_90a", "bf16", "fp32", 2048, 512, False, 1.0, "silu")
+    variant = ("gated_bwd", "sm_90a", "bf16", "fp32", 2048)
+    form = dict(group_size=512, norm_before_gate=False, weight_offset=1.0)
+    silu = GatedSpec(*variant, **form)
+    assert silu == GatedSpec(*variant, **form, activation="silu")
     assert silu.name() == "cake_gated_bwd_sm_90a_bf16_wfp32_h2048_gbn512_off1"
-    sigmoid = make_spec("gated_bwd", "sm_90a", "bf16", "fp32", 2048, 512, False, 1.0, "sigmoid")
+    sigmoid = GatedSpec(*variant, **form, activation="sigmoid")
     assert sigmoid.name() == "cake_gated_bwd_sm_90a_bf16_wfp32_h2048_gbn512_off1_sigmoid"
 
 
@@ -389,9 +400,11 @@ def test_forward_launch_arguments(launches):
     x = base[..., :2048]
     z = torch.randn(8, 4, 2048, dtype=torch.bfloat16)
     y, rstd = gated_ops.gated_rmsnorm_forward(x, z, torch.ones(2048), group_size=512, norm_before_gate=False)
-    ((fields, args),) = launches
-    assert fields == ("gated_fwd", "sm_90a", "bf16", "fp32", 2048, 512, False, 0.0, "silu")
-    assert make_spec(*fields).name() == "cake_gated_fwd_sm_90a_bf16_wfp32_h2048_gbn512_off0"
+    ((spec, args),) = launches
+    assert spec == GatedSpec(
+        "gated_fwd", "sm_90a", "bf16", "fp32", 2048, group_size=512, norm_before_gate=False
+    )
+    assert spec.name() == "cake_gated_fwd_sm_90a_bf16_wfp32_h2048_gbn512_off0"
     kx, kz, kw, ky, krstd, eps = args
     assert kx.shape == (32, 2048) and kx.stride() == (2056, 1) and kx.data_ptr() == x.data_ptr()
     assert kz.shape == ky.shape == (32, 2048) and ky.data_ptr() == y.data_ptr()
@@ -409,9 +422,9 @@ def test_the_activation_names_the_launched_variants(launches, norm_before_gate):
     gated_ops.gated_rmsnorm_backward(torch.ones_like(x), x, z, torch.ones(256), rstd, **options)
     (fwd, _), (bwd, _), (dw, _) = launches
     form = "nbg64" if norm_before_gate else "gbn64"
-    assert make_spec(*fwd).name() == f"cake_gated_fwd_sm_90a_fp32_wfp32_h256_{form}_off0_sigmoid"
-    assert make_spec(*bwd).name() == f"cake_gated_bwd_sm_90a_fp32_wfp32_h256_{form}_off0_sigmoid"
-    assert dw == ("dw", "sm_90a", "fp32", 256)
+    assert fwd.name() == f"cake_gated_fwd_sm_90a_fp32_wfp32_h256_{form}_off0_sigmoid"
+    assert bwd.name() == f"cake_gated_bwd_sm_90a_fp32_wfp32_h256_{form}_off0_sigmoid"
+    assert dw == ReduceSpec("sm_90a", "fp32", 256)
 
 
 def test_backward_launch_arguments(launches):
@@ -422,8 +435,10 @@ def test_backward_launch_arguments(launches):
     rstd = torch.ones(300)
     dx, dz, dw = gated_ops.gated_rmsnorm_backward(g, x, z, torch.ones(hidden), rstd)
     (bwd_fields, bwd_args), (dw_fields, dw_args) = launches
-    assert bwd_fields == ("gated_bwd", "sm_90a", "fp32", "fp32", hidden, hidden, True, 0.0, "silu")
-    assert dw_fields == ("dw", "sm_90a", "fp32", hidden)
+    assert bwd_fields == GatedSpec(
+        "gated_bwd", "sm_90a", "fp32", "fp32", hidden, group_size=hidden, norm_before_gate=True
+    )
+    assert dw_fields == ReduceSpec("sm_90a", "fp32", hidden)
     config = gated_backward_config("sm_90a", "fp32", hidden, hidden)
     programs = min(300, 264)  # one row per CTA at this width: one tile per row
     assert config.tiling.rows_per_cta == 1

@@ -21,6 +21,7 @@ from cake_cute import (
     cake_rmsnorm_silu_gate_train_backward_workspace_bytes,
     cake_rmsnorm_silu_gate_train_forward,
 )
+from cake_cute.runtime.specs import GatedSpec, ReduceSpec
 
 from ._helpers import assert_bitwise_equal, saved_by
 from .conftest import RECORDED_DW
@@ -117,8 +118,8 @@ def _backward_inputs(shape=(9, 4, 128), dtype=torch.bfloat16):
     return g, x, z, w
 
 
-def _fields(launches):
-    return [fields for fields, _ in launches]
+def _specs(launches):
+    return [spec for spec, _ in launches]
 
 
 def test_backward_recomputes_rstd_then_runs_the_gated_backward(launches):
@@ -126,10 +127,11 @@ def test_backward_recomputes_rstd_then_runs_the_gated_backward(launches):
     reads; dW's reduction writes dw in weight's dtype; x, z and g are read in place as (rows, H)."""
     g, x, z, w = _backward_inputs()
     dx, dz, dw = cake_rmsnorm_silu_gate_train_backward(g, x, z, w, EPS)
-    assert _fields(launches) == [
-        ("gated_rstd", "sm_90a", "bf16", "bf16", 128, 128, True, 0.0, "silu"),
-        ("gated_bwd", "sm_90a", "bf16", "bf16", 128, 128, True, 0.0, "silu"),
-        ("dw", "sm_90a", "bf16", 128),
+    form = dict(group_size=128, norm_before_gate=True)
+    assert _specs(launches) == [
+        GatedSpec("gated_rstd", "sm_90a", "bf16", "bf16", 128, **form),
+        GatedSpec("gated_bwd", "sm_90a", "bf16", "bf16", 128, **form),
+        ReduceSpec("sm_90a", "bf16", 128),
     ]
     (_, stats), (_, bwd), (_, reduce) = launches
     sx, sz, rstd, eps = stats
@@ -158,7 +160,7 @@ def test_backward_into_caller_owned_outputs_and_workspace(launches, monkeypatch)
     )
     assert dx is grad_x and dz is grad_z and dw is grad_weight and (dw == RECORDED_DW).all()
     (_, stats), (_, bwd), (reduce_fields, _) = launches
-    assert reduce_fields == ("dw", "sm_90a", "fp32", 128)
+    assert reduce_fields == ReduceSpec("sm_90a", "fp32", 128)
     start, end = workspace.data_ptr(), workspace.data_ptr() + workspace.numel()
     rstd, partials = stats[2], bwd[7]
     for carved in (rstd, partials):
@@ -176,14 +178,14 @@ def test_accumulate_adds_the_fp32_sum_to_grad_weight(launches, dtype):
         g, x, z, w, EPS, grad_weight=grad_weight, accumulate_grad_weight=True
     )
     (reduce_fields, reduce_args) = launches[-1]
-    assert reduce_fields == ("dw", "sm_90a", "fp32", 128) and reduce_args[1] is not grad_weight
+    assert reduce_fields == ReduceSpec("sm_90a", "fp32", 128) and reduce_args[1] is not grad_weight
     assert dw is grad_weight and (dw == 1.0 + RECORDED_DW).all()
 
 
 def test_no_weight_gradient_launches_no_reduction(launches):
     g, x, z, w = _backward_inputs()
     dx, dz, dw = cake_rmsnorm_silu_gate_train_backward(g, x, z, w, EPS, compute_grad_weight=False)
-    assert dw is None and [f[0] for f in _fields(launches)] == ["gated_rstd", "gated_bwd"]
+    assert dw is None and [spec.kind for spec in _specs(launches)] == ["gated_rstd", "gated_bwd"]
 
 
 def test_backward_of_no_rows_launches_nothing(launches):

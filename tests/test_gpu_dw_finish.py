@@ -241,8 +241,8 @@ def test_the_gated_dw_is_the_fixed_order_sum_of_its_partial_rows(
     options = dict(group_size=group, norm_before_gate=norm_before_gate)
     rstd = gated_ops.gated_rmsnorm_forward(x, z, w, **options)[1]
     call = gated_call(x, z, w, None, group, norm_before_gate, 0.0)
-    fields = gated_ops.variant_fields(call)
-    programs = gated_ops.backward_programs_of(call, fields)
+    spec = gated_ops.forward_spec(call)
+    programs = gated_ops.backward_programs_of(call, spec)
     workspace = torch.zeros(launch_plan.workspace_bytes(programs, hidden), dtype=torch.uint8, device=DEV)
     for dw_dtype in (F32, dtype):
         dx, dz, dw = (
@@ -251,7 +251,7 @@ def test_the_gated_dw_is_the_fixed_order_sum_of_its_partial_rows(
             torch.empty(hidden, device=DEV, dtype=dw_dtype),
         )
         with finish_as(finish, "gated_bwd", dtype, hidden):
-            gated_ops.launch_backward(call, fields, g, rstd, dx, dz, dw, programs, workspace, workspace)
+            gated_ops.launch_backward(call, spec, g, rstd, dx, dz, dw, programs, workspace, workspace)
         torch.cuda.synchronize()
         order = reduce_config(arch(), dtype_name(dw_dtype), hidden).row_lanes
         expected = fixed_order_dw(partial_rows(workspace, programs, hidden), order).to(dw_dtype)

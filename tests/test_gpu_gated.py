@@ -494,7 +494,7 @@ def test_statistics_kernel_is_the_forwards_rstd(dtype, shape, rows, activation):
     """The statistics kernel writes, into a NaN-poisoned rstd, bitwise the forward's rstd (both
     forms and activations: it reads z only when the gate comes first)."""
     from cake_cute.calls import gated_call
-    from cake_cute.gated.ops import launch_statistics, variant_fields
+    from cake_cute.gated.ops import forward_spec, launch_statistics
 
     x, z, _ = _inputs(rows, shape[0], dtype)
     w = rand_weight(shape[0], dtype)
@@ -502,7 +502,7 @@ def test_statistics_kernel_is_the_forwards_rstd(dtype, shape, rows, activation):
     _, expected = run_forward(x, z, w, options)
     call = gated_call(x, z, w, EPS, options["group_size"], options["norm_before_gate"], 0.0, activation)
     rstd = poison(expected.shape, torch.float32)
-    launch_statistics(call, variant_fields(call), rstd)
+    launch_statistics(call, forward_spec(call), rstd)
     assert_bitwise_equal(rstd, expected, "rstd")
 
 

@@ -1,4 +1,4 @@
-"""The memory-efficient mode's backward kernel (``kernels.rmsnorm_bwd`` with ``from_output``) on the GPU:
+"""The memory-efficient mode's backward kernel (``kernels.rmsnorm_bwd`` reading y) on the GPU:
 dx and dw against FP64 per dtype beside the default mode (the bound of docs/memory.md), caller-owned
 outputs poisoned with NaN, bitwise determinism, batch invariance, CUDA graph capture and replay,
 residual on and off, strided inputs, and what autograd saves.

@@ -26,7 +26,7 @@ BACKWARDS = [
         torch.ops.cake_cute.rmsnorm_bwd_from_output_parts.default,
     ),
 ]
-BACKWARD_IDS = ["default", "from_output"]
+BACKWARD_IDS = ["default", "memory_efficient"]
 
 
 def _inputs(dtype=torch.float32, parts=3):

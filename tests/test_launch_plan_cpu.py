@@ -21,8 +21,9 @@ from cake_cute.kernels.tiling import backward_tiling, forward_tiling
 from cake_cute.launch import backward_launch_plan
 from cake_cute.operands import Operands
 from cake_cute.runtime import launch_plan
-from cake_cute.runtime.build import config_for, make_spec
+from cake_cute.runtime.build import config_for
 from cake_cute.runtime.device import DeviceFacts
+from cake_cute.runtime.specs import KernelSpec
 
 H200 = DeviceFacts(0, "stand-in H200", (9, 0), "sm_90a", 132)
 
@@ -214,16 +215,19 @@ def test_residual_mode_refuses_a_deeper_ring():
 def test_one_g_part_is_the_backward_as_before():
     """g_parts = 1, the default, names and configures the backward as before g could come in parts
     (the ring depth of the rule; the shared memory of one g: the g_parts = 1 column below)."""
-    fields = ("sm_90a", "bf16", "bf16", 4096, True, 0.0)
-    spec = make_spec("bwd", *fields)
-    assert spec == make_spec("bwd", *fields, 1) and spec.g_parts == 1
+    variant = ("bwd", "sm_90a", "bf16", "bf16", 4096)
+    spec = KernelSpec(*variant, residual=True)
+    assert spec == KernelSpec(*variant, residual=True, g_parts=1) and spec.g_parts == 1
     assert spec.name() == "cake_bwd_sm_90a_bf16_wbf16_h4096_res_off0"
-    assert make_spec("bwd", *fields, 3).name() == "cake_bwd_sm_90a_bf16_wbf16_h4096_res_off0_g3"
+    assert (
+        KernelSpec(*variant, residual=True, g_parts=3).name()
+        == "cake_bwd_sm_90a_bf16_wbf16_h4096_res_off0_g3"
+    )
     for arch, act, hidden, residual in product(
         ("sm_90a", "sm_100a"), ("bf16", "fp32"), (7, 1024, 4096, 5120, 8192, 65536, 131072), (False, True)
     ):
         config = backward_config(arch, act, "fp32", hidden, residual)
-        assert config_for(make_spec("bwd", arch, act, "fp32", hidden, residual, 0.0, 1)) == config
+        assert config_for(KernelSpec("bwd", arch, act, "fp32", hidden, residual=residual)) == config
         rule = backward_ring_depth(config.tiling, act, residual)
         assert config.ring_depth == (0 if config.dw_in_smem else rule)
 
@@ -298,9 +302,9 @@ def test_a_memory_efficient_backward_keeps_the_default_residency(arch, act, hidd
     tiling, ring, shared memory and residency are the default's, so it launches the default's
     programs (at bf16 H = 8192 in residual mode two CTAs per SM too). Only its register budget may
     grow, and only to the share shared memory leaves free."""
-    fields = (arch, act, act, hidden, residual, 0.0, 1)
-    default = config_for(make_spec("bwd", *fields))
-    mode = config_for(make_spec("bwd", *fields, True))
+    variant = ("bwd", arch, act, act, hidden)
+    default = config_for(KernelSpec(*variant, residual=residual))
+    mode = config_for(KernelSpec(*variant, residual=residual, memory_efficient=True))
     registers = {"register_budget": default.register_budget, "min_ctas_per_sm": default.min_ctas_per_sm}
     assert replace(mode, **registers) == default
     assert mode.register_budget >= default.register_budget

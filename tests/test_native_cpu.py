@@ -214,7 +214,8 @@ def test_kernels_accept_the_native_argument_conventions(hidden):
     Called that way, each compiled kernel gets past all its argument checks to the launch, which fails
     here for want of a GPU; a wrong H is refused as an argument error (the control)."""
     from cake_cute.runtime.build import quant_kind
-    from cake_cute.runtime.cache import kernel
+    from cake_cute.runtime.cache import get_kernel
+    from cake_cute.runtime.specs import KernelSpec, ReduceSpec
 
     bf16, f32, rows, padded = torch.bfloat16, torch.float32, 16, -(-hidden // 4) * 4
     none, keep = _Any(0, 0, 0), []
@@ -227,13 +228,14 @@ def test_kernels_accept_the_native_argument_conventions(hidden):
 
     eps = _Any(3, 0, ctypes.c_int64.from_buffer_copy(ctypes.c_double(1e-6)).value)
     partials = _tensor(keep, f32, (8, hidden), (padded, 1))
-    forward = kernel("fwd", "sm_90a", "bf16", "bf16", hidden, False, 0.0)
-    backward = kernel("bwd", "sm_90a", "bf16", "bf16", hidden, True, 0.0)
-    backward_parts = kernel("bwd", "sm_90a", "bf16", "bf16", hidden, True, 0.0, 3)
-    reduce = kernel("dw", "sm_90a", "bf16", hidden)
-    mxfp8 = kernel(quant_kind("mxfp8", False), "sm_90a", "bf16", "bf16", hidden, False, 0.0)
-    mxfp8_persistent = kernel(quant_kind("mxfp8", False, True), "sm_90a", "bf16", "bf16", hidden, False, 0.0)
-    blockwise_y = kernel(quant_kind("1x128", True), "sm_90a", "bf16", "bf16", hidden, True, 0.0)
+    variant = ("sm_90a", "bf16", "bf16", hidden)
+    forward = get_kernel(KernelSpec("fwd", *variant))
+    backward = get_kernel(KernelSpec("bwd", *variant, residual=True))
+    backward_parts = get_kernel(KernelSpec("bwd", *variant, residual=True, g_parts=3))
+    reduce = get_kernel(ReduceSpec("sm_90a", "bf16", hidden))
+    mxfp8 = get_kernel(KernelSpec(quant_kind("mxfp8", False), *variant))
+    mxfp8_persistent = get_kernel(KernelSpec(quant_kind("mxfp8", False, True), *variant))
+    blockwise_y = get_kernel(KernelSpec(quant_kind("1x128", True), *variant, residual=True))
     data = _tensor(keep, torch.uint8, (rows, hidden), (hidden, 1))
 
     def scales(dtype, block):

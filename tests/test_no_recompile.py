@@ -11,7 +11,7 @@ import textwrap
 import pytest
 import torch
 
-from cake_cute import dispatch
+from cake_cute import dispatch, launch
 from cake_cute.runtime import cache as compile_cache
 from cake_cute.runtime import device, native
 from cake_cute.runtime.specs import KernelSpec, ReduceSpec
@@ -33,7 +33,8 @@ def test_kernel_specs_have_no_row_count():
         "residual",
         "weight_offset",
         "g_parts",
-        "from_output",
+        "memory_efficient",
+        "dw_dtype",
     }
     assert {f.name for f in dataclasses.fields(ReduceSpec)} == {"arch", "out_dtype", "hidden"}
 
@@ -42,8 +43,8 @@ def _isolate_memory_caches(monkeypatch):
     """Empty in-memory kernel caches for this test only (the originals come back afterwards), and the
     calls on the Python path: the native path holds the kernels registered before this test."""
     monkeypatch.setattr(compile_cache, "_memory", {})
-    monkeypatch.setattr(compile_cache, "_by_fields", {})
     monkeypatch.setattr(native, "extension", None)
+    monkeypatch.setattr(native, "load_built", lambda: None)  # nor is a signature handed to it
 
 
 @pytest.fixture
@@ -56,7 +57,7 @@ def recorded_specs(monkeypatch):
         return lambda *args: None
 
     _isolate_memory_caches(monkeypatch)
-    monkeypatch.setattr(compile_cache, "get_kernel", fake_get_kernel)
+    monkeypatch.setattr(launch, "get_kernel", fake_get_kernel)
     facts = device.DeviceFacts(0, "fake B200", (10, 0), "sm_100a", 148)
     monkeypatch.setattr(device, "device_arch", lambda device: facts.arch)
     monkeypatch.setattr(device, "device_facts", lambda device: facts)
@@ -74,7 +75,6 @@ def test_ops_build_the_same_specs_for_every_row_count(recorded_specs, dtype):
         x, g, res, g_res = (torch.randn(shape).to(dtype) for _ in range(4))
         w = torch.randn(hidden).to(dtype)
         rstd = torch.ones(x.numel() // hidden)
-        compile_cache._by_fields.clear()  # the hot-path cache would answer later row counts itself
         start = len(recorded_specs)
         dispatch.cake_rmsnorm_train_forward(x, w, 1e-6, residual=res)
         dispatch.cake_rmsnorm_train_backward(g, x, w, rstd, g_residual=g_res)

@@ -25,10 +25,10 @@ from .ops import (
     backward_programs_of,
     check_gradient_outputs,
     forward_of_call,
+    forward_spec,
     launch_backward,
     launch_statistics,
     most_backward_programs,
-    variant_fields,
 )
 
 __all__ = [
@@ -288,7 +288,7 @@ def cake_rmsnorm_silu_gate_train_backward(
     _check_weight_gradient(grad_weight, weight, accumulate_grad_weight, compute_grad_weight)
     if workspace is not None:
         v.check_workspace(workspace, x.device)
-    fields = variant_fields(call)
+    spec = forward_spec(call)
     hidden = x.shape[-1]
     rows = x.numel() // hidden
     dx = new_output(x) if grad_x is None else grad_x
@@ -300,7 +300,7 @@ def cake_rmsnorm_silu_gate_train_backward(
         if dw is not None and not accumulate_grad_weight:
             dw.zero_()
         return dx, dz, dw
-    programs = backward_programs_of(call, fields)
+    programs = backward_programs_of(call, spec)
     needed = _scratch_bytes(rows, hidden) + workspace_bytes(programs, hidden)
     counter_space = workspace  # the caller's is zeroed; a fresh one's counter is not (the stream's serves)
     if workspace is None:
@@ -315,10 +315,10 @@ def cake_rmsnorm_silu_gate_train_backward(
     if dw is not None and not accumulate_grad_weight:
         written, caller = vector_output(dw, hidden, dw.dtype, dw.device)
     with on_device(x.device):
-        launch_statistics(call, fields, rstd)
+        launch_statistics(call, spec, rstd)
         launch_backward(
             call,
-            fields,
+            spec,
             grad_out,
             rstd,
             dx,

@@ -9,14 +9,17 @@ they are copied once (``views.kernel_view``).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from .. import validation as v
 from ..calls import GatedCall, gated_call
 from ..kernels.gated_config import GatedConfig, gated_backward_config
 from ..kernels.tiling import vector_width
-from ..runtime.cache import kernel
+from ..runtime.cache import get_kernel
 from ..runtime.device import DeviceFacts, device_arch, device_facts, on_device, resident_clusters
+from ..runtime.specs import GatedSpec, ReduceSpec
 from ..runtime.views import (
     aligned_vector,
     barrier_counter,
@@ -48,19 +51,20 @@ def _output(given, like: torch.Tensor, shape=None, dtype=None) -> torch.Tensor:
     return new_output(like, shape, dtype) if given is None else given
 
 
-def variant_fields(call: GatedCall) -> tuple:
-    """The fields after the kind of the kernels' spec (``specs.GatedSpec``); checks the device."""
+def forward_spec(call: GatedCall) -> GatedSpec:
+    """The forward kernel's spec of a call; the backward's and the statistics' are this one with another
+    kind (``dataclasses.replace``). Checks the device."""
     x = call.x
-    arch = device_arch(x.device)
-    return (
-        arch,
+    return GatedSpec(
+        "gated_fwd",
+        device_arch(x.device),
         dtype_name(x.dtype),
         dtype_name(call.w.dtype),
         x.shape[-1],
-        call.group_size,
-        call.norm_before_gate,
-        call.weight_offset,
-        call.activation,
+        group_size=call.group_size,
+        norm_before_gate=call.norm_before_gate,
+        weight_offset=call.weight_offset,
+        activation=call.activation,
     )
 
 
@@ -124,13 +128,13 @@ def forward_of_call(call: GatedCall, out=None, rstd=None):
         _check_output("out", out, x.shape, x.dtype, x.device, vec)
     if rstd is not None:
         _check_output("rstd", rstd, rstd_shape(x, group_size), torch.float32, x.device, 1)
-    fields = variant_fields(call)
+    spec = forward_spec(call)
     hidden = x.shape[-1]
     rows = x.numel() // hidden
     y = _output(out, x)
     rstd = _output(rstd, x, rstd_shape(x, group_size), torch.float32)
     if rows > 0:
-        fn = kernel("gated_fwd", *fields)
+        fn = get_kernel(spec)
         with on_device(x.device):
             fn(
                 kernel_view(x, vec),
@@ -209,14 +213,14 @@ def gated_rmsnorm_backward(
     if dw is not None:
         v.check_tensor("dw", dw, dtypes=(torch.float32, w.dtype), device=x.device)
         _check_output("dw", dw, (x.shape[-1],), dw.dtype, x.device, 1)
-    fields = variant_fields(call)
+    spec = forward_spec(call)
     hidden = x.shape[-1]
     dx, dz, dw = _output(dx, x), _output(dz, x), _output(dw, x, (hidden,), torch.float32)
     if x.numel() == 0:
         return dx, dz, dw.zero_()
-    programs = backward_programs_of(call, fields)
+    programs = backward_programs_of(call, spec)
     with on_device(x.device):
-        launch_backward(call, fields, g, rstd, dx, dz, dw, programs)
+        launch_backward(call, spec, g, rstd, dx, dz, dw, programs)
     return dx, dz, dw
 
 
@@ -230,17 +234,17 @@ def check_gradient_outputs(call: GatedCall, *named) -> None:
             _check_output(name, given, x.shape, x.dtype, x.device, vec)
 
 
-def backward_programs_of(call: GatedCall, fields: tuple) -> int:
-    """``backward_programs`` of a call ``gated_call`` accepted, whose device ``variant_fields`` checked."""
+def backward_programs_of(call: GatedCall, spec: GatedSpec) -> int:
+    """``backward_programs`` of a call ``gated_call`` accepted, whose device ``forward_spec`` checked."""
     x, group_size = call.x, call.group_size
     hidden = x.shape[-1]
-    config = gated_backward_config(fields[0], fields[1], hidden, group_size)
+    config = gated_backward_config(spec.arch, spec.act_dtype, hidden, group_size)
     return backward_programs(x.numel() // hidden, config, hidden // group_size, device_facts(x.device))
 
 
 def launch_backward(
     call: GatedCall,
-    fields: tuple,
+    spec: GatedSpec,
     g,
     rstd,
     dx,
@@ -266,9 +270,10 @@ def launch_backward(
     rows, groups = x.numel() // hidden, hidden // group_size
     vec = vector_width(group_size, x.element_size())
     partials = partial_rows_view(partial_space, programs, hidden, x.device)
-    in_launch = gated_backward_config(fields[0], fields[1], hidden, group_size).dw_in_launch
+    in_launch = gated_backward_config(spec.arch, spec.act_dtype, hidden, group_size).dw_in_launch
     finish = (dw, barrier_counter(counter_space, x.device)) if in_launch else ()
-    kernel("gated_bwd", *fields, *((dtype_name(dw.dtype),) if in_launch else ()))(
+    backward = replace(spec, kind="gated_bwd", dw_dtype=dtype_name(dw.dtype) if in_launch else "")
+    get_kernel(backward)(
         kernel_view(g, vec),
         kernel_view(x, vec),
         kernel_view(call.z, vec),
@@ -281,18 +286,19 @@ def launch_backward(
         programs,
     )
     if dw_wanted and not in_launch:
-        kernel("dw", fields[0], dtype_name(dw.dtype), hidden)(partials, dw)
+        get_kernel(ReduceSpec(spec.arch, dtype_name(dw.dtype), hidden))(partials, dw)
 
 
-def launch_statistics(call: GatedCall, fields: tuple, rstd: torch.Tensor) -> None:
+def launch_statistics(call: GatedCall, spec: GatedSpec, rstd: torch.Tensor) -> None:
     """rstd (FP32, contiguous, ``rstd_shape``) of rows > 0 as the forward computes it, bitwise: for a
     backward whose caller kept none. The kernel reads no weight, so its variant names x's dtype for
     w's and no offset; z is read only in the gate-then-norm form."""
     x, group_size = call.x, call.group_size
-    arch, act, _w, hidden, _, norm_before_gate, _offset, activation = fields
+    hidden = spec.hidden
     vec = vector_width(group_size, x.element_size())
     rows = x.numel() // hidden
-    kernel("gated_rstd", arch, act, act, hidden, group_size, norm_before_gate, 0.0, activation)(
+    statistics = replace(spec, kind="gated_rstd", w_dtype=spec.act_dtype, weight_offset=0.0)
+    get_kernel(statistics)(
         kernel_view(x, vec), kernel_view(call.z, vec), rstd.view(rows, hidden // group_size), call.eps
     )
 

@@ -1,10 +1,9 @@
 """From a kernel spec to a compiled function (works without a GPU), and the registry of kernel kinds.
 
-A kind is one ``KernelKind`` entry in ``KINDS``: how its spec is built from the hot path's fields, its
-config constructor (``kernels.config``; the forward to FP8's in ``kernels.quant_config``), its kernel
-object, and the arguments it is compiled against (fake tensors with a symbolic number of rows and the
-strides and alignment the launch guarantees).
-Adding a kernel means adding one entry.
+A kind is one ``KernelKind`` entry in ``KINDS``: its config constructor (``kernels.config``; the
+forward to FP8's in ``kernels.quant_config``), its kernel object, and the arguments it is compiled
+against (fake tensors with a symbolic number of rows and the strides and alignment the launch
+guarantees). Adding a kernel means adding one entry; a spec (``specs.py``) names the variant.
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ from .views import vector_align_bytes
 
 @dataclass(frozen=True)
 class KernelKind:
-    spec: Callable[..., Any]  # the hot path's fields after the kind -> the spec
     config: Callable[[Any], Any]  # spec -> its config value
     kernel: Callable[[Any, Any], Any]  # (spec, config) -> the kernel object or jit method cute.compile traces
     arguments: Callable[[Any, Any], tuple]  # (spec, config) -> its arguments, before the stream
@@ -150,7 +148,6 @@ def quant_kind(recipe: str, emit_y: bool, persistent: bool = False) -> str:
 
 def _quant_entry(recipe: str, emit_y: bool, persistent: bool) -> KernelKind:
     return KernelKind(
-        partial(KernelSpec, quant_kind(recipe, emit_y, persistent)),
         lambda s: quant_forward_config(s.arch, s.act_dtype, s.hidden, recipe, persistent),
         partial(_quant_kernel, emit_y=emit_y),
         partial(_quant_arguments, emit_y=emit_y),
@@ -170,7 +167,7 @@ def _backward_kernel(spec: KernelSpec, config):
     dtypes = cutlass_dtype(spec.act_dtype), cutlass_dtype(spec.w_dtype)
     finish = _finish(spec, config.tiling.threads_per_cta)
     backward = RMSNormBackward(
-        config, *dtypes, spec.residual, spec.weight_offset, spec.g_parts, spec.from_output, finish
+        config, *dtypes, spec.residual, spec.weight_offset, spec.g_parts, spec.memory_efficient, finish
     )
     return backward.entry_point()
 
@@ -228,39 +225,34 @@ def _gated_arguments(spec: GatedSpec, config) -> tuple:
 
 KINDS: dict[str, KernelKind] = {
     "fwd": KernelKind(
-        partial(KernelSpec, "fwd"),
         lambda s: forward_config(s.arch, s.act_dtype, s.hidden),
         _forward_kernel,
         _forward_arguments,
     ),
     "bwd": KernelKind(
-        partial(KernelSpec, "bwd"),
         lambda s: backward_config(
-            s.arch, s.act_dtype, s.w_dtype, s.hidden, s.residual, s.g_parts, s.from_output
+            s.arch, s.act_dtype, s.w_dtype, s.hidden, s.residual, s.g_parts, s.memory_efficient
         ),
         _backward_kernel,
         _backward_arguments,
     ),
     "gated_fwd": KernelKind(
-        partial(GatedSpec, "gated_fwd"),
         lambda s: gated_forward_config(s.act_dtype, s.hidden, s.group_size),
         _gated_kernel,
         _gated_arguments,
     ),
     "gated_rstd": KernelKind(
-        partial(GatedSpec, "gated_rstd"),
         lambda s: gated_forward_config(s.act_dtype, s.hidden, s.group_size),
         _gated_kernel,
         _gated_arguments,
     ),
     "gated_bwd": KernelKind(
-        partial(GatedSpec, "gated_bwd"),
         lambda s: gated_backward_config(s.arch, s.act_dtype, s.hidden, s.group_size),
         _gated_kernel,
         _gated_arguments,
     ),
     "dw": KernelKind(
-        ReduceSpec, lambda s: reduce_config(s.arch, s.out_dtype, s.hidden), _reduce_kernel, _reduce_arguments
+        lambda s: reduce_config(s.arch, s.out_dtype, s.hidden), _reduce_kernel, _reduce_arguments
     ),
     **{
         quant_kind(r, y, p): _quant_entry(r, y, p)
@@ -269,13 +261,6 @@ KINDS: dict[str, KernelKind] = {
         for p in (False, True)
     },
 }
-
-
-def make_spec(kind: str, *fields):
-    """The spec of ``kind`` from the fields after the kind (``("fwd", arch, act, w, H, residual,
-    offset)``, ``("bwd", arch, act, w, H, residual, offset[, g_parts[, from_output]])``, ``("dw",
-    arch, out_dtype, H)``)."""
-    return KINDS[kind].spec(*fields)
 
 
 def config_for(spec):

@@ -53,7 +53,6 @@ LOCK_TIMEOUT_S = 600  # far above any one compile: a longer wait means a stuck p
 
 compile_count = 0  # kernels compiled by this process (tests count these)
 _memory: dict = {}  # spec -> compiled function
-_by_fields: dict[tuple, Callable] = {}
 _lock = threading.Lock()  # guards _key_locks
 _key_locks: dict = {}
 _compile_lock = threading.Lock()  # one DSL compile at a time in this process
@@ -315,17 +314,10 @@ def get_kernel_and_source(spec: Spec) -> tuple[Callable, str]:
 
 
 def get_kernel(spec: Spec) -> Callable:
-    """The compiled function for ``spec``: from memory, else from disk, else compiled (and saved)."""
-    return get_kernel_and_source(spec)[0]
-
-
-def kernel(*fields) -> Callable:
-    """``get_kernel(build.make_spec(*fields))`` for the hot path: one dict lookup on the plain field
-    tuple (kind first), without building and hashing a dataclass on every call."""
-    fn = _by_fields.get(fields)
-    if fn is None:
-        fn = _by_fields[fields] = get_kernel(build.make_spec(*fields))
-    return fn
+    """The compiled function for ``spec``: from memory (the launches' one dict lookup), else from
+    disk, else compiled (and saved)."""
+    fn = _memory.get(spec)
+    return fn if fn is not None else get_kernel_and_source(spec)[0]
 
 
 def is_cached_on_disk(spec: Spec) -> bool:
@@ -337,4 +329,3 @@ def is_cached_on_disk(spec: Spec) -> bool:
 def clear_memory() -> None:
     """Forget the compiled functions held in memory (the disk cache stays)."""
     _memory.clear()
-    _by_fields.clear()

@@ -18,8 +18,9 @@ class KernelSpec:
     ``w_dtype``, hidden size ``hidden``, optionally fused with the residual add, with the Gemma-style
     ``weight_offset`` compiled in. A backward reads its upstream gradient as ``g_parts`` summands (1-3:
     see ``kernels.rmsnorm_bwd``); the name says so only from two on, so a one-g backward keeps its name.
-    A ``from_output`` backward (the memory-efficient mode) reads the forward's output y in place of its
-    input and recomputes xhat from y and w; the name says so only when set."""
+    A ``memory_efficient`` backward reads the forward's output y in place of its input and recomputes
+    xhat from y and w; the name says so only when set. Call sites name every field after the four
+    that say which kernel it is (kind, arch, dtypes, H), so a spec reads as what it is."""
 
     kind: str  # "fwd" or "bwd"
     arch: str  # vocab.SUPPORTED_ARCHS
@@ -29,14 +30,14 @@ class KernelSpec:
     residual: bool = False
     weight_offset: float = 0.0
     g_parts: int = 1  # "bwd" only
-    from_output: bool = False  # "bwd" only
+    memory_efficient: bool = False  # "bwd" only
     dw_dtype: str = ""  # "bwd" only: the dW a backward that finishes it in its launch writes
 
     def name(self) -> str:
         offset = f"_off{self.weight_offset:g}".replace(".", "p").replace("-", "m")
         res = "_res" if self.residual else ""
         parts = f"_g{self.g_parts}" if self.g_parts > 1 else ""
-        saved = "_fromy" if self.from_output else ""
+        saved = "_meff" if self.memory_efficient else ""
         dw = f"_dw{self.dw_dtype}" if self.dw_dtype else ""
         variant = f"{self.arch}_{self.act_dtype}_w{self.w_dtype}_h{self.hidden}"
         return f"cake_{self.kind}_{variant}{res}{offset}{parts}{saved}{dw}"

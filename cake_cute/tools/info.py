@@ -98,7 +98,7 @@ def config_lines(archs, dtypes, hiddens) -> list[str]:
     lines = []
     for arch, dtype, hidden in itertools.product(archs, dtypes, hiddens):
         specs = [
-            KernelSpec(kind, arch, dtype, dtype, hidden, res)
+            KernelSpec(kind, arch, dtype, dtype, hidden, residual=res)
             for kind in ("fwd", "bwd")
             for res in (False, True)
         ]

@@ -83,25 +83,26 @@ def variant_specs(
     weight_offset : float
         The constant added to w (compiled into the forward and backward; 1.0 for Gemma).
     memory_efficient : bool
-        Also the memory-efficient mode's backward (``from_output``: it reads the forward's output y),
+        Also the memory-efficient mode's backward (it reads the forward's output y),
         which the default mode never launches.
 
     Returns
     -------
     list of KernelSpec
-        Forward and backward (and the ``from_output`` backward when asked) per (arch, dtype, w dtype,
+        Forward and backward (and the memory-efficient backward when asked) per (arch, dtype, w dtype,
         H, residual), and the dW reduction for both outputs it is asked for (FP32 from the functional
         API, w's dtype from autograd; the two modes share it), or where the backward sums dW in its own
         launch a backward per output; duplicates removed, order kept.
     """
-    from_outputs = (False, True) if memory_efficient else (False,)
+    modes = (False, True) if memory_efficient else (False,)
     specs = []
     for arch, act, hidden, residual, w_mode in itertools.product(archs, dtypes, hiddens, residuals, w_modes):
         w = act if w_mode == "same" else "fp32"
-        kernels = [KernelSpec("fwd", arch, act, w, hidden, residual, weight_offset)]
+        variant = (arch, act, w, hidden)
+        kernels = [KernelSpec("fwd", *variant, residual=residual, weight_offset=weight_offset)]
         kernels += [
-            KernelSpec("bwd", arch, act, w, hidden, residual, weight_offset, from_output=from_output)
-            for from_output in from_outputs
+            KernelSpec("bwd", *variant, residual=residual, weight_offset=weight_offset, memory_efficient=mode)
+            for mode in modes
         ]
         specs += with_dw_outputs(kernels, ("fp32", w))
     return list(dict.fromkeys(specs))
@@ -175,17 +176,29 @@ def gated_variant_specs(
     for arch, act, (hidden, group), w_mode in itertools.product(archs, dtypes, forms, w_modes):
         w = act if w_mode == "same" else "fp32"
         kernels = [
-            GatedSpec(kind, arch, act, w, hidden, group, norm_before_gate, weight_offset, gate)
+            GatedSpec(
+                kind,
+                arch,
+                act,
+                w,
+                hidden,
+                group_size=group,
+                norm_before_gate=norm_before_gate,
+                weight_offset=weight_offset,
+                activation=gate,
+            )
             for gate, kind, norm_before_gate in itertools.product(activations, GATED_KINDS, (True, False))
         ]
         # dW into FP32 (the functional backward) and into w's dtype (autograd, FlashInfer's names).
         specs += with_dw_outputs(kernels, ("fp32", w))
         if group == hidden and SILU in activations:  # FlashInfer's functional backward recomputes rstd
-            specs.append(GatedSpec("gated_rstd", arch, act, act, hidden, hidden, True))
+            specs.append(
+                GatedSpec("gated_rstd", arch, act, act, hidden, group_size=hidden, norm_before_gate=True)
+            )
         # What the other policies launch where a rounding before the scale is not exact: a bf16 / fp16
         # x, or an FP32 x (the gate of another dtype included) with a bf16 / fp16 weight.
         unit = [
-            GatedSpec(kind, arch, act, act, hidden, group, False, 0.0, gate)
+            GatedSpec(kind, arch, act, act, hidden, group_size=group, norm_before_gate=False, activation=gate)
             for gate, kind in itertools.product(activations, GATED_KINDS)
         ]
         specs += with_dw_outputs(unit, (act,))  # the unit weight's dW, x's dtype
