@@ -34,7 +34,9 @@ def _loaded(name: str, path, dtype=torch.bfloat16):
     routed = transformers.AutoModelForCausalLM.from_pretrained(
         path, use_kernels=True, kernel_config=hf_kernel_config(config), **load
     ).train()
-    stock = transformers.AutoModelForCausalLM.from_pretrained(path, **load).train()
+    # use_kernels=False: with the kernels package installed, transformers 5.25 kernelizes a model by
+    # default from its own hub mapping (rotary embeddings among it on CUDA), which needs the network.
+    stock = transformers.AutoModelForCausalLM.from_pretrained(path, use_kernels=False, **load).train()
     _assert_bound(routed)
     return routed, _swapped_like_route(stock, kernel_route.LAYERS)
 
@@ -93,7 +95,9 @@ def test_kernelized_on_cpu_then_moved_to_cuda(tmp_path):
     )
     routed = routed.cuda().train()
     _assert_bound(routed)
-    stock = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, **load).cuda().train()
+    stock = (
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path, use_kernels=False, **load).cuda().train()
+    )
     _assert_same_step(_step(routed), _step(_swapped_like_route(stock, kernel_route.LAYERS)))
 
 
