@@ -1,12 +1,8 @@
-"""Autograd: the ``torch.autograd.Function`` of each forward kind, saving exactly (x or h_new, w, rstd),
-or in the memory-efficient mode (``memory_efficient=True``) exactly (y, w, rstd).
+"""Autograd: one ``torch.autograd.Function`` per forward kind, saving exactly (x or h_new, w, rstd), or
+(y, w, rstd) in the memory-efficient mode.
 
-Which path a call takes is ``cake_cute.routing``'s rule: on ``NATIVE`` the C++ autograd node (plain
-layouts of a signature the Python path has validated), on ``PYTHON`` the Function launching the kernels
-directly (``launch``, ``launch_fp8``), on ``OP`` the ``cake_cute::`` custom ops (under torch.compile, for
-DTensor inputs, for CPU tensors), on ``MATH`` the norm's math in torch operations (``rmsnorm_math``:
-FP64 inputs, ``torch.func`` transforms). The eager Functions and the ops' registered autograd share one
-save/backward helper (``library_ops.save_for_backward`` and ``library_ops.norm_backward``): adding a
+``cake_cute.routing`` decides the path of a call. The eager Functions and the custom ops' autograd share
+one save/backward pair (``library_ops.save_for_backward``, ``library_ops.norm_backward``), so a new
 forward kind is a Function here whose backward is ``norm_backward``.
 """
 
@@ -25,9 +21,9 @@ from .routing import MATH, NATIVE, OP, route
 
 
 def rmsnorm_math(x, w, eps, residual=None, weight_offset=0.0):
-    """``cake_rmsnorm``'s outputs (same checks, shapes and dtypes) in torch operations: the SPEC's math at
-    the kernels' rounding points (h rounded to x's dtype, y rounded once), in FP32, or FP64 for FP64
-    inputs. Autograd, every ``torch.func`` transform and inductor take it as they take ``F.rms_norm``.
+    """``cake_rmsnorm``'s outputs in torch operations, at the kernels' rounding points (FP32, or FP64 for
+    FP64 inputs), for the ``MATH`` route: autograd and every ``torch.func`` transform take it as they
+    take ``F.rms_norm``.
 
     Raises
     ------
@@ -63,8 +59,7 @@ class CakeRMSNormFunction(torch.autograd.Function):
     weight_offset : float
         The scale is ``w + weight_offset`` (1.0 for Gemma's ``1 + w``).
     memory_efficient : bool
-        Save the returned y instead of x (or h_new); the backward recomputes xhat from y and w
-        (docs/memory.md states its error).
+        Save the returned y instead of x (or h_new); the backward recomputes xhat from y and w.
 
     Returns
     -------
@@ -80,13 +75,9 @@ class CakeRMSNormFunction(torch.autograd.Function):
 
     Notes
     -----
-    Saves exactly ``(x or h_new, w, rstd)``, or ``(y, w, rstd)`` with ``memory_efficient``; gradients
-    that are not needed are not materialized.
-    ``apply`` is overridden because FlashInfer's users call it as their entry: it follows the routing
-    rule as ``cake_rmsnorm`` does (``cake_cute.routing``), so a call may record the C++ autograd node
-    (the native path: the same saved tensors and bits, without a Python frame per call), the custom
-    op's autograd (torch.compile, DTensor and CPU inputs) or none (FP64 and ``torch.func``: torch's own
-    operations) instead of this Function's node, which records the Python path's calls.
+    ``apply`` follows the routing rule as ``cake_rmsnorm`` does, because FlashInfer's users call it as
+    their entry: a call may record the C++ autograd node, the custom op's autograd or none (the
+    ``MATH`` route) instead of this Function's node, which records the Python path's calls.
     """
 
     @classmethod
@@ -106,8 +97,7 @@ class CakeRMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, eps, residual=None, deterministic=True, weight_offset=0.0, memory_efficient=False):
-        """The Python path (the kernels launched from Python on plain CUDA tensors); while dynamo traces
-        this Function (``apply`` inside a compiled region) the custom op stands for the kernels."""
+        """The Python path; while dynamo traces this Function the custom op stands for the kernels."""
         direct = not torch.compiler.is_compiling()
         call = norm_call(x, w, eps, residual, weight_offset, on_gpu=direct)
         if direct:
@@ -134,9 +124,8 @@ _function_apply = torch.autograd.Function.apply.__func__  # the engine's apply, 
 
 
 def _norm(cls, x, w, eps, residual, *, deterministic, weight_offset, memory_efficient):
-    """``cake_rmsnorm`` and ``CakeRMSNormFunction.apply`` by the routing rule, decided once: the torch
-    math on ``MATH``, the custom op on ``OP``, the C++ node on ``NATIVE`` when it serves the call, else
-    the Function ``cls`` (the Python path)."""
+    """Run a call on its route, decided once: the torch math, the custom op, the C++ node when it serves
+    the call, else the Function ``cls``."""
     if type(deterministic) is not bool or type(memory_efficient) is not bool:  # one cheap test per call
         _refuse_flags(deterministic, memory_efficient)
     path = route(x, w, residual)
@@ -166,8 +155,7 @@ class CakeRMSNormFp8Function(torch.autograd.Function):
     """``forward(ctx, x, w, eps, residual, recipe, emit_y, weight_offset)`` ->
     ``(data, compact scales, y or placeholder, rstd, h_new or empty)``; saves (x or h_new, w, rstd).
 
-    The eager form of ``cake_cute::rmsnorm_fp8_fwd`` (``cake_rmsnorm_fp8`` calls it on the routing
-    rule's ``PYTHON``); the caller has validated the arguments (``calls.fp8_call``)."""
+    The eager form of ``cake_cute::rmsnorm_fp8_fwd``, for arguments ``calls.fp8_call`` has validated."""
 
     @staticmethod
     def forward(ctx, x, w, eps, residual, recipe, emit_y, weight_offset):
@@ -206,9 +194,9 @@ def cake_rmsnorm(
     weight_offset : float
         The scale is ``w + weight_offset``.
     memory_efficient : bool
-        Save the returned y (which the next layer keeps anyway) instead of x or h_new for the backward,
-        which recomputes xhat = y / (w + weight_offset), |w + weight_offset| clamped away from zero;
-        its error against FP64 and the columns it cannot serve are in docs/memory.md.
+        Save the returned y (which the next layer keeps anyway) instead of x or h_new; the backward
+        recomputes xhat = y / (w + weight_offset), |w + weight_offset| clamped away from zero
+        (docs/memory.md states the error and the columns it cannot serve).
 
     Returns
     -------
@@ -221,12 +209,6 @@ def cake_rmsnorm(
     TypeError, ValueError
         Bad arguments (named), before any launch; a DTensor sharded on its last dimension;
         ``deterministic`` or ``memory_efficient`` not a bool.
-
-    Notes
-    -----
-    Under torch.compile this traces to the ``cake_cute::rmsnorm_fwd`` custom op with its registered
-    autograd; in eager it is the native autograd node for plain calls of a signature seen before
-    (``cake_cute.runtime.native``), else ``CakeRMSNormFunction``.
     """
     return _norm(
         CakeRMSNormFunction,
