@@ -1,9 +1,6 @@
-"""Readers of a Hugging Face norm module: its eps, its one weight, its forward's source and whether
-that source averages squares over the last dimension (as every RMSNorm, gated or not, does).
-
-Hugging Face norms are plain modules with no common base class, so the swaps recognize them by what
-they hold and by what their forward's source shows. ``swap`` (plain norms) and ``gated.swap`` (gated
-norms) read a module the same way; this module is that one reading.
+"""Readers of a Hugging Face norm module: its eps, its one weight, its forward's source and whether that
+source averages squares over the last dimension. Hugging Face norms share no base class, so the swaps
+recognize them by what they hold and what their source shows; this is the one reading both swaps use.
 """
 
 from __future__ import annotations
@@ -42,8 +39,8 @@ def hf_weight(module: nn.Module) -> nn.Parameter | None:
 
 
 def forward_source(cls: type) -> str | None:
-    """The source of ``cls.forward`` and of its ``_norm`` helper, if any, on one line with single spaces
-    and without comments or docstrings; None when it cannot be read."""
+    """The source of ``cls.forward`` and of its ``_norm`` helper, on one line with single spaces and no
+    comments or docstrings; None when it cannot be read."""
     parts = []
     for name in ("_norm", "forward"):
         function = getattr(cls, name, None)
