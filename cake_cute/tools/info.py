@@ -36,9 +36,8 @@ def _cache_contents() -> str:
 
 
 def cache_dir_conflict(root: Path) -> str | None:
-    """Why ``root`` cannot be the kernel cache directory without creating anything: it, or the nearest
-    of its ancestors that exists, is not a directory; None otherwise (missing is fine: the first
-    compile creates it)."""
+    """Why ``root`` cannot be the kernel cache directory (it, or its nearest existing ancestor, is not a
+    directory), without creating anything; None otherwise."""
     existing = next(p for p in (root, *root.parents) if p.exists())
     if existing.is_dir():
         return None
@@ -88,9 +87,8 @@ def _cuobjdump_line() -> str:
 
 
 def config_lines(archs, dtypes, hiddens) -> list[str]:
-    """One line per kernel of (arch, dtype, H): forward and backward, plain and residual, the dW
-    reduction into FP32, and the forwards to FP8 of both recipes (one CTA per row tile, and the
-    persistent one where it applies); each with the config it compiles with."""
+    """One line per kernel of (arch, dtype, H) with the config it compiles with: forward and backward,
+    plain and residual, the dW reduction into FP32, and the forwards to FP8."""
     from ..fp8 import fp8_variant_specs
     from ..runtime.specs import KernelSpec, ReduceSpec
     from .kernel_report import describe_config

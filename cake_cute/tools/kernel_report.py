@@ -17,9 +17,9 @@ def describe_config(spec: KernelSpec | ReduceSpec) -> str:
 
 
 def programs_fit(spec: KernelSpec | ReduceSpec, registers: int) -> bool:
-    """Whether a persistent kernel whose config sets ``programs_per_sm`` (the forward to FP8's) can hold
-    all of an SM's programs at once with the ``registers`` per thread its compile took (a program
-    waiting for a slot would run its row tiles after the others finished theirs); True for others."""
+    """Whether a persistent kernel whose config sets ``programs_per_sm`` can hold all of an SM's programs
+    at once with the registers its compile took (a waiting program would run its tiles after the
+    others); True for other kernels."""
     from ..kernels.tiling import REGISTERS_PER_SM
     from ..runtime.build import config_for
 
@@ -29,22 +29,8 @@ def programs_fit(spec: KernelSpec | ReduceSpec, registers: int) -> bool:
 
 
 def collect_reports(specs: list[KernelSpec], jobs: int | None = None, *, sass: bool = True) -> list[dict]:
-    """Cubin reports of variants (compiled first where missing) with their configuration.
-
-    Parameters
-    ----------
-    specs : list of KernelSpec
-    jobs : int, optional
-        Threads (the tools run as subprocesses, so threads parallelize them; default: the CPU count).
-    sass : bool
-        Also disassemble (access widths, local accesses, atomics), about 0.3 s a kernel.
-
-    Returns
-    -------
-    list of dict
-        ``cubin.kernel_report`` of each spec plus ``config`` (``describe_config``) and ``programs_fit``
-        (``programs_fit``), in order.
-    """
+    """Cubin reports of ``specs`` (compiled first where missing), in order, each with ``config`` and
+    ``programs_fit``; ``jobs`` threads (the tools run as subprocesses), ``sass`` to disassemble too."""
     from .cubin import kernel_report
 
     def report(spec: KernelSpec) -> dict:

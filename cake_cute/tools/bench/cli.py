@@ -68,7 +68,9 @@ def build_parser(prog: str = "cake-cute bench") -> argparse.ArgumentParser:
     )
     p.add_argument("--no-cake", action="store_true", help="do not time cake_cute (peers only)")
     p.add_argument("--ops", type=_choice_list(OPS), default=list(OPS), help="fwd,bwd (default both)")
-    p.add_argument("--json", type=Path, help="output JSON (default evidence/<date>-<gpu>[-<grid>].json)")
+    p.add_argument(
+        "--json", type=Path, help="output JSON (default: evidence folder, <date>-<gpu>[-<grid>].json)"
+    )
     p.add_argument(
         "--append", action="store_true", help="merge into an existing --json file (same keys replaced)"
     )
