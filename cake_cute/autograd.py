@@ -40,7 +40,8 @@ class CakeRMSNormFunction(torch.autograd.Function):
     """Fused RMSNorm as a ``torch.autograd.Function``.
 
     ``CakeRMSNormFunction.apply(x, w, eps, residual=None, deterministic=True, weight_offset=0.0,
-    memory_efficient=False)``
+    memory_efficient=False)``; ``apply`` follows the routing rule as ``cake_rmsnorm`` does, since
+    FlashInfer's users call it as their entry.
 
     Parameters
     ----------
@@ -54,8 +55,7 @@ class CakeRMSNormFunction(torch.autograd.Function):
     residual : torch.Tensor, optional
         Added to x first (``h_new = x + residual``, rounded to x's dtype), placed like x.
     deterministic : bool
-        Accepted for API compatibility (and checked to be a bool); the kernels are deterministic
-        either way.
+        Accepted for API compatibility; the kernels are deterministic either way.
     weight_offset : float
         The scale is ``w + weight_offset`` (1.0 for Gemma's ``1 + w``).
     memory_efficient : bool
@@ -72,12 +72,6 @@ class CakeRMSNormFunction(torch.autograd.Function):
     TypeError, ValueError
         A wrong dtype, shape or device, named by argument, before any launch; ``deterministic`` or
         ``memory_efficient`` not a bool.
-
-    Notes
-    -----
-    ``apply`` follows the routing rule as ``cake_rmsnorm`` does, because FlashInfer's users call it as
-    their entry: a call may record the C++ autograd node, the custom op's autograd or none (the
-    ``MATH`` route) instead of this Function's node, which records the Python path's calls.
     """
 
     @classmethod
@@ -124,8 +118,7 @@ _function_apply = torch.autograd.Function.apply.__func__  # the engine's apply, 
 
 
 def _norm(cls, x, w, eps, residual, *, deterministic, weight_offset, memory_efficient):
-    """Run a call on its route, decided once: the torch math, the custom op, the C++ node when it serves
-    the call, else the Function ``cls``."""
+    """Run a call on its route: torch math, the custom op, the C++ node, else the Function ``cls``."""
     if type(deterministic) is not bool or type(memory_efficient) is not bool:  # one cheap test per call
         _refuse_flags(deterministic, memory_efficient)
     path = route(x, w, residual)
@@ -146,7 +139,6 @@ def _norm(cls, x, w, eps, residual, *, deterministic, weight_offset, memory_effi
 
 
 def _refuse_flags(deterministic, memory_efficient) -> None:
-    """The TypeError naming the flag of ``_norm`` that is not a bool."""
     v.check_bool("deterministic", deterministic)
     v.check_memory_efficient(memory_efficient)
 
@@ -180,35 +172,32 @@ def cake_rmsnorm(
     Parameters
     ----------
     x : torch.Tensor
-        ``[..., H]`` activations (bf16, fp16, fp32) on CUDA or CPU, or a DTensor sharded on a
-        non-hidden dimension or replicated.
+        ``[..., H]`` bf16, fp16 or fp32 on CUDA or CPU, or a DTensor sharded on a non-hidden dimension
+        or replicated.
     w : torch.Tensor
         ``[H]`` weight in x's dtype or fp32; a ``Replicate()`` DTensor when x is a DTensor.
     eps : float
         Added to the mean square (finite, >= 0).
     residual : torch.Tensor, optional
-        Added to x before the norm; same shape, dtype, device and placement as x.
+        Added to x before the norm; like x, placement included.
     deterministic : bool
-        Accepted for API compatibility (and checked to be a bool); results are deterministic either
-        way.
+        Accepted for API compatibility; results are deterministic either way.
     weight_offset : float
         The scale is ``w + weight_offset``.
     memory_efficient : bool
-        Save the returned y (which the next layer keeps anyway) instead of x or h_new; the backward
-        recomputes xhat = y / (w + weight_offset), |w + weight_offset| clamped away from zero
-        (docs/memory.md states the error and the columns it cannot serve).
+        Save the returned y instead of x or h_new; the backward recomputes xhat = y / (w +
+        weight_offset), the scale clamped away from zero (docs/memory.md states the error).
 
     Returns
     -------
     torch.Tensor or tuple of torch.Tensor
-        ``y = h * rstd * (w + weight_offset)``, or ``(y, h_new)`` with ``h_new = x + residual``.
-        DTensor outputs keep x's placements; the weight gradient of a DTensor w is ``Partial()``.
+        ``y = h * rstd * (w + weight_offset)``, or ``(y, h_new)`` with ``h_new = x + residual``, placed
+        like x; a DTensor w's gradient is ``Partial()``.
 
     Raises
     ------
     TypeError, ValueError
-        Bad arguments (named), before any launch; a DTensor sharded on its last dimension;
-        ``deterministic`` or ``memory_efficient`` not a bool.
+        Bad arguments (named), before any launch; a DTensor sharded on its last dimension.
     """
     return _norm(
         CakeRMSNormFunction,

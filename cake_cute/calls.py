@@ -68,8 +68,8 @@ def norm_call(
     on_gpu=True,
     torch_math=False,
 ) -> NormCall:
-    """Check every argument of a plain-norm forward, the device last. ``on_gpu``: the kernels will run,
-    so x must be on a supported GPU. ``torch_math``: torch operations compute it, so FP64 is accepted."""
+    """Check every argument of a plain-norm forward, the device last (``on_gpu``: the kernels will run;
+    ``torch_math``: FP64 accepted)."""
     known = known_operands(x, w) if on_gpu else None  # the hot path: (x, w) seen before
     if known is None:
         check_activation(x, torch_math=torch_math)
@@ -185,8 +185,7 @@ def gated_call(
     *,
     torch_math=False,
 ) -> GatedCall:
-    """Check the gated norm's arguments (the device excepted: CPU tensors run the CPU kernels); errors
-    name the weight ``weight_name``. ``torch_math``: FP64 is accepted too."""
+    """Check the gated norm's arguments, naming the weight ``weight_name``; ``torch_math``: FP64 accepted."""
     check_activation(x, torch_math=torch_math)
     check_like("z", z, x)
     check_weight(w, x, weight_name)

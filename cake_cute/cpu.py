@@ -18,16 +18,15 @@ from .runtime.views import as_output
 
 
 def forward(x, w, eps, residual, weight_offset):
-    """``(y, rstd, h_new)``, rstd shaped ``x.shape[:-1]``, h_new None in plain mode, laid out as the CUDA
-    kernels' outputs."""
+    """``(y, rstd, h_new)``, rstd shaped ``x.shape[:-1]``, h_new None in plain mode."""
     y, rstd, h = forward_reference(x, w, eps, residual, weight_offset, compute_dtype=torch.float32)
     rstd = as_output(rstd, x, x.shape[:-1], torch.float32)
     return as_output(y, x), rstd, (None if residual is None else as_output(h, x))
 
 
 def backward(g, h, w, rstd, g_residual, weight_offset):
-    """``(dx, dw)`` for the saved ``h``, dw in w's dtype, in the FP32 expression of autograd through
-    torch's ``rms_norm``, so dx and dw round the same values torch's do."""
+    """``(dx, dw)`` for the saved ``h`` in the FP32 expression of autograd through torch's ``rms_norm``, so
+    they round the same values torch's do."""
     hidden = h.shape[-1]
     gf, hf = g.float(), h.float()
     r = rstd.reshape(*h.shape[:-1], 1)
@@ -55,8 +54,7 @@ def backward_from_output(g, y, w, rstd, g_residual, weight_offset):
 
 
 def xhat_from_output(y, w, weight_offset, compute_dtype=torch.float32) -> torch.Tensor:
-    """xhat recomputed from y as the memory-efficient backward kernel does: y / s, s = w + weight_offset
-    with |s| raised to at least ``kernels.config.SCALE_FLOOR``, its sign kept."""
+    """xhat = y / s as the memory-efficient backward kernel recomputes it (|s| floored at ``SCALE_FLOOR``)."""
     s = w.to(compute_dtype) + weight_offset
     clamped = torch.where(s >= 0, s.clamp(min=SCALE_FLOOR), s.clamp(max=-SCALE_FLOOR))
     return y.to(compute_dtype) * clamped.reciprocal()

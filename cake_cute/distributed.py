@@ -35,15 +35,13 @@ def _refuse_a_sharded_hidden_dim(x, norm: str) -> None:
 
 
 def row_placements(x, norm: str = "RMSNorm"):
-    """Replicate() and Shard(d) for every non-hidden dimension d of the DTensorSpec ``x``: the row
-    placements of every cake_cute norm's sharding rules."""
+    """Replicate() and Shard(d) for every non-hidden dimension d of the DTensorSpec ``x``."""
     _refuse_a_sharded_hidden_dim(x, norm)
     return [Replicate(), *(Shard(d) for d in range(x.ndim - 1))]
 
 
 def _forward_strategies(x, residual, row_outputs: int, options: int):
-    """A forward op's strategies: ``row_outputs`` outputs placed like the rows, then h_new, for inputs
-    (x, w, eps, residual) and ``options`` non-tensor arguments."""
+    """A forward op's strategies: ``row_outputs`` outputs placed like the rows, then h_new."""
     strategies = []
     for rows in row_placements(x):
         # In plain mode h_new is an empty tensor: replicated, whatever x is.
@@ -76,8 +74,7 @@ def _backward_sharding(g, x, w, rstd, g_residual=None, weight_offset=0.0):
 
 @register_sharding(torch.ops.cake_cute.rmsnorm_fp8_fwd.default)
 def _fp8_forward_sharding(x, w, eps, residual, recipe, emit_y, weight_offset):
-    """Outputs (data, scales, y, rstd, h_new), inputs (x, w, eps, residual, recipe, emit_y,
-    weight_offset); the (…, blocks) scales and y shard like the rows."""
+    """Outputs (data, scales, y, rstd, h_new): the (…, blocks) scales and y shard like the rows."""
     return _forward_strategies(x, residual, row_outputs=4, options=3)
 
 

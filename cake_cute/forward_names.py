@@ -20,9 +20,8 @@ def forward_input_name(forward) -> str:
 
 
 def with_input_named(forward, name: str):
-    """A copy of ``forward`` (same code, defaults, annotations) whose first parameter after ``self`` is
-    ``name``, so it binds and traces as a method written with that name; ``forward`` itself if already so
-    named. ValueError if ``name`` is not an identifier or is one of ``forward``'s locals."""
+    """A copy of ``forward`` whose first parameter after ``self`` is named ``name`` (``forward`` itself if
+    it already is); ValueError if ``name`` is not an identifier or is one of its locals."""
     code = forward.__code__
     old = code.co_varnames[1]
     if name == old:

@@ -73,8 +73,7 @@ def cake_rmsnorm_fp8(
     Parameters
     ----------
     x : torch.Tensor
-        (…, H) activations, bf16/fp16/fp32; or a DTensor sharded on any dimension but the last, or
-        replicated.
+        (…, H) bf16/fp16/fp32; or a DTensor sharded on any dimension but the last, or replicated.
     w : torch.Tensor
         (H,) weight, x's dtype or FP32 (a ``Replicate()`` DTensor when x is a DTensor).
     eps : float
@@ -86,24 +85,22 @@ def cake_rmsnorm_fp8(
     emit_y : bool
         Also write the act-dtype y (returned as ``y``).
     weight_offset : float
-        Gemma-style offset: the weight is ``w + weight_offset``, added in FP32.
+        The weight is ``w + weight_offset``, added in FP32.
     scale_layout : {"compact", "cublas", "deepgemm"}
         Compact row-major scales, cuBLAS's swizzled MXFP8 layout or DeepGEMM's MN-major FP32 layout.
     memory_efficient : bool
-        Only False; True is refused by name (xhat cannot be recomputed from e4m3 data within the
-        mode's error bound).
+        Only False (xhat cannot be recomputed from e4m3 data within the mode's error bound).
 
     Returns
     -------
     Fp8NormOutput
-        For DTensor inputs each field is a DTensor placed like x (w's gradient ``Partial()``), and no
-        collective runs.
+        For DTensor inputs each field is placed like x (w's gradient ``Partial()``); no collective runs.
 
     Raises
     ------
     TypeError, ValueError
-        For a bad argument, naming it, before anything runs; a scale layout other than ``"compact"``
-        for a DTensor x; ``memory_efficient=True``.
+        A bad argument, named, before anything runs; a non-compact scale layout for a DTensor x;
+        ``memory_efficient=True``.
     RuntimeError
         Inside a ``torch.func`` transform.
     """

@@ -38,12 +38,10 @@ _DEEPGEMM_ROW_ALIGN = 4  # 16 bytes of FP32 scales per TMA row
 
 
 def block_of(recipe: str) -> int:
-    """Columns per scale block of ``recipe``."""
     return qc.QUANT_RECIPES[recipe][0]
 
 
 def scale_blocks(hidden: int, recipe: str) -> int:
-    """Scales per row: ceil(H / block)."""
     return -(-hidden // block_of(recipe))
 
 
@@ -52,14 +50,13 @@ def scale_blocks(hidden: int, recipe: str) -> int:
 
 
 def amax_bits(blocks: torch.Tensor) -> torch.Tensor:
-    """Max over the last dim of the FP32 values' bit patterns with the sign cleared (int32): max |value|,
-    with NaN sorting above infinity so it propagates."""
+    """Max of |value| over the last dim as int32 bits, NaN sorting above infinity so it propagates."""
     return (blocks.contiguous().view(torch.int32) & 0x7FFFFFFF).amax(dim=-1)
 
 
 def e8m0_round_up(amax: torch.Tensor) -> torch.Tensor:
-    """Biased E8M0 exponent (int32) of fp32(amax / 448) rounded up to a power of two, saturated to
-    254 (2^127); 255 for NaN. ``amax`` is the bit pattern from ``amax_bits`` (int32) or FP32."""
+    """Biased E8M0 exponent (int32) of fp32(amax / 448) rounded up to a power of two, saturated to 254;
+    255 for NaN. ``amax`` as bits (int32) or FP32."""
     amax = amax.view(torch.float32) if amax.dtype == torch.int32 else amax.float()
     # A tensor divisor: torch's CUDA division by a Python scalar multiplies by its rounded
     # reciprocal, which is not the IEEE quotient the kernel rounds.
@@ -111,8 +108,7 @@ def quantize_rows_reference(y: torch.Tensor, recipe: str) -> tuple[torch.Tensor,
 
 
 def quantize_rows_bytes(y: torch.Tensor, recipe: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``quantize_rows_reference`` with E8M0 scales as uint8 bytes, a dtype every torch.compile code
-    generator handles."""
+    """``quantize_rows_reference`` with E8M0 scales as uint8 bytes, which every compile backend handles."""
     hidden = y.shape[-1]
     block = block_of(recipe)
     blocks = scale_blocks(hidden, recipe)
@@ -130,8 +126,7 @@ def quantize_rows_bytes(y: torch.Tensor, recipe: str) -> tuple[torch.Tensor, tor
 
 
 def canonical_nan_bytes(data: torch.Tensor) -> torch.Tensor:
-    """The bytes of e4m3 ``data`` with both NaN encodings as 0x7F: the CPU's and the GPU's default NaNs
-    differ in sign, which comparisons should not see."""
+    """e4m3 ``data``'s bytes with both NaN encodings as 0x7F (CPU and GPU NaNs differ in sign)."""
     b = data.view(torch.uint8)
     return torch.where(b == 0xFF, torch.full_like(b, 0x7F), b)
 
@@ -144,8 +139,8 @@ def dequantize_rows(data: torch.Tensor, scales: torch.Tensor, recipe: str) -> to
 
 
 def normalized_reference(x, w, eps, residual=None, weight_offset=0.0, rstd=None):
-    """``(y FP32, rstd, h)`` at the kernel's rounding points; rstd is computed in FP32 unless given
-    (a kernel's rstd has a row sum order a torch sum does not reproduce)."""
+    """``(y FP32, rstd, h)`` at the kernel's rounding points; rstd computed in FP32 unless given (a kernel's
+    row sum order is not a torch sum's)."""
     h = x if residual is None else (x.float() + residual.float()).to(x.dtype)
     hf = h.float()
     if rstd is None:
@@ -199,8 +194,7 @@ def from_cublas_mx_scales(swizzled: torch.Tensor, rows: int, blocks: int) -> tor
 
 
 def to_deepgemm_scales(scales: torch.Tensor) -> torch.Tensor:
-    """Compact (T, blocks) FP32 scales -> DeepGEMM's MN-major view: shape (T, blocks), strides
-    (1, roundup(T, 4)), over a zero-padded (blocks, roundup(T, 4)) buffer."""
+    """Compact (T, blocks) FP32 scales -> DeepGEMM's MN-major view over a zero-padded buffer."""
     _check_scales("scales", scales, torch.float32, 2)
     rows, blocks = scales.shape
     buffer = scales.new_zeros((blocks, _roundup(rows, _DEEPGEMM_ROW_ALIGN)))

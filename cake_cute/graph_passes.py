@@ -32,7 +32,6 @@ def _value(arg):
 
 
 def _like(arg, x) -> bool:
-    """``arg`` is a node whose value has x's shape, dtype and device."""
     val = _value(arg)
     facts = (x.shape, x.dtype, x.device)
     return isinstance(val, torch.Tensor) and (val.shape, val.dtype, val.device) == facts
@@ -51,8 +50,7 @@ def _foldable_add(node, x) -> bool:
 
 
 def _materialized(node) -> bool:
-    """A graph input or a matrix product's output, possibly viewed: stored in x's dtype whatever inductor
-    fuses around it."""
+    """A graph input or a matrix product's output (possibly viewed): stored whatever inductor fuses."""
     while node.op == "call_function" and node.target in _VIEWS:
         node = node.args[0]
     return node.op == "placeholder" or (node.op == "call_function" and node.target in _MATRIX_PRODUCTS)
@@ -67,8 +65,7 @@ def _summands(g, x) -> list:
 
 
 def fold_gradient_sums(graph: torch.fx.Graph) -> int:
-    """Rewrite, in place, each norm backward of a post-grad ``graph`` whose gradient is a foldable sum
-    into the backward of its summands; return how many were rewritten."""
+    """Fold each foldable gradient sum of a post-grad ``graph`` into its backward; return the count."""
     if torch._inductor.config.emulate_precision_casts:
         return 0
     ops = torch.ops.cake_cute

@@ -48,8 +48,7 @@ def forward_kernel(operands, residual: bool, weight_offset: float):
 
 
 def launch_forward(call: NormCall):
-    """The forward of a validated call: ``(y, rstd)``, or ``(y, rstd, h_new)`` in residual mode; the
-    caller's outputs when it gave them."""
+    """The forward of a validated call: ``(y, rstd[, h_new])``, the caller's outputs when given."""
     x, residual, operands = call.x, call.residual, call.operands
     hidden = operands.hidden
     rows = x.numel() // hidden
@@ -79,11 +78,9 @@ def launch_forward(call: NormCall):
 
 
 def cake_rmsnorm_train_backward_workspace_bytes(rows, hidden, device, *, residual=False) -> int:
-    """Bytes of workspace a backward of up to ``rows`` rows of ``hidden`` needs, for any dtype.
-
-    The workspace holds the FP32 partial rows of dW and, in its last 16 bytes, the counter of the grid
-    barrier of a backward that sums them in its own launch: zero before the first call, and every call
-    leaves it zero.
+    """Bytes of workspace a backward of up to ``rows`` rows of ``hidden`` needs, for any dtype: the FP32
+    partial rows of dW and, in its last 16 bytes, the grid barrier's counter (zero before the first call,
+    as every call leaves it).
 
     Parameters
     ----------
@@ -92,23 +89,21 @@ def cake_rmsnorm_train_backward_workspace_bytes(rows, hidden, device, *, residua
     hidden : int
         The hidden size H, 1 <= H <= 262144.
     device : torch.device, str or int
-        The CUDA device (``"cuda"``, ``"cuda:1"``, ``torch.device("cuda", 1)`` or ``1``): the number of
-        partial rows follows its SM count.
+        The CUDA device, whose SM count sets the number of partial rows.
     residual : bool, default False
-        Size it for residual-mode backwards (``g_residual`` given).
+        Size it for residual-mode backwards.
 
     Returns
     -------
     int
-        Bytes; a workspace of at least this size serves every backward of up to ``rows`` rows.
+        Bytes.
 
     Raises
     ------
     TypeError
         rows or hidden is not an int; residual is not a bool.
     ValueError
-        rows or hidden out of range; device names no CUDA device, or one that does not exist, or
-        torch sees no CUDA device, or the GPU is not supported.
+        rows or hidden out of range; device names no existing, supported CUDA device.
     """
     v.check_count("rows", rows, 0)
     v.check_count("hidden", hidden, 1, v.MAX_HIDDEN)
@@ -148,8 +143,8 @@ def cake_rmsnorm_train_backward_workspace(rows, hidden, device, *, residual=Fals
 
 
 def backward_from_saved(g, h, w, rstd, g_residual, weight_offset: float, memory_efficient: bool):
-    """The backward for autograd: h (y in the memory-efficient mode), w and rstd were validated by the
-    forward and the engine matched g to the outputs, so only the (x, w) facts are looked up again."""
+    """The backward for autograd: the forward validated h (y in the memory-efficient mode), w and rstd,
+    so only the (x, w) facts are looked up again."""
     operands = operands_of(h, w)
     call = BackwardCall((g,), h, w, rstd, g_residual, weight_offset, w.dtype, operands, memory_efficient)
     return launch_backward(call)
@@ -165,8 +160,7 @@ class _BackwardPlan(NamedTuple):
 
 @lru_cache(maxsize=4096)
 def backward_launch_plan(operands, rows, residual, g_parts=1) -> _BackwardPlan:
-    """The launch shape of a backward of g in ``g_parts`` summands, cached per (operands, T, residual,
-    g_parts)."""
+    """The launch shape of a backward of g in ``g_parts`` summands, cached per shape."""
     rows = max(rows, 1)
     variant = (operands.hidden, operands.act, operands.w_name, residual)
     programs = launch_plan.backward_programs(rows, *variant, operands.facts)
@@ -192,8 +186,8 @@ def backward_kernels(
     memory_efficient: bool = False,
     dw_in_launch: bool = False,
 ):
-    """The backward's kernels: dx with the FP32 partial rows of dW, and their reduction; or, with
-    ``dw_in_launch``, the one kernel that also sums them into dw, and None."""
+    """The backward's kernels: dx with the partial rows of dW and their reduction, or, ``dw_in_launch``,
+    one kernel that also sums them, and None."""
     backward = KernelSpec(
         "bwd",
         operands.arch,
@@ -212,8 +206,7 @@ def backward_kernels(
 
 
 def launch_backward(call: BackwardCall):
-    """The backward of a validated call: ``(dx, dw)``, the caller's when it gave them; dw the fixed-order
-    sum of FP32 partial rows."""
+    """The backward of a validated call: ``(dx, dw)``, the caller's when given."""
     operands, x, g_parts = call.operands, call.h, call.g_parts
     hidden = operands.hidden
     rows = x.numel() // hidden

@@ -1,19 +1,15 @@
 """The kernels as ``torch.library`` custom ops, and the save/backward logic both autograd paths share.
 
 ``cake_cute::rmsnorm_fwd`` returns ``(y, rstd, h_new)``, ``rmsnorm_fp8_fwd`` ``(data, compact scales,
-y, rstd, h_new)`` and ``rmsnorm_bwd`` ``(dx, dw)``, the backward of both; ``rmsnorm_bwd_parts`` takes
-the gradient as its summands (``graph_passes``). The memory-efficient mode has its own pair,
-``rmsnorm_fwd_saving_output`` (saves y) and ``rmsnorm_bwd_from_output`` (reads y), so the C++ kernels
-typed on the default ops' schemas stay as they are. At the op boundary rstd is shaped
-``x.shape[:-1]``, so an N-D input or a DTensor sharded on a non-hidden dimension needs no
-redistribution; dw comes back in w's dtype; in plain mode ``h_new`` is an empty tensor (a schema has
-a fixed number of outputs).
+y, rstd, h_new)``, ``rmsnorm_bwd`` ``(dx, dw)`` and ``rmsnorm_bwd_parts`` the same from g's summands.
+The memory-efficient mode has its own pair (``rmsnorm_fwd_saving_output``, ``rmsnorm_bwd_from_output``),
+so the C++ kernels typed on the default schemas stay as they are. rstd is shaped ``x.shape[:-1]``, so
+N-D and DTensor inputs need no redistribution; dw comes back in w's dtype; plain mode's ``h_new`` is
+empty (a schema has a fixed number of outputs).
 
-The ops serve torch.compile (opaque nodes with fake kernels, no graph break), DTensor (the sharding
-rules in ``cake_cute.distributed``) and CPU tensors (``cake_cute.cpu``). Eager calls on plain CUDA
-tensors launch directly instead, which avoids the dispatcher's per-call cost. Once the native
-extension is loaded, C++ kernels (``csrc/``) on the CUDA keys serve the signatures the eager path
-registered and call the Python bodies below for the rest.
+The ops serve torch.compile, DTensor and CPU tensors; eager calls on plain CUDA tensors launch
+directly, without the dispatcher's per-call cost. Once the native extension is loaded, its C++ kernels
+on the CUDA keys serve the registered signatures and call the Python bodies below for the rest.
 """
 
 from __future__ import annotations
@@ -50,10 +46,8 @@ _LIB = torch.library.Library("cake_cute", "DEF")
 
 
 def define_op(name: str, schema: str, kernel, *, fake, cpu=None, backward=None, setup_context=None) -> None:
-    """Define ``cake_cute::<name>`` and register it with the dispatcher directly: ``kernel`` for every
-    backend, ``cpu`` for CPU tensors, ``fake`` for tracing, ``backward`` / ``setup_context`` as its
-    autograd. ``torch.library.custom_op`` would also wrap every call in a Python layer that checks the
-    outputs, a cost every call of a compiled step pays."""
+    """Define ``cake_cute::<name>`` and register its kernels, fake and autograd with the dispatcher
+    directly, without ``torch.library.custom_op``'s per-call Python checking layer."""
     _LIB.define(name + schema)
     _LIB.impl(name, kernel, "CompositeExplicitAutograd")
     if cpu is not None:
@@ -85,8 +79,8 @@ def _rmsnorm_fwd_fake(x, w, eps, residual=None, weight_offset=0.0):
 
 
 def rmsnorm_fp8_fwd(x, w, eps, residual, recipe, emit_y, weight_offset):
-    """``(data, compact scales, y, rstd, h_new)``: y is the act-dtype output (emit_y) or the zero-memory
-    placeholder, h_new empty in plain mode. The kernel on CUDA, the reference elsewhere."""
+    """``(data, compact scales, y, rstd, h_new)``: y or the zero-memory placeholder, h_new empty in plain
+    mode; the kernel on CUDA, the reference elsewhere."""
     call = fp8_call(x, w, eps, residual, recipe, emit_y, weight_offset, on_gpu=x.device.type == "cuda")
     return op_outputs(x, *dispatch.fp8_forward(call))
 
@@ -146,8 +140,8 @@ def _rmsnorm_bwd_from_output_parts_cpu(g, y, w, rstd, g_residual=None, weight_of
 
 
 def rmsnorm_bwd_parts(g, x, w, rstd, g_residual=None, weight_offset=0.0):
-    """``rmsnorm_bwd`` of a gradient given as the list of its 2 or 3 summands, summed in the kernel (FP32,
-    left to right, rounded once); ``graph_passes`` puts it in place of an add of dgrads."""
+    """``rmsnorm_bwd`` of a gradient given as its 2 or 3 summands, summed in the kernel (FP32, left to
+    right, rounded once)."""
     return rmsnorm_bwd(tuple(g), x, w, rstd, g_residual, weight_offset)
 
 
@@ -163,9 +157,8 @@ def _rmsnorm_bwd_parts_fake(g, x, w, rstd, g_residual=None, weight_offset=0.0):
 
 
 def save_for_backward(ctx, x, w, residual, rstd, h_new, eps, weight_offset, direct, y=None) -> None:
-    """Save exactly (x or h_new, w, rstd), or (y, w, rstd) when ``y`` is given (the memory-efficient
-    mode), and the flags the backward needs (eps only for a backward that is itself differentiated).
-    ``direct``: the forward launched the kernels itself, so the backward does too and rstd is ``[T]``."""
+    """Save exactly (x or h_new, w, rstd), or (y, w, rstd) when ``y`` is given, and what the backward
+    needs; ``direct``: the forward launched the kernels itself, so the backward does too."""
     ctx.memory_efficient = y is not None
     ctx.save_for_backward(y if ctx.memory_efficient else x if residual is None else h_new, w, rstd)
     ctx.residual = residual is not None
@@ -175,8 +168,7 @@ def save_for_backward(ctx, x, w, residual, rstd, h_new, eps, weight_offset, dire
 
 
 def records_second_order(*tensors) -> bool:
-    """Whether a backward must record a graph of its own: ``create_graph=True`` and one of its tensors is
-    part of a graph."""
+    """Whether a backward must record a graph of its own (``create_graph=True`` and a tensor in a graph)."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
@@ -212,8 +204,8 @@ def norm_backward(ctx, g, g_h_new):
 
 
 def _save_op_context(ctx, no_gradient, x, w, residual, rstd, h_new, eps, weight_offset, y=None) -> None:
-    """The op forms' side of ``save_for_backward``: the outputs in ``no_gradient``, and h_new in plain
-    mode, get no gradient; an unused output's gradient is None, not a [T, H] zero tensor."""
+    """The op forms' ``save_for_backward``: outputs in ``no_gradient`` and a plain mode's h_new get none,
+    and an unused output's gradient is None, not a zero tensor."""
     ctx.set_materialize_grads(False)
     ctx.mark_non_differentiable(*no_gradient, *(() if residual is not None else (h_new,)))
     save_for_backward(ctx, x, w, residual, rstd, h_new, eps, weight_offset, direct=False, y=y)
@@ -303,8 +295,7 @@ native.provide_op_bodies(
 
 
 def cake_rmsnorm_traceable(x, w, eps, residual=None, weight_offset=0.0, memory_efficient=False):
-    """``cake_rmsnorm`` through the custom op: y, or (y, h_new); ``memory_efficient`` takes the op whose
-    autograd saves y."""
+    """``cake_rmsnorm`` through the custom op (its memory-efficient twin with ``memory_efficient``)."""
     ops = torch.ops.cake_cute
     forward = ops.rmsnorm_fwd_saving_output if memory_efficient else ops.rmsnorm_fwd
     y, _rstd, h_new = forward(x, w, eps, residual, weight_offset)

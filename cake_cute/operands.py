@@ -28,7 +28,6 @@ _known_operands: dict[tuple, Operands] = {}
 
 
 def _operands_key(x, w):
-    """Every property of (x, w) that ``check_activation``, ``check_weight`` and ``device_arch`` read."""
     try:
         return (x.dtype, x.dim(), x.shape[-1], x.device, w.dtype, w.shape, w.device)
     except (AttributeError, IndexError, TypeError):
@@ -36,15 +35,13 @@ def _operands_key(x, w):
 
 
 def known_operands(x, w) -> Operands | None:
-    """``Operands`` for an (x, w) whose properties were validated before, else None (the caller then runs
-    the full checks)."""
+    """``Operands`` of an (x, w) validated before, else None (the caller then runs the full checks)."""
     key = _operands_key(x, w)
     return None if key is None else _known_operands.get(key)
 
 
 def operands(x, w) -> Operands:
-    """After the argument checks passed: the device check, and the result remembered for
-    ``known_operands`` (CUDA devices only)."""
+    """After the argument checks: the device check, and the result remembered (CUDA devices only)."""
     device = x.device
     arch = dev.device_arch(device)
     found = Operands(

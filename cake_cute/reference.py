@@ -45,8 +45,8 @@ def backward_reference(g, h, w, rstd, g_residual=None, weight_offset=0.0, comput
 
 
 def differentiable_backward(g, h, w, eps, g_residual=None, weight_offset=0.0):
-    """``(dx, dw)`` as the kernels give them, in torch operations that autograd can differentiate again
-    (double backward); rstd is recomputed from ``h`` and ``eps`` so its dependence on h is in the graph."""
+    """``(dx, dw)`` as the kernels give them, in torch operations autograd can differentiate again; rstd
+    is recomputed from ``h`` so its dependence on h is in the graph."""
     compute = compute_dtype_of(h.dtype)
     rstd = torch.rsqrt(h.to(compute).square().mean(dim=-1) + eps)
     dx, dw = backward_reference(g, h, w, rstd, g_residual, weight_offset, compute)

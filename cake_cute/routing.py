@@ -1,17 +1,12 @@
 """The one routing rule every entry follows: which path a call takes.
 
-``route(x, w, residual)`` answers, in this order:
-
 * ``MATH`` for FP64 activations (no kernel computes in FP64) and inside a ``torch.func`` transform:
   the norm's math in torch operations, which every transform differentiates;
-* ``OP`` while torch.compile traces (dynamo cannot trace the launch code), for a DTensor x or w (the
-  ops carry the sharding rules) and for x off CUDA (the ops' CPU kernels): the ``cake_cute::`` custom
-  ops;
-* ``NATIVE`` for plain CUDA tensors in eager once the C++ extension is loaded: the extension serves the
-  signatures the Python path registered and declines the rest, which take the Python launch;
-* ``PYTHON`` for plain CUDA tensors in eager without the extension: the Python launch.
-
-The C++ side does not route: it serves what Python registered, with the launch plan Python handed it.
+* ``OP`` while torch.compile traces (dynamo cannot trace the launch code), for DTensors (the ops carry
+  the sharding rules) and for x off CUDA (the ops' CPU kernels): the ``cake_cute::`` custom ops;
+* ``NATIVE`` for plain CUDA tensors in eager once the C++ extension is loaded: it serves the signatures
+  the Python path registered and declines the rest;
+* ``PYTHON`` otherwise: the Python launch.
 """
 
 from __future__ import annotations
@@ -45,7 +40,7 @@ def route(x, w, residual=None) -> str:
     Raises
     ------
     TypeError
-        x or w is not a tensor, or residual is neither None nor a tensor; raised before anything runs.
+        x or w is not a tensor, or residual is neither None nor a tensor.
     """
     plain = type(x) in _PLAIN_TYPES and type(w) in _PLAIN_TYPES
     if not plain:  # a tensor subclass (a DTensor), or not a tensor at all

@@ -26,8 +26,7 @@ SCALE_LAYOUTS = {"compact": tuple(QUANT_RECIPES), "cublas": ("mxfp8",), "deepgem
 
 
 class ArgumentError(ValueError, TypeError):
-    """A tensor argument of the wrong dtype, shape or device: caught by ``except ValueError`` and by
-    ``except TypeError`` alike."""
+    """A tensor argument of the wrong dtype, shape or device: both a ValueError and a TypeError."""
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -46,9 +45,8 @@ def check_tensor(name: str, t, *, dtypes=None, device: torch.device | None = Non
 
 
 def check_activation(x, *, torch_math: bool = False) -> None:
-    """x: a bf16/fp16/fp32 tensor (FP64 too for ``torch_math``) with at least 1 dim and 1 <= H <= 262144.
-    The device is checked later, after every argument's dtype and shape, so the argument errors can be
-    exercised without a GPU."""
+    """x: bf16/fp16/fp32 (FP64 with ``torch_math``), at least 1-D, 1 <= H <= 262144. The device is
+    checked last, so the argument errors can be exercised without a GPU."""
     check_tensor("x", x, dtypes=(*DTYPE_BY_TORCH, *MATH_ONLY_DTYPES) if torch_math else DTYPE_BY_TORCH)
     if x.dim() < 1:
         raise ArgumentError(f"x must have at least 1 dim [..., H], got shape {tuple(x.shape)}")
@@ -111,7 +109,6 @@ def check_output(name: str, t, shape, dtype, device) -> None:
 
 
 def check_like(name: str, t, x) -> None:
-    """``t`` has x's dtype, device and shape."""
     check_output(name, t, x.shape, x.dtype, x.device)
 
 
@@ -165,8 +162,7 @@ def check_module(name: str, value) -> None:
 
 
 def check_factory_arguments(device, dtype) -> None:
-    """A module constructor's ``device`` and ``dtype``, as torch's modules take them: None or what
-    ``torch.device`` accepts; None or a floating-point ``torch.dtype``."""
+    """A module constructor's ``device`` and ``dtype``, as torch's modules take them."""
     if device is not None and not isinstance(device, torch.device):
         if isinstance(device, bool) or not isinstance(device, (str, int)):
             raise TypeError(f"device must be a torch.device, str or int, got {type(device).__name__}")
@@ -188,8 +184,8 @@ def check_memory_efficient(memory_efficient) -> bool:
 
 
 def refuse_memory_efficient_fp8(memory_efficient) -> None:
-    """The forward to FP8 has no memory-efficient mode: xhat cannot be recomputed from e4m3 data within
-    the mode's error bound. TypeError for a non-bool, ValueError for True."""
+    """The forward to FP8 has no memory-efficient mode (xhat cannot be recomputed from e4m3 data):
+    TypeError for a non-bool, ValueError for True."""
     if check_memory_efficient(memory_efficient):
         raise ValueError(
             "memory_efficient=True is not available for cake_rmsnorm_fp8: the mode recomputes xhat from the "
@@ -206,8 +202,7 @@ def check_rstd(rstd, rows: int, device) -> None:
 
 
 def check_workspace(workspace, device) -> None:
-    """A caller's backward workspace: a contiguous 1-D uint8 tensor on x's device, 16-byte aligned (the
-    launch plan checks its size)."""
+    """A backward workspace: contiguous 1-D uint8 on x's device, 16-byte aligned."""
     check_tensor("workspace", workspace, dtypes=(torch.uint8,), device=device)
     if workspace.dim() != 1 or not workspace.is_contiguous() or workspace.data_ptr() % VECTOR_BYTES != 0:
         raise ValueError(
@@ -246,8 +241,7 @@ def check_scale_layout(scale_layout, recipe: str) -> str:
 
 
 def check_cuda_device(device) -> torch.device:
-    """``device`` (a ``torch.device``, a string or an index) as a ``torch.device`` naming an existing
-    CUDA device."""
+    """``device`` as a ``torch.device`` naming an existing CUDA device."""
     if isinstance(device, int) and not isinstance(device, bool):
         if device < 0:
             raise ValueError(f"device must name a CUDA device, got {device!r}")

@@ -13,8 +13,6 @@ import torch
 
 @dataclass(frozen=True)
 class DType:
-    """One dtype the kernels read or write."""
-
     name: str
     torch: torch.dtype
     bytes: int
@@ -51,12 +49,10 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    """``"bf16"`` -> ``torch.bfloat16``."""
     return DTYPE_BY_NAME[name].torch
 
 
 def dtype_bytes(name: str) -> int:
-    """``"bf16"`` -> 2."""
     return DTYPE_BY_NAME[name].bytes
 
 

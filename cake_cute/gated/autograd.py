@@ -75,7 +75,6 @@ def _backward_cuda(
 
 
 def _grouped(t: torch.Tensor, group_size: int) -> torch.Tensor:
-    """[..., H] -> [..., H / group_size, group_size]."""
     return t.reshape(*t.shape[:-1], t.shape[-1] // group_size, group_size)
 
 
@@ -160,8 +159,7 @@ def _backward(ctx, g, _g_rstd):
 
 
 def _differentiable_backward(g, x, z, w, eps, group_size, norm_before_gate, weight_offset, activation):
-    """(dx, dz, dw) as the kernels give them, in torch operations that recompute the gate and the
-    statistics (double backward)."""
+    """(dx, dz, dw) as the kernels give them, in torch operations (for double backward)."""
     hidden = x.shape[-1]
     dx, dz, dw = gated_backward_reference(
         g.reshape(-1, hidden),
@@ -179,8 +177,7 @@ def _differentiable_backward(g, x, z, w, eps, group_size, norm_before_gate, weig
 
 
 def gated_rmsnorm_math(call) -> torch.Tensor:
-    """y of a gated call in torch operations (the ``MATH`` route): FP32, or FP64 for FP64 inputs, rounded
-    once."""
+    """y of a gated call in torch operations (the ``MATH`` route), rounded once."""
     x, z, w, eps, group_size, norm_before_gate, weight_offset, activation = call
     hidden = x.shape[-1]
     y, _rstd = gated_forward_reference(
@@ -226,32 +223,30 @@ def cake_gated_rmsnorm(
     Parameters
     ----------
     x, z : torch.Tensor
-        ``[..., H]`` input and gate, bf16, fp16 or fp32 (FP64 computed by torch operations), one dtype,
-        shape and device; CUDA (the kernels) or CPU; DTensors sharded on any dimension but the last, or
-        replicated.
+        ``[..., H]`` input and gate of one dtype (bf16, fp16, fp32; FP64 by torch operations), shape and
+        device, CUDA or CPU; DTensors sharded on any dimension but the last, or replicated.
     w : torch.Tensor
         ``[H]`` weight in x's dtype or fp32 (``Replicate()`` for DTensor inputs).
     eps : float
         Added to the mean square; finite, >= 0.
     group_size : int, optional
-        Columns per statistics group, dividing H (default H: one group per row).
+        Columns per statistics group, dividing H (default H).
     norm_before_gate : bool
         Normalize then gate (True) or gate then normalize (False).
     weight_offset : float
         The scale is ``w + weight_offset``.
     activation : str
-        The gate's activation, ``"silu"`` (default) or ``"sigmoid"``.
+        ``"silu"`` (default) or ``"sigmoid"``.
 
     Returns
     -------
     torch.Tensor
-        y like x. The backward gives x and z their gradients in x's dtype and w one in w's dtype
-        (``Partial()`` when x is a DTensor sharded on rows).
+        y like x; x and z get gradients in x's dtype, w in w's (``Partial()`` for sharded rows).
 
     Raises
     ------
     TypeError, ValueError
-        An argument of the wrong kind, dtype, shape or value, named, before anything runs.
+        A bad argument, named, before anything runs.
     """
     if route(x, w) is MATH:
         return gated_rmsnorm_math(

@@ -22,8 +22,7 @@ def _row_placements(x):
 def _forward_sharding(
     x, z, w, eps, group_size=None, norm_before_gate=True, weight_offset=0.0, activation=SILU
 ):
-    """Outputs (y, rstd); inputs (x, z, w, eps, group_size, norm_before_gate, weight_offset,
-    activation)."""
+    """Outputs (y, rstd); inputs (x, z, w, eps, then the options)."""
     options = [None] * 5  # eps, group_size, norm_before_gate, weight_offset, activation
     return [([rows, rows], [rows, rows, Replicate(), *options]) for rows in _row_placements(x)]
 
@@ -32,8 +31,7 @@ def _forward_sharding(
 def _backward_sharding(
     g, x, z, w, rstd, group_size=None, norm_before_gate=True, weight_offset=0.0, activation=SILU
 ):
-    """Outputs (dx, dz, dw); inputs (g, x, z, w, rstd, group_size, norm_before_gate, weight_offset,
-    activation)."""
+    """Outputs (dx, dz, dw); inputs (g, x, z, w, rstd, then the options)."""
     strategies = []
     for rows in _row_placements(x):
         dw = Replicate() if isinstance(rows, Replicate) else Partial()

@@ -81,8 +81,7 @@ class CakeRMSNormSiLUGateFunction(torch.autograd.Function):
 
 
 def cake_rmsnorm_silu_gate(x, z, weight, eps=1e-6):
-    """``CakeRMSNormSiLUGateFunction.apply(x, z, weight, eps)`` under FlashInfer's name: its parameters,
-    result and errors."""
+    """``CakeRMSNormSiLUGateFunction.apply(x, z, weight, eps)``: its parameters, result and errors."""
     return CakeRMSNormSiLUGateFunction.apply(x, z, weight, eps)
 
 
@@ -118,8 +117,7 @@ def _padded(nbytes: int) -> int:
 
 
 def _scratch_bytes(rows: int, hidden: int) -> int:
-    """The workspace's first regions: rstd (FP32 per row), then an FP32 dw to accumulate into; the
-    partial rows of dW follow."""
+    """The workspace's first regions: rstd, then an FP32 dw to accumulate into."""
     return _padded(4 * rows) + _padded(4 * hidden)
 
 
@@ -134,11 +132,9 @@ def _carve(workspace, rows: int, hidden: int) -> tuple:
 def cake_rmsnorm_silu_gate_train_backward_workspace_bytes(
     rows, device, *, deterministic=True, hidden=FLASHINFER_HIDDEN
 ) -> int:
-    """Bytes of the workspace a ``cake_rmsnorm_silu_gate_train_backward`` of up to ``rows`` rows needs.
-
-    It holds rstd, an FP32 dw, the FP32 partial rows of dW (their number follows the SM count) and the
-    grid barrier's counter, which must start zero and every call leaves zero; the size is the largest
-    over the activation dtypes.
+    """Bytes of the workspace a ``cake_rmsnorm_silu_gate_train_backward`` of up to ``rows`` rows needs:
+    rstd, an FP32 dw, the partial rows of dW (their number follows the SM count) and the grid barrier's
+    counter (zero before the first call, as every call leaves it), for any activation dtype.
 
     Parameters
     ----------
@@ -147,14 +143,14 @@ def cake_rmsnorm_silu_gate_train_backward_workspace_bytes(
     device : torch.device, str or int
         The CUDA device the backward runs on.
     deterministic : bool
-        FlashInfer's flag; every backward here is deterministic, so both values give one size.
+        FlashInfer's flag; every backward here is deterministic, so both give one size.
     hidden : int
         The row width H, in [1, ``gated_config.MAX_SEGMENT``].
 
     Returns
     -------
     int
-        Bytes; a workspace of at least this size serves every backward of up to ``rows`` rows of H.
+        Bytes.
 
     Raises
     ------
@@ -202,7 +198,7 @@ def cake_rmsnorm_silu_gate_train_backward_workspace(
 
 def _check_weight_gradient(grad_weight, weight, accumulate: bool, compute: bool) -> None:
     """grad_weight: [H] in weight's dtype or FP32 on its device; required to accumulate into, refused
-    when no weight gradient is computed."""
+    without a weight gradient."""
     v.check_bool("accumulate_grad_weight", accumulate)
     v.check_bool("compute_grad_weight", compute)
     if not compute and (grad_weight is not None or accumulate):
@@ -238,36 +234,33 @@ def cake_rmsnorm_silu_gate_train_backward(
     Parameters
     ----------
     grad_out, x, z : torch.Tensor
-        ``[..., H]`` of one shape, dtype (bf16, fp16 or fp32) and CUDA device; rows with a contiguous
-        last dimension are read in place, other layouts copied once.
+        ``[..., H]`` of one shape, dtype (bf16, fp16 or fp32) and CUDA device.
     weight : torch.Tensor
         ``[H]`` in x's dtype or fp32.
     eps : float
         The forward's epsilon.
     grad_x, grad_z : torch.Tensor, optional
-        Caller-owned gradients of x and z: x's shape and dtype, contiguous, vector aligned.
+        Caller-owned gradients of x and z: like x, contiguous, vector aligned.
     grad_weight : torch.Tensor, optional
-        Caller-owned ``[H]`` weight gradient in weight's dtype or fp32 (a non-contiguous one receives a
-        copy); the returned dw is then this tensor.
+        Caller-owned ``[H]`` weight gradient in weight's dtype or fp32, returned as dw.
     accumulate_grad_weight : bool
-        Add the weight gradient to ``grad_weight`` (required): the FP32 sum of both, rounded once.
+        Add the weight gradient to ``grad_weight`` (required): their FP32 sum, rounded once.
     compute_grad_weight : bool
-        False: no weight gradient (dw is returned as None).
+        False: no weight gradient (dw is None).
     workspace : torch.Tensor, optional
-        A ``cake_rmsnorm_silu_gate_train_backward_workspace`` buffer; with it and the outputs given the
-        call allocates nothing (CUDA graph capture).
+        A ``cake_rmsnorm_silu_gate_train_backward_workspace``; with it and the outputs given, the call
+        allocates nothing (CUDA graph capture).
 
     Returns
     -------
     (dx, dz, dw)
-        dx and dz like x (contiguous; ``grad_x`` / ``grad_z`` when given); dw in weight's dtype
-        (``grad_weight`` when given), or None when ``compute_grad_weight`` is False.
+        dx and dz like x, dw in weight's dtype (the caller's tensors when given), or None.
 
     Raises
     ------
     TypeError, ValueError
-        An argument of the wrong kind, dtype, shape or value (named), a too small or misaligned
-        workspace, x on the CPU or an unsupported GPU; raised before anything is launched or written.
+        A bad argument (named), a too small or misaligned workspace, x off a supported GPU; before
+        anything is launched or written.
     """
     call = gated_call(x, z, weight, eps, None, True, 0.0, weight_name="weight")
     v.check_like("grad_out", grad_out, x)

@@ -49,8 +49,8 @@ def check_gated_cast_policy(name: str, value) -> str:
 
 
 class GatedForm(NamedTuple):
-    """What a gated norm computes besides its tensors: ``CakeGatedRMSNorm``'s settings, or what
-    ``gated.swap.hf_gated_form`` reads of a Hugging Face gated norm."""
+    """What a gated norm computes besides its tensors: ``CakeGatedRMSNorm``'s settings or a Hugging Face
+    one's."""
 
     eps: float
     group_size: int  # columns per statistics group, dividing H
@@ -162,8 +162,8 @@ class CakeGatedRMSNorm(nn.Module):
 
     ``forward(hidden_states, gate=None)``: ``norm_before_gate=True`` gives
     ``x * rstd * (w + weight_offset) * act(gate)``, ``False`` gives
-    ``rmsnorm_group(x * act(gate)) * (w + weight_offset)``, rounded as ``cast_policy`` says. Without a
-    gate it is the (grouped) RMSNorm with the same casts.
+    ``rmsnorm_group(x * act(gate)) * (w + weight_offset)``, rounded as ``cast_policy`` says; without a
+    gate, the (grouped) RMSNorm with the same casts.
 
     Parameters
     ----------
@@ -180,16 +180,15 @@ class CakeGatedRMSNorm(nn.Module):
     cast_policy : str
         ``"one_rounding"`` (default), ``"round_then_scale"`` or ``"scale_then_round"``.
     activation : str
-        The gate's activation: ``"silu"`` (default) or ``"sigmoid"``.
+        ``"silu"`` (default) or ``"sigmoid"``.
     device, dtype : optional
         Of the weight.
 
     Raises
     ------
     TypeError, ValueError
-        A hidden_size that is not a positive int, a group_size not dividing it, eps / weight_offset
-        out of range, norm_before_gate not a bool, an unknown cast_policy or activation, a device or
-        dtype torch's modules would refuse.
+        A bad argument, named: hidden_size, a group_size not dividing it, eps, weight_offset,
+        norm_before_gate, cast_policy, activation, device or dtype.
     """
 
     def __init__(

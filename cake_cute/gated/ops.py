@@ -42,13 +42,11 @@ def _check_output(name: str, t, shape, dtype, device, vec: int) -> None:
 
 
 def _output(given, like: torch.Tensor, shape=None, dtype=None) -> torch.Tensor:
-    """The caller's (checked) output, or a fresh one."""
     return new_output(like, shape, dtype) if given is None else given
 
 
 def forward_spec(call: GatedCall) -> GatedSpec:
-    """The forward kernel's spec of a call (the backward's and the statistics' replace its kind); checks
-    the device."""
+    """The forward kernel's spec of a call (the others replace its kind); checks the device."""
     x = call.x
     return GatedSpec(
         "gated_fwd",
@@ -115,9 +113,8 @@ def forward_of_call(call: GatedCall, out=None, rstd=None):
 
 
 def backward_programs(rows: int, config: GatedConfig, groups: int, facts: DeviceFacts) -> int:
-    """Programs (along x; the grid has ``groups`` along y) of the persistent gated backward: as many as
-    are resident, at most one per row tile. The partition of rows, and so dw's bits, depends only on T,
-    the GPU model and the variant."""
+    """Programs (along x) of the persistent gated backward: as many as are resident, at most one per row
+    tile; dw's bits depend only on T, the GPU model and the variant."""
     tiling = config.tiling
     tiles = -(-rows // tiling.rows_per_cta)
     resident = resident_clusters(
@@ -231,8 +228,7 @@ def launch_backward(
 
 
 def launch_statistics(call: GatedCall, spec: GatedSpec, rstd: torch.Tensor) -> None:
-    """rstd of rows > 0, bitwise as the forward computes it, for a backward whose caller kept none. The
-    kernel reads no weight, so its variant names x's dtype for w's and no offset."""
+    """rstd of rows > 0, bitwise the forward's, for a backward whose caller kept none."""
     x, group_size = call.x, call.group_size
     hidden = spec.hidden
     vec = vector_width(group_size, x.element_size())
@@ -244,8 +240,7 @@ def launch_statistics(call: GatedCall, spec: GatedSpec, rstd: torch.Tensor) -> N
 
 
 def most_backward_programs(rows: int, hidden: int, group_size: int, facts: DeviceFacts) -> int:
-    """The most programs (partial rows of dW) a gated backward of up to ``rows`` rows runs on this GPU,
-    for any activation dtype."""
+    """The most programs a gated backward of up to ``rows`` rows runs on this GPU, for any dtype."""
     return max(
         backward_programs(
             rows, gated_backward_config(facts.arch, act, hidden, group_size), hidden // group_size, facts

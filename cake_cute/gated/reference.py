@@ -24,8 +24,7 @@ def _groups(t: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def gate_terms(z: torch.Tensor, activation: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(act(z), act'(z)) in z's dtype with torch's silu / sigmoid: silu' = s * (1 + z * (1 - s)),
-    sigmoid' = s * (1 - s), s = sigmoid(z)."""
+    """(act(z), act'(z)) in z's dtype, with torch's silu and sigmoid."""
     s = torch.sigmoid(z)
     if activation == SIGMOID:
         return s, s * (1 - s)
@@ -72,12 +71,9 @@ def _forward(
 def gated_forward_reference(
     x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float, **options
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gated RMSNorm forward of (T, H) rows: ``(y, rstd)`` in ``compute_dtype``, unrounded, rstd
-    (T, H / group_size).
-
-    Options (keyword only): ``group_size`` (default H), ``norm_before_gate`` (default True),
-    ``weight_offset`` (default 0.0), ``activation`` (``"silu"`` or ``"sigmoid"``), ``compute_dtype``
-    (default FP64). TypeError for an option not named here."""
+    """The gated forward of (T, H) rows: ``(y, rstd)`` in ``compute_dtype``, unrounded. Options
+    (keyword only): ``group_size``, ``norm_before_gate``, ``weight_offset``, ``activation``,
+    ``compute_dtype`` (default FP64); TypeError for any other."""
     f = _forward(x, z, w, eps, **options)
     y = f.n * f.w
     return (y * f.gate if f.norm_before_gate else y), f.rstd
@@ -86,8 +82,8 @@ def gated_forward_reference(
 def gated_backward_reference(
     g: torch.Tensor, x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float, **options
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The gated RMSNorm backward, recomputing the gate and the statistics from x and z: ``(dx, dz, dw)``
-    in ``compute_dtype``, unrounded; options as for ``gated_forward_reference``."""
+    """The gated backward, recomputing the gate and statistics: ``(dx, dz, dw)`` in ``compute_dtype``,
+    unrounded; options as for ``gated_forward_reference``."""
     f = _forward(x, z, w, eps, **options)
     g = g.to(f.n.dtype)
     a = g * f.w * f.gate if f.norm_before_gate else g * f.w

@@ -68,7 +68,7 @@ def is_gated_norm(module: nn.Module) -> bool:
 @torch.compiler.assume_constant_result
 def _has_gated_source(cls: type) -> bool:
     """Whether ``cls``'s forward takes a gate and a reciprocal root of the mean of squares; a constant to
-    torch.compile, which calls it once rather than tracing the reading of a source file."""
+    torch.compile."""
     return _gated_source(cls)
 
 
@@ -81,8 +81,7 @@ def _gated_source(cls: type) -> bool:
 
 
 def _gate_factors(source: str) -> list[re.Match]:
-    """The forward's ``hidden_states * act(gate)`` factors; GatedNormNotServed for any other use of the
-    gate."""
+    """The forward's ``hidden_states * act(gate)`` factors; GatedNormNotServed for another use of the gate."""
     factors = list(_GATE_FACTOR.finditer(source))
     rest = _GATE_GIVEN.sub("", _GATE_FACTOR.sub("", _FORWARD_SIGNATURE.sub("", source, count=1)))
     if not factors or _GATE.search(rest):
@@ -104,8 +103,7 @@ def _gate_activation(module: nn.Module, factors: list[re.Match]) -> str:
 
 
 def _norm_before_gate(module: nn.Module, source: str, factors: list[re.Match]) -> bool:
-    """Whether the gate comes after the norm and its weight; GatedNormNotServed where that is not
-    readable from the module."""
+    """Whether the gate comes after the norm and its weight; GatedNormNotServed where unreadable."""
     norm_at, weight_at = source.index("rsqrt"), source.rfind("self.weight")
     if weight_at < norm_at:
         raise GatedNormNotServed("its forward does not scale the normalized values by self.weight")
@@ -165,8 +163,7 @@ def hf_gated_form(module: nn.Module, cast_policy: str | None = None) -> GatedFor
 
 @torch.compiler.assume_constant_result
 def _class_form(cls: type, attributes: tuple, weight_only: bool, hidden: int, eps: float, cast_policy):
-    """``hf_gated_form`` of a module of class ``cls``, a constant to torch.compile (computed once while
-    tracing)."""
+    """``hf_gated_form`` of a module of class ``cls``, a constant to torch.compile."""
     return _read_form(cls, attributes, weight_only, hidden, eps, cast_policy)
 
 
@@ -203,30 +200,28 @@ def _replacement(module: nn.Module, cast_policy: str | None) -> CakeGatedRMSNorm
 
 def swap_gated_rmsnorm(model: nn.Module, *, cast_policy: str | None = None) -> int:
     """Replace, in place, every Hugging Face gated RMSNorm of ``model`` with a ``CakeGatedRMSNorm``
-    keeping its weight Parameter, eps, group size, gate activation, gate order, casts and training mode.
-
-    Swap before parallelizing (``parallelize_module``, ``fully_shard``), which replace parameters and hook
-    the modules they see. A module used in several places is replaced by one module everywhere.
+    keeping its weight Parameter, eps, group size, gate activation and order, casts and training mode.
+    Swap before parallelizing; a module used in several places is replaced by one module everywhere.
 
     Parameters
     ----------
     model : torch.nn.Module
         Changed in place.
     cast_policy : str, optional
-        None (default): each class's own roundings. ``"one_rounding"``: the fused kernel's single
-        rounding for every norm (faster for the norm-then-gate classes, whose own casts round twice;
-        docs/gated.md states the difference); ``"round_then_scale"``; ``"scale_then_round"``.
+        None (default): each class's own roundings; or ``"one_rounding"`` (the fused kernel's single
+        rounding for every norm; docs/gated.md states the difference), ``"round_then_scale"``,
+        ``"scale_then_round"``.
 
     Returns
     -------
     int
-        How many gated norms were replaced (a module used in several places counts once).
+        How many gated norms were replaced.
 
     Raises
     ------
     GatedNormNotServed (a ValueError)
-        A gated norm the module docstring's reading refuses; the message names the module, its class
-        and the reason. Nothing is replaced then.
+        A gated norm the module's reading refuses, named with its class and the reason; nothing is
+        replaced then.
     TypeError
         model is not a torch.nn.Module.
     ValueError

@@ -34,8 +34,7 @@ _OUTPUTS_ADD = re.compile(r"if (\w+):\n    (\w+) \+= \((\w+),\)")
 
 @dataclass(frozen=True)
 class Form:
-    """What ``normalized`` took out of a forward: how its MLP output is unpacked, and the outputs tuple its
-    tail returns ((flag, variable) pairs; None when it returns hidden_states)."""
+    """What ``normalized`` took out of a forward: its MLP output's unpacking and its outputs tuple."""
 
     mlp_output: str = "plain"
     router: str | None = None
@@ -50,8 +49,7 @@ def _statement(text: str, like: ast.stmt) -> ast.stmt:
 
 
 def normalized(body: list) -> tuple[list, Form]:
-    """The forward's statements with the 4.x router-logit and outputs-tuple forms rewritten to the
-    templates', and what was rewritten; other statements are left to be refused."""
+    """The forward's statements with the 4.x forms rewritten to the templates', and what was rewritten."""
     body, mlp_output, router, mlp, returned = list(body), "plain", None, None, None
     texts = [ast.unparse(stmt) for stmt in body]
     for index, text in enumerate(texts):
@@ -83,8 +81,7 @@ def normalized(body: list) -> tuple[list, Form]:
 
 
 def checked_form(form: Form, bindings: dict, signature: inspect.Signature) -> Form | str:
-    """``form`` once a template matched, each returned variable named by its source ("attention" or
-    "router"); else why the forward is refused."""
+    """``form`` once a template matched, returned variables named by source; else why it is refused."""
     if form.mlp is not None and form.mlp != bindings["MLP"]:
         return f"it unpacks the output of self.{form.mlp}, not of its MLP self.{bindings['MLP']}"
     if form.returned is None:
@@ -104,8 +101,8 @@ def checked_form(form: Form, bindings: dict, signature: inspect.Signature) -> Fo
 
 
 def _is_setup(stmt: ast.stmt, untouchable: frozenset) -> bool:
-    """A statement that only prepares the attention call's arguments: it touches no name of
-    ``untouchable``, calls no method of self, and assigns only plain local names."""
+    """A statement that only prepares the attention call's arguments: no name of ``untouchable``, no method
+    of self, only plain local names assigned."""
     for node in ast.walk(stmt):
         if isinstance(node, ast.Name) and node.id in untouchable:
             return False
@@ -160,8 +157,8 @@ class _ToArguments(ast.NodeTransformer):
 
 
 def setup_function(statements: list, names: frozenset, forward):
-    """The forward's setup statements as a function ``(self, arguments)`` running them on the dict of the
-    forward's arguments; compiled at the forward's file and lines, so tracebacks show the source."""
+    """The setup statements as a function ``(self, arguments)`` on the forward's arguments, compiled at the
+    forward's file and lines so tracebacks show the source."""
     function = ast.parse("def _cake_setup(self, _arguments):\n    pass").body[0]
     function.body = [_ToArguments(names).visit(copy.deepcopy(stmt)) for stmt in statements]
     ast.copy_location(function, statements[0])
@@ -174,7 +171,6 @@ def setup_function(statements: list, names: frozenset, forward):
 
 
 def assigned_names(statements: list) -> frozenset:
-    """The plain names ``statements`` assign."""
     return frozenset(
         node.id
         for stmt in statements

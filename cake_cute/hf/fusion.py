@@ -1,29 +1,21 @@
 """The residual add fused into the norm where models write it outside the norm module.
 
 ``CakeRMSNorm.forward(out, residual=residual)`` returns ``(y, h)`` from one kernel, and its backward adds
-the residual branch's gradient into dx in the same pass. Two ways to get there:
-
-* your own blocks: ``normed, h = add_rmsnorm(self.ffn_norm, attn_out, h)``, the fused kernel once the
-  norm is a ``CakeRMSNorm`` and torch's add + norm before the swap;
-* Hugging Face decoders: ``fuse_residual_rmsnorm(model)`` swaps the norms and gives each decoder layer
-  a fused forward, once its class's forward matched a template of ``cake_cute.hf.plans``.
-
-A fused layer's class is a subclass created once per class, with the same ``__name__`` (name-based
-wrap policies still match); the module tree and state dict are unchanged, pickling and deep copies
-keep it fused, and transformers' gradient checkpointing wraps the fused forward.
+the residual branch's gradient into dx in the same pass. Your own blocks call ``add_rmsnorm(norm, out,
+h)``; Hugging Face decoders get ``fuse_residual_rmsnorm(model)``, which swaps the norms and gives each
+decoder layer whose forward matches a template of ``cake_cute.hf.plans`` a fused forward, through a
+subclass of the same ``__name__`` (the module tree, state dict, pickling and checkpointing stay).
 
 The add that ends a layer belongs to the *next* norm: the layer computes ``(y, h) =
-next_norm(branch, residual=h)``, returns the true h, and hands y to the next norm, which uses it only
-when called on that very h with y in the autograd graph whenever h is; otherwise it normalizes h
-itself. Nothing is handed over for a DTensor weight (FSDP2 keeps it sharded outside its layer), in
-reentrant checkpointing's gradient-free pass, or into or out of a checkpointed region traced by
-torch.compile. Under non-reentrant checkpointing a layer that used a handed-over y recomputes it from
-its recorded input, without grad, so both runs save the same tensors.
+next_norm(branch, residual=h)``, returns the true h, and hands y over; the next norm uses it only when
+called on that very h with y in the autograd graph whenever h is, else normalizes h itself. Nothing is
+handed over for a DTensor weight, in reentrant checkpointing's gradient-free pass, or across a
+checkpointed region traced by torch.compile; under non-reentrant checkpointing a recompute rebuilds
+the handed-over y from its recorded input, so both runs save the same tensors.
 
-Each add is decided per call: fused when both operands have one dtype the kernels take and one shape,
-else torch's type-promoting add then the norm, as the unfused model computes. The forward values are
-bitwise the unfused cake model's; the gradients agree to rounding (the fused backward rounds dx once
-after adding the residual gradient).
+Each add is fused when both operands share a shape and a kernel dtype, else it is torch's promoting
+add then the norm. The forward values are bitwise the unfused cake model's; the gradients agree to
+rounding (the fused backward rounds dx once after adding the residual gradient).
 """
 
 from __future__ import annotations
@@ -89,8 +81,7 @@ def add_rmsnorm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor):
 
 @dataclass(eq=False)
 class _Handoff:
-    """The normalized output a layer computed for the next norm, keyed by that norm and the hidden state
-    it normalized; consumed by the first read, never pickled or copied."""
+    """The y a layer computed for the next norm, keyed by that norm and its h; consumed by the first read."""
 
     pending: tuple | None = None
 
@@ -114,8 +105,7 @@ class _Handoff:
 
 
 def _checkpoint_enabled(layer: nn.Module) -> bool:
-    """Whether the layer is set to checkpoint and the model is training (the flag is the layer's in newer
-    transformers, the layers' owner's in 4.51)."""
+    """Whether the layer is set to checkpoint and the model is training."""
     holder = layer if hasattr(layer, "gradient_checkpointing") else layer._cake_fusion.stack_owner
     return getattr(holder, "gradient_checkpointing", False) and layer.training
 
@@ -131,15 +121,14 @@ def _traced_in_checkpoint(layer: nn.Module) -> bool:
 
 
 def _reentrant_first_pass(layer: nn.Module) -> bool:
-    """A checkpointed layer running without grad: reentrant checkpointing's first pass, whose outputs
-    the backward recomputes."""
+    """Reentrant checkpointing's gradient-free first pass, whose outputs the backward recomputes."""
     return _checkpoint_enabled(layer) and not torch.is_grad_enabled()
 
 
 @dataclass(eq=False)
 class _LayerFusion:
-    """What a fused layer instance needs besides its class's plan: the model's hand-off, the norm after
-    the layer, the layers' owner, and the inputs it was handed a y for."""
+    """A fused layer instance's state: the model's hand-off, the next norm, the layers' owner, and the
+    inputs it was handed a y for."""
 
     handoff: _Handoff
     next_norm: CakeRMSNorm | None
@@ -193,8 +182,7 @@ class _LayerFusion:
 
 
 class _FusedDecoderLayer:
-    """The first base of each fused class: the matched template's forward, and pickling as "this
-    transformers class, fused"."""
+    """The first base of each fused class: the template's forward, pickled as "this class, fused"."""
 
     _cake_base: type
     _cake_plan: _LayerPlan
@@ -244,8 +232,7 @@ def _rebuild_fused(base: type) -> nn.Module:
 
 
 class _FinalRMSNorm(CakeRMSNorm):
-    """A model's final norm after fusion: the y the last layer handed over for this input, else a
-    ``CakeRMSNorm``."""
+    """A model's final norm after fusion: the y handed over for this input, else a ``CakeRMSNorm``."""
 
     def forward(self, input, *, residual=None):
         if residual is None:
@@ -266,8 +253,7 @@ def _is_norm(module: nn.Module) -> bool:
 
 
 def _decoder_stacks(model: nn.Module) -> list[tuple[nn.Module, nn.ModuleList]]:
-    """(owner, layers) for every ModuleList of modules that each have a ``self_attn`` and an
-    RMSNorm-shaped child."""
+    """(owner, layers) for every ModuleList of Hugging Face decoder layers."""
     stacks = []
     for owner in model.modules():
         for child in owner.children():
@@ -291,8 +277,8 @@ def _require_swappable_norms(layer: nn.Module, plan: _LayerPlan) -> None:
 
 
 def _planned_patch(model: nn.Module):
-    """Check that every decoder layer can be fused, before anything changes, and return the function that
-    fuses them once their norms are ``CakeRMSNorm``."""
+    """Check that every decoder layer can be fused, before anything changes; return the function that
+    fuses them."""
     stacks = _decoder_stacks(model)
     if not stacks:
         raise ValueError(
@@ -329,20 +315,16 @@ def fuse_residual_rmsnorm(
     memory_efficient: bool = False,
 ) -> int:
     """Swap the RMSNorm modules of a Hugging Face decoder for ``CakeRMSNorm`` and fuse every residual add
-    that feeds a norm into that norm. The layers are checked before anything is swapped; calling it again
-    re-fuses (e.g. after layers were replaced).
+    that feeds a norm into that norm; the layers are checked before anything changes, and a second call
+    re-fuses.
 
     Parameters
     ----------
     model : torch.nn.Module
-        E.g. a ``LlamaForCausalLM``, or a PEFT model wrapping one; changed in place (the module tree and
-        the state dict stay the same).
-    weight_offset : float, optional
+        E.g. a ``LlamaForCausalLM`` or a PEFT model wrapping one; changed in place, its module tree and
+        state dict kept.
+    weight_offset, compiled_head_norms, memory_efficient
         As in ``swap_rmsnorm``.
-    compiled_head_norms : str
-        As in ``swap_rmsnorm``: ``"torch"`` (the default) or ``"kernel"``.
-    memory_efficient : bool
-        As in ``swap_rmsnorm``: every norm saves its output instead of its input.
 
     Returns
     -------
@@ -352,9 +334,8 @@ def fuse_residual_rmsnorm(
     Raises
     ------
     ValueError
-        The model has no decoder layers in the Hugging Face layout; a layer is post-norm or matches no
-        template (the message names the class and the first line that differs); a layer's norm is not
-        one ``swap_rmsnorm`` replaces; ``swap_rmsnorm``'s errors.
+        No Hugging Face decoder layers; a post-norm layer or one matching no template (the message names
+        the class and the first line that differs); a norm ``swap_rmsnorm`` does not replace; its errors.
     TypeError
         model is not a torch.nn.Module; weight_offset is not a number; memory_efficient is not a bool.
     """

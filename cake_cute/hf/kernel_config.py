@@ -18,8 +18,7 @@ from .kernel_layers import DEVICES
 
 
 class CakeKernelConfig(KernelConfig):
-    """A ``KernelConfig`` whose local layers serve every ``kernelize`` mode, across ``train()`` /
-    ``eval()``."""
+    """A ``KernelConfig`` whose local layers serve every ``kernelize`` mode."""
 
     def create_compatible_mapping(self, model, compile=False):
         """Replace ``kernel_mapping`` by the ``kernels`` package's form: each layer name to a

@@ -48,9 +48,8 @@ def _gated_rmsnorm(module: nn.Module, hidden_states: torch.Tensor, gate: torch.T
 
 
 class CakeHFRMSNorm(nn.Module):
-    """The layer for transformers' ``"RMSNorm"``: the replaced module's RMSNorm with its eps, weight offset
-    and casts. Raises ``NormNotServed`` on the first call for a class ``swap_rmsnorm`` reads only with a
-    guess, or not at all."""
+    """The layer for transformers' ``"RMSNorm"``; raises ``NormNotServed`` on the first call for a class
+    ``swap_rmsnorm`` reads only with a guess, or not at all."""
 
     can_torch_compile = True
 
@@ -60,8 +59,7 @@ class CakeHFRMSNorm(nn.Module):
 
 
 class CakeHFRMSNormZeroCentered(nn.Module):
-    """The layer for transformers' ``"RMSNormZeroCentered"`` (whose forward names its input ``x``):
-    ``CakeHFRMSNorm``'s computation."""
+    """The layer for ``"RMSNormZeroCentered"`` (its forward's input is ``x``)."""
 
     can_torch_compile = True
 
@@ -71,8 +69,8 @@ class CakeHFRMSNormZeroCentered(nn.Module):
 
 
 class CakeHFRMSNormGated(nn.Module):
-    """The layer for transformers' ``"RMSNormGated"``: the replaced module's gated RMSNorm. Raises
-    ``GatedNormNotServed`` on the first call for a class ``swap_gated_rmsnorm`` does not serve."""
+    """The layer for ``"RMSNormGated"``; raises ``GatedNormNotServed`` on the first call for a class
+    ``swap_gated_rmsnorm`` does not serve."""
 
     can_torch_compile = True
 

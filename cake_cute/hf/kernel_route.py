@@ -41,19 +41,16 @@ MIN_KERNELS = "0.16.0"
 
 def hf_kernel_config(model, *, layers=None):
     """The ``transformers.KernelConfig`` that puts cake_cute's norms in ``model`` through transformers'
-    kernel route: ``from_pretrained(..., use_kernels=True, kernel_config=cfg)`` or
-    ``model.set_use_kernels(True, kernel_config=cfg)``. Each replaced norm computes what ``swap_rmsnorm`` /
-    ``swap_gated_rmsnorm`` would put in its place, in every ``kernels.Mode`` and across ``train()`` /
-    ``eval()``, on CUDA and CPU.
+    kernel route (``from_pretrained(..., use_kernels=True, kernel_config=cfg)`` or
+    ``model.set_use_kernels(True, kernel_config=cfg)``): each replaced norm computes what the swaps would
+    put in its place, in every ``kernels.Mode``, across ``train()`` / ``eval()``, on CUDA and CPU.
 
     Parameters
     ----------
     model : torch.nn.Module or transformers.PretrainedConfig
-        The model to kernelize, or the config it will be built from (its skeleton is built on the meta
-        device to read its norms).
+        The model, or the config it will be built from (read through a meta-device skeleton).
     layers : iterable of str, optional
-        The transformers layer names to map; default every one ``model`` has. Leave one out to keep
-        those classes' own forward.
+        The transformers layer names to map; default every one ``model`` has.
 
     Returns
     -------
@@ -63,14 +60,12 @@ def hf_kernel_config(model, *, layers=None):
     Raises
     ------
     ImportError
-        transformers or the kernels package is missing, older than the route needs, or cannot load
-        cake_cute's layer repository.
+        transformers or kernels missing, too old, or unable to load cake_cute's layer repository.
     NormNotServed (a ValueError)
-        A class under a mapped layer name that cake_cute cannot compute faithfully; the message names
-        each class and the reason.
+        A class under a mapped name that cake_cute cannot compute faithfully, named with the reason.
     ValueError
-        model has none of the layer names; ``layers`` names one cake_cute does not serve or model does
-        not have; ``USE_HUB_KERNELS`` turns transformers' route off.
+        model has none of the layer names; ``layers`` names one not served or not in the model;
+        ``USE_HUB_KERNELS`` turns transformers' route off.
     TypeError
         model is neither a module nor a transformers config; ``layers`` is a string.
     """
@@ -140,8 +135,7 @@ def _check_versions() -> None:
 
 
 def _check_enabled() -> None:
-    """transformers' own switch ``USE_HUB_KERNELS``, which when off keeps the stock norms with a log line
-    only."""
+    """transformers' own switch ``USE_HUB_KERNELS``, which when off keeps the stock norms silently."""
     from transformers.integrations import hub_kernels
 
     enabled = getattr(hub_kernels, "_kernels_enabled", True)  # a function from 5.25, a flag before
@@ -215,8 +209,7 @@ def _check_served(modules: dict, names: list[str]) -> None:
 
 
 def _check_loads(names: list[str]) -> None:
-    """Load each layer as the route will: transformers would otherwise fall back silently to the stock
-    forward when a layer cannot load."""
+    """Load each layer now: transformers would fall back silently to the stock forward."""
     for name in names:
         try:
             loaded = _repository(name).load()

@@ -17,8 +17,7 @@ _MEAN_OF_SQUARES = re.compile(SQUARES + r"\.mean\((dim=)?-1")
 
 
 class NormNotServed(ValueError):
-    """A Hugging Face norm that cake_cute cannot compute in place of its class without changing what
-    it computes; the message names the class and the reason."""
+    """A Hugging Face norm cake_cute cannot replace faithfully; the message names its class and why."""
 
 
 def hf_eps(module: nn.Module) -> float | None:
@@ -39,8 +38,8 @@ def hf_weight(module: nn.Module) -> nn.Parameter | None:
 
 
 def forward_source(cls: type) -> str | None:
-    """The source of ``cls.forward`` and of its ``_norm`` helper, on one line with single spaces and no
-    comments or docstrings; None when it cannot be read."""
+    """``cls.forward``'s source with its ``_norm`` helper's, on one line, without comments or docstrings;
+    None when unreadable."""
     parts = []
     for name in ("_norm", "forward"):
         function = getattr(cls, name, None)

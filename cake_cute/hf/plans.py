@@ -23,8 +23,7 @@ from .templates import TEMPLATES, Branch, Template, match
 
 @dataclass(frozen=True)
 class _LayerPlan:
-    """What the fused forward of one decoder-layer class needs: how the forward's arguments reach
-    ``self_attn``, and the names and branch ops the template bound."""
+    """What one decoder-layer class's fused forward needs: argument binding and the template's names."""
 
     template: str
     positional: tuple[str, ...]  # the parameters after hidden_states that can be given by position
@@ -48,8 +47,7 @@ class _LayerPlan:
     setup: object = None
 
     def bind(self, layer: nn.Module, args: tuple, kwargs: dict) -> dict:
-        """The forward's arguments after hidden_states, by name, defaults filled in, after its setup
-        statements ran on them."""
+        """The forward's arguments after hidden_states by name, defaults filled, setup statements run."""
         if len(args) > len(self.positional):
             raise TypeError(
                 f"decoder layer forward takes {len(self.positional) + 1} positional arguments, "
@@ -84,8 +82,7 @@ class _LayerPlan:
 
 @functools.cache
 def _layer_plan(cls: type) -> _LayerPlan:
-    """The plan of a decoder-layer class matching a fusable template; a ValueError naming the class and
-    the closest template's first differing statement otherwise."""
+    """The plan of a class matching a fusable template; else a ValueError naming the difference."""
     forward = inspect.unwrap(cls.forward)
     prefix = f"cannot fuse the residual adds of {cls.__qualname__}"
     try:

@@ -43,9 +43,8 @@ _ONE_PLUS_WEIGHT = re.compile(
 
 
 def _is_hf_norm_shaped(module: nn.Module) -> bool:
-    """A Hugging Face-style norm module: a class name ending in "Norm", a float ``variance_epsilon`` or
-    ``eps``, no submodules, and one 1-D ``weight`` Parameter or nothing learnable. Its forward's source
-    decides whether it is an RMSNorm."""
+    """A Hugging Face-style norm: a class name ending in "Norm", a float ``variance_epsilon`` or ``eps``,
+    no submodules, one 1-D ``weight`` or nothing learnable."""
     return (
         type(module).__name__.endswith("Norm")
         and _hf_eps(module) is not None
@@ -79,8 +78,8 @@ def _is_grouped(module: nn.Module) -> bool:
 
 
 def _class_form(cls: type, weighted: bool, grouped: bool) -> str | None:
-    """``_hf_form`` of an instance of ``cls``. Without readable source, a weighted "...RMSNorm" class is
-    taken as one, with Gemma's casts when "Gemma" is in the name, else Llama's."""
+    """``_hf_form`` of an instance of ``cls``; without readable source a weighted "...RMSNorm" class is
+    taken as one, with Gemma's casts when its name says Gemma."""
     source = _forward_source(cls)
     if source is None:
         if not (weighted and cls.__name__.endswith("RMSNorm")):
@@ -112,8 +111,7 @@ def hf_rmsnorm_reading(module: nn.Module) -> NormForm:
 
 @torch.compiler.assume_constant_result
 def _route_reading(cls: type, weighted: bool, grouped: bool) -> tuple[str, float]:
-    """``hf_rmsnorm_reading``'s reading of the class, a constant to torch.compile (computed once while
-    tracing)."""
+    """``hf_rmsnorm_reading``'s reading of the class, a constant to torch.compile."""
     return _cached_route_reading(cls, weighted, grouped)
 
 
@@ -132,13 +130,11 @@ def _cached_route_reading(cls: type, weighted: bool, grouped: bool) -> tuple[str
 
 
 def _computes_an_rms(source: str) -> bool:
-    """A reciprocal square root of the mean of the squares over the last dimension, no mean subtracted."""
     return "rsqrt" in source and _averages_squares(source) and not _MEAN_SUBTRACTED.search(source)
 
 
 def _hf_refusal(source: str | None, grouped: bool) -> str | None:
-    """Why a norm-shaped module computing a reciprocal square root is not swapped, or None when it is an
-    RMSNorm or computes no rsqrt at all."""
+    """Why a norm-shaped module computing an rsqrt is not swapped, or None."""
     if source is None or "rsqrt" not in source or _MEAN_SUBTRACTED.search(source):
         return None
     if not _averages_squares(source):
@@ -239,8 +235,7 @@ def _refuse_parallelized(name: str, module: nn.Module) -> None:
 
 
 def _decided_offsets(swappable, weight_offset, entry: str) -> dict[nn.Module, float]:
-    """The weight_offset of each swappable module (the caller's, 0.0 for torch.nn.RMSNorm, else what the
-    source shows), with one warning naming the classes where that is a guess."""
+    """Each swappable module's weight_offset, with one warning naming the classes guessed."""
     if weight_offset is not None:
         offset = v.check_weight_offset(weight_offset)
         return dict.fromkeys(swappable, offset)
@@ -290,8 +285,7 @@ def _normalized_size(module: nn.Module) -> int | None:
 
 
 def _is_per_head(parent: nn.Module, name: str, norm: nn.Module) -> bool:
-    """Whether ``parent.<name>`` normalizes each head of ``[..., heads, head_dim]`` projections: its size is
-    the holding module's head_dim (OLMo2's q / k norms span every head and are not per head), or,
+    """Whether ``parent.<name>`` normalizes each head: its size is the holding module's head_dim, or,
     weightless, it is named as a q / k / v norm."""
     head_dim = _head_dim(parent)
     if head_dim is None:
@@ -314,13 +308,12 @@ def swap_rmsnorm(
     memory_efficient: bool = False,
 ) -> int:
     """Replace, in place, every ``torch.nn.RMSNorm`` over one dimension and every Hugging Face-style
-    RMSNorm-shaped module of ``model`` with a ``CakeRMSNorm`` keeping the same weight Parameter, eps,
-    offset, casts and training mode.
+    RMSNorm-shaped module of ``model`` with a ``CakeRMSNorm`` keeping its weight Parameter, eps, offset,
+    casts and training mode.
 
-    Per-head norms (a norm over the head_dim of the attention module holding it, or a weightless q / k /
-    v norm there) get ``compiled_as=compiled_head_norms``. A module used in several places is replaced by
-    one CakeRMSNorm everywhere; hooks on the old modules do not carry over. Norm-shaped modules that are
-    not RMSNorms are left alone, with one ``UserWarning`` naming each class and the reason.
+    Per-head q / k norms get ``compiled_as=compiled_head_norms``. A module used in several places is
+    replaced by one CakeRMSNorm everywhere; hooks do not carry over. Norm-shaped modules that are not
+    RMSNorms are left alone, with one ``UserWarning`` naming each class and the reason.
 
     Parameters
     ----------
@@ -328,13 +321,12 @@ def swap_rmsnorm(
         Changed in place.
     weight_offset : float, optional
         The scale of every swapped module is ``weight + weight_offset``. None: 0.0 for
-        ``torch.nn.RMSNorm``; for Hugging Face modules what the forward's source shows, and where it
-        shows neither (or cannot be read) a guess, with one ``UserWarning`` naming the classes guessed.
+        ``torch.nn.RMSNorm``, else what the forward's source shows, or a guess named in a ``UserWarning``.
     compiled_head_norms : str
-        What a compiled graph runs for the per-head norms: ``"torch"`` (the default), their PyTorch
-        math, left to inductor; ``"kernel"``, the kernel. Changeable afterwards per norm.
+        What a compiled graph runs for per-head norms: ``"torch"`` (default: their PyTorch math, left to
+        inductor) or ``"kernel"``.
     memory_efficient : bool
-        Every swapped norm saves its output instead of its input for the backward.
+        Every swapped norm saves its output instead of its input.
 
     Returns
     -------
@@ -354,8 +346,7 @@ def swap_rmsnorm(
 
 
 def check_swap_arguments(model, weight_offset, compiled_head_norms, memory_efficient) -> None:
-    """The arguments of ``swap_rmsnorm`` and ``fuse_residual_rmsnorm``, checked before either looks at
-    the model."""
+    """The arguments of ``swap_rmsnorm`` and ``fuse_residual_rmsnorm``, before the model is read."""
     v.check_module("model", model)
     if weight_offset is not None:
         v.check_weight_offset(weight_offset)
@@ -366,8 +357,8 @@ def check_swap_arguments(model, weight_offset, compiled_head_norms, memory_effic
 def _swap_norms(
     model: nn.Module, weight_offset, compiled_head_norms: str, entry: str, memory_efficient: bool
 ) -> int:
-    """``swap_rmsnorm``'s work on checked arguments, called straight from the public entry ``entry``, so
-    the warnings name it and point at its caller."""
+    """``swap_rmsnorm``'s work, called straight from the public entry ``entry`` so the warnings point at
+    its caller."""
     if _is_swappable(model):
         raise ValueError("model is itself an RMSNorm; construct a CakeRMSNorm instead of swapping in place")
     found = [

@@ -18,8 +18,7 @@ from torch import nn
 
 @dataclass(frozen=True)
 class Branch:
-    """What a template's ``BRANCH(v)`` matched, the expression added to the residual stream: ``v``,
-    ``self.<attr>(v)``, ``v * self.<attr>``, ``self.<attr> * v`` or ``v.view(residual.shape)``."""
+    """What a template's ``BRANCH(v)`` matched: the expression added to the residual stream."""
 
     kind: str  # "identity", "module", "scale_right", "scale_left", "view_as_residual"
     attr: str | None = None
@@ -38,14 +37,12 @@ class Branch:
 
 
 def self_attr(node) -> str | None:
-    """``x`` for the expression ``self.x``, else None."""
     if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
         return node.attr
     return None
 
 
 def is_name(node, name: str) -> bool:
-    """Whether ``node`` is the plain name ``name``."""
     return isinstance(node, ast.Name) and node.id == name
 
 
@@ -93,9 +90,8 @@ class Template:
 
 
 def _layer_body(pre_norms: bool, post_norms: bool) -> str:
-    """A decoder layer's forward body: an attention block, then an MLP block, each adding its branch to
-    the residual stream; ``pre_norms`` normalizes each block's input, ``post_norms`` each branch before
-    its add."""
+    """A decoder layer's forward body: attention then MLP, each adding its branch to the residual;
+    ``pre_norms`` / ``post_norms`` normalize each block's input / branch."""
     statements = []
     for pre_norm, call, output, post_norm in (
         ("INPUT_NORM", "ATTENTION_CALL", "ATTN_OUT", "POST_ATTENTION_NORM"),
@@ -132,8 +128,7 @@ class _Mismatch(Exception):
 
 
 def _attention_call(stmt: ast.stmt, signature: inspect.Signature, local_names: frozenset) -> tuple | None:
-    """(output name, second output's name, parameters passed on by name) of
-    ``out, _ = self.self_attn(hidden_states=hidden_states, ...)``, or None for any other statement."""
+    """(output, second output, parameters passed by name) of the attention call, or None."""
     call = stmt.value if isinstance(stmt, ast.Assign) else None
     target = stmt.targets[0] if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 else None
     if (
@@ -204,8 +199,7 @@ def _unify(template, actual, bindings: dict) -> None:
 def match(
     template: Template, body: list, signature: inspect.Signature, local_names: frozenset = frozenset()
 ) -> dict | tuple[int, str]:
-    """The bindings of ``template`` in the forward's statements, or (how many statements matched, the
-    problem); ``local_names`` are the locals the setup statements assign."""
+    """The bindings of ``template`` in the forward's statements, or (statements matched, the problem)."""
     statements = ast.parse(template.body).body
     bindings: dict = {}
     for index, (expected, actual) in enumerate(zip(statements, body)):

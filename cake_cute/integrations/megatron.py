@@ -62,8 +62,7 @@ if HAS_MEGATRON:
     HAS_TE = _specs.HAS_TE
 
     class CakeSpecProvider(LocalSpecProvider):
-        """Megatron's ``LocalSpecProvider`` with cake norms, for code that builds specs from a backend;
-        ``layer_norm`` returns a cake norm builder."""
+        """Megatron's ``LocalSpecProvider`` with cake norms, for code that builds specs from a backend."""
 
         def layer_norm(self, rms_norm: bool = False, for_qk: bool = False, has_residual: bool = False):
             """The cake norm builder for a norm slot.
@@ -141,8 +140,7 @@ if HAS_MEGATRON:
         return with_cake_norms(stock)
 
     def _variant_block_spec(config, use_transformer_engine, **kwargs):
-        """Megatron's block spec for a config with an experimental attention variant (Gated DeltaNet
-        layers); TE only."""
+        """Megatron's (TE-only) block spec for a config with an experimental attention variant."""
         if not _specs.HAS_TE:
             raise ImportError(
                 f"config.experimental_attention_variant={config.experimental_attention_variant!r} is built "
@@ -160,9 +158,9 @@ if HAS_MEGATRON:
     def get_gpt_decoder_block_spec(
         config, use_transformer_engine=None, qk_l2_norm=False, *, fused_output_gate=False, **kwargs
     ):
-        """The block spec Megatron-LM's GPT builder takes for ``config`` (dense and MoE layers, or an
-        attention variant's layers; this pipeline stage's share), with cake norms and the final norm. Pass
-        it to ``GPTModel(transformer_layer_spec=...)``.
+        """The block spec Megatron-LM's GPT builder takes for ``config`` (this pipeline stage's dense, MoE
+        or attention-variant layers), with cake norms and the final norm; for
+        ``GPTModel(transformer_layer_spec=...)``.
 
         Parameters
         ----------
@@ -173,23 +171,22 @@ if HAS_MEGATRON:
         qk_l2_norm : bool
             As for Megatron's function.
         fused_output_gate : bool
-            Opt-in for Gated DeltaNet layers: their output norm and SiLU gate as one gated kernel (one
-            rounding, where the stock layer rounds the norm's output before the gate).
+            Opt-in: Gated DeltaNet layers run their output norm and SiLU gate as one gated kernel (one
+            rounding, where the stock layer rounds before the gate).
         **kwargs
             ``vp_stage``, ``pp_rank``: passed on.
 
         Returns
         -------
         TransformerBlockSubmodules
-            This pipeline stage's layer specs and the final norm ``MegatronCakeRMSNorm``.
+            This stage's layer specs and the final norm.
 
         Raises
         ------
         ImportError
-            ``use_transformer_engine=True``, or an attention variant, without Transformer Engine.
+            Transformer Engine missing where asked for or needed (an attention variant).
         ValueError
-            An attention variant without Transformer Engine's layers (Megatron builds those from TE's
-            specs only).
+            An attention variant without Transformer Engine's layers.
         """
         if getattr(config, "experimental_attention_variant", None) is not None:
             stock = _variant_block_spec(config, use_transformer_engine, **kwargs)
@@ -201,8 +198,8 @@ if HAS_MEGATRON:
         return with_cake_norms(stock)
 
     def get_gpt_mtp_block_spec(config, spec, use_transformer_engine=None, **kwargs):
-        """Megatron's multi-token prediction block spec for a cake layer or block spec, its norms cake norms.
-        Pass it to ``GPTModel(mtp_block_spec=...)``.
+        """Megatron's multi-token prediction block spec for a cake layer or block spec, its norms cake norms;
+        for ``GPTModel(mtp_block_spec=...)``.
 
         Parameters
         ----------
@@ -222,10 +219,8 @@ if HAS_MEGATRON:
 
         Raises
         ------
-        ImportError
-            ``use_transformer_engine=True`` without Transformer Engine.
-        ValueError
-            For ``gpt_layer_spec``, the errors of ``gpt_decoder_block_spec``.
+        ImportError, ValueError
+            As ``get_gpt_decoder_block_spec`` (for ``gpt_layer_spec``, ``gpt_decoder_block_spec``'s).
         """
         use_te = _use_te(use_transformer_engine)
         if isinstance(spec, ModuleSpec) and spec.module is CakeGPTLayer:
@@ -247,8 +242,7 @@ if HAS_MEGATRON:
     }
 
     def _builder_uses_te(config) -> bool:
-        """Whether Megatron-LM's GPT builder starts from TE's specs for ``config``, after refusing by name
-        the configs no cake spec serves."""
+        """Whether the GPT builder starts from TE's specs, after refusing configs no cake spec serves."""
         check_norm_config(config)
         if getattr(config, "heterogeneous_block_specs", False):
             raise ValueError(
@@ -271,8 +265,7 @@ if HAS_MEGATRON:
         )
 
     def _check_megatron_final_norm(config) -> None:
-        """Refuse now what Megatron's own final norm, which no layer spec reaches, would refuse once every
-        layer is built."""
+        """Refuse now what Megatron's own final norm would refuse after every layer is built."""
         final_norm = _transformer_block.LayerNormImpl
         if final_norm is FusedLayerNorm:
             refused = [("normalization", config.normalization)]
@@ -298,14 +291,13 @@ if HAS_MEGATRON:
         )
 
     def _transformer_config(config):
-        """The ``TransformerConfig`` of what the builder passes a ``--spec`` function: 0.19's model config
-        (its ``transformer``), or the config itself."""
+        """The ``TransformerConfig`` in what the builder passes a ``--spec`` function."""
         transformer = getattr(config, "transformer", None)
         return transformer if isinstance(transformer, TransformerConfig) else config
 
     def gpt_decoder_block_spec(config, vp_stage=None):
-        """The block spec Megatron-LM's GPT builder would build for ``config``, with cake norms and the final
-        norm: the ``--spec`` function for Megatron-LM 0.19+, whose builder calls it with the model config.
+        """The ``--spec`` function for Megatron-LM 0.19+, whose builder calls it with the model config: the
+        block spec the builder would build, with cake norms and the final norm.
 
         Parameters
         ----------
@@ -323,15 +315,15 @@ if HAS_MEGATRON:
         ------
         ValueError
             ``normalization`` other than ``"RMSNorm"``, ``heterogeneous_block_specs``, a
-            ``transformer_impl`` other than ``"local"`` or an importable ``"transformer_engine"``; the
-            errors of ``get_gpt_decoder_block_spec``.
+            ``transformer_impl`` neither ``"local"`` nor an importable ``"transformer_engine"``;
+            ``get_gpt_decoder_block_spec``'s.
         """
         return _builder_block_spec(_transformer_config(config), vp_stage=vp_stage)
 
     class CakeGPTLayer(BaseTransformerLayer):
-        """The layer class of ``gpt_layer_spec``: constructing it with the config builds the layer
-        Megatron-LM's GPT builder would build at that position, with cake norms, and returns that layer
-        (Megatron's own class). A layer spec has no other place to read the config before Megatron-LM 0.19.
+        """The layer class of ``gpt_layer_spec`` (a layer spec's only place to read the config before
+        Megatron-LM 0.19): constructing it builds and returns the layer the GPT builder would build at that
+        position, Megatron's own class, with cake norms.
 
         Parameters
         ----------
@@ -349,13 +341,12 @@ if HAS_MEGATRON:
         Returns
         -------
         torch.nn.Module
-            The layer (``TransformerLayer``), with cake norms.
+            The layer, with cake norms.
 
         Raises
         ------
         ValueError
-            The errors of ``gpt_decoder_block_spec``, and a field Megatron's own final norm would refuse,
-            before any layer is built.
+            ``gpt_decoder_block_spec``'s errors, and what Megatron's own final norm would refuse.
         """
 
         def __new__(cls, *, config, layer_number=1, pg_collection=None, vp_stage=None, **layer_kwargs):

@@ -32,8 +32,7 @@ __all__ = [
 
 
 def _with_cake_mamba_layer(spec):
-    """A ``MambaLayer`` spec whose input norm, fused into the mixer's ``in_proj`` by TE's spec, is a
-    ``MegatronCakeRMSNorm`` under the fused layer's checkpoint name."""
+    """A ``MambaLayer`` spec whose TE-fused input norm is a ``MegatronCakeRMSNorm``."""
     subs = spec.submodules
     mixer, unfused = with_cake_sublayer(subs.mixer, ("in_proj",), {})
     if unfused is None and not is_norm_builder(subs.norm):
@@ -69,17 +68,15 @@ def _with_qk_norm_slots(layer):
 
 
 def with_cake_stack_norms(spec, qk_layernorm=False, *, fused_output_gate=False):
-    """A hybrid stack spec with its RMSNorms replaced by cake norms: each layer as ``with_cake_norms``
-    replaces them, the Mamba layers' input norm, the multi-token prediction norms, and the stack's final
-    norm (through ``CakeHybridStack``).
+    """A hybrid stack spec with cake norms: each layer's as ``with_cake_norms`` replaces them, the Mamba
+    layers' input norm, the multi-token prediction norms, and the stack's final norm.
 
     Parameters
     ----------
     spec : ModuleSpec
         A ``HybridStack`` (``MambaStack``) spec.
     qk_layernorm : bool
-        Put cake q/k norms in the attention layer's q/k norm slots, which Megatron's stack spec leaves
-        empty; must match the config's.
+        Put cake q/k norms in the attention layers' empty q/k norm slots; must match the config's.
     fused_output_gate : bool
         Opt-in: the Gated DeltaNet layers' output norm and SiLU gate as one gated kernel.
 
@@ -106,8 +103,7 @@ def with_cake_stack_norms(spec, qk_layernorm=False, *, fused_output_gate=False):
 
 
 class CakeHybridStack(_HybridStack):
-    """Megatron's hybrid stack whose final norm, which the stack builds itself with no spec slot, is a
-    cake norm under the name ``final_norm``."""
+    """Megatron's hybrid stack whose own final norm (``final_norm``) is a cake norm."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

@@ -48,8 +48,7 @@ def check_norm_config(config) -> None:
 
 
 def _weight_device(config) -> torch.device:
-    """Where Megatron puts a norm's weight at construction: the CPU, the meta device, or the current CUDA
-    device, after the config."""
+    """Where Megatron puts a norm's weight at construction, after the config."""
     if _config_flag(config, "use_cpu_initialization"):
         return torch.device("cpu")
     if _config_flag(config, "init_model_with_meta_device"):
@@ -63,9 +62,8 @@ def _weight_device(config) -> torch.device:
 
 
 class _NormKeepingInput(torch.autograd.Function):
-    """``(y, x)``: the norm of x and x itself, whose two gradients the norm's backward adds in its last
-    step (one rounding), as Megatron's ``fused_residual_rmsnorm`` asks of a norm whose input is also the
-    residual. Saves and differentiates by the package's residual-mode rule, x in the place of h_new."""
+    """``(y, x)``: the norm of x and x itself, whose gradients the backward adds in its last step, as
+    ``fused_residual_rmsnorm`` asks; the residual-mode rule with x as h_new."""
 
     @staticmethod
     def forward(ctx, x, w, eps, weight_offset, memory_efficient):
@@ -87,27 +85,23 @@ class MegatronCakeRMSNorm(CakeRMSNorm):
     Parameters
     ----------
     config : megatron.core.transformer.TransformerConfig
-        Read at construction: ``normalization`` must be ``"RMSNorm"``; ``layernorm_zero_centered_gamma``
-        scales by ``1 + weight``; ``sequence_parallel`` marks ``weight.sequence_parallel``;
-        ``fused_residual_rmsnorm`` (with ``has_residual``) returns ``(output, residual)``;
-        ``params_dtype``, ``use_cpu_initialization`` and ``init_model_with_meta_device`` place the weight;
-        ``persist_layer_norm`` changes nothing; ``memory_efficient_layer_norm`` is the memory-efficient
-        mode; selective recomputation of ``"layernorm"`` is refused with the fused residual form.
+        Read at construction: ``normalization`` (``"RMSNorm"``), ``layernorm_zero_centered_gamma``
+        (``1 + weight``), ``sequence_parallel``, ``fused_residual_rmsnorm``, ``params_dtype``,
+        ``use_cpu_initialization``, ``init_model_with_meta_device``, ``memory_efficient_layer_norm``
+        (the memory-efficient mode) and the recomputed modules; ``persist_layer_norm`` changes nothing.
     hidden_size : int
-        The normalized (last) dimension: the hidden size, or the head size for q/k norms.
+        The normalized dimension: the hidden size, or the head size for q/k norms.
     eps : float, optional
         Added to the mean square; default ``config.layernorm_epsilon``.
     has_residual : bool
-        This norm's input is also the layer's residual. With ``config.fused_residual_rmsnorm`` the
-        forward returns ``(output, input)`` and its backward adds the residual's gradient into dx in the
-        same pass; otherwise it has no effect.
+        The input is also the layer's residual: with ``config.fused_residual_rmsnorm`` the forward
+        returns ``(output, input)`` and its backward adds the residual's gradient into dx.
 
     Raises
     ------
     ValueError
-        ``config.normalization`` is not ``"RMSNorm"``, the weight would go on CUDA where CUDA is not
-        available, the fused residual form under selective recomputation of the norms, or the errors of
-        ``CakeRMSNorm`` (hidden_size, eps).
+        ``normalization`` is not ``"RMSNorm"``; the weight would go on CUDA without CUDA; the fused
+        residual form under selective recomputation of the norms; ``CakeRMSNorm``'s errors.
     """
 
     def __init__(self, *, config, hidden_size, eps=None, has_residual=False):

@@ -31,8 +31,7 @@ _MLP_LINEARS = ("linear_fc1",)
 
 
 def is_norm_builder(builder) -> bool:
-    """Whether a spec slot holds a norm to replace (not an identity, an empty slot or the weightless
-    L2Norm)."""
+    """Whether a spec slot holds a norm to replace (not an identity, empty or L2Norm)."""
     return builder is not None and builder is not IdentityOp and builder is not L2Norm
 
 
@@ -44,14 +43,13 @@ def _unfused_linear(builder):
 
 
 def fused_norm_key(sublayer: str, linear_field: str) -> str:
-    """The checkpoint name a TE norm-fused linear gives the norm's weight; a norm taken out of it keeps
-    that name, so checkpoints move between the specs."""
+    """The checkpoint name a TE norm-fused linear gives the norm's weight, which a norm taken out of it
+    keeps."""
     return f"{sublayer}.{linear_field}.layer_norm_"
 
 
 def _submodules(spec):
-    """The submodules of a ``ModuleSpec`` or of a ``functools.partial`` with ``submodules=`` (Megatron
-    0.18+ MLPs); None for anything else."""
+    """The submodules of a ``ModuleSpec`` or of a ``partial(..., submodules=)``; else None."""
     if isinstance(spec, functools.partial):
         return spec.keywords.get("submodules")
     return spec.submodules if isinstance(spec, ModuleSpec) else None
@@ -64,8 +62,8 @@ def _with_submodules(spec, submodules):
 
 
 def with_cake_sublayer(spec, linear_fields: tuple, norm_slots: dict):
-    """``spec`` with the norm slots in ``norm_slots`` holding cake norms, and the name of the linear among
-    ``linear_fields`` whose fused norm moved out (None if none did)."""
+    """``spec`` with cake norms in ``norm_slots``, and the name of the linear whose fused norm moved out
+    (or None)."""
     subs = _submodules(spec)
     if subs is None:
         return spec, None
@@ -85,8 +83,7 @@ def with_cake_sublayer(spec, linear_fields: tuple, norm_slots: dict):
 
 
 def _has_qk_norms(attention) -> bool:
-    """Whether a ``SelfAttention`` spec holds a norm (L2Norm included) in a q/k norm slot; True for any
-    other spec, where there is nothing to check."""
+    """Whether a ``SelfAttention`` spec holds a q/k norm (True for other specs)."""
     subs = _submodules(attention)
     if not hasattr(subs, "k_layernorm"):
         return True
@@ -110,17 +107,15 @@ def with_cake_norms(spec, *, fused_output_gate=False):
 
     The input and pre-MLP norms become ``MegatronCakeResidualRMSNorm`` (``MegatronCakeInputRMSNorm`` in
     a layer without q/k norms), q/k norms ``MegatronCakeQKRMSNorm`` (``L2Norm`` stays), Gated DeltaNet's
-    ``out_norm`` and a block's final norm ``MegatronCakeRMSNorm``. A ``TELayerNormColumnParallelLinear``
-    holding a norm becomes ``TEColumnParallelLinear`` after a cake norm, under the fused layer's
-    checkpoint name.
+    ``out_norm`` and the final norm ``MegatronCakeRMSNorm``. A ``TELayerNormColumnParallelLinear`` holding
+    a norm becomes ``TEColumnParallelLinear`` after a cake norm under the fused layer's checkpoint name.
 
     Parameters
     ----------
     spec : ModuleSpec or TransformerBlockSubmodules
         A ``TransformerLayer`` spec or a block spec of them.
     fused_output_gate : bool
-        Opt-in: Gated DeltaNet layers run their output norm and SiLU gate as one gated kernel
-        (``with_fused_output_gate``); no effect on other layers.
+        Opt-in: Gated DeltaNet layers run their output norm and SiLU gate as one gated kernel.
 
     Returns
     -------
@@ -176,8 +171,7 @@ def with_cake_norms(spec, *, fused_output_gate=False):
 
 
 def with_cake_mtp_norms(spec):
-    """A multi-token prediction block spec with its layers' norms (``enorm``, ``hnorm``,
-    ``layer_norm``) cake norms."""
+    """A multi-token prediction block spec with its layers' norms cake norms."""
     if isinstance(spec, ModuleSpec):
         return dataclasses.replace(spec, submodules=with_cake_mtp_norms(spec.submodules))
     norms = ("enorm", "hnorm", "layer_norm")

@@ -51,9 +51,8 @@ if HAS_OVERRIDES:
     from torchtitan.protocols.module import Module
 
     class TorchtitanCakeRMSNorm(CakeRMSNorm, Module):
-        """``CakeRMSNorm`` as a torchtitan ``Module``, built from the fields of torchtitan's
-        ``RMSNorm.Config`` and ``memory_efficient``; its forward's first parameter has the running torch's
-        name, since torchtitan binds forward arguments by name."""
+        """``CakeRMSNorm`` as a torchtitan ``Module`` built from ``RMSNorm.Config``'s fields and
+        ``memory_efficient``."""
 
         @dataclass(kw_only=True, slots=True)
         class Config(RMSNorm.Config):
@@ -68,9 +67,8 @@ if HAS_OVERRIDES:
             )
 
     class CakeLlama3TransformerBlock(Llama3TransformerBlock):
-        """torchtitan's Llama 3 block with the attention residual add fused into ``ffn_norm``:
-        ``y, h = ffn_norm(attention(attention_norm(x)), residual=x)``, then ``h + feed_forward(y)``; ``h`` is
-        the same rounded sum the stock block computes."""
+        """torchtitan's Llama 3 block with the attention residual add fused into ``ffn_norm``; ``h`` is the
+        stock block's rounded sum."""
 
         @dataclass(kw_only=True, slots=True)
         class Config(Llama3TransformerBlock.Config):
@@ -87,8 +85,7 @@ if HAS_OVERRIDES:
         )
 
     def _with_residual_input(norm_cfg: TorchtitanCakeRMSNorm.Config) -> TorchtitanCakeRMSNorm.Config:
-        """Declare the residual in the input's layout (both are the block's activations); torchtitan binds
-        layouts by the forward's parameter names."""
+        """Declare the residual in the input's layout (torchtitan binds layouts by parameter name)."""
         sharding = norm_cfg.sharding_config
         layout = None if sharding is None else (sharding.in_src_shardings or {}).get(INPUT_NAME)
         if layout is None:
@@ -201,9 +198,8 @@ elif HAS_TORCHTITAN:
     from torchtitan.protocols.model_converter import register_model_converter
 
     class CakeRMSNormConverter:
-        """torchtitan 0.2.x model converter ``cake_rmsnorm``: ``swap_rmsnorm`` on the model the trainer
-        built on the meta device, before parallelize. The swapped norms share the stock weights, and the
-        model's ``init_weights`` initializes them through ``reset_parameters``."""
+        """torchtitan 0.2.x model converter ``cake_rmsnorm``: ``swap_rmsnorm`` on the meta-device model before
+        parallelize; ``init_weights`` initializes the swapped norms."""
 
         memory_efficient = False
 
@@ -217,9 +213,8 @@ elif HAS_TORCHTITAN:
             pass
 
     class CakeRMSNormMemoryEfficientConverter(CakeRMSNormConverter):
-        """torchtitan 0.2.x model converter ``cake_rmsnorm_memory_efficient``: the swap of
-        ``CakeRMSNormConverter`` with every norm in the memory-efficient mode (it saves its output
-        instead of its input; docs/memory.md)."""
+        """torchtitan 0.2.x model converter ``cake_rmsnorm_memory_efficient``: the same swap, every norm in
+        the memory-efficient mode."""
 
         memory_efficient = True
 

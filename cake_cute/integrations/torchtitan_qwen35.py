@@ -30,8 +30,7 @@ __all__ = ["TorchtitanCakeOffsetRMSNorm", "TorchtitanCakeRMSNormGated"]
 
 
 class TorchtitanCakeOffsetRMSNorm(CakeRMSNorm, Module):
-    """``CakeRMSNorm`` scaling by ``1 + weight`` as a torchtitan ``Module``, built from the fields of
-    ``OffsetRMSNorm.Config`` and ``memory_efficient``."""
+    """``CakeRMSNorm`` scaling by ``1 + weight``, built from ``OffsetRMSNorm.Config``'s fields."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(OffsetRMSNorm.Config):
@@ -51,8 +50,7 @@ class TorchtitanCakeOffsetRMSNorm(CakeRMSNorm, Module):
 
 
 class TorchtitanCakeRMSNormGated(CakeGatedRMSNorm, Module):
-    """``CakeGatedRMSNorm`` (norm then gate, ``"scale_then_round"``) as a torchtitan ``Module``, built
-    from the fields of ``RMSNormGated.Config``."""
+    """``CakeGatedRMSNorm`` built from ``RMSNormGated.Config``'s fields."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(RMSNormGated.Config):

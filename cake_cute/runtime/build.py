@@ -75,8 +75,7 @@ def _forward_arguments(spec: KernelSpec, config) -> tuple:
 
 
 def _backward_arguments(spec: KernelSpec, config) -> tuple:
-    """g, h, w, rstd, g_residual (or None), dx, the partial rows, (with the dW finish in the launch: dw,
-    the counter,) the number of programs, then the parts of g after the first."""
+    """g, h, w, rstd, g_residual, dx, the partial rows, [dw, counter,] the programs, g's other parts."""
     import cutlass
     import cutlass.cute as cute
 
@@ -113,8 +112,7 @@ def _reduce_arguments(spec: ReduceSpec, config) -> tuple:
 
 
 def _quant_arguments(spec: KernelSpec, config, emit_y: bool) -> tuple:
-    """The forward's arguments (y only with ``emit_y``), then the e4m3 bytes and the compact scales,
-    before eps; the persistent kernel takes the number of programs after eps."""
+    """The forward's arguments, the e4m3 bytes and scales before eps, the programs after it (persistent)."""
     import cutlass
     import cutlass.cute as cute
 
@@ -199,8 +197,7 @@ def _gated_rstd(rows, groups: int):
 
 
 def _gated_arguments(spec: GatedSpec, config) -> tuple:
-    """Forward: x, z, w, y, rstd, eps. Statistics: x, z, rstd, eps. Backward: g, x, z, w, rstd, dx, dz,
-    the partial rows, (with the dW finish in the launch: dw, the counter,) the number of programs."""
+    """The gated kernels' arguments: forward, statistics (no w, y) or backward (with the partial rows)."""
     import cutlass
     import cutlass.cute as cute
 
@@ -263,7 +260,6 @@ def config_for(spec):
 
 
 def compile_kernel(spec):
-    """Trace and compile one variant for ``spec.arch``."""
     import cutlass.cute as cute
 
     kind = KINDS[spec.kind]

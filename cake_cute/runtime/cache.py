@@ -86,9 +86,8 @@ def _imported_names(module: str, is_package: bool, tree: ast.Module) -> set[str]
 
 
 def build_sources() -> dict[str, str]:
-    """The source text of every module the compiled code is made from, by dotted name: the kernels and
-    ``cake_cute.runtime.build`` with every package module they import, directly or not. Editing the
-    host path, the tools or the cache never recompiles a kernel."""
+    """The source of every module the compiled code is made from: the kernels and ``runtime.build`` with
+    what they import, directly or not; editing other modules recompiles nothing."""
     modules = _package_modules()
     pending = [
         name for name in modules if name == "cake_cute.runtime.build" or name.startswith("cake_cute.kernels")
@@ -111,8 +110,7 @@ def _is_bare_constant(statement: ast.stmt) -> bool:
 
 
 def code_of(source: str) -> str:
-    """What of a module's source can change compiled code: its syntax tree without comments, docstrings
-    or other bare strings, and without line numbers."""
+    """What of a module's source can change compiled code: its syntax tree without docstrings or lines."""
     tree = ast.parse(source)
     for node in ast.walk(tree):
         for field in ("body", "orelse", "finalbody"):
@@ -135,8 +133,7 @@ _fingerprint: str | None = None
 
 
 def fingerprint() -> str:
-    """Everything besides the spec and its config that decides the compiled code or the cache's file
-    format."""
+    """What besides the spec and config decides the compiled code or the cache's file format."""
     global _fingerprint
     if _fingerprint is None:
         import cutlass
@@ -279,8 +276,7 @@ def _compile_under_lock(path: Path, spec: Spec) -> tuple[Callable, str]:
 
 
 def get_kernel_and_source(spec: Spec) -> tuple[Callable, str]:
-    """The compiled function for ``spec`` and where this call found it: ``"memory"``, ``"disk"``,
-    ``"disk after waiting"`` or ``"compiled"``."""
+    """The compiled function for ``spec`` and where this call found it."""
     fn = _memory.get(spec)
     if fn is not None:
         return fn, "memory"
@@ -306,5 +302,4 @@ def is_cached_on_disk(spec: Spec) -> bool:
 
 @on_override_change
 def clear_memory() -> None:
-    """Forget the compiled functions held in memory (the disk cache stays)."""
     _memory.clear()

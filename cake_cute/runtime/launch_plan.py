@@ -30,13 +30,11 @@ COUNTER_BYTES = 16
 
 
 def partial_rows_bytes(partial_rows: int, hidden: int) -> int:
-    """Bytes of ``partial_rows`` padded FP32 partial rows."""
     return partial_rows * partial_row_stride(hidden) * 4
 
 
 def workspace_bytes(partial_rows: int, hidden: int) -> int:
-    """Bytes a backward's workspace must hold: its partial rows and, last, the counter slot (one size
-    serves both ways of finishing dW)."""
+    """Bytes a backward's workspace holds: its partial rows, then the counter slot."""
     return partial_rows_bytes(partial_rows, hidden) + COUNTER_BYTES
 
 
@@ -85,9 +83,8 @@ def backward_programs(
 def most_partial_rows(
     rows: int, hidden: int, act_dtype: str, w_dtype: str, residual: bool, device: DeviceFacts
 ) -> int:
-    """The most partial rows any backward of up to ``rows`` rows writes (one per program); the count
-    grows with T except where pairing starts, so the largest is at ``rows`` or just below
-    ``PAIR_TILES_FROM`` tiles."""
+    """The most partial rows any backward of up to ``rows`` rows writes: the largest program count, at
+    ``rows`` or just below ``PAIR_TILES_FROM`` tiles."""
     rows_per_cta = backward_config(device.arch, act_dtype, w_dtype, hidden, residual).tiling.rows_per_cta
     below_pairing = (PAIR_TILES_FROM - 1) * rows_per_cta
     return max(
@@ -105,8 +102,7 @@ def finishes_dw_in_launch(
     g_parts: int,
     device: DeviceFacts,
 ) -> bool:
-    """Whether a backward of ``rows`` rows sums its partial rows in its own launch: where its config says
-    so and every program is resident at once, as the finish's grid barrier needs."""
+    """Whether its config sums dW in the launch and every program is resident, as the grid barrier needs."""
     config = backward_config(device.arch, act_dtype, w_dtype, hidden, residual, g_parts)
     if not config.dw_in_launch:
         return False
@@ -124,8 +120,7 @@ PERSISTENT_FP8_MAX_BYTES = 1 << 27
 
 @lru_cache(maxsize=4096)
 def fp8_persistent_programs(hidden: int, act_dtype: str, residual: bool, device: DeviceFacts) -> int:
-    """The most programs of the persistent forward to FP8 on this GPU, 0 where that kernel does not
-    apply."""
+    """The most programs of the persistent forward to FP8 on this GPU, 0 where it does not apply."""
     if not has_persistent_fp8_kernel(device.arch, act_dtype, hidden, residual):
         return 0
     per_sm = quant_forward_config(device.arch, act_dtype, hidden, "mxfp8", persistent=True).programs_per_sm
@@ -144,24 +139,23 @@ def fp8_persistent_rows(hidden: int, act_dtype: str) -> int:
 
 
 def fp8_forward_rule(hidden: int, act_dtype: str, residual: bool, device: DeviceFacts) -> tuple[int, int]:
-    """The forward to FP8's launch rule as numbers, ``(most persistent rows, programs)``; the native host
-    path receives and applies the same rule."""
+    """The FP8 forward's launch rule ``(most persistent rows, programs)``, which the native path applies
+    too."""
     return fp8_persistent_rows(hidden, act_dtype), fp8_persistent_programs(
         hidden, act_dtype, residual, device
     )
 
 
 def fp8_forward_programs(rows: int, hidden: int, act_dtype: str, residual: bool, device: DeviceFacts) -> int:
-    """Programs of a forward to FP8 of ``rows`` rows, 0 for one CTA per row tile. Both kernels run the
-    same per-row arithmetic, so the switch keeps batch invariance."""
+    """Programs of a forward to FP8 of ``rows`` rows (0: one CTA per row tile); both kernels compute a row
+    alike."""
     most_rows, programs = fp8_forward_rule(hidden, act_dtype, residual, device)
     return programs if rows <= most_rows else 0
 
 
 @cache
 def vector_elems(hidden: int, act_dtype: str) -> int:
-    """Elements per vector access for this H: the alignment every kernel assumes (an overridden tiling
-    must keep it)."""
+    """Elements per vector access for this H, the alignment every kernel (and override) assumes."""
     return vector_width(hidden, dtype_bytes(act_dtype))
 
 

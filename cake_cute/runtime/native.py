@@ -1,18 +1,15 @@
 """The native host path: ``csrc/`` built and loaded, and the signatures the Python path hands it.
 
 A Python ``autograd.Function`` costs the host more than the step it wraps; the extension is a C++
-autograd node (and functional forward / backward) launching the same compiled kernels through
-TVM-FFI's C ABI. The Python path stays the authority: once it has validated and launched a signature
-it registers it, and later calls of that signature in the plain layout run in C++. Every other call
-keeps the Python path, where the named errors and guarantees are tested. Loading it also gives the
-custom ops C++ kernels for CUDA tensors, which serve the same signatures and call the ops' Python
-bodies for the rest.
+autograd node (and functional forward / backward, and the custom ops' CUDA kernels) launching the same
+compiled kernels through TVM-FFI's C ABI. The Python path stays the authority: once it has validated
+and launched a signature it registers it, and later calls of that signature in the plain layout run in
+C++; every other call keeps the Python path, where the named errors are raised.
 
-The extension is built once per (source, torch, TVM-FFI, Python) with the C++ compiler and needs no
-CUDA headers. It is built only outside a training step (``cake-cute warmup``, ``cake_cute.prepare()``,
-``load()``); a call inside a step only loads a library already built. Without a compiler, or when the
-build fails, one warning says so and calls take the Python path; ``CAKE_CUTE_PYTHON_PATH=1`` chooses it
-without building anything.
+The extension is built once per (source, torch, TVM-FFI, Python), without CUDA headers, and only
+outside a training step (``cake-cute warmup``, ``cake_cute.prepare()``); a call inside a step only
+loads a library already built. A failed build warns once and leaves the Python path;
+``CAKE_CUTE_PYTHON_PATH=1`` chooses it without building.
 """
 
 from __future__ import annotations
@@ -87,8 +84,7 @@ def _toolchain() -> tuple[str, list[str], list[str]]:
 
 
 def library_path() -> Path:
-    """Where the extension for these sources, torch, TVM-FFI and Python lives, in torch's directory for
-    built extensions."""
+    """Where the extension for these sources, torch, TVM-FFI and Python lives, built or not."""
     from torch.utils import cpp_extension
 
     digest = hashlib.sha256()
@@ -172,8 +168,7 @@ def _import(path: Path):
 
 
 def load():
-    """The extension, built if needed and loaded on the first call; None when calls take the Python path
-    (``CAKE_CUTE_PYTHON_PATH=1``, or a failed build or load, warned once)."""
+    """The extension, built if needed and loaded; None when calls take the Python path (warned once)."""
     global extension, _tried
     if not _tried:
         _tried = True
@@ -195,8 +190,7 @@ _looked_for_library = False
 
 
 def load_built():
-    """``load`` when the library is already on disk, else None: what a call inside a training step uses,
-    so no step compiles. Looks on disk once per process."""
+    """``load`` only when the library is already on disk: what a call inside a training step uses."""
     global _looked_for_library
     if extension is not None or _tried or _looked_for_library:
         return extension
@@ -214,9 +208,8 @@ _op_bodies: tuple | None = None  # the custom ops' Python bodies (``library_ops`
 def provide_op_bodies(
     forward_body, backward_body, backward_parts_body, fp8_forward_body, differentiable_backward
 ) -> None:
-    """Take the ops' Python bodies, which the C++ kernels call for what they do not serve, and the
-    differentiable backward, which the C++ nodes call under double backward; installs the kernels now if
-    the extension is loaded."""
+    """Take the ops' Python bodies and the differentiable backward, which the C++ kernels call for what
+    they do not serve; installs the kernels if the extension is loaded."""
     global _op_bodies
     _op_bodies = (forward_body, backward_body, backward_parts_body, fp8_forward_body, differentiable_backward)
     if extension is not None:
@@ -230,9 +223,8 @@ def _install_op_kernels(module) -> None:
 
 
 def register(operands, x, w, weight_offset: float, residual: bool, forward_kernel, plan_backward) -> None:
-    """Hand a signature the Python path has just validated and launched to the extension (a set lookup for
-    one already handed over). ``plan_backward(operands, weight_offset, rows, residual, dw_dtype, g_parts)``
-    gives the backward's kernels and launch plan of one shape, which the extension asks once per shape."""
+    """Hand a signature the Python path has just validated and launched to the extension, with
+    ``plan_backward``, which it asks for the backward's kernels and plan once per shape."""
 
     def send(module, handle, act_align, w_align, planner):
         module.register(x, w, weight_offset, residual, handle, act_align, w_align, planner)
@@ -252,9 +244,8 @@ def register_fp8(
     kernel,
     plan_backward,
 ) -> None:
-    """``register`` for the forward to FP8 of ``recipe`` and ``emit_y``, just launched with ``programs``; the
-    op's C++ kernel then launches ``kernel`` for calls whose row count picks it, by the launch rule
-    handed over with it."""
+    """``register`` for the forward to FP8 of ``recipe`` and ``emit_y``, with the launch rule that picks
+    ``kernel`` by row count."""
     persistent = programs > 0
 
     def send(module, handle, act_align, w_align, planner):
@@ -270,8 +261,7 @@ def register_fp8(
 
 
 def _hand_over(variant: tuple, operands, x, w, weight_offset: float, kernel, plan_backward, send) -> None:
-    """``send(module, handle, act_align, w_align, planner)`` once per (signature, ``variant``), when the
-    extension is loaded and ``kernel`` has a TVM-FFI handle."""
+    """``send`` once per (signature, ``variant``) when the extension is loaded and ``kernel`` has a handle."""
     module = load_built()
     key = (operands, weight_offset, *variant)
     if module is None or key in _registered:
@@ -289,8 +279,8 @@ _handed_eps: set[float] = set()
 
 
 def accept_eps(eps: float) -> None:
-    """Hand the extension an eps the Python path has just validated and launched with; it declines any
-    other, so the rule lives in Python alone."""
+    """Hand the extension an eps the Python path validated; it declines others, so the rule stays in
+    Python."""
     if eps not in _handed_eps and load_built() is not None:
         extension.accept_eps(eps)
         _handed_eps.add(eps)

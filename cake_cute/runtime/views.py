@@ -14,14 +14,12 @@ _CONTIGUOUS = torch.contiguous_format
 
 
 def vector_align_bytes(vec: int, element_size: int) -> int:
-    """The base alignment the kernels assume for a vector of ``vec`` elements (capped at one vector
-    access, ``VECTOR_BYTES``)."""
+    """The base alignment the kernels assume for a vector of ``vec`` elements."""
     return min(VECTOR_BYTES, vec * element_size)
 
 
 def kernel_view(t: torch.Tensor, vec: int) -> torch.Tensor:
-    """A (rows, H) view the kernels can read in place (last dim contiguous, one row stride, aligned base
-    and stride), else a contiguous copy."""
+    """A (rows, H) view the kernels can read in place, else a contiguous copy."""
     hidden = t.shape[-1]
     if t.is_contiguous() and t.data_ptr() % (vec * t.element_size()) == 0:
         return t if t.dim() == 2 else t.view(-1, hidden)
@@ -51,7 +49,6 @@ def aligned_vector(w: torch.Tensor, vec: int) -> torch.Tensor:
 
 
 def rows_view(t: torch.Tensor, hidden: int) -> torch.Tensor:
-    """A contiguous output as (rows, H)."""
     return t if t.dim() == 2 else t.view(-1, hidden)
 
 
@@ -61,9 +58,8 @@ def is_direct_output(t: torch.Tensor, vec: int) -> bool:
 
 
 def new_output(like: torch.Tensor, shape=None, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A fresh output in the one layout every kernel returns, real or fake: contiguous, shaped like
-    ``like`` (or ``shape``), in its dtype (or ``dtype``). The fake kernels use it too, so torch.compile
-    is told the strides it gets for any input layout."""
+    """A fresh contiguous output, the one layout every kernel returns, real or fake (so torch.compile is
+    told the strides it gets)."""
     shape = like.shape if shape is None else shape
     return torch.empty(shape, dtype=like.dtype if dtype is None else dtype, device=like.device)
 
@@ -105,8 +101,7 @@ def kernel_weight(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 def partial_rows_view(workspace, partial_rows: int, hidden: int, device) -> torch.Tensor:
-    """The FP32 (partial_rows, H) view, rows padded to whole vectors, a backward writes its dW rows into:
-    the start of the caller's uint8 workspace, or a fresh buffer."""
+    """The padded FP32 (partial_rows, H) view of the caller's workspace, or a fresh buffer."""
     stride = partial_row_stride(hidden)
     if workspace is None:
         partials = torch.empty((partial_rows, stride), dtype=torch.float32, device=device)

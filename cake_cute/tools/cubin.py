@@ -92,8 +92,7 @@ def _run_tool(name: str, *args: str, cwd: str) -> str:
 
 
 def access_bits(opcode: str) -> int:
-    """Bits moved per thread by a load/store opcode: ``LDG.E.128`` -> 128, ``STG.E.U16`` -> 16, ``LDG.E``
-    -> 32."""
+    """Bits moved per thread by a load/store opcode (``LDG.E`` -> 32)."""
     for part in opcode.split(".")[1:]:
         if part.isdigit():
             return int(part)
@@ -103,15 +102,13 @@ def access_bits(opcode: str) -> int:
 
 
 def is_data_atomic(opcode: str) -> bool:
-    """An atomic on floating-point values, whose summation order the hardware picks; a grid barrier's
-    integer atomics are not."""
+    """An atomic on floating-point values, summed in an order the hardware picks."""
     return any(part.startswith(_FLOAT_TYPES) for part in opcode.split(".")[1:])
 
 
 def parse_sass(sass: str) -> dict:
-    """Counts of global loads/stores by width, local accesses (spills), generic loads, global atomics
-    and data atomics, conversions to e4m3, bulk L2 prefetches, and squares x * x fused into an add
-    (FFMA) or rounded on their own (FMUL)."""
+    """Counts of global accesses by width, spills, generic loads, atomics, e4m3 conversions, L2
+    prefetches, and squares fused into an add or rounded apart."""
     loads, stores, ops, squares = Counter(), Counter(), Counter(), Counter()
     e4m3_converts = data_atomics = 0
     for line in sass.splitlines():

@@ -17,9 +17,8 @@ def describe_config(spec: KernelSpec | ReduceSpec) -> str:
 
 
 def programs_fit(spec: KernelSpec | ReduceSpec, registers: int) -> bool:
-    """Whether a persistent kernel whose config sets ``programs_per_sm`` can hold all of an SM's programs
-    at once with the registers its compile took (a waiting program would run its tiles after the
-    others); True for other kernels."""
+    """Whether a persistent kernel with ``programs_per_sm`` holds all of an SM's programs at once with
+    its registers; True for other kernels."""
     from ..kernels.tiling import REGISTERS_PER_SM
     from ..runtime.build import config_for
 
@@ -29,8 +28,7 @@ def programs_fit(spec: KernelSpec | ReduceSpec, registers: int) -> bool:
 
 
 def collect_reports(specs: list[KernelSpec], jobs: int | None = None, *, sass: bool = True) -> list[dict]:
-    """Cubin reports of ``specs`` (compiled first where missing), in order, each with ``config`` and
-    ``programs_fit``; ``jobs`` threads (the tools run as subprocesses), ``sass`` to disassemble too."""
+    """Cubin reports of ``specs`` (compiled where missing) with their config and ``programs_fit``."""
     from .cubin import kernel_report
 
     def report(spec: KernelSpec) -> dict:
@@ -73,8 +71,7 @@ REPORT_LEGEND = (
 
 
 def format_report(reports: list[dict]) -> str:
-    """A plain-text table of ``collect_reports`` output (text left-aligned, numbers right-aligned),
-    followed by ``REPORT_LEGEND``."""
+    """A plain-text table of ``collect_reports`` output, then ``REPORT_LEGEND``."""
     rows = [[str(get(r)) for _, get in REPORT_COLUMNS] for r in reports]
     header = [name for name, _ in REPORT_COLUMNS]
     widths = [max(len(c) for c in column) for column in zip(header, *rows)]

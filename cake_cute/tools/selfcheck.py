@@ -62,7 +62,6 @@ class CaseResult:
 
     @property
     def ok(self) -> bool:
-        """Every error within its limit and no crash."""
         # A NaN error compares False, so an unwritten (NaN-poisoned) output fails.
         return self.error is None and all(e <= self.limits[k] for k, e in self.errors.items())
 
@@ -81,8 +80,7 @@ def gpu_problem() -> str | None:
 
 
 def case_matrix(quick: bool = False) -> list[Case]:
-    """dtypes x H x T x residual within MAX_ELEMENTS, plus FP32 weights, Gemma's offset and an empty
-    batch."""
+    """dtypes x H x T x residual within MAX_ELEMENTS, FP32 weights, Gemma's offset, an empty batch."""
     hiddens, rows = (QUICK_HIDDEN, QUICK_ROWS) if quick else (FULL_HIDDEN, FULL_ROWS)
     cases = [
         Case(dtype, dtype, hidden, t, residual)
@@ -194,8 +192,7 @@ def format_result(result: CaseResult) -> str:
 
 
 def run_check(quick: bool = False, stream: TextIO = sys.stdout) -> int:
-    """Run the matrix (``quick``: the smaller one) on the current GPU, printing one row per case to
-    ``stream``; returns the exit status, 0 when every case passed."""
+    """Run the (``quick``) matrix on this GPU, a row per case to ``stream``; exit status 0 if all pass."""
     device = torch.device("cuda", torch.cuda.current_device())
     cases = case_matrix(quick)
     print(

@@ -107,8 +107,8 @@ BACKWARD_KINDS = ("bwd", "gated_bwd")
 
 
 def with_dw_outputs(kernels: list, outs: Iterable[str]) -> list:
-    """``kernels`` and what their backwards launch to return dW in each dtype of ``outs``: the dW
-    reductions, or, for a backward that sums dW in its own launch, its variant per output."""
+    """``kernels`` and what their backwards launch to return dW in each dtype of ``outs`` (reductions, or
+    a backward variant per output)."""
     outs = list(dict.fromkeys(outs))
     specs, reduced = [], None
     for spec in kernels:
@@ -193,8 +193,7 @@ def gated_variant_specs(
 
 
 def _scale_then_round_specs(arch, act, hidden, group, w_mode, weight_offset) -> list:
-    """The plain kernels of norm then gate under ``"scale_then_round"``: with the weight over whole rows;
-    per group, the FP32 ones with a unit weight."""
+    """The plain kernels norm then gate runs under ``"scale_then_round"``."""
     if group == hidden:
         return variant_specs([arch], [act], [hidden], (False,), (w_mode,), weight_offset=weight_offset)
     return variant_specs([arch], ["fp32"], [group], residuals=(False,))
@@ -205,8 +204,7 @@ COMPILED, LOADED, FAILED = "compiled", "loaded", "FAILED"
 
 @dataclass
 class Outcome:
-    """What this process did for a variant not on disk when the warmup started: ``COMPILED`` it,
-    ``LOADED`` it after another process compiled it, or ``FAILED`` with ``error``."""
+    """What this process did for a variant: ``COMPILED``, ``LOADED`` after another's compile, ``FAILED``."""
 
     spec: KernelSpec
     seconds: float
@@ -225,7 +223,6 @@ class WarmupResult:
     seconds: float = 0.0
 
     def add(self, outcome: Outcome) -> None:
-        """File ``outcome`` under its status."""
         {COMPILED: self.compiled, LOADED: self.loaded, FAILED: self.failed}[outcome.status].append(outcome)
 
     def summary(self) -> str:
@@ -245,8 +242,8 @@ def _short_error(exc: BaseException) -> str:
 
 
 def compile_one(spec: KernelSpec) -> Outcome:
-    """Bring ``spec`` into the disk cache (in a worker) and say what this process did; errors come back as
-    text, since DSL exceptions do not always pickle."""
+    """Bring ``spec`` into the disk cache in a worker; errors come back as text (DSL errors may not
+    pickle)."""
     start = time.perf_counter()
     try:
         _, source = get_kernel_and_source(spec)
@@ -256,13 +253,11 @@ def compile_one(spec: KernelSpec) -> Outcome:
 
 
 def default_jobs() -> int:
-    """The CPUs this process may run on."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def _compile_all(specs: list[KernelSpec], jobs: int) -> Iterator[Outcome]:
-    """Outcomes in completion order; one worker or one variant compiles in this process (a worker costs
-    its imports)."""
+    """Outcomes in completion order; a lone worker or variant compiles in this process."""
     if jobs <= 1 or len(specs) <= 1:
         yield from map(compile_one, specs)
         return
@@ -277,9 +272,8 @@ def _compile_all(specs: list[KernelSpec], jobs: int) -> Iterator[Outcome]:
 
 
 def warm(specs: list[KernelSpec], jobs: int | None = None, progress: TextIO | None = None) -> WarmupResult:
-    """Compile the variants of ``specs`` not on disk yet, printing one line per variant to ``progress``
-    (default stderr), with ``jobs`` worker processes (default the CPU count). Returns the
-    ``WarmupResult``."""
+    """Compile the variants of ``specs`` not on disk yet with ``jobs`` workers, one line each to
+    ``progress``; returns the ``WarmupResult``."""
     progress = progress or sys.stderr
     start = time.perf_counter()
     result = WarmupResult()
@@ -311,9 +305,8 @@ BUILT, ON_DISK, SKIPPED, NOT_BUILT = "built", "already built", "skipped", "not b
 
 @dataclass
 class NativeBuild:
-    """What ``build_native`` did: ``status`` is ``BUILT``, ``ON_DISK``, ``SKIPPED``
-    (``CAKE_CUTE_PYTHON_PATH=1``) or ``NOT_BUILT``; ``detail`` is the library's path, or why there is
-    none."""
+    """What ``build_native`` did (``BUILT``, ``ON_DISK``, ``SKIPPED``, ``NOT_BUILT``) and the library's path
+    or why there is none."""
 
     status: str
     detail: str
@@ -339,8 +332,7 @@ NATIVE_ANNOUNCEMENT = (
 
 
 def build_native(progress: TextIO | None = None) -> NativeBuild:
-    """Build the native host path ahead of time, announcing it on ``progress`` (default stderr) when it is
-    not on disk yet; a failure is reported in the returned ``NativeBuild``, not raised."""
+    """Build the native host path ahead of time; a failure is reported in the result, not raised."""
     from ..runtime import native
 
     progress = progress or sys.stderr
@@ -358,9 +350,8 @@ def build_native(progress: TextIO | None = None) -> NativeBuild:
 
 
 def cache_dir_problem(path: Path, *, create_parents: bool) -> str | None:
-    """Why kernels cannot be cached in ``path`` (naming it), or None; creates ``path`` when missing, and
-    its parents only with ``create_parents`` (an explicit ``--cache-dir`` must have an existing parent,
-    which catches typos). Checked once, so a bad directory is one message, not one per variant."""
+    """Why kernels cannot be cached in ``path``, or None; creates it, and its parents only with
+    ``create_parents`` (an explicit ``--cache-dir`` must have a parent, catching typos)."""
     if path.exists() and not path.is_dir():
         return f"{path} is not a directory"
     if not path.exists():

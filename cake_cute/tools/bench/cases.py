@@ -44,9 +44,8 @@ RESIDUAL_MODES = {"off": (False,), "on": (True,), "both": (False, True)}
 def model_bytes(
     op: str, residual: bool, tokens: int, hidden: int, dtype: str = "bf16", w_dtype: str | None = None
 ) -> int:
-    """Bytes an ideal kernel moves for one call: fwd reads x (+residual) and w and writes y (+h_new) and
-    rstd; bwd reads g and x (+g_residual) and writes dx (w, rstd and dw not counted). ValueError for an
-    unknown op or dtype."""
+    """Bytes an ideal kernel moves for one call (w, rstd and dw not counted); ValueError for an unknown
+    op or dtype."""
     if dtype not in DTYPE_NAMES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {dtype!r}")
     act = tokens * hidden * dtype_bytes(dtype)
@@ -59,16 +58,14 @@ def model_bytes(
 
 
 def ceiling_target(op: str, nbytes: int) -> float | None:
-    """The fraction of the device copy a call of ``op`` moving ``nbytes`` is held to, None below
-    ``CEILING_TARGET_BYTES``; ValueError for an unknown op."""
+    """The copy fraction a call of ``op`` moving ``nbytes`` is held to, None for small calls."""
     if op not in CEILING_TARGETS:
         raise ValueError(f"op must be 'fwd' or 'bwd', got {op!r}")
     return CEILING_TARGETS[op] if nbytes >= CEILING_TARGET_BYTES else None
 
 
 def parse_count(text: str) -> int:
-    """'134217728', '2^27', '2**27', '1<<27', '128M' (binary suffixes K/M/G) -> int > 0; anything else
-    is an ``argparse.ArgumentTypeError``."""
+    """'134217728', '2^27', '2**27', '1<<27' or '128M' -> int > 0, else ``ArgumentTypeError``."""
     t = str(text).strip().lower().replace("_", "").replace(" ", "")
     value = None
     if m := re.fullmatch(r"(\d+)(?:\^|\*\*)(\d+)", t):

@@ -106,8 +106,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``cake-cute bench`` and ``python benchmarks/sweep.py``; returns the exit status (2
-    without a GPU)."""
+    """Entry point of ``cake-cute bench`` and ``benchmarks/sweep.py``; returns the exit status."""
     t_start = time.perf_counter()
     args = parse_args(argv)
     try:

@@ -32,9 +32,8 @@ def tbps(nbytes: int, us: float) -> float:
 
 
 def buffer_sets_for(set_bytes: int, l2_bytes: int, rotate: bool = True) -> int:
-    """How many input sets of ``set_bytes`` to rotate through so that none is L2-resident when its turn
-    comes: the least count exceeding ``L2_FACTOR * l2_bytes``, at most ``MAX_BUFFER_SETS``; 1 without
-    ``rotate``."""
+    """How many input sets of ``set_bytes`` to rotate so none is L2-resident in its turn (1 without
+    ``rotate``)."""
     if not rotate or set_bytes <= 0:
         return 1
     return min(MAX_BUFFER_SETS, max(1, math.ceil(L2_FACTOR * l2_bytes / set_bytes)))
@@ -50,15 +49,13 @@ def gpu_events(torch, run: Callable[[], object]) -> list:
 
 
 class Rotation:
-    """Hands out set indices 0, 1, ..., n - 1, 0, ... across every call, timed or not, so a set is always
-    used again exactly ``n - 1`` calls after its last use."""
+    """Hands out set indices round-robin across every call, so each set is reused ``n - 1`` calls later."""
 
     def __init__(self, n: int):
         self.n = n
         self.calls = 0
 
     def next(self) -> int:
-        """The index of the set the next call uses."""
         index = self.calls % self.n
         self.calls += 1
         return index
@@ -69,8 +66,7 @@ class LateHostError(RuntimeError):
 
 
 class DeviceTimer:
-    """Per-call timings on one device. ``call(arg)`` runs one call; ``setup()``, when given, prepares its
-    ``arg`` outside the timed region."""
+    """Per-call timings on one device; ``setup()`` prepares a call's ``arg`` outside the timed region."""
 
     def __init__(self, torch, device):
         self.torch = torch
@@ -116,8 +112,7 @@ class DeviceTimer:
             self.spin_cycles *= 2
 
     def device_us(self, call: Callable, reps: int, setup: Callable | None = None) -> float:
-        """Median device time of one call in µs, over ``reps`` calls; LateHostError when the host side of a
-        call outlasts ``MAX_SPIN_CYCLES``."""
+        """Median device time of one call in µs; LateHostError when the host outlasts the spin."""
         times = []
         for _ in range(reps):
             times.append(self._device_once(call, setup() if setup is not None else None))
@@ -135,10 +130,8 @@ class DeviceTimer:
         return sum(e.time_range.elapsed_us() for e in gpu_events(self.torch, calls)) / reps
 
     def copy_ceiling(self, nbytes: int, reps: int, rotate: bool = True, kernel_time: bool = False) -> dict:
-        """The device-copy ceiling for ``nbytes`` moved (``nbytes / 2`` copied, rotated like the inputs), as
-        row fields: ``copy_tbps`` (the faster of cudaMemcpyAsync and a copy kernel), each one's TB/s,
-        ``copy_gpu_us``, ``copy_bytes``, ``copy_buffer_sets`` and, with ``kernel_time``, ``copy_kernel_us``.
-        """
+        """The device-copy ceiling for ``nbytes`` moved, as row fields (``copy_tbps``, the faster of a memcpy
+        and a copy kernel, and the details)."""
         torch = self.torch
         half = max(16, (nbytes // 2) // 16 * 16)
         sets = buffer_sets_for(nbytes, self.l2_bytes, rotate)
