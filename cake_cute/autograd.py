@@ -1,12 +1,8 @@
-"""Autograd: the ``torch.autograd.Function`` of each forward kind, saving exactly (x or h_new, w, rstd),
-or in the memory-efficient mode (``memory_efficient=True``) exactly (y, w, rstd).
+"""Autograd: one ``torch.autograd.Function`` per forward kind, saving exactly (x or h_new, w, rstd), or
+(y, w, rstd) in the memory-efficient mode.
 
-Which path a call takes is ``cake_cute.routing``'s rule: on ``NATIVE`` the C++ autograd node (plain
-layouts of a signature the Python path has validated), on ``PYTHON`` the Function launching the kernels
-directly (``launch``, ``launch_fp8``), on ``OP`` the ``cake_cute::`` custom ops (under torch.compile, for
-DTensor inputs, for CPU tensors), on ``MATH`` the norm's math in torch operations (``rmsnorm_math``:
-FP64 inputs, ``torch.func`` transforms). The eager Functions and the ops' registered autograd share one
-save/backward helper (``library_ops.save_for_backward`` and ``library_ops.norm_backward``): adding a
+``cake_cute.routing`` decides the path of a call. The eager Functions and the custom ops' autograd share
+one save/backward pair (``library_ops.save_for_backward``, ``library_ops.norm_backward``), so a new
 forward kind is a Function here whose backward is ``norm_backward``.
 """
 
@@ -25,9 +21,9 @@ from .routing import MATH, NATIVE, OP, route
 
 
 def rmsnorm_math(x, w, eps, residual=None, weight_offset=0.0):
-    """``cake_rmsnorm``'s outputs (same checks, shapes and dtypes) in torch operations: the SPEC's math at
-    the kernels' rounding points (h rounded to x's dtype, y rounded once), in FP32, or FP64 for FP64
-    inputs. Autograd, every ``torch.func`` transform and inductor take it as they take ``F.rms_norm``.
+    """``cake_rmsnorm``'s outputs in torch operations, at the kernels' rounding points (FP32, or FP64 for
+    FP64 inputs), for the ``MATH`` route: autograd and every ``torch.func`` transform take it as they
+    take ``F.rms_norm``.
 
     Raises
     ------
@@ -44,7 +40,8 @@ class CakeRMSNormFunction(torch.autograd.Function):
     """Fused RMSNorm as a ``torch.autograd.Function``.
 
     ``CakeRMSNormFunction.apply(x, w, eps, residual=None, deterministic=True, weight_offset=0.0,
-    memory_efficient=False)``
+    memory_efficient=False)``; ``apply`` follows the routing rule as ``cake_rmsnorm`` does, since
+    FlashInfer's users call it as their entry.
 
     Parameters
     ----------
@@ -58,13 +55,11 @@ class CakeRMSNormFunction(torch.autograd.Function):
     residual : torch.Tensor, optional
         Added to x first (``h_new = x + residual``, rounded to x's dtype), placed like x.
     deterministic : bool
-        Accepted for API compatibility (and checked to be a bool); the kernels are deterministic
-        either way.
+        Accepted for API compatibility; the kernels are deterministic either way.
     weight_offset : float
         The scale is ``w + weight_offset`` (1.0 for Gemma's ``1 + w``).
     memory_efficient : bool
-        Save the returned y instead of x (or h_new); the backward recomputes xhat from y and w
-        (docs/memory.md states its error).
+        Save the returned y instead of x (or h_new); the backward recomputes xhat from y and w.
 
     Returns
     -------
@@ -77,16 +72,6 @@ class CakeRMSNormFunction(torch.autograd.Function):
     TypeError, ValueError
         A wrong dtype, shape or device, named by argument, before any launch; ``deterministic`` or
         ``memory_efficient`` not a bool.
-
-    Notes
-    -----
-    Saves exactly ``(x or h_new, w, rstd)``, or ``(y, w, rstd)`` with ``memory_efficient``; gradients
-    that are not needed are not materialized.
-    ``apply`` is overridden because FlashInfer's users call it as their entry: it follows the routing
-    rule as ``cake_rmsnorm`` does (``cake_cute.routing``), so a call may record the C++ autograd node
-    (the native path: the same saved tensors and bits, without a Python frame per call), the custom
-    op's autograd (torch.compile, DTensor and CPU inputs) or none (FP64 and ``torch.func``: torch's own
-    operations) instead of this Function's node, which records the Python path's calls.
     """
 
     @classmethod
@@ -106,8 +91,7 @@ class CakeRMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, eps, residual=None, deterministic=True, weight_offset=0.0, memory_efficient=False):
-        """The Python path (the kernels launched from Python on plain CUDA tensors); while dynamo traces
-        this Function (``apply`` inside a compiled region) the custom op stands for the kernels."""
+        """The Python path; while dynamo traces this Function the custom op stands for the kernels."""
         direct = not torch.compiler.is_compiling()
         call = norm_call(x, w, eps, residual, weight_offset, on_gpu=direct)
         if direct:
@@ -134,9 +118,7 @@ _function_apply = torch.autograd.Function.apply.__func__  # the engine's apply, 
 
 
 def _norm(cls, x, w, eps, residual, *, deterministic, weight_offset, memory_efficient):
-    """``cake_rmsnorm`` and ``CakeRMSNormFunction.apply`` by the routing rule, decided once: the torch
-    math on ``MATH``, the custom op on ``OP``, the C++ node on ``NATIVE`` when it serves the call, else
-    the Function ``cls`` (the Python path)."""
+    """Run a call on its route: torch math, the custom op, the C++ node, else the Function ``cls``."""
     if type(deterministic) is not bool or type(memory_efficient) is not bool:  # one cheap test per call
         _refuse_flags(deterministic, memory_efficient)
     path = route(x, w, residual)
@@ -157,7 +139,6 @@ def _norm(cls, x, w, eps, residual, *, deterministic, weight_offset, memory_effi
 
 
 def _refuse_flags(deterministic, memory_efficient) -> None:
-    """The TypeError naming the flag of ``_norm`` that is not a bool."""
     v.check_bool("deterministic", deterministic)
     v.check_memory_efficient(memory_efficient)
 
@@ -166,8 +147,7 @@ class CakeRMSNormFp8Function(torch.autograd.Function):
     """``forward(ctx, x, w, eps, residual, recipe, emit_y, weight_offset)`` ->
     ``(data, compact scales, y or placeholder, rstd, h_new or empty)``; saves (x or h_new, w, rstd).
 
-    The eager form of ``cake_cute::rmsnorm_fp8_fwd`` (``cake_rmsnorm_fp8`` calls it on the routing
-    rule's ``PYTHON``); the caller has validated the arguments (``calls.fp8_call``)."""
+    The eager form of ``cake_cute::rmsnorm_fp8_fwd``, for arguments ``calls.fp8_call`` has validated."""
 
     @staticmethod
     def forward(ctx, x, w, eps, residual, recipe, emit_y, weight_offset):
@@ -192,41 +172,32 @@ def cake_rmsnorm(
     Parameters
     ----------
     x : torch.Tensor
-        ``[..., H]`` activations (bf16, fp16, fp32) on CUDA or CPU, or a DTensor sharded on a
-        non-hidden dimension or replicated.
+        ``[..., H]`` bf16, fp16 or fp32 on CUDA or CPU, or a DTensor sharded on a non-hidden dimension
+        or replicated.
     w : torch.Tensor
         ``[H]`` weight in x's dtype or fp32; a ``Replicate()`` DTensor when x is a DTensor.
     eps : float
         Added to the mean square (finite, >= 0).
     residual : torch.Tensor, optional
-        Added to x before the norm; same shape, dtype, device and placement as x.
+        Added to x before the norm; like x, placement included.
     deterministic : bool
-        Accepted for API compatibility (and checked to be a bool); results are deterministic either
-        way.
+        Accepted for API compatibility; results are deterministic either way.
     weight_offset : float
         The scale is ``w + weight_offset``.
     memory_efficient : bool
-        Save the returned y (which the next layer keeps anyway) instead of x or h_new for the backward,
-        which recomputes xhat = y / (w + weight_offset), |w + weight_offset| clamped away from zero;
-        its error against FP64 and the columns it cannot serve are in docs/memory.md.
+        Save the returned y instead of x or h_new; the backward recomputes xhat = y / (w +
+        weight_offset), the scale clamped away from zero (docs/memory.md states the error).
 
     Returns
     -------
     torch.Tensor or tuple of torch.Tensor
-        ``y = h * rstd * (w + weight_offset)``, or ``(y, h_new)`` with ``h_new = x + residual``.
-        DTensor outputs keep x's placements; the weight gradient of a DTensor w is ``Partial()``.
+        ``y = h * rstd * (w + weight_offset)``, or ``(y, h_new)`` with ``h_new = x + residual``, placed
+        like x; a DTensor w's gradient is ``Partial()``.
 
     Raises
     ------
     TypeError, ValueError
-        Bad arguments (named), before any launch; a DTensor sharded on its last dimension;
-        ``deterministic`` or ``memory_efficient`` not a bool.
-
-    Notes
-    -----
-    Under torch.compile this traces to the ``cake_cute::rmsnorm_fwd`` custom op with its registered
-    autograd; in eager it is the native autograd node for plain calls of a signature seen before
-    (``cake_cute.runtime.native``), else ``CakeRMSNormFunction``.
+        Bad arguments (named), before any launch; a DTensor sharded on its last dimension.
     """
     return _norm(
         CakeRMSNormFunction,

@@ -1,14 +1,11 @@
 """The call values: what a public entry's checks produce, and all that the layers below it read.
 
-Each public entry (the functional forward and backward, the autograd Functions, the forward to FP8,
-the gated norm, and the custom ops' bodies, which compiled graphs and users call directly) turns its
-arguments into one immutable value here (``norm_call``, ``backward_call``, ``fp8_call``,
-``gated_call``), with the checks of ``validation`` in the order that names the first bad argument, the
-device last (so the argument errors can be exercised without a GPU). The launches, the CPU reference
-and the native hand-over take the value and check nothing again. On the tracing, DTensor and CPU route
-an entry calls a custom op, which is an entry itself (called directly too), so both check: the op's
-schema would turn a value of the wrong kind into an error naming no argument, and a DTensor's sharding
-rule runs on the global shapes before the op's body.
+Each public entry turns its arguments into one immutable value here, with the checks of
+``validation`` in the order that names the first bad argument and the device last (so argument
+errors can be exercised without a GPU). The layers below check nothing again. A custom op is an
+entry too (users and compiled graphs call it), so on the tracing, DTensor and CPU routes both the
+entry and the op check: the op's schema would raise an error naming no argument, and a DTensor's
+sharding rule runs before the op's body.
 """
 
 from __future__ import annotations
@@ -40,8 +37,7 @@ from .vocab import SILU
 
 
 class NormCall(NamedTuple):
-    """A plain-norm forward as ``norm_call`` accepted it: eps and weight_offset as floats, the
-    caller's outputs checked, and (x, w)'s device facts where the kernels run."""
+    """A plain-norm forward as ``norm_call`` accepted it."""
 
     x: torch.Tensor
     w: torch.Tensor
@@ -55,8 +51,7 @@ class NormCall(NamedTuple):
 
     @property
     def math_arguments(self) -> tuple:
-        """``(x, w, eps, residual, weight_offset)``: what the SPEC's math takes
-        (``reference.forward_reference``, ``cpu.forward``, the FP8 reference)."""
+        """``(x, w, eps, residual, weight_offset)``: what the references take."""
         return self.x, self.w, self.eps, self.residual, self.weight_offset
 
 
@@ -73,17 +68,8 @@ def norm_call(
     on_gpu=True,
     torch_math=False,
 ) -> NormCall:
-    """Every argument of a plain-norm forward, the device last (``on_gpu``: the kernels will run, so x
-    must be on a supported GPU; False for the CPU reference, fake tensors and DTensors, whose local
-    calls are checked again by the op they reach). ``torch_math``: torch operations compute it (the
-    ``MATH`` route), so FP64 is accepted too.
-
-    Raises
-    ------
-    TypeError, ArgumentError, ValueError
-        As the checks of x, w, eps, weight_offset, residual and the outputs raise them, naming the
-        argument; ``ValueError`` for x off a supported GPU when ``on_gpu``.
-    """
+    """Check every argument of a plain-norm forward, the device last (``on_gpu``: the kernels will run;
+    ``torch_math``: FP64 accepted)."""
     known = known_operands(x, w) if on_gpu else None  # the hot path: (x, w) seen before
     if known is None:
         check_activation(x, torch_math=torch_math)
@@ -100,8 +86,7 @@ def norm_call(
 
 
 class BackwardCall(NamedTuple):
-    """A plain-norm backward as ``backward_call`` accepted it (or as autograd saved it: the forward
-    validated those tensors)."""
+    """A plain-norm backward as ``backward_call`` accepted it, or as autograd saved it."""
 
     g_parts: tuple  # g's summands, usually one tensor
     h: torch.Tensor  # what the forward normalized (x or h_new), or its output y when memory_efficient
@@ -130,14 +115,7 @@ def backward_call(
     dw=None,
     memory_efficient=False,
 ) -> BackwardCall:
-    """Every argument of a plain-norm backward on the GPU, the device last.
-
-    Raises
-    ------
-    TypeError, ArgumentError, ValueError
-        As the checks of g, x, w, rstd, g_residual, weight_offset, dw_dtype, the outputs and the
-        workspace raise them, naming the argument; ``ValueError`` for x off a supported GPU.
-    """
+    """Check every argument of a plain-norm backward on the GPU, the device last."""
     known = known_operands(x, w)
     if known is None:
         check_activation(x)
@@ -171,13 +149,7 @@ class Fp8Call(NamedTuple):
 def fp8_call(
     x, w, eps, residual, recipe, emit_y, weight_offset, scale_layout="compact", *, on_gpu
 ) -> Fp8Call:
-    """Every argument of a forward to FP8, the device last (``on_gpu`` as for ``norm_call``).
-
-    Raises
-    ------
-    TypeError, ArgumentError, ValueError
-        ``norm_call``'s errors, an unknown recipe or scale layout, emit_y not a bool.
-    """
+    """Check every argument of a forward to FP8, the device last."""
     norm = norm_call(x, w, eps, residual, weight_offset, on_gpu=False)
     check_recipe(recipe)
     check_bool("emit_y", emit_y)
@@ -188,8 +160,7 @@ def fp8_call(
 
 
 class GatedCall(NamedTuple):
-    """A gated-norm call's common arguments as ``gated_call`` accepted them (group_size resolved), in
-    the order of the gated custom ops' arguments after the tensors."""
+    """A gated-norm call's common arguments as ``gated_call`` accepted them, in the gated ops' order."""
 
     x: torch.Tensor
     z: torch.Tensor
@@ -214,16 +185,7 @@ def gated_call(
     *,
     torch_math=False,
 ) -> GatedCall:
-    """The gated norm's arguments, before anything runs (the device excepted: the kernels' variant
-    names the architecture, CPU tensors run the CPU kernels); errors name the weight ``weight_name``
-    (FlashInfer's entries call it ``weight``). ``torch_math``: torch operations compute it (the
-    ``MATH`` route), so FP64 is accepted too.
-
-    Raises
-    ------
-    TypeError, ArgumentError, ValueError
-        The argument named, with what was expected.
-    """
+    """Check the gated norm's arguments, naming the weight ``weight_name``; ``torch_math``: FP64 accepted."""
     check_activation(x, torch_math=torch_math)
     check_like("z", z, x)
     check_weight(w, x, weight_name)

@@ -1,16 +1,10 @@
-"""The one dispatch layer: the path each call takes, carried out here.
+"""The dispatch layer: carries out ``routing.route`` for the functional entries and is the one module
+that talks to the native extension.
 
-``routing.route`` states the rule; this module carries it out for the functional entries and is the only
-one that talks to the native extension (``native``):
-
-* the public functional ``cake_rmsnorm_train_forward`` / ``_backward`` ask the extension first (plain
-  calls without caller-owned outputs), then take the Python launch (``launch``);
-* a signature the Python path launched is handed to the extension (``python_forward``,
-  ``fp8_forward``), with the backward's planner (``backward_plan``), so that its later plain calls run
-  in C++ (the eager autograd node, the functional calls, the custom ops' CUDA kernels);
-* ``native_rmsnorm`` is the C++ autograd node's call for ``autograd`` on the ``NATIVE`` route;
-* the extension is built only outside a training step: ``prepare()`` (``cake_cute.prepare``), ``cake-cute
-  warmup``; a call in a step loads a library already on disk (``native.load_built``) and never compiles.
+The public functional entries ask the extension first (plain calls without caller-owned outputs), then
+take the Python launch. A signature the Python path launched is handed to the extension with the
+backward's planner, so its later plain calls run in C++. The extension is built only outside a training
+step (``prepare()``, ``cake-cute warmup``); a call inside a step only loads a library already on disk.
 """
 
 from __future__ import annotations
@@ -24,8 +18,7 @@ from .runtime import launch_plan, native
 
 
 def prepare() -> bool:
-    """Build (when needed) and load the native host path now, outside any training step (``cake-cute
-    warmup`` and a ``CakeRMSNorm``'s construction on a CUDA machine do the same).
+    """Build (when needed) and load the native host path now, outside any training step.
 
     Returns
     -------
@@ -37,9 +30,8 @@ def prepare() -> bool:
 
 
 def native_rmsnorm(x, w, eps, residual, weight_offset, memory_efficient=False):
-    """The C++ autograd node's ``y`` / ``(y, h_new)`` for a call on the ``NATIVE`` route, or None when the
-    extension does not serve it (the caller then takes the Python Function). The node saves x or h_new,
-    so it declines the memory-efficient mode, which the Python Function serves."""
+    """The C++ autograd node's ``y`` / ``(y, h_new)``, or None where it does not serve the call (it saves
+    x or h_new, so never the memory-efficient mode)."""
     if memory_efficient:
         return None
     return native.extension.rmsnorm(x, w, eps, residual, weight_offset)
@@ -56,36 +48,34 @@ def cake_rmsnorm_train_forward(
     Parameters
     ----------
     x : torch.Tensor
-        ``[..., H]`` activations on a supported CUDA device, bf16 / fp16 / fp32, 1 <= H <= 262144;
-        leading dims collapse into rows.
+        ``[..., H]`` bf16 / fp16 / fp32 on a supported CUDA device, 1 <= H <= 262144; leading dims are
+        rows.
     w : torch.Tensor
         ``[H]`` weight, x's dtype or fp32, on x's device.
     eps : float
         Finite, >= 0.
     residual : torch.Tensor, optional
-        Same shape, dtype and device as x: normalize ``h = x + residual`` and return it as h_new.
+        Like x: normalize ``h = x + residual`` and return it as h_new.
     out, rstd, residual_out : torch.Tensor, optional
-        Caller-owned outputs (y: x's shape and dtype; rstd: FP32 ``[rows]``; h_new: x's shape and
-        dtype, residual mode only). Contiguous aligned ones are written directly, others receive a
-        copy; the returned tensors are these.
+        Caller-owned y (like x), rstd (FP32 ``[rows]``) and h_new (like x, residual mode only), written
+        directly when contiguous and aligned, else by a copy; the returned tensors are these.
     weight_offset : float, default 0.0
         Added to w in FP32 (1.0 gives Gemma's ``1 + w``); each distinct value is a compiled variant.
 
     Returns
     -------
     tuple of torch.Tensor
-        ``(y, rstd)``, or ``(y, rstd, h_new)`` in residual mode; rstd is FP32 with one value per row.
+        ``(y, rstd)``, or ``(y, rstd, h_new)`` in residual mode; rstd is FP32, one value per row.
 
     Raises
     ------
     ArgumentError
-        A tensor (x, w, residual, an output) of the wrong dtype, shape or device: a ``ValueError`` and a
-        ``TypeError``.
+        A tensor of the wrong dtype, shape or device (both a ``ValueError`` and a ``TypeError``).
     TypeError
-        An argument of the wrong kind (not a tensor; eps or weight_offset not a number).
+        An argument of the wrong kind.
     ValueError
         x on the CPU or an unsupported GPU, ``residual_out`` without ``residual``, a negative or
-        non-finite eps; every error is raised before any launch, with no output written.
+        non-finite eps. Every error is raised before any launch, with no output written.
     """
     extension = native.extension
     if extension is not None and out is None and rstd is None and residual_out is None:
@@ -117,31 +107,27 @@ def cake_rmsnorm_train_backward(
     Parameters
     ----------
     g : torch.Tensor or sequence of torch.Tensor
-        dL/dy, x's shape, dtype and device; or 2 to 3 such tensors whose sum is dL/dy (the dgrads of
-        the layers that read y): the kernel sums them in FP32, left to right, and rounds the sum once
-        to x's dtype -- what torch.compile's fused add of them stores -- instead of a separate add.
+        dL/dy like x, or 2 to 3 such tensors whose sum is dL/dy, summed in FP32 left to right and
+        rounded once to x's dtype (as torch.compile's fused add of them stores it).
     x : torch.Tensor
-        What the forward normalized: x, or h_new in residual mode (``[..., H]``, bf16 / fp16 / fp32).
+        What the forward normalized: x, or h_new in residual mode.
     w : torch.Tensor
         ``[H]`` weight, x's dtype or fp32.
     rstd : torch.Tensor
         FP32 ``[rows]`` from the forward.
     deterministic : bool, default True
-        Accepted for API compatibility; both values run the same deterministic kernels (an atomic
-        dW measured slower: evidence/kernel-rules-h200-2026-12-01/atomic-dw/).
+        Accepted for API compatibility; every backward is deterministic.
     g_residual : torch.Tensor, optional
-        dL/dh_new in residual mode (x's shape and dtype), added into dx: dx is then the gradient of
-        both x and residual.
+        dL/dh_new in residual mode (like x), added into dx, which is then the gradient of x and residual.
     workspace : torch.Tensor, optional
-        A contiguous 1-D uint8 tensor, 16-byte aligned, of at least
-        ``cake_rmsnorm_train_backward_workspace_bytes(rows, H, device)`` bytes; without one, the
-        partial rows are allocated per call.
+        Contiguous 1-D uint8, 16-byte aligned, of at least
+        ``cake_rmsnorm_train_backward_workspace_bytes(rows, H, device)`` bytes; else allocated per call.
     dx, dw : torch.Tensor, optional
-        Caller-owned outputs (dx: x's shape and dtype; dw: ``[H]`` of ``dw_dtype``).
+        Caller-owned outputs (dx like x; dw ``[H]`` of ``dw_dtype``).
     weight_offset : float, default 0.0
         The forward's offset.
     dw_dtype : torch.dtype, default torch.float32
-        dw's dtype (fp32, bf16 or fp16; autograd asks for w's); the sum is FP32, rounded once.
+        dw's dtype (fp32, bf16 or fp16); the sum is FP32, rounded once.
 
     Returns
     -------
@@ -151,11 +137,11 @@ def cake_rmsnorm_train_backward(
     Raises
     ------
     ArgumentError
-        A tensor of the wrong dtype, shape or device: a ``ValueError`` and a ``TypeError``.
+        A tensor of the wrong dtype, shape or device (both a ``ValueError`` and a ``TypeError``).
     TypeError
-        An argument of the wrong kind (including ``deterministic`` that is not a bool).
+        An argument of the wrong kind (``deterministic`` included).
     ValueError
-        An unaligned or too small workspace, x on the CPU or an unsupported GPU; every error is raised
+        An unaligned or too small workspace, x on the CPU or an unsupported GPU. Every error is raised
         before any launch, with no output written.
     """
     v.check_bool("deterministic", deterministic)  # accepted and ignored: every backward is deterministic
@@ -169,8 +155,7 @@ def cake_rmsnorm_train_backward(
 
 
 def python_forward(call: NormCall):
-    """The Python launch of a validated call (``launch.launch_forward``), then its signature handed to
-    the native path."""
+    """Launch a validated call in Python, then hand its signature to the native path."""
     outs = launch.launch_forward(call)
     x, operands = call.x, call.operands
     if x.numel() > 0 and native.load_built() is not None:
@@ -183,8 +168,7 @@ def python_forward(call: NormCall):
 
 
 def fp8_forward(call: Fp8Call):
-    """``launch_fp8.fp8_forward`` of a validated call, then, on CUDA, the signature of its recipe,
-    emit_y and mode handed to the native path."""
+    """``launch_fp8.fp8_forward`` of a validated call, then its signature handed to the native path."""
     outs = launch_fp8.fp8_forward(call)
     norm = call.norm
     x, operands = norm.x, norm.operands
@@ -200,10 +184,9 @@ def fp8_forward(call: Fp8Call):
 
 
 def backward_plan(operands, weight_offset: float, rows: int, residual: bool, dw_dtype, g_parts: int = 1):
-    """The native path's planner: the kernels (TVM-FFI handles: the backward and the reduction, 0 when
-    the backward sums dW in its own launch) and launch plan of one backward shape (of g in ``g_parts``
-    summands), the very ones ``launch`` launches with: ``(bwd, dw or 0, programs, partial_rows,
-    row_stride, dw_in_launch)``."""
+    """The native path's planner for one backward shape: the kernels ``launch`` would launch, as TVM-FFI
+    handles (the reduction's 0 when the backward sums dW itself), and their launch plan:
+    ``(bwd, dw or 0, programs, partial_rows, row_stride, dw_in_launch)``."""
     plan = launch.backward_launch_plan(operands, rows, residual, g_parts)
     kernels = launch.backward_kernels(
         operands, residual, weight_offset, dw_dtype, g_parts, dw_in_launch=plan.dw_in_launch

@@ -1,16 +1,11 @@
 """DTensor support: sharding rules for the ``cake_cute::`` custom ops, and a sequence-parallel style for
 ``CakeRMSNorm`` in residual mode.
 
-The rules mirror aten's for ``_fused_rms_norm``. For every dimension d but the last (the hidden one,
-which the norm reduces over): x, residual, g, g_residual, y, h_new, rstd and dx are ``Shard(d)``, w is
-``Replicate()`` and dw is ``Partial()`` (each rank holds the sum over its own rows; FSDP2 or the
-optimizer's DTensor ops reduce it); the forward to FP8 places its e4m3 data, its (…, blocks) scales
-and its y like x. Everything ``Replicate()`` works too. A hidden dimension that is
-sharded is refused: the norm would need every element of a row, and a silent all-gather would undo
-the sharding the caller chose. None of these strategies needs a collective in the norm itself.
-
-Importing ``cake_cute`` registers the rules; ``SequenceParallelResidual`` is the
-``torch.distributed.tensor.parallel`` style to use for a norm called as ``norm(x, residual=r)``.
+The rules mirror aten's for ``_fused_rms_norm``: for every dimension d but the hidden one, the row
+tensors (x, residual, g, y, h_new, rstd, dx, the FP8 data and scales) are ``Shard(d)``, w is
+``Replicate()`` and dw ``Partial()`` (each rank's sum over its own rows); all ``Replicate()`` works too.
+A sharded hidden dimension is refused rather than silently all-gathered. No strategy needs a collective
+in the norm itself. Importing ``cake_cute`` registers the rules.
 """
 
 from __future__ import annotations
@@ -28,7 +23,7 @@ __all__ = ["SequenceParallelResidual"]
 
 
 def _refuse_a_sharded_hidden_dim(x, norm: str) -> None:
-    """``x`` is the DTensorSpec DTensor hands a sharding rule; ``norm`` names the norm in the error."""
+    """Refuse a DTensorSpec ``x`` sharded on its hidden dimension; ``norm`` names the norm in the error."""
     hidden_dim = x.ndim - 1
     for placement in x.placements:
         if isinstance(placement, Shard) and placement.dim in (hidden_dim, -1):
@@ -40,15 +35,13 @@ def _refuse_a_sharded_hidden_dim(x, norm: str) -> None:
 
 
 def row_placements(x, norm: str = "RMSNorm"):
-    """Replicate() and Shard(d) for every non-hidden dimension d of ``x`` (a DTensorSpec); a sharded
-    hidden dimension is refused. The row placements of every cake_cute norm's sharding rules."""
+    """Replicate() and Shard(d) for every non-hidden dimension d of the DTensorSpec ``x``."""
     _refuse_a_sharded_hidden_dim(x, norm)
     return [Replicate(), *(Shard(d) for d in range(x.ndim - 1))]
 
 
 def _forward_strategies(x, residual, row_outputs: int, options: int):
-    """A forward op's strategies: per row placement, ``row_outputs`` outputs placed like the rows, then
-    h_new; inputs (x, w, eps, residual) and ``options`` non-tensor arguments after them."""
+    """A forward op's strategies: ``row_outputs`` outputs placed like the rows, then h_new."""
     strategies = []
     for rows in row_placements(x):
         # In plain mode h_new is an empty tensor: replicated, whatever x is.
@@ -81,21 +74,17 @@ def _backward_sharding(g, x, w, rstd, g_residual=None, weight_offset=0.0):
 
 @register_sharding(torch.ops.cake_cute.rmsnorm_fp8_fwd.default)
 def _fp8_forward_sharding(x, w, eps, residual, recipe, emit_y, weight_offset):
-    """Outputs (data, scales, y, rstd, h_new), inputs (x, w, eps, residual, recipe, emit_y,
-    weight_offset): the scales are (…, blocks), so they shard like the rows; y is the emitted y or a
-    placeholder of x's shape, placed like x either way."""
+    """Outputs (data, scales, y, rstd, h_new): the (…, blocks) scales and y shard like the rows."""
     return _forward_strategies(x, residual, row_outputs=4, options=3)
 
 
 class SequenceParallelResidual(SequenceParallel):
-    """``SequenceParallel`` for a norm that takes a residual: ``norm(x, residual=r)`` (x positional or
-    as ``input=``), returning ``(y, h_new)``.
+    """``SequenceParallel`` for a norm called as ``norm(x, residual=r)``, returning ``(y, h_new)``.
 
     Stock ``SequenceParallel`` converts only the first positional input, so a residual would reach the
-    norm as a plain tensor. This style converts x and the
-    residual alike (a local tensor is taken as this rank's shard of the sequence; a DTensor is
-    redistributed to ``Shard(sequence_dim)`` if it is placed otherwise), replicates the weight as the
-    stock style does, and returns both outputs sharded on the sequence dimension.
+    norm as a plain tensor. This style converts x and the residual alike (a local tensor is this rank's
+    shard of the sequence; a DTensor is redistributed to ``Shard(sequence_dim)``), replicates the weight,
+    and returns both outputs sharded on the sequence dimension.
 
     Parameters
     ----------
@@ -103,10 +92,6 @@ class SequenceParallelResidual(SequenceParallel):
         The sequence dimension of x and residual (1 for ``[batch, seq, hidden]``).
     use_local_output : bool
         Return local tensors instead of DTensors.
-
-    Examples
-    --------
-    >>> parallelize_module(block, tp_mesh, {"ffn_norm": SequenceParallelResidual()})  # doctest: +SKIP
 
     Raises
     ------

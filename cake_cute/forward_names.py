@@ -1,7 +1,6 @@
 """The name of a norm module's input parameter: torch 2.13 renamed ``torch.nn.RMSNorm.forward``'s first
 parameter from ``input`` to ``x``, and frameworks that bind module arguments by name (torchtitan's
-sharding layouts, DTensor's parallel styles) need the running torch's name. Here, below everything that
-needs it: the module, the residual fusion, the sharding rules and the integrations.
+sharding layouts, DTensor's parallel styles) need the running torch's name.
 """
 
 from __future__ import annotations
@@ -13,23 +12,7 @@ from torch import nn
 
 
 def forward_input_name(forward) -> str:
-    """The name of ``forward``'s first parameter after ``self``.
-
-    Parameters
-    ----------
-    forward : callable
-        A module's ``forward`` taken from its class (``torch.nn.RMSNorm.forward``).
-
-    Returns
-    -------
-    str
-        ``"x"`` for torch 2.13's ``torch.nn.RMSNorm.forward``, ``"input"`` for earlier torch's.
-
-    Raises
-    ------
-    TypeError
-        ``forward`` takes no parameter after ``self``.
-    """
+    """The name of ``forward``'s first parameter after ``self``; TypeError if it has none."""
     parameters = list(inspect.signature(forward).parameters)
     if len(parameters) < 2:
         raise TypeError(f"{forward.__qualname__} takes no input parameter after self")
@@ -37,27 +20,8 @@ def forward_input_name(forward) -> str:
 
 
 def with_input_named(forward, name: str):
-    """A copy of ``forward`` whose first parameter after ``self`` is called ``name``: the same code,
-    defaults and annotations, so it binds, reports a wrong keyword and traces under torch.compile as a
-    method written with that name would.
-
-    Parameters
-    ----------
-    forward : function
-        A plain function ``(self, <input>, ...)``.
-    name : str
-        The new name of its input parameter.
-
-    Returns
-    -------
-    function
-        ``forward`` itself if its input is already called ``name``, else the renamed copy.
-
-    Raises
-    ------
-    ValueError
-        ``name`` is not an identifier or is already the name of one of ``forward``'s local variables.
-    """
+    """A copy of ``forward`` whose first parameter after ``self`` is named ``name`` (``forward`` itself if
+    it already is); ValueError if ``name`` is not an identifier or is one of its locals."""
     code = forward.__code__
     old = code.co_varnames[1]
     if name == old:

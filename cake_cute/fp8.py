@@ -1,19 +1,10 @@
-"""RMSNorm forward straight to rowwise block-scaled FP8 (e4m3), with the normal RMSNorm backward.
+"""RMSNorm forward straight to rowwise block-scaled FP8 (e4m3), with the plain RMSNorm backward.
 
-``cake_rmsnorm_fp8(x, w, eps, residual=None, recipe="mxfp8" | "1x128", ...)`` returns an
-``Fp8NormOutput``: the e4m3 data and its scales (not differentiable), rstd, h_new in residual mode, and
-``y``, a (…, H) tensor whose gradient is the norm output's gradient (the consuming GEMM's dgrad): the
-act-dtype y itself with ``emit_y=True``, else a placeholder that holds no memory (one zero expanded to
-x's shape). The backward is the plain RMSNorm backward from (x or h_new, w, rstd).
-
-The numerics (rounding, saturation, NaN/Inf) and the scale layouts (``scale_layout=``: ``"compact"``,
-``"cublas"``, ``"deepgemm"``) are specified in ``cake_cute.fp8_numerics``, which holds the torch
-reference the kernel ``kernels/rmsnorm_fwd_quant.py`` agrees with bitwise and the layout converters.
-
-It follows the plain norm's layers: the launch in ``launch_fp8``, the op ``cake_cute::rmsnorm_fp8_fwd``
-in ``library_ops``, the Function ``CakeRMSNormFp8Function`` in ``autograd`` (with the plain norm's
-save/backward helpers), and the path of a call by ``routing``'s rule. On CPU tensors the op runs the
-torch reference (forward and backward), so it, its autograd and torch.compile work without a GPU.
+``y`` of the result carries the gradient of the norm's output (the consuming GEMM's dgrad): the
+act-dtype y itself with ``emit_y=True``, else a placeholder that holds no memory. The numerics and the
+scale layouts are specified in ``cake_cute.fp8_numerics``. The layers follow the plain norm's: launch in
+``launch_fp8``, op in ``library_ops``, Function in ``autograd``; on CPU tensors the op runs the torch
+reference, so autograd and torch.compile work without a GPU.
 """
 
 from __future__ import annotations
@@ -53,7 +44,7 @@ class Fp8NormOutput(NamedTuple):
         Differentiable: the act-dtype y (``emit_y=True``) or a placeholder that holds no memory; its
         gradient (the consuming GEMM's dgrad) flows through the RMSNorm backward.
     rstd : torch.Tensor
-        FP32, one value per row of x, in x's leading shape (``x.shape[:-1]``, as DTensor shards it).
+        FP32, one value per row of x, shaped ``x.shape[:-1]``.
     h_new : torch.Tensor or None
         ``x + residual`` in residual mode (differentiable), else None.
     """
@@ -82,8 +73,7 @@ def cake_rmsnorm_fp8(
     Parameters
     ----------
     x : torch.Tensor
-        (…, H) activations, bf16/fp16/fp32; or a DTensor sharded on any dimension but the last (sequence
-        parallel), or replicated.
+        (…, H) bf16/fp16/fp32; or a DTensor sharded on any dimension but the last, or replicated.
     w : torch.Tensor
         (H,) weight, x's dtype or FP32 (a ``Replicate()`` DTensor when x is a DTensor).
     eps : float
@@ -95,27 +85,22 @@ def cake_rmsnorm_fp8(
     emit_y : bool
         Also write the act-dtype y (returned as ``y``).
     weight_offset : float
-        Gemma-style offset: the weight is ``w + weight_offset``, added in FP32.
+        The weight is ``w + weight_offset``, added in FP32.
     scale_layout : {"compact", "cublas", "deepgemm"}
         Compact row-major scales, cuBLAS's swizzled MXFP8 layout or DeepGEMM's MN-major FP32 layout.
     memory_efficient : bool
-        Only False: the forward to FP8 saves x (or h_new), as ``cake_rmsnorm`` does by default; True
-        is refused by name (xhat cannot be recomputed from e4m3 data within the mode's error bound).
+        Only False (xhat cannot be recomputed from e4m3 data within the mode's error bound).
 
     Returns
     -------
     Fp8NormOutput
-        ``data`` (float8_e4m3fn, x's shape), ``scales``, ``y`` (differentiable: y or a zero-memory
-        placeholder that carries the gradient of the norm's output), ``rstd`` (FP32 per row, shaped
-        ``x.shape[:-1]``), ``h_new`` (residual mode, differentiable) or None. For DTensor inputs (sharded
-        on any dimension but the last, or replicated) each is a DTensor placed like x (``scales`` too;
-        w's gradient ``Partial()``), and no collective runs.
+        For DTensor inputs each field is placed like x (w's gradient ``Partial()``); no collective runs.
 
     Raises
     ------
     TypeError, ValueError
-        For a bad argument, naming it, before anything runs; a scale layout other than ``"compact"``
-        for a DTensor x; ``memory_efficient=True``.
+        A bad argument, named, before anything runs; a non-compact scale layout for a DTensor x;
+        ``memory_efficient=True``.
     RuntimeError
         Inside a ``torch.func`` transform.
     """

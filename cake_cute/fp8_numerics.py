@@ -1,34 +1,27 @@
 """Rowwise block-scaled FP8 (e4m3) numerics in torch, and the scale-layout converters.
 
-The reference that ``cake_rmsnorm_fp8`` (``cake_cute.fp8``) runs on CPU tensors and that the kernel
-``kernels/rmsnorm_fwd_quant.py`` agrees with bitwise (``quantize_rows_reference``):
+``quantize_rows_reference`` is the reference ``cake_rmsnorm_fp8`` runs on CPU tensors and the kernel
+agrees with bitwise:
 
-- The quantized value is the FP32 normalized value ``h * rstd * (w + weight_offset)`` (offset added in
-  FP32), never the act-dtype y.
-- amax of a block of B columns (32 for ``mxfp8``, 128 for ``1x128``) along H; columns past H (H not a
-  multiple of B) count as zeros and are not stored: the last block of a row is shorter.
-- Scale exponent ``e`` (biased, as in E8M0): fp32(amax / 448) rounded *up* to a power of two
-  (``cvt.rp.satfinite.ue8m0x2.f32``, torchao's RCEIL), saturated to 2^127; a NaN amax gives 255.
-  amax = 0 gives e = 0 (2^-127) for ``mxfp8``; ``1x128`` FP32 scales are held normal (e >= 1) and an
-  all-zero block gets the scale 1.0.
-- ``q = e4m3(y * 2^(127 - e))``: round to nearest even, saturated to +-448 (an infinity becomes
-  +-448), NaN stays NaN. A NaN or infinity in a row's input makes that row's rstd NaN or 0, so it
-  stays in that row: a NaN row is NaN throughout (``mxfp8`` scale byte 255); in a row with an
-  infinity, the block holding it is NaN (inf * 0) and the other blocks are 0.
+- The quantized value is the FP32 normalized value ``h * rstd * (w + weight_offset)``, never the
+  act-dtype y.
+- amax of a block of B columns (32 for ``mxfp8``, 128 for ``1x128``); columns past H count as zeros and
+  are not stored.
+- Scale exponent ``e`` (biased, as E8M0): fp32(amax / 448) rounded *up* to a power of two (torchao's
+  RCEIL), saturated to 2^127; a NaN amax gives 255. amax = 0 gives e = 0 for ``mxfp8``; ``1x128``
+  FP32 scales are held normal (e >= 1) and an all-zero block gets the scale 1.0.
+- ``q = e4m3(y * 2^(127 - e))``: round to nearest even, saturated to +-448, NaN stays NaN. A NaN row is
+  NaN throughout (``mxfp8`` scale byte 255); in a row with an infinity, the block holding it is NaN and
+  the other blocks are 0.
 
 Scale layouts (``scale_layout=``):
 
 - ``"compact"``: row-major ``(…, ceil(H / B))``; ``torch.float8_e8m0fnu`` for ``mxfp8``, FP32 for ``1x128``.
 - ``"cublas"`` (``mxfp8``): cuBLAS / TransformerEngine's swizzled MXFP8 layout, a
-  ``(roundup(T, 128), roundup(ceil(H / 32), 4))`` tensor whose bytes are 128x4 tiles in row-major tile
-  order, each tile stored as ``offset(r, c) = (r % 32) * 16 + (r // 32) * 4 + c``; padding is byte 0.
+  ``(roundup(T, 128), roundup(ceil(H / 32), 4))`` tensor of 128x4 tiles in row-major tile order, each
+  stored as ``offset(r, c) = (r % 32) * 16 + (r // 32) * 4 + c``; padding is byte 0.
 - ``"deepgemm"`` (``1x128``): DeepGEMM's MN-major, TMA-aligned FP32 scales: shape ``(T, ceil(H / 128))``,
-  strides ``(1, roundup(T, 4))`` (the storage is the transposed ``(ceil(H / 128), roundup(T, 4))``,
-  padding 0), as TransformerEngine's blockwise rowwise scale_inv is stored.
-
-``to_cublas_mx_scales`` / ``from_cublas_mx_scales`` and ``to_deepgemm_scales`` / ``from_deepgemm_scales``
-convert between the compact and GEMM layouts in both directions. Which layout goes with which recipe is
-checked in ``validation.check_scale_layout``.
+  strides ``(1, roundup(T, 4))``, padding 0.
 """
 
 from __future__ import annotations
@@ -45,12 +38,10 @@ _DEEPGEMM_ROW_ALIGN = 4  # 16 bytes of FP32 scales per TMA row
 
 
 def block_of(recipe: str) -> int:
-    """Columns per scale block of ``recipe``."""
     return qc.QUANT_RECIPES[recipe][0]
 
 
 def scale_blocks(hidden: int, recipe: str) -> int:
-    """Scales per row: ceil(H / block)."""
     return -(-hidden // block_of(recipe))
 
 
@@ -59,14 +50,13 @@ def scale_blocks(hidden: int, recipe: str) -> int:
 
 
 def amax_bits(blocks: torch.Tensor) -> torch.Tensor:
-    """Max over the last dim of the FP32 values' bit patterns with the sign cleared (int32): the
-    numeric maximum of |value|, with any NaN sorting above infinity (so it propagates)."""
+    """Max of |value| over the last dim as int32 bits, NaN sorting above infinity so it propagates."""
     return (blocks.contiguous().view(torch.int32) & 0x7FFFFFFF).amax(dim=-1)
 
 
 def e8m0_round_up(amax: torch.Tensor) -> torch.Tensor:
-    """Biased E8M0 exponent (int32) of fp32(amax / 448) rounded up to a power of two, saturated to
-    254 (2^127); 255 for NaN. ``amax`` is the bit pattern from ``amax_bits`` (int32) or FP32."""
+    """Biased E8M0 exponent (int32) of fp32(amax / 448) rounded up to a power of two, saturated to 254;
+    255 for NaN. ``amax`` as bits (int32) or FP32."""
     amax = amax.view(torch.float32) if amax.dtype == torch.int32 else amax.float()
     # A tensor divisor: torch's CUDA division by a Python scalar multiplies by its rounded
     # reciprocal, which is not the IEEE quotient the kernel rounds.
@@ -81,16 +71,14 @@ def e8m0_round_up(amax: torch.Tensor) -> torch.Tensor:
 
 
 def e8m0_round_up_from_bits(amax_bits: torch.Tensor) -> torch.Tensor:
-    """``e8m0_round_up`` without the division, from the bits of a non-negative FP32 amax (int32): the
-    form the kernel computes.
+    """``e8m0_round_up`` without the division, from the int32 bits of a non-negative FP32 amax: the
+    kernel's form.
 
-    With amax = m * 2^E (1 <= m < 2) and 448 = 1.75 * 2^8, amax / 448 lies in (2^(E-9), 2^(E-7)), and
-    its FP32 rounding stays at or below 2^(E-8) exactly when m <= 1.75: for m above 1.75 the quotient
-    exceeds 2^(E-8) by more than half an ulp, since m's 23 fraction bits cannot come closer. So
-    e = E + 127 - 8, plus one when amax's fraction bits exceed 0x600000, i.e. when adding 0x1FFFFF
-    to amax's bits carries into its exponent. Below 2^-118 the quotient is an FP32 subnormal, whose
-    coarser grid rounds it to 2^-127 or less (e = 0) up to amax = (1.75 + 2^-23) * 2^-119
-    (``quant_config.AMAX_BITS_E8M0_ZERO``) and above 2^-127 (e = 1) past it. Infinity gives 254, NaN 255."""
+    With amax = m * 2^E (1 <= m < 2) and 448 = 1.75 * 2^8, fp32(amax / 448) stays at or below 2^(E-8)
+    exactly when m <= 1.75, so e = E + 119, plus one when the fraction bits exceed 0x600000 (adding
+    0x1FFFFF carries into the exponent). Where the quotient is an FP32 subnormal its coarser grid gives
+    e = 0 up to amax = (1.75 + 2^-23) * 2^-119 (``quant_config.AMAX_BITS_E8M0_ZERO``) and e = 1 past it.
+    Infinity gives 254, NaN 255."""
     finite = torch.clamp(amax_bits, max=qc.FP32_INF_BITS)
     e = ((finite + qc.E8M0_SIGNIFICAND_CARRY) >> 23) - qc.E8M0_EXPONENT_OFFSET
     e = torch.where(amax_bits <= qc.AMAX_BITS_E8M0_ZERO, 0, e)
@@ -120,8 +108,7 @@ def quantize_rows_reference(y: torch.Tensor, recipe: str) -> tuple[torch.Tensor,
 
 
 def quantize_rows_bytes(y: torch.Tensor, recipe: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``quantize_rows_reference`` with E8M0 scales as their uint8 bytes (a dtype torch.compile's
-    code generators all handle; the benchmark compiles this)."""
+    """``quantize_rows_reference`` with E8M0 scales as uint8 bytes, which every compile backend handles."""
     hidden = y.shape[-1]
     block = block_of(recipe)
     blocks = scale_blocks(hidden, recipe)
@@ -139,8 +126,7 @@ def quantize_rows_bytes(y: torch.Tensor, recipe: str) -> tuple[torch.Tensor, tor
 
 
 def canonical_nan_bytes(data: torch.Tensor) -> torch.Tensor:
-    """The bytes of e4m3 ``data`` with both NaN encodings (0x7F, 0xFF) as 0x7F: the CPU's and the
-    GPU's default NaNs differ in sign, which comparisons of quantized data should not see."""
+    """e4m3 ``data``'s bytes with both NaN encodings as 0x7F (CPU and GPU NaNs differ in sign)."""
     b = data.view(torch.uint8)
     return torch.where(b == 0xFF, torch.full_like(b, 0x7F), b)
 
@@ -153,9 +139,8 @@ def dequantize_rows(data: torch.Tensor, scales: torch.Tensor, recipe: str) -> to
 
 
 def normalized_reference(x, w, eps, residual=None, weight_offset=0.0, rstd=None):
-    """``(y FP32, rstd, h)`` with the kernel's rounding points: h rounded to x's dtype in residual
-    mode, ``y = h * rstd * (w + offset)`` in FP32 in that order. rstd is computed in FP32 unless given
-    (the GPU tests pass the kernel's rstd, whose row sum order a torch sum does not reproduce)."""
+    """``(y FP32, rstd, h)`` at the kernel's rounding points; rstd computed in FP32 unless given (a kernel's
+    row sum order is not a torch sum's)."""
     h = x if residual is None else (x.float() + residual.float()).to(x.dtype)
     hf = h.float()
     if rstd is None:
@@ -209,8 +194,7 @@ def from_cublas_mx_scales(swizzled: torch.Tensor, rows: int, blocks: int) -> tor
 
 
 def to_deepgemm_scales(scales: torch.Tensor) -> torch.Tensor:
-    """Compact (T, blocks) FP32 scales -> DeepGEMM's MN-major view: shape (T, blocks), strides
-    (1, roundup(T, 4)), over a zero-padded (blocks, roundup(T, 4)) buffer."""
+    """Compact (T, blocks) FP32 scales -> DeepGEMM's MN-major view over a zero-padded buffer."""
     _check_scales("scales", scales, torch.float32, 2)
     rows, blocks = scales.shape
     buffer = scales.new_zeros((blocks, _roundup(rows, _DEEPGEMM_ROW_ALIGN)))

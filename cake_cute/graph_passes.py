@@ -1,26 +1,17 @@
-"""A torch.compile pass: the gradient adds in front of the norm's backward folded into its kernel.
+"""A torch.compile pass that folds the gradient adds in front of the norm's backward into its kernel.
 
-In a decoder the normalized output feeds two or three projections (q, k, v; gate, up), so the
-gradient of the norm's output is the sum of their input gradients. In the compiled backward graph
-that is ``add(add(dq, dk), dv)`` feeding ``cake_cute::rmsnorm_bwd``: inductor turns the adds into
-one elementwise kernel (it reads the summands and writes their sum, which the norm's backward then
-reads again), where with torch's own norm it folds them into its norm-backward kernel.
-``fold_gradient_sums`` rewrites ``rmsnorm_bwd(add(add(a, b), c), ...)`` into
-``rmsnorm_bwd_parts([a, b, c], ...)``, whose kernel reads the summands itself: per norm, the sum's
-write and read (2 x T x H elements) and one launch less. The memory-efficient mode's
-``rmsnorm_bwd_from_output`` folds the same way into ``rmsnorm_bwd_from_output_parts``.
+The norm's output feeds two or three projections, so its gradient is ``add(add(dq, dk), dv)``, which
+inductor would store as one tensor for the norm's backward to read again. ``fold_gradient_sums``
+rewrites ``rmsnorm_bwd(add(add(a, b), c), ...)`` into ``rmsnorm_bwd_parts([a, b, c], ...)`` (and the
+memory-efficient backward likewise), whose kernel reads the summands itself: one write, one read and
+one launch less per norm.
 
-Bits: inductor's fused add sums in FP32 and rounds once when it stores (its default; with
-``emulate_precision_casts`` it rounds each add and this pass folds nothing); the kernel sums in
-FP32 left to right and rounds once, so the rewritten graph computes what the original one does.
-That holds when each summand is a value inductor materializes anyway: only left-nested chains of
-plain adds (no alpha, each add used once, every operand x's shape, dtype and device) of up to three
-summands are folded, and each summand must be a graph input or the output of a matrix product
-(possibly viewed): an elementwise summand would otherwise be rounded on its own, where the fused add
-kept it in FP32.
+Bits: inductor's fused add sums in FP32 and rounds once (with ``emulate_precision_casts`` it rounds
+each add, and nothing is folded); the kernel does the same. That holds when each summand is a value
+inductor stores anyway, so only left-nested chains of plain adds of up to three summands, each a graph
+input or a matrix product's output (possibly viewed), with x's shape, dtype and device, are folded.
 
-Use: ``torch.compile(model, options={"post_grad_custom_post_pass": gradient_sum_pass})`` (or set
-``torch._inductor.config.post_grad_custom_post_pass``).
+Use: ``torch.compile(model, options={"post_grad_custom_post_pass": gradient_sum_pass})``.
 """
 
 from __future__ import annotations
@@ -41,7 +32,6 @@ def _value(arg):
 
 
 def _like(arg, x) -> bool:
-    """``arg`` is a node whose value has x's shape, dtype and device."""
     val = _value(arg)
     facts = (x.shape, x.dtype, x.device)
     return isinstance(val, torch.Tensor) and (val.shape, val.dtype, val.device) == facts
@@ -60,8 +50,7 @@ def _foldable_add(node, x) -> bool:
 
 
 def _materialized(node) -> bool:
-    """A graph input or a matrix product's output, possibly viewed: a value stored in x's dtype
-    whatever inductor fuses around it."""
+    """A graph input or a matrix product's output (possibly viewed): stored whatever inductor fuses."""
     while node.op == "call_function" and node.target in _VIEWS:
         node = node.args[0]
     return node.op == "placeholder" or (node.op == "call_function" and node.target in _MATRIX_PRODUCTS)
@@ -76,20 +65,7 @@ def _summands(g, x) -> list:
 
 
 def fold_gradient_sums(graph: torch.fx.Graph) -> int:
-    """Rewrite each ``rmsnorm_bwd`` (``rmsnorm_bwd_from_output``) whose gradient is a foldable sum (see
-    the module docstring) into ``rmsnorm_bwd_parts`` (``rmsnorm_bwd_from_output_parts``) of its
-    summands.
-
-    Parameters
-    ----------
-    graph : torch.fx.Graph
-        A post-grad graph (inductor's ``post_grad_custom_post_pass`` hands one in); changed in place.
-
-    Returns
-    -------
-    int
-        How many backward calls were rewritten.
-    """
+    """Fold each foldable gradient sum of a post-grad ``graph`` into its backward; return the count."""
     if torch._inductor.config.emulate_precision_casts:
         return 0
     ops = torch.ops.cake_cute

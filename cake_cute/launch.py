@@ -1,10 +1,8 @@
-"""The Python launch path of the plain norm: pick the compiled variant of a validated call
-(``calls``), launch. No checks of the arguments, no autograd, no tiling, no routing here (the public
-functional entries and the native path are ``dispatch``'s).
+"""The Python launch path of the plain norm: pick the compiled variant of a validated call, launch. No
+argument checks, autograd, tiling or routing here.
 
-The hot path is written for the host: (x, w) properties seen before are recognised with one dict lookup
-(``operands.known_operands``), outputs come from ``torch.empty_like``, and a 2-D contiguous input
-goes to the kernel as it is.
+The hot path is written for the host: (x, w) properties seen before are one dict lookup, outputs come
+from ``torch.empty_like``, and a 2-D contiguous input goes to the kernel as it is.
 """
 
 from __future__ import annotations
@@ -50,8 +48,7 @@ def forward_kernel(operands, residual: bool, weight_offset: float):
 
 
 def launch_forward(call: NormCall):
-    """The forward of a validated call (``calls.norm_call`` with ``on_gpu``): ``(y, rstd)``, or
-    ``(y, rstd, h_new)`` in residual mode; the caller's outputs are these when it gave them."""
+    """The forward of a validated call: ``(y, rstd[, h_new])``, the caller's outputs when given."""
     x, residual, operands = call.x, call.residual, call.operands
     hidden = operands.hidden
     rows = x.numel() // hidden
@@ -81,12 +78,9 @@ def launch_forward(call: NormCall):
 
 
 def cake_rmsnorm_train_backward_workspace_bytes(rows, hidden, device, *, residual=False) -> int:
-    """Bytes of workspace a backward of up to ``rows`` rows of ``hidden`` needs, for any dtype.
-
-    The workspace holds the FP32 partial rows of dW the backward writes before they are summed and, in
-    its last 16 bytes, the counter of the grid barrier of a backward that sums them in its own launch:
-    zero before the first call (``cake_rmsnorm_train_backward_workspace`` gives a zero-filled one), and
-    every call leaves it zero.
+    """Bytes of workspace a backward of up to ``rows`` rows of ``hidden`` needs, for any dtype: the FP32
+    partial rows of dW and, in its last 16 bytes, the grid barrier's counter (zero before the first call,
+    as every call leaves it).
 
     Parameters
     ----------
@@ -95,23 +89,21 @@ def cake_rmsnorm_train_backward_workspace_bytes(rows, hidden, device, *, residua
     hidden : int
         The hidden size H, 1 <= H <= 262144.
     device : torch.device, str or int
-        The CUDA device (``"cuda"``, ``"cuda:1"``, ``torch.device("cuda", 1)`` or ``1``): the number of
-        partial rows follows its SM count.
+        The CUDA device, whose SM count sets the number of partial rows.
     residual : bool, default False
-        Size it for residual-mode backwards (``g_residual`` given).
+        Size it for residual-mode backwards.
 
     Returns
     -------
     int
-        Bytes; a workspace of at least this size serves every backward of up to ``rows`` rows.
+        Bytes.
 
     Raises
     ------
     TypeError
         rows or hidden is not an int; residual is not a bool.
     ValueError
-        rows or hidden out of range; device names no CUDA device, or one that does not exist, or
-        torch sees no CUDA device, or the GPU is not supported.
+        rows or hidden out of range; device names no existing, supported CUDA device.
     """
     v.check_count("rows", rows, 0)
     v.check_count("hidden", hidden, 1, v.MAX_HIDDEN)
@@ -128,8 +120,8 @@ def cake_rmsnorm_train_backward_workspace_bytes(rows, hidden, device, *, residua
 
 
 def cake_rmsnorm_train_backward_workspace(rows, hidden, device, *, residual=False) -> torch.Tensor:
-    """A zero-filled workspace for backwards of up to ``rows`` rows (its counter must start at zero:
-    ``cake_rmsnorm_train_backward_workspace_bytes``); one workspace serves one stream at a time.
+    """A zero-filled workspace for backwards of up to ``rows`` rows; one workspace serves one stream at
+    a time.
 
     Parameters
     ----------
@@ -151,9 +143,8 @@ def cake_rmsnorm_train_backward_workspace(rows, hidden, device, *, residual=Fals
 
 
 def backward_from_saved(g, h, w, rstd, g_residual, weight_offset: float, memory_efficient: bool):
-    """The backward for autograd: h, w, rstd are what the forward validated and saved (h is y in the
-    memory-efficient mode), and the engine has already matched g (and g_residual) to the outputs'
-    shape, dtype and device, so only the (x, w) facts are looked up again. dw comes back in w's dtype."""
+    """The backward for autograd: the forward validated h (y in the memory-efficient mode), w and rstd,
+    so only the (x, w) facts are looked up again."""
     operands = operands_of(h, w)
     call = BackwardCall((g,), h, w, rstd, g_residual, weight_offset, w.dtype, operands, memory_efficient)
     return launch_backward(call)
@@ -169,8 +160,7 @@ class _BackwardPlan(NamedTuple):
 
 @lru_cache(maxsize=4096)
 def backward_launch_plan(operands, rows, residual, g_parts=1) -> _BackwardPlan:
-    """The launch shape of a backward call of g in ``g_parts`` summands (reading h or y), looked up once
-    per distinct (operands, T, residual, g_parts)."""
+    """The launch shape of a backward of g in ``g_parts`` summands, cached per shape."""
     rows = max(rows, 1)
     variant = (operands.hidden, operands.act, operands.w_name, residual)
     programs = launch_plan.backward_programs(rows, *variant, operands.facts)
@@ -196,9 +186,8 @@ def backward_kernels(
     memory_efficient: bool = False,
     dw_in_launch: bool = False,
 ):
-    """The backward's kernels: dx with the FP32 partial rows of dW (from ``g_parts`` summands of g;
-    reading y in h's place in the memory-efficient mode), and their reduction; or, ``dw_in_launch``, the
-    one kernel that also sums them into a dw of ``dw_dtype``, and None."""
+    """The backward's kernels: dx with the partial rows of dW and their reduction, or, ``dw_in_launch``,
+    one kernel that also sums them, and None."""
     backward = KernelSpec(
         "bwd",
         operands.arch,
@@ -217,9 +206,7 @@ def backward_kernels(
 
 
 def launch_backward(call: BackwardCall):
-    """The backward of a validated call (``calls.backward_call``): ``(dx, dw)``, the caller's when it
-    gave them; dx from g's summands (usually one), dw the fixed-order sum of FP32 partial rows (by the
-    backward itself or by the reduction launched behind it: ``backward_launch_plan``)."""
+    """The backward of a validated call: ``(dx, dw)``, the caller's when given."""
     operands, x, g_parts = call.operands, call.h, call.g_parts
     hidden = operands.hidden
     rows = x.numel() // hidden

@@ -1,10 +1,6 @@
-"""The forward to rowwise block-scaled FP8 (e4m3) on one device: pick the compiled variant of a validated
-call (``calls.fp8_call``), launch.
-
-The launch layer of ``cake_rmsnorm_fp8`` (``cake_cute.fp8``), beside ``launch`` for the plain norm: no
-autograd here (``autograd.CakeRMSNormFp8Function``), no op definition (``library_ops``), no tiling
-(``launch_plan``). CUDA tensors run the kernel ``kernels/rmsnorm_fwd_quant.py`` (or its persistent form),
-other devices the torch reference of ``fp8_numerics``, which the kernel agrees with bitwise.
+"""The forward to rowwise block-scaled FP8 on one device: pick the compiled variant of a validated call,
+launch. CUDA tensors run the quantizing kernel (or its persistent form), other devices the torch
+reference, which the kernel agrees with bitwise.
 """
 
 from __future__ import annotations
@@ -34,10 +30,8 @@ def fp8_variant_specs(
     weight_offset=0.0,
     persistents=(False, True),
 ):
-    """The quantizing-forward kernels (``KernelSpec``) for these settings, w in x's dtype (for warmup,
-    CLI reports and the compile tests): one CTA per row tile and (``persistents``) persistent
-    programs, the latter where they apply (``launch_plan.has_persistent_fp8_kernel``); the backward is
-    the plain one (``warmup.variant_specs``)."""
+    """The quantizing-forward kernels for these settings, w in x's dtype: the one-tile kernel and, where
+    they apply, (``persistents``) persistent programs."""
     return [
         KernelSpec(
             quant_kind(recipe, emit_y, persistent),
@@ -61,9 +55,8 @@ def placeholder(x: torch.Tensor) -> torch.Tensor:
 
 
 def op_outputs(x, data, scales, y, rstd, h_new) -> tuple:
-    """``fp8_forward``'s results as the five outputs of ``cake_cute::rmsnorm_fp8_fwd`` (and of
-    ``CakeRMSNormFp8Function``): y's zero-memory placeholder when y is not emitted, an empty h_new in
-    plain mode (a schema has a fixed number of outputs)."""
+    """``fp8_forward``'s results as the five outputs of ``cake_cute::rmsnorm_fp8_fwd``: y's zero-memory
+    placeholder when y is not emitted, an empty h_new in plain mode."""
     return (
         data,
         scales,
@@ -80,7 +73,7 @@ def _empty(shape, dtype, device) -> torch.Tensor:
 
 def forward_kernel(operands, rows: int, residual: bool, recipe: str, emit_y: bool, weight_offset: float):
     """``(compiled kernel, programs)`` of a forward to FP8 of ``rows`` rows: programs 0 for the one-tile
-    kernel, else the persistent kernel's program count (``launch_plan.fp8_forward_programs``)."""
+    kernel, else the persistent kernel's program count."""
     programs = launch_plan.fp8_forward_programs(rows, operands.hidden, operands.act, residual, operands.facts)
     kind = quant_kind(recipe, emit_y, persistent=programs > 0)
     spec = KernelSpec(
@@ -142,8 +135,7 @@ def _forward_cuda(call: Fp8Call):
 
 
 def fp8_forward(call: Fp8Call):
-    """``(data, compact scales, y or None, rstd, h_new or None)`` of a validated call
-    (``calls.fp8_call``): the kernel on CUDA, the reference elsewhere; rstd is shaped
+    """``(data, compact scales, y or None, rstd, h_new or None)`` of a validated call, rstd shaped
     ``x.shape[:-1]``."""
     if call.norm.operands is not None:
         return _forward_cuda(call)

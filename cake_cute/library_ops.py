@@ -1,38 +1,15 @@
 """The kernels as ``torch.library`` custom ops, and the save/backward logic both autograd paths share.
 
-``cake_cute::rmsnorm_fwd`` returns ``(y, rstd, h_new)``, ``cake_cute::rmsnorm_fp8_fwd`` returns ``(data,
-compact scales, y, rstd, h_new)`` (the forward to FP8, ``cake_cute.fp8``) and ``cake_cute::rmsnorm_bwd``
-returns ``(dx, dw)``, the backward of both forwards; ``cake_cute::rmsnorm_bwd_parts`` is
-``rmsnorm_bwd`` of a gradient given as its summands (``graph_passes``). The memory-efficient mode has
-its own pair: ``cake_cute::rmsnorm_fwd_saving_output`` is ``rmsnorm_fwd`` (same schema, body, CPU and
-fake kernels, sharding rules) whose autograd saves y instead of x or h_new, and
-``cake_cute::rmsnorm_bwd_from_output`` is ``rmsnorm_bwd`` reading y in place of the input (its kernel
-recomputes xhat = y / clamp(w + offset)). Separate ops keep the C++ kernels of the default ops (typed
-on their schemas) as they are; the mode's ops have none, so they always reach the Python bodies.
-rstd is shaped ``x.shape[:-1]`` at the op boundary (the functional kernels use one row per value,
-``[T]``; the ops view it), so an N-D input stays N-D and a DTensor sharded on any non-hidden dimension
-needs no redistribution. dw comes back in w's dtype, as autograd wants it. A schema has a fixed number
-of outputs, so in plain mode (no residual) ``h_new`` is an empty tensor.
+``cake_cute::rmsnorm_fwd`` returns ``(y, rstd, h_new)``, ``rmsnorm_fp8_fwd`` ``(data, compact scales,
+y, rstd, h_new)``, ``rmsnorm_bwd`` ``(dx, dw)`` and ``rmsnorm_bwd_parts`` the same from g's summands.
+The memory-efficient mode has its own pair (``rmsnorm_fwd_saving_output``, ``rmsnorm_bwd_from_output``),
+so the C++ kernels typed on the default schemas stay as they are. rstd is shaped ``x.shape[:-1]``, so
+N-D and DTensor inputs need no redistribution; dw comes back in w's dtype; plain mode's ``h_new`` is
+empty (a schema has a fixed number of outputs).
 
-Where the ops are used:
-
-* torch.compile sees two opaque nodes instead of launch code it cannot trace (no graph break): the
-  fake implementations give output shapes without running anything, and the forward's registered
-  autograd puts the backward op in the backward graph;
-* DTensor inputs: the sharding rules in ``cake_cute.distributed`` tell DTensor how the outputs and the
-  weight gradient are placed;
-* CPU tensors: the CPU kernels (``cake_cute.cpu``) follow the SPEC's math.
-
-Which calls come here is the routing rule's answer (``cake_cute.routing``): eager calls of the plain norm
-on plain CUDA tensors do not (a Python custom op pays the dispatcher tens of microseconds per call, so
-they launch directly, see ``autograd``). Caller-owned ``out=`` buffers are an eager feature and have no
-op form. Once the native extension is loaded, the CUDA and AutogradCUDA keys of both forwards and the
-CUDA keys of ``rmsnorm_bwd`` / ``rmsnorm_bwd_parts`` have C++ kernels (``csrc/``) that serve the
-signatures the eager path registered and call the Python bodies below for everything else; the
-registrations here stay for every other device and for tracing.
-
-Each forward kind is one entry here: its schema, its body, its CPU and fake kernels, and an autograd
-formula made of the two shared helpers (``save_for_backward``, ``norm_backward``).
+The ops serve torch.compile, DTensor and CPU tensors; eager calls on plain CUDA tensors launch
+directly, without the dispatcher's per-call cost. Once the native extension is loaded, its C++ kernels
+on the CUDA keys serve the registered signatures and call the Python bodies below for the rest.
 """
 
 from __future__ import annotations
@@ -69,12 +46,8 @@ _LIB = torch.library.Library("cake_cute", "DEF")
 
 
 def define_op(name: str, schema: str, kernel, *, fake, cpu=None, backward=None, setup_context=None) -> None:
-    """Define ``cake_cute::<name>`` and register it with the dispatcher directly: ``kernel`` for every
-    backend (CompositeExplicitAutograd), ``cpu`` for CPU tensors, ``fake`` for tracing and meta tensors,
-    and ``backward`` / ``setup_context`` as its autograd formula. ``torch.library.custom_op`` registers
-    the same and also wraps every call in a Python layer that checks the outputs: under torch.compile,
-    where every call goes through the op, that layer was the largest own time of a compiled step's
-    host profile, twice our native launch (evidence/compiled-host-profile-h200-2026-12-01/)."""
+    """Define ``cake_cute::<name>`` and register its kernels, fake and autograd with the dispatcher
+    directly, without ``torch.library.custom_op``'s per-call Python checking layer."""
     _LIB.define(name + schema)
     _LIB.impl(name, kernel, "CompositeExplicitAutograd")
     if cpu is not None:
@@ -99,16 +72,15 @@ def _rmsnorm_fwd_cpu(x, w, eps, residual=None, weight_offset=0.0):
 
 
 def _rmsnorm_fwd_fake(x, w, eps, residual=None, weight_offset=0.0):
-    """The real op's outputs (``views.new_output``); argument errors surface while tracing."""
+    """The real op's outputs; argument errors surface while tracing."""
     norm_call(x, w, eps, residual, weight_offset, on_gpu=False)
     h_new = new_output(x) if residual is not None else x.new_empty(0)
     return new_output(x), new_output(x, x.shape[:-1], torch.float32), h_new
 
 
 def rmsnorm_fp8_fwd(x, w, eps, residual, recipe, emit_y, weight_offset):
-    """``(data, compact scales, y, rstd, h_new)``: y is the act-dtype output (emit_y) or the
-    zero-memory placeholder, h_new an empty tensor in plain mode (a schema has a fixed number of
-    outputs). The kernel on CUDA, the reference elsewhere."""
+    """``(data, compact scales, y, rstd, h_new)``: y or the zero-memory placeholder, h_new empty in plain
+    mode; the kernel on CUDA, the reference elsewhere."""
     call = fp8_call(x, w, eps, residual, recipe, emit_y, weight_offset, on_gpu=x.device.type == "cuda")
     return op_outputs(x, *dispatch.fp8_forward(call))
 
@@ -159,8 +131,7 @@ def _rmsnorm_bwd_from_output_cpu(g, y, w, rstd, g_residual=None, weight_offset=0
 
 
 def rmsnorm_bwd_from_output_parts(g, y, w, rstd, g_residual=None, weight_offset=0.0):
-    """``rmsnorm_bwd_from_output`` of the gradient whose summands are the list ``g``, summed in the kernel
-    as ``rmsnorm_bwd_parts`` sums them."""
+    """``rmsnorm_bwd_from_output`` of a gradient given as the list of its summands."""
     return rmsnorm_bwd_from_output(tuple(g), y, w, rstd, g_residual, weight_offset)
 
 
@@ -169,9 +140,8 @@ def _rmsnorm_bwd_from_output_parts_cpu(g, y, w, rstd, g_residual=None, weight_of
 
 
 def rmsnorm_bwd_parts(g, x, w, rstd, g_residual=None, weight_offset=0.0):
-    """``rmsnorm_bwd`` of the gradient whose summands are the list ``g`` (2 or 3 tensors, x's shape and
-    dtype), summed in the kernel (FP32, left to right, rounded once): what ``graph_passes`` puts in
-    place of an add of dgrads feeding ``rmsnorm_bwd`` in a compiled graph."""
+    """``rmsnorm_bwd`` of a gradient given as its 2 or 3 summands, summed in the kernel (FP32, left to
+    right, rounded once)."""
     return rmsnorm_bwd(tuple(g), x, w, rstd, g_residual, weight_offset)
 
 
@@ -187,13 +157,8 @@ def _rmsnorm_bwd_parts_fake(g, x, w, rstd, g_residual=None, weight_offset=0.0):
 
 
 def save_for_backward(ctx, x, w, residual, rstd, h_new, eps, weight_offset, direct, y=None) -> None:
-    """Saves exactly (x or h_new, w, rstd), or in the memory-efficient mode (``y`` given: the output
-    returned to the caller) exactly (y, w, rstd), and the flags the backward needs (eps only for a
-    backward that is itself differentiated).
-
-    ``direct`` says the forward launched the kernels itself (plain CUDA tensors in eager), so the
-    backward does too and rstd is ``[T]``; otherwise the backward goes through ``rmsnorm_bwd`` (or
-    ``rmsnorm_bwd_from_output``)."""
+    """Save exactly (x or h_new, w, rstd), or (y, w, rstd) when ``y`` is given, and what the backward
+    needs; ``direct``: the forward launched the kernels itself, so the backward does too."""
     ctx.memory_efficient = y is not None
     ctx.save_for_backward(y if ctx.memory_efficient else x if residual is None else h_new, w, rstd)
     ctx.residual = residual is not None
@@ -203,27 +168,17 @@ def save_for_backward(ctx, x, w, residual, rstd, h_new, eps, weight_offset, dire
 
 
 def records_second_order(*tensors) -> bool:
-    """Whether a backward must record a graph of its own: ``create_graph=True`` (grad mode is on inside
-    a backward only then) and one of its tensors (the saved ones, the incoming gradients) is part of
-    a graph."""
+    """Whether a backward must record a graph of its own (``create_graph=True`` and a tensor in a graph)."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def norm_backward(ctx, g, g_h_new):
-    """``(dx, dw, d_residual)`` for a context ``save_for_backward`` filled; from a saved y (the
-    memory-efficient mode) the kernel recomputes xhat from y and w.
+    """``(dx, dw, d_residual)`` for a context ``save_for_backward`` filled.
 
-    In residual mode one dx is the gradient of both x and residual (h_new = x + residual). When only
-    h_new was used (``g`` is None), its gradient reaches x and residual unchanged and w gets none.
-    A backward that is itself differentiated (double backward) runs the differentiable formula
-    (``reference.differentiable_backward``) instead of the kernels.
-
-    Raises
-    ------
-    RuntimeError
-        Double backward of the memory-efficient mode, which kept y, not the input the second-order
-        terms need.
-    """
+    In residual mode one dx is the gradient of both x and residual. When only h_new was used (``g`` is
+    None), its gradient reaches x and residual unchanged and w gets none. A backward that is itself
+    differentiated runs the differentiable formula instead of the kernels; in the memory-efficient mode,
+    which kept y and not the input, it raises RuntimeError."""
     h, w, rstd = ctx.saved_tensors
     g_residual = g_h_new if ctx.residual else None
     if g is None:
@@ -249,10 +204,8 @@ def norm_backward(ctx, g, g_h_new):
 
 
 def _save_op_context(ctx, no_gradient, x, w, residual, rstd, h_new, eps, weight_offset, y=None) -> None:
-    """The op forms' side of ``save_for_backward``: the outputs in ``no_gradient``, and h_new in plain
-    mode (an empty tensor), get no gradient. As on the eager paths, an unused output's gradient is
-    None, not a [T, H] zero tensor (under torch.compile a zeros kernel, and a residual-mode backward
-    reading it, for a final norm whose h_new nothing uses)."""
+    """The op forms' ``save_for_backward``: outputs in ``no_gradient`` and a plain mode's h_new get none,
+    and an unused output's gradient is None, not a zero tensor."""
     ctx.set_materialize_grads(False)
     ctx.mark_non_differentiable(*no_gradient, *(() if residual is not None else (h_new,)))
     save_for_backward(ctx, x, w, residual, rstd, h_new, eps, weight_offset, direct=False, y=y)
@@ -283,8 +236,7 @@ def _setup_fp8_context(ctx, inputs, output):
 
 
 def fp8_backward(ctx, _g_data, _g_scales, g, _g_rstd, g_h_new):
-    """The gradients of the forward to FP8's inputs (the op's and ``CakeRMSNormFp8Function``'s): only
-    y and h_new carry one back."""
+    """The gradients of the forward to FP8's inputs: only y and h_new carry one back."""
     dx, dw, d_residual = norm_backward(ctx, g, g_h_new)
     return dx, dw, None, d_residual, None, None, None
 
@@ -343,8 +295,7 @@ native.provide_op_bodies(
 
 
 def cake_rmsnorm_traceable(x, w, eps, residual=None, weight_offset=0.0, memory_efficient=False):
-    """``cake_rmsnorm`` through the custom op (torch.compile, DTensor, CPU): y, or (y, h_new);
-    ``memory_efficient`` takes the op whose autograd saves y."""
+    """``cake_rmsnorm`` through the custom op (its memory-efficient twin with ``memory_efficient``)."""
     ops = torch.ops.cake_cute
     forward = ops.rmsnorm_fwd_saving_output if memory_efficient else ops.rmsnorm_fwd
     y, _rstd, h_new = forward(x, w, eps, residual, weight_offset)

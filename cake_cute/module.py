@@ -1,7 +1,6 @@
-"""``CakeRMSNorm``, a drop-in ``torch.nn.Module`` for ``torch.nn.RMSNorm``, and its cast policies: the
-roundings of the module it replaces (``cake_cute.hf.swap`` puts it in place of an existing model's norms).
-Under torch.compile a norm traces to the kernels' custom op, or, where ``compiled_as`` says so, to its
-PyTorch math, which inductor can fuse with the operations around it.
+"""``CakeRMSNorm``, a drop-in for ``torch.nn.RMSNorm``, and its cast policies: the roundings of the
+module it replaces. Under torch.compile a norm traces to the kernels' custom op, or, where
+``compiled_as`` says so, to its PyTorch math, which inductor can fuse with its neighbours.
 """
 
 from __future__ import annotations
@@ -37,8 +36,7 @@ COMPILED_AS = (KERNEL, TORCH_MATH)
 
 
 def _hidden_size(normalized_shape, elementwise_affine: bool) -> int | None:
-    """The H of an int or 1-tuple ``normalized_shape`` (the kernels normalize the last dim only); None
-    (any H) for a norm without a weight."""
+    """The H of an int or 1-tuple ``normalized_shape``; None (any H) without a weight."""
     if normalized_shape is None and not elementwise_affine:
         return None
     shape = (normalized_shape,) if isinstance(normalized_shape, int) else normalized_shape
@@ -69,9 +67,7 @@ def _check_cast_policy(cast_policy) -> str:
 
 @functools.cache
 def _cuda_autocast_lists_rms_norm() -> bool:
-    """Whether this torch's CUDA autocast has a kernel for rms_norm (among its FP32 ops): torch 2.13's
-    has, torch 2.11's runs rms_norm in the input's dtype (seen on an H200). On CPU rms_norm is in no
-    autocast list on any of them."""
+    """Whether this torch's CUDA autocast runs rms_norm in FP32 (2.13's does, 2.11's does not)."""
     return torch._C._dispatch_has_kernel_for_dispatch_key("aten::rms_norm", "AutocastCUDA")
 
 
@@ -81,8 +77,7 @@ def _cuda_autocast(x: torch.Tensor) -> bool:
 
 
 class NormForm(NamedTuple):
-    """What a norm computes besides its tensors: ``CakeRMSNorm``'s settings, or what
-    ``hf.swap.hf_rmsnorm_reading`` reads of a Hugging Face norm."""
+    """What a norm computes besides its tensors: ``CakeRMSNorm``'s settings or a Hugging Face norm's."""
 
     eps: float
     weight_offset: float = 0.0
@@ -94,32 +89,8 @@ class NormForm(NamedTuple):
 def rmsnorm_with_casts(
     x: torch.Tensor, w: torch.Tensor | None, form: NormForm, residual: torch.Tensor | None = None
 ):
-    """The RMSNorm of ``x`` ([H] or [..., H]) with the roundings and output dtype of the module
-    ``form.cast_policy`` names: what ``CakeRMSNorm`` computes, and Hugging Face's kernel route's
-    layers (``cake_cute.hf.kernel_layers``) for the norm they replace.
-
-    Parameters
-    ----------
-    x : torch.Tensor
-        The input, [H] or [..., H].
-    w : torch.Tensor or None
-        The weight [H]; None scales by ones.
-    form : NormForm
-        eps, weight offset (the scale is ``w + weight_offset``), cast policy (``CakeRMSNorm``'s),
-        ``compiled_as`` and ``memory_efficient`` (``CakeRMSNorm``'s).
-    residual : torch.Tensor, optional
-        Added to x first (the sum is returned too).
-
-    Returns
-    -------
-    torch.Tensor or tuple of torch.Tensor
-        y, or ``(y, x + residual)``, shaped like x.
-
-    Raises
-    ------
-    TypeError, ValueError
-        The errors of ``cake_rmsnorm``.
-    """
+    """The RMSNorm of ``x`` with the roundings and output dtype of the module ``form.cast_policy`` names:
+    y, or ``(y, x + residual)``; ``cake_rmsnorm``'s errors."""
     if x.dim() != 1:
         return _rows_with_casts(x, w, form, residual)
     # [H]: one row for the kernels, and the outputs back in x's shape.
@@ -158,9 +129,8 @@ def _rows_with_casts(x, w, form: NormForm, residual):
 
 
 def _float64_under_hf_casts(traced_as_math: bool, x, w, form: NormForm, residual):
-    """FP64 activations under a Hugging Face class's casts: those classes take the statistics (and,
-    but T5, the normalized values) from an FP32 cast of the input, so an FP64 model's stock norm is
-    FP32 math; the swapped one computes what it computes."""
+    """FP64 activations under a Hugging Face class's casts, which compute the statistics from an FP32
+    cast: FP32 math, as the stock norm's."""
     h = x if residual is None else x + residual
     source = h.float()
     offset = form.weight_offset
@@ -175,9 +145,7 @@ def _float64_under_hf_casts(traced_as_math: bool, x, w, form: NormForm, residual
 
 
 def _normalize(traced_as_math: bool, x, w, form: NormForm, residual, weight_offset):
-    """The kernels (``cake_rmsnorm``, saving as ``form.memory_efficient`` says), or while a graph is
-    traced with ``compiled_as="torch"`` the same math in torch operations (what they save is
-    inductor's choice: it recomputes what is cheap to recompute)."""
+    """The kernels, or, while traced with ``compiled_as="torch"``, the same math in torch operations."""
     if traced_as_math:
         return rmsnorm_math(x, w, form.eps, residual, weight_offset)
     return cake_rmsnorm(
@@ -186,8 +154,7 @@ def _normalize(traced_as_math: bool, x, w, form: NormForm, residual, weight_offs
 
 
 def _rounding_dtype(cast_policy: str, x, w) -> torch.dtype | None:
-    """The dtype the replaced module rounds the normalized values to before it scales them, or None
-    when it scales first and rounds once to x's dtype (what the kernels do)."""
+    """The dtype the replaced module rounds to before scaling, or None when it scales first."""
     if cast_policy == TORCH:
         # Where CUDA autocast lists rms_norm, torch runs it on FP32 casts of its inputs: an FP32 output.
         return torch.float32 if _cuda_autocast(x) else None
@@ -200,23 +167,15 @@ def _rounding_dtype(cast_policy: str, x, w) -> torch.dtype | None:
 
 class CakeRMSNorm(nn.Module):
     """RMSNorm over the last dimension with the fused cake_cute kernels, a drop-in for
-    ``torch.nn.RMSNorm`` (and, through ``cast_policy``, for the Hugging Face norms ``swap_rmsnorm``
-    replaces).
-
-    ``forward(input, *, residual=None)`` returns y, or ``(y, input + residual)`` with the residual add
-    fused in; its first parameter has the running torch's name for ``torch.nn.RMSNorm.forward``'s
-    (``x`` in torch 2.13, ``input`` before: ``INPUT_NAME``). input may be ``[H]`` or ``[..., H]``, or
-    a DTensor sharded on a non-hidden dimension (sequence parallel): see
-    ``cake_cute.SequenceParallelResidual`` for the residual call.
+    ``torch.nn.RMSNorm`` and, through ``cast_policy``, for the Hugging Face norms ``swap_rmsnorm``
+    replaces.
 
     Parameters
     ----------
     normalized_shape : int, tuple of one int, or None
-        The hidden size H (only the last dimension is normalized). None (with
-        ``elementwise_affine=False``) normalizes any last dimension with a unit scale.
+        H (only the last dimension is normalized); None, with ``elementwise_affine=False``, any H.
     eps : float, optional
-        Added to the mean square; None means torch.nn.RMSNorm's default, the epsilon of its FP32
-        compute type (``torch.finfo(torch.float32).eps``) for bf16, fp16 and fp32 inputs alike.
+        Added to the mean square; None means ``torch.finfo(torch.float32).eps``, as torch.nn.RMSNorm.
     elementwise_affine : bool
         Learn a weight (True) or scale by a fixed ones buffer (False).
     device, dtype : optional
@@ -225,30 +184,24 @@ class CakeRMSNorm(nn.Module):
         The scale is ``weight + weight_offset`` (1.0 is Gemma's ``1 + weight``).
     sequence_parallel : bool
         Set ``weight.sequence_parallel = True``, the mark Megatron-Core's gradient finalization uses to
-        all-reduce a sequence-parallel norm's weight gradient over the tensor-parallel group.
+        all-reduce a sequence-parallel norm's weight gradient.
     cast_policy : str
-        The roundings of the module replaced (docs/module.md): ``"torch"`` (torch.nn.RMSNorm),
-        ``"round_then_scale"`` (Hugging Face Llama family), ``"scale_then_round"`` (Gemma family, L2
-        norms), ``"t5"`` (T5LayerNorm). ``swap_rmsnorm`` sets it from the module it replaces.
+        The roundings of the module replaced (docs/module.md): ``"torch"``, ``"round_then_scale"``
+        (Llama family), ``"scale_then_round"`` (Gemma family), ``"t5"``.
     compiled_as : str
-        What a graph traced by torch.compile runs for this norm: ``"kernel"`` (the default), the
-        kernels' custom op; ``"torch"``, the same math, casts and output dtypes in PyTorch operations,
-        which inductor fuses with the operations around the norm (``swap_rmsnorm`` chooses it for
-        per-head q / k norms). Eager calls run the kernels either way. Also an attribute, read when a
-        call is traced.
+        What a graph traced by torch.compile runs: ``"kernel"`` (the custom op) or ``"torch"`` (the same
+        math in PyTorch operations, which inductor fuses); eager calls run the kernels. An attribute too.
     memory_efficient : bool
-        Save the norm's output y for the backward instead of its input (x, or input + residual), which
-        the backward then recomputes from y and the weight (``cake_rmsnorm``; its error and where y's
-        storage is the next layer's saved input: docs/memory.md). Also an attribute, read per call.
+        Save y for the backward instead of the input, recomputing the input from y and the weight
+        (docs/memory.md). An attribute too.
 
     Raises
     ------
     ValueError
-        ``normalized_shape`` is not one positive int, eps / weight_offset out of range, an unknown
-        cast_policy or compiled_as, a device naming none, a dtype that is not floating-point.
+        ``normalized_shape`` not one positive int, eps / weight_offset out of range, an unknown
+        cast_policy or compiled_as, a device naming none, a non-floating dtype.
     TypeError
-        eps or weight_offset is not a number; elementwise_affine, sequence_parallel or
-        memory_efficient is not a bool; device or dtype of the wrong kind.
+        eps or weight_offset not a number; a flag not a bool; device or dtype of the wrong kind.
     """
 
     # The default of an instance pickled before ``compiled_as`` existed (torch.save of a whole model).
@@ -297,14 +250,13 @@ class CakeRMSNorm(nn.Module):
             nn.init.constant_(self.weight, 1.0 - self.weight_offset)
 
     def forward(self, input: torch.Tensor, *, residual: torch.Tensor | None = None):
-        """y, or ``(y, input + residual)``, with the roundings and output dtype of the module replaced
-        (``cast_policy``); see ``cake_rmsnorm``.
+        """y, or ``(y, input + residual)``, with the roundings and output dtype of the module replaced.
 
         Parameters
         ----------
         input : torch.Tensor
-            ``[H]`` or ``[..., H]``; named as in the running torch's ``torch.nn.RMSNorm.forward``
-            (``INPUT_NAME``: ``x`` in torch 2.13, ``input`` before).
+            ``[H]`` or ``[..., H]``, or a DTensor sharded on a non-hidden dimension; named as in the running
+            torch's ``torch.nn.RMSNorm.forward`` (``x`` in torch 2.13, ``input`` before).
         residual : torch.Tensor, optional
             Added to input first (keyword only), shaped like input.
 

@@ -28,7 +28,6 @@ _known_operands: dict[tuple, Operands] = {}
 
 
 def _operands_key(x, w):
-    """Every property of (x, w) that ``check_activation``, ``check_weight`` and ``device_arch`` read."""
     try:
         return (x.dtype, x.dim(), x.shape[-1], x.device, w.dtype, w.shape, w.device)
     except (AttributeError, IndexError, TypeError):
@@ -36,16 +35,13 @@ def _operands_key(x, w):
 
 
 def known_operands(x, w) -> Operands | None:
-    """The hot path: ``Operands`` for an (x, w) whose properties were validated before, else None
-    (the caller then runs the full checks, which raise the precise error)."""
+    """``Operands`` of an (x, w) validated before, else None (the caller then runs the full checks)."""
     key = _operands_key(x, w)
     return None if key is None else _known_operands.get(key)
 
 
 def operands(x, w) -> Operands:
-    """After ``check_activation`` and ``check_weight`` passed: the device check (the last one, so the
-    argument errors come first and can be tested without a GPU), and the result remembered for
-    ``known_operands``. Only CUDA devices are remembered."""
+    """After the argument checks: the device check, and the result remembered (CUDA devices only)."""
     device = x.device
     arch = dev.device_arch(device)
     found = Operands(
@@ -57,6 +53,5 @@ def operands(x, w) -> Operands:
 
 
 def operands_of(x, w) -> Operands:
-    """The (x, w) facts of tensors validated before (a saved tensor, a caller's checked argument):
-    ``known_operands``, else ``operands``."""
+    """The (x, w) facts of tensors validated before: ``known_operands``, else ``operands``."""
     return known_operands(x, w) or operands(x, w)

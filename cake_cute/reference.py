@@ -22,8 +22,7 @@ def forward_reference(x, w, eps, residual=None, weight_offset=0.0, compute_dtype
 
 
 def summed_gradient(parts) -> torch.Tensor:
-    """The gradient a backward of summands ``parts`` (1 to 3 tensors of one dtype) uses: their sum in
-    FP32, left to right, rounded once to their dtype -- what torch.compile's fused add of them stores."""
+    """The sum of the gradient summands ``parts`` in FP32, left to right, rounded once to their dtype."""
     total = parts[0].float()
     for part in parts[1:]:
         total = total + part.float()
@@ -46,10 +45,8 @@ def backward_reference(g, h, w, rstd, g_residual=None, weight_offset=0.0, comput
 
 
 def differentiable_backward(g, h, w, eps, g_residual=None, weight_offset=0.0):
-    """``(dx, dw)`` as the kernels give them (dx in h's dtype, dw in w's), written in torch operations
-    that autograd can differentiate again: the backward a graph records when it is itself
-    differentiated (``create_graph=True``). rstd is recomputed from ``h`` and ``eps`` rather than taken
-    from the forward, so that its dependence on h is part of the graph."""
+    """``(dx, dw)`` as the kernels give them, in torch operations autograd can differentiate again; rstd
+    is recomputed from ``h`` so its dependence on h is in the graph."""
     compute = compute_dtype_of(h.dtype)
     rstd = torch.rsqrt(h.to(compute).square().mean(dim=-1) + eps)
     dx, dw = backward_reference(g, h, w, rstd, g_residual, weight_offset, compute)

@@ -1,30 +1,12 @@
-"""Which path a call takes: the one routing rule every entry follows (refusing, first, arguments that
-are not tensors).
+"""The one routing rule every entry follows: which path a call takes.
 
-``route(x, w, residual)`` answers, in this order:
-
-* ``MATH`` for FP64 activations (no kernel computes in FP64) and inside a ``torch.func`` transform
-  (``grad``, ``vjp``, ``jvp``, ``jacrev``, ``jacfwd``, ``vmap``): the norm's math in torch operations,
-  at the kernels' rounding points (FP64 throughout for FP64), which every transform and autograd mode
-  differentiates as it does ``F.rms_norm``;
-* ``OP`` while torch.compile traces (dynamo cannot trace the launch code), for a DTensor x or w (the
-  ops carry the sharding rules, ``cake_cute.distributed``) and for x off CUDA (the ops' CPU kernels):
-  the ``cake_cute::`` custom ops, with their fake kernels, sharding rules and CPU kernels;
-* ``NATIVE`` for plain CUDA tensors in eager once the C++ extension is loaded: the extension first
-  (``native``), which serves the signatures the Python path registered, in the plain layout, and
-  answers None for anything else, which then takes the Python launch;
-* ``PYTHON`` for plain CUDA tensors in eager without the extension: the Python launch (``launch``,
-  ``launch_fp8``) under the ``autograd.Function``.
-
-Per entry: ``cake_rmsnorm`` and ``CakeRMSNormFunction.apply`` take the C++ autograd node on ``NATIVE``
-and ``CakeRMSNormFunction`` otherwise (its forward calls the op on ``OP``; under tracing
-``cake_rmsnorm`` calls the op directly); ``cake_rmsnorm_fp8`` calls ``cake_cute::rmsnorm_fp8_fwd`` on
-``OP`` and ``NATIVE`` (whose CUDA kernel is C++ once the extension is loaded) and
-``CakeRMSNormFp8Function`` on ``PYTHON``; the functional ``cake_rmsnorm_train_forward`` /
-``_backward`` are CUDA-only and ask the extension first unless the caller owns an output buffer.
-
-The C++ side does not route: it serves what Python registered, with the launch plan Python handed it
-(``native.register`` / ``register_fp8``), and declines the rest.
+* ``MATH`` for FP64 activations (no kernel computes in FP64) and inside a ``torch.func`` transform:
+  the norm's math in torch operations, which every transform differentiates;
+* ``OP`` while torch.compile traces (dynamo cannot trace the launch code), for DTensors (the ops carry
+  the sharding rules) and for x off CUDA (the ops' CPU kernels): the ``cake_cute::`` custom ops;
+* ``NATIVE`` for plain CUDA tensors in eager once the C++ extension is loaded: it serves the signatures
+  the Python path registered and declines the rest;
+* ``PYTHON`` otherwise: the Python launch.
 """
 
 from __future__ import annotations
@@ -53,13 +35,12 @@ _PLAIN_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))
 
 
 def route(x, w, residual=None) -> str:
-    """The path of a call on (x, w[, residual]): ``MATH``, ``OP``, ``NATIVE`` or ``PYTHON`` (see the
-    module).
+    """The path of a call on (x, w[, residual]): ``MATH``, ``OP``, ``NATIVE`` or ``PYTHON``.
 
     Raises
     ------
     TypeError
-        x or w is not a tensor, or residual is neither None nor a tensor; raised before anything runs.
+        x or w is not a tensor, or residual is neither None nor a tensor.
     """
     plain = type(x) in _PLAIN_TYPES and type(w) in _PLAIN_TYPES
     if not plain:  # a tensor subclass (a DTensor), or not a tensor at all

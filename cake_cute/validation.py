@@ -1,13 +1,10 @@
 """The one place that validates and normalizes inputs, before anything is launched or written.
 
-Every check names the argument (once) and what was expected. A tensor of the wrong dtype, shape or
-device raises ``ArgumentError``, which both ``except ValueError`` (FlashInfer's contract) and ``except
-TypeError`` (what cake_cute raised for a wrong dtype before) catch; an argument of the wrong kind (not a
-tensor, not a number) raises ``TypeError``, and a scalar out of range, an unusable alignment or an
-unsupported device ``ValueError``.
-
-The public entries do not call these checks one by one: each turns its arguments into one immutable
-call value (``calls``), which the layers below it take and trust.
+Every check names the argument and what was expected. A tensor of the wrong dtype, shape or device
+raises ``ArgumentError`` (both a ``ValueError``, FlashInfer's contract, and a ``TypeError``); an
+argument of the wrong kind raises ``TypeError``; a scalar out of range, an unusable alignment or an
+unsupported device ``ValueError``. The public entries turn their arguments into one call value
+(``calls``), which the layers below trust.
 """
 
 from __future__ import annotations
@@ -29,8 +26,7 @@ SCALE_LAYOUTS = {"compact": tuple(QUANT_RECIPES), "cublas": ("mxfp8",), "deepgem
 
 
 class ArgumentError(ValueError, TypeError):
-    """A tensor argument of the wrong dtype, shape or device: caught by ``except ValueError`` and by
-    ``except TypeError`` alike."""
+    """A tensor argument of the wrong dtype, shape or device: both a ValueError and a TypeError."""
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -38,15 +34,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def check_tensor(name: str, t, *, dtypes=None, device: torch.device | None = None) -> None:
-    """``t`` is a tensor (else ``TypeError``) of one of ``dtypes`` on ``device`` (else ``ArgumentError``).
-
-    Raises
-    ------
-    TypeError
-        ``t`` is not a tensor.
-    ArgumentError
-        A dtype not in ``dtypes`` (each allowed dtype named once), or another device than ``device``.
-    """
+    """``t`` is a tensor (else ``TypeError``) of one of ``dtypes`` on ``device`` (else ``ArgumentError``)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if dtypes is not None and t.dtype not in dtypes:
@@ -57,11 +45,8 @@ def check_tensor(name: str, t, *, dtypes=None, device: torch.device | None = Non
 
 
 def check_activation(x, *, torch_math: bool = False) -> None:
-    """x: a tensor of bf16/fp16/fp32 (FP64 too for ``torch_math``: computed by torch operations, no kernel)
-    with at least 1 dim (``[H]`` is one row) and 1 <= H <= 262144.
-
-    The device is checked last (``operands.operands``), after every argument's dtype and shape, so the
-    whole table of argument errors can be exercised on a machine without a GPU."""
+    """x: bf16/fp16/fp32 (FP64 with ``torch_math``), at least 1-D, 1 <= H <= 262144. The device is
+    checked last, so the argument errors can be exercised without a GPU."""
     check_tensor("x", x, dtypes=(*DTYPE_BY_TORCH, *MATH_ONLY_DTYPES) if torch_math else DTYPE_BY_TORCH)
     if x.dim() < 1:
         raise ArgumentError(f"x must have at least 1 dim [..., H], got shape {tuple(x.shape)}")
@@ -80,7 +65,7 @@ def check_weight(w, x, name: str = "w") -> None:
 
 
 def _check_real(name: str, value, rule: str = "a finite number", ok=math.isfinite) -> float:
-    # A plain float skips the numbers.Real ABC check, which costs microseconds on every call.
+    # A plain float skips the numbers.Real ABC check, which is slow on the hot path.
     if type(value) is not float:
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise TypeError(f"{name} must be a float, got {type(value).__name__}")
@@ -106,8 +91,7 @@ def check_dw_dtype(dw_dtype) -> torch.dtype:
 
 
 def check_count(name: str, value, low: int | None, high: int | None = None) -> int:
-    """An int (not a bool) in [low, high] (None: no bound below): TypeError for the wrong kind,
-    ValueError out of range."""
+    """An int (not a bool) in [low, high] (None: unbounded below)."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if low is None:
@@ -125,13 +109,11 @@ def check_output(name: str, t, shape, dtype, device) -> None:
 
 
 def check_like(name: str, t, x) -> None:
-    """``t`` has x's dtype, device and shape."""
     check_output(name, t, x.shape, x.dtype, x.device)
 
 
 def check_gradient_parts(g, x) -> tuple:
-    """``g`` as the tuple of its summands: one tensor, or a list / tuple of 1 to
-    ``MAX_GRADIENT_PARTS`` tensors, each with x's dtype, device and shape."""
+    """``g`` as the tuple of its summands: one tensor, or 1 to ``MAX_GRADIENT_PARTS`` tensors like x."""
     if isinstance(g, torch.Tensor):
         check_like("g", g, x)
         return (g,)
@@ -146,8 +128,7 @@ def check_gradient_parts(g, x) -> tuple:
 
 
 def check_forward_outputs(x, rows: int, residual, out, rstd, residual_out) -> None:
-    """The forward's caller-owned outputs (each may be None): y and h_new shaped like x, FP32 rstd
-    with one value per row; h_new only in residual mode."""
+    """The forward's caller-owned outputs (each may be None): y and h_new like x, FP32 rstd per row."""
     if residual is None and residual_out is not None:
         raise ValueError("residual_out is only written in residual mode: pass residual= as well")
     for name, given, shape, dtype in (
@@ -160,8 +141,7 @@ def check_forward_outputs(x, rows: int, residual, out, rstd, residual_out) -> No
 
 
 def check_backward_outputs(x, dx, dw, dw_dtype: torch.dtype) -> None:
-    """The backward's caller-owned outputs (each may be None): dx shaped like x, dw ``[H]`` of
-    ``dw_dtype``."""
+    """The backward's caller-owned outputs (each may be None): dx like x, dw ``[H]`` of ``dw_dtype``."""
     if dx is not None:
         check_like("dx", dx, x)
     if dw is not None:
@@ -169,41 +149,20 @@ def check_backward_outputs(x, dx, dw, dw_dtype: torch.dtype) -> None:
 
 
 def check_bool(name: str, value) -> bool:
-    """``value`` if it is a bool (an int, None or a string is refused: a flag is True or False).
-
-    Raises
-    ------
-    TypeError
-        ``value`` is not a bool, naming ``name``.
-    """
+    """``value`` if it is a bool (an int, None or a string is refused), else a TypeError naming ``name``."""
     if value is not True and value is not False:
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
     return value
 
 
 def check_module(name: str, value) -> None:
-    """``value`` is a ``torch.nn.Module``.
-
-    Raises
-    ------
-    TypeError
-        It is not, naming ``name``.
-    """
+    """``value`` is a ``torch.nn.Module``, else a TypeError naming ``name``."""
     if not isinstance(value, torch.nn.Module):
         raise TypeError(f"{name} must be a torch.nn.Module, got {type(value).__name__}")
 
 
 def check_factory_arguments(device, dtype) -> None:
-    """A module constructor's ``device`` and ``dtype`` for its weight, as torch's modules take them:
-    None, or what ``torch.device`` accepts; None, or a floating-point ``torch.dtype``.
-
-    Raises
-    ------
-    TypeError
-        dtype is not a ``torch.dtype``; device is not a str, int or ``torch.device``.
-    ValueError
-        dtype is not a floating-point dtype; device names no device.
-    """
+    """A module constructor's ``device`` and ``dtype``, as torch's modules take them."""
     if device is not None and not isinstance(device, torch.device):
         if isinstance(device, bool) or not isinstance(device, (str, int)):
             raise TypeError(f"device must be a torch.device, str or int, got {type(device).__name__}")
@@ -219,28 +178,14 @@ def check_factory_arguments(device, dtype) -> None:
 
 
 def check_memory_efficient(memory_efficient) -> bool:
-    """The memory-efficient mode's switch (save y instead of the norm's input): a bool.
-
-    Raises
-    ------
-    TypeError
-        ``memory_efficient`` is not a bool (an int or a string is refused too).
-    """
+    """The memory-efficient mode's switch: a bool, else a TypeError."""
     check_bool("memory_efficient", memory_efficient)
     return memory_efficient
 
 
 def refuse_memory_efficient_fp8(memory_efficient) -> None:
-    """The forward to FP8 has no memory-efficient mode: its y is e4m3 data, from which xhat cannot be
-    recomputed within the mode's error bound.
-
-    Raises
-    ------
-    TypeError
-        ``memory_efficient`` is not a bool.
-    ValueError
-        ``memory_efficient`` is True.
-    """
+    """The forward to FP8 has no memory-efficient mode (xhat cannot be recomputed from e4m3 data):
+    TypeError for a non-bool, ValueError for True."""
     if check_memory_efficient(memory_efficient):
         raise ValueError(
             "memory_efficient=True is not available for cake_rmsnorm_fp8: the mode recomputes xhat from the "
@@ -257,8 +202,7 @@ def check_rstd(rstd, rows: int, device) -> None:
 
 
 def check_workspace(workspace, device) -> None:
-    """A caller's backward workspace: a contiguous 1-D uint8 tensor on x's device, 16-byte aligned
-    (its size is checked against the launch plan, which knows how many partial rows it needs)."""
+    """A backward workspace: contiguous 1-D uint8 on x's device, 16-byte aligned."""
     check_tensor("workspace", workspace, dtypes=(torch.uint8,), device=device)
     if workspace.dim() != 1 or not workspace.is_contiguous() or workspace.data_ptr() % VECTOR_BYTES != 0:
         raise ValueError(
@@ -273,7 +217,7 @@ def check_workspace_size(workspace, needed: int) -> None:
 
 
 def check_recipe(recipe) -> str:
-    """An FP8 recipe: a key of ``kernels.quant_config.QUANT_RECIPES`` (``"mxfp8"`` or ``"1x128"``)."""
+    """An FP8 recipe: a key of ``kernels.quant_config.QUANT_RECIPES``."""
     if not isinstance(recipe, str):
         raise TypeError(f"recipe must be a str, one of {tuple(QUANT_RECIPES)}; got {type(recipe).__name__}")
     if recipe not in QUANT_RECIPES:
@@ -297,8 +241,7 @@ def check_scale_layout(scale_layout, recipe: str) -> str:
 
 
 def check_cuda_device(device) -> torch.device:
-    """``device`` as a ``torch.device`` naming a CUDA device that exists: a ``torch.device``, a string
-    (``"cuda"``, ``"cuda:1"``) or a device index (``0``), as torch accepts them."""
+    """``device`` as a ``torch.device`` naming an existing CUDA device."""
     if isinstance(device, int) and not isinstance(device, bool):
         if device < 0:
             raise ValueError(f"device must name a CUDA device, got {device!r}")
@@ -343,28 +286,14 @@ def is_cake_rmsnorm_train_supported(device, hidden=None) -> bool:
 
 
 def check_gate_activation(activation) -> str:
-    """A gated norm's gate activation: one of ``vocab.GATE_ACTIVATIONS`` (``"silu"``, ``"sigmoid"``).
-
-    Raises
-    ------
-    ValueError
-        Anything else (another name, or not a str).
-    """
+    """A gated norm's gate activation: one of ``vocab.GATE_ACTIVATIONS``, else a ValueError."""
     if not isinstance(activation, str) or activation not in GATE_ACTIVATIONS:
         raise ValueError(f"activation must be one of {GATE_ACTIVATIONS}, got {activation!r}")
     return activation
 
 
 def check_group_size(group_size, hidden: int) -> int:
-    """``group_size`` (None: H, one group per row) as an int dividing H, at most ``MAX_SEGMENT``.
-
-    Raises
-    ------
-    TypeError
-        Not an int.
-    ValueError
-        Out of range or not a divisor of H.
-    """
+    """``group_size`` (None: H, one group per row) as an int dividing H, at most ``MAX_SEGMENT``."""
     if group_size is None:
         group_size = hidden
     check_count("group_size", group_size, 1, MAX_SEGMENT)

@@ -1,13 +1,7 @@
-"""The project's vocabulary, defined here and nowhere else: the dtypes the kernels take, the GPUs
-they compile for and the gate activations of the gated norms.
-
-- A dtype has a short name (``"bf16"``: used in kernel specs, file names, the CLI), a torch dtype, a
-  size in bytes and a CuTe DSL type (looked up on first use, so importing this module does not import
-  the DSL).
-- An architecture is a compile target (``"sm_90a"``) of one compute capability; a GPU whose
-  capability is not in ``ARCH_BY_CAPABILITY`` is not supported.
-- A gate activation of the gated norms is ``"silu"`` (``z * sigmoid(z)``: Qwen3-Next, the Mamba-2
-  hybrids) or ``"sigmoid"`` (Kimi Linear, GLM-5 Next, Bailing hybrid).
+"""The project's vocabulary, defined here and nowhere else: the dtypes the kernels take, the GPUs they
+compile for (a capability not in ``ARCH_BY_CAPABILITY`` is not supported) and the gated norms' gate
+activations. A dtype's CuTe DSL type is looked up on first use, so importing this module does not
+import the DSL.
 """
 
 from __future__ import annotations
@@ -19,8 +13,6 @@ import torch
 
 @dataclass(frozen=True)
 class DType:
-    """One dtype the kernels read or write."""
-
     name: str
     torch: torch.dtype
     bytes: int
@@ -57,12 +49,10 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    """``"bf16"`` -> ``torch.bfloat16``."""
     return DTYPE_BY_NAME[name].torch
 
 
 def dtype_bytes(name: str) -> int:
-    """``"bf16"`` -> 2."""
     return DTYPE_BY_NAME[name].bytes
 
 

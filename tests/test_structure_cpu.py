@@ -279,3 +279,28 @@ def test_the_feature_folders_hold_their_slices():
             assert (root / folder / f"{name}.py").is_file(), f"{folder}/{name}.py"
     stray = [m for m in top_level if m.startswith(("gated", "fusion", "hf_")) or m in FOLDERS["runtime"]]
     assert not stray, f"modules of a feature folder at the top level: {stray}"
+
+
+# --- the package speaks of its own code only ------------------------------------------------------
+
+# The installed package ships no evidence/ folder; a measurement's entry belongs in docs/ and evidence/.
+PACKAGE_SOURCE_SUFFIXES = {".py", ".cpp", ".h"}
+
+
+def evidence_mentions(text: str) -> list[str]:
+    """The lines of ``text`` that name a path under ``evidence/``."""
+    return [f"line {n}: {line.strip()}" for n, line in enumerate(text.splitlines(), 1) if "evidence/" in line]
+
+
+def test_the_evidence_detector_finds_a_path():
+    assert evidence_mentions('"""Measured: evidence/kernel-rules/atomic-dw/."""')
+    assert evidence_mentions("// see evidence/compiled-host-profile/")
+    assert not evidence_mentions('root / "evidence" / name')
+
+
+def test_no_package_file_cites_evidence():
+    root = Path(cake_cute.__file__).parent
+    files = [p for p in sorted(root.rglob("*")) if p.suffix in PACKAGE_SOURCE_SUFFIXES]
+    assert any(p.suffix == ".cpp" for p in files) and any(p.suffix == ".h" for p in files)
+    cited = {str(p.relative_to(root)): found for p in files if (found := evidence_mentions(p.read_text()))}
+    assert not cited, f"package files cite evidence/ paths (name the rule's reason instead): {cited}"

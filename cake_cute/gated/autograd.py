@@ -1,22 +1,11 @@
-"""The gated RMSNorm kernels (``gated.ops``) as ``torch.library`` custom ops with autograd, their CPU
-kernels and DTensor sharding rules, and the public entry ``cake_gated_rmsnorm`` (FlashInfer's names for
-the norm-then-gate form are in ``gated.flashinfer``).
+"""The gated RMSNorm kernels as ``torch.library`` custom ops with autograd and CPU kernels, and the public
+entry ``cake_gated_rmsnorm``.
 
-``cake_cute::gated_rmsnorm_fwd(x, z, w, eps, group_size, norm_before_gate, weight_offset, activation)``
-returns ``(y, rstd)``: y like x (contiguous), rstd FP32 shaped ``gated.ops.rstd_shape`` (x's leading
-dims, then H / group_size when a row has several groups).
-``cake_cute::gated_rmsnorm_bwd(g, x, z, w, rstd, ...)`` returns ``(dx, dz, dw)``, dw in w's dtype (as
-autograd wants it). The registered autograd saves exactly ``(x, z, w, rstd)``; the backward recomputes
-the gate and the normalized input from them.
-
-Every call goes through the ops: torch.compile sees two opaque nodes (the fake kernels give the output
-shapes, dtypes and strides without running anything), DTensor applies the sharding rules below, CPU
-tensors run the CPU kernels, CUDA tensors the CuTe DSL kernels (no host synchronization: the calls can
-be captured in a CUDA graph).
-
-The CPU kernels compute in FP32 with the operations of the Hugging Face classes (``silu`` and
-``sigmoid`` are torch's, the mean square is ``pow(2).mean(-1)``, the products in the classes' order) and
-round each output once, so a swapped FP32 model on CPU computes bitwise what the stock one computes.
+``cake_cute::gated_rmsnorm_fwd`` returns ``(y, rstd)``, rstd FP32 shaped ``gated.ops.rstd_shape``;
+``cake_cute::gated_rmsnorm_bwd`` returns ``(dx, dz, dw)``, dw in w's dtype. The autograd saves exactly
+``(x, z, w, rstd)``. Every call goes through the ops (opaque to torch.compile, sharded by DTensor, no
+host synchronization on CUDA). The CPU kernels use the Hugging Face classes' operations in FP32 and
+round each output once, so a swapped FP32 model on CPU computes bitwise what the stock one does.
 """
 
 from __future__ import annotations
@@ -67,7 +56,7 @@ def _forward_cuda(x, z, w, eps, group_size=None, norm_before_gate=True, weight_o
 def _backward_cuda(
     g, x, z, w, rstd, group_size=None, norm_before_gate=True, weight_offset=0.0, activation=SILU
 ):
-    """dw in w's dtype, as autograd wants it: the FP32 sum rounded once by the reduction itself."""
+    """dw in w's dtype: the FP32 sum rounded once by the reduction itself."""
     return gated_rmsnorm_backward(
         g,
         x,
@@ -86,7 +75,6 @@ def _backward_cuda(
 
 
 def _grouped(t: torch.Tensor, group_size: int) -> torch.Tensor:
-    """[..., H] -> [..., H / group_size, group_size]."""
     return t.reshape(*t.shape[:-1], t.shape[-1] // group_size, group_size)
 
 
@@ -134,7 +122,7 @@ def _backward_cpu(
 
 
 def _forward_fake(x, z, w, eps, group_size=None, norm_before_gate=True, weight_offset=0.0, activation=SILU):
-    """The real op's outputs (``views.new_output``); argument errors surface while tracing."""
+    """The real op's outputs; argument errors surface while tracing."""
     call = gated_call(x, z, w, eps, group_size, norm_before_gate, weight_offset, activation)
     return new_output(x), new_output(x, rstd_shape(x, call.group_size), torch.float32)
 
@@ -171,8 +159,7 @@ def _backward(ctx, g, _g_rstd):
 
 
 def _differentiable_backward(g, x, z, w, eps, group_size, norm_before_gate, weight_offset, activation):
-    """(dx, dz, dw) as the kernels give them (dw in w's dtype), in torch operations recomputing the
-    gate and the statistics from x and z (``reference.gated_backward_reference``)."""
+    """(dx, dz, dw) as the kernels give them, in torch operations (for double backward)."""
     hidden = x.shape[-1]
     dx, dz, dw = gated_backward_reference(
         g.reshape(-1, hidden),
@@ -190,8 +177,7 @@ def _differentiable_backward(g, x, z, w, eps, group_size, norm_before_gate, weig
 
 
 def gated_rmsnorm_math(call) -> torch.Tensor:
-    """y of a gated call in torch operations (the ``MATH`` route: FP64 inputs, ``torch.func``
-    transforms): the reference's arithmetic in FP32, or FP64 for FP64 inputs, rounded once."""
+    """y of a gated call in torch operations (the ``MATH`` route), rounded once."""
     x, z, w, eps, group_size, norm_before_gate, weight_offset, activation = call
     hidden = x.shape[-1]
     y, _rstd = gated_forward_reference(
@@ -230,41 +216,37 @@ def cake_gated_rmsnorm(
 ):
     """Gated RMSNorm with autograd, FP32 math and one rounding of y.
 
-    ``norm_before_gate=True`` (Qwen3-Next): ``y = x * rstd * (w + weight_offset) * act(z)``;
-    ``False`` (Mamba-2, NemotronH): ``y = (x * act(z)) * rstd_group * (w + weight_offset)``, the
-    statistics per group of ``group_size`` columns (either form takes groups). ``act`` is SiLU, or
-    sigmoid (Kimi Linear, GLM-5 Next, Bailing hybrid).
+    ``norm_before_gate=True``: ``y = x * rstd * (w + weight_offset) * act(z)``; ``False``:
+    ``y = (x * act(z)) * rstd_group * (w + weight_offset)``, statistics per group of ``group_size``
+    columns (either form takes groups).
 
     Parameters
     ----------
     x, z : torch.Tensor
-        ``[..., H]`` input and gate, bf16, fp16 or fp32 (FP64 computed by torch operations), one dtype,
-        shape and device; CUDA (the kernels) or CPU; DTensors sharded on any dimension but the last, or
-        replicated.
+        ``[..., H]`` input and gate of one dtype (bf16, fp16, fp32; FP64 by torch operations), shape and
+        device, CUDA or CPU; DTensors sharded on any dimension but the last, or replicated.
     w : torch.Tensor
         ``[H]`` weight in x's dtype or fp32 (``Replicate()`` for DTensor inputs).
     eps : float
         Added to the mean square; finite, >= 0.
     group_size : int, optional
-        Columns per statistics group, dividing H (default H: one group per row).
+        Columns per statistics group, dividing H (default H).
     norm_before_gate : bool
         Normalize then gate (True) or gate then normalize (False).
     weight_offset : float
         The scale is ``w + weight_offset``.
     activation : str
-        The gate's activation, ``"silu"`` (default) or ``"sigmoid"``.
+        ``"silu"`` (default) or ``"sigmoid"``.
 
     Returns
     -------
     torch.Tensor
-        y like x. The backward gives x and z their gradients in x's dtype and w one in w's dtype
-        (``Partial()`` when x is a DTensor sharded on rows).
+        y like x; x and z get gradients in x's dtype, w in w's (``Partial()`` for sharded rows).
 
     Raises
     ------
     TypeError, ValueError
-        An argument of the wrong kind, dtype, shape or value, named, before anything runs (an
-        ``activation`` other than ``"silu"`` or ``"sigmoid"``: a ValueError).
+        A bad argument, named, before anything runs.
     """
     if route(x, w) is MATH:
         return gated_rmsnorm_math(

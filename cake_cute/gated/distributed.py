@@ -1,11 +1,7 @@
-"""DTensor sharding rules of the gated norm's custom ops (``cake_cute::gated_rmsnorm_fwd`` / ``_bwd``).
-
-The gated norm normalizes each row (or each group of a row) of ``[..., H]``: any dimension but the last
-may be sharded, e.g. the heads of ``[T, heads, head_dim]`` rows under tensor parallelism. For each such
-dimension d: x, z, g, y, rstd, dx and dz are ``Shard(d)``, w is ``Replicate()`` and dw ``Partial()``
-(each rank holds the sum over its own rows); everything ``Replicate()`` works too (dw ``Replicate()``).
-A sharded hidden dimension is refused: a row's statistics need all of it. No strategy needs a
-collective inside the norm. Imported by ``cake_cute/__init__.py`` once ``gated.autograd`` has defined the ops.
+"""DTensor sharding rules of the gated norm's custom ops: any dimension but the last may be sharded (the
+heads of ``[T, heads, head_dim]`` under tensor parallelism); the row tensors are ``Shard(d)``, w
+``Replicate()``, dw ``Partial()``. A sharded hidden dimension is refused; no strategy needs a
+collective inside the norm.
 """
 
 from __future__ import annotations
@@ -26,8 +22,7 @@ def _row_placements(x):
 def _forward_sharding(
     x, z, w, eps, group_size=None, norm_before_gate=True, weight_offset=0.0, activation=SILU
 ):
-    """Outputs (y, rstd); inputs (x, z, w, eps, group_size, norm_before_gate, weight_offset,
-    activation)."""
+    """Outputs (y, rstd); inputs (x, z, w, eps, then the options)."""
     options = [None] * 5  # eps, group_size, norm_before_gate, weight_offset, activation
     return [([rows, rows], [rows, rows, Replicate(), *options]) for rows in _row_placements(x)]
 
@@ -36,8 +31,7 @@ def _forward_sharding(
 def _backward_sharding(
     g, x, z, w, rstd, group_size=None, norm_before_gate=True, weight_offset=0.0, activation=SILU
 ):
-    """Outputs (dx, dz, dw); inputs (g, x, z, w, rstd, group_size, norm_before_gate, weight_offset,
-    activation)."""
+    """Outputs (dx, dz, dw); inputs (g, x, z, w, rstd, then the options)."""
     strategies = []
     for rows in _row_placements(x):
         dw = Replicate() if isinstance(rows, Replicate) else Partial()

@@ -1,13 +1,9 @@
 """FlashInfer's SiLU-gated training names (``flashinfer.cake_rmsnorm_silu_gate_train``) on the gated
-kernels' norm-then-gate form, so that code written against that module switches by its import:
-``cake_rmsnorm_silu_gate`` and ``CakeRMSNormSiLUGateFunction`` (differentiable, through the custom ops
-of ``gated.autograd``), and the functional ``cake_rmsnorm_silu_gate_train_forward``,
-``cake_rmsnorm_silu_gate_train_backward`` and its workspace helpers (CUDA, ``gated.ops``).
+kernels' norm-then-gate form, so code written against that module switches by its import.
 
-FlashInfer's functional forward returns no rstd, so its backward recomputes the statistics from x: here
-a statistics kernel (the forward's tiling and row sums, so rstd is bitwise the forward's) reads x once
-before the backward kernel, and dx, dz and dw are bitwise what the autograd backward gives. Errors name
-FlashInfer's arguments (``weight``, ``grad_out``, ``grad_weight``, ...).
+FlashInfer's functional forward returns no rstd, so its backward first runs a statistics kernel (the
+forward's tiling and row sums: rstd bitwise the forward's); dx, dz and dw are then bitwise what the
+autograd backward gives. Errors name FlashInfer's arguments (``weight``, ``grad_out``, ...).
 """
 
 from __future__ import annotations
@@ -51,9 +47,8 @@ class CakeRMSNormSiLUGateFunction(torch.autograd.Function):
     Parameters
     ----------
     x, z : torch.Tensor
-        ``[..., H]`` input and gate (at least 2-D; FlashInfer's ``[T, heads, 128]`` or
-        ``[T * heads, 128]``), bf16, fp16 or fp32, one dtype, shape and device; CUDA (the kernels) or
-        CPU; DTensors sharded on any dimension but the last, or replicated.
+        ``[..., H]`` input and gate (at least 2-D), bf16, fp16 or fp32, one dtype, shape and device;
+        CUDA (the kernels) or CPU; DTensors sharded on any dimension but the last, or replicated.
     weight : torch.Tensor
         ``[H]`` in x's dtype or fp32.
     eps : float
@@ -62,14 +57,13 @@ class CakeRMSNormSiLUGateFunction(torch.autograd.Function):
     Returns
     -------
     torch.Tensor
-        y like x. Saves ``(x, z, weight, rstd)``; the backward gives x and z their gradients in x's
-        dtype and weight its FP32 fixed-order sum rounded once to weight's dtype.
+        y like x. The backward gives x and z their gradients in x's dtype and weight its FP32
+        fixed-order sum rounded once to weight's dtype.
 
     Raises
     ------
     TypeError, ValueError
-        An argument of the wrong kind, dtype, shape or value, named (``x``, ``z``, ``weight``,
-        ``eps``), before anything runs.
+        An argument of the wrong kind, dtype, shape or value, named, before anything runs.
     """
 
     @staticmethod
@@ -87,14 +81,12 @@ class CakeRMSNormSiLUGateFunction(torch.autograd.Function):
 
 
 def cake_rmsnorm_silu_gate(x, z, weight, eps=1e-6):
-    """``CakeRMSNormSiLUGateFunction.apply(x, z, weight, eps)``: the differentiable SiLU-gated norm under
-    FlashInfer's name (its arguments and errors)."""
+    """``CakeRMSNormSiLUGateFunction.apply(x, z, weight, eps)``: its parameters, result and errors."""
     return CakeRMSNormSiLUGateFunction.apply(x, z, weight, eps)
 
 
 def cake_rmsnorm_silu_gate_train_forward(x, z, weight, eps=1e-6, *, out=None):
-    """The SiLU-gated norm's forward under FlashInfer's name: ``y = round(x * rstd * weight * silu(z))``,
-    FP32 math, one rounding.
+    """The SiLU-gated norm's forward: ``y = round(x * rstd * weight * silu(z))``, FP32 math, one rounding.
 
     Parameters
     ----------
@@ -125,14 +117,12 @@ def _padded(nbytes: int) -> int:
 
 
 def _scratch_bytes(rows: int, hidden: int) -> int:
-    """The workspace's first regions: rstd (FP32 per row), then an FP32 dw (``accumulate_grad_weight``
-    sums into it before adding it to ``grad_weight``); the partial rows of dW follow (``_carve``)."""
+    """The workspace's first regions: rstd, then an FP32 dw to accumulate into."""
     return _padded(4 * rows) + _padded(4 * hidden)
 
 
 def _carve(workspace, rows: int, hidden: int) -> tuple:
-    """(rstd, the FP32 dw, the uint8 rest for the partial rows) of a workspace laid out as
-    ``_scratch_bytes`` says."""
+    """(rstd, the FP32 dw, the uint8 rest for the partial rows) of a workspace."""
     dw_start = _padded(4 * rows)
     rstd = workspace[: 4 * rows].view(torch.float32)
     dw32 = workspace[dw_start : dw_start + 4 * hidden].view(torch.float32)
@@ -142,28 +132,25 @@ def _carve(workspace, rows: int, hidden: int) -> tuple:
 def cake_rmsnorm_silu_gate_train_backward_workspace_bytes(
     rows, device, *, deterministic=True, hidden=FLASHINFER_HIDDEN
 ) -> int:
-    """Bytes of the workspace a ``cake_rmsnorm_silu_gate_train_backward`` of up to ``rows`` rows needs.
-
-    It holds rstd (recomputed), an FP32 dw, the backward's FP32 partial rows of dW, whose number
-    follows the GPU's SM count, and last the counter of the grid barrier of a backward that sums them in
-    its own launch (zero before the first call, as ``..._workspace`` gives it, and left zero by every
-    call); the size is the largest over the activation dtypes.
+    """Bytes of the workspace a ``cake_rmsnorm_silu_gate_train_backward`` of up to ``rows`` rows needs:
+    rstd, an FP32 dw, the partial rows of dW (their number follows the SM count) and the grid barrier's
+    counter (zero before the first call, as every call leaves it), for any activation dtype.
 
     Parameters
     ----------
     rows : int
-        The most rows (T * heads: ``x.numel() // H``) a backward using it will have; >= 0.
+        The most rows (``x.numel() // H``) a backward using it will have; >= 0.
     device : torch.device, str or int
         The CUDA device the backward runs on.
     deterministic : bool
-        FlashInfer's flag; every backward here is the deterministic one, so both values give one size.
+        FlashInfer's flag; every backward here is deterministic, so both give one size.
     hidden : int
-        The row width H (FlashInfer's rows are 128), in [1, ``gated_config.MAX_SEGMENT``].
+        The row width H, in [1, ``gated_config.MAX_SEGMENT``].
 
     Returns
     -------
     int
-        Bytes; a workspace of at least this size serves every backward of up to ``rows`` rows of H.
+        Bytes.
 
     Raises
     ------
@@ -185,7 +172,8 @@ def cake_rmsnorm_silu_gate_train_backward_workspace_bytes(
 def cake_rmsnorm_silu_gate_train_backward_workspace(
     rows, device, *, deterministic=True, hidden=FLASHINFER_HIDDEN
 ) -> torch.Tensor:
-    """A zero-filled workspace for ``cake_rmsnorm_silu_gate_train_backward`` calls of up to ``rows`` rows.
+    """A zero-filled workspace for ``cake_rmsnorm_silu_gate_train_backward`` calls of up to ``rows`` rows;
+    one buffer serves any sequence of calls on its stream.
 
     Parameters
     ----------
@@ -195,9 +183,7 @@ def cake_rmsnorm_silu_gate_train_backward_workspace(
     Returns
     -------
     torch.Tensor
-        A contiguous 1-D ``uint8`` tensor on ``device`` with a 16-byte aligned base (every backward
-        overwrites what it uses and leaves the counter zero: one buffer serves any sequence of calls on
-        its stream).
+        A contiguous 1-D ``uint8`` tensor on ``device`` with a 16-byte aligned base.
 
     Raises
     ------
@@ -212,7 +198,7 @@ def cake_rmsnorm_silu_gate_train_backward_workspace(
 
 def _check_weight_gradient(grad_weight, weight, accumulate: bool, compute: bool) -> None:
     """grad_weight: [H] in weight's dtype or FP32 on its device; required to accumulate into, refused
-    (as is accumulating) when no weight gradient is computed."""
+    without a weight gradient."""
     v.check_bool("accumulate_grad_weight", accumulate)
     v.check_bool("compute_grad_weight", compute)
     if not compute and (grad_weight is not None or accumulate):
@@ -237,50 +223,44 @@ def cake_rmsnorm_silu_gate_train_backward(
     compute_grad_weight=True,
     workspace=None,
 ):
-    """The SiLU-gated norm's backward under FlashInfer's name: dx, dz and the weight gradient of
+    """The SiLU-gated norm's backward: dx, dz and the weight gradient of
     ``y = round(x * rstd * weight * silu(z))``, rstd recomputed from x (bitwise the forward's).
 
     With n = x * rstd, s = sigmoid(z), a = grad_out * weight * silu(z), in FP32:
     ``dx = round(rstd * (a - n * mean(a * n)))``,
     ``dz = round(grad_out * n * weight * s * (1 + z * (1 - s)))``,
-    ``dw = sum over rows of grad_out * n * silu(z)`` in FP32 per program, then a fixed-order sum,
-    rounded once. Bitwise reproducible; a row's dx and dz do not depend on the other rows.
+    ``dw = sum over rows of grad_out * n * silu(z)``, a fixed-order FP32 sum rounded once.
 
     Parameters
     ----------
     grad_out, x, z : torch.Tensor
-        ``[..., H]`` of one shape, dtype (bf16, fp16 or fp32) and CUDA device; rows strided with a
-        contiguous last dimension are read in place, other layouts copied once.
+        ``[..., H]`` of one shape, dtype (bf16, fp16 or fp32) and CUDA device.
     weight : torch.Tensor
         ``[H]`` in x's dtype or fp32.
     eps : float
         The forward's epsilon.
     grad_x, grad_z : torch.Tensor, optional
-        Caller-owned gradients of x and z: x's shape and dtype, contiguous, vector aligned.
+        Caller-owned gradients of x and z: like x, contiguous, vector aligned.
     grad_weight : torch.Tensor, optional
-        Caller-owned ``[H]`` weight gradient in weight's dtype or fp32 (any layout: a non-contiguous
-        one receives a copy); the returned dw is then this tensor.
+        Caller-owned ``[H]`` weight gradient in weight's dtype or fp32, returned as dw.
     accumulate_grad_weight : bool
-        Add the weight gradient to ``grad_weight`` (required) instead of overwriting it: the FP32 sum
-        of both, rounded once to grad_weight's dtype.
+        Add the weight gradient to ``grad_weight`` (required): their FP32 sum, rounded once.
     compute_grad_weight : bool
-        False: no weight gradient (dx and dz only; dw is returned as None).
+        False: no weight gradient (dw is None).
     workspace : torch.Tensor, optional
-        A ``cake_rmsnorm_silu_gate_train_backward_workspace`` buffer (uint8, at least
-        ``..._workspace_bytes(rows, device, hidden=H)`` bytes); with it and the outputs given the call
-        allocates nothing (CUDA graph capture). Without it a fresh one is allocated.
+        A ``cake_rmsnorm_silu_gate_train_backward_workspace``; with it and the outputs given, the call
+        allocates nothing (CUDA graph capture).
 
     Returns
     -------
     (dx, dz, dw)
-        dx and dz like x (contiguous; ``grad_x`` / ``grad_z`` when given); dw in weight's dtype
-        (``grad_weight`` when given), or None when ``compute_grad_weight`` is False.
+        dx and dz like x, dw in weight's dtype (the caller's tensors when given), or None.
 
     Raises
     ------
     TypeError, ValueError
-        An argument of the wrong kind, dtype, shape or value (named), a too small or misaligned
-        workspace, x on the CPU or an unsupported GPU; raised before anything is launched or written.
+        A bad argument (named), a too small or misaligned workspace, x off a supported GPU; before
+        anything is launched or written.
     """
     call = gated_call(x, z, weight, eps, None, True, 0.0, weight_name="weight")
     v.check_like("grad_out", grad_out, x)

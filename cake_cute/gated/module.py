@@ -1,33 +1,20 @@
-"""``CakeGatedRMSNorm``: the gated RMSNorm as a module, ``forward(hidden_states, gate=None)`` as the
-Hugging Face gated norm classes call it, with their gate activation (SiLU, or sigmoid: Kimi Linear,
-GLM-5 Next, Bailing hybrid) and their roundings (``cast_policy``).
+"""``CakeGatedRMSNorm``: the gated RMSNorm as a module, called as the Hugging Face gated norm classes
+call theirs, with their gate activation (SiLU or sigmoid) and their roundings (``cast_policy``;
+docs/gated.md lists the classes):
 
-The cast policies (the Hugging Face classes are listed in docs/gated.md):
-
-* ``"one_rounding"``: FP32 math, y rounded once to x's dtype: the kernels' own arithmetic (Lara-mini,
-  FalconH1 compute this way).
+* ``"one_rounding"``: FP32 math, y rounded once to x's dtype, the kernels' own arithmetic.
 * ``"round_then_scale"``: the normalized values rounded to x's dtype, then scaled by the weight in
-  torch's promoted dtype. Gate then norm (Mamba-2, NemotronH, Bamba, GraniteMoeHybrid, Zamba2):
-  ``y = w * round(rmsnorm_g(x * act(z)))``, the output in the promotion of w's and x's dtypes: the
-  gated kernel with a unit weight, then torch's multiply. Norm then gate (Qwen3-Next, Qwen3.5,
-  OLMo-hybrid, ...): ``y = round((w * round(x * rstd)) * act(z))``: the plain norm kernel with a unit
-  weight, then torch's operations for the weight and the gate (the gate comes after a rounding, so
-  the gated kernel, which rounds once, cannot serve it); in eager mode the backward recomputes that
-  form's products rather than keeping them (x and z are all it keeps).
-* ``"scale_then_round"``: the normalized values scaled by the weight in FP32 and rounded to x's dtype,
-  then gated: norm then gate (torchtitan's Qwen3.5 ``RMSNormGated``; Megatron-core's Gated DeltaNet
-  normalizes and gates this way) ``y = round(round(x * rstd * w) * act(z))``: the plain norm kernel
-  with the weight, then torch's gate, recomputed in the backward as above. Gate then norm rounds once,
-  as ``"one_rounding"``.
+  torch's promoted dtype. Gate then norm: ``y = w * round(rmsnorm_g(x * act(z)))``, the gated kernel
+  with a unit weight, then torch's multiply. Norm then gate: ``y = round((w * round(x * rstd)) *
+  act(z))``, the plain kernel with a unit weight, then torch's weight and gate (the gated kernel
+  rounds once, so it cannot serve a gate after a rounding).
+* ``"scale_then_round"``: norm then gate ``y = round(round(x * rstd * w) * act(z))``, the plain
+  kernel with the weight, then torch's gate; gate then norm rounds once, as ``"one_rounding"``.
 
-With FP32 activations and weight every rounding but the last is exact and every policy runs the gated
-kernel directly.
-
-The gate may have another dtype than x: the classes compute from ``gate.to(torch.float32)`` whatever
-the two dtypes are (a Mamba-2 mixer's torch scan hands its FP32 output and a bf16 gate to the norm of a
-bf16 model). The kernels take one activation dtype, so such a call runs the FP32 kernels on x and the
-gate widened to FP32 (exact for bf16 / fp16 inputs, ``gate.float()`` being the classes' own cast) and
-rounds y to x's dtype: the one rounding the kernels would do, the classes' casts around it unchanged.
+In eager mode the backward recomputes torch's gate products rather than keeping them. With FP32
+activations and weight every policy runs the gated kernel directly. A gate of another dtype than x (the
+classes compute from ``gate.float()`` whatever the dtypes) runs the FP32 kernels on x and the widened
+gate and rounds y to x's dtype once.
 """
 
 from __future__ import annotations
@@ -62,8 +49,8 @@ def check_gated_cast_policy(name: str, value) -> str:
 
 
 class GatedForm(NamedTuple):
-    """What a gated norm computes besides its tensors: ``CakeGatedRMSNorm``'s settings, or what
-    ``gated.swap.hf_gated_form`` reads of a Hugging Face gated norm."""
+    """What a gated norm computes besides its tensors: ``CakeGatedRMSNorm``'s settings or a Hugging Face
+    one's."""
 
     eps: float
     group_size: int  # columns per statistics group, dividing H
@@ -76,33 +63,10 @@ class GatedForm(NamedTuple):
 def gated_rmsnorm_with_casts(
     x: torch.Tensor, gate: torch.Tensor | None, w: torch.Tensor, form: GatedForm
 ) -> torch.Tensor:
-    """The gated RMSNorm of ``x`` ([H] or [..., H]) by ``gate`` (x's shape), or the grouped RMSNorm
-    without a gate, gated by ``form.activation`` and rounded as ``form.cast_policy`` says (module
-    docstring): what ``CakeGatedRMSNorm`` computes, and Hugging Face's kernel route's gated layer for
-    the norm it replaces.
-
-    Parameters
-    ----------
-    x : torch.Tensor
-        The input, [H] or [..., H].
-    gate : torch.Tensor or None
-        The gate, x's shape (its dtype may differ: module docstring); None normalizes without one.
-    w : torch.Tensor
-        The weight [H].
-    form : GatedForm
-        eps, group size, order, weight offset, cast policy and gate activation.
-
-    Returns
-    -------
-    torch.Tensor
-        Shaped like x; x's dtype, or the promotion of w's and x's dtypes for ``"round_then_scale"``
-        gate-then-norm without a final rounding.
-
-    Raises
-    ------
-    TypeError, ValueError
-        The errors of ``cake_gated_rmsnorm`` (x, and the gate named z).
-    """
+    """The gated RMSNorm of ``x`` ([H] or [..., H]) by ``gate`` (None: the grouped RMSNorm alone), gated
+    and rounded as ``form`` says: what ``CakeGatedRMSNorm`` and the kernel route's gated layer compute.
+    Shaped like x, in x's dtype or, for ``"round_then_scale"`` gate then norm, the promotion of w's and
+    x's; raises ``cake_gated_rmsnorm``'s errors."""
     if x.dim() == 1:
         row = None if gate is None else gate.unsqueeze(0)
         return gated_rmsnorm_with_casts(x.unsqueeze(0), row, w, form).squeeze(0)
@@ -129,9 +93,7 @@ def gated_rmsnorm_with_casts(
 
 
 def _norm_then_gate(x: torch.Tensor, gate: torch.Tensor, w: torch.Tensor, form: GatedForm) -> torch.Tensor:
-    """``round((w * round(x * rstd)) * act(z))`` (``"round_then_scale"``: the plain norm kernel with
-    a unit scale, then torch's products) or ``round(round(x * rstd * w) * act(z))``
-    (``"scale_then_round"``), grouped when group_size < H."""
+    """Norm then gate under the two-rounding policies, grouped when group_size < H."""
     if form.cast_policy == ROUND_THEN_SCALE:
         scaled = _scale(w, form) * _normalized(x, x.dtype, form)
     else:
@@ -140,16 +102,14 @@ def _norm_then_gate(x: torch.Tensor, gate: torch.Tensor, w: torch.Tensor, form: 
 
 
 def _scaled(x: torch.Tensor, w: torch.Tensor, form: GatedForm) -> torch.Tensor:
-    """``round(x * rstd * (w + weight_offset))`` per group, the product in FP32: the plain kernel
-    with the weight over whole rows, else the FP32 normalized values times the FP32 scale."""
+    """``round(x * rstd * (w + weight_offset))`` per group, the product in FP32."""
     if form.group_size == x.shape[-1] and w.dtype in (x.dtype, torch.float32):
         return cake_rmsnorm(x, w, form.eps, weight_offset=form.weight_offset)
     return (_normalized(x, torch.float32, form) * (w.float() + form.weight_offset)).to(x.dtype)
 
 
 def _rounds_once(x: torch.Tensor, w: torch.Tensor, form: GatedForm) -> bool:
-    """Whether y is the fused kernel's one rounding: under ``"one_rounding"``, for the gate-then-norm
-    form under ``"scale_then_round"``, and with FP32 activations and weight (other roundings exact)."""
+    """Whether y is the fused kernel's one rounding under this form and these dtypes."""
     if x.dtype == w.dtype == torch.float32:
         return True
     return form.cast_policy == ONE_ROUNDING or (
@@ -158,8 +118,7 @@ def _rounds_once(x: torch.Tensor, w: torch.Tensor, form: GatedForm) -> bool:
 
 
 def _gated(x, gate, w, form: GatedForm, weight_offset: float):
-    """The gated kernel on (x, gate, w); a gate of another dtype than x's takes the FP32 kernel, y
-    rounded to x's dtype (module docstring)."""
+    """The gated kernel on (x, gate, w); a gate of another dtype than x's takes the FP32 kernel."""
     if gate.dtype == x.dtype:
         return _gated_kernel(x, gate, w, form, weight_offset)
     wide = x.float()  # x itself when it is FP32
@@ -184,8 +143,7 @@ def _scale(w: torch.Tensor, form: GatedForm) -> torch.Tensor:
 
 
 def _normalized(x: torch.Tensor, dtype: torch.dtype, form: GatedForm) -> torch.Tensor:
-    """``x * rstd`` per group, from x in ``dtype`` and rounded to it (the plain norm kernel, unit
-    scale: the product by 1 is exact)."""
+    """``x * rstd`` per group in ``dtype`` (the plain kernel with a unit scale, exact)."""
     source = x if dtype == x.dtype else x.to(dtype)
     size = form.group_size
     groups = source.reshape(*x.shape[:-1], x.shape[-1] // size, size)
@@ -193,8 +151,7 @@ def _normalized(x: torch.Tensor, dtype: torch.dtype, form: GatedForm) -> torch.T
 
 
 def _ungated(x: torch.Tensor, w: torch.Tensor, form: GatedForm) -> torch.Tensor:
-    """The grouped RMSNorm without a gate, under the same casts: scaled in FP32 and rounded once
-    (``_scaled``), or rounded to x's dtype before the scale."""
+    """The grouped RMSNorm without a gate, under the same casts."""
     if form.cast_policy != ROUND_THEN_SCALE:
         return _scaled(x, w, form)
     return _scale(w, form) * _normalized(x, torch.float32, form).to(x.dtype)
@@ -205,8 +162,8 @@ class CakeGatedRMSNorm(nn.Module):
 
     ``forward(hidden_states, gate=None)``: ``norm_before_gate=True`` gives
     ``x * rstd * (w + weight_offset) * act(gate)``, ``False`` gives
-    ``rmsnorm_group(x * act(gate)) * (w + weight_offset)``, act the ``activation`` (SiLU or sigmoid),
-    rounded as ``cast_policy`` says. Without a gate it is the (grouped) RMSNorm with the same casts.
+    ``rmsnorm_group(x * act(gate)) * (w + weight_offset)``, rounded as ``cast_policy`` says; without a
+    gate, the (grouped) RMSNorm with the same casts.
 
     Parameters
     ----------
@@ -221,19 +178,17 @@ class CakeGatedRMSNorm(nn.Module):
     weight_offset : float
         The scale is ``weight + weight_offset``.
     cast_policy : str
-        ``"one_rounding"`` (default), ``"round_then_scale"`` or ``"scale_then_round"`` (module
-        docstring).
+        ``"one_rounding"`` (default), ``"round_then_scale"`` or ``"scale_then_round"``.
     activation : str
-        The gate's activation: ``"silu"`` (default) or ``"sigmoid"``.
+        ``"silu"`` (default) or ``"sigmoid"``.
     device, dtype : optional
         Of the weight.
 
     Raises
     ------
     TypeError, ValueError
-        A hidden_size that is not a positive int, a group_size not dividing it, eps / weight_offset
-        out of range, norm_before_gate not a bool, an unknown cast_policy or activation, a device or
-        dtype torch's modules would refuse (``validation.check_factory_arguments``).
+        A bad argument, named: hidden_size, a group_size not dividing it, eps, weight_offset,
+        norm_before_gate, cast_policy, activation, device or dtype.
     """
 
     def __init__(
@@ -264,9 +219,7 @@ class CakeGatedRMSNorm(nn.Module):
 
     @property
     def variance_epsilon(self) -> float:
-        """eps under the Hugging Face classes' name: the Mamba-2 mixers hand ``norm.weight`` and
-        ``norm.variance_epsilon`` to a fused scan kernel (mamba_ssm's) when they take that path, which
-        then does the norm itself."""
+        """eps under the Hugging Face classes' name, which the Mamba-2 mixers hand to a fused scan kernel."""
         return self.eps
 
     def reset_parameters(self) -> None:
@@ -274,20 +227,20 @@ class CakeGatedRMSNorm(nn.Module):
         nn.init.constant_(self.weight, 1.0 - self.weight_offset)
 
     def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
-        """The gated norm of ``hidden_states`` ([..., H]) by ``gate`` (its shape), or the plain grouped
-        norm when gate is None (``gated_rmsnorm_with_casts``).
+        """The gated norm of ``hidden_states`` ([..., H]) by ``gate`` (its shape), or the grouped norm alone
+        when gate is None.
 
         Returns
         -------
         torch.Tensor
-            Shaped like hidden_states; x's dtype, or the promotion of the weight's and x's dtypes
-            for ``"round_then_scale"`` gate-then-norm without a final rounding.
+            Shaped like hidden_states; x's dtype, or the promotion of the weight's and x's dtypes for
+            ``"round_then_scale"`` gate then norm.
 
         Raises
         ------
         TypeError, ValueError
             hidden_states or gate is not a tensor; the errors of ``cake_gated_rmsnorm`` (hidden_states
-            named x, gate named z), a gate of another dtype than x's excepted (module docstring).
+            named x, gate named z), a gate of another dtype than x's excepted.
         """
         v.check_tensor("hidden_states", hidden_states)
         if gate is not None:

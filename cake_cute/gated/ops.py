@@ -1,10 +1,6 @@
-"""Functional entry points of the gated RMSNorm kernels (``kernels.gated_fwd``, ``kernels.gated_bwd``):
-argument checks, the views the kernels read, and the launches.
-
-Every argument is checked before anything is launched or written, the device last, so the argument
-errors can be exercised without a GPU. Leading dimensions of x collapse into rows; rows may be
-strided (a contiguous last dimension, a row stride and base aligned to the vector width), otherwise
-they are copied once (``views.kernel_view``).
+"""Functional entry points of the gated RMSNorm kernels: the views the kernels read, and the launches.
+Leading dimensions of x collapse into rows; strided rows with a contiguous, aligned last dimension are
+read in place, others copied once.
 """
 
 from __future__ import annotations
@@ -39,21 +35,18 @@ def rstd_shape(x: torch.Tensor, group_size: int) -> tuple[int, ...]:
 
 
 def _check_output(name: str, t, shape, dtype, device, vec: int) -> None:
-    """A caller-owned output: the expected shape, dtype and device, contiguous and vector aligned (the
-    kernels write it directly)."""
+    """A caller-owned output: the expected shape, dtype and device, contiguous and vector aligned."""
     v.check_output(name, t, shape, dtype, device)
     if not is_direct_output(t, vec):
         raise ValueError(f"{name} must be contiguous with a {vec * t.element_size()}-byte aligned base")
 
 
 def _output(given, like: torch.Tensor, shape=None, dtype=None) -> torch.Tensor:
-    """The caller's (checked) output, or a fresh one."""
     return new_output(like, shape, dtype) if given is None else given
 
 
 def forward_spec(call: GatedCall) -> GatedSpec:
-    """The forward kernel's spec of a call; the backward's and the statistics' are this one with another
-    kind (``dataclasses.replace``). Checks the device."""
+    """The forward kernel's spec of a call (the others replace its kind); checks the device."""
     x = call.x
     return GatedSpec(
         "gated_fwd",
@@ -82,46 +75,18 @@ def gated_rmsnorm_forward(
     rstd=None,
 ):
     """Gated RMSNorm forward: ``y = x * rstd * (w + offset) * act(z)`` (norm then gate) or
-    ``y = rmsnorm_group(x * act(z)) * (w + offset)`` (gate then norm), FP32 math, one rounding; act is
-    SiLU or sigmoid.
+    ``y = rmsnorm_group(x * act(z)) * (w + offset)`` (gate then norm), FP32 math, one rounding.
 
-    Parameters
-    ----------
-    x, z : torch.Tensor
-        [..., H] input and gate; bf16, fp16 or fp32, the same dtype, shape and device.
-    w : torch.Tensor
-        [H] weight, x's dtype or fp32.
-    eps : float
-        Added to the mean square; finite, >= 0.
-    group_size : int, optional
-        Columns per statistics group, dividing H, at most ``MAX_SEGMENT`` (default H).
-    norm_before_gate : bool
-        True (Qwen3-Next) or False: gate, then normalize per group (NemotronH, Mamba-2).
-    weight_offset : float
-        Added to w in FP32 (1.0 for a ``1 + w`` weight).
-    activation : str
-        The gate's activation: ``"silu"`` (Qwen3-Next, Mamba-2) or ``"sigmoid"`` (Kimi Linear).
-    out, rstd : torch.Tensor, optional
-        Caller-owned outputs (contiguous, vector aligned) for y and rstd.
-
-    Returns
-    -------
-    (y, rstd)
-        y like x (contiguous), rstd FP32 of shape ``rstd_shape(x, group_size)``.
-
-    Raises
-    ------
-    TypeError, ValueError
-        An argument of the wrong kind, dtype, shape or value, x not on a supported CUDA device
-        (named in the message; nothing is launched).
-    """
+    x and z are [..., H] of one dtype (bf16, fp16, fp32), shape and device, w [H] in x's dtype or fp32;
+    ``group_size`` divides H (default H); ``activation`` is ``"silu"`` or ``"sigmoid"``; ``out`` and
+    ``rstd`` are optional caller-owned outputs. Returns ``(y, rstd)``, rstd FP32 shaped
+    ``rstd_shape(x, group_size)``. Raises TypeError / ValueError naming the argument, before any launch."""
     call = gated_call(x, z, w, eps, group_size, norm_before_gate, weight_offset, activation)
     return forward_of_call(call, out, rstd)
 
 
 def forward_of_call(call: GatedCall, out=None, rstd=None):
-    """``gated_rmsnorm_forward`` of arguments ``gated_call`` accepted: the caller-owned outputs checked,
-    then the launch."""
+    """``gated_rmsnorm_forward`` of a checked call: the caller-owned outputs checked, then the launch."""
     x, z, w, group_size = call.x, call.z, call.w, call.group_size
     vec = vector_width(group_size, x.element_size())
     if out is not None:
@@ -148,10 +113,8 @@ def forward_of_call(call: GatedCall, out=None, rstd=None):
 
 
 def backward_programs(rows: int, config: GatedConfig, groups: int, facts: DeviceFacts) -> int:
-    """Programs (along x; the grid has ``groups`` CTAs, or clusters of a wide segment's CTAs, along y)
-    of the persistent gated backward: as many as are resident with the groups' beside them, never
-    more than there are row tiles. The partition of rows -- and so dw's bits -- depends only on T,
-    the GPU model and the variant."""
+    """Programs (along x) of the persistent gated backward: as many as are resident, at most one per row
+    tile; dw's bits depend only on T, the GPU model and the variant."""
     tiling = config.tiling
     tiles = -(-rows // tiling.rows_per_cta)
     resident = resident_clusters(
@@ -180,32 +143,13 @@ def gated_rmsnorm_backward(
     dz=None,
     dw=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gated RMSNorm backward: dx and dz in one pass (the gate and the normalized input recomputed
-    from x, z, w and the forward's rstd), dw as a fixed-order FP32 sum of per-program partial rows.
-    Bitwise reproducible; a row's dx and dz do not depend on the other rows.
+    """Gated RMSNorm backward: dx and dz in one pass (gate and normalized input recomputed from x, z, w
+    and the forward's rstd), dw a fixed-order FP32 sum of per-program partial rows; bitwise
+    reproducible.
 
-    Parameters
-    ----------
-    g : torch.Tensor
-        Gradient of y, x's dtype, shape and device.
-    x, z, w, group_size, norm_before_gate, weight_offset, activation
-        As given to ``gated_rmsnorm_forward``.
-    rstd : torch.Tensor
-        The forward's rstd: FP32 of shape ``rstd_shape(x, group_size)``.
-    dx, dz, dw : torch.Tensor, optional
-        Caller-owned outputs (contiguous, vector aligned; dw [H] in FP32 or w's dtype, the FP32 sum
-        rounded once into it).
-
-    Returns
-    -------
-    (dx, dz, dw)
-        dx and dz like x (contiguous), dw [H] (FP32 unless a dw of w's dtype is given).
-
-    Raises
-    ------
-    TypeError, ValueError
-        As ``gated_rmsnorm_forward``, and g or rstd of the wrong dtype, shape or device.
-    """
+    Takes g (like x), the forward's arguments and rstd, and optional caller-owned dx, dz and dw (dw [H]
+    in FP32 or w's dtype). Returns ``(dx, dz, dw)``, dw FP32 unless given in w's dtype. Raises as
+    ``gated_rmsnorm_forward``, and for g or rstd of the wrong dtype, shape or device."""
     call = gated_call(x, z, w, None, group_size, norm_before_gate, weight_offset, activation)
     v.check_like("g", g, x)
     v.check_output("rstd", rstd, rstd_shape(x, call.group_size), torch.float32, x.device)
@@ -225,8 +169,7 @@ def gated_rmsnorm_backward(
 
 
 def check_gradient_outputs(call: GatedCall, *named) -> None:
-    """Caller-owned gradients of x and z, as (name, tensor or None) pairs: x's shape, dtype and device,
-    contiguous and vector aligned (the backward writes them directly)."""
+    """Caller-owned gradients of x and z, as (name, tensor or None) pairs: like x, contiguous, aligned."""
     x = call.x
     vec = vector_width(call.group_size, x.element_size())
     for name, given in named:
@@ -235,7 +178,7 @@ def check_gradient_outputs(call: GatedCall, *named) -> None:
 
 
 def backward_programs_of(call: GatedCall, spec: GatedSpec) -> int:
-    """``backward_programs`` of a call ``gated_call`` accepted, whose device ``forward_spec`` checked."""
+    """``backward_programs`` of a checked call."""
     x, group_size = call.x, call.group_size
     hidden = x.shape[-1]
     config = gated_backward_config(spec.arch, spec.act_dtype, hidden, group_size)
@@ -255,16 +198,11 @@ def launch_backward(
     counter_space=None,
     dw_wanted: bool = True,
 ) -> None:
-    """The backward of rows > 0 into dx, dz (caller-owned or fresh, contiguous) and dw (contiguous [H],
-    FP32 or a 2-byte dtype: the fixed-order FP32 sum of the partial rows rounded once) with the
-    forward's ``rstd`` over ``programs`` programs (``backward_programs_of``): the backward kernel, and
-    the reduction behind it unless the kernel sums dW in its own launch (``GatedConfig.dw_in_launch``),
-    which writes dw whether ``dw_wanted`` or not (without it no reduction is launched).
-    The FP32 partial rows are carved from the start of the uint8 ``partial_space`` when given (which
-    must hold ``launch_plan.partial_rows_bytes`` of them); the grid barrier's counter is the last slot
-    of the caller's uint8 ``counter_space`` (a zeroed workspace), else one per stream
-    (``views.barrier_counter``). The launches run on the current device: callers enter ``on_device``
-    once around a call's launches."""
+    """Launch the backward of rows > 0 over ``programs`` programs: the backward kernel, and the reduction
+    behind it unless the kernel sums dW in its own launch (which writes dw whether ``dw_wanted`` or not).
+    The partial rows are carved from ``partial_space`` when given; the grid barrier's counter is the
+    last slot of ``counter_space`` (a zeroed workspace), else one per stream. Runs on the current
+    device."""
     x, group_size = call.x, call.group_size
     hidden = x.shape[-1]
     rows, groups = x.numel() // hidden, hidden // group_size
@@ -290,9 +228,7 @@ def launch_backward(
 
 
 def launch_statistics(call: GatedCall, spec: GatedSpec, rstd: torch.Tensor) -> None:
-    """rstd (FP32, contiguous, ``rstd_shape``) of rows > 0 as the forward computes it, bitwise: for a
-    backward whose caller kept none. The kernel reads no weight, so its variant names x's dtype for
-    w's and no offset; z is read only in the gate-then-norm form."""
+    """rstd of rows > 0, bitwise the forward's, for a backward whose caller kept none."""
     x, group_size = call.x, call.group_size
     hidden = spec.hidden
     vec = vector_width(group_size, x.element_size())
@@ -304,8 +240,7 @@ def launch_statistics(call: GatedCall, spec: GatedSpec, rstd: torch.Tensor) -> N
 
 
 def most_backward_programs(rows: int, hidden: int, group_size: int, facts: DeviceFacts) -> int:
-    """The most programs (partial rows of dW) a gated backward of up to ``rows`` rows runs on this GPU,
-    whatever the activation dtype."""
+    """The most programs a gated backward of up to ``rows`` rows runs on this GPU, for any dtype."""
     return max(
         backward_programs(
             rows, gated_backward_config(facts.arch, act, hidden, group_size), hidden // group_size, facts

@@ -1,15 +1,11 @@
-"""Pure-torch reference of the gated RMSNorms, forward and backward, in a chosen compute dtype.
-
-In FP64 it is the reference the GPU tests measure the kernels against; in FP32 it performs the
-kernels' operations (``kernels.gated_fwd``, ``kernels.gated_bwd``) with their one rounding per output
-when the caller casts the result to the activation dtype. Both forms, with statistics per group of
-``group_size`` columns (``hidden`` for one group per row), the gate activation act SiLU or sigmoid:
+"""Pure-torch reference of the gated RMSNorms, forward and backward, in a chosen compute dtype: in FP64
+the reference the GPU tests measure against, in FP32 the kernels' operations. Statistics per group of
+``group_size`` columns, act SiLU or sigmoid:
 
     norm then gate:  y = x * rstd * (w + offset) * act(z)
     gate then norm:  y = (x * act(z)) * rstd_group * (w + offset)
 
-The backward is written out in closed form (the formulas the kernel evaluates); the CPU tests check it
-against autograd of the forward.
+The backward is the closed form the kernel evaluates; the CPU tests check it against autograd.
 """
 
 from __future__ import annotations
@@ -28,21 +24,7 @@ def _groups(t: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def gate_terms(z: torch.Tensor, activation: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(act(z), act'(z)) in z's dtype, silu and sigmoid torch's (as the Hugging Face classes call
-    them): silu' = s * (1 + z * (1 - s)), sigmoid' = s * (1 - s), s = sigmoid(z).
-
-    Parameters
-    ----------
-    z : torch.Tensor
-        The gate.
-    activation : str
-        ``"silu"`` or ``"sigmoid"`` (``vocab.GATE_ACTIVATIONS``).
-
-    Returns
-    -------
-    (torch.Tensor, torch.Tensor)
-        The activation and its derivative, like z.
-    """
+    """(act(z), act'(z)) in z's dtype, with torch's silu and sigmoid."""
     s = torch.sigmoid(z)
     if activation == SIGMOID:
         return s, s * (1 - s)
@@ -50,8 +32,7 @@ def gate_terms(z: torch.Tensor, activation: str) -> tuple[torch.Tensor, torch.Te
 
 
 class _Forward(NamedTuple):
-    """The forward's values in the compute dtype; the backward recomputes them from x and z, as the
-    kernel does, and uses them all."""
+    """The forward's values in the compute dtype, which the backward recomputes from x and z."""
 
     x: torch.Tensor
     gate: torch.Tensor  # act(z)
@@ -90,41 +71,9 @@ def _forward(
 def gated_forward_reference(
     x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float, **options
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gated RMSNorm forward of (T, H) rows.
-
-    Parameters
-    ----------
-    x, z : torch.Tensor
-        (T, H) input and gate.
-    w : torch.Tensor
-        (H,) weight.
-    eps : float
-        Added to the mean square.
-    **options
-        Keyword only, each optional:
-
-        group_size : int
-            Columns per statistics group (default H: one per row).
-        norm_before_gate : bool
-            Normalize, then gate (Qwen3-Next, the default); False: gate, then normalize (NemotronH,
-            Mamba-2).
-        weight_offset : float
-            Added to w (1.0 for a ``1 + w`` weight; default 0.0).
-        activation : str
-            The gate's activation, ``"silu"`` (the default) or ``"sigmoid"``.
-        compute_dtype : torch.dtype
-            Every operation's dtype: FP64 (the default) for the reference, FP32 for the kernels'
-            arithmetic.
-
-    Returns
-    -------
-    (y, rstd) : y (T, H) and rstd (T, H / group_size), both in ``compute_dtype`` (unrounded).
-
-    Raises
-    ------
-    TypeError
-        An option not named here.
-    """
+    """The gated forward of (T, H) rows: ``(y, rstd)`` in ``compute_dtype``, unrounded. Options
+    (keyword only): ``group_size``, ``norm_before_gate``, ``weight_offset``, ``activation``,
+    ``compute_dtype`` (default FP64); TypeError for any other."""
     f = _forward(x, z, w, eps, **options)
     y = f.n * f.w
     return (y * f.gate if f.norm_before_gate else y), f.rstd
@@ -133,24 +82,8 @@ def gated_forward_reference(
 def gated_backward_reference(
     g: torch.Tensor, x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float, **options
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The gated RMSNorm backward, recomputing the gate and the statistics from x and z.
-
-    Parameters
-    ----------
-    g : torch.Tensor
-        (T, H) gradient of y.
-    x, z, w, eps, **options
-        As for ``gated_forward_reference``.
-
-    Returns
-    -------
-    (dx, dz, dw) : (T, H), (T, H) and (H,), in ``compute_dtype`` (unrounded).
-
-    Raises
-    ------
-    TypeError
-        As for ``gated_forward_reference``.
-    """
+    """The gated backward, recomputing the gate and statistics: ``(dx, dz, dw)`` in ``compute_dtype``,
+    unrounded; options as for ``gated_forward_reference``."""
     f = _forward(x, z, w, eps, **options)
     g = g.to(f.n.dtype)
     a = g * f.w * f.gate if f.norm_before_gate else g * f.w

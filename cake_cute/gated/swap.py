@@ -1,27 +1,20 @@
 """``swap_gated_rmsnorm``: ``CakeGatedRMSNorm`` in place of the gated RMSNorm modules of a Hugging Face
-model (Qwen3-Next's ``Qwen3NextRMSNormGated`` and its copies, Mamba-2's ``Mamba2RMSNormGated``, named
-``MambaRMSNormGated`` before transformers 5.25, NemotronH, Bamba, FalconH1, GraniteMoeHybrid, Zamba2, and
-the sigmoid-gated ``KimiLinearRMSNormGated``, ``Glm5NextTextRMSNormGated``, ``BailingHybridRMSNormGated``).
+model (docs/gated.md lists the classes).
 
-A module is a gated norm when its class name ends in "NormGated", it learns a 1-D ``weight`` (a norm
-that learns anything else, a learned gate, is refused), holds a float ``variance_epsilon`` (or ``eps``)
-and no submodule, and its forward takes a ``gate`` and computes a reciprocal root of the mean of
-squares. Its forward's source says the rest:
+A module is a gated norm when its class name ends in "NormGated", it learns a 1-D ``weight`` and
+nothing else, holds a float ``variance_epsilon`` (or ``eps``) and no submodule, and its forward takes a
+``gate`` and computes a reciprocal root of the mean of squares. Its forward's source says the rest:
 
-* the gate: ``hidden_states * act(gate)``, the gate cast to FP32 or not, where act is ``silu``,
-  ``sigmoid`` (torch's, ``F.``'s or ``nn.functional.``'s) or ``ACT2FN[self.activation]`` with the
-  module's ``activation`` "silu" / "swish" or "sigmoid"; another activation, or a gate that enters the
-  forward in any other way (a learned gate, the gate times its own sigmoid) is refused;
-* the order: the gate applied before the reciprocal root (gate then norm) or after the weight's
-  product (norm then gate), or the module's ``norm_before_gate`` where it has one (FalconH1); a gate
-  between the norm and its weight is refused;
-* the groups: ``group_size``, or H / ``n_groups`` (FalconH1), else H; a size not dividing H is refused;
-* the casts: ``self.weight * hidden_states.to(input_dtype)`` is ``"round_then_scale"``; a weight taken
-  to FP32 (``self.weight.to(torch.float32) *``, or a view of it times the FP32 values) with one final
-  ``.to(input_dtype)`` is ``"one_rounding"``; other casts are refused.
+* the gate: ``hidden_states * act(gate)``, act ``silu`` or ``sigmoid`` (by name or through
+  ``ACT2FN[self.activation]``); a gate used any other way is refused;
+* the order: the gate before the reciprocal root or after the weight's product, or the module's
+  ``norm_before_gate``; a gate between the norm and its weight is refused;
+* the groups: ``group_size``, or H / ``n_groups``, else H; a size not dividing H is refused;
+* the casts: ``self.weight * hidden_states.to(input_dtype)`` is ``"round_then_scale"``; an FP32
+  weight product with one final ``.to(input_dtype)`` is ``"one_rounding"``; others are refused.
 
-A refused module is an error (``GatedNormNotServed``) naming it and the reason: a swap never runs a
-module differently from what its class computes.
+A refused module raises ``GatedNormNotServed`` naming it and the reason: a swap never computes
+differently from the class it replaces.
 """
 
 from __future__ import annotations
@@ -74,9 +67,8 @@ def is_gated_norm(module: nn.Module) -> bool:
 
 @torch.compiler.assume_constant_result
 def _has_gated_source(cls: type) -> bool:
-    """Whether ``cls``'s forward takes a gate and a reciprocal root of the mean of squares; a constant
-    to torch.compile (dynamo calls it once while tracing a layer computing in place of the class,
-    ``cake_cute.hf.kernel_layers``, rather than tracing the reading of a source file)."""
+    """Whether ``cls``'s forward takes a gate and a reciprocal root of the mean of squares; a constant to
+    torch.compile."""
     return _gated_source(cls)
 
 
@@ -89,8 +81,7 @@ def _gated_source(cls: type) -> bool:
 
 
 def _gate_factors(source: str) -> list[re.Match]:
-    """The forward's ``hidden_states * act(gate)`` factors; GatedNormNotServed when there is none or
-    the gate is used in any other way."""
+    """The forward's ``hidden_states * act(gate)`` factors; GatedNormNotServed for another use of the gate."""
     factors = list(_GATE_FACTOR.finditer(source))
     rest = _GATE_GIVEN.sub("", _GATE_FACTOR.sub("", _FORWARD_SIGNATURE.sub("", source, count=1)))
     if not factors or _GATE.search(rest):
@@ -99,8 +90,7 @@ def _gate_factors(source: str) -> list[re.Match]:
 
 
 def _gate_activation(module: nn.Module, factors: list[re.Match]) -> str:
-    """The activation of the gate ``factors`` (``vocab.GATE_ACTIVATIONS``); GatedNormNotServed for
-    another one."""
+    """The gate's activation; GatedNormNotServed for one the kernels do not have."""
     found = set()
     for factor in factors:
         name = factor["name"] or getattr(module, "activation", None)
@@ -113,8 +103,7 @@ def _gate_activation(module: nn.Module, factors: list[re.Match]) -> str:
 
 
 def _norm_before_gate(module: nn.Module, source: str, factors: list[re.Match]) -> bool:
-    """Whether the gate comes after the norm and its weight; GatedNormNotServed for a gate between
-    them, or on both sides of the norm in a module that does not say which it applies."""
+    """Whether the gate comes after the norm and its weight; GatedNormNotServed where unreadable."""
     norm_at, weight_at = source.index("rsqrt"), source.rfind("self.weight")
     if weight_at < norm_at:
         raise GatedNormNotServed("its forward does not scale the normalized values by self.weight")
@@ -156,28 +145,10 @@ _READ_ATTRIBUTES = ("activation", "norm_before_gate", "group_size", "n_groups")
 
 
 def hf_gated_form(module: nn.Module, cast_policy: str | None = None) -> GatedForm:
-    """What a Hugging Face gated norm computes besides its tensors (eps, group size, gate order, casts,
-    gate activation; the module docstring), for a ``CakeGatedRMSNorm`` in its place or a layer
-    computing in place of its class (Hugging Face's kernel route, ``cake_cute.hf.kernel_layers``).
-    torch.compile traces it without reading the source again (``_class_form``).
-
-    Parameters
-    ----------
-    module : torch.nn.Module
-        The Hugging Face gated norm.
-    cast_policy : str, optional
-        The casts to use instead of the class's own (``swap_gated_rmsnorm``'s override).
-
-    Returns
-    -------
-    GatedForm
-
-    Raises
-    ------
-    GatedNormNotServed
-        module is not a gated RMSNorm (``is_gated_norm``) or is one this module refuses (its docstring);
-        the message says why (the caller names the module).
-    """
+    """What a Hugging Face gated norm computes besides its tensors, for a ``CakeGatedRMSNorm`` in its place
+    or a kernel-route layer computing in place of its class; ``cast_policy`` overrides the class's casts.
+    Raises ``GatedNormNotServed`` (the reason; the caller names the module) for a module that is no gated
+    norm or one refused."""
     if not is_gated_norm(module):
         raise GatedNormNotServed(
             "it is not shaped as a Hugging Face gated RMSNorm (a class named ...NormGated holding a float "
@@ -192,9 +163,7 @@ def hf_gated_form(module: nn.Module, cast_policy: str | None = None) -> GatedFor
 
 @torch.compiler.assume_constant_result
 def _class_form(cls: type, attributes: tuple, weight_only: bool, hidden: int, eps: float, cast_policy):
-    """``hf_gated_form`` of a module of class ``cls`` holding ``attributes`` (``_READ_ATTRIBUTES``), a
-    constant to torch.compile: dynamo calls it once while tracing and keeps the result, rather than
-    tracing the reading of a source file."""
+    """``hf_gated_form`` of a module of class ``cls``, a constant to torch.compile."""
     return _read_form(cls, attributes, weight_only, hidden, eps, cast_policy)
 
 
@@ -213,8 +182,7 @@ def _read_form(cls: type, attributes: tuple, weight_only: bool, hidden: int, eps
 
 
 def _replacement(module: nn.Module, cast_policy: str | None) -> CakeGatedRMSNorm:
-    """The CakeGatedRMSNorm following ``module`` (holding its weight Parameter); GatedNormNotServed
-    with the reason when that is not possible."""
+    """The CakeGatedRMSNorm following ``module``, holding its weight Parameter."""
     form = hf_gated_form(module, cast_policy)
     weight = module.weight
     new = CakeGatedRMSNorm(
@@ -232,33 +200,27 @@ def _replacement(module: nn.Module, cast_policy: str | None) -> CakeGatedRMSNorm
 
 def swap_gated_rmsnorm(model: nn.Module, *, cast_policy: str | None = None) -> int:
     """Replace, in place, every Hugging Face gated RMSNorm of ``model`` with a ``CakeGatedRMSNorm``
-    keeping its weight Parameter, eps, group size, gate activation (SiLU or sigmoid), gate order, casts
-    and training mode.
-
-    Swap before parallelizing (``parallelize_module``, ``fully_shard``): those replace parameters and
-    hook the modules they see. A module used in several places is replaced by one module everywhere.
+    keeping its weight Parameter, eps, group size, gate activation and order, casts and training mode.
+    Swap before parallelizing; a module used in several places is replaced by one module everywhere.
 
     Parameters
     ----------
     model : torch.nn.Module
         Changed in place.
     cast_policy : str, optional
-        None (default): each class's own roundings (module docstring). ``"one_rounding"``: the fused
-        kernel's single rounding for every norm (faster for the norm-then-gate classes, whose own casts
-        round twice; docs/gated.md states the difference); ``"round_then_scale"``;
-        ``"scale_then_round"`` (``gated.module``).
+        None (default): each class's own roundings; or ``"one_rounding"`` (the fused kernel's single
+        rounding for every norm; docs/gated.md states the difference), ``"round_then_scale"``,
+        ``"scale_then_round"``.
 
     Returns
     -------
     int
-        How many gated norms were replaced (a module used in several places counts once).
+        How many gated norms were replaced.
 
     Raises
     ------
     GatedNormNotServed (a ValueError)
-        A gated norm that learns more than its weight, whose gate is not a SiLU or sigmoid factor after
-        the weight or before the norm, whose group size does not divide its hidden size, or whose casts
-        are not recognized; the message names the module, its class and the reason. Nothing is
+        A gated norm the module's reading refuses, named with its class and the reason; nothing is
         replaced then.
     TypeError
         model is not a torch.nn.Module.

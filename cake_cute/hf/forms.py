@@ -1,12 +1,10 @@
 """The forms transformers 4.x writes decoder layers in, taken out of a forward before it is matched.
 
-transformers 4.x writes the same layers the templates (``cake_cute.hf.templates``) describe with
-more around them: an ``outputs = (hidden_states,)`` tail returning the attention weights and router
-logits under their flags, the MLP's router-logit tuple, and statements before the attention call that
-only prepare its arguments. ``normalized`` rewrites the first two to the templates' forms and records
-them (``Form``); ``setup_statements`` takes out the third, which the fused forward runs as written, on
-the bound arguments (``setup_function``). Each is recognized only in its exact form and place; anything
-else stays in the body, where no template matches it.
+4.x writes the templates' layers with more around them: an ``outputs = (hidden_states,)`` tail, the
+MLP's router-logit tuple, and statements before the attention call that only prepare its arguments.
+``normalized`` rewrites the first two to the templates' forms and records them; ``setup_statements``
+takes out the third, which the fused forward runs as written. Each is recognized only in its exact
+form and place; anything else stays, where no template matches it.
 """
 
 from __future__ import annotations
@@ -36,10 +34,7 @@ _OUTPUTS_ADD = re.compile(r"if (\w+):\n    (\w+) \+= \((\w+),\)")
 
 @dataclass(frozen=True)
 class Form:
-    """What ``normalized`` took out of a forward's statements so that transformers 4.x's layers match
-    the templates: how its MLP output is unpacked (one of ``MLP_OUTPUTS``, and the variable the router
-    logits go to) and the outputs tuple its tail returns ((flag, variable) pairs; None when it returns
-    hidden_states)."""
+    """What ``normalized`` took out of a forward: its MLP output's unpacking and its outputs tuple."""
 
     mlp_output: str = "plain"
     router: str | None = None
@@ -54,9 +49,7 @@ def _statement(text: str, like: ast.stmt) -> ast.stmt:
 
 
 def normalized(body: list) -> tuple[list, Form]:
-    """The forward's statements with the 4.x forms of the MLP's router logits and of the outputs tuple
-    rewritten to the templates' (``hidden_states = self.mlp(hidden_states)``; ``return hidden_states``),
-    and what was rewritten. Statements of any other form are left as they are (to be refused)."""
+    """The forward's statements with the 4.x forms rewritten to the templates', and what was rewritten."""
     body, mlp_output, router, mlp, returned = list(body), "plain", None, None, None
     texts = [ast.unparse(stmt) for stmt in body]
     for index, text in enumerate(texts):
@@ -88,9 +81,7 @@ def normalized(body: list) -> tuple[list, Form]:
 
 
 def checked_form(form: Form, bindings: dict, signature: inspect.Signature) -> Form | str:
-    """``form`` once a template matched: the unpacked output must be the template's MLP's, and each
-    returned variable is named by its source (the attention call's second output, "attention", or the
-    router logits, "router"); else why the forward is refused."""
+    """``form`` once a template matched, returned variables named by source; else why it is refused."""
     if form.mlp is not None and form.mlp != bindings["MLP"]:
         return f"it unpacks the output of self.{form.mlp}, not of its MLP self.{bindings['MLP']}"
     if form.returned is None:
@@ -110,10 +101,8 @@ def checked_form(form: Form, bindings: dict, signature: inspect.Signature) -> Fo
 
 
 def _is_setup(stmt: ast.stmt, untouchable: frozenset) -> bool:
-    """A statement that prepares the attention call's arguments (transformers 4.x: Gemma2/3's sliding
-    window mask, Gemma3's choice of rotary embeddings, Llama4's chunked mask): it reads and writes no
-    name of ``untouchable`` (hidden_states, residual, the forward's ``*args`` / ``**kwargs``), calls no
-    method of self, and only assigns plain local names."""
+    """A statement that only prepares the attention call's arguments: no name of ``untouchable``, no method
+    of self, only plain local names assigned."""
     for node in ast.walk(stmt):
         if isinstance(node, ast.Name) and node.id in untouchable:
             return False
@@ -135,8 +124,7 @@ def _rooted_at_self(node) -> bool:
 
 
 def setup_statements(body: list, signature: inspect.Signature) -> tuple[list, list]:
-    """(the statements before the attention call that only prepare its arguments (``_is_setup``), the
-    body without them)."""
+    """(the setup statements before the attention call, the body without them)."""
     variadic = {p.name for p in signature.parameters.values() if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
     untouchable = frozenset({"hidden_states", "residual", *variadic})
     attention = next(
@@ -169,9 +157,8 @@ class _ToArguments(ast.NodeTransformer):
 
 
 def setup_function(statements: list, names: frozenset, forward):
-    """The forward's own setup statements as a function ``(self, arguments)`` that runs them on the
-    dict of the forward's arguments (and the locals they assign), in order; compiled at the forward's
-    file and lines, so a traceback shows the source."""
+    """The setup statements as a function ``(self, arguments)`` on the forward's arguments, compiled at the
+    forward's file and lines so tracebacks show the source."""
     function = ast.parse("def _cake_setup(self, _arguments):\n    pass").body[0]
     function.body = [_ToArguments(names).visit(copy.deepcopy(stmt)) for stmt in statements]
     ast.copy_location(function, statements[0])
@@ -184,7 +171,6 @@ def setup_function(statements: list, names: frozenset, forward):
 
 
 def assigned_names(statements: list) -> frozenset:
-    """The plain names ``statements`` assign."""
     return frozenset(
         node.id
         for stmt in statements

@@ -1,51 +1,21 @@
 """The residual add fused into the norm where models write it outside the norm module.
 
-Pre-norm decoders write ``h = residual + out; y = norm(h)``: an add kernel (read two, write one) and a
-norm kernel (read one, write one). ``CakeRMSNorm.forward(out, residual=residual)`` returns ``(y, h)``
-from one kernel that reads two and writes two, and its backward adds the residual branch's gradient
-into dx in the same pass. Two ways to get there:
+``CakeRMSNorm.forward(out, residual=residual)`` returns ``(y, h)`` from one kernel, and its backward adds
+the residual branch's gradient into dx in the same pass. Your own blocks call ``add_rmsnorm(norm, out,
+h)``; Hugging Face decoders get ``fuse_residual_rmsnorm(model)``, which swaps the norms and gives each
+decoder layer whose forward matches a template of ``cake_cute.hf.plans`` a fused forward, through a
+subclass of the same ``__name__`` (the module tree, state dict, pickling and checkpointing stay).
 
-* your own blocks: call ``add_rmsnorm(norm, out, residual)`` where the block adds and normalizes; it
-  is the fused kernel once ``norm`` is a ``CakeRMSNorm`` and torch's add + norm before the swap::
+The add that ends a layer belongs to the *next* norm: the layer computes ``(y, h) =
+next_norm(branch, residual=h)``, returns the true h, and hands y over; the next norm uses it only when
+called on that very h with y in the autograd graph whenever h is, else normalizes h itself. Nothing is
+handed over for a DTensor weight, in reentrant checkpointing's gradient-free pass, or across a
+checkpointed region traced by torch.compile; under non-reentrant checkpointing a recompute rebuilds
+the handed-over y from its recorded input, so both runs save the same tensors.
 
-      normed, h = add_rmsnorm(self.ffn_norm, attn_out, h)
-      h = h + self.feed_forward(normed)
-
-* Hugging Face decoders: ``fuse_residual_rmsnorm(model)`` swaps the norms (``swap_rmsnorm``) and
-  gives each decoder layer a fused forward, once its class's forward matched one of the templates of
-  ``cake_cute.hf.plans`` (any other forward is refused there, before anything changes).
-
-The layer's class is swapped for a subclass created once per class (same ``__name__``, so name-based
-wrap policies still match; pickled and deep-copied as "that class, fused", see ``_rebuild_fused``):
-the module tree and the state dict are unchanged, ``torch.save`` / ``torch.load`` of the whole model
-and ``copy.deepcopy`` keep it fused, and transformers' gradient checkpointing (which wraps the
-class's ``forward``) checkpoints the fused forward.
-
-The add in the middle of a layer feeds the layer's own norm: ``(y, h) = norm(branch, residual=h)``.
-The add that ends a layer belongs to the *next* norm (the next layer's input norm, or the model's final
-norm): the layer computes ``(y, h) = next_norm(branch, residual=h)``, returns h (so hooks, captured
-hidden states and anything else between layers see the true hidden state) and hands y to the next
-norm, which uses it only if it is called on that very h with y in the autograd graph whenever h is;
-otherwise it normalizes h itself. Nothing is handed over when the next norm's weight is a DTensor
-(FSDP2 keeps it sharded outside the next layer's forward) or in the first, gradient-free pass of
-reentrant checkpointing; such a layer ends with torch's add.
-
-Each add is decided per call: fused when both operands have one dtype the kernels take and the same
-shape; otherwise (autocast with fp32 master weights: an fp32 residual stream plus a bf16 attention or
-MLP output) torch's type-promoting add and then the norm, exactly what the unfused model computes.
-
-Under non-reentrant checkpointing the backward re-runs a layer's forward on the same input objects
-and must save the same tensors as the first run. A layer that used a handed-over y records its input
-(weakly); its recompute normalizes that input without grad (bitwise the y it was handed; the gradient
-to y flows through the graph of the first run) and hands nothing over. Under torch.compile a
-checkpointed layer is traced as a region that may not change state outside itself: it hands nothing
-over in either direction (its in-layer add stays fused).
-
-The forward values are bitwise those of the unfused cake model (the kernel rounds ``h = a + b`` to
-the activation dtype exactly as torch's add does). The gradients agree to rounding: in bf16 / fp16
-the fused backward adds the residual branch's gradient to dx before rounding once, where the unfused
-graph rounds dx first; on a GPU the residual backward's launch plan may sum dW's partial rows over
-another number of programs. On CPU (the ops' CPU kernels) FP32 gradients are bitwise.
+Each add is fused when both operands share a shape and a kernel dtype, else it is torch's promoting
+add then the norm. The forward values are bitwise the unfused cake model's; the gradients agree to
+rounding (the fused backward rounds dx once after adding the residual gradient).
 """
 
 from __future__ import annotations
@@ -66,8 +36,7 @@ from .swap import _is_swappable, _swap_norms, check_swap_arguments
 
 
 def _fusable(branch: torch.Tensor, residual: torch.Tensor) -> bool:
-    """Whether ``residual + branch`` is the fused kernel's add: one dtype it takes, one shape (no type
-    promotion, no broadcast)."""
+    """Whether ``residual + branch`` is the fused kernel's add: one dtype it takes, one shape."""
     return (
         branch.dtype == residual.dtype
         and branch.dtype in DTYPE_BY_TORCH  # an activation dtype the kernels take
@@ -77,18 +46,14 @@ def _fusable(branch: torch.Tensor, residual: torch.Tensor) -> bool:
 
 
 def add_rmsnorm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor):
-    """``(norm(residual + x), residual + x)``, in one fused kernel when ``norm`` is a ``CakeRMSNorm``
-    and x and residual share a shape and a dtype the kernels take.
-
-    For blocks written ``h = residual + out; y = norm(h)``: write ``y, h = add_rmsnorm(norm, out,
-    residual)`` instead, and the same block runs torch's add and norm before ``swap_rmsnorm`` and the
-    fused kernel after it. Operands of different dtypes (an fp32 residual stream and a bf16 branch
-    under autocast) take torch's type-promoting add and then the norm, as the unfused block would.
+    """``(norm(residual + x), residual + x)``, in one fused kernel when ``norm`` is a ``CakeRMSNorm`` and
+    x and residual share a shape and a dtype the kernels take; otherwise torch's type-promoting add and
+    then the norm, as the unfused block would compute.
 
     Parameters
     ----------
     norm : torch.nn.Module
-        A ``CakeRMSNorm``, or any module that normalizes one tensor (``torch.nn.RMSNorm``, ...).
+        A ``CakeRMSNorm``, or any module that normalizes one tensor.
     x, residual : torch.Tensor
         The branch output and the residual stream; their sum is rounded once, as torch's add rounds it.
 
@@ -116,9 +81,7 @@ def add_rmsnorm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor):
 
 @dataclass(eq=False)
 class _Handoff:
-    """The normalized output a layer computed for the next norm, keyed by that norm and by the hidden
-    state it normalized; shared by the fused layers of one model, consumed by the first read. Not
-    pickled or copied: a y in flight belongs to one forward."""
+    """The y a layer computed for the next norm, keyed by that norm and its h; consumed by the first read."""
 
     pending: tuple | None = None
 
@@ -142,9 +105,7 @@ class _Handoff:
 
 
 def _checkpoint_enabled(layer: nn.Module) -> bool:
-    """``gradient_checkpointing_enable`` set this layer to checkpoint and the model is training. In
-    newer transformers each layer (a ``GradientCheckpointingLayer``) holds the flag and checkpoints its
-    own call; in older ones (4.51) the model holding the layers holds it and checkpoints each call."""
+    """Whether the layer is set to checkpoint and the model is training."""
     holder = layer if hasattr(layer, "gradient_checkpointing") else layer._cake_fusion.stack_owner
     return getattr(holder, "gradient_checkpointing", False) and layer.training
 
@@ -155,22 +116,19 @@ def _checkpointing(layer: nn.Module) -> bool:
 
 
 def _traced_in_checkpoint(layer: nn.Module) -> bool:
-    """A checkpointed call traced by torch.compile: the region may not change state outside itself
-    (dynamo refuses such side effects), so nothing is handed over into or out of it."""
+    """A checkpointed call traced by torch.compile, whose region may not change state outside itself."""
     return _checkpointing(layer) and torch.compiler.is_compiling()
 
 
 def _reentrant_first_pass(layer: nn.Module) -> bool:
-    """A checkpointed layer running without grad: reentrant checkpointing's first pass (or a
-    ``no_grad`` call of a training model), whose outputs the backward recomputes from detached inputs."""
+    """Reentrant checkpointing's gradient-free first pass, whose outputs the backward recomputes."""
     return _checkpoint_enabled(layer) and not torch.is_grad_enabled()
 
 
 @dataclass(eq=False)
 class _LayerFusion:
-    """What a fused layer instance needs besides its class's plan: the model's hand-off, the norm
-    that follows the layer, the module holding the layers (whose flag says whether transformers 4.x
-    checkpoints them), and (under non-reentrant checkpointing) the inputs it was handed a y for."""
+    """A fused layer instance's state: the model's hand-off, the next norm, the layers' owner, and the
+    inputs it was handed a y for."""
 
     handoff: _Handoff
     next_norm: CakeRMSNorm | None
@@ -224,14 +182,13 @@ class _LayerFusion:
 
 
 class _FusedDecoderLayer:
-    """The first base of each class ``_fused_class`` creates: the fused forward of the matched
-    template, and pickling as "this transformers class, fused"."""
+    """The first base of each fused class: the template's forward, pickled as "this class, fused"."""
 
     _cake_base: type
     _cake_plan: _LayerPlan
 
     def forward(self, hidden_states, *args, **kwargs):
-        """The layer's forward with its residual adds in the norm kernels (see the module)."""
+        """The layer's forward with its residual adds in the norm kernels."""
         plan, fusion = self._cake_plan, self._cake_fusion
         bound = plan.bind(self, args, kwargs)
         residual = hidden_states
@@ -255,8 +212,7 @@ _FUSED_CLASSES: dict[type, type] = {}
 
 
 def _fused_class(base: type) -> type:
-    """The fused subclass of a decoder-layer class (created once): ``_FusedDecoderLayer`` first, the
-    same ``__name__``; transformers' checkpointing wrapper wraps its forward as it wraps every layer's."""
+    """The fused subclass of a decoder-layer class, created once, with the same ``__name__``."""
     fused = _FUSED_CLASSES.get(base)
     if fused is None:
         namespace = {
@@ -270,15 +226,13 @@ def _fused_class(base: type) -> type:
 
 
 def _rebuild_fused(base: type) -> nn.Module:
-    """An empty fused layer of ``base`` for pickle and deepcopy to fill (its template is checked
-    against the installed ``base`` again)."""
+    """An empty fused layer of ``base`` for pickle and deepcopy to fill (its template checked again)."""
     fused = _fused_class(base)
     return fused.__new__(fused)
 
 
 class _FinalRMSNorm(CakeRMSNorm):
-    """A model's final norm after fusion: the y the last layer handed over for this input, else a
-    ``CakeRMSNorm``."""
+    """A model's final norm after fusion: the y handed over for this input, else a ``CakeRMSNorm``."""
 
     def forward(self, input, *, residual=None):
         if residual is None:
@@ -299,8 +253,7 @@ def _is_norm(module: nn.Module) -> bool:
 
 
 def _decoder_stacks(model: nn.Module) -> list[tuple[nn.Module, nn.ModuleList]]:
-    """(owner, layers) for every ModuleList of modules that each have a ``self_attn`` and an
-    RMSNorm-shaped child (the Hugging Face decoder-layer layout)."""
+    """(owner, layers) for every ModuleList of Hugging Face decoder layers."""
     stacks = []
     for owner in model.modules():
         for child in owner.children():
@@ -324,9 +277,8 @@ def _require_swappable_norms(layer: nn.Module, plan: _LayerPlan) -> None:
 
 
 def _planned_patch(model: nn.Module):
-    """Check that every decoder layer of ``model`` can be fused, before anything changes (a
-    ``ValueError`` naming what is not), and return the function that fuses them once their norms are
-    ``CakeRMSNorm``."""
+    """Check that every decoder layer can be fused, before anything changes; return the function that
+    fuses them."""
     stacks = _decoder_stacks(model)
     if not stacks:
         raise ValueError(
@@ -362,23 +314,17 @@ def fuse_residual_rmsnorm(
     compiled_head_norms: str = TORCH_MATH,
     memory_efficient: bool = False,
 ) -> int:
-    """Swap the RMSNorm modules of a Hugging Face decoder for ``CakeRMSNorm`` (``swap_rmsnorm``) and fuse
-    every residual add that feeds a norm into that norm. The layers are checked before anything is
-    swapped; calling it again on a fused model re-fuses it (e.g. after layers were replaced).
+    """Swap the RMSNorm modules of a Hugging Face decoder for ``CakeRMSNorm`` and fuse every residual add
+    that feeds a norm into that norm; the layers are checked before anything changes, and a second call
+    re-fuses.
 
     Parameters
     ----------
     model : torch.nn.Module
-        E.g. a ``LlamaForCausalLM``, or a PEFT model wrapping one; changed in place (each decoder
-        layer's class becomes its fused subclass; the module tree and the state dict stay the same).
-    weight_offset : float, optional
-        As in ``swap_rmsnorm`` (Gemma's ``1 + weight`` is recognized from the norm's source).
-    compiled_head_norms : str
-        As in ``swap_rmsnorm``: what a compiled graph runs for the per-head q / k norms, ``"torch"``
-        (the default: their PyTorch math, left to inductor) or ``"kernel"``.
-    memory_efficient : bool
-        As in ``swap_rmsnorm``: every norm saves its output instead of its input (in residual mode
-        h_new is then not saved by the norm).
+        E.g. a ``LlamaForCausalLM`` or a PEFT model wrapping one; changed in place, its module tree and
+        state dict kept.
+    weight_offset, compiled_head_norms, memory_efficient
+        As in ``swap_rmsnorm``.
 
     Returns
     -------
@@ -388,13 +334,10 @@ def fuse_residual_rmsnorm(
     Raises
     ------
     ValueError
-        The model has no decoder layers in the Hugging Face layout; a layer's forward is a post-norm
-        layer (nothing to fuse) or matches no template (the message names the class and the first
-        line that differs); a layer's norm is not one ``swap_rmsnorm`` replaces; ``swap_rmsnorm``'s errors
-        (its arguments' are checked first).
+        No Hugging Face decoder layers; a post-norm layer or one matching no template (the message names
+        the class and the first line that differs); a norm ``swap_rmsnorm`` does not replace; its errors.
     TypeError
-        model is not a torch.nn.Module; weight_offset is not a number; memory_efficient is not a bool
-        (the arguments are checked before anything else).
+        model is not a torch.nn.Module; weight_offset is not a number; memory_efficient is not a bool.
     """
     check_swap_arguments(model, weight_offset, compiled_head_norms, memory_efficient)
     patch = _planned_patch(model)

@@ -1,13 +1,10 @@
 """``CakeKernelConfig``: the ``transformers.KernelConfig`` that ``cake_cute.hf_kernel_config`` returns.
 
-transformers' own ``KernelConfig.create_compatible_mapping`` registers a local repository for one
-``kernels.Mode``, the one the model is in when the config is applied: ``from_pretrained`` applies it
-in eval mode, so the ``model.train()`` that follows (a Trainer's) re-kernelizes for training, finds no
-layer for that mode and silently puts the stock forward back. And ``from_pretrained`` turns a local
-entry into a ``(string, metadata)`` pair that transformers 5.25's method cannot read. This class
-registers each layer for every mode instead (the ``kernels`` package's fallback mode) and reads both
-spellings, on each device where cake_cute's layers run: a model kernelized on CPU and moved to CUDA
-before ``train()`` re-kernelizes there (transformers' own config maps the first device only).
+transformers' own ``create_compatible_mapping`` registers a local repository for the one mode the
+model is in when the config is applied (eval, under ``from_pretrained``), so a later ``train()``
+silently puts the stock forward back; it also cannot read the ``(string, metadata)`` pair
+``from_pretrained`` makes of a local entry, and maps the first device only. This class registers each
+layer for every mode, on each device where cake_cute's layers run, and reads both spellings.
 """
 
 from __future__ import annotations
@@ -21,19 +18,18 @@ from .kernel_layers import DEVICES
 
 
 class CakeKernelConfig(KernelConfig):
-    """A ``KernelConfig`` whose layers (``"/path:Layer"``, local) serve every ``kernelize`` mode, so a
-    model keeps them across ``train()`` / ``eval()``. Built by ``cake_cute.hf_kernel_config``."""
+    """A ``KernelConfig`` whose local layers serve every ``kernelize`` mode."""
 
     def create_compatible_mapping(self, model, compile=False):
         """Replace ``kernel_mapping`` by the ``kernels`` package's form: each layer name to a
-        ``LocalLayerRepository`` on CUDA and CPU, for every mode. ``compile`` (a mode flag) is accepted
-        as transformers passes it; every mode is served anyway.
+        ``LocalLayerRepository`` on CUDA and CPU, for every mode (``compile`` is accepted as transformers
+        passes it).
 
         Raises
         ------
         ValueError
-            The model is on another device than CUDA or CPU; an entry is not a ``"/path:Layer"``
-            string (or transformers' ``(string, metadata)`` pair).
+            The model is on another device than CUDA or CPU; an entry is not a ``"/path:Layer"`` string
+            (or transformers' ``(string, metadata)`` pair).
         """
         from kernels import LocalLayerRepository
 

@@ -1,16 +1,11 @@
-"""cake_cute's norms as layers of Hugging Face's kernel route: the classes that the ``kernels`` package
-loads from cake_cute's local layer repository (``cake_cute.hf.kernel_route``) and whose ``forward``
-it binds to the norm modules of a model (``kernelize``; transformers' ``use_kernels=True``).
+"""cake_cute's norms as layers of Hugging Face's kernel route, which the ``kernels`` package loads from
+the package's local layer repository and binds to a model's norm modules.
 
-A kernel layer holds no state: its forward runs with ``self`` the replaced Hugging Face module, reads
-that module's weight and eps, and computes what ``swap_rmsnorm`` / ``swap_gated_rmsnorm`` would put in
-its place: the same reading of the class (``hf.swap.hf_rmsnorm_reading``, ``gated.swap.hf_gated_form``:
-eps, weight offset, group size, gate order, casts) and the same math (``module.rmsnorm_with_casts``,
-``gated.module.gated_rmsnorm_with_casts``). A class that reading cannot serve faithfully is refused
-on its first call, before anything is computed (``NormNotServed``, naming the class).
-
-The ``kernels`` package accepts a layer whose only members beyond ``torch.nn.Module``'s are ``forward``,
-``can_torch_compile`` and ``has_backward``, and whose forward has the replaced forward's parameters.
+A layer holds no state: its forward runs with ``self`` the replaced module and computes what
+``swap_rmsnorm`` / ``swap_gated_rmsnorm`` would put in its place, with the same reading of the class
+and the same math; a class that reading cannot serve is refused on its first call. The ``kernels``
+package accepts only ``forward``, ``can_torch_compile`` and ``has_backward`` as members beyond
+``torch.nn.Module``'s.
 """
 
 from __future__ import annotations
@@ -33,20 +28,13 @@ DEVICES = ("cuda", "cpu")
 
 
 def _rmsnorm(module: nn.Module, hidden_states: torch.Tensor, name: str = "hidden_states") -> torch.Tensor:
-    """What ``swap_rmsnorm``'s ``CakeRMSNorm`` computes in place of ``module``; ``name``: the replaced
-    forward's name for its input."""
+    """What ``swap_rmsnorm``'s ``CakeRMSNorm`` computes in place of ``module``."""
     v.check_tensor(name, hidden_states)
     return rmsnorm_with_casts(hidden_states, hf_weight(module), hf_rmsnorm_reading(module))
 
 
 def gated_form(module: nn.Module) -> GatedForm:
-    """``gated.swap.hf_gated_form(module)``, its refusal naming the module's class.
-
-    Raises
-    ------
-    GatedNormNotServed
-        "<class>: <reason>" (``hf_gated_form``'s reasons).
-    """
+    """``gated.swap.hf_gated_form(module)``, its refusal naming the module's class."""
     try:
         return hf_gated_form(module)
     except GatedNormNotServed as refused:
@@ -60,15 +48,8 @@ def _gated_rmsnorm(module: nn.Module, hidden_states: torch.Tensor, gate: torch.T
 
 
 class CakeHFRMSNorm(nn.Module):
-    """The layer for transformers' ``"RMSNorm"`` (``LlamaRMSNorm`` and the classes like it): the
-    replaced module's RMSNorm with cake_cute's kernels, its eps, weight offset and casts.
-
-    Raises
-    ------
-    NormNotServed
-        On the first call, when the replaced module's class is not an RMSNorm ``swap_rmsnorm`` reads
-        without a guess.
-    """
+    """The layer for transformers' ``"RMSNorm"``; raises ``NormNotServed`` on the first call for a class
+    ``swap_rmsnorm`` reads only with a guess, or not at all."""
 
     can_torch_compile = True
 
@@ -78,8 +59,7 @@ class CakeHFRMSNorm(nn.Module):
 
 
 class CakeHFRMSNormZeroCentered(nn.Module):
-    """The layer for transformers' ``"RMSNormZeroCentered"`` (Qwen3.5's ``1 + weight`` norms, whose
-    forward names its input ``x``): ``CakeHFRMSNorm``'s computation."""
+    """The layer for ``"RMSNormZeroCentered"`` (its forward's input is ``x``)."""
 
     can_torch_compile = True
 
@@ -89,16 +69,8 @@ class CakeHFRMSNormZeroCentered(nn.Module):
 
 
 class CakeHFRMSNormGated(nn.Module):
-    """The layer for transformers' ``"RMSNormGated"`` (the SiLU-gated norms of Qwen3-Next, Qwen3.5,
-    OLMo-hybrid, Lara-mini; the sigmoid-gated ones of Kimi Linear, GLM-5 Next, Bailing hybrid): the
-    replaced module's gated RMSNorm with cake_cute's kernels, its eps, gate activation and order, and
-    casts.
-
-    Raises
-    ------
-    GatedNormNotServed
-        On the first call, when the replaced module's class is not one ``swap_gated_rmsnorm`` serves.
-    """
+    """The layer for ``"RMSNormGated"``; raises ``GatedNormNotServed`` on the first call for a class
+    ``swap_gated_rmsnorm`` does not serve."""
 
     can_torch_compile = True
 

@@ -1,21 +1,12 @@
 """Hugging Face's own kernel route to cake_cute's norms.
 
-transformers decorates its norm classes ``@use_kernel_forward_from_hub("RMSNorm")`` (Llama, Qwen3,
-Mistral, ...), ``("RMSNormZeroCentered")`` (Qwen3.5's ``1 + weight`` norms) and ``("RMSNormGated")``
-(Qwen3-Next, Qwen3.5, Kimi Linear, ...); ``from_pretrained(..., use_kernels=True, kernel_config=...)``,
-``model.set_use_kernels(True, kernel_config=...)`` and the ``kernels`` package's ``kernelize`` replace
-their forwards with a kernel layer's. cake_cute ships its layers (``cake_cute.hf.kernel_layers``) as a
-local layer repository inside the package (``REPOSITORY``: ``build/torch-universal`` with the metadata
-the ``kernels`` package reads), so the route loads them without network access:
-
-* ``hf_kernel_config(model)``: the ``KernelConfig`` for transformers (``use_kernels=True``);
-* ``hf_kernel_mapping(model)``: the mapping for ``kernels.use_kernel_mapping`` and ``kernels.kernelize``.
-
-Both read the model first (a built model, or a config: its skeleton on the meta device), map the
-layer names it registers, and refuse by name a class cake_cute cannot compute faithfully, before any
-work; the layers refuse it again on their first call when a mapping reaches a model never checked.
-Versions: transformers from ``MIN_TRANSFORMERS`` and the ``kernels`` release it asks for, from
-``MIN_KERNELS``; older ones are refused by name rather than left to fall back to the stock forward.
+transformers decorates its norm classes with the layer names ``"RMSNorm"``, ``"RMSNormZeroCentered"``
+and ``"RMSNormGated"``; ``from_pretrained(..., use_kernels=True, kernel_config=...)``,
+``set_use_kernels`` and the ``kernels`` package's ``kernelize`` replace their forwards with a kernel
+layer's. cake_cute ships its layers as a local layer repository inside the package (``REPOSITORY``),
+so the route needs no network. ``hf_kernel_config`` and ``hf_kernel_mapping`` read the model first
+and refuse by name, before any work, a class cake_cute cannot compute faithfully, and releases older
+than ``MIN_TRANSFORMERS`` / ``MIN_KERNELS``, which would silently fall back to the stock forward.
 """
 
 from __future__ import annotations
@@ -50,21 +41,16 @@ MIN_KERNELS = "0.16.0"
 
 def hf_kernel_config(model, *, layers=None):
     """The ``transformers.KernelConfig`` that puts cake_cute's norms in ``model`` through transformers'
-    kernel route: ``from_pretrained(..., use_kernels=True, kernel_config=cfg)`` or
-    ``model.set_use_kernels(True, kernel_config=cfg)``. Each replaced norm then computes what
-    ``swap_rmsnorm`` / ``swap_gated_rmsnorm`` would put in its place (its eps, weight offset, gate order
-    and casts), in every ``kernels.Mode`` (training, inference, torch.compile) and across
-    ``train()`` / ``eval()``, on CUDA (on CPU, with cake_cute's reference kernels).
+    kernel route (``from_pretrained(..., use_kernels=True, kernel_config=cfg)`` or
+    ``model.set_use_kernels(True, kernel_config=cfg)``): each replaced norm computes what the swaps would
+    put in its place, in every ``kernels.Mode``, across ``train()`` / ``eval()``, on CUDA and CPU.
 
     Parameters
     ----------
     model : torch.nn.Module or transformers.PretrainedConfig
-        The model to kernelize, or the config it will be built from (``from_pretrained``): its causal
-        LM, or where it has none its base model, is built on the meta device to read its norms.
+        The model, or the config it will be built from (read through a meta-device skeleton).
     layers : iterable of str, optional
-        The transformers layer names to map (``"RMSNorm"``, ``"RMSNormZeroCentered"``,
-        ``"RMSNormGated"``); default every one of them ``model`` has. Leave one out to keep those
-        classes' own forward (where one of them is refused, for instance).
+        The transformers layer names to map; default every one ``model`` has.
 
     Returns
     -------
@@ -74,14 +60,12 @@ def hf_kernel_config(model, *, layers=None):
     Raises
     ------
     ImportError
-        transformers or the kernels package is missing, older than the route needs
-        (``MIN_TRANSFORMERS``, ``MIN_KERNELS``), or cannot load cake_cute's layer repository.
+        transformers or kernels missing, too old, or unable to load cake_cute's layer repository.
     NormNotServed (a ValueError)
-        A class under a mapped layer name that cake_cute cannot compute faithfully; the message names
-        each class and the reason.
+        A class under a mapped name that cake_cute cannot compute faithfully, named with the reason.
     ValueError
-        model has none of the layer names; ``layers`` names one cake_cute does not serve or model does
-        not have; ``USE_HUB_KERNELS`` turns transformers' route off.
+        model has none of the layer names; ``layers`` names one not served or not in the model;
+        ``USE_HUB_KERNELS`` turns transformers' route off.
     TypeError
         model is neither a module nor a transformers config; ``layers`` is a string.
     """
@@ -93,10 +77,9 @@ def hf_kernel_config(model, *, layers=None):
 
 
 def hf_kernel_mapping(model, *, layers=None) -> dict:
-    """The ``kernels`` package's mapping to cake_cute's layers for ``model``, on CUDA and CPU, every
-    mode: ``with kernels.use_kernel_mapping(mapping): kernels.kernelize(model, mode=Mode.TRAINING)``
-    (or ``kernels.register_kernel_mapping(mapping)``). The same reading, choice of layer names and
-    refusals as ``hf_kernel_config``.
+    """The ``kernels`` package's mapping to cake_cute's layers for ``model``, on CUDA and CPU, every mode:
+    ``with kernels.use_kernel_mapping(mapping): kernels.kernelize(model, mode=Mode.TRAINING)``. The same
+    reading and refusals as ``hf_kernel_config``.
 
     Parameters
     ----------
@@ -152,8 +135,7 @@ def _check_versions() -> None:
 
 
 def _check_enabled() -> None:
-    """transformers' own switch (``USE_HUB_KERNELS``): off, ``from_pretrained`` keeps the stock norms
-    with a log line only."""
+    """transformers' own switch ``USE_HUB_KERNELS``, which when off keeps the stock norms silently."""
     from transformers.integrations import hub_kernels
 
     enabled = getattr(hub_kernels, "_kernels_enabled", True)  # a function from 5.25, a flag before
@@ -227,8 +209,7 @@ def _check_served(modules: dict, names: list[str]) -> None:
 
 
 def _check_loads(names: list[str]) -> None:
-    """Load each layer through the installed kernels package as the route will: a failure here would
-    otherwise leave the stock forward in place (transformers falls back when a layer cannot load)."""
+    """Load each layer now: transformers would fall back silently to the stock forward."""
     for name in names:
         try:
             loaded = _repository(name).load()

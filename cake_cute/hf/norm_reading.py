@@ -1,9 +1,6 @@
-"""Readers of a Hugging Face norm module: its eps, its one weight, its forward's source and whether
-that source averages squares over the last dimension (as every RMSNorm, gated or not, does).
-
-Hugging Face norms are plain modules with no common base class, so the swaps recognize them by what
-they hold and by what their forward's source shows. ``swap`` (plain norms) and ``gated.swap`` (gated
-norms) read a module the same way; this module is that one reading.
+"""Readers of a Hugging Face norm module: its eps, its one weight, its forward's source and whether that
+source averages squares over the last dimension. Hugging Face norms share no base class, so the swaps
+recognize them by what they hold and what their source shows; this is the one reading both swaps use.
 """
 
 from __future__ import annotations
@@ -20,8 +17,7 @@ _MEAN_OF_SQUARES = re.compile(SQUARES + r"\.mean\((dim=)?-1")
 
 
 class NormNotServed(ValueError):
-    """A Hugging Face norm that cake_cute cannot compute in place of its class without changing what
-    it computes; the message names the class and the reason."""
+    """A Hugging Face norm cake_cute cannot replace faithfully; the message names its class and why."""
 
 
 def hf_eps(module: nn.Module) -> float | None:
@@ -42,8 +38,8 @@ def hf_weight(module: nn.Module) -> nn.Parameter | None:
 
 
 def forward_source(cls: type) -> str | None:
-    """The source of ``cls.forward`` and of its ``_norm`` helper, if any, on one line with single spaces
-    and without comments or docstrings; None when it cannot be read."""
+    """``cls.forward``'s source with its ``_norm`` helper's, on one line, without comments or docstrings;
+    None when unreadable."""
     parts = []
     for name in ("_norm", "forward"):
         function = getattr(cls, name, None)

@@ -1,13 +1,9 @@
-"""Whether and how a decoder layer's residual adds can be fused: decided once per layer class.
+"""Whether and how a decoder layer's residual adds can be fused, decided once per layer class.
 
-A Hugging Face decoder layer's forward is matched, statement by statement, against the templates of
-``cake_cute.hf.templates``: pre-norm and sandwich-norm layers are fused; post-norm layers (OLMo2/3)
-are recognized and refused, since no residual add in them feeds a norm. Any other forward is refused
-naming its class, the closest template (the one matching the most statements in a row) and the forward's
-first statement that differs from it, instead of computing something else. Before matching, the forms
-transformers 4.x writes the same layers in are taken out (``cake_cute.hf.forms``) and recorded in
-the plan. A match gives the class's ``_LayerPlan``: the names and branch ops the fused forward
-(``cake_cute.hf.fusion``) runs.
+The forward is matched, statement by statement, against ``cake_cute.hf.templates``: pre-norm and
+sandwich-norm layers are fused; post-norm layers are refused, since no residual add in them feeds a
+norm. Any other forward is refused naming its class, the closest template and the first statement that
+differs, rather than computing something else. A match gives the class's ``_LayerPlan``.
 """
 
 from __future__ import annotations
@@ -27,8 +23,7 @@ from .templates import TEMPLATES, Branch, Template, match
 
 @dataclass(frozen=True)
 class _LayerPlan:
-    """What the fused forward of one decoder-layer class needs: how the forward's arguments reach its
-    ``self_attn`` call, and the names and branch ops the matched template bound."""
+    """What one decoder-layer class's fused forward needs: argument binding and the template's names."""
 
     template: str
     positional: tuple[str, ...]  # the parameters after hidden_states that can be given by position
@@ -52,8 +47,7 @@ class _LayerPlan:
     setup: object = None
 
     def bind(self, layer: nn.Module, args: tuple, kwargs: dict) -> dict:
-        """The forward's arguments after hidden_states, by name, defaults filled in, after the
-        forward's setup statements ran on them (the locals they assign included)."""
+        """The forward's arguments after hidden_states by name, defaults filled, setup statements run."""
         if len(args) > len(self.positional):
             raise TypeError(
                 f"decoder layer forward takes {len(self.positional) + 1} positional arguments, "
@@ -65,7 +59,7 @@ class _LayerPlan:
         return bound
 
     def attention_kwargs(self, bound: dict) -> dict:
-        """The keywords the original forward would pass to ``self_attn`` for these arguments (``bind``)."""
+        """The keywords the original forward would pass to ``self_attn``."""
         # Named parameters the original does not pass on are dropped; its **kwargs are passed on.
         return {k: v for k, v in bound.items() if k in self.forwarded or k not in self.named}
 
@@ -88,8 +82,7 @@ class _LayerPlan:
 
 @functools.cache
 def _layer_plan(cls: type) -> _LayerPlan:
-    """The plan of a decoder-layer class whose forward matches a fusable template; a ValueError naming
-    the class (and the closest template's first statement the forward differs in) otherwise."""
+    """The plan of a class matching a fusable template; else a ValueError naming the difference."""
     forward = inspect.unwrap(cls.forward)
     prefix = f"cannot fuse the residual adds of {cls.__qualname__}"
     try:
@@ -126,8 +119,7 @@ def _layer_plan(cls: type) -> _LayerPlan:
 
 
 def _with_setup(plan: _LayerPlan, setup: list, local_names: frozenset, forward) -> _LayerPlan:
-    """``plan`` running the forward's setup statements on its bound arguments; the locals they assign
-    count as named (passed to the attention only where the forward passes them)."""
+    """``plan`` running the forward's setup statements on its bound arguments."""
     names = (frozenset(inspect.signature(forward).parameters) - {"self"}) | local_names
     return replace(plan, setup=setup_function(setup, names, forward), named=plan.named | local_names)
 

@@ -1,15 +1,11 @@
-"""``swap_rmsnorm``, which puts ``CakeRMSNorm`` in place of the RMSNorm modules of an existing model
-(PyTorch's and Hugging Face's): it recognizes the RMSNorm-shaped modules, reads their eps, weight offset
-and cast policy from their forward's source, and warns about the norm-shaped ones it leaves alone.
+"""``swap_rmsnorm``: ``CakeRMSNorm`` in place of the RMSNorm modules of an existing model (PyTorch's and
+Hugging Face's), their eps, weight offset and cast policy read from their forward's source, with a
+warning for the norm-shaped modules left alone.
 
-Swap before parallelizing (``parallelize_module``, ``fully_shard``, DDP): the parallel styles and FSDP
-replace parameters by DTensors and attach hooks to the modules they see, so a module swapped in
-afterwards would bypass them. ``swap_rmsnorm`` refuses a model whose norm weights are already DTensors.
-
-Per-head norms (a norm over the head_dim of ``[..., heads, head_dim]`` projections: the q / k norms of
-Qwen3, Gemma3, Llama4, ...) are swapped like every other norm, and marked to run as their PyTorch math
-inside compiled graphs (``CakeRMSNorm.compiled_as``), where inductor fuses them with the reshape, the
-transpose and RoPE around them (``_is_per_head`` says which norms those are).
+Swap before parallelizing: the parallel styles and FSDP replace parameters and hook the modules they
+see, so a module swapped in afterwards would bypass them; a model whose norm weights are already
+DTensors is refused. Per-head q / k norms are marked to run as their PyTorch math inside compiled
+graphs, where inductor fuses them with the reshape, transpose and RoPE around them.
 """
 
 from __future__ import annotations
@@ -47,9 +43,8 @@ _ONE_PLUS_WEIGHT = re.compile(
 
 
 def _is_hf_norm_shaped(module: nn.Module) -> bool:
-    """A Hugging Face-style norm module: a class name ending in "Norm", a float ``variance_epsilon`` or
-    ``eps``, no submodules, and one 1-D ``weight`` Parameter or nothing learnable at all (biased or
-    gated variants fail this). Whether it is an RMSNorm its forward's source decides (``_hf_form``)."""
+    """A Hugging Face-style norm: a class name ending in "Norm", a float ``variance_epsilon`` or ``eps``,
+    no submodules, one 1-D ``weight`` or nothing learnable."""
     return (
         type(module).__name__.endswith("Norm")
         and _hf_eps(module) is not None
@@ -74,8 +69,7 @@ _ROUND_THEN_SCALE = re.compile(
 
 
 def _hf_form(module: nn.Module) -> str | None:
-    """The cast policy of a norm-shaped Hugging Face module (``_is_hf_norm_shaped``), or None when its
-    forward is not an RMSNorm (``_hf_refusal`` says why)."""
+    """The cast policy of a norm-shaped module, or None when its forward is not an RMSNorm."""
     return _class_form(type(module), _hf_weight(module) is not None, _is_grouped(module))
 
 
@@ -84,9 +78,8 @@ def _is_grouped(module: nn.Module) -> bool:
 
 
 def _class_form(cls: type, weighted: bool, grouped: bool) -> str | None:
-    """``_hf_form`` of an instance of ``cls`` with a weight (``weighted``) or none, normalizing groups
-    of columns (``grouped``) or whole rows. Without readable source, a class named "...RMSNorm" with a
-    weight is taken as one: Gemma's casts when "Gemma" is in the name, else Llama's."""
+    """``_hf_form`` of an instance of ``cls``; without readable source a weighted "...RMSNorm" class is
+    taken as one, with Gemma's casts when its name says Gemma."""
     source = _forward_source(cls)
     if source is None:
         if not (weighted and cls.__name__.endswith("RMSNorm")):
@@ -102,28 +95,10 @@ def _class_form(cls: type, weighted: bool, grouped: bool) -> str | None:
 
 
 def hf_rmsnorm_reading(module: nn.Module) -> NormForm:
-    """The eps, weight offset and cast policy of a Hugging Face RMSNorm module, read as ``swap_rmsnorm``
-    reads them, for a layer that computes in place of its class (Hugging Face's kernel route,
-    ``cake_cute.hf.kernel_layers``). Where ``swap_rmsnorm`` would guess (a forward whose source cannot
-    be read, or does not show whether it scales by ``weight`` or ``1 + weight``), this refuses.
-    torch.compile traces it without reading the source again (``_route_reading``).
-
-    Parameters
-    ----------
-    module : torch.nn.Module
-        The Hugging Face norm.
-
-    Returns
-    -------
-    NormForm
-        eps, weight offset and cast policy (``CakeRMSNorm``'s), the other settings their defaults.
-
-    Raises
-    ------
-    NormNotServed
-        module is not shaped as a Hugging Face RMSNorm (``_is_hf_norm_shaped``), its forward is not an
-        RMSNorm, or its offset would be a guess; the message names its class and the reason.
-    """
+    """The eps, weight offset and cast policy of a Hugging Face RMSNorm, read as ``swap_rmsnorm`` reads
+    them, for a kernel-route layer computing in place of its class. Where ``swap_rmsnorm`` would guess
+    the offset, this raises ``NormNotServed`` (as for a module that is no RMSNorm), naming the class and
+    the reason."""
     cls = type(module)
     if not _is_hf_norm_shaped(module):
         raise NormNotServed(
@@ -136,8 +111,7 @@ def hf_rmsnorm_reading(module: nn.Module) -> NormForm:
 
 @torch.compiler.assume_constant_result
 def _route_reading(cls: type, weighted: bool, grouped: bool) -> tuple[str, float]:
-    """``hf_rmsnorm_reading``'s reading of the class, a constant to torch.compile: dynamo calls it once
-    while tracing and keeps the result, rather than tracing the reading of a source file."""
+    """``hf_rmsnorm_reading``'s reading of the class, a constant to torch.compile."""
     return _cached_route_reading(cls, weighted, grouped)
 
 
@@ -156,14 +130,11 @@ def _cached_route_reading(cls: type, weighted: bool, grouped: bool) -> tuple[str
 
 
 def _computes_an_rms(source: str) -> bool:
-    """A reciprocal square root of the mean of the squares over the last dimension, no mean subtracted."""
     return "rsqrt" in source and _averages_squares(source) and not _MEAN_SUBTRACTED.search(source)
 
 
 def _hf_refusal(source: str | None, grouped: bool) -> str | None:
-    """Why a norm-shaped module whose forward (``source``) computes a reciprocal square root is not
-    swapped, or None when it is an RMSNorm (or computes no rsqrt at all: then it is no business of
-    swap_rmsnorm); ``grouped``: the module has a ``group_size``."""
+    """Why a norm-shaped module computing an rsqrt is not swapped, or None."""
     if source is None or "rsqrt" not in source or _MEAN_SUBTRACTED.search(source):
         return None
     if not _averages_squares(source):
@@ -190,15 +161,12 @@ _TIMES_WEIGHT = re.compile(r"\* \(?self\.weight\b|\bself\.weight(\.\w+\([\w.]*\)
 
 
 def _hf_weight_offset(cls: type) -> tuple[float, bool]:
-    """``(offset, guessed)``: 1.0 when the module class ``cls`` scales by ``1 + weight`` (Gemma, Gemma
-    2/3, Qwen3-Next), else 0.0; ``guessed`` when its forward's source does not show which
-    (``swap_rmsnorm`` warns about those).
+    """``(offset, guessed)``: 1.0 when ``cls`` scales by ``1 + weight``, else 0.0; ``guessed`` when the
+    source does not show which.
 
-    The forward's source decides, because class names mislead both ways (Gemma3n's RMSNorm scales by
-    plain ``weight``, Qwen3-Next's by ``1 + weight``): ``1 + weight`` is recognized, and so is a
-    forward whose every read of the weight multiplies by it. Anything else (the weight copied into a
-    local, added to an attribute) is a guess of 0.0; without readable source, a guess from the class
-    name, where "Gemma" means ``1 + weight``."""
+    The source decides, because class names mislead both ways (Gemma3n's scales by plain ``weight``,
+    Qwen3-Next's by ``1 + weight``). Without readable source the guess follows the class name, "Gemma"
+    meaning ``1 + weight``."""
     source = _forward_source(cls)
     if source is None:
         return (1.0 if "Gemma" in cls.__name__ else 0.0), True
@@ -243,8 +211,7 @@ def _replacement(module: nn.Module, buffer_device: torch.device, weight_offset) 
 
 
 def _warn_refused(model: nn.Module, entry: str) -> None:
-    """One warning naming the norm-shaped classes left alone and why, attributed to the line that
-    called ``entry`` (through ``_swap_norms``)."""
+    """One warning naming the norm-shaped classes left alone and why, at the line that called ``entry``."""
     refused = {}
     for module in model.modules():
         if not isinstance(module, CakeRMSNorm) and _is_hf_norm_shaped(module):
@@ -268,9 +235,7 @@ def _refuse_parallelized(name: str, module: nn.Module) -> None:
 
 
 def _decided_offsets(swappable, weight_offset, entry: str) -> dict[nn.Module, float]:
-    """The weight_offset of each swappable module: the caller's, 0.0 for torch.nn.RMSNorm, or what a
-    Hugging Face module's forward shows (``_hf_weight_offset``), with one warning, attributed to the
-    line that called ``entry``, naming the classes where that is a guess."""
+    """Each swappable module's weight_offset, with one warning naming the classes guessed."""
     if weight_offset is not None:
         offset = v.check_weight_offset(weight_offset)
         return dict.fromkeys(swappable, offset)
@@ -303,8 +268,7 @@ _HEAD_NORM_NAME = re.compile(r"(q|k|v|qk|kv|query|key|value)_?(layer_?)?norm")
 
 
 def _head_dim(module: nn.Module) -> int | None:
-    """The head_dim of an attention module: its own ``head_dim`` attribute (Hugging Face's attention
-    modules and torchtitan's keep one), else its ``config.head_dim``; None when it has neither."""
+    """The head_dim of an attention module (its own attribute, else its config's), or None."""
     for owner in (module, getattr(module, "config", None)):
         value = getattr(owner, "head_dim", None)
         if isinstance(value, int) and not isinstance(value, bool):
@@ -321,11 +285,8 @@ def _normalized_size(module: nn.Module) -> int | None:
 
 
 def _is_per_head(parent: nn.Module, name: str, norm: nn.Module) -> bool:
-    """Whether ``parent.<name>`` normalizes each head of ``[..., heads, head_dim]`` projections: the
-    module that holds it has a head_dim (``_head_dim``), and the norm's size is that head_dim (Qwen3's,
-    Gemma3's, ... ``q_norm`` / ``k_norm``; OLMo2's q / k norms span every head, heads x head_dim, and are
-    not per head unless there is one head, where the two are one normalization) or, weightless, its
-    name is a q / k / v norm's (Llama4's ``qk_norm``)."""
+    """Whether ``parent.<name>`` normalizes each head: its size is the holding module's head_dim, or,
+    weightless, it is named as a q / k / v norm."""
     head_dim = _head_dim(parent)
     if head_dim is None:
         return False
@@ -347,23 +308,12 @@ def swap_rmsnorm(
     memory_efficient: bool = False,
 ) -> int:
     """Replace, in place, every ``torch.nn.RMSNorm`` over one dimension and every Hugging Face-style
-    RMSNorm-shaped module of ``model`` (``...RMSNorm``, ``T5LayerNorm`` and its copies, weightless ones
-    such as ``Llama4TextL2Norm``) with a ``CakeRMSNorm`` that keeps the same weight Parameter, eps,
-    offset, casts (``cast_policy``) and training mode.
+    RMSNorm-shaped module of ``model`` with a ``CakeRMSNorm`` keeping its weight Parameter, eps, offset,
+    casts and training mode.
 
-    Per-head norms, those over the head_dim of ``[..., heads, head_dim]`` projections (Qwen3's,
-    Qwen3-MoE's, Gemma3's ``q_norm`` / ``k_norm``, Llama4's ``qk_norm``: a norm whose size is the
-    head_dim of the attention module holding it, or a weightless one named as a q / k / v norm there),
-    get ``compiled_as=compiled_head_norms``. By default a compiled graph runs them as their PyTorch
-    math, which inductor fuses with the reshape, transpose and RoPE around them, and eager calls run
-    the kernel: the Qwen3 steps of
-    evidence/model-step-qwen3-h200-2026-12-02/2026-12-02-nvidia-h200-model-step-qwen3.json (eager,
-    and compiled per layer, each way) are the measurement behind this default (README: Performance).
-
-    A module used in several places is replaced by one CakeRMSNorm everywhere. Hooks registered on the
-    old modules do not carry over. Call it before ``parallelize_module`` / ``fully_shard`` / DDP.
-    Norm-shaped modules whose forward is not an RMSNorm (an L2 norm over the sum of squares, a grouped
-    norm, ...) are left alone, with one ``UserWarning`` naming each class and the reason.
+    Per-head q / k norms get ``compiled_as=compiled_head_norms``. A module used in several places is
+    replaced by one CakeRMSNorm everywhere; hooks do not carry over. Norm-shaped modules that are not
+    RMSNorms are left alone, with one ``UserWarning`` naming each class and the reason.
 
     Parameters
     ----------
@@ -371,16 +321,12 @@ def swap_rmsnorm(
         Changed in place.
     weight_offset : float, optional
         The scale of every swapped module is ``weight + weight_offset``. None: 0.0 for
-        ``torch.nn.RMSNorm``; for Hugging Face modules what the forward's source shows (``1 + weight``
-        means 1.0, a plain ``weight`` product 0.0), and where the source shows neither (or cannot be
-        read) a guess, with one ``UserWarning`` that names the classes guessed.
+        ``torch.nn.RMSNorm``, else what the forward's source shows, or a guess named in a ``UserWarning``.
     compiled_head_norms : str
-        What a compiled graph runs for the per-head norms this call replaces: ``"torch"`` (the
-        default), their PyTorch math, left to inductor; ``"kernel"``, the kernel, as every other norm.
-        Each norm's choice stays changeable afterwards (``CakeRMSNorm.compiled_as``).
+        What a compiled graph runs for per-head norms: ``"torch"`` (default: their PyTorch math, left to
+        inductor) or ``"kernel"``.
     memory_efficient : bool
-        Every swapped norm saves its output instead of its input for the backward
-        (``CakeRMSNorm.memory_efficient``, docs/memory.md).
+        Every swapped norm saves its output instead of its input.
 
     Returns
     -------
@@ -390,9 +336,8 @@ def swap_rmsnorm(
     Raises
     ------
     ValueError
-        ``model`` is itself an RMSNorm; a norm weight is already a DTensor (the model was parallelized
-        or sharded before the swap); weight_offset is not finite; compiled_head_norms is neither
-        ``"torch"`` nor ``"kernel"``.
+        ``model`` is itself an RMSNorm; a norm weight is already a DTensor; weight_offset is not
+        finite; compiled_head_norms is neither ``"torch"`` nor ``"kernel"``.
     TypeError
         model is not a torch.nn.Module; weight_offset is not a number; memory_efficient is not a bool.
     """
@@ -401,16 +346,7 @@ def swap_rmsnorm(
 
 
 def check_swap_arguments(model, weight_offset, compiled_head_norms, memory_efficient) -> None:
-    """The arguments of ``swap_rmsnorm`` and ``fuse_residual_rmsnorm``, before either looks at the model.
-
-    Raises
-    ------
-    TypeError
-        model is not a torch.nn.Module; weight_offset is neither None nor a number; memory_efficient
-        is not a bool.
-    ValueError
-        weight_offset is not finite; compiled_head_norms is neither ``"torch"`` nor ``"kernel"``.
-    """
+    """The arguments of ``swap_rmsnorm`` and ``fuse_residual_rmsnorm``, before the model is read."""
     v.check_module("model", model)
     if weight_offset is not None:
         v.check_weight_offset(weight_offset)
@@ -421,9 +357,8 @@ def check_swap_arguments(model, weight_offset, compiled_head_norms, memory_effic
 def _swap_norms(
     model: nn.Module, weight_offset, compiled_head_norms: str, entry: str, memory_efficient: bool
 ) -> int:
-    """``swap_rmsnorm``'s work on arguments ``check_swap_arguments`` accepted, called straight from each
-    public entry point ``entry`` (its name is in the warnings, which point at the entry point's caller:
-    ``_CALLER``)."""
+    """``swap_rmsnorm``'s work, called straight from the public entry ``entry`` so the warnings point at
+    its caller."""
     if _is_swappable(model):
         raise ValueError("model is itself an RMSNorm; construct a CakeRMSNorm instead of swapping in place")
     found = [

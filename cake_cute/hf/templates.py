@@ -1,12 +1,9 @@
 """The decoder-layer templates a Hugging Face forward is matched against, and the matcher.
 
-A template is a forward body with placeholders (``Template``); ``TEMPLATES`` holds the three forms a
-decoder layer's residual adds and norms come in: pre-norm (Llama, Mistral, Qwen2/3, Qwen3-MoE, Mixtral,
-DeepSeek-V3, SmolLM3, GLM, Phi3's residual dropouts, Granite's residual multiplier, Llama4's
-mixture-of-experts tuple), sandwich-norm (Gemma2/3, GLM4) and post-norm (OLMo2/3, recognized in order to
-be refused). ``match`` binds a template's placeholders in a forward's statements, or says how far it got
-and where the forward differs, which is what a refusal names. What a match means for the fused forward
-is ``cake_cute.hf.plans``' business; this module knows only the syntax.
+``TEMPLATES`` holds the three forms a decoder layer's residual adds and norms come in: pre-norm,
+sandwich-norm and post-norm (recognized in order to be refused). ``match`` binds a template's
+placeholders in a forward's statements, or says how far it got and where the forward differs, which a
+refusal names. This module knows only the syntax; ``cake_cute.hf.plans`` says what a match means.
 """
 
 from __future__ import annotations
@@ -21,9 +18,7 @@ from torch import nn
 
 @dataclass(frozen=True)
 class Branch:
-    """What a template's ``BRANCH(v)`` matched: the expression added to the residual stream, one of
-    ``v``, ``self.<attr>(v)`` (Phi3's residual dropouts), ``v * self.<attr>`` or ``self.<attr> * v``
-    (Granite's residual multiplier) and ``v.view(residual.shape)`` (Llama4's MoE output)."""
+    """What a template's ``BRANCH(v)`` matched: the expression added to the residual stream."""
 
     kind: str  # "identity", "module", "scale_right", "scale_left", "view_as_residual"
     attr: str | None = None
@@ -42,19 +37,17 @@ class Branch:
 
 
 def self_attr(node) -> str | None:
-    """``x`` for the expression ``self.x``, else None."""
     if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
         return node.attr
     return None
 
 
 def is_name(node, name: str) -> bool:
-    """Whether ``node`` is the plain name ``name``."""
     return isinstance(node, ast.Name) and node.id == name
 
 
 def _branch(node, variable: str) -> Branch | None:
-    """The ``Branch`` an add operand ``node`` is over the variable named ``variable``, or None."""
+    """The ``Branch`` an add operand ``node`` is over ``variable``, or None."""
     if isinstance(node, ast.Name) and node.id == variable:
         return Branch("identity")
     if (
@@ -85,11 +78,10 @@ def _branch(node, variable: str) -> Branch | None:
 
 @dataclass(frozen=True)
 class Template:
-    """A decoder-layer forward body the fused forward computes (``fusable``) or that is recognized in
-    order to be refused with ``refusal``. Placeholders: a statement ``ATTENTION_CALL`` is
-    ``OUT, _ = self.self_attn(hidden_states=hidden_states, ...)`` passing the forward's own arguments on
-    by name; upper-case names and ``self.UPPER`` attributes bind to any name / attribute (the same one at
-    every use); ``BRANCH(v)`` is a ``Branch`` over v."""
+    """A decoder-layer forward body the fused forward computes (``fusable``) or refuses (``refusal``).
+    Placeholders: the statement ``ATTENTION_CALL`` is ``OUT, _ = self.self_attn(hidden_states=hidden_states,
+    ...)`` passing the forward's arguments on by name; upper-case names and ``self.UPPER`` attributes bind
+    to any name / attribute (the same at every use); ``BRANCH(v)`` is a ``Branch`` over v."""
 
     name: str
     body: str
@@ -98,20 +90,8 @@ class Template:
 
 
 def _layer_body(pre_norms: bool, post_norms: bool) -> str:
-    """A decoder layer's forward body: an attention block, then an MLP block, each adding its branch
-    to the residual stream; ``pre_norms`` normalizes each block's input (the INPUT_NORM and MID_NORM an
-    add feeds), ``post_norms`` each branch before its add. The pre-norm body, for instance::
-
-        residual = hidden_states
-        hidden_states = self.INPUT_NORM(hidden_states)
-        ATTENTION_CALL
-        hidden_states = residual + BRANCH(ATTN_OUT)
-        residual = hidden_states
-        hidden_states = self.MID_NORM(hidden_states)
-        hidden_states = self.MLP(hidden_states)
-        hidden_states = residual + BRANCH(hidden_states)
-        return hidden_states
-    """
+    """A decoder layer's forward body: attention then MLP, each adding its branch to the residual;
+    ``pre_norms`` / ``post_norms`` normalize each block's input / branch."""
     statements = []
     for pre_norm, call, output, post_norm in (
         ("INPUT_NORM", "ATTENTION_CALL", "ATTN_OUT", "POST_ATTENTION_NORM"),
@@ -148,8 +128,7 @@ class _Mismatch(Exception):
 
 
 def _attention_call(stmt: ast.stmt, signature: inspect.Signature, local_names: frozenset) -> tuple | None:
-    """(the output name, the second output's name, the forward parameters passed on by name) of
-    ``out, _ = self.self_attn(hidden_states=hidden_states, ...)``, or None if ``stmt`` is anything else."""
+    """(output, second output, parameters passed by name) of the attention call, or None."""
     call = stmt.value if isinstance(stmt, ast.Assign) else None
     target = stmt.targets[0] if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 else None
     if (
@@ -185,8 +164,7 @@ def _is_placeholder(name: str) -> bool:
 
 
 def _unify(template, actual, bindings: dict) -> None:
-    """Match an AST node of a template against the forward's node, binding placeholders; _Mismatch
-    if they differ."""
+    """Match a template's AST node against the forward's, binding placeholders; _Mismatch if they differ."""
     if isinstance(template, ast.Name) and _is_placeholder(template.id):
         if not isinstance(actual, ast.Name) or bindings.setdefault(template.id, actual.id) != actual.id:
             raise _Mismatch
@@ -221,9 +199,7 @@ def _unify(template, actual, bindings: dict) -> None:
 def match(
     template: Template, body: list, signature: inspect.Signature, local_names: frozenset = frozenset()
 ) -> dict | tuple[int, str]:
-    """The bindings of ``template`` in the forward's statements, or (how many statements matched,
-    the problem); ``local_names`` are the locals the setup statements assign
-    (``forms.setup_statements``)."""
+    """The bindings of ``template`` in the forward's statements, or (statements matched, the problem)."""
     statements = ast.parse(template.body).body
     bindings: dict = {}
     for index, (expected, actual) in enumerate(zip(statements, body)):

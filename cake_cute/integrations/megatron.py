@@ -3,29 +3,17 @@ hold them, so a Megatron-LM user switches with one line::
 
     --spec cake_cute.integrations.megatron gpt_layer_spec            # any Megatron-LM version
     --spec cake_cute.integrations.megatron gpt_decoder_block_spec    # Megatron-LM 0.19+: the final norm too
+    --spec cake_cute.integrations.megatron hybrid_stack_spec         # pretrain_hybrid.py
 
-Both adapt to the config as Megatron-LM's own GPT builder does (dense or MoE layers after
-``moe_layer_freq``, multi-latent attention, q/k norms, Transformer Engine or local layers after
-``transformer_impl``): the same parameters and checkpoint keys as Megatron's spec for that config, with
-cake norms, or a ``ValueError`` naming the config field it cannot serve. ``--spec`` hands the named object
-to the model uncalled before Megatron-LM 0.19, so ``gpt_layer_spec`` is a layer ``ModuleSpec`` whose
-layer class picks each layer's spec when Megatron constructs it with the config (``CakeGPTLayer``); the
-model's final norm then stays Megatron's. Megatron-LM 0.19's builder calls a ``--spec`` function with the
-model config: ``gpt_decoder_block_spec`` returns the block spec, final norm included.
-``gpt_layer_spec_qk_norm`` is the same object as ``gpt_layer_spec``. A model provider written in Python
-calls ``get_gpt_decoder_block_spec(config)`` (and ``get_gpt_mtp_block_spec``). Hybrid models
-(``pretrain_hybrid.py``) take a stack spec::
+The specs adapt to the config as Megatron-LM's GPT builder does (dense or MoE layers, multi-latent
+attention, q/k norms, Transformer Engine or local layers): the same parameters and checkpoint keys as
+Megatron's spec, with cake norms, or a ``ValueError`` naming the config field they cannot serve.
+Before 0.19 ``--spec`` hands the named object to the model uncalled, so ``gpt_layer_spec``'s layer
+class picks each layer's spec when Megatron constructs it, and the final norm stays Megatron's.
 
-    --spec cake_cute.integrations.megatron hybrid_stack_spec
-
-The norms honour the norm fields of ``TransformerConfig`` (``normalization``, ``layernorm_epsilon``,
-``layernorm_zero_centered_gamma``, ``sequence_parallel``, ``fused_residual_rmsnorm``,
-``persist_layer_norm``, ``params_dtype``, ``use_cpu_initialization``, ``init_model_with_meta_device``)
-and refuse by name what they cannot honour (docs/integrations.md). Their state dict is the stock norm's
-(one ``weight``), so Megatron checkpoints load in both directions.
-
-This module imports without Megatron-Core; the norm classes (``megatron_norms``, re-exported here)
-need only a config object, and the specs and the spec provider exist when ``megatron.core`` imports.
+The norms honour ``TransformerConfig``'s norm fields and refuse by name what they cannot honour; their
+state dict is the stock norm's. This module imports without Megatron-Core; the specs exist when
+``megatron.core`` imports.
 """
 
 from __future__ import annotations
@@ -74,12 +62,7 @@ if HAS_MEGATRON:
     HAS_TE = _specs.HAS_TE
 
     class CakeSpecProvider(LocalSpecProvider):
-        """Megatron's ``LocalSpecProvider`` with cake norms: for code that builds specs from a backend
-        (``get_mlp_module_spec_for_backend``, ``get_gpt_mtp_block_spec_for_backend``, forks whose
-        layer-spec functions take a backend).
-
-        Methods as ``LocalSpecProvider``'s; ``layer_norm`` returns a cake norm builder.
-        """
+        """Megatron's ``LocalSpecProvider`` with cake norms, for code that builds specs from a backend."""
 
         def layer_norm(self, rms_norm: bool = False, for_qk: bool = False, has_residual: bool = False):
             """The cake norm builder for a norm slot.
@@ -119,17 +102,16 @@ if HAS_MEGATRON:
         use_transformer_engine=None,
         **kwargs,
     ):
-        """A GPT ``TransformerLayer`` spec with cake norms: Megatron's TE spec (where Transformer Engine
-        is installed) or local spec, through ``with_cake_norms``.
+        """A GPT ``TransformerLayer`` spec with cake norms, from Megatron's TE or local spec.
 
         Parameters
         ----------
         num_experts, moe_grouped_gemm, qk_layernorm, multi_latent_attention, qk_l2_norm
             As for ``get_gpt_layer_local_spec``; ``qk_layernorm`` must match the config's.
         use_transformer_engine : bool, optional
-            Start from TE's spec (its linear layers and attention); default: whether TE imports.
+            Start from TE's spec; default: whether TE imports.
         **kwargs
-            Passed on to Megatron's spec function of this version.
+            Passed on to Megatron's spec function.
 
         Returns
         -------
@@ -158,8 +140,7 @@ if HAS_MEGATRON:
         return with_cake_norms(stock)
 
     def _variant_block_spec(config, use_transformer_engine, **kwargs):
-        """Megatron's block spec for a config with an experimental attention variant (Gated DeltaNet
-        layers: Qwen3-Next), the spec Megatron-LM's GPT builder takes for such a config; TE only."""
+        """Megatron's (TE-only) block spec for a config with an experimental attention variant."""
         if not _specs.HAS_TE:
             raise ImportError(
                 f"config.experimental_attention_variant={config.experimental_attention_variant!r} is built "
@@ -177,41 +158,35 @@ if HAS_MEGATRON:
     def get_gpt_decoder_block_spec(
         config, use_transformer_engine=None, qk_l2_norm=False, *, fused_output_gate=False, **kwargs
     ):
-        """A GPT block spec with cake norms, the final norm included: the block spec Megatron-LM's GPT
-        builder takes for ``config`` (Megatron's ``get_gpt_decoder_block_spec``: dense and MoE layers;
-        with ``config.experimental_attention_variant``, its
-        ``get_transformer_block_with_experimental_attention_variant_spec``: Gated DeltaNet and
-        attention layers; this pipeline stage's share) through ``with_cake_norms``. Pass it to
+        """The block spec Megatron-LM's GPT builder takes for ``config`` (this pipeline stage's dense, MoE
+        or attention-variant layers), with cake norms and the final norm; for
         ``GPTModel(transformer_layer_spec=...)``.
 
         Parameters
         ----------
         config : TransformerConfig
-            The model's config (its ``qk_layernorm``, attention variant, MoE and pipeline fields shape
-            the layers).
+            The model's config.
         use_transformer_engine : bool, optional
             Start from TE's layers; default: whether TE imports (always, for an attention variant).
         qk_l2_norm : bool
-            As for Megatron's function (an attention variant's block reads ``config.qk_l2_norm``).
+            As for Megatron's function.
         fused_output_gate : bool
-            Opt-in for Gated DeltaNet layers: their output norm and SiLU gate as one gated kernel (one
-            rounding; the stock layer rounds the norm's output before the gate), ``with_cake_norms``.
+            Opt-in: Gated DeltaNet layers run their output norm and SiLU gate as one gated kernel (one
+            rounding, where the stock layer rounds before the gate).
         **kwargs
             ``vp_stage``, ``pp_rank``: passed on.
 
         Returns
         -------
         TransformerBlockSubmodules
-            This pipeline stage's layer specs, each through ``with_cake_norms``, and the final norm
-            ``MegatronCakeRMSNorm``.
+            This stage's layer specs and the final norm.
 
         Raises
         ------
         ImportError
-            ``use_transformer_engine=True``, or an attention variant, without Transformer Engine.
+            Transformer Engine missing where asked for or needed (an attention variant).
         ValueError
-            An attention variant with ``use_transformer_engine=False`` or a ``config.transformer_impl``
-            other than ``"transformer_engine"`` (Megatron builds those layers from TE's specs only).
+            An attention variant without Transformer Engine's layers.
         """
         if getattr(config, "experimental_attention_variant", None) is not None:
             stock = _variant_block_spec(config, use_transformer_engine, **kwargs)
@@ -223,17 +198,15 @@ if HAS_MEGATRON:
         return with_cake_norms(stock)
 
     def get_gpt_mtp_block_spec(config, spec, use_transformer_engine=None, **kwargs):
-        """Megatron's multi-token prediction block spec (``get_gpt_mtp_block_spec``) for a cake layer or
-        block spec, its norms (``enorm``, ``hnorm``, the final ``layer_norm``) cake norms. Pass it to
-        ``GPTModel(mtp_block_spec=...)``; the MTP layers' transformer layer is ``spec``'s (last) layer.
+        """Megatron's multi-token prediction block spec for a cake layer or block spec, its norms cake norms;
+        for ``GPTModel(mtp_block_spec=...)``.
 
         Parameters
         ----------
         config : TransformerConfig
-            The model's config (``mtp_num_layers``, pipeline fields).
+            The model's config.
         spec : ModuleSpec or TransformerBlockSubmodules
-            The decoder's layer or block spec (``get_gpt_layer_spec``, ``get_gpt_decoder_block_spec``,
-            ``gpt_layer_spec``: its layers for ``config``).
+            The decoder's layer or block spec; the MTP layers take its (last) layer.
         use_transformer_engine : bool, optional
             Start from TE's layers; default: whether TE imports.
         **kwargs
@@ -242,14 +215,12 @@ if HAS_MEGATRON:
         Returns
         -------
         MultiTokenPredictionBlockSubmodules or None
-            None where this pipeline stage builds no MTP layer (as Megatron's function).
+            None where this pipeline stage builds no MTP layer.
 
         Raises
         ------
-        ImportError
-            ``use_transformer_engine=True`` without Transformer Engine.
-        ValueError
-            For ``gpt_layer_spec``, the errors of ``gpt_decoder_block_spec``.
+        ImportError, ValueError
+            As ``get_gpt_decoder_block_spec`` (for ``gpt_layer_spec``, ``gpt_decoder_block_spec``'s).
         """
         use_te = _use_te(use_transformer_engine)
         if isinstance(spec, ModuleSpec) and spec.module is CakeGPTLayer:
@@ -271,8 +242,7 @@ if HAS_MEGATRON:
     }
 
     def _builder_uses_te(config) -> bool:
-        """Whether Megatron-LM's GPT builder starts from Transformer Engine's specs for ``config`` (its
-        ``transformer_impl``), after refusing by name the configs no cake spec serves."""
+        """Whether the GPT builder starts from TE's specs, after refusing configs no cake spec serves."""
         check_norm_config(config)
         if getattr(config, "heterogeneous_block_specs", False):
             raise ValueError(
@@ -295,8 +265,7 @@ if HAS_MEGATRON:
         )
 
     def _check_megatron_final_norm(config) -> None:
-        """Refuse, by field and value, what the final norm Megatron builds under a layer spec (its
-        ``LayerNormImpl``, which no layer spec reaches) would refuse once every layer is built."""
+        """Refuse now what Megatron's own final norm would refuse after every layer is built."""
         final_norm = _transformer_block.LayerNormImpl
         if final_norm is FusedLayerNorm:
             refused = [("normalization", config.normalization)]
@@ -315,63 +284,53 @@ if HAS_MEGATRON:
             )
 
     def _builder_block_spec(config, **stage):
-        """``get_gpt_decoder_block_spec`` as Megatron-LM's GPT builder chooses it for ``config``: TE's or
-        the local layers after ``transformer_impl``, ``L2Norm`` q/k norms after ``qk_l2_norm``; ``stage``
-        is ``vp_stage`` and ``pp_rank``."""
+        """``get_gpt_decoder_block_spec`` as Megatron-LM's GPT builder chooses it for ``config``."""
         use_te = _builder_uses_te(config)
         return get_gpt_decoder_block_spec(
             config, use_transformer_engine=use_te, qk_l2_norm=config.qk_l2_norm, **stage
         )
 
     def _transformer_config(config):
-        """The ``TransformerConfig`` of what Megatron-LM's builder passes a ``--spec`` function: its model
-        config (0.19's ``GPTModelConfig``, holding it as ``transformer``), or the config itself."""
+        """The ``TransformerConfig`` in what the builder passes a ``--spec`` function."""
         transformer = getattr(config, "transformer", None)
         return transformer if isinstance(transformer, TransformerConfig) else config
 
     def gpt_decoder_block_spec(config, vp_stage=None):
-        """The block spec Megatron-LM's GPT builder would build for ``config``, with cake norms, the final
-        norm included: what ``--spec cake_cute.integrations.megatron gpt_decoder_block_spec`` names for
-        Megatron-LM 0.19+, whose builder calls a ``--spec`` function with the model config (earlier
-        versions hand it to the model uncalled; they take ``gpt_layer_spec``).
+        """The ``--spec`` function for Megatron-LM 0.19+, whose builder calls it with the model config: the
+        block spec the builder would build, with cake norms and the final norm.
 
         Parameters
         ----------
         config : GPTModelConfig or TransformerConfig
-            The model config Megatron-LM 0.19's builder passes (its ``transformer``), or a
-            ``TransformerConfig``: its ``transformer_impl`` chooses TE's or the local layers, its MoE,
-            multi-latent attention, q/k norm and attention variant fields the layers.
+            The model config the builder passes, or a ``TransformerConfig``.
         vp_stage : int, optional
-            The virtual pipeline stage being built (passed by the builder).
+            The virtual pipeline stage being built.
 
         Returns
         -------
         TransformerBlockSubmodules
-            ``get_gpt_decoder_block_spec`` for the config: this pipeline stage's layers.
+            This pipeline stage's layers.
 
         Raises
         ------
         ValueError
             ``normalization`` other than ``"RMSNorm"``, ``heterogeneous_block_specs``, a
-            ``transformer_impl`` other than ``"local"`` or an importable ``"transformer_engine"``; the
-            errors of ``get_gpt_decoder_block_spec``.
+            ``transformer_impl`` neither ``"local"`` nor an importable ``"transformer_engine"``;
+            ``get_gpt_decoder_block_spec``'s.
         """
         return _builder_block_spec(_transformer_config(config), vp_stage=vp_stage)
 
     class CakeGPTLayer(BaseTransformerLayer):
-        """The layer class of ``gpt_layer_spec``, which Megatron constructs once per layer with the
-        config: constructing it builds the layer Megatron-LM's GPT builder would build at that position
-        for the config (``gpt_decoder_block_spec``'s spec for it: dense or MoE, multi-latent attention,
-        q/k norms, this pipeline stage's share) and returns that layer, an instance of Megatron's own
-        layer class. A layer spec has no other place to read the config: Megatron-LM before 0.19 hands a
-        ``--spec`` object to the model uncalled, and the model repeats a layer spec over the stage.
+        """The layer class of ``gpt_layer_spec`` (a layer spec's only place to read the config before
+        Megatron-LM 0.19): constructing it builds and returns the layer the GPT builder would build at that
+        position, Megatron's own class, with cake norms.
 
         Parameters
         ----------
         config : TransformerConfig
             The model's config.
         layer_number : int
-            The layer's 1-based number within this pipeline stage, as ``TransformerBlock`` passes it.
+            The layer's 1-based number within this pipeline stage.
         pg_collection : ProcessGroupCollection, optional
             The model's process groups (its pipeline rank picks the stage's layers).
         vp_stage : int, optional
@@ -382,15 +341,12 @@ if HAS_MEGATRON:
         Returns
         -------
         torch.nn.Module
-            The layer (``TransformerLayer``), with cake norms.
+            The layer, with cake norms.
 
         Raises
         ------
         ValueError
-            The errors of ``gpt_decoder_block_spec``, and a field Megatron's own final norm would refuse
-            (with ``WrappedTorchNorm``: ``layernorm_zero_centered_gamma``, ``persist_layer_norm``,
-            ``sequence_parallel``, ``memory_efficient_layer_norm``; with Apex's ``FusedLayerNorm``:
-            ``normalization``), before any layer is built.
+            ``gpt_decoder_block_spec``'s errors, and what Megatron's own final norm would refuse.
         """
 
         def __new__(cls, *, config, layer_number=1, pg_collection=None, vp_stage=None, **layer_kwargs):

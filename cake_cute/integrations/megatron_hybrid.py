@@ -1,7 +1,6 @@
 """Megatron-Core's hybrid models (``pretrain_hybrid.py``, 0.19+; ``pretrain_mamba.py`` before) with cake
-norms: their stack spec through ``with_cake_stack_norms`` and the stack class whose final norm is a cake
-norm. Users name the spec objects through ``cake_cute.integrations.megatron``, which imports this module
-where Megatron's hybrid modules import (they need triton).
+norms: the stack spec through ``with_cake_stack_norms`` and a stack class whose final norm is a cake
+norm. Imported where Megatron's hybrid modules import (they need triton).
 """
 
 from __future__ import annotations
@@ -33,9 +32,7 @@ __all__ = [
 
 
 def _with_cake_mamba_layer(spec):
-    """A ``MambaLayer`` spec with its input norm a cake norm: TE's norm-fused ``in_proj`` of the mixer
-    becomes ``TEColumnParallelLinear`` after ``MegatronCakeRMSNorm`` (the layer takes one tensor back
-    from its norm), under the fused layer's checkpoint name; a norm in the slot is replaced."""
+    """A ``MambaLayer`` spec whose TE-fused input norm is a ``MegatronCakeRMSNorm``."""
     subs = spec.submodules
     mixer, unfused = with_cake_sublayer(subs.mixer, ("in_proj",), {})
     if unfused is None and not is_norm_builder(subs.norm):
@@ -71,23 +68,17 @@ def _with_qk_norm_slots(layer):
 
 
 def with_cake_stack_norms(spec, qk_layernorm=False, *, fused_output_gate=False):
-    """A hybrid stack spec (Megatron's ``hybrid_stack_spec``, ``mamba_stack_spec`` before 0.19) with
-    its RMSNorms replaced by cake norms: each layer spec as ``with_cake_norms`` replaces them (the
-    attention, Gated DeltaNet, MLA / DSA, MLP and MoE layers), the Mamba layers' input norm (fused
-    into the mixer's ``in_proj`` by TE's spec) ``MegatronCakeRMSNorm``, the multi-token prediction
-    norms, and the stack's final norm, which the stack builds itself, through ``CakeHybridStack``.
+    """A hybrid stack spec with cake norms: each layer's as ``with_cake_norms`` replaces them, the Mamba
+    layers' input norm, the multi-token prediction norms, and the stack's final norm.
 
     Parameters
     ----------
     spec : ModuleSpec
         A ``HybridStack`` (``MambaStack``) spec.
     qk_layernorm : bool
-        Put cake q/k norms in the attention layer's q/k norm slots, which Megatron's stack spec
-        leaves empty (Megatron 0.19 then builds TE's norms there under ``config.qk_layernorm``);
-        must match the config's, as for the GPT layer specs.
+        Put cake q/k norms in the attention layers' empty q/k norm slots; must match the config's.
     fused_output_gate : bool
-        Opt-in: the Gated DeltaNet layers' output norm and SiLU gate as one gated kernel
-        (``with_cake_norms``).
+        Opt-in: the Gated DeltaNet layers' output norm and SiLU gate as one gated kernel.
 
     Returns
     -------
@@ -112,9 +103,7 @@ def with_cake_stack_norms(spec, qk_layernorm=False, *, fused_output_gate=False):
 
 
 class CakeHybridStack(_HybridStack):
-    """Megatron's hybrid stack (``HybridStack``; ``MambaStack`` before 0.19) whose final norm is a
-    cake norm: the stack builds that norm itself (``TENorm``), with no spec slot. Arguments as the
-    stack's; the norm keeps the name ``final_norm`` (the checkpoint key)."""
+    """Megatron's hybrid stack whose own final norm (``final_norm``) is a cake norm."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

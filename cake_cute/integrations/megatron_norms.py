@@ -1,12 +1,7 @@
-"""The Megatron-Core norm builders: ``CakeRMSNorm`` built from a ``TransformerConfig`` through
-Megatron's norm-builder protocol (keyword-only ``config``, ``hidden_size``, ``eps``), one class for each
-norm slot of a GPT layer spec (plain, residual, q/k, the input norm of a layer without q/k norms), and
-the opt-in Gated DeltaNet subclass whose output norm and gate are one gated kernel
-(``with_fused_output_gate``).
-
-They read the norm fields of the config and refuse by name what they cannot honour; none of this needs
-Megatron-Core itself, so the builders import (and are tested against a plain config object) without it.
-The specs that hold them are ``cake_cute.integrations.megatron``'s.
+"""The Megatron-Core norm builders: ``CakeRMSNorm`` built from a ``TransformerConfig`` through Megatron's
+norm-builder protocol, one class per norm slot of a GPT layer spec, and the opt-in Gated DeltaNet
+subclass whose output norm and gate are one gated kernel. They read the config's norm fields and refuse
+by name what they cannot honour; none of this needs Megatron-Core itself.
 """
 
 from __future__ import annotations
@@ -37,8 +32,7 @@ def _config_flag(config, name: str) -> bool:
 
 
 def _recomputes_norms(config) -> bool:
-    """Whether Megatron recomputes the layers' norms in the backward (selective recomputation of
-    ``"layernorm"``), freeing their outputs once the next module has read them."""
+    """Whether Megatron recomputes the layers' norms in the backward (selective ``"layernorm"``)."""
     modules = getattr(config, "recompute_modules", None) or ()
     return getattr(config, "recompute_granularity", None) == "selective" and "layernorm" in modules
 
@@ -54,9 +48,7 @@ def check_norm_config(config) -> None:
 
 
 def _weight_device(config) -> torch.device:
-    """Where Megatron puts a norm's weight at construction (as Transformer Engine's norm does): the CPU
-    with ``use_cpu_initialization``, the meta device with ``init_model_with_meta_device``, else the
-    current CUDA device."""
+    """Where Megatron puts a norm's weight at construction, after the config."""
     if _config_flag(config, "use_cpu_initialization"):
         return torch.device("cpu")
     if _config_flag(config, "init_model_with_meta_device"):
@@ -70,11 +62,8 @@ def _weight_device(config) -> torch.device:
 
 
 class _NormKeepingInput(torch.autograd.Function):
-    """``(y, x)``: the norm of x and x itself, whose two gradients the norm's backward adds in its own
-    last step (one rounding), as Megatron's ``fused_residual_rmsnorm`` asks of a norm whose input is
-    also the residual. ``forward(ctx, x, w, eps, weight_offset, memory_efficient)``. The save list and
-    the backward are the package's residual-mode rule (``library_ops``), with x in the place of h_new:
-    the tensor the norm normalized and returned; in the memory-efficient mode y in its place."""
+    """``(y, x)``: the norm of x and x itself, whose gradients the backward adds in its last step, as
+    ``fused_residual_rmsnorm`` asks; the residual-mode rule with x as h_new."""
 
     @staticmethod
     def forward(ctx, x, w, eps, weight_offset, memory_efficient):
@@ -90,42 +79,29 @@ class _NormKeepingInput(torch.autograd.Function):
 
 
 class MegatronCakeRMSNorm(CakeRMSNorm):
-    """``CakeRMSNorm`` built from a Megatron ``TransformerConfig`` through Megatron's norm-builder
-    protocol (``LayerNormBuilder``: keyword-only ``config``, ``hidden_size``, ``eps``), as a layer spec
-    names ``TENorm`` or ``WrappedTorchNorm``.
+    """``CakeRMSNorm`` built from a Megatron ``TransformerConfig`` through Megatron's norm-builder protocol,
+    as a layer spec names ``TENorm`` or ``WrappedTorchNorm``.
 
     Parameters
     ----------
     config : megatron.core.transformer.TransformerConfig
-        Read at construction: ``normalization`` must be ``"RMSNorm"``; ``layernorm_zero_centered_gamma``
-        scales by ``1 + weight`` (weight starts at zeros); ``sequence_parallel`` marks
-        ``weight.sequence_parallel``, which ``finalize_model_grads`` all-reduces over the
-        tensor-parallel group; ``fused_residual_rmsnorm`` (with ``has_residual``) returns
-        ``(output, residual)``; ``params_dtype`` is the weight's dtype; ``use_cpu_initialization`` /
-        ``init_model_with_meta_device`` choose its device (else the current CUDA device);
-        ``persist_layer_norm`` (a choice among Apex LayerNorm kernels) changes nothing here;
-        ``memory_efficient_layer_norm`` is cake_cute's memory-efficient mode (the norm saves its output
-        and recomputes the normalized input from it, as Apex's memory-efficient norm does);
-        ``recompute_modules`` with ``"layernorm"`` (selective) recomputes the norm in the backward, which
-        the fused residual form refuses.
+        Read at construction: ``normalization`` (``"RMSNorm"``), ``layernorm_zero_centered_gamma``
+        (``1 + weight``), ``sequence_parallel``, ``fused_residual_rmsnorm``, ``params_dtype``,
+        ``use_cpu_initialization``, ``init_model_with_meta_device``, ``memory_efficient_layer_norm``
+        (the memory-efficient mode) and the recomputed modules; ``persist_layer_norm`` changes nothing.
     hidden_size : int
-        The normalized (last) dimension: the model's hidden size, or the attention head size for q/k
-        norms.
+        The normalized dimension: the hidden size, or the head size for q/k norms.
     eps : float, optional
-        Added to the mean square; Megatron passes ``config.layernorm_epsilon``, which is also the
-        default.
+        Added to the mean square; default ``config.layernorm_epsilon``.
     has_residual : bool
-        This norm's input is also the layer's residual (the input and pre-MLP norms of a GPT layer).
-        With ``config.fused_residual_rmsnorm`` the forward returns ``(output, input)`` and its backward
-        adds the residual's gradient into dx in the same pass, which ``TransformerLayer`` (Megatron
-        0.17+) accepts from a norm; otherwise it has no effect.
+        The input is also the layer's residual: with ``config.fused_residual_rmsnorm`` the forward
+        returns ``(output, input)`` and its backward adds the residual's gradient into dx.
 
     Raises
     ------
     ValueError
-        ``config.normalization`` is not ``"RMSNorm"``, the weight would go on CUDA where CUDA is not
-        available, the fused residual form under selective recomputation of the norms, or the errors of
-        ``CakeRMSNorm`` (hidden_size, eps).
+        ``normalization`` is not ``"RMSNorm"``; the weight would go on CUDA without CUDA; the fused
+        residual form under selective recomputation of the norms; ``CakeRMSNorm``'s errors.
     """
 
     def __init__(self, *, config, hidden_size, eps=None, has_residual=False):
@@ -179,23 +155,20 @@ class MegatronCakeRMSNorm(CakeRMSNorm):
 
 
 class MegatronCakeResidualRMSNorm(MegatronCakeRMSNorm):
-    """``MegatronCakeRMSNorm`` with ``has_residual=True``: the input and pre-MLP norms of a layer spec
-    (Megatron's TE backend names ``_TENormWithResidual`` there). Parameters as for the base class."""
+    """``MegatronCakeRMSNorm`` with ``has_residual=True``: the input and pre-MLP norms of a layer spec."""
 
     def __init__(self, *, config, hidden_size, eps=None, has_residual=True):
         super().__init__(config=config, hidden_size=hidden_size, eps=eps, has_residual=has_residual)
 
 
 class MegatronCakeQKRMSNorm(MegatronCakeRMSNorm):
-    """``MegatronCakeRMSNorm`` for the per-head q/k norms (``qk_layernorm``; built at the attention head
-    size). Parameters as for the base class.
+    """``MegatronCakeRMSNorm`` for the per-head q/k norms.
 
     Raises
     ------
     ValueError
-        ``config.qk_l2_norm`` is set: those norms are Megatron's weightless ``L2Norm``, which a spec
-        keeps (a learned scale here would change the model); or ``config.qk_layernorm`` is off (Megatron
-        0.19 refuses such a spec itself; older versions would build the norms anyway).
+        ``config.qk_l2_norm`` is set (those are Megatron's weightless ``L2Norm``, which a spec keeps), or
+        ``config.qk_layernorm`` is off.
     """
 
     def __init__(self, *, config, hidden_size, eps=None, has_residual=False):
@@ -213,9 +186,8 @@ class MegatronCakeQKRMSNorm(MegatronCakeRMSNorm):
 
 
 class MegatronCakeInputRMSNorm(MegatronCakeResidualRMSNorm):
-    """``MegatronCakeResidualRMSNorm`` as the input norm of a layer spec without q/k norms. Megatron builds
-    such a layer without them whatever ``config.qk_layernorm`` says (0.19 puts an ``IdentityOp`` in their
-    place), so this norm, built once per layer, refuses that config. Parameters as for the base class.
+    """``MegatronCakeResidualRMSNorm`` as the input norm of a layer spec without q/k norms, which Megatron
+    builds without them whatever the config says; so it refuses ``config.qk_layernorm``.
 
     Raises
     ------
@@ -236,24 +208,21 @@ class MegatronCakeInputRMSNorm(MegatronCakeResidualRMSNorm):
 @functools.cache
 def with_fused_output_gate(layer_class: type) -> type:
     """``layer_class`` (Megatron's Gated DeltaNet) with its output norm and SiLU gate run as one gated
-    kernel: ``round(x * rstd * (w + offset) * silu(float(z)))``, FP32 math, one rounding, where the stock
-    layer rounds the norm's output before its gate (``_apply_gated_norm``). The layer's parameters,
-    checkpoint keys and everything else are ``layer_class``'s; its ``out_norm`` must be a
-    ``MegatronCakeRMSNorm`` (its weight, eps and zero-centered offset are the kernel's).
+    kernel: ``round(x * rstd * (w + offset) * silu(float(z)))``, one rounding, where the stock layer
+    rounds the norm's output before its gate. Parameters and checkpoint keys stay ``layer_class``'s.
 
     Parameters
     ----------
     layer_class : type
-        A Megatron layer whose ``_apply_gated_norm(x, gate)`` normalizes x with ``self.out_norm`` and
-        gates it with ``self.act_fn``.
+        A Megatron layer whose ``_apply_gated_norm(x, gate)`` normalizes x with ``self.out_norm`` (a
+        ``MegatronCakeRMSNorm``) and gates it with ``self.act_fn``.
 
     Returns
     -------
     type
-        Its subclass (one per class). Building it raises ``ValueError`` where ``config.activation_func``
-        is not SiLU (the gate the kernel applies) or ``config.memory_efficient_layer_norm`` is set (the
-        gated kernels have no memory-efficient mode), ``TypeError`` where ``out_norm`` is not a
-        ``MegatronCakeRMSNorm``.
+        Its subclass (one per class). Building it raises ``ValueError`` where the activation is not
+        SiLU or ``config.memory_efficient_layer_norm`` is set (the gated kernels have no such mode),
+        ``TypeError`` where ``out_norm`` is not a ``MegatronCakeRMSNorm``.
     """
 
     def __init__(self, *args, **kwargs):

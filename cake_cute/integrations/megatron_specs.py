@@ -1,8 +1,6 @@
-"""How a Megatron-Core spec gets cake norms: the norm slots of layer, block and multi-token prediction
-specs replaced by the ``megatron_norms`` classes, and Transformer Engine's norm-fused linear layers
-unfused into a cake norm and TE's plain linear, the norm keeping the fused layer's checkpoint name.
-
-Imported where ``megatron.core`` imports (``megatron`` and ``megatron_hybrid`` build on it).
+"""How a Megatron-Core spec gets cake norms: norm slots replaced by the ``megatron_norms`` classes, and
+Transformer Engine's norm-fused linear layers unfused into a cake norm and TE's plain linear, the norm
+keeping the fused layer's checkpoint name.
 """
 
 from __future__ import annotations
@@ -33,8 +31,7 @@ _MLP_LINEARS = ("linear_fc1",)
 
 
 def is_norm_builder(builder) -> bool:
-    """Whether a spec slot holds a norm to replace (not an identity, an empty slot or the weightless
-    L2Norm, which has no RMSNorm weight to carry)."""
+    """Whether a spec slot holds a norm to replace (not an identity, empty or L2Norm)."""
     return builder is not None and builder is not IdentityOp and builder is not L2Norm
 
 
@@ -46,15 +43,13 @@ def _unfused_linear(builder):
 
 
 def fused_norm_key(sublayer: str, linear_field: str) -> str:
-    """The checkpoint name a TE norm-fused linear gives the norm's weight (Megatron's local spec maps
-    its norms to the same names): a norm taken out of it keeps that name, so checkpoints move
-    between the specs."""
+    """The checkpoint name a TE norm-fused linear gives the norm's weight, which a norm taken out of it
+    keeps."""
     return f"{sublayer}.{linear_field}.layer_norm_"
 
 
 def _submodules(spec):
-    """The submodules of a sublayer spec: a ``ModuleSpec``, or (Megatron 0.18+ MLPs) a
-    ``functools.partial`` of the module class with ``submodules=``; None for anything else."""
+    """The submodules of a ``ModuleSpec`` or of a ``partial(..., submodules=)``; else None."""
     if isinstance(spec, functools.partial):
         return spec.keywords.get("submodules")
     return spec.submodules if isinstance(spec, ModuleSpec) else None
@@ -67,9 +62,8 @@ def _with_submodules(spec, submodules):
 
 
 def with_cake_sublayer(spec, linear_fields: tuple, norm_slots: dict):
-    """``spec`` (an attention or MLP spec) with its norm slots in ``norm_slots`` replaced by cake
-    norms, and the name of its linear among ``linear_fields`` that had a norm fused in that now
-    moved out (None if none did)."""
+    """``spec`` with cake norms in ``norm_slots``, and the name of the linear whose fused norm moved out
+    (or None)."""
     subs = _submodules(spec)
     if subs is None:
         return spec, None
@@ -89,10 +83,7 @@ def with_cake_sublayer(spec, linear_fields: tuple, norm_slots: dict):
 
 
 def _has_qk_norms(attention) -> bool:
-    """Whether an attention spec with per-head q/k norm slots (``SelfAttention``'s ``q_layernorm`` /
-    ``k_layernorm``) holds a norm in one of them (L2Norm included); True for any other spec, where
-    there is nothing to check (multi-latent attention's q / kv norms may be fused into its
-    up-projections, leaving its slots empty under ``qk_layernorm``)."""
+    """Whether a ``SelfAttention`` spec holds a q/k norm (True for other specs)."""
     subs = _submodules(attention)
     if not hasattr(subs, "k_layernorm"):
         return True
@@ -100,8 +91,7 @@ def _has_qk_norms(attention) -> bool:
 
 
 def _with_fused_output_gate(attention):
-    """A Gated DeltaNet spec with its layer class's output norm and gate fused
-    (``megatron_norms.with_fused_output_gate``); any other attention spec as it is."""
+    """A Gated DeltaNet spec with its output norm and gate fused; any other attention spec as it is."""
     module = getattr(attention, "module", None)
     if (
         isinstance(attention, ModuleSpec)
@@ -115,26 +105,17 @@ def _with_fused_output_gate(attention):
 def with_cake_norms(spec, *, fused_output_gate=False):
     """A GPT layer spec (or a block spec) with its RMSNorms replaced by cake norms.
 
-    The input and pre-MLP norms become ``MegatronCakeResidualRMSNorm`` (the input norm of a layer
-    without q/k norms ``MegatronCakeInputRMSNorm``, which refuses ``config.qk_layernorm``), the
-    per-head q/k norms ``MegatronCakeQKRMSNorm`` (``L2Norm`` stays), Gated DeltaNet's per-head
-    ``out_norm`` ``MegatronCakeRMSNorm`` (the layer gates its output itself, after the norm's
-    rounding), a block's final norm ``MegatronCakeRMSNorm``.
-    Where Transformer Engine's ``TELayerNormColumnParallelLinear`` holds the input or pre-MLP
-    norm (attention's ``linear_qkv``, Gated DeltaNet's ``in_proj``, the MLP's ``linear_fc1``), it
-    becomes ``TEColumnParallelLinear`` after a cake norm (TE's other layers stay), and the norm
-    keeps the checkpoint name the fused layer used.
+    The input and pre-MLP norms become ``MegatronCakeResidualRMSNorm`` (``MegatronCakeInputRMSNorm`` in
+    a layer without q/k norms), q/k norms ``MegatronCakeQKRMSNorm`` (``L2Norm`` stays), Gated DeltaNet's
+    ``out_norm`` and the final norm ``MegatronCakeRMSNorm``. A ``TELayerNormColumnParallelLinear`` holding
+    a norm becomes ``TEColumnParallelLinear`` after a cake norm under the fused layer's checkpoint name.
 
     Parameters
     ----------
     spec : ModuleSpec or TransformerBlockSubmodules
-        A ``TransformerLayer`` spec (``get_gpt_layer_local_spec``,
-        ``get_gpt_layer_with_transformer_engine_spec``) or a block spec of them
-        (``get_transformer_block_with_experimental_attention_variant_spec`` included).
+        A ``TransformerLayer`` spec or a block spec of them.
     fused_output_gate : bool
-        Opt-in: Gated DeltaNet layers run their output norm and SiLU gate as one gated kernel, rounding
-        once where the stock layer rounds the norm's output first (``with_fused_output_gate``); no
-        effect on other layers.
+        Opt-in: Gated DeltaNet layers run their output norm and SiLU gate as one gated kernel.
 
     Returns
     -------
@@ -190,9 +171,7 @@ def with_cake_norms(spec, *, fused_output_gate=False):
 
 
 def with_cake_mtp_norms(spec):
-    """A multi-token prediction block spec (``MultiTokenPredictionBlockSubmodules``, or a
-    ``ModuleSpec`` holding them) with its layers' norms (``enorm``, ``hnorm``, ``layer_norm``) cake
-    norms."""
+    """A multi-token prediction block spec with its layers' norms cake norms."""
     if isinstance(spec, ModuleSpec):
         return dataclasses.replace(spec, submodules=with_cake_mtp_norms(spec.submodules))
     norms = ("enorm", "hnorm", "layer_norm")

@@ -1,31 +1,20 @@
 """torchtitan 0.3 integration: its RMSNorm modules become ``CakeRMSNorm`` through torchtitan's override
-mechanism, so a user enables cake_cute with one config line::
+mechanism, in one config line::
 
     --override.imports cake_cute.integrations.torchtitan.cake_rmsnorm
 
-The replacement keeps everything torchtitan attached to the norm's config: ``param_init`` (so
-``init_states`` initializes it), the ``ShardingConfig`` (its weight and input/output layouts under TP,
-SP and FSDP2) and the module protocol (``verify_module_protocol``). Checkpoints are unchanged: the state
-dict holds the same ``weight``.
-
-For Llama 3 the residual add that feeds ``ffn_norm`` can be fused into it as well; that replaces the
-transformer blocks, so the final norm needs its own target (overrides may not claim nested configs):
-``--override.imports`` with the two targets ``cake_cute.integrations.torchtitan.cake_llama3_fused_residual``
-and ``cake_cute.integrations.torchtitan.cake_final_rmsnorm``, comma-separated (docs/integrations.md).
-
-Each target takes torchtitan's keyword form for the memory-efficient mode (the norms save their output
-instead of their input; docs/memory.md)::
+The replacement keeps what torchtitan attached to the norm's config (``param_init``, the
+``ShardingConfig``, the module protocol) and the state dict. For Llama 3 the residual add feeding
+``ffn_norm`` can be fused too, with the two targets ``cake_llama3_fused_residual`` and
+``cake_final_rmsnorm`` (overrides may not claim nested configs, so the final norm needs its own). Each
+target takes the memory-efficient mode in torchtitan's keyword form::
 
     --override.imports 'cake_cute.integrations.torchtitan.cake_rmsnorm={"memory_efficient": true}'
 
-With torchtitan 0.2.x (which has no overrides) importing this module registers the model converter
-``cake_rmsnorm`` instead, which swaps the built model's ``torch.nn.RMSNorm`` modules before parallelize::
+With torchtitan 0.2.x, which has no overrides, importing this module registers the model converters
+``cake_rmsnorm`` and ``cake_rmsnorm_memory_efficient`` instead::
 
     --experimental.custom_import cake_cute.integrations.torchtitan --model.converters cake_rmsnorm
-
-and ``cake_rmsnorm_memory_efficient``, the same swap with the norms in the memory-efficient mode
-(0.2.x names converters without arguments, so the mode is a converter of its own): the same line with
-``--model.converters cake_rmsnorm_memory_efficient``.
 
 This module imports without torchtitan and then registers nothing.
 """
@@ -62,14 +51,8 @@ if HAS_OVERRIDES:
     from torchtitan.protocols.module import Module
 
     class TorchtitanCakeRMSNorm(CakeRMSNorm, Module):
-        """``CakeRMSNorm`` as a torchtitan ``Module``, built from a config with the fields of
-        torchtitan's ``RMSNorm.Config`` (``normalized_shape``, ``eps``, ``elementwise_affine``,
-        ``param_init``, ``sharding_config``) and ``memory_efficient`` (``CakeRMSNorm``'s argument).
-
-        Its forward is ``CakeRMSNorm.forward(input, *, residual=None)``, its first parameter named as
-        the running torch names ``torch.nn.RMSNorm.forward``'s (``x`` in torch 2.13, ``input`` before):
-        torchtitan binds forward arguments by name, and binds them as for its stock ``RMSNorm``.
-        """
+        """``CakeRMSNorm`` as a torchtitan ``Module`` built from ``RMSNorm.Config``'s fields and
+        ``memory_efficient``."""
 
         @dataclass(kw_only=True, slots=True)
         class Config(RMSNorm.Config):
@@ -84,12 +67,8 @@ if HAS_OVERRIDES:
             )
 
     class CakeLlama3TransformerBlock(Llama3TransformerBlock):
-        """torchtitan's Llama 3 block with the attention residual add fused into ``ffn_norm``:
-        ``y, h = ffn_norm(attention(attention_norm(x)), residual=x)``, then ``h + feed_forward(y)``.
-
-        ``h`` is the same rounded sum the stock block computes; only one pass over the activations
-        is saved (the add after the feed-forward feeds the next block, outside this module).
-        """
+        """torchtitan's Llama 3 block with the attention residual add fused into ``ffn_norm``; ``h`` is the
+        stock block's rounded sum."""
 
         @dataclass(kw_only=True, slots=True)
         class Config(Llama3TransformerBlock.Config):
@@ -106,10 +85,7 @@ if HAS_OVERRIDES:
         )
 
     def _with_residual_input(norm_cfg: TorchtitanCakeRMSNorm.Config) -> TorchtitanCakeRMSNorm.Config:
-        """The residual arrives in the same layout as the input (both are the block's activations), and
-        is declared where the input is: torchtitan binds the layouts by the forward's parameter names,
-        and keys the norm's input ``input`` while torch 2.13 names it ``x`` (there neither is bound,
-        as for torchtitan's own norm)."""
+        """Declare the residual in the input's layout (torchtitan binds layouts by parameter name)."""
         sharding = norm_cfg.sharding_config
         layout = None if sharding is None else (sharding.in_src_shardings or {}).get(INPUT_NAME)
         if layout is None:
@@ -122,16 +98,14 @@ if HAS_OVERRIDES:
     # scale, say), which CakeRMSNorm does not reproduce.
     @override(target=RMSNorm.Config, exact=True, description="cake_cute fused RMSNorm (CakeRMSNorm)")
     def cake_rmsnorm(cfg: RMSNorm.Config, *, memory_efficient: bool = False) -> TorchtitanCakeRMSNorm.Config:
-        """Every torchtitan ``RMSNorm`` becomes a ``TorchtitanCakeRMSNorm`` with the same fields,
-        ``param_init`` and ``sharding_config``.
+        """Every torchtitan ``RMSNorm`` becomes a ``TorchtitanCakeRMSNorm`` with the same fields.
 
         Parameters
         ----------
         cfg : RMSNorm.Config
             The matched norm config (exactly ``RMSNorm.Config``).
         memory_efficient : bool
-            The norms save their output instead of their input (``CakeRMSNorm``'s argument): the
-            command-line form is in the module docstring.
+            The norms save their output instead of their input.
 
         Returns
         -------
@@ -161,7 +135,7 @@ if HAS_OVERRIDES:
         cfg : Llama3TransformerBlock.Config
             The matched block config.
         memory_efficient : bool
-            Both norms save their output instead of their input (``ffn_norm`` then keeps no h).
+            Both norms save their output instead of their input.
 
         Returns
         -------
@@ -190,8 +164,8 @@ if HAS_OVERRIDES:
     def cake_final_rmsnorm(
         cfg: RMSNorm.Config, *, memory_efficient: bool = False
     ) -> TorchtitanCakeRMSNorm.Config:
-        """The decoder's final norm becomes a ``TorchtitanCakeRMSNorm``; the companion
-        of ``cake_llama3_fused_residual``, which replaces the norms inside the blocks.
+        """The decoder's final norm becomes a ``TorchtitanCakeRMSNorm`` (the companion of
+        ``cake_llama3_fused_residual``).
 
         Parameters
         ----------
@@ -203,7 +177,7 @@ if HAS_OVERRIDES:
         Returns
         -------
         TorchtitanCakeRMSNorm.Config
-            The replacement with the same fields, ``param_init`` and ``sharding_config``.
+            The replacement.
 
         Raises
         ------
@@ -224,9 +198,8 @@ elif HAS_TORCHTITAN:
     from torchtitan.protocols.model_converter import register_model_converter
 
     class CakeRMSNormConverter:
-        """torchtitan 0.2.x model converter ``cake_rmsnorm``: ``swap_rmsnorm`` on the model the trainer
-        built on the meta device, before parallelize. The swapped norms share the stock weights, and the
-        model's ``init_weights`` initializes them through ``reset_parameters``."""
+        """torchtitan 0.2.x model converter ``cake_rmsnorm``: ``swap_rmsnorm`` on the meta-device model before
+        parallelize; ``init_weights`` initializes the swapped norms."""
 
         memory_efficient = False
 
@@ -240,9 +213,8 @@ elif HAS_TORCHTITAN:
             pass
 
     class CakeRMSNormMemoryEfficientConverter(CakeRMSNormConverter):
-        """torchtitan 0.2.x model converter ``cake_rmsnorm_memory_efficient``: the swap of
-        ``CakeRMSNormConverter`` with every norm in the memory-efficient mode (it saves its output
-        instead of its input; docs/memory.md)."""
+        """torchtitan 0.2.x model converter ``cake_rmsnorm_memory_efficient``: the same swap, every norm in
+        the memory-efficient mode."""
 
         memory_efficient = True
 

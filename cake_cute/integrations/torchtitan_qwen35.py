@@ -1,22 +1,16 @@
-"""torchtitan 0.3's Qwen3.5 norms as cake_cute's, through its override mechanism, in one config line
-(two targets, space- or comma-separated)::
+r"""torchtitan 0.3's Qwen3.5 norms as cake_cute's, through its override mechanism::
 
     --override.imports cake_cute.integrations.torchtitan_qwen35.cake_offset_rmsnorm \
         cake_cute.integrations.torchtitan_qwen35.cake_rmsnorm_gated
 
-Qwen3.5 (``torchtitan.models.qwen3_5``) normalizes with two classes of its own, neither of them the
-``RMSNorm`` that ``cake_cute.integrations.torchtitan.cake_rmsnorm`` replaces:
+- ``OffsetRMSNorm``, ``(1 + w) * norm(x)`` in FP32 rounded once, becomes ``CakeRMSNorm`` with weight
+  offset 1 under ``"scale_then_round"``;
+- ``RMSNormGated``, the Gated DeltaNet output norm (``round(norm(x) * w)`` times the FP32 SiLU of the
+  gate, rounded again), becomes ``CakeGatedRMSNorm`` under ``"scale_then_round"``.
 
-- ``OffsetRMSNorm``, ``(1 + w) * norm(x)`` in FP32, rounded once (the decoder layers' two norms, the q
-  and k head norms, the final norm), becomes ``CakeRMSNorm`` with weight offset 1 under
-  ``"scale_then_round"``; ``cake_offset_rmsnorm`` takes ``memory_efficient`` as ``cake_rmsnorm`` does;
-- ``RMSNormGated``, the Gated DeltaNet output norm, ``round(norm(x) * w)`` times the FP32 SiLU of the
-  gate, rounded again, becomes ``CakeGatedRMSNorm`` under ``"scale_then_round"`` (the plain kernel
-  with the weight, then torch's gate, recomputed in the backward in eager mode).
-
-Each replacement keeps the config's ``param_init`` and ``ShardingConfig`` and the forward's parameter
-names, by which torchtitan binds the layouts (``x``, and ``gate``); checkpoints are unchanged (one
-``weight`` each). Importing this module imports torchtitan's Qwen3.5 model, and so fla.
+Each keeps the config's ``param_init`` and ``ShardingConfig``, the forward's parameter names (by which
+torchtitan binds layouts) and the state dict. Importing this module imports torchtitan's Qwen3.5 model,
+and so fla.
 """
 
 from __future__ import annotations
@@ -36,9 +30,7 @@ __all__ = ["TorchtitanCakeOffsetRMSNorm", "TorchtitanCakeRMSNormGated"]
 
 
 class TorchtitanCakeOffsetRMSNorm(CakeRMSNorm, Module):
-    """``CakeRMSNorm`` scaling by ``1 + weight`` as a torchtitan ``Module``, built from the fields of
-    ``OffsetRMSNorm.Config`` (``dim``, ``eps``, ``param_init``, ``sharding_config``) and
-    ``memory_efficient``; ``forward(x)`` as ``OffsetRMSNorm``'s."""
+    """``CakeRMSNorm`` scaling by ``1 + weight``, built from ``OffsetRMSNorm.Config``'s fields."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(OffsetRMSNorm.Config):
@@ -58,8 +50,7 @@ class TorchtitanCakeOffsetRMSNorm(CakeRMSNorm, Module):
 
 
 class TorchtitanCakeRMSNormGated(CakeGatedRMSNorm, Module):
-    """``CakeGatedRMSNorm`` (norm then gate, ``"scale_then_round"``) as a torchtitan ``Module``, built
-    from the fields of ``RMSNormGated.Config``; ``forward(x, gate)`` as ``RMSNormGated``'s."""
+    """``CakeGatedRMSNorm`` built from ``RMSNormGated.Config``'s fields."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(RMSNormGated.Config):

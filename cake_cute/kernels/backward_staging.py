@@ -1,7 +1,7 @@
-"""The backward's row staging: the ring of shared-memory row tiles that g (every part) and h stream
-through, g_residual's tile, the L2 prefetch of the next row where there is no ring, and rstd one tile
-ahead. A mixin of ``rmsnorm_bwd.RMSNormBackward`` (whose ``tiling``, ``config``, ``act_dtype`` and
-``residual`` it reads); the pipeline is described in that module's docstring."""
+"""The backward's row staging: the ring of shared-memory row tiles g's parts and h stream through,
+g_residual's tile, the L2 prefetch of the next row where there is no ring, and rstd one tile ahead. A
+mixin of ``rmsnorm_bwd.RMSNormBackward``, whose docstring describes the pipeline.
+"""
 
 from __future__ import annotations
 
@@ -14,13 +14,9 @@ from .thread_tiles import ThreadTiles, issue_row_tile
 
 
 class RowStaging:
-    """``fill_ring``, ``refill_ring``, ``issue_g_residual``, ``prefetch_next_row`` and ``load_rstd``."""
-
     @cute.jit
     def fill_ring(self, tt: ThreadTiles, bidx, num_programs, rows, sources, ring_tiles):
-        """Issue the program's first ``ring_depth - 1`` row tiles of ``sources`` (g's parts, h), one
-        cp.async group each. Each thread later reads back only the cells it issued itself, so no
-        barrier is needed."""
+        """Issue the program's first ``ring_depth - 1`` row tiles, one cp.async group each."""
         for ahead in cutlass.range_constexpr(self.config.ring_depth - 1):
             if (bidx + ahead * num_programs) * self.tiling.rows_per_cta + tt.row_in_cta < rows:
                 issue_row_tile(tt, bidx + ahead * num_programs, ahead, sources, ring_tiles)
@@ -38,11 +34,8 @@ class RowStaging:
 
     @cute.jit
     def prefetch_next_row(self, tt: ThreadTiles, tile, rank, lane_in_row, rows, mGs, mH, mGRes):
-        """Without a ring, the program's next row would start with a round trip to HBM: bring its
-        g (every part) and h (and g_residual) into the L2 now, one bulk prefetch per row slice and
-        tensor. A bulk prefetch needs 16-byte aligned addresses and sizes, which only 128-bit vector
-        tilings guarantee (every row start and H are then multiples of 16 bytes); other tilings skip
-        it."""
+        """Without a ring, bring the next row's g, h (and g_residual) into the L2 now; only 128-bit vector
+        tilings meet the bulk prefetch's 16-byte alignment, others skip it."""
         t = self.tiling
         if const_expr(t.vec * self.act_dtype.width == COPY_BITS):
             row = tile * t.rows_per_cta + tt.row_in_cta
@@ -60,8 +53,7 @@ class RowStaging:
 
     @cute.jit
     def refill_ring(self, tt: ThreadTiles, tile, visit, num_programs, rows, sources, ring_tiles):
-        """Issue the tile ``ring_depth - 1`` visits ahead of ``sources`` (g's parts, h) into the slot
-        the previous tile freed, then wait for this tile's."""
+        """Issue the tile ``ring_depth - 1`` visits ahead into the freed slot, then wait for this tile's."""
         ring_depth = self.config.ring_depth
         last_tile = tile + (ring_depth - 1) * num_programs
         if last_tile * self.tiling.rows_per_cta + tt.row_in_cta < rows:

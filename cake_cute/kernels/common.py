@@ -1,17 +1,16 @@
 """Building blocks shared by the RMSNorm kernels: tiled row copies and the fixed-order row sum.
 
 Row sum (thread -> warp shuffle -> shared memory -> cluster DSMEM). The order of every addition is
-fixed by the tiling alone, and every thread (of every CTA of a cluster) ends with the bitwise same
-total, which is what makes the kernels deterministic and batch invariant:
+fixed by the tiling alone, and every thread ends with the bitwise same total, which makes the kernels
+deterministic and batch invariant:
 
 1. each thread adds its own values in register order;
-2. a butterfly (xor) shuffle over the row's lanes of a warp -- commutative pairings, so all lanes agree;
-3. lane 0 of each warp stores its warp's sum in shared memory; after a CTA barrier every thread adds the
-   row's warp sums in warp order;
+2. a butterfly (xor) shuffle over the row's lanes of a warp, so all lanes agree;
+3. lane 0 of each warp stores its warp's sum in shared memory; after a CTA barrier every thread adds
+   the warp sums in warp order;
 4. with a cluster, the CTA's sum is pushed into cell [rank] of every peer's shared memory with
-   ``st.async`` (by one lane per peer, or for a pair by lane 0), crediting the peer's transaction
-   mbarrier; each CTA waits on its own mbarrier and adds the cells in rank order. No cluster-wide
-   barrier per row, and none at exit: a CTA has received every push meant for it before it can leave.
+   ``st.async``, crediting the peer's transaction mbarrier; each CTA waits on its own mbarrier and adds
+   the cells in rank order. No cluster-wide barrier per row, nor at exit.
 
 Reduction buffers are double-buffered (``slot``), so a persistent loop needs one CTA barrier per row.
 """
@@ -31,15 +30,13 @@ from .tiling import VECTOR_BYTES
 COPY_BITS = 8 * VECTOR_BYTES
 REDUCTION_SLOTS = 2
 # Clusters of at least this many CTAs push a row's partial sum to their peers from as many lanes; pairs
-# push from one lane (the A/B behind both: evidence/kernel-rules-h200-2026-12-01/cluster-push/).
+# push from one lane (each measured faster in its range).
 PARALLEL_PUSH_CLUSTER = 4
 
 
 class RowKernel:
-    """What the forward and backward kernel classes share: their compile-time parameters (the config
-    value from ``config``, the dtypes, the mode), the launch shape, where a thread sits in it, the
-    thread's slice of a row tile and its copies, w loaded and widened to FP32 with the Gemma-style
-    offset folded in, and the row sum with the kernel's tiling."""
+    """What the forward and backward kernels share: parameters, launch shape, a thread's slice of a row
+    tile, w widened with the offset folded in, and the row sum."""
 
     def __init__(self, config, act_dtype, w_dtype, residual: bool, weight_offset: float):
         self.config = config
@@ -54,8 +51,8 @@ class RowKernel:
         return self.tiling.cluster_n
 
     def launch_shape(self, ctas) -> dict:
-        """Launch keywords for ``ctas`` row programs times ``ctas_along_y`` CTAs along y. The shared
-        memory carveout is given explicitly so that compiling needs no GPU to look it up."""
+        """Launch keywords for ``ctas`` row programs; the explicit carveout lets compiles run without a
+        GPU."""
         t = self.tiling
         return dict(
             grid=[ctas, self.ctas_along_y(), 1],
@@ -67,8 +64,7 @@ class RowKernel:
 
     @cute.jit
     def cta_position(self):
-        """(the thread's index in its CTA, the CTA's row program along x, its index along y); the
-        last is the constant 0 where the grid has one CTA along y (compiled in, never read)."""
+        """(thread index in its CTA, row program along x, index along y: 0 without a cluster)."""
         tidx, _, _ = cute.arch.thread_idx()
         bidx, along_y, _ = cute.arch.block_idx()
         if const_expr(self.ctas_along_y() == 1):
@@ -77,10 +73,8 @@ class RowKernel:
 
     @cute.jit
     def thread_slice(self, shape, tidx, tile):
-        """The thread's slice of the row tiled copy, its cells of the tile ``tile`` (row tile, column
-        tile) of a ``shape`` tensor as coordinates (what register fragments are shaped like), the
-        column predicate of its fragments (None where the tiles cover the row exactly), its row
-        within the CTA and its lane in that row."""
+        """The thread's slice of the row copy, its cells of tile ``tile`` as coordinates, the column predicate
+        (None for exact covers), its row in the CTA and its lane in the row."""
         t = self.tiling
         thr = row_tiled_copy(self.act_dtype, t).get_slice(tidx)
         tXc = thr.partition_S(cute.local_tile(cute.make_identity_tensor(shape), tile_shape(t), tile))
@@ -90,17 +84,15 @@ class RowKernel:
         return thr, tXc, pred, tidx // t.threads_per_row, tidx % t.threads_per_row
 
     def row_copy(self, pred):
-        """Copy activation vectors between registers and memory, predicated on the columns (``pred``,
-        or None). Bind it outside dynamic branches: a None captured into one would become an IR value."""
+        """Copy activation vectors between registers and memory, predicated on ``pred``; bind it outside
+        dynamic branches, where a captured None would become an IR value."""
         return partial(cute.copy, copy_atom(self.act_dtype, self.tiling.vec), pred=pred)
 
     def staging_copy(self, pred):
-        """``row_copy`` from global into shared memory (``staging_atom``)."""
         return partial(cute.copy, staging_atom(self.act_dtype, self.tiling.vec), pred=pred)
 
     def weight_cells(self, mW: cute.Tensor, thr, tiler, rank) -> cute.Tensor:
-        """The thread's slice of w in global memory (w broadcast over the tile's rows), at cluster
-        rank ``rank``."""
+        """The thread's slice of w in global memory (broadcast over rows), at cluster rank ``rank``."""
         w_rows = broadcast_rows(mW, self.tiling.rows_per_cta)
         return thr.partition_S(cute.local_tile(w_rows, tiler, (0, rank)))
 
@@ -114,15 +106,13 @@ class RowKernel:
 
     @cute.jit
     def row_total(self, val: Float32, buffers, row_in_cta, lane_in_row, slot, phase) -> Float32:
-        """``row_sum`` of ``val`` over the thread's row with this kernel's tiling, ``buffers`` the
-        reduction's (warp sums, CTA sums, mbarriers)."""
+        """``row_sum`` of ``val`` over the thread's row with this kernel's tiling."""
         t = self.tiling
         return row_sum(val, *buffers, row_in_cta, lane_in_row, slot, phase, t.threads_per_row, t.cluster_n)
 
     @cute.jit
     def row_rstd(self, h: cute.TensorSSA, buffers, row_in_cta, lane_in_row, slot, eps) -> Float32:
-        """1 / sqrt(mean(h^2) + eps) of the thread's row (a gated kernel's: of its segment), ``buffers``
-        the reduction's (warp sums, CTA sums, mbarriers) and ``slot`` the one this row uses."""
+        """1 / sqrt(mean(h^2) + eps) of the thread's row (or segment)."""
         sum_sq = self.row_total(sum_of_squares(h), buffers, row_in_cta, lane_in_row, slot, Int32(0))
         return cute.math.rsqrt(sum_sq / self.tiling.hidden + eps)
 
@@ -142,8 +132,7 @@ def copy_atom(dtype, vec: int):
 
 
 def staging_atom(dtype, vec: int):
-    """Global -> shared copies: cp.async (the load holds no registers while in flight, so a CTA can
-    have its whole tile in flight) for 4-, 8- and 16-byte vectors; narrower ones load and store."""
+    """Global -> shared copies: cp.async for 4-, 8- and 16-byte vectors, else load and store."""
     bits = min(COPY_BITS, vec * dtype.width)
     if bits >= 32:
         return cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), dtype, num_bits_per_copy=bits)
@@ -165,9 +154,8 @@ def row_tiled_copy(dtype, tiling):
 
 @cute.jit
 def approx_reciprocal(values: cute.TensorSSA) -> cute.TensorSSA:
-    """1 / v of each FP32 value by rcp.approx: one MUFU instruction each, within one FP32 unit of the
-    correctly rounded reciprocal, rather than an IEEE division's instruction sequence (whose slow-path
-    call also holds registers across every use)."""
+    """1 / v of each FP32 value by rcp.approx (one MUFU op, within one FP32 unit), where an IEEE
+    division's slow path holds registers across every use."""
     cells = cute.make_rmem_tensor(values.shape, Float32)
     cells.store(values)
     for i in cutlass.range_constexpr(cute.size(cells)):
@@ -177,11 +165,8 @@ def approx_reciprocal(values: cute.TensorSSA) -> cute.TensorSSA:
 
 @cute.jit
 def sum_of_squares(h: cute.TensorSSA) -> Float32:
-    """sum_j h_j^2 of the thread's values as one chain of FMAs in element order (h_0^2 rounded, then
-    each product added unrounded). Spelled out rather than a reduce of h * h: whether the compiler fuses
-    such products into the sum depends on the rest of the kernel (in FP32 the statistics kernel, which
-    has no other use of h, got its products rounded apart from the forward's), and every kernel that
-    computes a row's rstd must round it the same way for the rstd to be bitwise one value."""
+    """sum_j h_j^2 as one chain of FMAs in element order, spelled out so every kernel rounds a row's
+    rstd alike whatever the compiler would fuse."""
     cells = cute.make_rmem_tensor(h.shape, Float32)
     cells.store(h)
     total = Float32(0.0)
@@ -201,16 +186,14 @@ def broadcast_rows(vector: cute.Tensor, rows: int) -> cute.Tensor:
 
 
 def global_row(m: cute.Tensor, row, hidden: int) -> cute.Tensor:
-    """Row ``row`` of a row-major global tensor whose rows all start ``VECTOR_BYTES``-aligned (the
-    padded FP32 partial rows of dW) as a length-``hidden`` vector."""
+    """Row ``row`` of a global tensor whose rows start vector-aligned, as a length-``hidden`` vector."""
     start = (m.iterator + cute.crd2idx((row, 0), m.layout)).toint()
     pointer = cute.make_ptr(m.element_type, start, cute.AddressSpace.gmem, assumed_align=VECTOR_BYTES)
     return cute.make_tensor(pointer, cute.make_layout((hidden,)))
 
 
 def global_vector(m: cute.Tensor, row, col, width: int) -> cute.Tensor:
-    """Cells (row, col .. col + width - 1) of a row-major global tensor as a tensor of their own,
-    aligned to its whole width (the caller guarantees the alignment and that the cells exist)."""
+    """Cells (row, col .. col + width - 1) of a global tensor as a tensor aligned to its width."""
     dtype = m.element_type
     start = (m.iterator + cute.crd2idx((row, col), m.layout)).toint()
     pointer = cute.make_ptr(dtype, start, cute.AddressSpace.gmem, assumed_align=width * dtype.width // 8)
@@ -219,8 +202,7 @@ def global_vector(m: cute.Tensor, row, col, width: int) -> cute.Tensor:
 
 @cute.jit
 def prefetch_to_l2(m: cute.Tensor, row, col, count: cutlass.Constexpr[int], hidden: cutlass.Constexpr[int]):
-    """Ask the L2 for ``count`` elements of row ``row`` of ``m`` from column ``col`` on (clipped to H),
-    with one bulk prefetch (no registers held, nothing to wait for)."""
+    """One bulk L2 prefetch of ``count`` elements of row ``row`` from column ``col`` (clipped to H)."""
     if col < hidden:
         elems = cutlass.min(Int32(count), Int32(hidden) - col)
         start = (m.iterator + cute.crd2idx((row, col), m.layout)).toint()
@@ -232,9 +214,7 @@ def prefetch_to_l2(m: cute.Tensor, row, col, count: cutlass.Constexpr[int], hidd
 
 @cute.jit
 def column_predicate(coords: cute.Tensor, hidden: Int32) -> cute.Tensor:
-    """One flag per vector of a thread's fragment: does the vector start inside the row?
-
-    H is a multiple of the vector width, so a vector is either wholly inside or wholly outside."""
+    """One flag per vector of a thread's fragment: does it start inside the row?"""
     pred = cute.make_rmem_tensor(
         cute.make_layout(
             (cute.size(coords, mode=[0, 1]), cute.size(coords, mode=[1]), cute.size(coords, mode=[2])),
@@ -250,8 +230,8 @@ def column_predicate(coords: cute.Tensor, hidden: Int32) -> cute.Tensor:
 
 @dsl_user_op
 def push_to_peer(val: Float32, smem_ptr: cute.Pointer, mbar_ptr: cute.Pointer, rank, *, loc=None, ip=None):
-    """Store ``val`` at ``smem_ptr``'s offset in cluster CTA ``rank`` and credit its 4 bytes to that
-    CTA's mbarrier at ``mbar_ptr``'s offset (st.async: no round trip, no cluster-wide barrier)."""
+    """Store ``val`` in cluster CTA ``rank``'s shared memory and credit its 4 bytes to that CTA's mbarrier
+    (st.async)."""
     remote_val = cute.arch.map_dsmem_ptr(smem_ptr, rank, loc=loc, ip=ip)
     remote_bar = cute.arch.map_dsmem_ptr(mbar_ptr, rank, loc=loc, ip=ip)
     cute.arch.inline_ptx(
@@ -267,9 +247,8 @@ def push_to_peer(val: Float32, smem_ptr: cute.Pointer, mbar_ptr: cute.Pointer, r
 
 
 def allocate_reduction_buffers(smem, tiling):
-    """Per-slot warp sums; for clusters, per-slot (row, rank) CTA sums pushed by every peer and one
-    transaction mbarrier per slot (allocated, unused, without a cluster: a dynamic loop cannot carry
-    a None)."""
+    """Per-slot warp sums and, for clusters, per-slot CTA sums and mbarriers (allocated without one too:
+    a dynamic loop cannot carry a None)."""
     warp_sums = smem.allocate_tensor(
         Float32,
         cute.make_layout((REDUCTION_SLOTS, tiling.rows_per_cta, tiling.warps_per_row)),
@@ -286,8 +265,7 @@ def allocate_reduction_buffers(smem, tiling):
 
 @cute.jit
 def init_cluster_reduction(mbars: cute.Pointer, cluster_n: cutlass.Constexpr[int]):
-    """Initialise the slots' mbarriers and make sure every peer's are initialised before anyone pushes
-    (one cluster barrier per kernel, at the start)."""
+    """Initialise the slots' mbarriers, and make every peer's initialised before anyone pushes."""
     if const_expr(cluster_n > 1):
         if cute.arch.thread_idx()[0] == 0:
             for slot in cutlass.range_constexpr(REDUCTION_SLOTS):
@@ -310,11 +288,8 @@ def row_sum(
     threads_per_row: cutlass.Constexpr[int],
     cluster_n: cutlass.Constexpr[int],
 ) -> Float32:
-    """The sum of ``val`` over a row's lanes (and cluster CTAs), bitwise equal in every thread.
-
-    ``slot`` alternates between consecutive calls; ``phase`` is the parity of the slot's use count.
-    A slot's cells are pushed again only after every CTA has read them: a peer's next push to a slot
-    needs this CTA's push of the following row, which comes after this CTA's read."""
+    """The sum of ``val`` over a row's lanes and cluster CTAs, bitwise equal in every thread; ``slot``
+    alternates between calls, ``phase`` is its use parity."""
     warps_per_row = max(1, threads_per_row // cute.arch.WARP_SIZE)
     val = cute.arch.warp_reduction(
         val, operator.add, threads_in_group=min(threads_per_row, cute.arch.WARP_SIZE)
@@ -333,7 +308,7 @@ def row_sum(
             rows_per_cta = cute.size(cta_sums, mode=[1])
             cute.arch.mbarrier_arrive_and_expect_tx(mbar, rows_per_cta * cluster_n * 4)
         # From PARALLEL_PUSH_CLUSTER CTAs on, lane p of the row pushes to peer p, so the remote stores
-        # leave at once; in a pair, lane 0 pushes both (each measured faster in its range).
+        # leave at once; in a pair, lane 0 pushes both.
         pushers = cluster_n if const_expr(cluster_n >= PARALLEL_PUSH_CLUSTER) else 1
         if lane_in_row < pushers:
             cell = cta_sums.iterator + cute.crd2idx((slot, row_in_cta, rank), cta_sums.layout)

@@ -1,26 +1,16 @@
 """Kernel configurations as values: one frozen config per kernel variant, built by per-arch rules, with
 an override table for tuning.
 
-- ``forward_config(arch, act_dtype, hidden)`` -> ``ForwardConfig`` (``rmsnorm_fwd``),
-- ``backward_config(arch, act_dtype, w_dtype, hidden, residual, g_parts=1, from_output=False)`` ->
-  ``BackwardConfig`` (``rmsnorm_bwd``),
-- ``reduce_config(arch, out_dtype, hidden)`` -> ``ReduceConfig`` (``dw_reduce``);
-- the forward to block-scaled FP8's ``quant_forward_config`` is in ``kernels.quant_config``, built on
-  the forward's rules here and overridden through the same table (kind ``"quant"``).
+``forward_config``, ``backward_config`` and ``reduce_config`` build the configs of ``rmsnorm_fwd``,
+``rmsnorm_bwd`` and ``dw_reduce``; the FP8 forward's (``quant_config``) builds on the forward's rules
+and shares the override table. A kernel class takes its whole config value, which is part of the
+compile-cache key, so a changed config never loads an object compiled for another. No config depends
+on T (batch invariance). Where a rule differs by architecture, the rule says so; docs/performance.md
+names the measurement behind each rule.
 
-A kernel class takes its whole config value; the value is part of the compile-cache key, so a changed
-config can never load an object compiled for another. None depends on the number of rows T (batch
-invariance: see ``tiling``). ``describe()`` is what ``cake-cute warmup --report`` and ``cake-cute info``
-print.
-
-Where the rules differ by architecture, the rule says so (``forward_register_hint``,
-``backward_register_budget``); the measurements behind each rule are in the evidence/ folder its
-docstring names.
-
-Overrides: ``overridden(kind, arch, dtype, hidden, **choices)`` replaces some of the choices for one
-(kind, arch, dtype, H) while the context is open (``benchmarks/tune.py`` uses it to compile and time
-candidate configs); values derived from the choices (CTAs per SM, shared memory) follow them.
-Code that caches anything derived from a config registers with ``on_override_change``.
+``overridden(kind, arch, dtype, hidden, **choices)`` replaces some choices for one variant while the
+context is open (``benchmarks/tune.py``); derived values follow. Code that caches anything derived
+from a config registers with ``on_override_change``.
 """
 
 from __future__ import annotations
@@ -79,13 +69,12 @@ class ForwardConfig:
 class BackwardConfig:
     """The backward kernel.
 
-    ``dw_in_smem``: 512-thread CTAs (128 registers per thread) whose lanes own more than one vector
-    each keep the FP32 dW accumulator in shared memory and read g (every part of it) and h straight
-    from global memory, again after the row sum (an L2 hit), instead of staging them; otherwise g and
-    h stream through a ring of ``ring_depth`` slots, each one shared-memory row tile per part of g
-    and one of h. ``register_budget`` is held through ``min_ctas_per_sm`` (the ``min_blocks_per_mp``
-    hint); ``smem_bytes`` bounds one CTA's shared memory and ``ctas_per_sm`` is how many CTAs are
-    resident on an SM (the persistent grid launches exactly that many)."""
+    ``dw_in_smem``: 512-thread CTAs whose lanes own more than one vector keep the FP32 dW accumulator in
+    shared memory and read g and h from global memory twice (the second read an L2 hit) instead of
+    staging them; otherwise g and h stream through a ring of ``ring_depth`` slots, each a row tile per
+    part of g and one of h. ``register_budget`` is held through ``min_ctas_per_sm``; ``smem_bytes`` bounds
+    one CTA's shared memory; ``ctas_per_sm`` CTAs are resident on an SM (the persistent grid launches
+    exactly that many)."""
 
     tiling: RowTiling
     dw_in_smem: bool
@@ -110,11 +99,10 @@ class BackwardConfig:
 
 @dataclass(frozen=True)
 class ReduceConfig:
-    """The dW reduction: a CTA of ``threads`` threads covers ``col_lanes`` vectors of ``vec`` FP32
-    columns and splits the partial rows over ``threads // col_lanes`` row lanes, whose number fixes the
-    summation order (``dw_reduce``; a backward that sums dW in its own launch keeps it too). A row lane
-    loads ``rows_in_flight`` of its partial rows before it adds them (the order of the additions, and
-    so dw's bits, are the same for every value)."""
+    """The dW reduction: a CTA of ``threads`` threads covers ``col_lanes`` vectors of ``vec`` FP32 columns
+    and splits the partial rows over ``threads // col_lanes`` row lanes, whose number fixes the summation
+    order. A row lane loads ``rows_in_flight`` partial rows before adding them, which leaves dw's bits
+    unchanged."""
 
     hidden: int
     vec: int
@@ -151,8 +139,7 @@ _listeners: list[Callable[[], None]] = []
 
 
 def override_choices(kind: str, arch: str, dtype: str, hidden: int) -> dict:
-    """The overridden choices for one (kind, arch, dtype, H); ``dtype`` is the rows' dtype, or dW's
-    output dtype for ``"dw"``."""
+    """The overridden choices for one (kind, arch, dtype, H); ``dtype`` is dW's output dtype for ``"dw"``."""
     return _overrides.get((kind, arch, dtype, hidden), {})
 
 
@@ -192,13 +179,12 @@ def overridden(kind: str, arch: str, dtype: str, hidden: int, **choices) -> Iter
     Parameters
     ----------
     kind, arch, dtype, hidden
-        The entry: ``"fwd"``, ``"bwd"``, ``"dw"``, ``"quant"`` or ``"gated_bwd"``; a compile target;
-        the rows' dtype name (dW's output dtype for ``"dw"``); H (the whole row's for ``"gated_bwd"``).
-        A backward entry applies to both w dtypes and every mode, a quant entry to both recipes, a gated
-        backward entry to every group size.
+        ``"fwd"``, ``"bwd"``, ``"dw"``, ``"quant"`` or ``"gated_bwd"``; a compile target; the rows' dtype
+        name (dW's output dtype for ``"dw"``); H (the whole row's for ``"gated_bwd"``). A backward entry
+        applies to both w dtypes and every mode, a quant entry to both recipes, a gated backward entry to
+        every group size.
     **choices
-        Values for the entry's ``CHOICES`` (e.g. ``tiling=``, ``ring_depth=``); the rest keep their
-        rules, and derived values (min CTAs per SM, shared memory, CTAs per SM) follow.
+        Values for the entry's ``CHOICES``; the rest keep their rules, and derived values follow.
 
     Raises
     ------
@@ -224,9 +210,8 @@ def overridden(kind: str, arch: str, dtype: str, hidden: int, **choices) -> Iter
 
 
 def forward_register_hint(tiling: RowTiling, arch: str) -> int:
-    """The forward's ``min_blocks_per_mp`` hint, 0 for none. On sm_90a the compiler's own register
-    choice is best (64 registers let four 256-thread cluster CTAs share an SM); on Blackwell it
-    squeezes some cluster variants to 64 registers and spills, so they get the 128-register cap."""
+    """The forward's ``min_blocks_per_mp`` hint: none on sm_90a; on Blackwell the 128-register cap for the
+    cluster variants its compiler would squeeze into spilling."""
     if arch == HOPPER or tiling.cluster_n == 1:
         return 0
     return tiling.min_ctas_per_sm
@@ -244,14 +229,10 @@ def forward_config(arch: str, act_dtype: str, hidden: int) -> ForwardConfig:
 
 
 def backward_ring_depth(tiling: RowTiling, act_dtype: str, residual: bool) -> int:
-    """Row tiles of g and h a staged backward CTA cycles through: 4 (three in flight while one is
-    reduced) for plain rows one CTA holds, else 2. Exceptions, all measured slower with more
-    stages: residual mode (its g_residual group, committed behind a tile's g and h, would force that
-    tile early), cluster tilings (a CTA that has the SM to itself waits out every DSMEM row sum), and
-    one-row CTAs whose lanes hold one 2-byte vector each (bf16/fp16 H = 1024-4096): 16 warps of them
-    lose 2% at T * H = 2^27, and narrower ones, which gain 1% there from 4 stages, lose 3-10% at
-    T = 256-16384, the training shapes. Measurements: evidence/kernel-rules-h200-2026-12-01/stages-scan/,
-    evidence/kernel-rules-h200-2026-12-01/backward-scans/."""
+    """Row tiles of g and h a staged backward CTA cycles through: 4 for plain rows one CTA holds, else 2.
+    The exceptions measured slower with more stages: residual mode (its g_residual group would force a
+    tile early), cluster tilings (a CTA waits out every DSMEM row sum), and one-row CTAs whose lanes hold
+    one 2-byte vector each (bf16/fp16 H = 1024-4096) at the training shapes."""
     if residual or tiling.cluster_n > 1:
         return 2
     if tiling.vecs_per_thread == 1 and tiling.rows_per_cta == 1 and dtype_bytes(act_dtype) == 2:
@@ -260,23 +241,18 @@ def backward_ring_depth(tiling: RowTiling, act_dtype: str, residual: bool) -> in
 
 
 def parts_ring_depth(ring_depth: int, g_parts: int) -> int:
-    """Slots of the ring when g arrives as ``g_parts`` summands: a slot then stages g_parts + 1 row
-    tiles instead of two. The ring keeps the one-g ring's number of tiles in whole slots, because
-    shared memory bounds how many CTAs share an SM: 4 slots x 2 tiles become 2 x 3 or 2 x 4, so a
-    four-slot variant stages no more than before. Never fewer than two slots (one tile in flight while
-    one is reduced), so two-slot rings (residual mode, clusters, one-vector lanes) stage g_parts - 1
-    more tiles per slot; where that crosses half an SM's shared memory -- 16 KB row tiles: bf16 rows
-    split over clusters or of H = 8192 in residual mode, most FP32 rows from 4096 on -- one CTA per SM
-    remains instead of two. One g keeps its ring as it is. Not yet measured against deeper rings."""
+    """Slots of the ring when g arrives as ``g_parts`` summands (a slot stages g_parts + 1 tiles): the
+    one-g ring's number of tiles in whole slots, since shared memory bounds the CTAs per SM, and never
+    fewer than two slots. Two-slot rings thus stage more per slot, and where that crosses half an SM's
+    shared memory one CTA per SM remains instead of two. One g keeps its ring."""
     return max(2, ring_depth * 2 // (g_parts + 1))
 
 
 def backward_register_budget(tiling: RowTiling, arch: str) -> int:
-    """Registers per backward thread: 128, or a lean budget when each thread owns at most two vectors,
-    needs no column predicates and shares its CTA with at most one other row, so more CTAs fit on an
-    SM to hide the per-row latency: 80, or 64 for 512-thread CTAs (two per SM rather than one).
-    Narrower tilings spill under 80, and so do some sm_100a variants, which keep 128 (the lean
-    budgets are tuned on Hopper only: evidence/kernel-rules-h200-2026-12-01/tiling-scans/)."""
+    """Registers per backward thread: 128, or a lean budget (80, or 64 for 512-thread CTAs) when each
+    thread owns at most two vectors, needs no column predicates and shares its CTA with at most one other
+    row, so more CTAs hide the per-row latency. Narrower tilings spill under 80, and so do some sm_100a
+    variants, which keep 128 (the lean budgets are tuned on Hopper)."""
     lean = tiling.vecs_per_thread <= 2 and tiling.covers_row_exactly and tiling.rows_per_cta <= 2
     if not lean or arch != HOPPER:
         return MAX_REGISTERS_PER_THREAD
@@ -284,13 +260,10 @@ def backward_register_budget(tiling: RowTiling, arch: str) -> int:
 
 
 def smem_bound_register_budget(tiling: RowTiling, budget: int, smem_bytes: int) -> int:
-    """Registers per thread of a backward variant that needs more than the default: g in parts (every
-    part is one more register fragment in the row sum and in dx) or the memory-efficient mode (its
-    reciprocals of s). Where shared memory lets fewer CTAs onto an SM than ``budget``'s register hint
-    asks for, the hint would only squeeze registers: the budget grows to those CTAs' share of the
-    register file, at most ``MAX_HINTED_REGISTERS`` (sm_100a bf16 H = 8192 with three parts spills
-    under 128 and takes 130; so does sm_90a 2-byte H = 8192 reading y). Residency is unchanged: shared
-    memory already decided it."""
+    """Registers per thread of a backward variant that needs more (g in parts, or the memory-efficient
+    mode): where shared memory admits fewer CTAs than ``budget``'s hint asks for, the hint would only
+    squeeze registers, so the budget grows to those CTAs' share of the register file, at most
+    ``MAX_HINTED_REGISTERS``. Residency is unchanged."""
     fit = resident_ctas_per_sm(tiling, smem_bytes, MAX_CTAS_PER_SM)
     share = REGISTERS_PER_SM // (fit * tiling.threads_per_cta)
     return max(budget, min(MAX_HINTED_REGISTERS, share))
@@ -305,11 +278,8 @@ def backward_smem_bytes(
     ring_depth: int,
     dw_in_smem: bool,
 ) -> int:
-    """Shared memory of one backward CTA (``rmsnorm_bwd``), an upper bound: reduction slots, the w tile,
-    one tile of g_residual, either the ring (per slot a tile of each part of g and one of h) or the
-    FP32 dW tile, the FP32 tile in which several row groups fold their dW, and the DSL's static
-    kilobyte. w's own dtype counts: under autocast w is FP32 next to bf16 rows, and its tile can decide
-    whether two CTAs fit on an SM (bf16 H = 8192, residual)."""
+    """Shared memory of one backward CTA, an upper bound; w's tile in its own dtype, which under autocast
+    can decide whether two CTAs fit."""
     tile = tiling.rows_per_cta * tiling.cols_per_cta
     reduction = 4 * 2 * tiling.rows_per_cta * (tiling.warps_per_row + 1) + 64
     act_bytes = dtype_bytes(act_dtype)
@@ -336,11 +306,10 @@ def backward_config(
     g_parts: int = 1,
     from_output: bool = False,
 ) -> BackwardConfig:
-    """The backward's config; ``g_parts`` (1 to ``MAX_G_PARTS``) is how many summands g arrives as. An
-    overridden ``ring_depth`` is the one-g ring's; a parts variant cuts it like the rule's. The
-    memory-efficient variant (``from_output``: y read in h's place) keeps the default's tiling, ring,
-    shared memory and residency; like a parts variant it may take more registers where shared memory
-    leaves them free (``smem_bound_register_budget``).
+    """The backward's config for g in ``g_parts`` summands (1 to ``MAX_G_PARTS``). An overridden
+    ``ring_depth`` is the one-g ring's. The memory-efficient variant (``from_output``) keeps the
+    default's tiling, ring, shared memory and residency; like a parts variant it may take more registers
+    where shared memory leaves them free.
 
     Raises
     ------
@@ -374,10 +343,8 @@ def backward_config(
 
 
 # A dW reduction of at most NARROW_REDUCE_MAX_CTAS column CTAs (H <= 256 in 4-column vectors) cannot
-# fill the GPU: there, CTAs of NARROW_REDUCE_THREADS threads (1024 row lanes: the lane count is part of
-# the summation order, so it stays what it was measured and shipped with). Measured when the backward
-# wrote one partial row per row group (16896 at bf16 H = 64 on an H200), before its row groups folded
-# them to one per program.
+# fill the GPU: there, CTAs of NARROW_REDUCE_THREADS threads (1024 row lanes, measured fastest; the lane
+# count is part of the summation order, so it stays as shipped).
 NARROW_REDUCE_MAX_CTAS = 64
 NARROW_REDUCE_THREADS = 1024
 
@@ -387,28 +354,22 @@ def largest_power_of_two(n: int) -> int:
 
 
 def finish_team(reduce: ReduceConfig, threads: int) -> int:
-    """Threads of one team of the dW finish in a backward CTA of ``threads`` threads (``dw_finish``):
-    a column vector's R row lanes, or the largest power of two of the CTA's threads when that is
-    fewer."""
+    """Threads of one team of the in-launch dW finish: a column vector's row lanes, at most a power of two."""
     return min(reduce.row_lanes, largest_power_of_two(threads))
 
 
 def finish_cells_bytes(reduce: ReduceConfig, threads: int) -> int:
-    """Shared memory of the dW finish in a backward CTA of ``threads`` threads: each warp's FP32 column
-    vector (``dw_reduce.ColumnSum.cells_layout``) for every team the threads form, those beyond the
-    largest power of two included."""
+    """Shared memory of the dW finish in a backward CTA: each warp's FP32 column vector for every team."""
     team = finish_team(reduce, threads)
     return -(-threads // team) * max(1, team // 32) * reduce.vec * 4
 
 
 @cache
 def reduce_config(arch: str, out_dtype: str, hidden: int) -> ReduceConfig:
-    """(vec, col_lanes, threads, rows_in_flight) for a row of ``hidden`` FP32 partial sums: 4-column
-    vectors when H allows, column lanes halved for narrow rows so that even H = 1024 spreads over a
-    few hundred CTAs; where one column lane per CTA still leaves at most ``NARROW_REDUCE_MAX_CTAS``
-    CTAs, ``NARROW_REDUCE_THREADS`` threads; ``REDUCE_ROWS_IN_FLIGHT`` partial rows in flight per
-    lane. The row lanes (threads / col_lanes) fix dw's summation order (``dw_reduce``); the other
-    choices do not change a bit of it."""
+    """The reduction's config for ``hidden`` FP32 partial sums: 4-column vectors when H allows, column
+    lanes halved for narrow rows so the work spreads over many CTAs, ``NARROW_REDUCE_THREADS`` threads
+    where few CTAs remain, ``REDUCE_ROWS_IN_FLIGHT`` rows in flight. Only the row lanes fix dw's
+    summation order."""
     vec = 4 if hidden % 4 == 0 else 1
     choices = override_choices("dw", arch, out_dtype, hidden)
     col_lanes = choices.get("col_lanes")

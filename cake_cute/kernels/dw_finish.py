@@ -1,27 +1,25 @@
 """The backward's dW finish inside its own launch: once every CTA has written its FP32 partial row, the
-CTAs meet at a grid-wide barrier and sum column vectors of the partial rows in ``dw_reduce``'s fixed
-order (``dw_reduce.ColumnSum``), so dw is bitwise what the separate reduction would write.
+CTAs meet at a grid-wide barrier and sum the partial rows in ``dw_reduce``'s fixed order, so dw is
+bitwise what the separate reduction would write.
 
-Co-residency: the persistent grid launches no more programs than are resident at once
-(``device.resident_clusters``), which a grid barrier needs; the launch is cooperative (unless a config
-says otherwise), so the driver refuses a grid that could not be resident instead of letting its CTAs
-wait for CTAs that cannot start.
+Co-residency: the persistent grid launches no more programs than are resident, and the launch is
+cooperative (unless a config says otherwise), so the driver refuses a grid that could not all be
+resident rather than letting it deadlock.
 
 Barrier (``grid_barrier``): one Int32 counter in global memory, zero between launches. Every thread
-fences its writes (the partial rows); after a CTA barrier, thread 0 of every CTA adds 1 to the counter,
-polls until it holds every CTA's arrival, fences (acquire), and adds 1 again as it leaves: the CTA whose
-departure completes the second count stores 0, when no CTA can still be polling. So the counter needs
-no reset by the host (CUDA graph replays included) and two launches must not share one at the same
-time. The counter is the only memory any atomic touches; the data (partial rows, dx, dw) see none.
+fences its writes; after a CTA barrier, thread 0 of every CTA adds 1, polls until every CTA has
+arrived, fences (acquire), and adds 1 again as it leaves: the CTA completing the second count stores
+0, when none can still be polling. So the host never resets the counter (CUDA graph replays
+included), and two concurrent launches must not share one. The counter is the only memory any atomic
+touches.
 
-Work after the barrier: CTA c's teams of ``ColumnSum.team`` threads sum column vectors c * teams + team,
-then those CTAs * teams further on, ... (the threads beyond the largest power of two of a CTA's threads
-take part in its barriers only). Its shared memory is the row loop's, free by then.
+After the barrier CTA c's teams sum column vectors c * teams + team, then those CTAs * teams further
+on, ..., in the row loop's shared memory, free by then.
 
-Bytes moved: reads the P partial rows (P * H * 4, from the L2: just written), writes dw (H * out_bytes).
+Bytes moved: reads the P partial rows (P * H * 4, from the L2), writes dw (H * out_bytes).
 
-A mixin of the backward kernels (``rmsnorm_bwd.RMSNormBackward``, ``gated_bwd.GatedRMSNormBackward``),
-which read ``tiling`` and ``finish``: the ``ColumnSum`` of the finish (None for the two-launch backward).
+A mixin of the backward kernels, which provide ``tiling`` and ``finish`` (the ``ColumnSum``, or None
+for the two-launch backward).
 """
 
 from __future__ import annotations
@@ -45,9 +43,8 @@ def load_relaxed(counter: cute.Tensor) -> Int32:
 
 @cute.jit
 def grid_barrier(counter: cute.Tensor, num_ctas):
-    """Wait until every CTA of the grid has arrived, with every write made before it visible to every
-    thread after it, and leave ``counter`` zero once the last CTA has left. Every thread of every CTA
-    calls it."""
+    """Wait for every CTA, with every write before visible after, and leave ``counter`` zero once the last
+    CTA has left. Every thread calls it."""
     cute.arch.fence_acq_rel_gpu()
     cute.arch.barrier()
     if cute.arch.thread_idx()[0] == 0:
@@ -67,8 +64,7 @@ class DWFinish:
 
     @cute.jit
     def finish_dw(self, mPartial, mDW, mCounter, scratch: cute.Pointer, tidx, cta, num_ctas):
-        """Meet every CTA at the grid barrier, then sum this CTA's column vectors into ``mDW``;
-        ``scratch`` is free shared memory of at least ``finish_cells_bytes`` bytes."""
+        """Meet at the grid barrier, then sum this CTA's column vectors into ``mDW`` in ``scratch``."""
         threads = self.tiling.threads_per_cta
         team_size = self.finish.team
         teams = largest_power_of_two(threads) // team_size

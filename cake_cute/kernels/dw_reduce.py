@@ -3,28 +3,21 @@
 Math: ``dw[j] = sum_p partials[p, j]`` in FP32, rounded once to the output dtype (FP32 for the
 functional API, w's dtype for autograd).
 
-Order (fixed by P, the number of partial rows, and R = ``ReduceConfig.row_lanes``): for each column,
-R lane sums ``s_l = ((0 + p_l) + p_{l+R}) + p_{l+2R} + ...`` (rows l, l + R, ... in order), then a
-binary tree: for stride R/2, R/4, ..., 1, ``s_l = s_l + s_{l+stride}`` for every l < stride; dw is s_0.
-Nothing else decides the order, so dw is bitwise reproducible and the same whichever threads compute it
-(``ColumnSum``). R is a power of two: the rule's CTA threads over its column lanes.
+Order (fixed by P, the number of partial rows, and R = ``ReduceConfig.row_lanes``, a power of two):
+for each column, R lane sums ``s_l = ((0 + p_l) + p_{l+R}) + p_{l+2R} + ...``, then a binary tree:
+for stride R/2, R/4, ..., 1, ``s_l = s_l + s_{l+stride}`` for every l < stride; dw is s_0. Nothing
+else decides the order, so dw is bitwise reproducible whichever threads compute it.
 
-Threads (``ColumnSum``): a team of ``team`` = min(R, threads) threads sums one column vector (``vec`` =
-4 columns, one 128-bit load per row, when H is a multiple of 4), each thread ``R / team`` lane sums.
-A lane's rows are loaded ``rows_in_flight`` at a time before they are added (the additions keep the
-order; a row past P adds 0, which changes no sum: a lane sum starts at +0 and can never be -0), so a
-lane's rows cost one round trip to the L2 per batch rather than one each. The tree runs from its widest
-stride down: the strides between one thread's own lane sums in registers, then (the lane's top five
-bits being the thread's lane in its warp) butterfly shuffles -- for l < stride, lane l's partner
-l ^ stride is l + stride -- and, for teams of several warps, the warps' sums through shared memory
-into one warp's lanes and shuffles again. Where several teams share a warp (R < 32) their shuffles
-stay within their own lanes.
+Threads (``ColumnSum``): a team of min(R, threads) threads sums one column vector (4 columns, one
+128-bit load per row, when H allows), each thread ``R / team`` lane sums. A lane loads
+``rows_in_flight`` rows before adding them (a row past P adds 0, which changes no sum: a lane sum
+starts at +0), so a batch costs one L2 round trip. The tree runs from its widest stride down: between
+one thread's own lane sums in registers, then butterfly shuffles (lane l's partner l ^ stride is
+l + stride), and for teams of several warps through shared memory and shuffles again.
 
-Kernel (``DWReduce``): CTAs of ``ReduceConfig.threads`` threads, one column vector per team
-(``col_lanes`` teams of R threads), launched behind the backward with programmatic dependent launch
-(``ReduceConfig.after_backward``: the grid is set up while the backward finishes, which allows it
-once its row loop is done; each CTA waits at ``griddepcontrol.wait`` until the backward's grid has
-completed and its partial rows are visible: evidence/kernel-rules-h200-2026-12-01/backward-scans/).
+Kernel (``DWReduce``): CTAs of ``ReduceConfig.threads`` threads, one column vector per team, launched
+behind the backward with programmatic dependent launch: the grid is set up while the backward
+finishes, and each CTA waits at ``griddepcontrol.wait`` until the backward's partial rows are visible.
 
 Bytes moved: reads P * H * 4 (from the L2: the backward has just written them), writes H * out_bytes.
 """
@@ -41,9 +34,7 @@ WARP = 32
 
 
 class ColumnSum:
-    """The fixed-order sum of column vectors of the partial rows by teams of ``team`` threads (see the
-    module docstring), for a reduction config (``config.ReduceConfig``: H, vec, R, rows in flight) and
-    an output dtype."""
+    """The fixed-order sum of the partial rows' column vectors by teams of ``team`` threads."""
 
     def __init__(self, config, team: int, out_dtype):
         self.config = config
@@ -58,8 +49,8 @@ class ColumnSum:
         return cute.make_ordered_layout((teams, self.warps, self.config.vec), order=(2, 1, 0))
 
     def lane_of(self, member, k: int):
-        """The k-th lane sum of team member ``member``: the member's lane in its warp takes the lane's
-        top five bits below the ``lanes_per_thread`` bits, its warp the bits below them."""
+        """The k-th lane sum of team member ``member``: k in the lane's top bits, then the member's lane in
+        its warp, then its warp, so the tree's strides run over registers, then shuffles, then warps."""
         if const_expr(self.team <= WARP):
             return k * self.team + member
         return k * self.team + (member % WARP) * self.warps + member // WARP
@@ -94,9 +85,8 @@ class ColumnSum:
 
     @cute.jit
     def column_vector(self, mPartial, col0, member, cells):
-        """The column vector's dw in FP32, valid in the team's member 0. ``cells`` is the team's slice of
-        ``cells_layout`` (several warps) or None; every thread of the CTA must call this when a team has
-        several warps (a CTA barrier)."""
+        """The column vector's dw in FP32, valid in member 0; with several warps every thread of the CTA
+        must call it (a CTA barrier)."""
         vec = self.config.vec
         sums = [self.lane_sum(mPartial, col0, self.lane_of(member, k)) for k in range(self.lanes_per_thread)]
         for level in cutlass.range_constexpr(self.lanes_per_thread.bit_length() - 1):
@@ -127,8 +117,7 @@ class ColumnSum:
 
 
 class DWReduce:
-    """One compiled reduction per (arch, output dtype, H) and its ``config.ReduceConfig``; the number
-    of partial rows is a runtime value."""
+    """One compiled reduction per (arch, output dtype, H); the number of partial rows is a runtime value."""
 
     def __init__(self, config, out_dtype):
         self.config = config

@@ -1,9 +1,8 @@
 """Gated RMSNorm backward: dx and dz in one pass, and per-program FP32 partial rows of dW.
 
-Math, per row t and segment k (the row, or one group of L columns: ``gated_fwd``), FP32 arithmetic,
-one rounding of each output; the gate and the statistics' products are recomputed from the saved x,
-z, w and rstd (s = act(z), s' = act'(z) for the compiled-in gate activation, SiLU or sigmoid,
-w' = w + weight_offset, g = dL/dy):
+Math, per row t and segment k (the row, or one group of L columns), FP32 arithmetic, one rounding of
+each output; the gate and the statistics' products are recomputed from x, z, w and rstd (s = act(z),
+s' = act'(z), w' = w + weight_offset, g = dL/dy):
 
     norm then gate:  n = x * rstd      a = g * w' * s     dW_partial += g * n * s
     gate then norm:  n = x * s * rstd  a = g * w'         dW_partial += g * n
@@ -12,36 +11,24 @@ w' = w + weight_offset, g = dL/dy):
     norm then gate:  dx = round(dn)                     dz = round(g * n * w' * s')
     gate then norm:  dx = round(dn * s)                 dz = round(dn * x * s')
 
-Persistent grid (P, H / L, times the cluster's C CTAs along y for segments wider than 4096 columns):
-program (b, k) visits the row tiles b, b + P, ... of group k -- a fixed partition for a given (T, P),
-with P fixed by T and the GPU (``gated.ops``). Its lanes keep one FP32 dW accumulator per column they
-own (their columns never change: a CTA only sees its slice of group k); at the end the CTA's segment
-rows fold their accumulators by the plain backward's fixed tree
-(``rmsnorm_bwd.RMSNormBackward.fold_row_groups``) and the CTA writes its columns of group k in partial
-row b of ``partials[P, H_pad]``, which ``dw_reduce`` sums in a fixed order (launched behind this
-kernel with programmatic dependent launch), or, in a variant with the finish in the launch
-(``finish``), this kernel's CTAs after a grid barrier in the same order (``dw_finish``; its cells in a
-small tile of their own). No atomics on data (the grid barrier's counter is the only memory an atomic
-touches): dx, dz, dW are bitwise reproducible, and a row's dx and dz do not depend on T.
+Persistent grid (P, H / L, times a cluster's C CTAs along y for segments wider than 4096 columns):
+program (b, k) visits row tiles b, b + P, ... of group k, a fixed partition for a given (T, P). Its
+lanes keep one FP32 dW accumulator per column they own; at the end the CTA's segment rows fold them
+by the plain backward's fixed tree and the CTA writes its columns of partial row b, which
+``dw_reduce`` (behind this kernel) or the finish in the launch (``dw_finish``) sums in a fixed order.
+No atomics on data: dx, dz and dW are bitwise reproducible, and a row's dx and dz do not depend on T.
 
 Tiling (``gated_config.gated_backward_config``): a segment as in the forward, at most 8 elements of
-each operand per lane, short segments 256 threads to a CTA. g, x and z of a tile are loaded straight
-into registers (no staging); the FP32 terms of dx and dz are formed before the row sum, the only
-synchronisation per row (``common.row_sum``, double-buffered by ``slot``), and held across it; 2-byte
-rows are held to 80 registers so that three 256-thread CTAs share an SM
-(``gated_config.HELD_REGISTER_BUDGET``). A segment wider than 512 such lanes cover (groups of 6144 and
-8192) is split over a cluster of 128-thread CTAs (``gated_config.cluster_segment_tiling``: eight for
-8192 columns, six to an SM), whose partial row sums meet in distributed shared memory (an ``st.async``
-push to every peer and a transaction mbarrier per slot, whose phase turns every two rows), as in the
-plain kernels' wide rows. Wide segments (at most two to a CTA: groups of 1024 columns and more)
-prefetch their rows (or the CTA's slice of them) of a later tile into the L2 (``prefetch_row``), as
-the plain backward does for its widest rows: the second tile before the loop, then at the end of each
-iteration the tile two ahead, so that every tile after the first was asked for an iteration before it
-is loaded. Short segments do not (``gated_config``).
+each operand per lane, short segments 256 threads to a CTA. g, x and z are loaded straight into
+registers; the FP32 terms of dx and dz are formed before the row sum, the only synchronisation per
+row, and held across it; 2-byte rows are held to ``HELD_REGISTER_BUDGET`` registers so three CTAs
+share an SM. A segment wider than 512 such lanes is split over a cluster of 128-thread CTAs whose
+partial sums meet in distributed shared memory. Wide segments (at most two to a CTA) prefetch a later
+tile's rows into the L2, two tiles ahead, so every tile after the first was asked for an iteration
+before it is loaded.
 
-Bytes moved: reads g, x, z and writes dx, dz once: 5 * T*H*act_bytes, plus 4*T*H/L of rstd, plus
-the partial rows (P * H * 4, written here, read back from the L2 by dw_reduce or by the finish, which
-then writes dw: H * dw_bytes).
+Bytes moved: reads g, x, z and writes dx, dz once: 5 * T*H*act_bytes, plus 4*T*H/L of rstd, plus the
+partial rows (P * H * 4, written, read back from the L2) and dw (H * dw_bytes).
 """
 
 from __future__ import annotations
@@ -70,11 +57,8 @@ from .thread_tiles import ThreadTiles
 
 
 class GatedRMSNormBackward(DWFinish, GatedKernel):
-    """One compiled backward per (arch, dtypes, H, group size, form, weight_offset, activation, the dW
-    finish) and its ``gated_config.GatedConfig``; T and the number of programs are runtime values.
-    Arguments: g, x, z, w, rstd (T, H / L), dx, dz, the partial rows, the number of programs; with the
-    dW finish in the launch (``finish``, the ``dw_reduce.ColumnSum`` of the whole row's H), the partial
-    rows are followed by dw and the grid barrier's counter (``entry_point``)."""
+    """One compiled backward per (arch, dtypes, H, group size, form, weight_offset, activation, dW
+    finish); T and the number of programs are runtime values."""
 
     # The plain backward's fixed-order fold of a CTA's row groups' dW, and its end of the rows (they
     # read only the tiling).
@@ -112,8 +96,7 @@ class GatedRMSNormBackward(DWFinish, GatedKernel):
     def launch_with_dw(
         self, mG, mX, mZ, mW, mRstd, mDX, mDZ, mPartial, mDW, mCounter, num_programs: Int32, stream
     ):
-        """The launch of a backward that finishes dW itself: its grid barrier needs every CTA
-        resident (a cooperative launch, unless the config says otherwise)."""
+        """The launch with the dW finish, cooperative unless the config says otherwise."""
         self.kernel(mG, mX, mZ, mW, mRstd, mDX, mDZ, mPartial, mDW, mCounter).launch(
             **self.launch_shape(num_programs), cooperative=self.config.cooperative, stream=stream
         )
@@ -188,10 +171,8 @@ class GatedRMSNormBackward(DWFinish, GatedKernel):
 
     @cute.jit
     def prefetch_row(self, row, rows, lane_in_row, rank, sources):
-        """A program has one row tile in flight: bring the rows of g, x and z of a tile it visits later
-        into the L2 now (one bulk prefetch per segment row, or per cluster CTA's columns of it, and
-        tensor; no registers held), so that those loads are L2 hits. Bulk prefetches need 16-byte
-        aligned addresses and sizes, which only 128-bit vector tilings guarantee; others skip it."""
+        """Bring g, x and z of a later tile's rows into the L2 (one bulk prefetch per segment row and tensor);
+        only 128-bit vector tilings meet its alignment, others skip it."""
         t = self.tiling
         if const_expr(t.vec * self.act_dtype.width == COPY_BITS):
             if lane_in_row == 0 and row < rows:
@@ -203,8 +184,7 @@ class GatedRMSNormBackward(DWFinish, GatedKernel):
 
     @cute.jit
     def row_terms(self, tXrG, tXrX, tXrZ, tXrW, rstd):
-        """(a, n, the dW term, dz's factor besides c) in the norm-then-gate form, (a, n, the dW term,
-        s, x * s') in the gate-then-norm form, FP32, from the thread's raw fragments."""
+        """The FP32 terms of the form's dx, dz and dW from the thread's raw fragments."""
         g = tXrG.load().to(Float32)
         x = tXrX.load().to(Float32)
         w = self.widen_weight(tXrW.load())
@@ -217,8 +197,7 @@ class GatedRMSNormBackward(DWFinish, GatedKernel):
 
     @cute.jit
     def reduce_row(self, terms, tXrDW, buffers, row_in_cta, lane_in_row, visit) -> Float32:
-        """Add this row's dW terms into the accumulator and return c = sum(a * n) / L; the reduction
-        buffers alternate per row tile visited, a cluster's mbarrier phase per two."""
+        """Add this row's dW terms into the accumulator and return c = sum(a * n) / L."""
         a, n, dw_term = terms[0], terms[1], terms[2]
         tXrDW.store(tXrDW.load() + dw_term)
         own_dot = (a * n).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
@@ -230,9 +209,7 @@ class GatedRMSNormBackward(DWFinish, GatedKernel):
 
     @cute.jit
     def write_dx_dz(self, terms, tXrDX, tXrDZ, rstd, c):
-        """dx and dz of the thread's cells from ``row_terms``, rounded into their register fragments:
-        dn = rstd * (a - n * c), then dx = dn and dz = g * n * w' * s' (norm then gate, independent
-        of c) or dx = dn * s and dz = dn * x * s' (gate then norm)."""
+        """dx and dz of the thread's cells from ``row_terms``, rounded into their register fragments."""
         dn = (terms[0] - terms[1] * c) * rstd
         if const_expr(self.norm_before_gate):
             tXrDX.store(dn.to(self.act_dtype))
@@ -243,8 +220,7 @@ class GatedRMSNormBackward(DWFinish, GatedKernel):
 
     @cute.jit
     def write_dw_partial(self, tt: ThreadTiles, bidx, group, mPartial, tXrDW, pred):
-        """Program b owns partial row b; CTA (b, k) writes its group's columns from segment row 0
-        (after ``fold_row_groups`` summed every segment row into it)."""
+        """CTA (b, k) writes its group's columns of partial row b from segment row 0, after the fold."""
         t = self.tiling
         partial_row = global_row(mPartial, bidx, self.groups * t.hidden)
         if const_expr(self.groups > 1):

@@ -1,34 +1,29 @@
 """Gated RMSNorm forward: the output norms of the linear-attention and Mamba-2 hybrid layers, in one pass.
 
-Math, per row t, FP32 arithmetic, one rounding of y (w' = w + weight_offset; the gate activation
-act is ``silu(z) = z * sigmoid(z)`` or ``sigmoid(z)``, compiled in):
+Math, per row t, FP32 arithmetic, one rounding of y (w' = w + weight_offset; act is ``silu(z) = z *
+sigmoid(z)`` or ``sigmoid(z)``, compiled in):
 
-    norm then gate (Qwen3-Next):   rstd   = 1 / sqrt(sum_j x_j^2 / H + eps)                  (FP32 [T])
+    norm then gate:                rstd   = 1 / sqrt(sum_j x_j^2 / H + eps)                  (FP32 [T])
                                    y_j    = round(x_j * rstd * w'_j * act(z_j))
-    gate then norm, per group k    h_j    = x_j * act(z_j)
-    of L = group_size columns      rstd_k = 1 / sqrt(sum_{j in k} h_j^2 / L + eps)           (FP32 [T, H/L])
-    (NemotronH, Mamba-2):          y_j    = round(h_j * rstd_k * w'_j)
+    gate then norm, per group k    h_j    = x_j * act(z_j) of L = group_size columns:     rstd_k = 1 /
+    sqrt(sum_{j in k} h_j^2 / L + eps)           (FP32 [T, H/L])
+                                   y_j    = round(h_j * rstd_k * w'_j)
 
-The norm-then-gate form is the one-group case of the same kernel (L = H) with the gate applied after
-the statistics instead of before.
+Norm then gate is the one-group case (L = H) with the gate applied after the statistics.
 
-Tiling (``gated_config``): the unit is a *segment* of L columns (the row, or one group), tiled like a
-plain row (``tiling.RowTiling``): ``threads_per_row`` lanes, each owning ``vecs_per_thread`` vectors
-of ``vec`` elements (128-bit accesses when L allows), at most 16 elements per lane, ``rows_per_cta``
-segments per CTA when they are short (H = 128 bf16: 8 lanes x 2 vectors, 16 rows per 128-thread
-CTA). The grid is (ceil(T / rows_per_cta), H / L): CTA (b, k) takes rows b * rows_per_cta ... of
-group k, so a CTA's rows all share one slice of w and its tile is an ordinary rectangle of the (T, L)
-view of group k's columns (``segment_columns``). x and z are loaded straight into registers (16
-elements each at most), the gate is computed once, the segment's sum of squares goes through the
-plain kernels' fixed-order row sum (``common.row_sum``: shuffle, then shared memory across warps),
-so y and rstd of a row are bitwise independent of T and of the other rows.
+Tiling (``gated_config``): the unit is a *segment* of L columns, tiled like a plain row, at most 16
+elements per lane, several segments per CTA when they are short. The grid is (ceil(T / rows_per_cta),
+H / L): CTA (b, k) takes rows of group k, so its rows share one slice of w and its tile is a rectangle
+of the (T, L) view of the group's columns. x and z are loaded straight into registers, the gate is
+computed once, and the sum of squares goes through the plain kernels' fixed-order row sum, so y and
+rstd of a row are bitwise independent of T and of the other rows.
 
-Bytes moved: reads x and z once and w once per CTA (an L2 hit after the first), writes y once and 4
-bytes of rstd per segment: 3 * T*H*act_bytes + 4*T*H/L from HBM.
+Bytes moved: reads x and z once and w once per CTA, writes y and 4 bytes of rstd per segment:
+3 * T*H*act_bytes + 4*T*H/L.
 
-The statistics alone (``GatedRMSNormStatistics``: rstd for a backward whose caller kept none, FlashInfer's
-functional one) are this kernel without w and y, and without z in the norm-then-gate form: the same
-tiling and row sums, so rstd is bitwise the forward's; T*H*act_bytes (twice that with the gate) + 4*T*H/L.
+The statistics alone (``GatedRMSNormStatistics``, for a backward whose caller kept no rstd) are this
+kernel without w and y, and without z in the norm-then-gate form, so rstd is bitwise the forward's;
+T*H*act_bytes (twice that with the gate) + 4*T*H/L.
 """
 
 from __future__ import annotations
@@ -43,9 +38,7 @@ from .tiling import VECTOR_BYTES
 
 
 def segment_columns(m: cute.Tensor, first, width: int, align_elems: int) -> cute.Tensor:
-    """Columns ``first`` .. ``first + width - 1`` of a row-major (rows, H) tensor (or of a vector) as a
-    tensor of their own, with ``m``'s row stride; ``first`` is a multiple of ``align_elems``, so the
-    view keeps the alignment of ``align_elems``-element vectors."""
+    """Columns ``first`` .. ``first + width - 1`` of a row-major tensor or vector as a tensor of their own."""
     dtype = m.element_type
     start = (m.iterator + first).toint()
     align = min(VECTOR_BYTES, align_elems * dtype.width // 8)
@@ -56,11 +49,8 @@ def segment_columns(m: cute.Tensor, first, width: int, align_elems: int) -> cute
 
 
 class GatedKernel(RowKernel):
-    """What the gated forward and backward share: the form (``norm_before_gate``), the number of
-    groups per row (1 in the norm-then-gate form), the groups along the grid's y, the views of one
-    group's columns and the gate with its activation (``vocab.GATE_ACTIVATIONS``). A segment is tiled
-    like a row (one CTA, no cluster), so the thread's slice, w's load and the row sum are the plain
-    kernels' (``common.RowKernel``)."""
+    """What the gated forward and backward share: the form, the groups, a group's views and the gate; a
+    segment is tiled like a row of ``common.RowKernel``."""
 
     def __init__(
         self,
@@ -83,8 +73,7 @@ class GatedKernel(RowKernel):
 
     @cute.jit
     def group_and_rank(self, along_y):
-        """(the CTA's group, its rank in the group's cluster) from its index along y; the rank is the
-        constant 0 without a cluster."""
+        """(the CTA's group, its rank in the group's cluster: a constant 0 without one)."""
         group, rank = along_y, 0
         if const_expr(self.tiling.cluster_n > 1):
             group, rank = along_y // self.tiling.cluster_n, cute.arch.block_idx_in_cluster()
@@ -100,10 +89,8 @@ class GatedKernel(RowKernel):
 
     @cute.jit
     def gate(self, z: cute.TensorSSA) -> tuple:
-        """(act(z), act'(z)) in FP32 from s = sigmoid(z): silu = z * s, silu' = s * (1 + z * (1 - s));
-        sigmoid = s, sigmoid' = s * (1 - s), as torch's sigmoid backward forms it (a form through
-        exp(-z) would overflow where s is 0). sigmoid through ex2.approx and rcp.approx, one MUFU
-        instruction each, rather than an IEEE division's instruction sequence."""
+        """(act(z), act'(z)) in FP32 from s = sigmoid(z), as torch's sigmoid backward forms it (a form
+        through exp(-z) would overflow); sigmoid by ex2.approx and rcp.approx."""
         s = approx_reciprocal(cute.math.exp(-z, fastmath=True) + 1.0)
         if const_expr(self.activation == SIGMOID):
             value, slope = s, s * (1.0 - s)
@@ -113,8 +100,8 @@ class GatedKernel(RowKernel):
 
 
 class GatedRMSNormForward(GatedKernel):
-    """One compiled forward per (arch, dtypes, H, group size, form, weight_offset, activation) and its
-    ``gated_config.GatedConfig``; T is a runtime value. Arguments: x, z, w, y, rstd (T, H / L), eps."""
+    """One compiled forward per (arch, dtypes, H, group size, form, weight_offset, activation); T is a
+    runtime value."""
 
     @cute.jit
     def __call__(
@@ -132,8 +119,7 @@ class GatedRMSNormForward(GatedKernel):
 
     @cute.kernel
     def kernel(self, mX, mZ, mW, mY, mRstd, eps: Float32):
-        """mW and mY are None in the statistics kernel (``GatedRMSNormStatistics``): then nothing but
-        rstd is written, and z is read only where the statistics need it (gate then norm)."""
+        """mW and mY are None in the statistics kernel, which writes only rstd."""
         t = self.tiling
         tidx, bidx, group = self.cta_position()
         rows = mX.shape[0]
@@ -183,9 +169,7 @@ class GatedRMSNormForward(GatedKernel):
 
 
 class GatedRMSNormStatistics(GatedRMSNormForward):
-    """rstd alone, bitwise the forward's (its kernel without w and y): one compiled kernel per (arch,
-    dtype, H, group size, form, activation) and the forward's ``gated_config.GatedConfig``. Arguments:
-    x, z (not read in the norm-then-gate form), rstd (T, H / L), eps."""
+    """rstd alone, bitwise the forward's, with the forward's config."""
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mZ: cute.Tensor, mRstd: cute.Tensor, eps: Float32, stream):

@@ -1,11 +1,6 @@
-"""The forward to block-scaled FP8's config, built by per-arch rules like the others (``kernels.config``):
-
-- ``quant_forward_config(arch, act_dtype, hidden, recipe, persistent=False)`` -> ``QuantForwardConfig``
-  (``rmsnorm_fwd_quant``, or ``rmsnorm_fwd_quant_persistent`` with ``persistent``),
-
-with the recipes (``QUANT_RECIPES``) and the FP8 / E8M0 bit constants that the quantizing epilogue and
-its reference (``fp8_numerics``) share. Its choices are overridden through ``config.overridden`` (kind
-``"quant"``, one entry for both recipes), which clears its cache with the other configs'.
+"""The forward to block-scaled FP8's config (``quant_forward_config``), built by per-arch rules like the
+others and overridden through ``config.overridden`` (kind ``"quant"``), with the recipes and the FP8 /
+E8M0 bit constants the quantizing epilogue and its reference share.
 """
 
 from __future__ import annotations
@@ -35,10 +30,8 @@ AMAX_BITS_E8M0_ZERO = 0x04600001  # the largest amax whose amax / 448 rounds to 
 
 @dataclass(frozen=True)
 class QuantForwardConfig:
-    """The quantizing forward: its tiling and register hint, the recipe's block width and scale type,
-    whether the lanes of a block split its groups' maxima between them (``amax_scatter``: see
-    ``scatter_steps``; off, every lane reduces every group's maximum over the block's lanes), and for
-    the persistent kernel its programs per SM (``programs_per_sm``; 0: one CTA per row tile)."""
+    """The quantizing forward: tiling, register hint, block width and scale type, ``amax_scatter``, and
+    the persistent kernel's programs per SM (0: one CTA per row tile)."""
 
     tiling: RowTiling
     min_ctas_per_sm: int
@@ -56,19 +49,15 @@ class QuantForwardConfig:
 
 
 def scatter_steps(amax_scatter: bool, groups: int, lanes_per_block: int) -> int:
-    """Reduce-scatter steps of the quantizing epilogue's block maxima: a lane holds the maxima of
-    ``groups`` blocks (one per group of its vectors) shared by ``lanes_per_block`` lanes; each step
-    halves the groups a lane keeps and the lanes that keep the same ones, so after log2(min(groups,
-    lanes)) steps every lane reduces (and writes the scale of) only its own share. Where the groups
-    are not a power of two or a block is wider than a warp, 0: every lane reduces every group."""
+    """Reduce-scatter steps of the block maxima, log2(min(groups, lanes_per_block)); 0 where groups are
+    not a power of two or a block is wider than a warp."""
     if not amax_scatter or groups & (groups - 1) or lanes_per_block > 32:
         return 0
     return min(groups, lanes_per_block).bit_length() - 1
 
 
 def blocks_nest(tiling: RowTiling, block: int) -> bool:
-    """A k-slice of the tiling (threads_per_row * vec columns) holds whole blocks, or a block whole
-    k-slices: the quantizing epilogue's lane groups need one of the two."""
+    """A k-slice holds whole blocks, or a block whole k-slices, as the epilogue's lane groups need."""
     span = tiling.threads_per_row * tiling.vec
     return span % block == 0 or block % span == 0
 
@@ -78,9 +67,8 @@ def blocks_nest(tiling: RowTiling, block: int) -> bool:
 # elements of 16-byte vectors, two up to TWO_PER_SM_MAX_TILE, one above (rows of narrower vectors, odd H,
 # hold a register per element and spill when held to four per SM). FP32 rows of 16-byte vectors: four
 # up to FP32_FOUR_PER_SM_MAX_TILE, two up to FP32_TWO_PER_SM_MAX_TILE (at 8192 elements four would not
-# fit the SM's shared memory; at 4096 two ran 1-2% faster than four), none above or for narrower
-# vectors (not measured).
-# Measurements: evidence/kernel-rules-h200-2026-12-01/persistent-forward/.
+# fit the SM's shared memory; at 4096 two measured faster), none above or for narrower vectors (not
+# measured).
 PERSISTENT_FOUR_PER_SM_MAX_TILE = 5120
 PERSISTENT_TWO_PER_SM_MAX_TILE = 8192
 PERSISTENT_FP32_FOUR_PER_SM_MAX_TILE = 2048
@@ -88,9 +76,7 @@ PERSISTENT_FP32_TWO_PER_SM_MAX_TILE = 8192
 
 
 def persistent_programs_per_sm(tiling: RowTiling, act_dtype: str) -> int:
-    """Programs per SM of the persistent forward to FP8 (``rmsnorm_fwd_quant_persistent``), 0 where it
-    does not apply: rows split over a cluster (a program would hold a cluster per tile; measured
-    slower) and FP32 rows outside the measured tiles."""
+    """Programs per SM of the persistent forward to FP8, 0 where it does not apply."""
     if tiling.cluster_n > 1:
         return 0
     tile = tiling.rows_per_cta * tiling.cols_per_cta
@@ -105,10 +91,8 @@ def persistent_programs_per_sm(tiling: RowTiling, act_dtype: str) -> int:
 
 
 def persistent_register_hint(tiling: RowTiling, programs_per_sm: int) -> int:
-    """The persistent forward's ``min_blocks_per_mp`` hint: every program must be resident from the
-    start (one waiting for a slot would run its tiles after the others finished theirs), so where
-    that needs fewer than 128 registers per thread the hint holds the kernel to them; elsewhere no
-    hint, as measured."""
+    """The persistent forward's register hint: every program must be resident from the start, so where
+    that needs fewer than 128 registers the hint holds the kernel to them."""
     fits = REGISTERS_PER_SM // (programs_per_sm * tiling.threads_per_cta) >= MAX_REGISTERS_PER_THREAD
     return 0 if fits else programs_per_sm
 
@@ -117,14 +101,10 @@ def persistent_register_hint(tiling: RowTiling, programs_per_sm: int) -> int:
 def quant_forward_config(
     arch: str, act_dtype: str, hidden: int, recipe: str, persistent: bool = False
 ) -> QuantForwardConfig:
-    """The quantizing forward's tiling and register hint: the forward's (up to 64 values per thread;
-    with the reduce-scatter of the block maxima they cost 80 registers, 3 CTAs of 256 threads per SM,
-    and on the H200 run plain-mode rows wider than 8192 3-7% faster than tilings held to 32 values,
-    residual ones 1-2% slower: evidence/kernel-rules-h200-2026-12-01/fp8-epilogue/), plus the recipe's block
-    width and scale type. Both recipes share one override entry (kind ``"quant"``). Every such tiling
-    nests with both block widths (its k-slices are a power of two or, for the exact covers of a
-    non-power-of-two warp count, a multiple of 128 columns; tests/test_fp8_cpu.py checks every H).
-    ``persistent``: the persistent kernel's config, with its ``persistent_programs_per_sm``.
+    """The quantizing forward's tiling and register hint, the forward's (up to 64 values per thread, which
+    with the reduce-scatter of the block maxima measured faster than 32 for wide plain rows), plus the
+    recipe's block width and scale type. Every such tiling nests with both block widths.
+    ``persistent``: the persistent kernel's config.
 
     Raises
     ------

@@ -1,4 +1,4 @@
-"""RMSNorm backward: dx in one pass, and per-CTA FP32 partial rows of the weight gradient.
+"""RMSNorm backward: dx in one pass, and per-program FP32 partial rows of the weight gradient.
 
 Math, per row t (FP32 arithmetic, one rounding at the end):
 
@@ -11,68 +11,41 @@ Math, per row t (FP32 arithmetic, one rounding at the end):
     dx   = round(rstd * (a - xhat * c) [+ g_residual])
     dW_partial[b] += g * xhat              (FP32, over the rows that program b visits)
 
-Persistent grid: ``num_programs`` CTAs (times ``cluster_n`` along y), as many as are resident at once
-(``cake_cute.runtime.device.resident_clusters``); program b visits the row tiles b, b + num_programs, ... -- a
-fixed partition for a given (T, num_programs). Each CTA copies w once into its own cells of shared
-memory and keeps one FP32 dW accumulator per element it owns; at the end the CTA's row groups (short
-rows: several per CTA) fold their accumulators in shared memory by a fixed tree (``fold_row_groups``)
-and the program writes one FP32 row of the workspace ``partials[num_programs, H_pad]``. dW is their
-fixed-order sum (``dw_reduce``'s order), either by ``dw_reduce`` launched behind this kernel with
-programmatic dependent launch (allowed once a program's row loop is done), or, in a variant with the
-finish in the launch (``finish``: ``dw_finish``), by this kernel's own CTAs after a grid barrier, bitwise
-the same. No atomics on data: the grid barrier's counter is the only memory an atomic touches.
+The sum of g's parts is what inductor's fused add of them stores, so dx and dW are bitwise those of
+the unfused compiled graph, without its add kernel.
 
-Memory-efficient mode (``from_output``, a compile-time flag of the variant): the tensor read in h's
-place is the forward's output y, and xhat = y * inv_s with inv_s = 1 / clamp(s), s = w + weight_offset
-in FP32, |s| raised to at least ``config.SCALE_FLOOR`` with its sign kept (s = 0 counts as positive),
-as Apex's memory-efficient norm clamps. inv_s is recomputed at each use from the cells of w the thread
-reads anyway (``normalized``, by rcp.approx): a reciprocal per element costs less than the FP32 tile
-of 1 / s it replaces, which took shared-memory bandwidth on every row and, at some H, a resident CTA
-per SM. rstd still scales dx. The rest -- a, c, dx, dW, the ring, the partial rows, the config
-(registers aside: ``config.backward_config``) and the launch -- is the default's, and the default
-variant's code is unchanged (every difference is behind ``const_expr``). y = round(xhat * s) carries
-one rounding to the activation dtype, so the recomputed xhat has y's relative error where h * rstd
-had h's; a column whose |s| is below the floor gets a wrong xhat (dW and dx of that column) by
-construction.
+Persistent grid: ``num_programs`` CTAs (times ``cluster_n`` along y), as many as are resident;
+program b visits row tiles b, b + num_programs, ..., a fixed partition for a given (T,
+num_programs). Each CTA copies w once into its own shared-memory cells and keeps one FP32 dW
+accumulator per element it owns; at the end its row groups fold their accumulators by a fixed tree
+and the program writes one FP32 row of ``partials[num_programs, H_pad]``. dW is their fixed-order
+sum, by ``dw_reduce`` launched behind this kernel (programmatic dependent launch) or, with the finish
+in the launch (``dw_finish``), by this kernel's CTAs after a grid barrier, bitwise the same. No
+atomics on data.
 
-Parts of g: the sum is what torch inductor's fused elementwise add of the parts stores, so dx and dW
-are bitwise those of the unfused compiled graph, without its add kernel. Runtime arguments (TVM-FFI;
-the stream is the environment's): g, h, w, rstd, g_residual or None, dx, partials, num_programs, then
-g1 [, g2] (``RMSNormBackward.entry_point``); each part is (T, H) in the activation dtype, with g's
-layout. One g compiles to the same machine code as before the parts existed.
+Memory-efficient mode (``from_output``): the tensor read in h's place is y, and xhat = y * inv_s,
+inv_s = 1 / s, s = w + weight_offset in FP32 with |s| raised to at least ``config.SCALE_FLOOR``, its
+sign kept. inv_s is recomputed at each use from the thread's cells of w (cheaper than a shared tile
+of 1 / s). Everything else is the default's, and the default variant's code is unchanged (every
+difference is behind ``const_expr``). y carries one rounding, so the recomputed xhat has y's relative
+error; a column with |s| below the floor gets a wrong xhat by construction.
 
-Pipeline: g (each of its parts) and h of the program's next row tiles stream with cp.async into a
-ring of ``ring_depth`` slots of shared-memory row tiles, one commit group per slot
-(``config.backward_ring_depth``: 4 for plain rows one CTA holds, so three tiles are in flight while
-one is reduced; otherwise 2; ``config.parts_ring_depth`` cuts it for parts), and rstd of the next tile
-into a register; g_residual, needed only after the row sum, is issued at the top of its own
-iteration. The row sum (``common.row_sum``) is the only synchronisation per row: a CTA barrier, plus
-for clusters an ``st.async`` push of each CTA's partial into every peer's shared memory.
+Pipeline: g's parts and h of the next row tiles stream with cp.async into a ring of ``ring_depth``
+shared-memory slots, one commit group per slot, and rstd of the next tile into a register;
+g_residual, needed only after the row sum, is issued at the top of its iteration. The row sum is the
+only synchronisation per row.
 
-Tiling (``config.backward_config``, ``tiling.backward_tiling``): ``threads_per_row`` lanes per row,
-``vecs_per_thread`` vectors of ``vec`` elements (128-bit accesses when H allows), at most 64 bytes of
-each of g and h per thread; a row one CTA holds goes to as many whole warps as cover it exactly with
-one or two vectors each (H = 1024: 4 warps x 1, 7168: 14 warps x 2); wide rows are split over a
-cluster of up to 16 CTAs. Registers are held to a budget (``config.backward_register_budget``)
-through ``min_blocks_per_mp``. For the widest rows (512-thread CTAs of several vectors per lane,
-``BackwardConfig.dw_in_smem``) there is no ring: g's parts and h are loaded straight into registers
-and re-read from global memory (an L2 hit) after the row sum, and the dW accumulator lives in shared
-memory, so 128 registers suffice.
+Tiling (``config.backward_config``): ``threads_per_row`` lanes of ``vecs_per_thread`` vectors, at
+most 64 bytes of each of g and h per thread; a row one CTA holds goes to as many whole warps as cover
+it exactly with one or two vectors each; wide rows split over a cluster of up to 16 CTAs. Registers
+are held to a budget through ``min_blocks_per_mp``. For the widest rows (``dw_in_smem``) there is no
+ring: g and h are loaded into registers and re-read from the L2 after the row sum, and the dW
+accumulator lives in shared memory.
 
-The kernel body reads as its steps: ``fill_ring`` (the first row tiles), ``prologue`` (w and the dW
-accumulator, after the ring's copies are issued so that the round trips overlap), then per row tile
-``issue_g_residual``, ``load_rstd``, ``prefetch_next_row`` (without a ring: the next row into the L2),
-``refill_ring``, ``reduce_row`` (dW and the row sum) and ``write_dx``; at the end
-``fold_row_groups`` (several row groups per CTA) and ``write_dw_partial_row`` (both in ``dw_partial_rows``),
-then, with the finish in the launch, ``finish_dw`` (``dw_finish``; its shared memory is h's ring or the
-dW tile, done with by then).
-
-Bytes moved: reads g's n parts, h (+ g_residual) and writes dx once: T*H*(n + 2 [+ 1])*act_bytes, plus 4*T
-of rstd, plus the partial rows (num_programs * H * 4, written here, read back from the L2 by dw_reduce or
-by the finish, which then writes dw: H * dw_bytes). The
-memory-efficient mode moves the same bytes: it reads y instead of h. With n parts that
-is (n - 1)*T*H*act_bytes more than one g, and 2*T*H*act_bytes less than an add kernel (reads n, writes g)
-in front of a one-g backward.
+Bytes moved: reads g's n parts, h (+ g_residual) and writes dx once: T*H*(n + 2 [+ 1])*act_bytes,
+plus 4*T of rstd, plus the partial rows (num_programs * H * 4, written, read back from the L2) and dw
+(H * dw_bytes). The memory-efficient mode moves the same bytes. n parts cost (n - 1)*T*H*act_bytes
+more than one g, and 2*T*H*act_bytes less than an add kernel in front of a one-g backward.
 """
 
 from __future__ import annotations
@@ -97,11 +70,8 @@ from .thread_tiles import ThreadTiles
 
 
 class RMSNormBackward(RowStaging, PartialRowWriter, DWFinish, RowKernel):
-    """One compiled backward per (arch, dtypes, H, residual, weight_offset, g_parts, from_output, the
-    dW finish) and its ``config.BackwardConfig``; T and the number of programs are runtime values.
-    ``from_output``: the tensor in h's place is the forward's output y (the memory-efficient mode).
-    ``finish``: the ``dw_reduce.ColumnSum`` with which the kernel sums its partial rows into dw itself
-    (``dw_finish``), or None for a ``dw_reduce`` launch behind it."""
+    """One compiled backward per (arch, dtypes, H, residual, weight_offset, g_parts, from_output, dW
+    finish); T and the number of programs are runtime values."""
 
     def __init__(
         self,
@@ -120,10 +90,8 @@ class RMSNormBackward(RowStaging, PartialRowWriter, DWFinish, RowKernel):
         self.finish = finish
 
     def entry_point(self):
-        """What ``cute.compile`` traces: ``__call__`` for one g, else the launcher of ``g_parts`` parts,
-        or with the dW finish in the launch (``finish``) their ``_with_dw`` versions. Their runtime
-        arguments: (g, h, w, rstd, g_residual or None, dx, partials, [dw, counter,] num_programs), then
-        g's other parts (g1, g2) in summation order; the stream is TVM-FFI's environment stream."""
+        """What ``cute.compile`` traces: ``__call__`` or the launcher of ``g_parts`` parts, ``_with_dw`` with
+        the finish; g's other parts come last, in summation order."""
         if self.finish is not None:
             return (self.launch_with_dw, self.launch_two_parts_with_dw, self.launch_three_parts_with_dw)[
                 self.g_parts - 1
@@ -176,9 +144,8 @@ class RMSNormBackward(RowStaging, PartialRowWriter, DWFinish, RowKernel):
         self.launch(num_programs, stream, (mG, mG1, mG2), mH, mW, mRstd, mGRes, mDX, mPartial, mDW, mCounter)
 
     def launch(self, num_programs, stream, mGs, mH, mW, mRstd, mGRes, mDX, mPartial, mDW=None, mCounter=None):
-        """Launch the kernel on g's parts ``mGs`` (the parts a launcher does not take are None, and so
-        are dw and the counter without the dW finish). The finish's grid barrier needs every CTA
-        resident: its launch is cooperative unless the config says otherwise."""
+        """Launch on g's parts ``mGs``; with the finish the launch is cooperative unless the config says
+        otherwise."""
         mG1, mG2 = (*mGs[1:], None, None)[:2]
         self.kernel(mGs[0], mH, mW, mRstd, mGRes, mDX, mPartial, mG1, mG2, mDW, mCounter).launch(
             **self.launch_shape(num_programs),
@@ -274,11 +241,8 @@ class RMSNormBackward(RowStaging, PartialRowWriter, DWFinish, RowKernel):
 
     @cute.jit
     def prologue(self, smem, thr, tiler, rank, tXc0, mW, pred):
-        """w once per CTA into this thread's own cells of shared memory (no barrier needed: no other
-        thread touches them), widened to FP32 at each use; keeping it out of registers is what lets
-        128 registers per thread suffice. The FP32 dW accumulator starts at zero, in registers or
-        (``dw_in_smem``) in shared memory. Returns (w cells, dW registers, dW accumulator, and the
-        accumulator's shared-memory tile or None)."""
+        """w into this thread's own shared cells (no barrier needed), which lets 128 registers suffice, and
+        the dW accumulator zeroed."""
         cta_tile = cute.make_ordered_layout(tiler, order=(1, 0))
         # w's global slice, its shared cells, then the load: allocating the cells first, or after the
         # load, changed the schedule ptxas picks (fp32 H = 131072).
@@ -297,9 +261,8 @@ class RMSNormBackward(RowStaging, PartialRowWriter, DWFinish, RowKernel):
 
     @cute.jit
     def inverse_scale(self, s: cute.TensorSSA) -> cute.TensorSSA:
-        """1 / s with |s| raised to at least ``SCALE_FLOOR``, its sign kept (0 counts as positive), by
-        ``approx_reciprocal`` (the mode's stated bound holds with twice its error: docs/memory.md; an
-        IEEE division spilled the wide tilings)."""
+        """1 / s, |s| floored at ``SCALE_FLOOR`` with its sign kept, by ``approx_reciprocal`` (an IEEE
+        division spilled the wide tilings)."""
         floor = Float32(SCALE_FLOOR)
         clamped = cute.where(s >= 0.0, cute.where(s < floor, floor, s), cute.where(s > -floor, -floor, s))
         return approx_reciprocal(clamped)
@@ -309,11 +272,8 @@ class RMSNormBackward(RowStaging, PartialRowWriter, DWFinish, RowKernel):
         self, tt: ThreadTiles, row, rows, rstd, reduction_slot, phase, lane_in_row, tXsrcGs, tXsrcH,
         tXrGs, tXrH, tXDW, tXsW, buffers,
     ) -> Float32:  # fmt: skip
-        """Add this row's g * xhat into the dW accumulator and return c = sum(a * xhat) / H.
-
-        Everything before the row sum is folded into the dot product and the accumulator; a and xhat
-        are recomputed from g and h afterwards (``write_dx``), so nothing of the row is held in
-        registers across the barrier; ``buffers`` are the row sum's (warp sums, CTA sums, mbarriers)."""
+        """Add this row's g * xhat into dW and return c = sum(a * xhat) / H; nothing of the row is held in
+        registers across the barrier."""
         # Rows past T contribute zeros, never stale values.
         for tXrG in tXrGs:
             tXrG.fill(0)
@@ -345,8 +305,7 @@ class RMSNormBackward(RowStaging, PartialRowWriter, DWFinish, RowKernel):
         tXsW,
         tXgDX,
     ):
-        """Re-read g's parts and h (from the ring, or from global memory), compute dx (+ g_residual),
-        store it."""
+        """Re-read g's parts and h, compute dx (+ g_residual), store it."""
         tXrGR.fill(0)
         if const_expr(self.residual):
             # This tile's g_residual; the tile issued by refill_ring may stay in flight.
@@ -365,18 +324,15 @@ class RMSNormBackward(RowStaging, PartialRowWriter, DWFinish, RowKernel):
 
     @cute.jit
     def normalized(self, tXrH, rstd, tXsW) -> cute.TensorSSA:
-        """xhat in FP32 from this thread's registers of h (h * rstd), or, ``from_output``, of y
-        (y * (1 / s), s = w + offset widened to FP32 from the thread's cells of w)."""
+        """xhat in FP32 from this thread's registers of h (h * rstd) or, ``from_output``, of y (y / s)."""
         if const_expr(self.from_output):
             return tXrH.load().to(Float32) * self.inverse_scale(self.widen_weight(tXsW.load()))
         return tXrH.load().to(Float32) * rstd
 
     @cute.jit
     def gradient(self, tXrGs) -> cute.TensorSSA:
-        """g in FP32 from this thread's registers of its parts: one part is g, widened. Several are
-        summed in FP32 from the left and rounded once to the activation dtype -- what torch
-        inductor's fused add of the parts stores, so dx and dW are bitwise those of the unfused
-        compiled graph -- then widened again (a no-op rounding for FP32 rows)."""
+        """g in FP32 from this thread's registers of its parts, several summed from the left and rounded
+        once to the activation dtype."""
         g = tXrGs[0].load().to(Float32)
         for tXrG in tXrGs[1:]:
             g = g + tXrG.load().to(Float32)

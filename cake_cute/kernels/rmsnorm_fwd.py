@@ -6,17 +6,14 @@ Math, per row t of H elements (FP32 arithmetic, one rounding per output):
     rstd = 1 / sqrt(sum_j h_j^2 / H + eps)     (written as FP32 [T])
     y    = round(h * rstd * (w + weight_offset))
 
-Tiling (``config.forward_config``, ``tiling.forward_tiling``): a CTA holds ``rows_per_cta`` rows;
-``threads_per_row`` lanes share a row, each owning ``vecs_per_thread`` vectors of ``vec`` elements (16
-bytes, i.e. 128-bit accesses, when H allows), up to 128 bytes of row per thread; a row the
-power-of-two lane count would cover raggedly gets the nearest whole number of warps that covers it
-exactly (H = 7168: 7 warps x 4 vectors). x (and residual) are staged in shared memory with cp.async,
-so the whole tile is in flight at once without holding registers; each thread reads back only the
-cells it staged itself, so no barrier is needed between the copy and its use. Rows too wide for one
-CTA are split over a cluster of ``cluster_n`` CTAs (up to 16) that add their partial sums of squares
-through distributed shared memory. The grid is (ceil(T / rows_per_cta), cluster_n).
-``normalize`` ends with the FP32 normalized tile in registers; the epilogue here rounds and stores it,
-``rmsnorm_fwd_quant`` quantizes it instead.
+Tiling (``config.forward_config``): a CTA holds ``rows_per_cta`` rows; ``threads_per_row`` lanes
+share a row, each owning ``vecs_per_thread`` vectors of ``vec`` elements (128-bit accesses when H
+allows), up to 128 bytes of row per thread. x (and residual) are staged in shared memory with
+cp.async, so the whole tile is in flight without holding registers; each thread reads back only the
+cells it staged, so no barrier is needed. Rows too wide for one CTA are split over a cluster of up to
+16 CTAs that add their partial sums through distributed shared memory. The grid is
+(ceil(T / rows_per_cta), cluster_n). ``normalize`` ends with the FP32 normalized tile in registers;
+the epilogue rounds and stores it, or ``rmsnorm_fwd_quant``'s quantizes it.
 
 Bytes moved: reads x (+ residual) once and w once per CTA (an L2 hit after the first), writes y
 (+ h_new) once and 4 bytes of rstd per row: T*H*(2 or 4)*act_bytes + 4*T from HBM.
@@ -41,8 +38,7 @@ from .common import (
 
 
 class NormalizedTile(NamedTuple):
-    """What ``RMSNormForward.normalize`` leaves for an epilogue: the thread's FP32 normalized values,
-    shaped like its slice of x (``like``), how to store a fragment of that shape, and where it is."""
+    """What ``normalize`` leaves for an epilogue: the FP32 values, their shape, a store and the place."""
 
     y: cute.TensorSSA  # FP32 values
     like: cute.Tensor  # the thread's slice of x in global memory (its fragment layout)
@@ -58,12 +54,8 @@ class NormalizedTile(NamedTuple):
 
 
 class RMSNormForward(RowKernel):
-    """One compiled forward per (arch, dtypes, H, residual, weight_offset) and its
-    ``config.ForwardConfig``; T is a runtime value.
-
-    ``normalize`` is everything up to the FP32 normalized row; ``epilogue`` rounds it to the activation
-    dtype and stores it. Other epilogues (``rmsnorm_fwd_quant``) override ``epilogue`` and ``__call__``:
-    their extra outputs travel in ``mQ`` and ``mScale``, None here."""
+    """One compiled forward per (arch, dtypes, H, residual, weight_offset); T is a runtime value.
+    Quantizing epilogues override ``epilogue`` and ``__call__``."""
 
     @cute.jit
     def __call__(
@@ -107,8 +99,7 @@ class RMSNormForward(RowKernel):
 
     @cute.jit
     def widen(self, frag: cute.Tensor) -> cute.TensorSSA:
-        """A register fragment of x, residual, h or w as FP32 values (an epilogue may widen its
-        dtype another way, to the same values)."""
+        """A register fragment of x, residual, h or w as FP32 values."""
         return frag.load().to(Float32)
 
     @cute.jit

@@ -1,6 +1,6 @@
 """RMSNorm forward fused with rowwise block-scaled FP8 (e4m3) quantization of its output.
 
-Math, per row t (FP32; ``normalize`` and the tiling are the plain forward's, so h_new and rstd are
+Math, per row t (FP32; normalization and tiling are the plain forward's, so h_new and rstd are
 bitwise the same):
 
     y     = h * rstd * (w + weight_offset)                 (FP32, never rounded to the act dtype)
@@ -10,30 +10,21 @@ bitwise the same):
             2^(e - 127) >= amax / 448, saturated to 254 (2^127), 255 for NaN
     q_j   = e4m3 of y_j * 2^(127 - e), round to nearest even, saturated to +-448 (NaN stays NaN)
 
-``recipe="mxfp8"`` (B = 32) writes e as a byte; ``recipe="1x128"`` (B = 128) writes the FP32 scale
-2^(e - 127) with e held to >= 1 (a normal FP32 scale) and amax = 0 giving the scale 1.0. e is computed
-from the bits of amax with integer operations and no division (``fp8_numerics.e8m0_round_up_from_bits``
-derives the formula and the CPU tests check it against the division; sm_90a has no ue8m0 convert, and
-the formula is exactly ``cvt.rp.satfinite.ue8m0x2.f32``'s rounding, so both architectures run the same
-code). amax is a NaN-propagating maximum (``max.NaN``) of |y|, one FMNMX per value; across lanes it
-travels as its bit pattern, whose integer order is the numeric order of non-negative floats with NaN
-above infinity.
+``recipe="mxfp8"`` (B = 32) writes e as a byte; ``recipe="1x128"`` (B = 128) the FP32 scale
+2^(e - 127), e held to >= 1 and amax = 0 giving 1.0. e comes from amax's bits by integer operations
+(exactly ``cvt.rp.satfinite.ue8m0x2.f32``'s rounding, which sm_90a lacks, so both architectures run
+the same code). amax is a NaN-propagating maximum; across lanes it travels as its bit pattern, whose
+integer order is the numeric order of non-negative floats with NaN above infinity.
 
-Tiling (``quant_config.quant_forward_config``): the forward's, so rstd is bitwise the plain forward's.
-Lane l of a row owns
-vectors l, l + threads_per_row, ... of ``vec`` elements. A k-slice (``threads_per_row * vec`` columns)
-and a block of B columns nest (``quant_config.blocks_nest``): either a block is ``B / vec`` consecutive
-lanes of one k-slice or it spans ``B / (threads_per_row * vec)`` consecutive k-slices of all the row's
-lanes. A lane's vectors fall in G blocks (groups), each shared by L lanes. Each lane takes the maximum
-over its own vectors of each group; then, with ``quant_config.QuantForwardConfig.amax_scatter`` and L <= 32,
-the L lanes reduce-scatter the G maxima (``quant_config.scatter_steps``: log2(min(G, L)) shuffle steps that
-each halve the groups a lane keeps), finish its share with a butterfly, and each lane computes the
-scale of only the groups it owns and writes it (one store per lane where there were G); the inverse
-scales travel back with the steps undone. 1x128 with vec 8 and G = 4 (L = 16): 5 amax shuffles and
-3 gather shuffles per lane instead of 16, and one scale computation instead of four. Without it
-(or with G not a power of two) every lane reduces every group over the block's lanes with a butterfly
-shuffle, or through shared memory and one CTA barrier where L > 32 (1x128 with vec < 4), and the
-block's first lane writes each scale.
+Tiling: lane l of a row owns vectors l, l + threads_per_row, ...; a k-slice (``threads_per_row * vec``
+columns) and a block nest (``quant_config.blocks_nest``), so a lane's vectors fall in G blocks
+(groups), each shared by L lanes. Each lane takes the maximum over its own vectors of each group;
+then, with ``amax_scatter`` and L <= 32, the L lanes reduce-scatter the G maxima
+(``quant_config.scatter_steps``), each lane computes and stores only the scales of the groups it owns,
+and the inverse scales travel back with the steps undone: fewer shuffles and scale computations per
+lane than a butterfly over every group. Otherwise every lane reduces every group over the block's
+lanes (through shared memory and one barrier where L > 32), and the block's first lane writes each
+scale.
 
 Bytes moved: reads x (+ residual) and w; writes T*H e4m3 bytes, T*ceil(H/B) scales (1 or 4 bytes),
 4*T bytes of rstd, and (optionally) y and h_new in the activation dtype.
@@ -77,8 +68,7 @@ def bits_float(x: Int32, *, loc=None, ip=None) -> Float32:
 
 @cute.jit
 def e8m0_round_up(amax_bits: Int32) -> Int32:
-    """The biased E8M0 exponent of fp32(amax / 448) rounded up to a power of two, from amax's bits
-    alone (``fp8_numerics.e8m0_round_up_from_bits`` states the derivation; no division)."""
+    """The biased E8M0 exponent of fp32(amax / 448) rounded up, from amax's bits, without a division."""
     finite = cutlass.min(amax_bits, FP32_INF_BITS)  # keeps the carry below from overflowing for NaN
     e = ((finite + E8M0_SIGNIFICAND_CARRY) >> 23) - E8M0_EXPONENT_OFFSET
     e = cutlass.select_(amax_bits <= AMAX_BITS_E8M0_ZERO, Int32(0), e)
@@ -94,9 +84,8 @@ def inverse_scale(e: Int32) -> Float32:
 
 
 class RMSNormForwardQuant(RMSNormForward):
-    """The forward with a block-scaled e4m3 epilogue: one compiled kernel per (arch, dtypes, H,
-    residual, weight_offset, recipe, emit_y) and its ``quant_config.QuantForwardConfig`` (the recipe's
-    block width and scale type)."""
+    """The forward with a block-scaled e4m3 epilogue: one compiled kernel per (arch, dtypes, H, residual,
+    weight_offset, recipe, emit_y)."""
 
     def __init__(self, config, act_dtype, w_dtype, residual, weight_offset, emit_y):
         super().__init__(config, act_dtype, w_dtype, residual, weight_offset)
@@ -121,10 +110,8 @@ class RMSNormForwardQuant(RMSNormForward):
 
     @cute.jit
     def widen(self, frag: cute.Tensor) -> cute.TensorSSA:
-        """bf16 widened from its 32-bit words: the low value shifted up, the high one masked, one
-        integer operation per value where the compiler's conversion spends two on every high half
-        (PRMT + shift); the values are the same. Other dtypes, and bf16 vectors of one element (no
-        whole words), convert as the forward does."""
+        """bf16 widened from its 32-bit words, one integer op per value where the compiler spends two;
+        other dtypes convert as the forward does."""
         if const_expr(frag.element_type != cutlass.BFloat16 or self.tiling.vec % 2):
             return frag.load().to(Float32)
         words = cute.recast_tensor(frag, Int32)
@@ -141,8 +128,7 @@ class RMSNormForwardQuant(RMSNormForward):
 
     @cute.jit
     def epilogue(self, smem, tile: NormalizedTile, mY: cute.Tensor, mQ: cute.Tensor, mScale: cute.Tensor):
-        """y (with ``emit_y``), then: the maxima of the blocks this lane owns, their scales (stored)
-        and inverse scales, every group's inverse scale gathered back, the e4m3 data."""
+        """y (with ``emit_y``), the owned blocks' maxima and scales, the gathered inverse scales, the data."""
         if const_expr(self.emit_y):
             self.store_rows(tile, tile.y.to(self.act_dtype), mY)
         y = cute.make_rmem_tensor_like(tile.like, Float32)
@@ -171,12 +157,8 @@ class RMSNormForwardQuant(RMSNormForward):
 
     @cute.jit
     def block_amax(self, smem, tile: NormalizedTile, y: cute.Tensor) -> list:
-        """The maxima (bits) of the blocks this lane owns (``owned_group``); ``y`` is the tile's FP32
-        values in registers. Each scatter step halves a lane's list: across shuffle mask m, the lane
-        with bit m set keeps the upper half and sends the lower one, its partner the reverse, and
-        both take the maximum of what they kept and received (one shuffle per kept value, where a
-        butterfly over every group would take one per group). The remaining masks are a butterfly
-        over the owned maxima."""
+        """The maxima (bits) of the blocks this lane owns: each scatter step keeps half the list (the upper
+        for the lane with bit m set), then a butterfly over the owned maxima."""
         amax = [self.lane_max(y, g) for g in range(self.groups)]
         mask = self.lanes_per_block // 2
         for _ in cutlass.range_constexpr(self.scatter_steps):
@@ -197,8 +179,7 @@ class RMSNormForwardQuant(RMSNormForward):
 
     @cute.jit
     def owned_group(self, tile: NormalizedTile, i: int):
-        """The group of the lane's i-th owned maximum: the scatter steps' kept halves, read from the
-        lane's high bits within its block's lanes."""
+        """The group of the lane's i-th owned maximum, read from the lane's high bits within its block."""
         if const_expr(self.scatter_steps == 0):
             return i
         shift = self.lanes_per_block.bit_length() - 1 - self.scatter_steps
@@ -206,8 +187,7 @@ class RMSNormForwardQuant(RMSNormForward):
 
     @cute.jit
     def gather_groups(self, tile: NormalizedTile, owned: list) -> list:
-        """Every group's value (Int32) from the lanes' owned ones: the scatter steps undone, each step
-        doubling the list with the partner's half, lower half first."""
+        """Every group's value from the lanes' owned ones: the scatter steps undone, lower half first."""
         values = list(owned)
         mask = self.lanes_per_block >> self.scatter_steps
         for _ in cutlass.range_constexpr(self.scatter_steps):
@@ -220,8 +200,7 @@ class RMSNormForwardQuant(RMSNormForward):
 
     @cute.jit
     def combine_warps(self, smem, tile: NormalizedTile, amax: list) -> list:
-        """Blocks wider than a warp (no scatter steps): each warp's maximum goes through shared memory
-        (one barrier)."""
+        """Blocks wider than a warp: each warp's maximum goes through shared memory (one barrier)."""
         t = self.tiling
         warps = smem.allocate_tensor(
             Int32, cute.make_layout((t.rows_per_cta, self.groups, t.warps_per_row)), byte_alignment=16
@@ -242,8 +221,7 @@ class RMSNormForwardQuant(RMSNormForward):
 
     @cute.jit
     def scale_exponent(self, amax_bits: Int32) -> Int32:
-        """The biased exponent of the block's scale: E8M0's, or for FP32 scales one that keeps the
-        scale normal, with 2^0 for an all-zero block."""
+        """The block scale's biased exponent: E8M0's, or a normal FP32 scale's (2^0 for an all-zero block)."""
         e = e8m0_round_up(amax_bits)
         if const_expr(self.fp32_scales):
             e = cutlass.select_(amax_bits == 0, Int32(E8M0_ONE), cutlass.max(e, Int32(1)))
@@ -251,10 +229,8 @@ class RMSNormForwardQuant(RMSNormForward):
 
     @cute.jit
     def store_scale(self, tile: NormalizedTile, mScale: cute.Tensor, g, e: Int32):
-        """The first of the block's lanes that own its g-th group writes the group's scale: the E8M0
-        byte, or the FP32 power of two. That lane's column lies in the block, though not always at
-        its start, so the bound is on the block (a ragged row's last block may start before H and
-        hold no column of this lane)."""
+        """The first lane owning the block's g-th group writes its scale; the bound is on the block, since a
+        ragged row's last block may hold no column of this lane."""
         t = self.tiling
         vector = g * self.slices_per_block * t.threads_per_row + tile.lane_in_row
         block = (tile.rank * t.cols_per_cta + vector * t.vec) // self.block

@@ -1,26 +1,20 @@
 """The forward to block-scaled FP8 as a persistent kernel that stages its next row tile.
 
-Math: ``rmsnorm_fwd_quant``'s, row for row through the same methods (``row_rstd``, the quantizing
-epilogue), so every output -- e4m3 data, scales, rstd, y -- is bitwise the one-tile kernel's.
+Math: ``rmsnorm_fwd_quant``'s, row for row through the same methods, so every output is bitwise the
+one-tile kernel's.
 
-Tiling: the quantizing forward's row tiling, in plain mode and for rows one CTA holds (no cluster).
-The launch takes ``programs`` (``launch_plan.fp8_forward_programs``: the config's programs per SM times
-the GPU's SMs) and runs min(programs, row tiles) CTAs; program p normalizes row tiles p, p + P, p +
-2P, ... (P the grid size). x is staged in two shared-memory slots: before tile i's row sum, the
-cp.async of the program's next tile is issued into the other slot, so that load is in flight while
-tile i is reduced, normalized, quantized and stored. Each thread reads back only the cells it staged;
-a CTA barrier closes every tile, so the next cp.async into a slot, the reduction slots (which
-alternate with the tiles) and the epilogue's shared memory are never reused while a lane still reads
-them. w is loaded once per program.
+Tiling: the quantizing forward's, in plain mode and for rows one CTA holds. min(programs, row tiles)
+CTAs run; program p normalizes row tiles p, p + P, ... x is staged in two shared-memory slots: the
+cp.async of the next tile is issued into the other slot before this tile's row sum, so it loads while
+this tile is reduced, normalized, quantized and stored. A CTA barrier closes every tile, so no slot
+is reused while a lane still reads it. w is loaded once per program.
 
-Why: a grid of one-tile CTAs makes every CTA wait out its own tile's load before it computes, and at
-the training shapes its few waves end in a partial one; the persistent programs overlap the two and
-spread the tiles evenly. At large T the one-tile grid keeps more bytes in flight, so ``launch_plan``
-runs this kernel only up to a number of elements per call
-(evidence/kernel-rules-h200-2026-12-01/persistent-forward/).
+Why: a grid of one-tile CTAs waits out each tile's load before computing, and at the training shapes
+its few waves end in a partial one; persistent programs overlap the two and spread the tiles evenly.
+At large T the one-tile grid keeps more bytes in flight, so ``launch_plan`` runs this kernel only up
+to a size per call.
 
-Bytes moved: the one-tile kernel's -- x and w read (w once per program), T*H e4m3 bytes, the scales,
-4*T bytes of rstd and (with ``emit_y``) y written.
+Bytes moved: the one-tile kernel's, w read once per program.
 """
 
 from __future__ import annotations
@@ -35,9 +29,8 @@ from .rmsnorm_fwd_quant import RMSNormForwardQuant
 
 
 class RMSNormForwardQuantPersistent(RMSNormForwardQuant):
-    """``RMSNormForwardQuant`` run by persistent programs: one compiled kernel per (arch, dtypes, H,
-    weight_offset, recipe, emit_y), plain mode only, with a ``quant_config.QuantForwardConfig`` whose
-    ``programs_per_sm`` is set; T and the number of programs are runtime values."""
+    """``RMSNormForwardQuant`` run by persistent programs, plain mode only; T and the number of programs
+    are runtime values."""
 
     def __init__(self, config, act_dtype, w_dtype, residual, weight_offset, emit_y):
         super().__init__(config, act_dtype, w_dtype, residual, weight_offset, emit_y)

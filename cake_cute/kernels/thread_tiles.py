@@ -1,6 +1,6 @@
-"""One thread's view of the backward's row tiles: where its cells of a row tile are (in global memory
-or in a slot of a shared-memory ring) and the two copies it issues, registers <-> memory and
-global -> shared with cp.async. ``rmsnorm_bwd`` passes one ``ThreadTiles`` to each of its steps."""
+"""One thread's view of the backward's row tiles: where its cells are (global memory or a ring slot)
+and the copies it issues.
+"""
 
 from __future__ import annotations
 
@@ -11,9 +11,8 @@ import cutlass.cute as cute
 
 @dataclass(frozen=True)
 class ThreadTiles:
-    """What one thread needs to find its cells of any row tile: its slice of the tiled copy, the tile
-    shape, its cluster rank and row, and the two copies it issues (registers <-> memory, and
-    global -> shared with cp.async), both predicated on the columns when the tiles overrun H."""
+    """What a thread needs to find its cells of any row tile, and its two copies, predicated on the
+    columns when the tiles overrun H."""
 
     thr: object
     tiler: tuple
@@ -38,7 +37,6 @@ class ThreadTiles:
 
 @cute.jit
 def issue_row_tile(tt: ThreadTiles, tile, ring_slot, sources, ring_tiles):
-    """Issue the cp.async copies of row tile ``tile`` of each source (g's parts, then h) into slot
-    ``ring_slot`` of its ring tile: one commit group holds them all."""
+    """Issue the cp.async copies of row tile ``tile`` of each source into ``ring_slot``, one commit group."""
     for m, sT in zip(sources, ring_tiles):
         tt.async_copy(tt.of(m, tile), tt.in_smem(sT, ring_slot))

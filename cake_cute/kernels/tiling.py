@@ -1,20 +1,17 @@
-"""Row tilings: how a row of H elements is spread over lanes, vectors and cluster CTAs, and the limits
-of the GPUs that bound it.
+"""Row tilings: how a row of H elements is spread over lanes, vectors and cluster CTAs, and the GPU limits
+that bound it.
 
-A tiling depends only on (dtype, H) and never on the number of rows T, so a row's
-reduction order -- and therefore its bits -- cannot change with the batch (batch invariance). T only
-decides how many CTAs a launch uses.
+A tiling depends only on (dtype, H), never on T, so a row's reduction order, and therefore its bits,
+cannot change with the batch (batch invariance). The vocabulary every kernel uses:
 
-Tiling vocabulary used by every kernel in this package:
-
-* ``vec``: elements per vector access; 16 bytes of the activation dtype when H allows it (128-bit
-  LDG/STG), otherwise the largest power of two dividing H (narrower, still coalesced).
-* ``threads_per_row``: threads of one CTA that share a row; lane ``l`` of the row owns the vectors
-  ``l, l + threads_per_row, ...`` of the CTA's column slice, so every warp access is contiguous.
-* ``vecs_per_thread``: vectors each thread keeps in registers (the row lives on-chip, read once).
-* ``cluster_n``: CTAs of a thread-block cluster that split one row into contiguous column slices and
-  combine their partial sums through distributed shared memory (wide rows).
-* ``rows_per_cta``: rows a CTA handles at once when rows are short (threads_per_row < 128).
+* ``vec``: elements per vector access; 16 bytes when H allows it, else the largest power of two
+  dividing H (narrower, still coalesced).
+* ``threads_per_row``: threads of one CTA that share a row; lane ``l`` owns vectors ``l, l +
+  threads_per_row, ...`` of the CTA's columns, so every warp access is contiguous.
+* ``vecs_per_thread``: vectors each thread keeps in registers (the row is read once).
+* ``cluster_n``: CTAs of a cluster that split one row into column slices and combine their partial
+  sums through distributed shared memory (wide rows).
+* ``rows_per_cta``: rows a CTA handles at once when rows are short.
 """
 
 from __future__ import annotations
@@ -64,13 +61,12 @@ class RowTiling:
 
     @property
     def min_ctas_per_sm(self) -> int:
-        """Resident CTAs a kernel asks the compiler to allow: caps registers at 128 per thread."""
+        """Resident CTAs a kernel asks the compiler to allow, capping registers at 128 per thread."""
         return max(1, REGISTERS_PER_SM // (MAX_REGISTERS_PER_THREAD * self.threads_per_cta))
 
     @property
     def is_short_row(self) -> bool:
-        """A row of at most ``SHORT_ROW_VECTORS`` vectors (per-head q/k norms), which the forward and
-        backward tile by rules of their own."""
+        """A row of at most ``SHORT_ROW_VECTORS`` vectors (per-head q/k norms), tiled by rules of its own."""
         return -(-self.hidden // self.vec) <= SHORT_ROW_VECTORS
 
     @property
@@ -99,13 +95,8 @@ def _pow2_ceil(n: int) -> int:
 
 
 def row_tiling(hidden: int, act_bytes: int, bytes_per_thread: int, target_vecs: int) -> RowTiling:
-    """Tile a row so each thread keeps at most ``bytes_per_thread`` of it in registers.
-
-    Lanes grow first (up to 256 per row, aiming at ``target_vecs`` vectors each so loads overlap), then
-    the row is split over a cluster (up to 16 CTAs), then lanes grow again up to 512 per row (past that
-    the compiler caps registers at 32 per thread). Only rows wider than 16 * 512 * 128 bytes exceed the
-    budget.
-    """
+    """Tile a row within ``bytes_per_thread`` per thread: lanes grow to 256, then a cluster of up to 16
+    CTAs, then lanes to 512 (beyond, the compiler caps registers at 32)."""
     if not 1 <= hidden <= MAX_HIDDEN:
         raise ValueError(f"hidden must be in [1, {MAX_HIDDEN}], got {hidden}")
     vec = vector_width(hidden, act_bytes)
@@ -127,12 +118,10 @@ def row_tiling(hidden: int, act_bytes: int, bytes_per_thread: int, target_vecs: 
 
 @cache
 def forward_tiling(hidden: int, act_dtype: str) -> RowTiling:
-    """Forward: x (and residual) are staged in shared memory; 128 bytes of a row per thread (eight
-    128-bit vectors) keeps a CTA's tile small enough for several CTAs per SM. A row that the
-    power-of-two lane count covers only raggedly (H = 7168: 896 vectors over 256 lanes) gets the
-    whole number of warps nearest to it that covers the row exactly (7 warps of 4 vectors): no
-    column predicates and no idle lanes in the last pass (the scans behind this choice:
-    evidence/kernel-rules-h200-2026-12-01/tiling-scans/)."""
+    """Forward: x (and residual) staged in shared memory, 128 bytes of a row per thread, so several CTAs
+    share an SM. A row the power-of-two lane count covers raggedly gets the nearest whole number of
+    warps that covers it exactly (H = 7168: 7 warps of 4 vectors): no column predicates, no idle lanes;
+    measured faster at the training shapes."""
     tiling = row_tiling(hidden, dtype_bytes(act_dtype), bytes_per_thread=128, target_vecs=4)
     if tiling.is_short_row:
         return _short_row_forward_tiling(tiling, dtype_bytes(act_dtype))
@@ -142,34 +131,24 @@ def forward_tiling(hidden: int, act_dtype: str) -> RowTiling:
 
 
 def _short_row_forward_tiling(tiling: RowTiling, act_bytes: int) -> RowTiling:
-    """Rows of at most ``SHORT_ROW_VECTORS`` vectors (per-head q/k norms: bf16 H <= 256) take two
-    vectors per lane in twice the lanes where that still covers the row exactly: a CTA then has twice
-    the rows' loads in flight per lane's work, which took the H200 from 0.72-0.91 of a device copy to
-    0.99-1.05 at bf16 H = 32 and 64 and gained 0-2% at H = 128 and 256 (plain and residual, 2^16-2^20
-    rows; evidence/kernel-rules-h200-2026-12-01/headdim-scan/, candidate fwd-half). Ragged covers (H = 80, 96,
-    192) keep four vectors: they already run at the copy's speed there."""
+    """Short rows take two vectors per lane in twice the lanes where that covers the row exactly: twice
+    the loads in flight, measured to reach the device copy's speed."""
     short = row_tiling(tiling.hidden, act_bytes, bytes_per_thread=128, target_vecs=2)
     return short if short.covers_row_exactly else tiling
 
 
 @cache
 def backward_tiling(hidden: int, act_dtype: str, residual: bool = False) -> RowTiling:
-    """Backward: g and h are staged in shared memory, w sits there too, and each thread keeps an FP32
-    dW accumulator per element it owns in registers, so it holds half the forward's share of a row.
-    A tiling of 512 threads per CTA is left as it is (the backward then keeps dW in shared memory:
-    ``config.BackwardConfig.dw_in_smem``).
+    """Backward: g, h and w are staged in shared memory and each thread keeps an FP32 dW accumulator per
+    element, so it holds half the forward's share of a row; a 512-thread tiling is kept (dW then lives in
+    shared memory).
 
-    A row of at least 128 vectors that one CTA holds is spread over as many whole warps as cover
-    it exactly with one or two vectors each (up to 16 warps; H = 1024 -> 4 warps x 1, 7168 -> 14
-    warps x 2): short per-thread work and many loads in flight per row hide the row-sum latency
-    best. Cluster tilings keep 256 lanes of 4 vectors (the scans behind these choices:
-    evidence/kernel-rules-h200-2026-12-01/tiling-scans/), except FP32 rows split over 4 or 8 CTAs (H = 16384,
-    32768), whose lanes hold 8 vectors (128 bytes) in half as many lanes: on the H200 that took plain
-    mode from 0.86-0.91 of a device copy to 0.94-0.97 (residual mode within 1%), where clusters of 2
-    and 16 (H = 8192, 65536) lost 0-3% (evidence/kernel-rules-h200-2026-12-01/fp32-tilings/). Not where the
-    tiles cover the row raggedly: with their column predicates, 8 vectors need more than 128
-    registers (the residual variant spills). Rows of fewer than 128 vectors, several per CTA, depend
-    on the dtype and the mode (``residual``): ``_several_rows_backward_tiling``."""
+    A row of at least 128 vectors one CTA holds is spread over as many whole warps as cover it exactly
+    with one or two vectors each (up to 16): short per-thread work and many loads in flight hide the
+    row-sum latency best. Cluster tilings keep 256 lanes of 4 vectors, except FP32 rows over 4 or 8 CTAs
+    (H = 16384, 32768), whose lanes hold 8 vectors in half the lanes, where that measured faster; not for
+    ragged covers, whose column predicates would spill. Rows of fewer than 128 vectors:
+    ``_several_rows_backward_tiling``."""
     tiling = row_tiling(hidden, dtype_bytes(act_dtype), bytes_per_thread=64, target_vecs=2)
     if tiling.cluster_n == 1 and tiling.hidden // tiling.vec < MIN_THREADS_PER_CTA:
         return _several_rows_backward_tiling(tiling, act_dtype, residual)
@@ -182,15 +161,8 @@ def backward_tiling(hidden: int, act_dtype: str, residual: bool = False) -> RowT
 
 
 def _several_rows_backward_tiling(tiling: RowTiling, act_dtype: str, residual: bool) -> RowTiling:
-    """Rows of fewer than 128 vectors (per-head q/k norms: bf16 H <= 1016, fp32 H <= 508), whose CTAs
-    hold several rows: twice the rows (256 threads), twice the bytes in flight per program, except
-    2-byte rows in residual mode, whose ring holds two tiles and a g_residual tile: they keep 128
-    threads. On the H200 the 256-thread CTAs took bf16 plain rows of H = 80-256 from 0.72-0.91 of a
-    device copy to 0.77-0.97 (2^16-2^20 rows; H = 32 and 64 within 2%), while bf16 residual rows gained
-    nothing (evidence/kernel-rules-h200-2026-12-01/headdim-scan/, candidate bwd-rows2x); 128-thread CTAs took
-    1.03-1.19x the time of 256-thread ones for bf16 plain rows of H = 512-1000 (residual: within 2%) and
-    1.00-1.12x for FP32 rows of H = 32-384 in 46 of 48 cases of both modes, within 2% in the other two
-    (evidence/kernel-rules-h200-2026-12-01/headdim-candidates/)."""
+    """Rows of fewer than 128 vectors: 256 threads per CTA, measured faster or equal, except 2-byte rows
+    in residual mode, whose ring and g_residual tile keep 128."""
     if residual and dtype_bytes(act_dtype) == 2:
         return tiling
     return replace(tiling, rows_per_cta=2 * tiling.rows_per_cta)
@@ -215,9 +187,8 @@ def _nearest_exact_cover(tiling: RowTiling, max_vpt: int) -> RowTiling | None:
 
 
 def _most_warps_exact_cover(tiling: RowTiling, max_vpt: int) -> RowTiling | None:
-    """The exact cover with the most warps; 16 warps only with one vector per lane, because a
-    512-thread CTA gets 64 registers (two CTAs per SM), which two vectors per lane overflow (the
-    residual variant spills at H = 8192)."""
+    """The exact cover with the most warps; 16 warps only with one vector per lane, since a 512-thread
+    CTA gets 64 registers, which two vectors per lane overflow."""
     covers = [
         c
         for c in _exact_covers(tiling, max_vpt, MAX_THREADS_PER_CTA // 32)

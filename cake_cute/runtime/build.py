@@ -1,9 +1,8 @@
 """From a kernel spec to a compiled function (works without a GPU), and the registry of kernel kinds.
 
-A kind is one ``KernelKind`` entry in ``KINDS``: its config constructor (``kernels.config``; the
-forward to FP8's in ``kernels.quant_config``), its kernel object, and the arguments it is compiled
-against (fake tensors with a symbolic number of rows and the strides and alignment the launch
-guarantees). Adding a kernel means adding one entry; a spec (``specs.py``) names the variant.
+A kind is one ``KernelKind`` entry in ``KINDS``: its config constructor, its kernel object, and the
+arguments it is compiled against (fake tensors with a symbolic number of rows and the strides and
+alignment the launch guarantees). Adding a kernel means adding one entry.
 """
 
 from __future__ import annotations
@@ -76,9 +75,7 @@ def _forward_arguments(spec: KernelSpec, config) -> tuple:
 
 
 def _backward_arguments(spec: KernelSpec, config) -> tuple:
-    """g, h, w, rstd, g_residual (or None), dx, the partial rows, (with the dW finish in the launch: dw,
-    the counter,) the number of programs, then the parts of g after the first
-    (``rmsnorm_bwd.RMSNormBackward.entry_point``)."""
+    """g, h, w, rstd, g_residual, dx, the partial rows, [dw, counter,] the programs, g's other parts."""
     import cutlass
     import cutlass.cute as cute
 
@@ -101,8 +98,7 @@ def _finish_arguments(spec) -> tuple:
 
 
 def _finish(spec, threads: int):
-    """The ``dw_reduce.ColumnSum`` of a backward of ``threads`` threads per CTA that finishes dW in its
-    launch (``spec.dw_dtype`` set), else None."""
+    """The ``ColumnSum`` of a backward that finishes dW in its launch, else None."""
     from ..kernels.dw_reduce import ColumnSum
 
     if not spec.dw_dtype:
@@ -116,9 +112,7 @@ def _reduce_arguments(spec: ReduceSpec, config) -> tuple:
 
 
 def _quant_arguments(spec: KernelSpec, config, emit_y: bool) -> tuple:
-    """The forward's arguments (y only with ``emit_y``), then the e4m3 bytes (T, H) and the compact
-    scales (T, ceil(H / block)), E8M0 bytes or FP32, before eps; the persistent kernel takes the
-    number of programs after eps."""
+    """The forward's arguments, the e4m3 bytes and scales before eps, the programs after it (persistent)."""
     import cutlass
     import cutlass.cute as cute
 
@@ -141,8 +135,7 @@ def _quant_kernel(spec: KernelSpec, config, emit_y: bool):
 
 
 def quant_kind(recipe: str, emit_y: bool, persistent: bool = False) -> str:
-    """The kind of the forward to block-scaled FP8 with ``recipe`` (and the act-dtype y: ``emit_y``),
-    run by one CTA per row tile or (``persistent``) by persistent programs."""
+    """The kind of the forward to block-scaled FP8 with ``recipe``, ``emit_y`` and ``persistent``."""
     return f"fwd_{recipe}" + ("_y" if emit_y else "") + ("_persistent" if persistent else "")
 
 
@@ -204,9 +197,7 @@ def _gated_rstd(rows, groups: int):
 
 
 def _gated_arguments(spec: GatedSpec, config) -> tuple:
-    """Forward: x, z, w, y, rstd, eps. Statistics: x, z, rstd, eps. Backward: g, x, z, w, rstd, dx, dz,
-    the partial rows, (with the dW finish in the launch: dw, the counter,) the number of programs
-    (``kernels.gated_fwd``, ``kernels.gated_bwd``)."""
+    """The gated kernels' arguments: forward, statistics (no w, y) or backward (with the partial rows)."""
     import cutlass
     import cutlass.cute as cute
 
@@ -269,7 +260,6 @@ def config_for(spec):
 
 
 def compile_kernel(spec):
-    """Trace and compile one variant for ``spec.arch``."""
     import cutlass.cute as cute
 
     kind = KINDS[spec.kind]

@@ -1,33 +1,21 @@
 """Compile once per kernel variant; keep it in memory and on disk.
 
-A variant is a spec (``specs``: kind, arch, dtypes, H, residual, weight offset) and the config value
-its kernel is built from (``build.config_for``); both are in the key. The number of rows is a runtime
-value of every kernel, so a change of T never compiles. Compiled functions use TVM-FFI (torch
-tensors are passed straight in, the launch costs microseconds) and are exported as object files to
-``cache_dir()/fingerprint()/``.
+The key is a spec and the config its kernel is built from. The number of rows is a runtime value of
+every kernel, so a change of T never compiles. Compiled functions use TVM-FFI and are exported as
+object files to ``cache_dir()/fingerprint()/``.
 
-How the disk cache holds up:
-
-- **Versions.** The directory name ``fingerprint()`` hashes what the compiled code depends on and the
-  file format: the code of the modules the kernels are built from (``build_sources()``: the kernels,
-  the build path and what they import, with docstrings and comments stripped, ``code_of``, so a
-  docstring edit recompiles nothing), the Python, DSL and TVM-FFI versions and ``CACHE_FORMAT``; the
-  object's own key adds the spec and its config. Modules are named by their dotted name, so an
-  editable install and a wheel of one commit share a cache. A cache made by another version lives in
-  another directory, is never matched and is never touched (nor deleted) by this one.
-- **Integrity.** Every object ``X.o`` has a sidecar ``X.o.sha256`` with the sha256 of its bytes, written
-  after the object; the sidecar is the commit mark. An object is loaded only when its bytes match (a
-  corrupted or truncated object can crash the JIT linker instead of raising, so it must never reach
-  it); one that does not match, has no sidecar or fails to load is deleted and rebuilt, with a warning.
-  Both files are written to a temporary file and renamed into place, so a reader never sees half a
-  file; after a power loss a file may be empty, which the checksum catches (hence no fsync).
-- **Concurrency.** Per key, a thread lock (threads of one process) and a file lock on ``X.o.lock``
-  (other processes; ``filelock``, given up after ``LOCK_TIMEOUT_S`` with an error naming the file)
-  guard "check the disk, compile, export": N threads or processes asking for one missing key compile
-  it once, the others wait and load the result. A cache hit needs
-  no lock at all (it works on a read-only cache too), and different keys never wait for each other,
-  except that the compiles themselves run one at a time per process (the DSL's compiler is not
-  documented to be thread-safe, and it holds the GIL anyway).
+- **Versions.** ``fingerprint()`` hashes what the compiled code depends on: the code of the modules
+  the kernels are built from, docstrings and comments stripped (``code_of``), the Python, DSL and
+  TVM-FFI versions and ``CACHE_FORMAT``. Modules are named by dotted name, so an editable install and
+  a wheel of one commit share a cache; another version's directory is never matched nor touched.
+- **Integrity.** Every object has a sidecar with the sha256 of its bytes, written after it (the commit
+  mark). An object is loaded only when its bytes match, since a corrupted object can crash the JIT
+  linker instead of raising; otherwise it is deleted and rebuilt, with a warning. Files are written
+  to a temporary name and renamed, and the checksum catches a file emptied by a power loss.
+- **Concurrency.** Per key, a thread lock and a file lock (given up after ``LOCK_TIMEOUT_S`` with an
+  error naming the file) guard "check the disk, compile, export", so one missing key compiles once.
+  A cache hit takes no lock (a read-only cache works); compiles run one at a time per process, as the
+  DSL's compiler is not documented to be thread-safe.
 """
 
 from __future__ import annotations
@@ -69,8 +57,7 @@ def cache_dir() -> Path:
 
 
 def _package_modules() -> dict[str, tuple[Path, bool]]:
-    """Every module of ``cake_cute`` by dotted name: (its file, whether it is a package). Named by
-    module, never by path, so an editable install and a wheel name each module alike."""
+    """Every module of ``cake_cute`` by dotted name: (its file, whether it is a package)."""
     root = Path(__file__).resolve().parents[1]  # the package, from runtime/
     modules = {}
     for path in root.rglob("*.py"):
@@ -81,8 +68,7 @@ def _package_modules() -> dict[str, tuple[Path, bool]]:
 
 
 def _imported_names(module: str, is_package: bool, tree: ast.Module) -> set[str]:
-    """The absolute dotted names an import statement anywhere in ``tree`` may load (a module, or a
-    name ``from`` one, which may itself be a module)."""
+    """The absolute dotted names an import anywhere in ``tree`` may load."""
     package = module if is_package else module.rpartition(".")[0]
     names = set()
     for node in ast.walk(tree):
@@ -100,11 +86,8 @@ def _imported_names(module: str, is_package: bool, tree: ast.Module) -> set[str]
 
 
 def build_sources() -> dict[str, str]:
-    """The source text of every module the compiled code is made from, by dotted name: the kernels
-    (every module of ``cake_cute.kernels``) and ``cake_cute.runtime.build`` with every module of the package
-    they import, directly or through another (specs, configs, the dtype vocabulary...). The host path
-    (ops, autograd, validation), the tools and the cache itself are not among them unless the build
-    imports them, so editing those never recompiles a kernel."""
+    """The source of every module the compiled code is made from: the kernels and ``runtime.build`` with
+    what they import, directly or not; editing other modules recompiles nothing."""
     modules = _package_modules()
     pending = [
         name for name in modules if name == "cake_cute.runtime.build" or name.startswith("cake_cute.kernels")
@@ -127,8 +110,7 @@ def _is_bare_constant(statement: ast.stmt) -> bool:
 
 
 def code_of(source: str) -> str:
-    """What of a module's source can change compiled code: its syntax tree without comments (the
-    parser drops them), docstrings or other bare string statements, and without line numbers."""
+    """What of a module's source can change compiled code: its syntax tree without docstrings or lines."""
     tree = ast.parse(source)
     for node in ast.walk(tree):
         for field in ("body", "orelse", "finalbody"):
@@ -151,9 +133,7 @@ _fingerprint: str | None = None
 
 
 def fingerprint() -> str:
-    """Everything besides the spec and its config that decides the compiled code or the cache's file
-    format: the Python and DSL versions, the code of the build's sources (``build_sources``) and
-    ``CACHE_FORMAT``."""
+    """What besides the spec and config decides the compiled code or the cache's file format."""
     global _fingerprint
     if _fingerprint is None:
         import cutlass
@@ -171,8 +151,7 @@ def fingerprint() -> str:
 
 
 def object_path(spec: Spec) -> Path:
-    """Where ``spec``'s object lives: named for the spec, keyed by the spec, its config and the
-    fingerprint (a config override compiles into its own file)."""
+    """Where ``spec``'s object lives, keyed by the spec, its config and the fingerprint."""
     key = f"{fingerprint()}|{spec!r}|{build.config_for(spec)!r}"
     key = hashlib.sha256(key.encode()).hexdigest()[:24]
     return cache_dir() / fingerprint() / f"{spec.name()}-{key}.o"
@@ -183,8 +162,7 @@ def _checksum_path(path: Path) -> Path:
 
 
 def _problem(path: Path) -> str | None:
-    """Why the object at ``path`` must not be loaded, or None when its bytes match its checksum
-    (hashing ~40 KB costs microseconds)."""
+    """Why the object at ``path`` must not be loaded, or None when its bytes match its checksum."""
     try:
         data = path.read_bytes()
     except FileNotFoundError:
@@ -238,8 +216,7 @@ def _discard(path: Path) -> None:
 
 
 def _file_lock(path: Path) -> filelock.BaseFileLock:
-    """Exclusive lock on ``<object>.lock`` between processes (an OS lock: released when the holder
-    closes it, also if it crashes)."""
+    """Exclusive lock on ``<object>.lock`` between processes (released by the OS if the holder crashes)."""
     return filelock.FileLock(path.with_name(path.name + ".lock"), timeout=LOCK_TIMEOUT_S)
 
 
@@ -299,8 +276,7 @@ def _compile_under_lock(path: Path, spec: Spec) -> tuple[Callable, str]:
 
 
 def get_kernel_and_source(spec: Spec) -> tuple[Callable, str]:
-    """The compiled function for ``spec`` and where this call found it: ``"memory"``, ``"disk"``,
-    ``"disk after waiting"`` (for another process's compile) or ``"compiled"`` (and saved)."""
+    """The compiled function for ``spec`` and where this call found it."""
     fn = _memory.get(spec)
     if fn is not None:
         return fn, "memory"
@@ -314,8 +290,7 @@ def get_kernel_and_source(spec: Spec) -> tuple[Callable, str]:
 
 
 def get_kernel(spec: Spec) -> Callable:
-    """The compiled function for ``spec``: from memory (the launches' one dict lookup), else from
-    disk, else compiled (and saved)."""
+    """The compiled function for ``spec``: from memory, else from disk, else compiled (and saved)."""
     fn = _memory.get(spec)
     return fn if fn is not None else get_kernel_and_source(spec)[0]
 
@@ -327,5 +302,4 @@ def is_cached_on_disk(spec: Spec) -> bool:
 
 @on_override_change
 def clear_memory() -> None:
-    """Forget the compiled functions held in memory (the disk cache stays)."""
     _memory.clear()

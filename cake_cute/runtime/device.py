@@ -1,12 +1,10 @@
 """What cake_cute needs to know about a CUDA device: its compile target, its SM count, which device is
-current, and how many CTAs (or clusters) of a launch shape are resident on it at once.
+current, and how many CTAs (or clusters) of a launch shape are resident at once.
 
-Residency: the persistent backward launches exactly the resident number of programs: one more cluster
-than fits would run as a second wave and double the time. Clusters must fit inside one GPC, so the
-count is not simply SMs * CTAs-per-SM / cluster size; the driver's occupancy calculator knows the GPC
-layout. It is asked about a trivial kernel whose dynamic shared memory is sized so that exactly
-``ctas_per_sm`` CTAs fit on an SM (the backward's own limit from registers, shared memory and
-threads), with the real block and cluster shape.
+The persistent backward launches exactly the resident number of programs, since one more would run
+as a second wave. Clusters must fit inside one GPC, so the count is not SMs * CTAs-per-SM / cluster
+size; the driver's occupancy calculator is asked about a trivial kernel with the real block and
+cluster shape, whose shared memory admits exactly ``ctas_per_sm`` CTAs per SM.
 """
 
 from __future__ import annotations

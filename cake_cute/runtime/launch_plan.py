@@ -1,12 +1,10 @@
 """Launch planning: how many programs a backward of T rows runs, how many FP32 partial rows of dW it
-writes and whether it sums them in its own launch (what a workspace must hold), whether a forward to
-FP8 of T rows runs persistent programs and how many, and the vector width every kernel of an H assumes.
+writes and whether it sums them in its own launch, whether a forward to FP8 of T rows runs persistent
+programs, and the vector width every kernel of an H assumes.
 
-Configs depend on (arch, dtypes, H) only (``kernels.config``, ``kernels.quant_config``); T decides just
-the number of backward programs, which never changes a row's arithmetic. A backward of g in parts
-(``g_parts``) has a config of its own, whose shared memory can fit fewer CTAs on an SM than the one-g
-backward's; it still launches the one-g program count (so its dw is bitwise the one-g dw of the
-summands' rounded sum), and so needs the same workspace.
+Configs depend on (arch, dtypes, H) only; T decides just the number of programs, which never changes
+a row's arithmetic. A backward of g in parts launches the one-g program count, so its dw is bitwise
+the one-g dw of the summands' rounded sum, and needs the same workspace.
 """
 
 from __future__ import annotations
@@ -21,8 +19,7 @@ from .device import DeviceFacts, resident_clusters
 
 
 def partial_row_stride(hidden: int) -> int:
-    """FP32 partial rows are padded to whole vector accesses (``VECTOR_BYTES``: 4 columns), so every
-    row starts aligned for them."""
+    """FP32 partial rows are padded to whole vector accesses, so every row starts aligned."""
     columns = VECTOR_BYTES // 4
     return -(-hidden // columns) * columns
 
@@ -33,13 +30,11 @@ COUNTER_BYTES = 16
 
 
 def partial_rows_bytes(partial_rows: int, hidden: int) -> int:
-    """Bytes of ``partial_rows`` padded FP32 partial rows."""
     return partial_rows * partial_row_stride(hidden) * 4
 
 
 def workspace_bytes(partial_rows: int, hidden: int) -> int:
-    """Bytes a backward's workspace must hold: its partial rows and, last, the counter slot (every
-    workspace has one, whichever way dW is finished, so one size serves both)."""
+    """Bytes a backward's workspace holds: its partial rows, then the counter slot."""
     return partial_rows_bytes(partial_rows, hidden) + COUNTER_BYTES
 
 
@@ -58,7 +53,7 @@ def resident_programs(config, device: DeviceFacts) -> int:
 
 # From this many row tiles on, when all of them fit on the GPU at once, programs take two tiles each:
 # that halves the partial rows dw_reduce reads, which outweighs one more row of latency per program
-# at large T but not at small T (evidence/kernel-rules-h200-2026-12-01/atomic-dw/tune_programs-c420c68.log).
+# at large T but not at small T (measured at the training shapes).
 PAIR_TILES_FROM = 64
 
 
@@ -71,13 +66,10 @@ def backward_programs(
     residual: bool,
     device: DeviceFacts,
 ) -> int:
-    """Programs (clusters) of the persistent backward: as many as are resident at once, never more
-    than there are row tiles (two tiles each from ``PAIR_TILES_FROM`` tiles up to a full GPU). The
-    partition of rows -- and so dw's bits -- is fixed by this number, which depends only on T, the GPU
-    model and the variant (dtypes, H, mode). A backward of g in summands launches the one-g variant's
-    count (its own residency may be lower: those programs run in a second wave), so that its dw is
-    bitwise the dw of their rounded sum. The memory-efficient backward has the default's residency
-    (``config.backward_config``), so the same count."""
+    """Programs (clusters) of the persistent backward: as many as are resident, at most one per row tile
+    (two tiles each from ``PAIR_TILES_FROM`` tiles up to a full GPU). The partition of rows, and so dw's
+    bits, depends only on T, the GPU model and the variant; a backward of g in summands launches the
+    one-g count."""
     config = backward_config(device.arch, act_dtype, w_dtype, hidden, residual)
     tiles = -(-rows // config.tiling.rows_per_cta)
     if tiles <= 1:
@@ -91,10 +83,8 @@ def backward_programs(
 def most_partial_rows(
     rows: int, hidden: int, act_dtype: str, w_dtype: str, residual: bool, device: DeviceFacts
 ) -> int:
-    """The most partial rows any backward of up to ``rows`` rows writes (what a workspace for ``rows``
-    must hold): one per program (a program's row groups fold their dW first); the program count grows
-    with T except where pairing starts, so the largest count is at ``rows`` or just below
-    ``PAIR_TILES_FROM`` tiles."""
+    """The most partial rows any backward of up to ``rows`` rows writes: the largest program count, at
+    ``rows`` or just below ``PAIR_TILES_FROM`` tiles."""
     rows_per_cta = backward_config(device.arch, act_dtype, w_dtype, hidden, residual).tiling.rows_per_cta
     below_pairing = (PAIR_TILES_FROM - 1) * rows_per_cta
     return max(
@@ -112,11 +102,7 @@ def finishes_dw_in_launch(
     g_parts: int,
     device: DeviceFacts,
 ) -> bool:
-    """Whether a backward of ``rows`` rows (of g in ``g_parts`` summands) sums its partial rows of dW in
-    its own launch: where its config says so (``BackwardConfig.dw_in_launch``) and every program of the
-    launch is resident at once, which the finish's grid barrier needs. A backward of g in parts runs the
-    one-g program count, which its own residency may not hold (a second wave): it then leaves dW to the
-    separate reduction."""
+    """Whether its config sums dW in the launch and every program is resident, as the grid barrier needs."""
     config = backward_config(device.arch, act_dtype, w_dtype, hidden, residual, g_parts)
     if not config.dw_in_launch:
         return False
@@ -128,16 +114,13 @@ def finishes_dw_in_launch(
 
 
 # Up to this many bytes of x per call the forward to FP8 runs persistent programs (2^26 2-byte or 2^25
-# FP32 elements); above it the one-tile grid keeps more bytes in flight
-# (evidence/kernel-rules-h200-2026-12-01/persistent-forward/).
+# FP32 elements); above it the one-tile grid, which keeps more bytes in flight, measured faster.
 PERSISTENT_FP8_MAX_BYTES = 1 << 27
 
 
 @lru_cache(maxsize=4096)
 def fp8_persistent_programs(hidden: int, act_dtype: str, residual: bool, device: DeviceFacts) -> int:
-    """The most programs of the persistent forward to FP8 on this GPU (the kernel runs no more than
-    there are row tiles), 0 where that kernel does not apply (residual mode, rows split over a
-    cluster, some FP32 rows: ``quant_config.persistent_programs_per_sm``)."""
+    """The most programs of the persistent forward to FP8 on this GPU, 0 where it does not apply."""
     if not has_persistent_fp8_kernel(device.arch, act_dtype, hidden, residual):
         return 0
     per_sm = quant_forward_config(device.arch, act_dtype, hidden, "mxfp8", persistent=True).programs_per_sm
@@ -145,8 +128,7 @@ def fp8_persistent_programs(hidden: int, act_dtype: str, residual: bool, device:
 
 
 def has_persistent_fp8_kernel(arch: str, act_dtype: str, hidden: int, residual: bool) -> bool:
-    """Whether forwards to FP8 of this variant run persistent programs at some T (both recipes share
-    the tiling and the rule)."""
+    """Whether forwards to FP8 of this variant run persistent programs at some T."""
     tiling = quant_forward_config(arch, act_dtype, hidden, "mxfp8").tiling
     return not residual and persistent_programs_per_sm(tiling, act_dtype) > 0
 
@@ -157,27 +139,23 @@ def fp8_persistent_rows(hidden: int, act_dtype: str) -> int:
 
 
 def fp8_forward_rule(hidden: int, act_dtype: str, residual: bool, device: DeviceFacts) -> tuple[int, int]:
-    """The forward to FP8's launch rule as numbers, ``(most persistent rows, programs)``: a call of up
-    to that many rows runs ``programs`` persistent programs, a larger one (or any call when
-    ``programs`` is 0) one CTA per row tile. ``fp8_forward_programs`` applies it, and the native host
-    path receives it at registration (``native.register_fp8``) and applies it the same way."""
+    """The FP8 forward's launch rule ``(most persistent rows, programs)``, which the native path applies
+    too."""
     return fp8_persistent_rows(hidden, act_dtype), fp8_persistent_programs(
         hidden, act_dtype, residual, device
     )
 
 
 def fp8_forward_programs(rows: int, hidden: int, act_dtype: str, residual: bool, device: DeviceFacts) -> int:
-    """Programs of a forward to FP8 of ``rows`` rows by ``fp8_forward_rule``: 0 for one CTA per row
-    tile. Which kernel runs never changes a row's bits (both run the same per-row arithmetic), so batch
-    invariance holds across the switch."""
+    """Programs of a forward to FP8 of ``rows`` rows (0: one CTA per row tile); both kernels compute a row
+    alike."""
     most_rows, programs = fp8_forward_rule(hidden, act_dtype, residual, device)
     return programs if rows <= most_rows else 0
 
 
 @cache
 def vector_elems(hidden: int, act_dtype: str) -> int:
-    """Elements per vector access for this H: the alignment, in elements, every kernel assumes (an
-    overridden tiling must keep it)."""
+    """Elements per vector access for this H, the alignment every kernel (and override) assumes."""
     return vector_width(hidden, dtype_bytes(act_dtype))
 
 

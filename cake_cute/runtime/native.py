@@ -1,28 +1,15 @@
 """The native host path: ``csrc/`` built and loaded, and the signatures the Python path hands it.
 
 A Python ``autograd.Function`` costs the host more than the step it wraps; the extension is a C++
-autograd node (and functional forward / backward) that launches the same compiled kernels through
-TVM-FFI's C ABI. The Python path stays the authority: after it has validated a (x, w, weight_offset)
-signature and launched its forward, it registers the signature (``register``), and from then on calls
-of that signature with the plain layout the kernels read in place run in C++. Every other call — the
-first one, bad arguments, views and copies, caller-owned outputs, DTensor, CPU — keeps taking the Python
-path, so the named errors and every other guarantee stay where they are tested.
+autograd node (and functional forward / backward, and the custom ops' CUDA kernels) launching the same
+compiled kernels through TVM-FFI's C ABI. The Python path stays the authority: once it has validated
+and launched a signature it registers it, and later calls of that signature in the plain layout run in
+C++; every other call keeps the Python path, where the named errors are raised.
 
-Loading it also gives the custom ops (``library_ops``, the forward to FP8's too: what torch.compile's
-graphs and DTensor call) C++ kernels for CUDA tensors: the same served signatures launch from C++ (an FP8
-forward once the Python path has launched that recipe, emit_y and mode: ``register_fp8``), everything
-else goes to the ops' Python bodies, and the forwards' autograd formula is a C++ node when a graph is
-recorded (see the source).
-
-The extension is built once per (source, torch, TVM-FFI, Python) into torch's extension directory with the
-C++ compiler (``$CXX``, else ``c++``); it needs no CUDA headers, so ``cake-cute warmup`` builds it on a
-machine without a GPU. It is built only outside a training step: by ``cake-cute warmup``,
-``cake_cute.prepare()`` or ``load()``. A library already built is loaded when the Python path first
-hands a signature over (``load_built``); a process that finds none keeps the Python path. Without a
-compiler, or when the build fails, one warning says so and everything takes the Python path;
-``CAKE_CUTE_PYTHON_PATH=1`` chooses the Python path without building anything.
-
-Which calls come here, and when a signature is handed over, is ``cake_cute.dispatch``'s decision.
+The extension is built once per (source, torch, TVM-FFI, Python), without CUDA headers, and only
+outside a training step (``cake-cute warmup``, ``cake_cute.prepare()``); a call inside a step only
+loads a library already built. A failed build warns once and leaves the Python path;
+``CAKE_CUTE_PYTHON_PATH=1`` chooses it without building.
 """
 
 from __future__ import annotations
@@ -97,8 +84,7 @@ def _toolchain() -> tuple[str, list[str], list[str]]:
 
 
 def library_path() -> Path:
-    """Where the extension for these sources, torch, TVM-FFI and Python lives (built or not): torch's
-    directory for built extensions (``$TORCH_EXTENSIONS_DIR``, else ``~/.cache/torch_extensions``)."""
+    """Where the extension for these sources, torch, TVM-FFI and Python lives, built or not."""
     from torch.utils import cpp_extension
 
     digest = hashlib.sha256()
@@ -142,8 +128,7 @@ def build() -> Path:
 
 
 def _compile(output: str) -> None:
-    """Each source compiled to an object side by side (each parses torch's headers, the bulk of the
-    time), then one link into ``output``; the compiler's output goes to ``<library>.log``."""
+    """Compile each source to an object in parallel, then link them into ``output``."""
     compiler, compile_flags, link_flags = _toolchain()
     objects = [f"{output}.{source.stem}.o" for source in CPP_SOURCES]
     log = Path(output).with_name(library_path().name + ".log")
@@ -183,15 +168,7 @@ def _import(path: Path):
 
 
 def load():
-    """The extension, built (when it is not on disk yet) and loaded on the first call; None when calls
-    take the Python path.
-
-    Returns
-    -------
-    module or None
-        None with ``CAKE_CUTE_PYTHON_PATH=1``, or when the build or the load failed (warned once, on
-        one line).
-    """
+    """The extension, built if needed and loaded; None when calls take the Python path (warned once)."""
     global extension, _tried
     if not _tried:
         _tried = True
@@ -213,9 +190,7 @@ _looked_for_library = False
 
 
 def load_built():
-    """``load`` when the library is already on disk, else None (the Python path serves until
-    ``cake_cute.prepare()`` or ``cake-cute warmup`` builds it): what a call inside a training step uses,
-    so no step ever compiles. Looks on disk once per process."""
+    """``load`` only when the library is already on disk: what a call inside a training step uses."""
     global _looked_for_library
     if extension is not None or _tried or _looked_for_library:
         return extension
@@ -233,11 +208,8 @@ _op_bodies: tuple | None = None  # the custom ops' Python bodies (``library_ops`
 def provide_op_bodies(
     forward_body, backward_body, backward_parts_body, fp8_forward_body, differentiable_backward
 ) -> None:
-    """Called by ``library_ops`` once it has defined the ops: their Python bodies (``rmsnorm_fwd``,
-    ``rmsnorm_bwd``, ``rmsnorm_bwd_parts``, ``rmsnorm_fp8_fwd``), which the C++ kernels call for what
-    they do not serve, and the backward's differentiable formula, which the C++ autograd nodes call
-    when their backward is itself differentiated. Installs the kernels now if the extension is already
-    loaded."""
+    """Take the ops' Python bodies and the differentiable backward, which the C++ kernels call for what
+    they do not serve; installs the kernels if the extension is loaded."""
     global _op_bodies
     _op_bodies = (forward_body, backward_body, backward_parts_body, fp8_forward_body, differentiable_backward)
     if extension is not None:
@@ -251,27 +223,8 @@ def _install_op_kernels(module) -> None:
 
 
 def register(operands, x, w, weight_offset: float, residual: bool, forward_kernel, plan_backward) -> None:
-    """Hand a signature the Python path has just validated and launched to the extension (a set
-    lookup for one already handed over or when there is no extension: this runs on every Python-path
-    forward).
-
-    Parameters
-    ----------
-    operands : Operands
-        The validated (x, w) facts.
-    x, w : torch.Tensor
-        The call's tensors (their dtypes, dims, H and device key the signature).
-    weight_offset : float
-        The validated offset.
-    residual : bool
-        The forward's mode.
-    forward_kernel : tvm_ffi.Function
-        The compiled forward of this signature and mode.
-    plan_backward : callable
-        ``(operands, weight_offset, rows, residual, dw_dtype, g_parts) -> (bwd handle, dw handle or 0,
-        programs, partial_rows, row_stride, dw_in_launch)``: the backward's kernels and launch plan of
-        one call shape, which the extension asks once per shape.
-    """
+    """Hand a signature the Python path has just validated and launched to the extension, with
+    ``plan_backward``, which it asks for the backward's kernels and plan once per shape."""
 
     def send(module, handle, act_align, w_align, planner):
         module.register(x, w, weight_offset, residual, handle, act_align, w_align, planner)
@@ -291,11 +244,8 @@ def register_fp8(
     kernel,
     plan_backward,
 ) -> None:
-    """``register`` for the forward to FP8 of ``recipe`` (with y: ``emit_y``), just launched with
-    ``programs`` (``launch_plan.fp8_forward_programs``; 0: the one-tile kernel, else the persistent one):
-    the op ``cake_cute::rmsnorm_fp8_fwd``'s C++ kernel then launches ``kernel`` for calls of this
-    signature, recipe, emit_y and mode whose row count picks that kernel, by the launch rule
-    (``launch_plan``'s numbers) handed over with it. Other parameters as ``register``'s."""
+    """``register`` for the forward to FP8 of ``recipe`` and ``emit_y``, with the launch rule that picks
+    ``kernel`` by row count."""
     persistent = programs > 0
 
     def send(module, handle, act_align, w_align, planner):
@@ -311,8 +261,7 @@ def register_fp8(
 
 
 def _hand_over(variant: tuple, operands, x, w, weight_offset: float, kernel, plan_backward, send) -> None:
-    """``send(module, handle, act_align, w_align, planner)`` once per (signature, ``variant``), when the
-    extension is loaded and ``kernel`` has a TVM-FFI handle."""
+    """``send`` once per (signature, ``variant``) when the extension is loaded and ``kernel`` has a handle."""
     module = load_built()
     key = (operands, weight_offset, *variant)
     if module is None or key in _registered:
@@ -330,23 +279,15 @@ _handed_eps: set[float] = set()
 
 
 def accept_eps(eps: float) -> None:
-    """Hand the extension an eps the Python path has just validated (``validation.check_eps``) and
-    launched with: it serves calls with that eps from then on and declines any other, so that the rule
-    is kept in Python alone (a set lookup when already handed over or when there is no extension).
-
-    Parameters
-    ----------
-    eps : float
-        The validated eps.
-    """
+    """Hand the extension an eps the Python path validated; it declines others, so the rule stays in
+    Python."""
     if eps not in _handed_eps and load_built() is not None:
         extension.accept_eps(eps)
         _handed_eps.add(eps)
 
 
 def handed_over(operands, weight_offset: float, *variant) -> bool:
-    """Whether the signature (with ``variant``: ``(residual,)``, or the FP8 forward's ``(residual,
-    recipe, emit_y, persistent)``) is already registered with the extension."""
+    """Whether the signature with ``variant`` is already registered with the extension."""
     return (operands, weight_offset, *variant) in _registered
 
 

@@ -1,7 +1,5 @@
-"""Kernel specs: what names one compiled kernel variant (with its config, the compile-cache key).
-
-The number of rows T is a runtime value of every kernel, so it is in no spec: a change of T never
-compiles.
+"""Kernel specs: what names one compiled kernel variant. T is a runtime value of every kernel, so it is
+in no spec.
 """
 
 from __future__ import annotations
@@ -15,12 +13,9 @@ from ..vocab import SILU
 @dataclass(frozen=True)
 class KernelSpec:
     """A forward (``"fwd"``) or backward (``"bwd"``) kernel: rows of ``act_dtype``, a weight of
-    ``w_dtype``, hidden size ``hidden``, optionally fused with the residual add, with the Gemma-style
-    ``weight_offset`` compiled in. A backward reads its upstream gradient as ``g_parts`` summands (1-3:
-    see ``kernels.rmsnorm_bwd``); the name says so only from two on, so a one-g backward keeps its name.
-    A ``memory_efficient`` backward reads the forward's output y in place of its input and recomputes
-    xhat from y and w; the name says so only when set. Call sites name every field after the four
-    that say which kernel it is (kind, arch, dtypes, H), so a spec reads as what it is."""
+    ``w_dtype``, hidden size ``hidden``, optionally fused with the residual add, with ``weight_offset``
+    compiled in. A backward reads g as ``g_parts`` summands; a ``memory_efficient`` backward reads y in
+    place of the input. The name mentions either only when it is not the default, so existing names stay."""
 
     kind: str  # "fwd" or "bwd"
     arch: str  # vocab.SUPPORTED_ARCHS
@@ -58,14 +53,11 @@ class ReduceSpec:
 
 @dataclass(frozen=True)
 class GatedSpec:
-    """A gated RMSNorm forward (``"gated_fwd"``), its statistics alone (``"gated_rstd"``: rstd, no y) or
-    backward (``"gated_bwd"``, dx and dz with FP32 partial rows of dW): rows of ``act_dtype`` and their
-    gate, a weight of ``w_dtype``, hidden size ``hidden`` normalized in groups of ``group_size`` columns
-    (``hidden`` itself in the norm-then-gate form, ``norm_before_gate``), the Gemma-style
-    ``weight_offset`` and the gate ``activation`` (``vocab.GATE_ACTIVATIONS``) compiled in (see
-    ``kernels.gated_fwd``). The statistics read no weight: their spec carries x's dtype as ``w_dtype``
-    and no offset (``gated.ops.launch_statistics``). The name says the activation only when it is not
-    SiLU, so a SiLU variant keeps its name."""
+    """A gated RMSNorm forward (``"gated_fwd"``), its statistics alone (``"gated_rstd"``) or backward
+    (``"gated_bwd"``): rows of ``act_dtype`` and their gate, a weight of ``w_dtype``, groups of
+    ``group_size`` columns, ``weight_offset`` and the gate ``activation`` compiled in. The statistics
+    read no weight: their spec carries x's dtype as ``w_dtype`` and no offset. The name mentions the
+    activation only when it is not SiLU."""
 
     kind: str  # "gated_fwd", "gated_rstd" or "gated_bwd"
     arch: str  # vocab.SUPPORTED_ARCHS

@@ -1,9 +1,6 @@
 """How torch tensors reach the kernels: the (rows, H) views they read in place (or a copy when the
-layout forbids it) and the output buffers they write (the caller's own when it is aligned, else a
-fresh one copied into the caller's afterwards).
-
-The kernels assume every row starts on a ``vec``-element boundary (``launch_plan.vector_elems``); the
-helpers here are what makes that true for any input layout.
+layout forbids it) and the output buffers they write (the caller's own when aligned, else a fresh
+one copied into the caller's). The kernels assume every row starts on a ``vec``-element boundary.
 """
 
 from __future__ import annotations
@@ -17,16 +14,12 @@ _CONTIGUOUS = torch.contiguous_format
 
 
 def vector_align_bytes(vec: int, element_size: int) -> int:
-    """The base alignment the kernels assume for a vector of ``vec`` elements (capped at one vector
-    access, ``VECTOR_BYTES``)."""
+    """The base alignment the kernels assume for a vector of ``vec`` elements."""
     return min(VECTOR_BYTES, vec * element_size)
 
 
 def kernel_view(t: torch.Tensor, vec: int) -> torch.Tensor:
-    """A (rows, H) view the kernels can read in place, or a contiguous copy when the layout forbids it.
-
-    In place: last dim contiguous, leading dims collapsible to one row stride (0 for an expanded
-    tensor), base and row stride aligned to the vector width."""
+    """A (rows, H) view the kernels can read in place, else a contiguous copy."""
     hidden = t.shape[-1]
     if t.is_contiguous() and t.data_ptr() % (vec * t.element_size()) == 0:
         return t if t.dim() == 2 else t.view(-1, hidden)
@@ -56,7 +49,6 @@ def aligned_vector(w: torch.Tensor, vec: int) -> torch.Tensor:
 
 
 def rows_view(t: torch.Tensor, hidden: int) -> torch.Tensor:
-    """A contiguous output as (rows, H)."""
     return t if t.dim() == 2 else t.view(-1, hidden)
 
 
@@ -66,12 +58,8 @@ def is_direct_output(t: torch.Tensor, vec: int) -> bool:
 
 
 def new_output(like: torch.Tensor, shape=None, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A fresh output in the one layout every kernel returns, real or fake: contiguous, shaped like
-    ``like`` (or ``shape``), in its dtype (or ``dtype``), on its device.
-
-    The CUDA path allocates its outputs here, the CPU kernels copy their results into it, and the
-    fake (meta) kernels build theirs with it, so torch.compile is told the strides it gets for any
-    input layout (views, transposes, expanded, N-D)."""
+    """A fresh contiguous output, the one layout every kernel returns, real or fake (so torch.compile is
+    told the strides it gets)."""
     shape = like.shape if shape is None else shape
     return torch.empty(shape, dtype=like.dtype if dtype is None else dtype, device=like.device)
 
@@ -82,8 +70,7 @@ def as_output(result: torch.Tensor, like: torch.Tensor, shape=None, dtype: torch
 
 
 def output_like(given, x: torch.Tensor, vec: int):
-    """(tensor the kernel writes, caller tensor to copy into afterwards or None) for an output shaped
-    like x; ``given`` (the caller's, or None) was checked."""
+    """(tensor the kernel writes, caller tensor to copy into afterwards or None) for an output like x."""
     if given is None:
         return new_output(x), None
     if is_direct_output(given, vec):
@@ -109,15 +96,12 @@ def finish(written: torch.Tensor, caller):
 
 
 def kernel_weight(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """w as the kernels take it beside x: itself in x's dtype or FP32, else widened to FP32 (exactly: a
-    bf16 or fp16 weight joins the FP32 compute without a rounding)."""
+    """w as the kernels take it beside x: itself in x's dtype or FP32, else widened to FP32 (exactly)."""
     return w if w.dtype in (x.dtype, torch.float32) else w.float()
 
 
 def partial_rows_view(workspace, partial_rows: int, hidden: int, device) -> torch.Tensor:
-    """The FP32 (partial_rows, H) view (row stride padded to whole vectors:
-    ``launch_plan.partial_row_stride``) a backward writes its dW rows into: the start of the caller's
-    uint8 workspace (or of a slice of it starting on a 16-byte boundary), or a fresh buffer."""
+    """The padded FP32 (partial_rows, H) view of the caller's workspace, or a fresh buffer."""
     stride = partial_row_stride(hidden)
     if workspace is None:
         partials = torch.empty((partial_rows, stride), dtype=torch.float32, device=device)
@@ -131,13 +115,10 @@ _stream_counters: dict[tuple[int, int], torch.Tensor] = {}
 
 
 def barrier_counter(workspace, device: torch.device) -> torch.Tensor:
-    """The grid barrier's Int32 counter of a backward that sums dW in its own launch
-    (``kernels.dw_finish``): zero between launches, and each launch leaves it so. Launches that could
-    run at the same time must not share one, so it goes with what already keeps them apart: the
-    caller's uint8 ``workspace`` (its last ``COUNTER_BYTES``-aligned slot; zeroed by the workspace
-    helpers), else the current stream of ``device`` (one counter per device and stream, zeroed once);
-    a launch captured into a CUDA graph without a workspace gets one of its own, zeroed by each replay
-    (a replay may run beside anything). Called with ``device`` current."""
+    """The grid barrier's Int32 counter of a backward that sums dW in its own launch: zero between
+    launches. Launches that could run at once must not share one, so it lives in the caller's workspace
+    (its last slot), else one per device and stream; a launch captured into a CUDA graph without a
+    workspace gets its own, zeroed by each replay. Called with ``device`` current."""
     if workspace is not None:
         end = workspace.numel() // COUNTER_BYTES * COUNTER_BYTES - COUNTER_BYTES
         return workspace[end : end + 4].view(torch.int32)

@@ -211,8 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    """``argv`` parsed; an unknown option is the usage error of the subcommand it follows (argparse
-    alone reports it with the top-level usage), or of the command itself before any subcommand."""
+    """``argv`` parsed; an unknown option is the usage error of the subcommand it follows."""
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:
@@ -223,8 +222,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 
 def _use_cache_dir(explicit: str | None) -> str | None:
-    """Point the cache at ``explicit`` (through the environment, so spawned workers use it too) and
-    check the effective directory once; returns the problem, or None."""
+    """Point the cache at ``explicit`` (through the environment, for spawned workers) and check it once."""
     from ..runtime.cache import cache_dir
     from .warmup import cache_dir_problem
 
@@ -234,9 +232,8 @@ def _use_cache_dir(explicit: str | None) -> str | None:
 
 
 def cmd_warmup(args) -> int:
-    """Exit 1 if a variant fails to compile or, with --report, if a kernel spills, has a global atomic
-    or is a persistent kernel whose programs cannot share an SM at once (CI gates on these);
-    exit 2 before compiling anything when the cache directory cannot be used."""
+    """Exit 1 if a variant fails or, with --report, a kernel spills, has a global atomic or cannot hold
+    its programs; exit 2 for an unusable cache directory."""
     from .cubin import spill_free
     from .kernel_report import collect_reports, format_report
     from .warmup import build_native, gated_variant_specs, local_archs, variant_specs, warm
@@ -322,7 +319,6 @@ def cmd_check(args) -> int:
 
 
 def cmd_bench(argv: list[str]) -> int:
-    """The sweep, with its own argument parser."""
     from .bench.cli import main as bench_main
 
     return bench_main(argv)

@@ -1,13 +1,9 @@
-"""What a compiled kernel looks like on the GPU: registers, spills, shared memory, access widths.
+"""What a compiled kernel looks like on the GPU: registers, spills, shared memory, access widths, read
+from the cubin with ``cuobjdump`` and ``nvdisasm``, so a machine without a GPU can assert that no
+kernel spills and that the vector paths issue 128-bit accesses.
 
-The facts come from the cubin with ``cuobjdump`` (``-res-usage``, ``-elf``) and ``nvdisasm``, so a CI machine
-without a GPU can assert that no kernel spills and that the vectorized paths really issue 128-bit
-loads and stores.
-
-The cubin is read from the object file the compile cache already keeps: a TVM-FFI export is a host
-ELF object whose device code is a fatbin in the local symbol ``kernels_binary``. ``cuobjdump`` does not
-look inside such an object ("does not contain device code"), but it reads the fatbin once it is cut
-out. Nothing is recompiled for a kernel that is on disk, and the compile cache needs no hook.
+The cubin comes from the object file the compile cache keeps: a TVM-FFI export is a host ELF object
+whose device code is a fatbin in the symbol ``kernels_binary``, which ``cuobjdump`` reads once cut out.
 """
 
 from __future__ import annotations
@@ -96,8 +92,7 @@ def _run_tool(name: str, *args: str, cwd: str) -> str:
 
 
 def access_bits(opcode: str) -> int:
-    """Bits moved per thread by a load/store opcode: ``LDG.E.128`` -> 128, ``STG.E.U16`` -> 16,
-    ``LDG.E`` -> 32 (the default width)."""
+    """Bits moved per thread by a load/store opcode (``LDG.E`` -> 32)."""
     for part in opcode.split(".")[1:]:
         if part.isdigit():
             return int(part)
@@ -107,19 +102,13 @@ def access_bits(opcode: str) -> int:
 
 
 def is_data_atomic(opcode: str) -> bool:
-    """An atomic on floating-point values (``REDG.E.ADD.F32.FTZ.RN...``, ``ATOMG.E.ADD.F32x4...``):
-    one that sums data, whose order the hardware picks. The integer atomics of a grid barrier's
-    counter (``ATOMG.E.ADD.STRONG.GPU``) are not."""
+    """An atomic on floating-point values, summed in an order the hardware picks."""
     return any(part.startswith(_FLOAT_TYPES) for part in opcode.split(".")[1:])
 
 
 def parse_sass(sass: str) -> dict:
-    """Counts of global loads/stores by width, of local accesses (LDL/STL: spills), of generic
-    loads (LD: distributed shared memory or global memory through a generic pointer), of global
-    atomics (RED/ATOM) and among them of atomics on data (``is_data_atomic``), of conversions to
-    e4m3 (F2FP.*E4M3*: the FP8 epilogues), of bulk L2 prefetches (UBLKPF: the widest backward rows'
-    next-row prefetch) and of squares x * x, fused into an add (FFMA) or rounded on their own (FMUL:
-    a sum of squares that rounds its products)."""
+    """Counts of global accesses by width, spills, generic loads, atomics, e4m3 conversions, L2
+    prefetches, and squares fused into an add or rounded apart."""
     loads, stores, ops, squares = Counter(), Counter(), Counter(), Counter()
     e4m3_converts = data_atomics = 0
     for line in sass.splitlines():
@@ -181,8 +170,7 @@ def parse_threads(elf_dump: str) -> int | None:
 
 
 def _disassemble(fatbin_name: str, workdir: str) -> str:
-    """SASS of every cubin in the fatbin. nvdisasm is called directly (not via ``cuobjdump -sass``)
-    to skip its dataflow analysis (``-ndf``), a third of its time; its start-up dominates anyway."""
+    """SASS of every cubin in the fatbin, from nvdisasm directly, skipping its dataflow analysis."""
     _run_tool("cuobjdump", "-xelf", "all", fatbin_name, cwd=workdir)
     cubins = sorted(Path(workdir).glob("*.cubin"))
     if not cubins:
@@ -191,8 +179,7 @@ def _disassemble(fatbin_name: str, workdir: str) -> str:
 
 
 def inspect_fatbin(fatbin: bytes, *, sass: bool = True) -> dict:
-    """Resources, block size and (with ``sass``) access widths of the kernels in a fatbin.
-    Disassembly costs about 0.3 s per kernel; the resource numbers cost milliseconds."""
+    """Resources, block size and (with ``sass``, the slow part) access widths of the kernels in a fatbin."""
     with tempfile.TemporaryDirectory(prefix="cake_cubin_") as workdir:
         name = "kernels.fatbin"
         (Path(workdir) / name).write_bytes(fatbin)
@@ -221,7 +208,7 @@ def kernel_report(spec: Spec, *, sass: bool = True) -> dict:
     -------
     dict
         ``name``, ``arch``, ``object`` (the cached file), the ``inspect_fatbin`` fields and
-        ``cluster_n`` (a launch attribute, not in the cubin: it comes from the variant's config).
+        ``cluster_n`` (a launch attribute, from the variant's config).
 
     Raises
     ------

@@ -17,9 +17,8 @@ def describe_config(spec: KernelSpec | ReduceSpec) -> str:
 
 
 def programs_fit(spec: KernelSpec | ReduceSpec, registers: int) -> bool:
-    """Whether a persistent kernel whose config sets ``programs_per_sm`` (the forward to FP8's) can hold
-    all of an SM's programs at once with the ``registers`` per thread its compile took (a program
-    waiting for a slot would run its row tiles after the others finished theirs); True for others."""
+    """Whether a persistent kernel with ``programs_per_sm`` holds all of an SM's programs at once with
+    its registers; True for other kernels."""
     from ..kernels.tiling import REGISTERS_PER_SM
     from ..runtime.build import config_for
 
@@ -29,22 +28,7 @@ def programs_fit(spec: KernelSpec | ReduceSpec, registers: int) -> bool:
 
 
 def collect_reports(specs: list[KernelSpec], jobs: int | None = None, *, sass: bool = True) -> list[dict]:
-    """Cubin reports of variants (compiled first where missing) with their configuration.
-
-    Parameters
-    ----------
-    specs : list of KernelSpec
-    jobs : int, optional
-        Threads (the tools run as subprocesses, so threads parallelize them; default: the CPU count).
-    sass : bool
-        Also disassemble (access widths, local accesses, atomics), about 0.3 s a kernel.
-
-    Returns
-    -------
-    list of dict
-        ``cubin.kernel_report`` of each spec plus ``config`` (``describe_config``) and ``programs_fit``
-        (``programs_fit``), in order.
-    """
+    """Cubin reports of ``specs`` (compiled where missing) with their config and ``programs_fit``."""
     from .cubin import kernel_report
 
     def report(spec: KernelSpec) -> dict:
@@ -87,8 +71,7 @@ REPORT_LEGEND = (
 
 
 def format_report(reports: list[dict]) -> str:
-    """A plain-text table of ``collect_reports`` output (text left-aligned, numbers right-aligned),
-    followed by ``REPORT_LEGEND``."""
+    """A plain-text table of ``collect_reports`` output, then ``REPORT_LEGEND``."""
     rows = [[str(get(r)) for _, get in REPORT_COLUMNS] for r in reports]
     header = [name for name, _ in REPORT_COLUMNS]
     widths = [max(len(c) for c in column) for column in zip(header, *rows)]

@@ -1,16 +1,10 @@
 """``cake-cute check``: the kernels on this GPU against the FP64 reference, over a built-in matrix.
 
 Each case runs the functional forward and backward into caller-owned outputs pre-filled with NaN (an
-element the kernel fails to write shows up as a NaN error), then the autograd path, and compares
-relative-norm errors with the reference (``cake_cute.reference``):
-
-* y, h_new, dx: ``tolerance(dtype)`` (one rounding to the activation dtype);
-* rstd and dw (FP32 results of FP32 accumulations): ``FP32_TOLERANCE``;
-* autograd's dw comes back in w's dtype: ``tolerance(w dtype)``.
-
-dx = rstd * (a - xhat * c) cancels when a row is short (H = 1 gives dx = rstd * a * eps / (h^2 + eps)),
-and FP32 then cannot be more accurate than ``FP32_TOLERANCE * ||rstd * a||``. That term, relative to
-||dx||, is added to the dx limit; for ordinary rows it is about 1e-5.
+unwritten element fails), then the autograd path, and compares relative-norm errors: y, h_new and dx
+to ``tolerance(dtype)``, rstd and dw to ``FP32_TOLERANCE``, autograd's dw to ``tolerance(w dtype)``.
+dx = rstd * (a - xhat * c) cancels in short rows, where FP32 cannot beat
+``FP32_TOLERANCE * ||rstd * a||``; that term, relative to ||dx||, is added to the dx limit.
 """
 
 from __future__ import annotations
@@ -68,7 +62,6 @@ class CaseResult:
 
     @property
     def ok(self) -> bool:
-        """Every error within its limit and no crash."""
         # A NaN error compares False, so an unwritten (NaN-poisoned) output fails.
         return self.error is None and all(e <= self.limits[k] for k, e in self.errors.items())
 
@@ -87,8 +80,7 @@ def gpu_problem() -> str | None:
 
 
 def case_matrix(quick: bool = False) -> list[Case]:
-    """dtypes x H x T x residual (w in the activation dtype) within MAX_ELEMENTS, plus FP32 weights,
-    Gemma's weight offset and an empty batch."""
+    """dtypes x H x T x residual within MAX_ELEMENTS, FP32 weights, Gemma's offset, an empty batch."""
     hiddens, rows = (QUICK_HIDDEN, QUICK_ROWS) if quick else (FULL_HIDDEN, FULL_ROWS)
     cases = [
         Case(dtype, dtype, hidden, t, residual)
@@ -200,20 +192,7 @@ def format_result(result: CaseResult) -> str:
 
 
 def run_check(quick: bool = False, stream: TextIO = sys.stdout) -> int:
-    """Run the matrix on the current GPU, printing one row per case as it finishes.
-
-    Parameters
-    ----------
-    quick : bool
-        The smaller matrix (``QUICK_HIDDEN`` x ``QUICK_ROWS``).
-    stream : text stream
-        Where the rows go.
-
-    Returns
-    -------
-    int
-        The exit status: 0 when every case passed, else 1.
-    """
+    """Run the (``quick``) matrix on this GPU, a row per case to ``stream``; exit status 0 if all pass."""
     device = torch.device("cuda", torch.cuda.current_device())
     cases = case_matrix(quick)
     print(

@@ -1,9 +1,6 @@
-"""Ahead-of-time compilation into the on-disk kernel cache (``cake-cute warmup``); no GPU needed.
-
-A training job then loads every kernel from disk and never compiles on its hot path. Compiling is
-CPU-bound and independent per variant, so it runs in worker processes (spawned: the DSL's state is
-not fork-safe); a variant that is already on disk costs one ``stat``. What ``--report`` prints per
-kernel is ``kernel_report``'s.
+"""Ahead-of-time compilation into the on-disk kernel cache (``cake-cute warmup``); no GPU needed, so a
+training job never compiles on its hot path. Variants compile in spawned worker processes (the DSL's
+state is not fork-safe); one already on disk costs a ``stat``.
 """
 
 from __future__ import annotations
@@ -81,18 +78,16 @@ def variant_specs(
     w_modes : iterable of {"same", "fp32"}
         w in the activation dtype, in FP32, or both.
     weight_offset : float
-        The constant added to w (compiled into the forward and backward; 1.0 for Gemma).
+        The constant added to w (compiled in; 1.0 for Gemma).
     memory_efficient : bool
-        Also the memory-efficient mode's backward (it reads the forward's output y),
-        which the default mode never launches.
+        Also the memory-efficient mode's backward.
 
     Returns
     -------
     list of KernelSpec
-        Forward and backward (and the memory-efficient backward when asked) per (arch, dtype, w dtype,
-        H, residual), and the dW reduction for both outputs it is asked for (FP32 from the functional
-        API, w's dtype from autograd; the two modes share it), or where the backward sums dW in its own
-        launch a backward per output; duplicates removed, order kept.
+        Forward and backward per (arch, dtype, w dtype, H, residual) and what the backward launches to
+        return dW in FP32 (the functional API) and in w's dtype (autograd); duplicates removed, order
+        kept.
     """
     modes = (False, True) if memory_efficient else (False,)
     specs = []
@@ -112,9 +107,8 @@ BACKWARD_KINDS = ("bwd", "gated_bwd")
 
 
 def with_dw_outputs(kernels: list, outs: Iterable[str]) -> list:
-    """``kernels`` (of one arch and H) and what their backwards launch to return dW in each dtype of
-    ``outs``: the dW reductions into them after the kernels, or, for a backward whose config sums dW in
-    its own launch (``dw_finish``), its variant for each of them in its place."""
+    """``kernels`` and what their backwards launch to return dW in each dtype of ``outs`` (reductions, or
+    a backward variant per output)."""
     outs = list(dict.fromkeys(outs))
     specs, reduced = [], None
     for spec in kernels:
@@ -139,10 +133,8 @@ def gated_variant_specs(
     weight_offset: float = 0.0,
     activations: Iterable[str] = (SILU,),
 ) -> list[KernelSpec | GatedSpec | ReduceSpec]:
-    """Every kernel a gated norm (``CakeGatedRMSNorm``, ``cake_gated_rmsnorm``, FlashInfer's SiLU-gated
-    names) of these forms and gate activations can launch when called with a gate, under any cast
-    policy (``gated.module``; a module called without a gate runs plain kernels, which
-    ``variant_specs`` gives).
+    """Every kernel a gated norm of these forms and activations can launch when called with a gate, under
+    any cast policy (one called without a gate runs the plain kernels of ``variant_specs``).
 
     Parameters
     ----------
@@ -155,21 +147,14 @@ def gated_variant_specs(
     weight_offset : float
         The constant added to w, compiled into the fused kernels.
     activations : iterable of {"silu", "sigmoid"}
-        The gate activations (``vocab.GATE_ACTIVATIONS``) of the fused kernels.
+        The gate activations of the fused kernels.
 
     Returns
     -------
     list
-        Per (arch, dtype, form): the fused forward and backward in both orders (norm then gate, gate
-        then norm) for each weight dtype and activation, the dW reductions into FP32 and into the
-        weight's dtype (or for a backward that sums dW in its own launch, its variant for each of them),
-        for whole rows and SiLU the statistics kernel (FlashInfer's functional
-        backward); and what the other policies launch (for FP32 rows: with a bf16 / fp16 weight, or a
-        gate of another dtype than x's, which runs the FP32 kernels): under ``"round_then_scale"``
-        the fused kernels of the gate-then-norm order with a unit weight of x's dtype and no offset,
-        for each activation, and for the norm-then-gate order the plain norm's kernels at G (unit
-        weight, no residual); under ``"scale_then_round"`` the plain kernels with the weight (whole
-        rows) or the FP32 ones at G (groups). Duplicates removed, order kept.
+        Per (arch, dtype, form): the fused forward and backward in both orders, what they launch to
+        return dW, the statistics kernel (whole rows, SiLU: FlashInfer's functional backward), and the
+        plain or unit-weight kernels the two-rounding policies launch. Duplicates removed, order kept.
     """
     specs: list = []
     activations = tuple(activations)
@@ -208,8 +193,7 @@ def gated_variant_specs(
 
 
 def _scale_then_round_specs(arch, act, hidden, group, w_mode, weight_offset) -> list:
-    """The plain kernels of the norm-then-gate form under ``"scale_then_round"``: with the weight and
-    its offset over whole rows; per group, the FP32 ones with a unit weight."""
+    """The plain kernels norm then gate runs under ``"scale_then_round"``."""
     if group == hidden:
         return variant_specs([arch], [act], [hidden], (False,), (w_mode,), weight_offset=weight_offset)
     return variant_specs([arch], ["fp32"], [group], residuals=(False,))
@@ -220,9 +204,7 @@ COMPILED, LOADED, FAILED = "compiled", "loaded", "FAILED"
 
 @dataclass
 class Outcome:
-    """What this process did for one variant that was not on disk when the warmup started:
-    ``COMPILED`` it, ``LOADED`` it after another process compiled it (the cache's file lock made this
-    one wait), or ``FAILED`` with ``error``."""
+    """What this process did for a variant: ``COMPILED``, ``LOADED`` after another's compile, ``FAILED``."""
 
     spec: KernelSpec
     seconds: float
@@ -241,7 +223,6 @@ class WarmupResult:
     seconds: float = 0.0
 
     def add(self, outcome: Outcome) -> None:
-        """File ``outcome`` under its status."""
         {COMPILED: self.compiled, LOADED: self.loaded, FAILED: self.failed}[outcome.status].append(outcome)
 
     def summary(self) -> str:
@@ -261,9 +242,8 @@ def _short_error(exc: BaseException) -> str:
 
 
 def compile_one(spec: KernelSpec) -> Outcome:
-    """Bring ``spec`` into the disk cache (in a worker) and say what this process did: compiled it, or
-    loaded it because another process compiled it since the warmup looked (the cache reports where a
-    kernel came from); errors come back as text, since DSL exceptions do not always pickle."""
+    """Bring ``spec`` into the disk cache in a worker; errors come back as text (DSL errors may not
+    pickle)."""
     start = time.perf_counter()
     try:
         _, source = get_kernel_and_source(spec)
@@ -273,13 +253,11 @@ def compile_one(spec: KernelSpec) -> Outcome:
 
 
 def default_jobs() -> int:
-    """The CPUs this process may run on."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def _compile_all(specs: list[KernelSpec], jobs: int) -> Iterator[Outcome]:
-    """Outcomes in completion order; one worker or one variant compiles in this process (a worker
-    costs a few seconds of imports)."""
+    """Outcomes in completion order; a lone worker or variant compiles in this process."""
     if jobs <= 1 or len(specs) <= 1:
         yield from map(compile_one, specs)
         return
@@ -294,23 +272,8 @@ def _compile_all(specs: list[KernelSpec], jobs: int) -> Iterator[Outcome]:
 
 
 def warm(specs: list[KernelSpec], jobs: int | None = None, progress: TextIO | None = None) -> WarmupResult:
-    """Compile the variants of ``specs`` that are not on disk yet, printing one line per variant.
-
-    Parameters
-    ----------
-    specs : list of KernelSpec
-        The variants to bring into the disk cache (``variant_specs`` builds them).
-    jobs : int, optional
-        Worker processes (default: the CPU count).
-    progress : text stream, optional
-        Where the per-variant lines go (default: stderr at the time of the call).
-
-    Returns
-    -------
-    WarmupResult
-        The variants found on disk, and for the others what this process did (compiled, loaded after
-        another process compiled it, failed).
-    """
+    """Compile the variants of ``specs`` not on disk yet with ``jobs`` workers, one line each to
+    ``progress``; returns the ``WarmupResult``."""
     progress = progress or sys.stderr
     start = time.perf_counter()
     result = WarmupResult()
@@ -342,8 +305,7 @@ BUILT, ON_DISK, SKIPPED, NOT_BUILT = "built", "already built", "skipped", "not b
 
 @dataclass
 class NativeBuild:
-    """What ``build_native`` did: ``status`` is ``BUILT``, ``ON_DISK`` (built before), ``SKIPPED``
-    (``CAKE_CUTE_PYTHON_PATH=1``) or ``NOT_BUILT`` (the build failed); ``detail`` is the library's path,
+    """What ``build_native`` did (``BUILT``, ``ON_DISK``, ``SKIPPED``, ``NOT_BUILT``) and the library's path
     or why there is none."""
 
     status: str
@@ -370,20 +332,7 @@ NATIVE_ANNOUNCEMENT = (
 
 
 def build_native(progress: TextIO | None = None) -> NativeBuild:
-    """Build the native host path ahead of time (``native.build``), announcing the build on
-    ``progress`` before it starts when it is not on disk yet; a failure is reported, not raised (eager
-    calls then take the Python path).
-
-    Parameters
-    ----------
-    progress : text stream, optional
-        Where the announcement goes (default: stderr at the time of the call).
-
-    Returns
-    -------
-    NativeBuild
-        What was done, and how long it took.
-    """
+    """Build the native host path ahead of time; a failure is reported in the result, not raised."""
     from ..runtime import native
 
     progress = progress or sys.stderr
@@ -401,24 +350,8 @@ def build_native(progress: TextIO | None = None) -> NativeBuild:
 
 
 def cache_dir_problem(path: Path, *, create_parents: bool) -> str | None:
-    """Why kernels cannot be cached in ``path``, or None; creates ``path`` when it is missing.
-
-    Checked once before compiling, so a bad directory is one clear message rather than one error per
-    variant.
-
-    Parameters
-    ----------
-    path : Path
-        The cache directory.
-    create_parents : bool
-        Create missing parent directories (the default location); an explicit ``--cache-dir`` must
-        have an existing parent, which catches typos.
-
-    Returns
-    -------
-    str or None
-        The problem (not a directory, missing parent, cannot be created, not writable), naming the path.
-    """
+    """Why kernels cannot be cached in ``path``, or None; creates it, and its parents only with
+    ``create_parents`` (an explicit ``--cache-dir`` must have a parent, catching typos)."""
     if path.exists() and not path.is_dir():
         return f"{path} is not a directory"
     if not path.exists():

@@ -8,9 +8,9 @@ namespace cake_cute_native {
 // ---- the custom ops' kernels ---------------------------------------------------------------------
 //
 // Under torch.compile (and wherever else `cake_cute::rmsnorm_fwd` / `rmsnorm_bwd` / `rmsnorm_bwd_parts` /
-// `rmsnorm_fp8_fwd` are called) every call goes through the dispatcher. With Python kernels there, each call pays torch.library's
-// Python autograd layer and a Python backend kernel (about 28 us per forward and 8 us per backward on the H200's host,
-// evidence/compiled-host-profile-h200-2026-12-01/). Once the extension is loaded these C++ kernels
+// `rmsnorm_fp8_fwd` are called) every call goes through the dispatcher. With Python kernels there, each call
+// pays torch.library's Python autograd layer and a Python backend kernel, the largest host cost of a
+// compiled step. Once the extension is loaded these C++ kernels
 // take the CUDA keys: the CUDA kernels launch served signatures directly and hand every other call to
 // the op's Python body; the AutogradCUDA kernel redispatches below autograd when there is no graph to
 // record (a compiled graph's case) and otherwise records a C++ node whose backward calls `rmsnorm_bwd`,

@@ -20,8 +20,8 @@ SMALL_HIDDEN = (4096,)
 # Micro-batches of real training: tokens per GPU x model width.
 TRAINING_TOKENS = (2048, 4096, 8192, 16384)
 TRAINING_HIDDEN = (1024, 2048, 4096, 5120, 8192, 16384)
-# Per-head q/k norms (H = head_dim over T * heads rows): three row counts keep the sweep, with
-# torch.compile compiling each shape, near three minutes on an H200.
+# Per-head q/k norms (H = head_dim over T * heads rows): three row counts keep the sweep short, with
+# torch.compile compiling each shape.
 HEADDIM_TOKENS = (1 << 12, 1 << 16, 1 << 20)
 HEADDIM_HIDDEN = (32, 64, 80, 96, 128, 192, 256)
 GRIDS = ("standard", "training", "small", "headdim")
@@ -44,29 +44,8 @@ RESIDUAL_MODES = {"off": (False,), "on": (True,), "both": (False, True)}
 def model_bytes(
     op: str, residual: bool, tokens: int, hidden: int, dtype: str = "bf16", w_dtype: str | None = None
 ) -> int:
-    """Bytes an ideal kernel moves for one call.
-
-    Parameters
-    ----------
-    op : {"fwd", "bwd"}
-        fwd reads x (+residual) and w and writes y (+h_new) and rstd (4 bytes a row); bwd reads g and x
-        (+g_residual) and writes dx (w, rstd and dw are not counted).
-    residual : bool
-        Whether the residual add is fused.
-    tokens, hidden : int
-        T and H.
-    dtype, w_dtype : str
-        Activation dtype, and w's dtype (default: the activation dtype).
-
-    Returns
-    -------
-    int
-
-    Raises
-    ------
-    ValueError
-        An unknown op or dtype.
-    """
+    """Bytes an ideal kernel moves for one call (w, rstd and dw not counted); ValueError for an unknown
+    op or dtype."""
     if dtype not in DTYPE_NAMES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {dtype!r}")
     act = tokens * hidden * dtype_bytes(dtype)
@@ -79,22 +58,14 @@ def model_bytes(
 
 
 def ceiling_target(op: str, nbytes: int) -> float | None:
-    """The fraction of the device copy a call of ``op`` moving ``nbytes`` (``model_bytes``) is held to,
-    None for a call below ``CEILING_TARGET_BYTES``.
-
-    Raises
-    ------
-    ValueError
-        An unknown op.
-    """
+    """The copy fraction a call of ``op`` moving ``nbytes`` is held to, None for small calls."""
     if op not in CEILING_TARGETS:
         raise ValueError(f"op must be 'fwd' or 'bwd', got {op!r}")
     return CEILING_TARGETS[op] if nbytes >= CEILING_TARGET_BYTES else None
 
 
 def parse_count(text: str) -> int:
-    """'134217728', '2^27', '2**27', '1<<27', '128M' (binary suffixes K/M/G) -> int > 0; anything else
-    is an ``argparse.ArgumentTypeError``."""
+    """'134217728', '2^27', '2**27', '1<<27' or '128M' -> int > 0, else ``ArgumentTypeError``."""
     t = str(text).strip().lower().replace("_", "").replace(" ", "")
     value = None
     if m := re.fullmatch(r"(\d+)(?:\^|\*\*)(\d+)", t):
@@ -111,8 +82,7 @@ def parse_count(text: str) -> int:
 
 
 def parse_count_list(text: str) -> list[int]:
-    """An argparse type: a comma-separated list of positive counts (``parse_count``'s forms); an empty
-    list or a bad item is an ``argparse.ArgumentTypeError`` (argparse names the option)."""
+    """An argparse type: a comma-separated list of positive counts in ``parse_count``'s forms."""
     try:
         values = [parse_count(p) for p in str(text).split(",") if p.strip()]
     except argparse.ArgumentTypeError:
@@ -131,31 +101,11 @@ def grid_shapes(
     tokens: list[int] | None = None,
     elements: int | None = None,
 ) -> list[tuple[int, int]]:
-    """(T, H) pairs of a grid, in sweep order (H outer, T inner).
+    """(T, H) pairs of a grid, H outer, T inner, each T at least 1.
 
-    Parameters
-    ----------
-    grid : {"standard", "training", "small", "headdim"}
-        standard: T = elements // H for every H (default: ``STANDARD_TENSOR_BYTES`` per tensor); training:
-        ``TRAINING_TOKENS`` x ``TRAINING_HIDDEN``; small: ``SMALL_TOKENS`` at H = 4096; headdim:
-        ``HEADDIM_TOKENS`` x ``HEADDIM_HIDDEN``.
-    dtype : str
-        The activation dtype (decides the standard grid's default T * H).
-    hidden, tokens : list of int, optional
-        Replace the grid's H or T values (a standard grid with ``tokens`` uses those T for every H).
-    elements : int, optional
-        T * H of the standard grid.
-
-    Returns
-    -------
-    list of (int, int)
-        Shapes whose T is at least 1.
-
-    Raises
-    ------
-    ValueError
-        An unknown grid, or ``elements`` given for a grid that does not use it.
-    """
+    Grids: standard (T = elements // H for every H, by default ``STANDARD_TENSOR_BYTES`` per tensor of
+    ``dtype``), training, small and headdim (their module constants). ``hidden`` and ``tokens`` replace the
+    grid's values. ValueError for an unknown grid, or ``elements`` for a grid that does not use it."""
     if grid not in GRIDS:
         raise ValueError(f"grid must be one of {', '.join(GRIDS)}, got {grid!r}")
     if elements is not None and (grid != "standard" or tokens):

@@ -68,7 +68,9 @@ def build_parser(prog: str = "cake-cute bench") -> argparse.ArgumentParser:
     )
     p.add_argument("--no-cake", action="store_true", help="do not time cake_cute (peers only)")
     p.add_argument("--ops", type=_choice_list(OPS), default=list(OPS), help="fwd,bwd (default both)")
-    p.add_argument("--json", type=Path, help="output JSON (default evidence/<date>-<gpu>[-<grid>].json)")
+    p.add_argument(
+        "--json", type=Path, help="output JSON (default: evidence folder, <date>-<gpu>[-<grid>].json)"
+    )
     p.add_argument(
         "--append", action="store_true", help="merge into an existing --json file (same keys replaced)"
     )
@@ -104,8 +106,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``cake-cute bench`` and ``python benchmarks/sweep.py``; returns the exit status (2
-    without a GPU)."""
+    """Entry point of ``cake-cute bench`` and ``benchmarks/sweep.py``; returns the exit status."""
     t_start = time.perf_counter()
     args = parse_args(argv)
     try:

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 
 class Impl:
-    """An implementation under test: ``forward(x, w, residual)`` returns a tuple (y,) or (y, h_new) with
-    autograd, x / w / residual being leaves that require grad."""
+    """An implementation under test: ``forward(x, w, residual)`` with autograd, on leaf inputs."""
 
     name = "?"
 
@@ -50,8 +49,8 @@ class _TorchEager(Impl):
 
 
 class _TorchCompile(Impl):
-    """torch.compile(dynamic=False, fullgraph=True) of an FP32 reference; one compiled graph per
-    (shape, dtype, residual) and a dynamo reset when it changes, so guards never accumulate."""
+    """torch.compile(fullgraph=True) of an FP32 reference, one graph per shape and a dynamo reset
+    between shapes, so guards never accumulate."""
 
     name = "compile"
 
@@ -104,8 +103,7 @@ class _TorchCompile(Impl):
 
 
 class _Liger(Impl):
-    """Liger-Kernel's Triton RMSNorm with the defaults of its modules: LigerRMSNorm (casting 'llama',
-    in_place=True: dx overwrites dy) and LigerFusedAddRMSNorm (in_place=False) for the residual mode."""
+    """Liger-Kernel's RMSNorm modules with their defaults (LigerRMSNorm writes dx over dy)."""
 
     name = "liger"
 

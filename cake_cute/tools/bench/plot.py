@@ -29,8 +29,7 @@ MARKERS = ("o", "s", "^", "D", "v", "P")
 
 
 def axes_of(rows: list[dict]) -> tuple[str, str | None]:
-    """(x field, the field that splits lines or None): H with a line per T where several T share an H,
-    T when every row has the same H."""
+    """(x field, line-splitting field or None): H with a line per T, or T when every row has one H."""
     hidden = {r["H"] for r in rows}
     if len(hidden) == 1:
         return "T", None
@@ -161,7 +160,6 @@ def merged_document(docs: list[dict], paths: list[Path]) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The arguments of ``benchmarks/plot.py``."""
     p = argparse.ArgumentParser(
         prog="benchmarks/plot.py",
         description="Print and plot cake-cute bench results JSON files (no GPU needed).",

@@ -54,8 +54,8 @@ def slugify(text: str) -> str:
 def default_json_path(
     gpu: str, date: str, grid: str = "standard", dtypes: tuple[str, ...] = ("bf16",), root: Path | None = None
 ) -> Path:
-    """``evidence/<date>-<gpu>[-small|-training-shapes|-headdim][-<dtypes>].json`` (bf16 alone has no
-    dtype suffix) under the repository, or under the working directory when the package is installed."""
+    """``<date>-<gpu>[-<grid>][-<dtypes>].json`` in the ``evidence`` folder of the repository, or of the
+    working directory when installed."""
     if root is None:
         root = REPO if (REPO / "evidence").is_dir() and (REPO / "pyproject.toml").is_file() else Path.cwd()
     suffix = {"standard": "", "small": "-small", "training": "-training-shapes", "headdim": "-headdim"}[grid]
@@ -70,9 +70,7 @@ def _git(*args: str) -> str | None:
 
 
 def git_commit() -> str:
-    """``$CAKE_CUTE_COMMIT`` when set (a copy of the tree on another machine may carry a stale .git),
-    else ``git rev-parse --short HEAD`` (+ ``-dirty``) of the checkout the package sits in, else
-    ``unknown``."""
+    """``$CAKE_CUTE_COMMIT``, else the checkout's short ``HEAD`` (+ ``-dirty``), else ``unknown``."""
     if os.environ.get("CAKE_CUTE_COMMIT"):
         return os.environ["CAKE_CUTE_COMMIT"]
     try:

@@ -46,7 +46,6 @@ class Sweep:
         self.done = self.total = 0  # rows measured so far, rows in the sweep (for the progress lines)
 
     def note(self, text: str) -> None:
-        """Print a note now and keep it for the results file."""
         self.notes.append(text)
         print(f"note: {text}", flush=True)
 
@@ -79,8 +78,8 @@ class Sweep:
         return call, None, None
 
     def _backward_calls(self, impl: Impl, sets: list[dict], row: dict):
-        """(call, setup, method): replay of one retained graph per set, or, where an implementation
-        cannot replay its graph, an untimed fresh forward before every timed backward."""
+        """(call, setup, method): replay of one retained graph per set, or a fresh untimed forward before
+        each timed backward."""
         torch = self.torch
         rotation = Rotation(len(sets))
 
@@ -184,8 +183,7 @@ class Sweep:
 
 
 def precompile_cake(sweep: Sweep, shapes, res_modes) -> float:
-    """Compile every cake kernel of the sweep on 2-row inputs before any peer is imported (quack patches
-    CuTe classes process-wide on import); returns the seconds it took."""
+    """Compile the sweep's cake kernels before any peer is imported (quack patches CuTe classes)."""
     import cake_cute
 
     torch, start = sweep.torch, time.perf_counter()
@@ -242,8 +240,7 @@ def _copy_ceilings(sweep: Sweep, dtype: str, shape, residual: bool) -> dict:
 
 
 def shape_rows(sweep: Sweep, dtype: str, shape, res_modes) -> None:
-    """Every row of one (dtype, T, H): per residual mode one rotation of input sets, one copy ceiling per
-    op, then each implementation and op."""
+    """Every row of one (dtype, T, H): input sets, copy ceilings, then each implementation and op."""
     ops = sweep.args.ops
     for res in res_modes:
         try:
@@ -271,8 +268,7 @@ def shape_rows(sweep: Sweep, dtype: str, shape, res_modes) -> None:
 
 
 def results_document(sweep: Sweep, header: dict, old_rows: list[dict], t_start: float) -> dict:
-    """The JSON document: the run's facts, the method, the notes and the rows so far (merged into
-    ``old_rows`` with --append)."""
+    """The JSON document: the run's facts, method, notes and rows (merged with --append)."""
     args = sweep.args
     return {
         **header,

@@ -1,19 +1,15 @@
 """Device time of one call with the L2 defeated, and the device-copy ceiling of the same bytes.
 
-* ``gpu_us``: a spin kernel (``torch.cuda._sleep``) holds the stream while the host queues the start
-  event, the call and the end event, so the events bracket the call's device work alone: no host time,
-  no launch gap before the first kernel. If the spin ended before the host finished queuing (the
-  start event has already fired), the call is measured again with a spin twice as long.
-* L2: calls rotate through ``buffer_sets`` input sets whose bytes together exceed ``L2_FACTOR`` times
-  the L2 (``torch.cuda.get_device_properties().L2_cache_size``), so each call finds its inputs evicted
-  by the calls in between and every figure is an HBM figure.
+* ``gpu_us``: a spin kernel holds the stream while the host queues the start event, the call and the
+  end event, so the events bracket the call's device work alone. If the spin ended before the host
+  finished queuing, the call is measured again with a spin twice as long.
+* L2: calls rotate through input sets whose bytes together exceed ``L2_FACTOR`` times the L2, so every
+  figure is an HBM figure.
 * ``copy_tbps``: the same bytes copied device to device, timed the same way with the same rotation.
-* ``kernel_us`` (small grid): the profiler's durations of the kernels (and copies) one call launches,
-  summed: the time the GPU spends executing them, without the gaps that ``gpu_us`` keeps between its
-  events and the first and last kernel (about 3 us for a copy of a few KB on the H200), which dominate
-  calls of a few microseconds.
+* ``kernel_us`` (small grid): the profiler's summed durations of the kernels one call launches,
+  without the gaps ``gpu_us`` keeps around them, which dominate calls of a few microseconds.
 
-torch is passed in (imported by the caller), so this module imports on a machine without torch.
+torch is passed in, so this module imports on a machine without torch.
 """
 
 from __future__ import annotations
@@ -31,37 +27,20 @@ CLOCK_WARMUP_S = 0.5
 
 
 def tbps(nbytes: int, us: float) -> float:
-    """TB/s of ``nbytes`` moved in ``us`` microseconds, to 5 significant digits (a relative precision
-    that holds for the slowest rate as for the fastest)."""
+    """TB/s of ``nbytes`` moved in ``us`` microseconds, to 5 significant digits."""
     return float(f"{nbytes / us / 1e6:.5g}")
 
 
 def buffer_sets_for(set_bytes: int, l2_bytes: int, rotate: bool = True) -> int:
-    """How many input sets to rotate through so that none is L2-resident when its turn comes.
-
-    Parameters
-    ----------
-    set_bytes : int
-        Bytes of one input set.
-    l2_bytes : int
-        The L2's size (``torch.cuda.get_device_properties().L2_cache_size``).
-    rotate : bool
-        False gives 1 (the small grid, L2-resident by nature).
-
-    Returns
-    -------
-    int
-        The least count whose bytes exceed ``L2_FACTOR * l2_bytes``, at most ``MAX_BUFFER_SETS``;
-        1 for sets that large already.
-    """
+    """How many input sets of ``set_bytes`` to rotate so none is L2-resident in its turn (1 without
+    ``rotate``)."""
     if not rotate or set_bytes <= 0:
         return 1
     return min(MAX_BUFFER_SETS, max(1, math.ceil(L2_FACTOR * l2_bytes / set_bytes)))
 
 
 def gpu_events(torch, run: Callable[[], object]) -> list:
-    """The profiler's GPU events (kernels and copies) of ``run()``, the device synchronized before the
-    profile ends."""
+    """The profiler's GPU events (kernels and copies) of ``run()``."""
     profiler = torch.profiler
     with profiler.profile(activities=[profiler.ProfilerActivity.CUDA]) as prof:
         run()
@@ -70,15 +49,13 @@ def gpu_events(torch, run: Callable[[], object]) -> list:
 
 
 class Rotation:
-    """Hands out set indices 0, 1, ..., n - 1, 0, ... across every call, timed or not, so a set is always
-    used again exactly ``n - 1`` calls after its last use, whatever the number of reps in between."""
+    """Hands out set indices round-robin across every call, so each set is reused ``n - 1`` calls later."""
 
     def __init__(self, n: int):
         self.n = n
         self.calls = 0
 
     def next(self) -> int:
-        """The index of the set the next call uses."""
         index = self.calls % self.n
         self.calls += 1
         return index
@@ -89,8 +66,7 @@ class LateHostError(RuntimeError):
 
 
 class DeviceTimer:
-    """Per-call timings on one device. ``call(arg)`` runs one call (choosing its input set through a
-    ``Rotation``); ``setup()``, when given, prepares its ``arg`` outside the timed region."""
+    """Per-call timings on one device; ``setup()`` prepares a call's ``arg`` outside the timed region."""
 
     def __init__(self, torch, device):
         self.torch = torch
@@ -136,35 +112,14 @@ class DeviceTimer:
             self.spin_cycles *= 2
 
     def device_us(self, call: Callable, reps: int, setup: Callable | None = None) -> float:
-        """Median device time of one call, µs (see the module docstring).
-
-        Parameters
-        ----------
-        call : callable
-            ``call(arg)`` runs one call.
-        reps : int
-            Calls to time.
-        setup : callable, optional
-            ``setup()`` returns ``arg``, run before the spin, outside the timed region.
-
-        Returns
-        -------
-        float
-
-        Raises
-        ------
-        LateHostError
-            The host side of a call outlasted ``MAX_SPIN_CYCLES``.
-        """
+        """Median device time of one call in µs; LateHostError when the host outlasts the spin."""
         times = []
         for _ in range(reps):
             times.append(self._device_once(call, setup() if setup is not None else None))
         return statistics.median(times)
 
     def kernel_us(self, call: Callable, reps: int, setup: Callable | None = None) -> float:
-        """Mean device time of the kernels (and copies) of one call, µs, from the profiler's GPU
-        activity (see the module docstring); ``call`` and ``setup`` as in ``device_us``, every ``setup``
-        run before profiling starts."""
+        """Mean device time of the kernels (and copies) of one call in µs, from the profiler."""
         args = [setup() if setup is not None else None for _ in range(reps)]
         self.torch.cuda.synchronize()
 
@@ -175,17 +130,8 @@ class DeviceTimer:
         return sum(e.time_range.elapsed_us() for e in gpu_events(self.torch, calls)) / reps
 
     def copy_ceiling(self, nbytes: int, reps: int, rotate: bool = True, kernel_time: bool = False) -> dict:
-        """The device-copy ceiling for ``nbytes`` moved: ``nbytes / 2`` copied device to device (read +
-        write = ``nbytes``), rotated like the inputs.
-
-        Returns
-        -------
-        dict
-            Row fields: ``copy_tbps`` (the faster of cudaMemcpyAsync and an elementwise copy kernel),
-            ``copy_memcpy_tbps``, ``copy_kernel_tbps``, ``copy_gpu_us``, ``copy_bytes``,
-            ``copy_buffer_sets``; with ``kernel_time``, ``copy_kernel_us``: the profiler's time of
-            the faster copy (``kernel_us``).
-        """
+        """The device-copy ceiling for ``nbytes`` moved, as row fields (``copy_tbps``, the faster of a memcpy
+        and a copy kernel, and the details)."""
         torch = self.torch
         half = max(16, (nbytes // 2) // 16 * 16)
         sets = buffer_sets_for(nbytes, self.l2_bytes, rotate)
@@ -223,7 +169,7 @@ class DeviceTimer:
         return result
 
     def warm_clocks(self) -> None:
-        """About half a second of copies, so the first row does not meet idle clocks."""
+        """Copies for about half a second, so the first row does not meet idle clocks."""
         torch = self.torch
         src = torch.empty(1 << 28, dtype=torch.uint8, device=self.device)
         dst = torch.empty_like(src)
