@@ -158,39 +158,32 @@ def _backward(ctx, g, _g_rstd):
     return dx, dz, dw, None, None, None, None, None
 
 
-def _differentiable_backward(g, x, z, w, eps, group_size, norm_before_gate, weight_offset, activation):
-    """(dx, dz, dw) as the kernels give them, in torch operations (for double backward)."""
-    hidden = x.shape[-1]
-    dx, dz, dw = gated_backward_reference(
-        g.reshape(-1, hidden),
-        x.reshape(-1, hidden),
-        z.reshape(-1, hidden),
+def _on_rows(reference, tensors, w, eps, group_size, norm_before_gate, weight_offset, activation):
+    """A ``gated.reference`` function of [..., H] tensors (their leading dims as rows), computing in
+    FP32, or FP64 for FP64 inputs."""
+    hidden = tensors[0].shape[-1]
+    return reference(
+        *(t.reshape(-1, hidden) for t in tensors),
         w,
         eps,
         group_size=group_size,
         norm_before_gate=norm_before_gate,
         weight_offset=weight_offset,
         activation=activation,
-        compute_dtype=compute_dtype_of(x.dtype),
+        compute_dtype=compute_dtype_of(tensors[0].dtype),
     )
+
+
+def _differentiable_backward(g, x, z, w, eps, *options):
+    """(dx, dz, dw) as the kernels give them, in torch operations (for double backward)."""
+    dx, dz, dw = _on_rows(gated_backward_reference, (g, x, z), w, eps, *options)
     return dx.reshape(x.shape).to(x.dtype), dz.reshape(x.shape).to(x.dtype), dw.to(w.dtype)
 
 
 def gated_rmsnorm_math(call) -> torch.Tensor:
     """y of a gated call in torch operations (the ``MATH`` route), rounded once."""
-    x, z, w, eps, group_size, norm_before_gate, weight_offset, activation = call
-    hidden = x.shape[-1]
-    y, _rstd = gated_forward_reference(
-        x.reshape(-1, hidden),
-        z.reshape(-1, hidden),
-        w,
-        eps,
-        group_size=group_size,
-        norm_before_gate=norm_before_gate,
-        weight_offset=weight_offset,
-        activation=activation,
-        compute_dtype=compute_dtype_of(x.dtype),
-    )
+    x, z, w, eps, *options = call
+    y, _rstd = _on_rows(gated_forward_reference, (x, z), w, eps, *options)
     return y.reshape(x.shape).to(x.dtype)
 
 
