@@ -19,7 +19,7 @@ from .operands import operands_of
 from .runtime import launch_plan
 from .runtime.cache import get_kernel
 from .runtime.device import device_arch, device_facts, on_device
-from .runtime.specs import KernelSpec, ReduceSpec
+from .runtime.specs import ReduceSpec
 from .runtime.views import (
     aligned_vector,
     barrier_counter,
@@ -35,16 +35,7 @@ from .vocab import DTYPE_NAMES, dtype_name
 
 def forward_kernel(operands, residual: bool, weight_offset: float):
     """The compiled forward of validated (x, w) facts, mode and offset."""
-    spec = KernelSpec(
-        "fwd",
-        operands.arch,
-        operands.act,
-        operands.w_name,
-        operands.hidden,
-        residual=residual,
-        weight_offset=weight_offset,
-    )
-    return get_kernel(spec)
+    return get_kernel(operands.spec("fwd", residual=residual, weight_offset=weight_offset))
 
 
 def launch_forward(call: NormCall):
@@ -188,12 +179,8 @@ def backward_kernels(
 ):
     """The backward's kernels: dx with the partial rows of dW and their reduction, or, ``dw_in_launch``,
     one kernel that also sums them, and None."""
-    backward = KernelSpec(
+    backward = operands.spec(
         "bwd",
-        operands.arch,
-        operands.act,
-        operands.w_name,
-        operands.hidden,
         residual=residual,
         weight_offset=weight_offset,
         g_parts=g_parts,

@@ -76,17 +76,7 @@ def forward_kernel(operands, rows: int, residual: bool, recipe: str, emit_y: boo
     kernel, else the persistent kernel's program count."""
     programs = launch_plan.fp8_forward_programs(rows, operands.hidden, operands.act, residual, operands.facts)
     kind = quant_kind(recipe, emit_y, persistent=programs > 0)
-    spec = KernelSpec(
-        kind,
-        operands.arch,
-        operands.act,
-        operands.w_name,
-        operands.hidden,
-        residual=residual,
-        weight_offset=weight_offset,
-    )
-    fn = get_kernel(spec)
-    return fn, programs
+    return get_kernel(operands.spec(kind, residual=residual, weight_offset=weight_offset)), programs
 
 
 def _forward_cuda(call: Fp8Call):

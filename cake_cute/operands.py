@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from .runtime import device as dev
+from .runtime.specs import KernelSpec
 from .vocab import dtype_name
 
 
@@ -22,6 +23,10 @@ class Operands:
     act: str
     w_name: str
     facts: dev.DeviceFacts
+
+    def spec(self, kind: str, **fields) -> KernelSpec:
+        """The spec of a plain-norm kernel of ``kind`` for these operands (``fields``: its mode, by name)."""
+        return KernelSpec(kind, self.arch, self.act, self.w_name, self.hidden, **fields)
 
 
 _known_operands: dict[tuple, Operands] = {}
