@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch.func import grad, jacfwd, jacrev, jvp, vjp, vmap
 
+from cake_cute import cake_gated_rmsnorm
 from cake_cute.gated.reference import gated_forward_reference
 from cake_cute.reference import rel_error
 
@@ -38,6 +39,18 @@ def gated_reference(x, z, w, group_size=None, norm_before_gate=True, activation=
         activation=activation,
     )
     return y.reshape(x.shape)
+
+
+def gated_entry_and_reference(**options):
+    """``(cake_gated_rmsnorm, gated_reference)`` of (x, z, w), both with the gated ``options``."""
+
+    def entry(x, z, w):
+        return cake_gated_rmsnorm(x, z, w, EPS, **options)
+
+    def reference(x, z, w):
+        return gated_reference(x, z, w, **options)
+
+    return entry, reference
 
 
 def _combined(out):

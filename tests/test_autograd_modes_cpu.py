@@ -20,6 +20,7 @@ from cake_cute import (
 from tests._autograd_modes import (
     EPS,
     TRANSFORMS,
+    gated_entry_and_reference,
     gated_reference,
     plain_reference,
     second_order_error,
@@ -87,13 +88,9 @@ def test_double_backward_in_bf16_is_within_its_rounding():
 @pytest.mark.parametrize("norm_before_gate,group_size", [(True, None), (False, None), (False, 4), (True, 8)])
 def test_double_backward_of_the_gated_norm_is_fp64_torch(norm_before_gate, group_size, activation):
     x, z, w = _tensors((6, 16), (6, 16), (16,), seed=3)
-    options = dict(group_size=group_size, norm_before_gate=norm_before_gate, activation=activation)
-
-    def gated(x, z, w):
-        return cake_gated_rmsnorm(x, z, w, EPS, **options)
-
-    def reference(x, z, w):
-        return gated_reference(x, z, w, **options)
+    gated, reference = gated_entry_and_reference(
+        group_size=group_size, norm_before_gate=norm_before_gate, activation=activation
+    )
 
     assert second_order_error(gated, reference, [x, z, w]) < FP32_BOUND
 
@@ -170,13 +167,9 @@ def test_torch_func_transforms_of_the_module(name):
 @pytest.mark.parametrize("norm_before_gate,group_size", [(True, None), (False, 4)])
 def test_torch_func_transforms_of_the_gated_norm(name, norm_before_gate, group_size, activation):
     x, z, w = _tensors((3, 8), (3, 8), (8,), seed=11)
-    options = dict(group_size=group_size, norm_before_gate=norm_before_gate, activation=activation)
-
-    def gated(x, z, w):
-        return cake_gated_rmsnorm(x, z, w, EPS, **options)
-
-    def reference(x, z, w):
-        return gated_reference(x, z, w, **options)
+    gated, reference = gated_entry_and_reference(
+        group_size=group_size, norm_before_gate=norm_before_gate, activation=activation
+    )
 
     assert transform_error(name, gated, reference, [x, z, w]) < FP32_BOUND
 

@@ -12,7 +12,6 @@ from cake_cute import (
     CakeGatedRMSNorm,
     CakeRMSNorm,
     CakeRMSNormFunction,
-    cake_gated_rmsnorm,
     cake_rmsnorm,
     cake_rmsnorm_fp8,
 )
@@ -20,6 +19,7 @@ from cake_cute import (
 from ._autograd_modes import (
     EPS,
     TRANSFORMS,
+    gated_entry_and_reference,
     gated_reference,
     plain_reference,
     second_order_error,
@@ -77,13 +77,9 @@ def test_double_backward_with_a_weight_offset_and_in_bf16():
 @pytest.mark.parametrize("norm_before_gate,group_size", [(True, None), (False, 256)])
 def test_double_backward_of_the_gated_norm(norm_before_gate, group_size, activation):
     x, z, w = _tensors((6, 1024), (6, 1024), (1024,), seed=2)
-    options = dict(group_size=group_size, norm_before_gate=norm_before_gate, activation=activation)
-
-    def gated(x, z, w):
-        return cake_gated_rmsnorm(x, z, w, EPS, **options)
-
-    def reference(x, z, w):
-        return gated_reference(x, z, w, **options)
+    gated, reference = gated_entry_and_reference(
+        group_size=group_size, norm_before_gate=norm_before_gate, activation=activation
+    )
 
     assert second_order_error(gated, reference, [x, z, w]) < FP32_BOUND
 
