@@ -15,25 +15,18 @@ from . import validation as v
 from .calls import Fp8Call, NormCall, norm_call
 from .launch_fp8 import op_outputs
 from .library_ops import cake_rmsnorm_traceable, fp8_backward, norm_backward, save_for_backward
-from .operands import operands_of
 from .reference import compute_dtype_of, forward_reference
-from .routing import MATH, NATIVE, OP, route
+from .routing import MATH, NATIVE, OP, PYTHON, route
+from .runtime.operands import operands_of
 
 
-def rmsnorm_math(x, w, eps, residual=None, weight_offset=0.0):
-    """``cake_rmsnorm``'s outputs in torch operations, at the kernels' rounding points (FP32, or FP64 for
-    FP64 inputs), for the ``MATH`` route: autograd and every ``torch.func`` transform take it as they
-    take ``F.rms_norm``.
-
-    Raises
-    ------
-    TypeError, ValueError
-        The errors of ``calls.norm_call``.
-    """
-    call = norm_call(x, w, eps, residual, weight_offset, on_gpu=False, torch_math=True)
-    y, _, h = forward_reference(*call.math_arguments, compute_dtype=compute_dtype_of(x.dtype))
-    y = y.to(x.dtype)
-    return y if residual is None else (y, h)
+def _math(call: NormCall):
+    """The ``MATH`` route: ``cake_rmsnorm``'s outputs in torch operations at the kernels' rounding points
+    (FP32, or FP64 for FP64 inputs), which autograd and every ``torch.func`` transform differentiate as
+    they do ``F.rms_norm``."""
+    y, _, h = forward_reference(*call.math_arguments, compute_dtype=compute_dtype_of(call.x.dtype))
+    y = y.to(call.x.dtype)
+    return y if call.residual is None else (y, h)
 
 
 class CakeRMSNormFunction(torch.autograd.Function):
@@ -93,20 +86,8 @@ class CakeRMSNormFunction(torch.autograd.Function):
     def forward(ctx, x, w, eps, residual=None, deterministic=True, weight_offset=0.0, memory_efficient=False):
         """The Python path; while dynamo traces this Function the custom op stands for the kernels."""
         direct = not torch.compiler.is_compiling()
-        call = norm_call(x, w, eps, residual, weight_offset, on_gpu=direct)
-        if direct:
-            y, rstd, *h_new = dispatch.python_forward(call)
-            h_new = h_new[0] if h_new else None
-        else:
-            y, rstd, h_new = torch.ops.cake_cute.rmsnorm_fwd(x, w, call.eps, residual, call.weight_offset)
-            h_new = None if residual is None else h_new
-        saved_y = y if memory_efficient else None
-        save_for_backward(
-            ctx, x, w, residual, rstd, h_new, call.eps, call.weight_offset, direct=direct, y=saved_y
-        )
-        # Unused outputs get None rather than a materialized zero tensor of size [T, H].
-        ctx.set_materialize_grads(False)
-        return y if residual is None else (y, h_new)
+        call = norm_call(x, w, eps, residual, weight_offset, on_gpu=direct, memory_efficient=memory_efficient)
+        return _forward(ctx, call, direct)
 
     @staticmethod
     def backward(ctx, g, *g_h_new):
@@ -114,33 +95,84 @@ class CakeRMSNormFunction(torch.autograd.Function):
         return dx, dw, None, d_residual, None, None, None
 
 
+class CheckedRMSNormFunction(torch.autograd.Function):
+    """``CakeRMSNormFunction`` for a call its entry checked: ``forward(ctx, x, w, residual, call)``, the
+    tensors given beside ``call`` so that autograd records them."""
+
+    @staticmethod
+    def forward(ctx, x, w, residual, call):
+        return _forward(ctx, call, direct=True)
+
+    @staticmethod
+    def backward(ctx, g, *g_h_new):
+        dx, dw, d_residual = norm_backward(ctx, g, g_h_new[0] if ctx.residual else None)
+        return dx, dw, d_residual, None
+
+
+def _forward(ctx, call: NormCall, direct: bool):
+    """Both Functions' forward: launch (``direct``) or the custom op, and save what the backward needs."""
+    x, w, residual = call.x, call.w, call.residual
+    if direct:
+        y, rstd, *h_new = dispatch.python_forward(call)
+        h_new = h_new[0] if h_new else None
+    else:
+        y, rstd, h_new = torch.ops.cake_cute.rmsnorm_fwd(x, w, call.eps, residual, call.weight_offset)
+        h_new = None if residual is None else h_new
+    saved_y = y if call.memory_efficient else None
+    eps, offset = call.eps, call.weight_offset
+    save_for_backward(ctx, x, w, residual, rstd, h_new, eps, offset, direct=direct, y=saved_y)
+    # Unused outputs get None rather than a materialized zero tensor of size [T, H].
+    ctx.set_materialize_grads(False)
+    return y if residual is None else (y, h_new)
+
+
 _function_apply = torch.autograd.Function.apply.__func__  # the engine's apply, below the routing
 
 
 def _norm(cls, x, w, eps, residual, *, deterministic, weight_offset, memory_efficient):
-    """Run a call on its route: torch math, the custom op, the C++ node, else the Function ``cls``."""
+    """A functional entry's call: the native node where it serves the call (it checks what it serves),
+    else the arguments checked once into a ``NormCall`` run on its route."""
     if type(deterministic) is not bool or type(memory_efficient) is not bool:  # one cheap test per call
         _refuse_flags(deterministic, memory_efficient)
-    path = route(x, w, residual)
-    if path is MATH:
-        return rmsnorm_math(x, w, eps, residual, weight_offset)
-    if path is OP:
-        if not torch.compiler.is_compiling():
-            # Checked here as well as in the op: its schema would turn a bad argument into a RuntimeError
-            # naming none, and a DTensor's sharding rule runs on the global shapes before the op's body
-            # (while tracing, the op's fake kernel checks them).
-            norm_call(x, w, eps, residual, weight_offset, on_gpu=False)
-        return cake_rmsnorm_traceable(x, w, eps, residual, weight_offset, memory_efficient)
-    if path is NATIVE and cls is CakeRMSNormFunction:  # a subclass keeps its own forward
-        out = dispatch.native_rmsnorm(x, w, eps, residual, weight_offset, memory_efficient)
+    v.check_tensor_kinds(x, w, residual)
+    path = route(x, w)
+    if path is NATIVE and cls is CakeRMSNormFunction and not memory_efficient:
+        out = dispatch.native_rmsnorm(x, w, eps, residual, weight_offset)
         if out is not None:
             return out
-    return _function_apply(cls, x, w, eps, residual, deterministic, weight_offset, memory_efficient)
+    if path is NATIVE or path is PYTHON:
+        if cls is not CakeRMSNormFunction:  # a subclass keeps its own forward, which checks its arguments
+            return _function_apply(cls, x, w, eps, residual, deterministic, weight_offset, memory_efficient)
+        path = PYTHON
+    math, mode = path is MATH, memory_efficient
+    call = norm_call(x, w, eps, residual, weight_offset, on_gpu=False, torch_math=math, memory_efficient=mode)
+    return run(call, path)
 
 
 def _refuse_flags(deterministic, memory_efficient) -> None:
     v.check_bool("deterministic", deterministic)
     v.check_memory_efficient(memory_efficient)
+
+
+def run(call: NormCall, path: str):
+    """Run a checked call on its route (``routing.route``; where the native node declines a ``NATIVE``
+    call, the Python launch).
+
+    Returns
+    -------
+    torch.Tensor or tuple of torch.Tensor
+        y, or ``(y, h_new)`` when the call has a residual.
+    """
+    if path is MATH:
+        return _math(call)
+    if path is OP:
+        return cake_rmsnorm_traceable(call)
+    if path is NATIVE and not call.memory_efficient:
+        out = dispatch.native_rmsnorm(*call.math_arguments)
+        if out is not None:
+            return out
+    call = call._replace(operands=operands_of(call.x, call.w))  # the device checked, its facts read
+    return CheckedRMSNormFunction.apply(call.x, call.w, call.residual, call)
 
 
 class CakeRMSNormFp8Function(torch.autograd.Function):

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from .operands import Operands, known_operands, operands, operands_of
+from .runtime.operands import Operands, known_operands, operands, operands_of
 from .validation import (
     check_activation,
     check_backward_outputs,
@@ -26,6 +26,7 @@ from .validation import (
     check_gradient_parts,
     check_group_size,
     check_like,
+    check_memory_efficient,
     check_recipe,
     check_rstd,
     check_scale_layout,
@@ -48,6 +49,7 @@ class NormCall(NamedTuple):
     out: torch.Tensor | None = None
     rstd: torch.Tensor | None = None
     residual_out: torch.Tensor | None = None
+    memory_efficient: bool = False  # the autograd entries' mode: save y instead of x or h_new
 
     @property
     def math_arguments(self) -> tuple:
@@ -67,9 +69,10 @@ def norm_call(
     *,
     on_gpu=True,
     torch_math=False,
+    memory_efficient=False,
 ) -> NormCall:
     """Check every argument of a plain-norm forward, the device last (``on_gpu``: the kernels will run;
-    ``torch_math``: FP64 accepted)."""
+    ``torch_math``: FP64 accepted; ``memory_efficient``: the autograd entries' mode)."""
     known = known_operands(x, w) if on_gpu else None  # the hot path: (x, w) seen before
     if known is None:
         check_activation(x, torch_math=torch_math)
@@ -80,9 +83,25 @@ def norm_call(
         check_like("residual", residual, x)
     if out is not None or rstd is not None or residual_out is not None:
         check_forward_outputs(x, x.numel() // x.shape[-1], residual, out, rstd, residual_out)
+    if memory_efficient is not False:
+        check_memory_efficient(memory_efficient)
     if on_gpu and known is None:
         known = operands(x, w)
-    return NormCall(x, w, eps, residual, weight_offset, known, out, rstd, residual_out)
+    return NormCall(x, w, eps, residual, weight_offset, known, out, rstd, residual_out, memory_efficient)
+
+
+def module_call(
+    x, w, residual, eps: float, weight_offset: float, memory_efficient: bool, x_name: str = "x"
+) -> NormCall:
+    """Check a norm module's tensors (x named ``x_name``, FP64 included; a weight of any floating dtype,
+    or None for a unit scale; residual like x). The module's settings are trusted: they were checked
+    when they were set."""
+    check_activation(x, torch_math=True, name=x_name)
+    if w is not None:
+        check_weight(w, x, any_dtype=True)
+    if residual is not None:
+        check_like("residual", residual, x)
+    return NormCall(x, w, eps, residual, weight_offset, None, memory_efficient=memory_efficient)
 
 
 class BackwardCall(NamedTuple):

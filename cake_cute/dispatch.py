@@ -29,11 +29,10 @@ def prepare() -> bool:
     return native.load() is not None
 
 
-def native_rmsnorm(x, w, eps, residual, weight_offset, memory_efficient=False):
-    """The C++ autograd node's ``y`` / ``(y, h_new)``, or None where it does not serve the call (it saves
-    x or h_new, so never the memory-efficient mode)."""
-    if memory_efficient:
-        return None
+def native_rmsnorm(x, w, eps, residual, weight_offset):
+    """The C++ autograd node's ``y`` / ``(y, h_new)``, or None where it does not serve the call: it
+    serves the signatures and eps values the Python path checked and handed over, and saves x or h_new
+    (never ask it in the memory-efficient mode)."""
     return native.extension.rmsnorm(x, w, eps, residual, weight_offset)
 
 

@@ -105,7 +105,8 @@ def cake_rmsnorm_fp8(
         Inside a ``torch.func`` transform.
     """
     v.refuse_memory_efficient_fp8(memory_efficient)
-    path = route(x, w, residual)
+    v.check_tensor_kinds(x, w, residual)
+    path = route(x, w)
     norm = fp8_call(
         x, w, eps, residual, recipe, emit_y, weight_offset, scale_layout, on_gpu=path is PYTHON
     ).norm

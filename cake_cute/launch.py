@@ -15,10 +15,10 @@ import torch
 from . import validation as v
 from .calls import BackwardCall, NormCall
 from .kernels.config import on_override_change
-from .operands import operands_of
 from .runtime import launch_plan
 from .runtime.cache import get_kernel
 from .runtime.device import device_arch, device_facts, on_device
+from .runtime.operands import operands_of
 from .runtime.specs import ReduceSpec
 from .runtime.views import (
     aligned_vector,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from . import cpu, dispatch
-from .calls import backward_call, fp8_call, norm_call
+from .calls import NormCall, backward_call, fp8_call, norm_call
 from .fp8_numerics import scale_blocks
 from .kernels.quant_config import QUANT_RECIPES
 from .launch import backward_from_saved, launch_backward
@@ -294,9 +294,9 @@ native.provide_op_bodies(
 )
 
 
-def cake_rmsnorm_traceable(x, w, eps, residual=None, weight_offset=0.0, memory_efficient=False):
-    """``cake_rmsnorm`` through the custom op (its memory-efficient twin with ``memory_efficient``)."""
+def cake_rmsnorm_traceable(call: NormCall):
+    """``cake_rmsnorm`` of a checked call through the custom op (its memory-efficient twin in that mode)."""
     ops = torch.ops.cake_cute
-    forward = ops.rmsnorm_fwd_saving_output if memory_efficient else ops.rmsnorm_fwd
-    y, _rstd, h_new = forward(x, w, eps, residual, weight_offset)
-    return y if residual is None else (y, h_new)
+    forward = ops.rmsnorm_fwd_saving_output if call.memory_efficient else ops.rmsnorm_fwd
+    y, _rstd, h_new = forward(*call.math_arguments)
+    return y if call.residual is None else (y, h_new)

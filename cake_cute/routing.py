@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from .runtime import native
-from .validation import check_tensor
+from .validation import PLAIN_TENSOR_TYPES
 
 if torch.distributed.is_available():
     from torch.distributed.tensor import DTensor
@@ -29,27 +29,12 @@ OP = "op"
 NATIVE = "native"
 PYTHON = "python"
 
-# The exact types of plain tensors: one set lookup each on the hot path, where the isinstance checks
-# (a tensor at all? a DTensor?) run only for other types.
-_PLAIN_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))
 
-
-def route(x, w, residual=None) -> str:
-    """The path of a call on (x, w[, residual]): ``MATH``, ``OP``, ``NATIVE`` or ``PYTHON``.
-
-    Raises
-    ------
-    TypeError
-        x or w is not a tensor, or residual is neither None nor a tensor.
-    """
-    plain = type(x) in _PLAIN_TYPES and type(w) in _PLAIN_TYPES
-    if not plain:  # a tensor subclass (a DTensor), or not a tensor at all
-        check_tensor("x", x)
-        check_tensor("w", w)
-    if residual is not None and type(residual) not in _PLAIN_TYPES:
-        check_tensor("residual", residual)
+def route(x, w) -> str:
+    """The path of a call on the tensors (x, w): ``MATH``, ``OP``, ``NATIVE`` or ``PYTHON``."""
     if x.dtype is torch.float64 or torch._C._are_functorch_transforms_active():
         return MATH
+    plain = type(x) in PLAIN_TENSOR_TYPES and type(w) in PLAIN_TENSOR_TYPES
     if not plain and (isinstance(x, DTensor) or isinstance(w, DTensor)):
         return OP
     if torch.compiler.is_compiling() or not x.is_cuda:

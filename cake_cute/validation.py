@@ -44,20 +44,40 @@ def check_tensor(name: str, t, *, dtypes=None, device: torch.device | None = Non
         raise ArgumentError(f"{name} must be on the same device as x ({device}), got {t.device}")
 
 
-def check_activation(x, *, torch_math: bool = False) -> None:
-    """x: bf16/fp16/fp32 (FP64 with ``torch_math``), at least 1-D, 1 <= H <= 262144. The device is
-    checked last, so the argument errors can be exercised without a GPU."""
-    check_tensor("x", x, dtypes=(*DTYPE_BY_TORCH, *MATH_ONLY_DTYPES) if torch_math else DTYPE_BY_TORCH)
+_ALL_DTYPES = (*DTYPE_BY_TORCH, *MATH_ONLY_DTYPES)
+
+
+# The exact types of plain tensors: one set lookup each on the hot path, where the isinstance check
+# runs only for other types (a DTensor, or not a tensor at all).
+PLAIN_TENSOR_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))
+
+
+def check_tensor_kinds(x, w, residual=None) -> None:
+    """x and w are tensors and residual is None or one, else a TypeError naming the argument: the first
+    fact an entry checks, before routing reads the tensors."""
+    if type(x) not in PLAIN_TENSOR_TYPES:
+        check_tensor("x", x)
+    if type(w) not in PLAIN_TENSOR_TYPES:
+        check_tensor("w", w)
+    if residual is not None and type(residual) not in PLAIN_TENSOR_TYPES:
+        check_tensor("residual", residual)
+
+
+def check_activation(x, *, torch_math: bool = False, name: str = "x") -> None:
+    """x (named ``name``): bf16/fp16/fp32 (FP64 with ``torch_math``), at least 1-D, 1 <= H <= 262144.
+    The device is checked later, so the argument errors can be exercised without a GPU."""
+    check_tensor(name, x, dtypes=_ALL_DTYPES if torch_math else DTYPE_BY_TORCH)
     if x.dim() < 1:
-        raise ArgumentError(f"x must have at least 1 dim [..., H], got shape {tuple(x.shape)}")
+        raise ArgumentError(f"{name} must have at least 1 dim [..., H], got shape {tuple(x.shape)}")
     hidden = x.shape[-1]
     if not 1 <= hidden <= MAX_HIDDEN:
-        raise ArgumentError(f"x's hidden size (last dim) must be in [1, {MAX_HIDDEN}], got {hidden}")
+        raise ArgumentError(f"{name}'s hidden size (last dim) must be in [1, {MAX_HIDDEN}], got {hidden}")
 
 
-def check_weight(w, x, name: str = "w") -> None:
-    """The weight (named ``name``): ``[H]`` in x's dtype or fp32, on x's device."""
-    check_tensor(name, w, dtypes=(x.dtype, torch.float32), device=x.device)
+def check_weight(w, x, name: str = "w", *, any_dtype: bool = False) -> None:
+    """The weight (named ``name``): ``[H]`` in x's dtype or fp32 (``any_dtype``: any floating dtype the
+    math takes, as a module's casts do), on x's device."""
+    check_tensor(name, w, dtypes=_ALL_DTYPES if any_dtype else (x.dtype, torch.float32), device=x.device)
     if w.dim() != 1 or w.shape[0] != x.shape[-1]:
         raise ArgumentError(
             f"{name} must have shape ({x.shape[-1]},) to match x's last dim, got {tuple(w.shape)}"

@@ -10,10 +10,10 @@ import torch
 
 from cake_cute import launch
 from cake_cute.kernels.config import finish_cells_bytes, finish_team, overridden, reduce_config
-from cake_cute.operands import Operands
 from cake_cute.runtime import cache as compile_cache
 from cake_cute.runtime import launch_plan
 from cake_cute.runtime.device import DeviceFacts
+from cake_cute.runtime.operands import Operands
 from cake_cute.runtime.specs import GatedSpec, KernelSpec, ReduceSpec
 from cake_cute.runtime.views import barrier_counter
 from cake_cute.tools import cubin

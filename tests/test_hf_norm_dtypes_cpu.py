@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from cake_cute import CakeRMSNorm, swap_rmsnorm
-from cake_cute.module import ROUND_THEN_SCALE, T5
+from cake_cute.casts import ROUND_THEN_SCALE, T5
 from cake_cute.reference import rel_error, tolerance
 
 transformers = pytest.importorskip("transformers")

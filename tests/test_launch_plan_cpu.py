@@ -19,10 +19,10 @@ from cake_cute.kernels.config import (
 )
 from cake_cute.kernels.tiling import backward_tiling, forward_tiling
 from cake_cute.launch import backward_launch_plan
-from cake_cute.operands import Operands
 from cake_cute.runtime import launch_plan
 from cake_cute.runtime.build import config_for
 from cake_cute.runtime.device import DeviceFacts
+from cake_cute.runtime.operands import Operands
 from cake_cute.runtime.specs import KernelSpec
 
 H200 = DeviceFacts(0, "stand-in H200", (9, 0), "sm_90a", 132)

@@ -23,6 +23,7 @@ from cake_cute import (
     CakeRMSNormFunction,
     autograd,
     cake_rmsnorm,
+    casts,
     cpu,
     dispatch,
     library_ops,
@@ -64,9 +65,13 @@ def kernels(monkeypatch):
 
     monkeypatch.setattr(cpu, "forward", counted("op.fwd", _CPU_FORWARD))
     monkeypatch.setattr(cpu, "backward", counted("op.bwd", _CPU_BACKWARD))
-    monkeypatch.setattr(
-        autograd, "route", lambda x, w, residual=None: OP if torch.compiler.is_compiling() else PYTHON
-    )
+
+    def python_route(x, w):
+        return OP if torch.compiler.is_compiling() else PYTHON
+
+    monkeypatch.setattr(autograd, "route", python_route)
+    monkeypatch.setattr(casts, "route", python_route)
+    monkeypatch.setattr(autograd, "operands_of", lambda x, w: None)  # no device facts on the CPU
     monkeypatch.setattr(
         autograd, "norm_call", lambda *a, **k: cake_cute.calls.norm_call(*a, **{**k, "on_gpu": False})
     )

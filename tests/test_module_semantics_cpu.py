@@ -25,8 +25,7 @@ try:  # newer transformers releases only
 except ImportError:
     DoryL2Norm = None
 
-from cake_cute import CakeRMSNorm, forward_names, swap_rmsnorm
-from cake_cute import module as cake_module
+from cake_cute import CakeRMSNorm, casts, forward_names, swap_rmsnorm
 
 H = 64
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -191,7 +190,7 @@ def test_cpu_autocast_gives_torch_rmsnorm_dtype_and_bits(x_dtype, w_dtype):
 def test_cuda_autocast_policy_computes_in_fp32(monkeypatch, residual, w_dtype):
     """torch's CUDA autocast lists rms_norm among its FP32 ops: inputs and weight cast to FP32, an FP32
     output. The same policy on CPU tensors (CUDA's autocast state patched in)."""
-    monkeypatch.setattr(cake_module, "_cuda_autocast", lambda x: True)
+    monkeypatch.setattr(casts, "_cuda_autocast", lambda x: True)
     ref, cake = _pair(w_dtype)
     x, r = torch.randn(2, 3, H).bfloat16(), torch.randn(2, 3, H).bfloat16()
     out = cake(x, residual=r) if residual else cake(x)

@@ -241,6 +241,7 @@ def cake_gated_rmsnorm(
     TypeError, ValueError
         A bad argument, named, before anything runs.
     """
+    v.check_tensor_kinds(x, w)
     if route(x, w) is MATH:
         return gated_rmsnorm_math(
             gated_call(x, z, w, eps, group_size, norm_before_gate, weight_offset, activation, torch_math=True)

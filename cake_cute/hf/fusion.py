@@ -27,8 +27,9 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import validation as v
+from ..casts import TORCH_MATH
 from ..forward_names import INPUT_NAME, with_input_named
-from ..module import TORCH_MATH, CakeRMSNorm
+from ..module import CakeRMSNorm
 from ..routing import DTensor
 from ..vocab import DTYPE_BY_TORCH
 from .plans import _layer_plan, _LayerPlan

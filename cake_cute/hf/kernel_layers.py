@@ -14,9 +14,10 @@ import torch
 from torch import nn
 
 from .. import validation as v
+from ..calls import module_call
+from ..casts import rmsnorm_with_casts
 from ..gated.module import GatedForm, gated_rmsnorm_with_casts
 from ..gated.swap import GatedNormNotServed, hf_gated_form
-from ..module import rmsnorm_with_casts
 from .norm_reading import hf_weight
 from .swap import hf_rmsnorm_reading
 
@@ -29,8 +30,9 @@ DEVICES = ("cuda", "cpu")
 
 def _rmsnorm(module: nn.Module, hidden_states: torch.Tensor, name: str = "hidden_states") -> torch.Tensor:
     """What ``swap_rmsnorm``'s ``CakeRMSNorm`` computes in place of ``module``."""
-    v.check_tensor(name, hidden_states)
-    return rmsnorm_with_casts(hidden_states, hf_weight(module), hf_rmsnorm_reading(module))
+    form = hf_rmsnorm_reading(module)
+    call = module_call(hidden_states, hf_weight(module), None, *form.settings, name)
+    return rmsnorm_with_casts(call, form)
 
 
 def gated_form(module: nn.Module) -> GatedForm:

@@ -19,16 +19,8 @@ import torch
 from torch import nn
 
 from .. import validation as v
-from ..module import (
-    ROUND_THEN_SCALE,
-    SCALE_THEN_ROUND,
-    T5,
-    TORCH,
-    TORCH_MATH,
-    CakeRMSNorm,
-    NormForm,
-    check_compiled_as,
-)
+from ..casts import ROUND_THEN_SCALE, SCALE_THEN_ROUND, T5, TORCH, TORCH_MATH, NormForm
+from ..module import CakeRMSNorm, check_compiled_as
 from .norm_reading import SQUARES as _SQUARES
 from .norm_reading import NormNotServed
 from .norm_reading import averages_squares as _averages_squares
@@ -106,7 +98,7 @@ def hf_rmsnorm_reading(module: nn.Module) -> NormForm:
             "float variance_epsilon or eps, no submodules, and one 1-D weight or no parameter)"
         )
     cast_policy, weight_offset = _route_reading(cls, _hf_weight(module) is not None, _is_grouped(module))
-    return NormForm(_hf_eps(module), weight_offset, cast_policy)
+    return NormForm(v.check_eps(_hf_eps(module)), weight_offset, cast_policy)
 
 
 @torch.compiler.assume_constant_result

@@ -21,9 +21,10 @@ from torchtitan.config import derive, override
 from torchtitan.models.qwen3_5.model import OffsetRMSNorm, RMSNormGated
 from torchtitan.protocols.module import Module
 
+from ..casts import SCALE_THEN_ROUND
 from ..gated.module import SCALE_THEN_ROUND as GATED_SCALE_THEN_ROUND
 from ..gated.module import CakeGatedRMSNorm
-from ..module import SCALE_THEN_ROUND, CakeRMSNorm
+from ..module import CakeRMSNorm
 from ..validation import check_memory_efficient
 
 __all__ = ["TorchtitanCakeOffsetRMSNorm", "TorchtitanCakeRMSNormGated"]

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .runtime import device as dev
-from .runtime.specs import KernelSpec
-from .vocab import dtype_name
+from ..vocab import dtype_name
+from . import device as dev
+from .specs import KernelSpec
 
 
 @dataclass(frozen=True, eq=False)  # one instance per validated signature: identity hashing is cheap
@@ -47,13 +47,13 @@ def known_operands(x, w) -> Operands | None:
 
 def operands(x, w) -> Operands:
     """After the argument checks: the device check, and the result remembered (CUDA devices only)."""
-    device = x.device
+    key, device = _operands_key(x, w), x.device
     arch = dev.device_arch(device)
     found = Operands(
         device, x.shape[-1], arch, dtype_name(x.dtype), dtype_name(w.dtype), dev.device_facts(device)
     )
     if device.type == "cuda":
-        _known_operands[_operands_key(x, w)] = found
+        _known_operands[key] = found
     return found
 
 
