@@ -20,8 +20,9 @@ torch's ``fwd`` and autograd ``bwd`` rows. ``cake_cute_mxfp8`` is the forward st
 the same through its custom op, whose C++ kernels serve registered signatures.
 
 The implementations are the adapters of ``cake_cute.tools.bench.peers`` (the ones the sweep
-measures), plus ``cake_cute_apply``: ``CakeRMSNormFunction.apply(x, w, eps, residual, deterministic)``,
-the entry FlashInfer's users call, which follows the same routing rule as ``cake_cute``
+measures), plus ``cake_cute_module``: the ``CakeRMSNorm`` module's call; ``cake_cute_apply``:
+``CakeRMSNormFunction.apply(x, w, eps, residual, deterministic)``, the entry FlashInfer's users call,
+which follows the same routing rule as ``cake_cute``
 (``cake_rmsnorm``: the native path, ``cake_cute.runtime.native``, once the first call has registered the
 signature), and ``cake_cute_python``: the same calls forced onto the Python path (the engine's
 ``Function.apply`` of ``CakeRMSNormFunction``, below the routing). ``mode = compile`` wraps each
@@ -59,6 +60,7 @@ EPS = 1e-6
 IMPLS = (
     "cake_cute",
     "cake_cute_apply",
+    "cake_cute_module",
     "cake_cute_functional",
     "cake_cute_python",
     "cake_cute_mxfp8",
@@ -82,6 +84,25 @@ class CakeApply:
 
     def forward(self, x, w, residual):
         out = self._apply(x, w, self._eps, residual, True)
+        return out if isinstance(out, tuple) else (out,)
+
+
+class CakeModule:
+    """``CakeRMSNorm.forward(x, residual=r)``, the module's call, holding the step's w as its weight."""
+
+    def __init__(self, torch, eps):
+        from cake_cute import CakeRMSNorm
+
+        self._norm_class, self._eps, self._norms = CakeRMSNorm, eps, {}
+
+    def forward(self, x, w, residual):
+        norm = self._norms.get(id(w))
+        if norm is None:
+            norm = self._norm_class(w.shape[0], self._eps, device=w.device, dtype=w.dtype)
+            self._norms[id(w)] = norm
+            del norm.weight  # the step's own w, so its gradient is the one asked for
+            norm.weight = w
+        out = norm(x, residual=residual)
         return out if isinstance(out, tuple) else (out,)
 
 
@@ -157,6 +178,7 @@ def factories() -> dict:
     return {
         **peers.FACTORIES,
         "cake_cute_apply": CakeApply,
+        "cake_cute_module": CakeModule,
         "cake_cute_python": CakePythonPath,
         "cake_cute_functional": CakeFunctional,
         "cake_cute_mxfp8": CakeMxfp8,

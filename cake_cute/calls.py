@@ -96,9 +96,10 @@ def module_call(
     """Check a norm module's tensors (x named ``x_name``, FP64 included; a weight of any floating dtype,
     or None for a unit scale; residual like x). The module's settings are trusted: they were checked
     when they were set."""
-    check_activation(x, torch_math=True, name=x_name)
-    if w is not None:
-        check_weight(w, x, any_dtype=True)
+    if w is None or known_operands(x, w) is None:  # a pair the kernels' checks passed passes these
+        check_activation(x, torch_math=True, name=x_name)
+        if w is not None:
+            check_weight(w, x, any_dtype=True)
     if residual is not None:
         check_like("residual", residual, x)
     return NormCall(x, w, eps, residual, weight_offset, None, memory_efficient=memory_efficient)
