@@ -85,9 +85,12 @@ class CakeRMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, eps, residual=None, deterministic=True, weight_offset=0.0, memory_efficient=False):
         """The Python path; while dynamo traces this Function the custom op stands for the kernels."""
-        direct = not torch.compiler.is_compiling()
-        call = norm_call(x, w, eps, residual, weight_offset, on_gpu=direct, memory_efficient=memory_efficient)
-        return _forward(ctx, call, direct)
+        mode = memory_efficient
+        if not torch.compiler.is_compiling():
+            return _launch(ctx, norm_call(x, w, eps, residual, weight_offset, memory_efficient=mode))
+        call = norm_call(x, w, eps, residual, weight_offset, on_gpu=False, memory_efficient=mode)
+        y, rstd, h_new = torch.ops.cake_cute.rmsnorm_fwd(*call.math_arguments)
+        return _saved(ctx, call, y, rstd, None if residual is None else h_new, direct=False)
 
     @staticmethod
     def backward(ctx, g, *g_h_new):
@@ -101,7 +104,7 @@ class CheckedRMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, residual, call):
-        return _forward(ctx, call, direct=True)
+        return _launch(ctx, call)
 
     @staticmethod
     def backward(ctx, g, *g_h_new):
@@ -109,21 +112,21 @@ class CheckedRMSNormFunction(torch.autograd.Function):
         return dx, dw, d_residual, None
 
 
-def _forward(ctx, call: NormCall, direct: bool):
-    """Both Functions' forward: launch (``direct``) or the custom op, and save what the backward needs."""
-    x, w, residual = call.x, call.w, call.residual
-    if direct:
-        y, rstd, *h_new = dispatch.python_forward(call)
-        h_new = h_new[0] if h_new else None
-    else:
-        y, rstd, h_new = torch.ops.cake_cute.rmsnorm_fwd(x, w, call.eps, residual, call.weight_offset)
-        h_new = None if residual is None else h_new
+def _launch(ctx, call: NormCall):
+    """Both Functions' eager forward: the kernels launched from Python, and what the backward needs saved."""
+    y, rstd, *h_new = dispatch.python_forward(call)
+    return _saved(ctx, call, y, rstd, h_new[0] if h_new else None, direct=True)
+
+
+def _saved(ctx, call: NormCall, y, rstd, h_new, direct: bool):
+    """Save what the backward needs (``direct``: the kernels ran here, so the backward launches them
+    too); returns y or ``(y, h_new)``."""
     saved_y = y if call.memory_efficient else None
     eps, offset = call.eps, call.weight_offset
-    save_for_backward(ctx, x, w, residual, rstd, h_new, eps, offset, direct=direct, y=saved_y)
+    save_for_backward(ctx, call.x, call.w, call.residual, rstd, h_new, eps, offset, direct=direct, y=saved_y)
     # Unused outputs get None rather than a materialized zero tensor of size [T, H].
     ctx.set_materialize_grads(False)
-    return y if residual is None else (y, h_new)
+    return y if call.residual is None else (y, h_new)
 
 
 _function_apply = torch.autograd.Function.apply.__func__  # the engine's apply, below the routing
