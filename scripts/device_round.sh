@@ -8,6 +8,11 @@
 # Sections (the answered experiments' sections are in the git history):
 #   suite        the GPU test suite (pytest -m gpu: three workers, then the scale tests alone) and
 #                `cake-cute check`
+#   suitewide    the GPU test suite but the scale tests, eight workers, with the kernel route's wheels of
+#                .device/hfk/ (benchmarks/hf_kernels_kit.sh) first on PYTHONPATH, so every GPU test runs
+#   hostcompare  benchmarks/hostbound.py (eager: torch, cake_rmsnorm, the CakeRMSNorm module) of an earlier
+#                commit's tree in .device/old/ and of this tree, taking turns three times; the earlier tree
+#                runs this tree's benchmarks/hostbound.py (copy it there), each tree with its own caches
 #   sanitizer    compute-sanitizer memcheck / racecheck / synccheck over tests/sanitizer/cases.py
 #   sanitizershort  the same over its short-row cases only (H = 1..256, dW folded per CTA)
 #   dwfinish     the dW finish: tests/test_gpu_dw_finish.py (dW bitwise the fixed order of the partial rows,
@@ -91,6 +96,27 @@ section_suite() {
     -n 3 --dist loadfile --ignore tests/test_gpu_scale.py
   bounded 150 "$d/gpu_scale_tests.log" python3 -m pytest -q -rs -m gpu tests/test_gpu_scale.py -p no:cacheprovider
   bounded 100 "$d/check.log" cake-cute check
+}
+
+section_suitewide() {
+  local d=$RES/suite && mkdir -p "$d"
+  { cake-cute info; nvidia-smi; } > "$d/env.txt" 2>&1
+  hf_kernels_kit
+  bounded 560 "$d/gpu_tests.log" env PYTHONPATH="/tmp/hfk${PYTHONPATH:+:$PYTHONPATH}" python3 -m pytest -q -rs -m gpu \
+    tests -p no:cacheprovider -n 8 --dist loadfile --ignore tests/test_gpu_scale.py
+}
+
+section_hostcompare() {
+  local d=$RES/hostcompare && mkdir -p "$d"
+  local run tree dir
+  for run in 1 2 3; do
+    for tree in old new; do
+      dir=$PWD && [[ $tree == old ]] && dir=$PWD/.device/old
+      (cd "$dir" && bounded 150 "$d/$tree-run$run.log" env CAKE_CUTE_CACHE_DIR=/tmp/cache-$tree \
+        TORCH_EXTENSIONS_DIR=/tmp/ext-$tree python3 benchmarks/hostbound.py "$d/$tree-run$run.json" \
+        --modes eager --impls torch,cake_cute,cake_cute_module --reps 60)
+    done
+  done
 }
 
 section_sanitizershort() {
