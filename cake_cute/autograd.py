@@ -147,8 +147,10 @@ def _norm(cls, x, w, eps, residual, *, deterministic, weight_offset, memory_effi
         if cls is not CakeRMSNormFunction:  # a subclass keeps its own forward, which checks its arguments
             return _function_apply(cls, x, w, eps, residual, deterministic, weight_offset, memory_efficient)
         path = PYTHON
-    math, mode = path is MATH, memory_efficient
-    call = norm_call(x, w, eps, residual, weight_offset, on_gpu=False, torch_math=math, memory_efficient=mode)
+    mode = memory_efficient
+    call = norm_call(
+        x, w, eps, residual, weight_offset, on_gpu=False, torch_math=path is MATH, memory_efficient=mode
+    )
     return run(call, path)
 
 

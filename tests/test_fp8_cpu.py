@@ -323,6 +323,18 @@ def test_op_keeps_the_leading_dims_and_passes_opcheck(recipe, residual):
     torch.library.opcheck(torch.ops.cake_cute.rmsnorm_fp8_fwd.default, args, test_utils=checks)
 
 
+def test_torch_compile_with_dynamic_shapes_matches_eager():
+    """dynamic=True traces eps as a symbol: the entry leaves its value to the op's fake kernel."""
+
+    def forward(x, w):
+        return cake_rmsnorm_fp8(x, w, 1e-6, recipe="mxfp8").data
+
+    compiled = torch.compile(forward, fullgraph=True, dynamic=True, backend="aot_eager")
+    for rows in (4, 7):
+        x, w, _ = _inputs(rows=rows, hidden=160, residual=False)
+        assert torch.equal(compiled(x, w).view(torch.uint8), forward(x, w).view(torch.uint8))
+
+
 @pytest.mark.parametrize(
     "recipe, layout, backend",
     [("mxfp8", "compact", "aot_eager"), ("1x128", "compact", "aot_eager"), ("1x128", "deepgemm", "inductor")],

@@ -147,6 +147,17 @@ def test_compiled_fullgraph_is_bitwise_eager(form, activation):
         assert torch.equal(got, want)
 
 
+def test_compiled_with_dynamic_shapes_is_one_graph():
+    """dynamic=True traces the floats as symbols too: the entry's checks leave them to the op's fake
+    kernel, so one fullgraph trace serves every row count, bitwise eager."""
+    torch._dynamo.reset()
+    compiled = torch.compile(cake_gated_rmsnorm, fullgraph=True, dynamic=True, backend="aot_eager")
+    for rows in (5, 9):
+        x, z, w, g = _inputs(shape=(rows, 3, HIDDEN))
+        for got, want in zip(_run(compiled, x, z, w, g), _run(cake_gated_rmsnorm, x, z, w, g)):
+            assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 def test_deterministic(activation):
     x, z, w, g = _inputs(shape=(64, 8, HIDDEN), dtype=torch.bfloat16)

@@ -22,8 +22,7 @@ from functorch.compile import make_boxed_func
 from torch import nn
 from torch._functorch.aot_autograd import aot_module_simplified
 
-from cake_cute import CakeRMSNorm, fuse_residual_rmsnorm, swap_rmsnorm
-from cake_cute import module as cake_module
+from cake_cute import CakeRMSNorm, casts, fuse_residual_rmsnorm, swap_rmsnorm
 from cake_cute.forward_names import INPUT_NAME
 
 from ._hf_helpers import NormCalls
@@ -181,7 +180,7 @@ def test_cpu_autocast_output_dtypes_are_the_kernels(case):
 def test_cuda_autocast_policy_gives_the_kernels_fp32_output(monkeypatch, residual):
     """torch.nn.RMSNorm's policy where CUDA autocast lists rms_norm (FP32 inputs, an FP32 output), on
     CPU tensors with CUDA's autocast state patched in: the math path takes the same casts."""
-    monkeypatch.setattr(cake_module, "_cuda_autocast", lambda x: True)
+    monkeypatch.setattr(casts, "_cuda_autocast", lambda x: True)
     norm = _marked_norm("torch_eps_none", torch.float32)
     x, r = _head_input(torch.bfloat16), _head_input(torch.bfloat16, seed=2)
     want = _forward_backward(norm, x, r if residual else None)

@@ -13,6 +13,7 @@ import warnings
 import pytest
 import torch
 import torch._dynamo
+import torch._dynamo.testing
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -681,6 +682,22 @@ def test_compile_fullgraph_uses_the_ops_and_matches_eager(kernels, entry, residu
     assert (
         kernels["eager.fwd"] == eager_calls["eager.fwd"] and kernels["eager.bwd"] == eager_calls["eager.bwd"]
     )
+
+
+@pytest.mark.parametrize(
+    "entry", [_via_function, _via_autograd_function], ids=["cake_rmsnorm", "Function.apply"]
+)
+def test_compile_dynamic_rows_traces_once_in_one_graph(entry):
+    """With dynamic shapes (eps a symbolic float too) one fullgraph trace serves every T, equal to eager."""
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(entry, backend=counter, fullgraph=True, dynamic=True)
+    frames = []
+    for rows in (64, 200, 3):
+        x, w, _, g_y, _ = _problem(False, shape=(rows, 96))  # no row count equals H (duck sizing)
+        expected = _forward_backward(entry, (x, w, None), (g_y,))
+        _assert_bitwise(_forward_backward(compiled, (x, w, None), (g_y,)), expected)
+        frames.append(counter.frame_count)
+    assert frames[0] >= 1 and frames[-1] == frames[0], f"recompiled for a new row count: {frames}"
 
 
 @pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
