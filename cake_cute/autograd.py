@@ -148,6 +148,8 @@ def _norm(cls, x, w, eps, residual, *, deterministic, weight_offset, memory_effi
             return _function_apply(cls, x, w, eps, residual, deterministic, weight_offset, memory_efficient)
         path = PYTHON
     mode = memory_efficient
+    if path is OP and torch.compiler.is_compiling():  # traced: the op's fake kernel checks the arguments
+        return run(NormCall(x, w, eps, residual, weight_offset, None, None, None, None, mode), path)
     call = norm_call(
         x, w, eps, residual, weight_offset, on_gpu=False, torch_math=path is MATH, memory_efficient=mode
     )
@@ -173,7 +175,7 @@ def run(call: NormCall, path: str):
     if path is OP:
         return cake_rmsnorm_traceable(call)
     if path is NATIVE and not call.memory_efficient:
-        out = dispatch.native_rmsnorm(*call.math_arguments)
+        out = dispatch.native_rmsnorm(call.x, call.w, call.eps, call.residual, call.weight_offset)
         if out is not None:
             return out
     call = call._replace(operands=operands_of(call.x, call.w))  # the device checked, its facts read

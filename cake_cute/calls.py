@@ -16,6 +16,7 @@ import torch
 
 from .runtime.operands import Operands, known_operands, operands, operands_of
 from .validation import (
+    PLAIN_TENSOR_TYPES,
     check_activation,
     check_backward_outputs,
     check_bool,
@@ -90,19 +91,27 @@ def norm_call(
     return NormCall(x, w, eps, residual, weight_offset, known, out, rstd, residual_out, memory_efficient)
 
 
-def module_call(
-    x, w, residual, eps: float, weight_offset: float, memory_efficient: bool, x_name: str = "x"
-) -> NormCall:
+def module_call(x, w, residual, form, x_name: str = "x") -> NormCall:
     """Check a norm module's tensors (x named ``x_name``, FP64 included; a weight of any floating dtype,
-    or None for a unit scale; residual like x). The module's settings are trusted: they were checked
-    when they were set."""
+    or None for a unit scale; residual like x). The module's settings (``form``: its eps, weight_offset
+    and memory_efficient) are trusted: they were checked when they were set."""
     if w is None or known_operands(x, w) is None:  # a pair the kernels' checks passed passes these
         check_activation(x, torch_math=True, name=x_name)
         if w is not None:
             check_weight(w, x, any_dtype=True)
-    if residual is not None:
+    if residual is not None and not _same_plain_layout(residual, x):
         check_like("residual", residual, x)
-    return NormCall(x, w, eps, residual, weight_offset, None, memory_efficient=memory_efficient)
+    return NormCall(
+        x, w, form.eps, residual, form.weight_offset, None, None, None, None, form.memory_efficient
+    )
+
+
+def _same_plain_layout(t, x) -> bool:
+    """t is a plain tensor of x's shape, dtype and device (what ``check_like`` tests, without building
+    its message)."""
+    return (
+        type(t) in PLAIN_TENSOR_TYPES and t.shape == x.shape and t.dtype == x.dtype and t.device == x.device
+    )
 
 
 class BackwardCall(NamedTuple):

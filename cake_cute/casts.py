@@ -48,11 +48,6 @@ class NormForm(NamedTuple):
     compiled_as: str = KERNEL
     memory_efficient: bool = False
 
-    @property
-    def settings(self) -> tuple:
-        """``(eps, weight_offset, memory_efficient)``: what a call on this form carries."""
-        return self.eps, self.weight_offset, self.memory_efficient
-
 
 class CastPlan(NamedTuple):
     """One policy's steps for a checked call: the kernel call, then torch's rounding and scale."""
@@ -80,24 +75,33 @@ def rmsnorm_with_casts(call: NormCall, form: NormForm):
             x=call.x.unsqueeze(0), residual=None if residual is None else residual.unsqueeze(0)
         )
     plan = _cast_plan(call, form)
-    y, kernel = plan.done, plan.kernel
-    if kernel is not None:
-        # The kernel or, traced as torch math, its PyTorch math: either runs under the same casts, so
-        # the output dtypes and roundings are the same.
-        as_math = form.compiled_as == TORCH_MATH and torch.compiler.is_compiling()
-        y = run(kernel, MATH if as_math else route(kernel.x, kernel.w))
-    if plan.round_to is not None:
-        y = y.to(plan.round_to)
-    if plan.scale is not None:
-        y = plan.scale * y
-    out = y if plan.h is None else (y, plan.h)
+    # The kernel or, traced as torch math, its PyTorch math: either runs under the same casts, so the
+    # output dtypes and roundings are the same.
+    as_math = form.compiled_as == TORCH_MATH and torch.compiler.is_compiling()
+    if type(plan) is NormCall:  # the kernels' own math, nothing around it
+        out = run(plan, MATH if as_math else route(plan.x, plan.w))
+    else:
+        out = _with_module_roundings(plan, as_math)
     if not one_row:
         return out
     return out.squeeze(0) if isinstance(out, torch.Tensor) else tuple(t.squeeze(0) for t in out)
 
 
-def _cast_plan(call: NormCall, form: NormForm) -> CastPlan:
-    """How the module ``form.cast_policy`` names computes ``call``, as a ``CastPlan``."""
+def _with_module_roundings(plan: CastPlan, as_math: bool):
+    """A ``CastPlan`` carried out: its kernel call, then the module's rounding and scale in torch."""
+    y, kernel = plan.done, plan.kernel
+    if kernel is not None:
+        y = run(kernel, MATH if as_math else route(kernel.x, kernel.w))
+    if plan.round_to is not None:
+        y = y.to(plan.round_to)
+    if plan.scale is not None:
+        y = plan.scale * y
+    return y if plan.h is None else (y, plan.h)
+
+
+def _cast_plan(call: NormCall, form: NormForm) -> NormCall | CastPlan:
+    """How the module ``form.cast_policy`` names computes ``call``: the kernel call alone where the
+    module's roundings are the kernels', else a ``CastPlan``."""
     x, residual = call.x, call.residual
     w = x.new_ones(x.shape[-1]) if call.w is None else call.w
     if x.dtype == torch.float64 and form.cast_policy != TORCH:
@@ -107,7 +111,8 @@ def _cast_plan(call: NormCall, form: NormForm) -> CastPlan:
         # The kernels' own math: the scale, then one rounding to x's dtype (where the replaced module
         # rounds before and after a bf16/fp16 scale, the last bit may differ). A weight in neither
         # x's dtype nor FP32 joins the FP32 compute exactly.
-        return CastPlan(call._replace(w=kernel_weight(w, x)))
+        kernel_w = kernel_weight(w, x)
+        return call if kernel_w is call.w else call._replace(w=kernel_w)
     # The replaced module rounds the normalized values to `rounding`, then scales in torch's
     # promoted dtype: torch's add, then the kernel, then (below FP32) torch's multiply. In the
     # memory-efficient mode the kernel saves its own output: in the FP32 branch that is the

@@ -120,6 +120,7 @@ class CakeRMSNorm(nn.Module):
         self.cast_policy = cast_policy
         self.compiled_as = compiled_as
         self.memory_efficient = memory_efficient
+        self._form = self._settings_form()
         weight = None if hidden is None else torch.empty(self.normalized_shape, device=device, dtype=dtype)
         if self.elementwise_affine:
             self.weight = nn.Parameter(weight)
@@ -133,9 +134,23 @@ class CakeRMSNorm(nn.Module):
             prepare()  # the native host path is built at construction, before any step, never in one
 
     def __setattr__(self, name: str, value) -> None:
-        # The settings are checked when they are set, here or later by a user, so a call trusts them.
+        # The settings are checked when they are set, here or later by a user, and their form made
+        # once, so a call trusts them and reads one value.
         check = _SETTING_CHECKS.get(name)
-        super().__setattr__(name, value if check is None else check(value))
+        if check is None:
+            super().__setattr__(name, value)
+            return
+        super().__setattr__(name, check(value))
+        if "_form" in self.__dict__:
+            self._form = self._settings_form()
+
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)
+        self._form = self._settings_form()  # an instance pickled before a setting existed
+
+    def _settings_form(self) -> NormForm:
+        eps = _DEFAULT_EPS if self.eps is None else self.eps
+        return NormForm(eps, self.weight_offset, self.cast_policy, self.compiled_as, self.memory_efficient)
 
     def reset_parameters(self) -> None:
         """weight = 1 - weight_offset, so the scale starts at 1 (ones by default, zeros for Gemma)."""
@@ -163,11 +178,9 @@ class CakeRMSNorm(nn.Module):
         TypeError
             input or residual is not a tensor; the errors of ``calls.module_call``.
         """
-        eps = _DEFAULT_EPS if self.eps is None else self.eps
-        form = NormForm(eps, self.weight_offset, self.cast_policy, self.compiled_as, self.memory_efficient)
+        form = self._form
         # The tensors checked once, into the value the casts and everything below them trust.
-        call = module_call(input, self.weight, residual, *form.settings, INPUT_NAME)
-        return rmsnorm_with_casts(call, form)
+        return rmsnorm_with_casts(module_call(input, self.weight, residual, form, INPUT_NAME), form)
 
     forward = with_input_named(forward, INPUT_NAME)
 

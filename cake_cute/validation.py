@@ -85,15 +85,15 @@ def check_weight(w, x, name: str = "w", *, any_dtype: bool = False) -> None:
 
 
 def _check_real(name: str, value, rule: str = "a finite number", ok=math.isfinite) -> float:
+    if torch.compiler.is_compiling():
+        # While dynamo traces, a float may be a symbol (dynamic=True) that cannot be tested without
+        # breaking the graph: the op's fake kernel tests the value the graph runs with.
+        return value
     # A plain float skips the numbers.Real ABC check, which is slow on the hot path.
     if type(value) is not float:
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise TypeError(f"{name} must be a float, got {type(value).__name__}")
         value = float(value)
-    if torch.compiler.is_compiling():
-        # While dynamo traces, a float may be a symbol (dynamic=True) that cannot be tested without
-        # breaking the graph: the op's fake kernel tests the value the graph runs with.
-        return value
     if not ok(value):
         raise ValueError(f"{name} must be {rule}, got {value}")
     return value

@@ -31,7 +31,7 @@ DEVICES = ("cuda", "cpu")
 def _rmsnorm(module: nn.Module, hidden_states: torch.Tensor, name: str = "hidden_states") -> torch.Tensor:
     """What ``swap_rmsnorm``'s ``CakeRMSNorm`` computes in place of ``module``."""
     form = hf_rmsnorm_reading(module)
-    call = module_call(hidden_states, hf_weight(module), None, *form.settings, name)
+    call = module_call(hidden_states, hf_weight(module), None, form, name)
     return rmsnorm_with_casts(call, form)
 
 
