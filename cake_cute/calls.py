@@ -99,18 +99,15 @@ def module_call(x, w, residual, form, x_name: str = "x") -> NormCall:
         check_activation(x, torch_math=True, name=x_name)
         if w is not None:
             check_weight(w, x, any_dtype=True)
-    if residual is not None and not _same_plain_layout(residual, x):
+    if residual is not None and not (  # a plain tensor of x's layout skips building check_like's message
+        type(residual) in PLAIN_TENSOR_TYPES
+        and residual.shape == x.shape
+        and residual.dtype == x.dtype
+        and residual.device == x.device
+    ):
         check_like("residual", residual, x)
     return NormCall(
         x, w, form.eps, residual, form.weight_offset, None, None, None, None, form.memory_efficient
-    )
-
-
-def _same_plain_layout(t, x) -> bool:
-    """t is a plain tensor of x's shape, dtype and device (what ``check_like`` tests, without building
-    its message)."""
-    return (
-        type(t) in PLAIN_TENSOR_TYPES and t.shape == x.shape and t.dtype == x.dtype and t.device == x.device
     )
 
 

@@ -49,14 +49,13 @@ class NormForm(NamedTuple):
     memory_efficient: bool = False
 
 
-class CastPlan(NamedTuple):
-    """One policy's steps for a checked call: the kernel call, then torch's rounding and scale."""
+class Roundings(NamedTuple):
+    """What a module does around its kernel call, in torch operations."""
 
-    kernel: NormCall | None  # None: the policy computes y in torch operations alone (``done``)
     round_to: torch.dtype | None = None  # the kernel's output rounded to this dtype
     scale: torch.Tensor | None = None  # then multiplied by this scale (torch's promoted dtype)
     h: torch.Tensor | None = None  # the residual sum the module returns beside y, where it added it
-    done: torch.Tensor | None = None
+    done: torch.Tensor | None = None  # y computed without a kernel call
 
 
 def rmsnorm_with_casts(call: NormCall, form: NormForm):
@@ -74,34 +73,30 @@ def rmsnorm_with_casts(call: NormCall, form: NormForm):
         call = call._replace(
             x=call.x.unsqueeze(0), residual=None if residual is None else residual.unsqueeze(0)
         )
-    plan = _cast_plan(call, form)
-    # The kernel or, traced as torch math, its PyTorch math: either runs under the same casts, so the
-    # output dtypes and roundings are the same.
-    as_math = form.compiled_as == TORCH_MATH and torch.compiler.is_compiling()
-    if type(plan) is NormCall:  # the kernels' own math, nothing around it
-        out = run(plan, MATH if as_math else route(plan.x, plan.w))
+    kernel, around = _cast_plan(call, form)
+    if kernel is None:
+        out = around.done
     else:
-        out = _with_module_roundings(plan, as_math)
+        # The kernel or, traced as torch math, its PyTorch math: either runs under the same casts, so
+        # the output dtypes and roundings are the same.
+        as_math = form.compiled_as == TORCH_MATH and torch.compiler.is_compiling()
+        path = MATH if as_math else route(kernel.x, kernel.w)
+        out = run(kernel, path)
+    if around is not None:
+        if around.round_to is not None:
+            out = out.to(around.round_to)
+        if around.scale is not None:
+            out = around.scale * out
+        if around.h is not None:
+            out = (out, around.h)
     if not one_row:
         return out
     return out.squeeze(0) if isinstance(out, torch.Tensor) else tuple(t.squeeze(0) for t in out)
 
 
-def _with_module_roundings(plan: CastPlan, as_math: bool):
-    """A ``CastPlan`` carried out: its kernel call, then the module's rounding and scale in torch."""
-    y, kernel = plan.done, plan.kernel
-    if kernel is not None:
-        y = run(kernel, MATH if as_math else route(kernel.x, kernel.w))
-    if plan.round_to is not None:
-        y = y.to(plan.round_to)
-    if plan.scale is not None:
-        y = plan.scale * y
-    return y if plan.h is None else (y, plan.h)
-
-
-def _cast_plan(call: NormCall, form: NormForm) -> NormCall | CastPlan:
-    """How the module ``form.cast_policy`` names computes ``call``: the kernel call alone where the
-    module's roundings are the kernels', else a ``CastPlan``."""
+def _cast_plan(call: NormCall, form: NormForm) -> tuple[NormCall | None, Roundings | None]:
+    """How the module ``form.cast_policy`` names computes ``call``: ``(kernel call, what it does around
+    it)``; nothing around it where the module's roundings are the kernels'."""
     x, residual = call.x, call.residual
     w = x.new_ones(x.shape[-1]) if call.w is None else call.w
     if x.dtype == torch.float64 and form.cast_policy != TORCH:
@@ -112,7 +107,7 @@ def _cast_plan(call: NormCall, form: NormForm) -> NormCall | CastPlan:
         # rounds before and after a bf16/fp16 scale, the last bit may differ). A weight in neither
         # x's dtype nor FP32 joins the FP32 compute exactly.
         kernel_w = kernel_weight(w, x)
-        return call if kernel_w is call.w else call._replace(w=kernel_w)
+        return (call if kernel_w is call.w else call._replace(w=kernel_w)), None
     # The replaced module rounds the normalized values to `rounding`, then scales in torch's
     # promoted dtype: torch's add, then the kernel, then (below FP32) torch's multiply. In the
     # memory-efficient mode the kernel saves its own output: in the FP32 branch that is the
@@ -120,12 +115,13 @@ def _cast_plan(call: NormCall, form: NormForm) -> NormCall | CastPlan:
     h = x if residual is None else x + residual
     if rounding == torch.float32:
         # FP32 normalized values times the scale, rounded to FP32 once: the kernel's FP32 math.
-        return CastPlan(call._replace(x=h.float(), w=w.float(), residual=None), h=_returned(h, residual))
+        kernel = call._replace(x=h.float(), w=w.float(), residual=None)
+        return kernel, Roundings(h=_returned(h, residual))
     source = h if rounding == h.dtype else h.float()
     return _round_then_scale(call, source, rounding, w, h)
 
 
-def _float64_under_hf_casts(call: NormCall, cast_policy: str) -> CastPlan:
+def _float64_under_hf_casts(call: NormCall, cast_policy: str) -> tuple[NormCall | None, Roundings]:
     """FP64 activations under a Hugging Face class's casts, which compute the statistics from an FP32
     cast: FP32 math, as the stock norm's."""
     residual = call.residual
@@ -133,20 +129,20 @@ def _float64_under_hf_casts(call: NormCall, cast_policy: str) -> CastPlan:
     w, source = call.w, h.float()
     if cast_policy == T5:  # the FP32 rstd times the FP64 input, then the weight
         y = w * (h * torch.rsqrt(source.pow(2).mean(-1, keepdim=True) + call.eps))
-        return CastPlan(None, h=_returned(h, residual), done=y)
+        return None, Roundings(h=_returned(h, residual), done=y)
     if cast_policy == SCALE_THEN_ROUND:  # all in FP32, cast back once
         kernel = call._replace(x=source, w=w.float(), residual=None)
-        return CastPlan(kernel, round_to=h.dtype, h=_returned(h, residual))
+        return kernel, Roundings(round_to=h.dtype, h=_returned(h, residual))
     # ROUND_THEN_SCALE: the FP32 normalized values cast back, then the FP64 weight
     return _round_then_scale(call, source, h.dtype, w, h)
 
 
-def _round_then_scale(call: NormCall, source, rounding: torch.dtype, w, h) -> CastPlan:
+def _round_then_scale(call: NormCall, source, rounding: torch.dtype, w, h) -> tuple[NormCall, Roundings]:
     """``source`` normalized with a unit scale, rounded to ``rounding``, then times the module's scale."""
     unit = call._replace(x=source, w=source.new_ones(source.shape[-1]), residual=None, weight_offset=0.0)
     offset = call.weight_offset
     scale = w if offset == 0.0 else w + offset
-    return CastPlan(unit, round_to=rounding, scale=scale, h=_returned(h, call.residual))
+    return unit, Roundings(round_to=rounding, scale=scale, h=_returned(h, call.residual))
 
 
 def _returned(h: torch.Tensor, residual) -> torch.Tensor | None:

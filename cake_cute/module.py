@@ -180,7 +180,8 @@ class CakeRMSNorm(nn.Module):
         """
         form = self._form
         # The tensors checked once, into the value the casts and everything below them trust.
-        return rmsnorm_with_casts(module_call(input, self.weight, residual, form, INPUT_NAME), form)
+        call = module_call(input, self.weight, residual, form, INPUT_NAME)
+        return rmsnorm_with_casts(call, form)
 
     forward = with_input_named(forward, INPUT_NAME)
 
