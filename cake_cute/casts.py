@@ -91,7 +91,10 @@ def rmsnorm_with_casts(call: NormCall, form: NormForm):
             out = (out, around.h)
     if not one_row:
         return out
-    return out.squeeze(0) if isinstance(out, torch.Tensor) else tuple(t.squeeze(0) for t in out)
+    if isinstance(out, torch.Tensor):
+        return out.squeeze(0)
+    y, h = out
+    return y.squeeze(0), h.squeeze(0)
 
 
 def _cast_plan(call: NormCall, form: NormForm) -> tuple[NormCall | None, Roundings | None]:

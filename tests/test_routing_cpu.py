@@ -4,12 +4,14 @@ a named ``TypeError`` before anything runs, and ``CakeRMSNormFunction.apply`` ro
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 import torch._dynamo
 
 import cake_cute
-from cake_cute import autograd, routing
+from cake_cute import CakeRMSNorm, autograd, casts, routing
 from cake_cute.reference import forward_reference
 from cake_cute.runtime import native
 
@@ -113,3 +115,77 @@ def test_apply_under_compile_fullgraph_matches_eager(residual):
     for a, b in zip(got, expected):
         assert torch.equal(a, b)
     torch._dynamo.reset()
+
+
+def _entered(call) -> list[tuple[str, str]]:
+    """(module, function) of every cake_cute function ``call()`` enters, in order."""
+    entered = []
+
+    def profile(frame, event, _arg):
+        module = frame.f_globals.get("__name__", "")
+        if event == "call" and module.startswith("cake_cute."):
+            entered.append((module, frame.f_code.co_name))
+
+    sys.setprofile(profile)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    return entered
+
+
+def _entered_modules(call) -> list[str]:
+    """The cake_cute modules ``call()`` enters, in order; a module is listed again only where a function
+    of it is called after a function of another module was."""
+    modules = []
+    for module, _ in _entered(call):
+        if not modules or modules[-1] != module:
+            modules.append(module)
+    return modules
+
+
+class _StandInNode:
+    """The C++ node's answer for a served call: y, or (y, h_new)."""
+
+    def rmsnorm(self, x, w, eps, residual, weight_offset):
+        return x if residual is None else (x, x + residual)
+
+
+@pytest.fixture
+def native_route(monkeypatch) -> list:
+    """Module calls routed to a stand-in of the C++ node; the list collects each routing decision."""
+    monkeypatch.setattr(native, "extension", _StandInNode())
+    routes = []
+    monkeypatch.setattr(casts, "route", lambda x, w: routes.append(routing.route(x, w)) or routing.NATIVE)
+    return routes
+
+
+@pytest.mark.parametrize("shape", [(3, H), (H,)], ids=["rows", "[H]"])
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+def test_a_module_call_descends_once(native_route, residual, shape):
+    """``CakeRMSNorm.forward`` on the native route: its tensors checked once into the call value, the
+    route decided once, and every module entered once, from the module down to the native node (the
+    C++ node's own recognition of its signatures aside)."""
+    routes = native_route
+    norm = CakeRMSNorm(H, eps=EPS, weight_offset=0.5)
+    x, r = torch.randn(shape), (torch.randn(shape) if residual else None)
+    entered = _entered_modules(lambda: norm(x, residual=r))
+    assert len(routes) == 1
+    assert len(entered) == len(set(entered)), entered
+    order = [f"cake_cute.{name}" for name in ("module", "calls", "casts", "autograd", "dispatch")]
+    assert [m for m in entered if m in order] == order, entered
+
+
+def test_a_module_call_checks_no_setting(native_route):
+    """The settings were checked when they were set: a call checks none of them again, and setting a
+    bad one is refused by name."""
+    norm = CakeRMSNorm(H, eps=EPS, weight_offset=0.5)
+    x, _, r = _tensors(residual=True)
+    functions = {name for _, name in _entered(lambda: norm(x, residual=r))}
+    assert "module_call" in functions
+    assert not functions & {"check_eps", "check_weight_offset", "check_memory_efficient", "check_cast_policy"}
+    with pytest.raises(ValueError, match="eps"):
+        norm.eps = -1.0
+    with pytest.raises(TypeError, match="memory_efficient"):
+        norm.memory_efficient = 1
+    assert norm.eps == EPS and norm.memory_efficient is False
