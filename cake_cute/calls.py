@@ -16,7 +16,6 @@ import torch
 
 from .runtime.operands import Operands, known_operands, operands, operands_of
 from .validation import (
-    PLAIN_TENSOR_TYPES,
     check_activation,
     check_backward_outputs,
     check_bool,
@@ -99,12 +98,7 @@ def module_call(x, w, residual, form, x_name: str = "x") -> NormCall:
         check_activation(x, torch_math=True, name=x_name)
         if w is not None:
             check_weight(w, x, any_dtype=True)
-    if residual is not None and not (  # a plain tensor of x's layout skips building check_like's message
-        type(residual) in PLAIN_TENSOR_TYPES
-        and residual.shape == x.shape
-        and residual.dtype == x.dtype
-        and residual.device == x.device
-    ):
+    if residual is not None:
         check_like("residual", residual, x)
     return NormCall(
         x, w, form.eps, residual, form.weight_offset, None, None, None, None, form.memory_efficient
